@@ -1,0 +1,29 @@
+"""conceptlens: wrap a Hugging Face transformer in one line, stream its activations into
+online concept extractors, and put concepts back in as steering or ablation edits.
+
+    import conceptlens
+    lens = conceptlens.attach(model)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["attach", "Lens", "ConceptSet", "__version__"]
+
+if TYPE_CHECKING:
+    from conceptlens.concepts.conceptset import ConceptSet
+    from conceptlens.lens import Lens, attach
+
+_LAZY = {"attach": "conceptlens.lens", "Lens": "conceptlens.lens",
+         "ConceptSet": "conceptlens.concepts.conceptset"}
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy re-exports: `import conceptlens` stays cheap (no transformers import).
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'conceptlens' has no attribute {name!r}")

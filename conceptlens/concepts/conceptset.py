@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from safetensors import SafetensorsError
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -128,7 +128,7 @@ class ConceptSet:
                              f"this version reads {FORMAT_VERSION}")
         try:
             tensors = load_file(tensor_path)
-        except (SafetensorsError, OSError, ValueError) as err:
+        except (SafetensorError, OSError, ValueError) as err:
             raise ValueError(f"{tensor_path} is not a readable safetensors file: {err}") from None
         directions = tensors.get("directions")
         expected = (config["n_concepts"], config["hidden_size"])

@@ -1,0 +1,49 @@
+"""Site: a named place in a model where an activation can be read or edited."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from torch import nn
+
+Point = Literal["input", "output", "q", "k", "v"]
+
+
+@dataclass(frozen=True, eq=False)
+class Site:
+    """One site of DESIGN.md's table, bound to the module that produces it.
+
+    `point` says how the tensor is reached: the block's `input` (forward pre-hook), a
+    module's `output` (forward hook; first element of a tuple), or `q`/`k`/`v` as passed to
+    the model's attention function. A projection output with `heads` set is viewed as
+    `(B, T, heads, head_dim)`.
+    """
+
+    name: str
+    """Canonical name, e.g. `blocks.3.resid_out` or `decoder.blocks.1.cross_attn.q`."""
+    module: nn.Module
+    """The module whose hook reads or edits the tensor."""
+    point: Point
+    shape: tuple[str | int, ...]
+    """Symbolic shape: `("B", "T", 576)` or `("B", "T", 3, 64)`."""
+    stack: str
+    """Token space the rows belong to ("" for single-stack models, "encoder", "decoder")."""
+    source: str
+    """Where the tensor comes from, in words."""
+    heads: int | None = None
+    """For a projection read as q/k/v: number of heads to split the last dimension into."""
+    flat_in: nn.Module | None = None
+    """Set when `module` sees `(B * T, d)` rows: the block whose input gives (B, T)."""
+
+    @property
+    def width(self) -> int:
+        """Size of the last dimension (hidden size, or head dimension for q/k/v)."""
+        return int(self.shape[-1])
+
+    def describe(self) -> str:
+        dims = ", ".join(str(s) for s in self.shape)
+        return f"{self.name}: ({dims}) - {self.source}"
+
+    def __repr__(self) -> str:
+        return f"Site({self.describe()})"

@@ -1,0 +1,108 @@
+"""Hooks on q/k/v as the attention function receives them (after rotary embedding).
+
+Post-rotary q and k are outputs of no module. Attention modules in transformers v5 look
+up their kernel in `ALL_ATTENTION_FUNCTIONS` by `config._attn_implementation` at every
+call, so while at least one q/k/v hook exists we register, under that name, a wrapper that
+runs the hooks of the calling module and then the original kernel. Modules without hooks
+pass straight through; when the last hook goes, the registry is restored exactly.
+
+    handle = add_qkv_hook(model.model.layers[3].self_attn, "k", fn)   # fn((B, T, H, d)) -> None | tensor
+    handle.remove()
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from torch import Tensor, nn
+
+from conceptlens.hooks.handles import Handle
+
+QKVHook = Callable[[Tensor], Tensor | None]
+_INDEX = {"q": 0, "k": 1, "v": 2}
+_MISSING = object()
+
+_hooks: dict[nn.Module, list[tuple[int, QKVHook]]] = {}
+_installed: dict[str, object] = {}  # implementation name -> previous local entry (or _MISSING)
+
+
+def _registry():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS
+
+
+def _eager_of(module: nn.Module) -> Callable:
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        raise RuntimeError(f"{type(module).__name__} uses eager attention but its module defines no "
+                           "eager_attention_forward; its q/k/v cannot be hooked")
+    return fn
+
+
+def _wrap(name: str, previous: object) -> Callable:
+    def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, *args, **kwargs):
+        hooks = _hooks.get(module)
+        if hooks:
+            qkv = [query, key, value]
+            for index, fn in list(hooks):
+                # (B, H, T, d) -> (B, T, H, d), the layout of the q/k/v sites
+                new = fn(qkv[index].transpose(1, 2))
+                if new is not None:
+                    qkv[index] = new.transpose(1, 2)
+            query, key, value = qkv
+        if previous is _MISSING:
+            original = _registry()._global_mapping.get(name) or _eager_of(module)
+        else:
+            original = previous
+        return original(module, query, key, value, *args, **kwargs)
+
+    attention.__conceptlens_wrapper__ = True
+    return attention
+
+
+def implementation_of(module: nn.Module) -> str:
+    config = getattr(module, "config", None)
+    name = getattr(config, "_attn_implementation", None) or "eager"
+    return name
+
+
+def add_qkv_hook(module: nn.Module, which: str, fn: QKVHook, implementation: str | None = None) -> Handle:
+    """Run `fn` on `which` ("q", "k" or "v") each time `module` calls its attention function."""
+    if which not in _INDEX:
+        raise ValueError(f"which must be one of 'q', 'k', 'v'; got {which!r}")
+    name = implementation or implementation_of(module)
+    registry = _registry()
+    if name not in _installed:
+        _installed[name] = registry._local_mapping.get(name, _MISSING)
+        registry._local_mapping[name] = _wrap(name, _installed[name])
+    entry = (_INDEX[which], fn)
+    _hooks.setdefault(module, []).append(entry)
+
+    def remove() -> None:
+        hooks = _hooks.get(module, [])
+        if entry in hooks:
+            hooks.remove(entry)
+        if not hooks:
+            _hooks.pop(module, None)
+        if not _hooks:
+            _uninstall_all()
+
+    return Handle(remove)
+
+
+def _uninstall_all() -> None:
+    registry = _registry()
+    for name, previous in list(_installed.items()):
+        if previous is _MISSING:
+            registry._local_mapping.pop(name, None)
+        else:
+            registry._local_mapping[name] = previous
+        del _installed[name]
+
+
+def active_hook_count() -> int:
+    """Number of q/k/v hooks currently registered (0 when nothing is attached)."""
+    return sum(len(v) for v in _hooks.values())
+

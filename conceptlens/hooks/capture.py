@@ -1,0 +1,162 @@
+"""Capture: stream the activations of chosen sites, one call per forward.
+
+    def on_batch(acts, meta):                 # acts: site -> (N, d) float32, rows aligned
+        km.update(acts["blocks.3.resid_out"])
+    with lens.capture(["blocks.3.resid_out"], on_batch=on_batch) as cap:
+        model(**batch)                        # full forward; on_batch runs once at its end
+        acts = cap.forward(**batch)           # capture-only: stops after the last site needed
+
+Padding is dropped (and special tokens, if asked) so every site gives the same rows in the
+same order. Hooks live only inside the `with`; any error while registering, inside the
+block or inside `on_batch` leaves the model without them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from conceptlens.adapters.site import Site
+from conceptlens.hooks.handles import HandleGroup
+from conceptlens.hooks.points import hook_site
+from conceptlens.hooks.tokens import InputRecorder, StackInputs, TokenMeta
+
+OnBatch = Callable[[dict[str, Tensor], TokenMeta], Any]
+
+
+class StopForward(Exception):
+    """Raised inside a capture-only forward once every requested site has been read."""
+
+
+def run_stack(site: Site) -> str:
+    """The stack whose forward produces the site (cross-attention keys live in the decoder)."""
+    head = site.name.split(".", 1)[0]
+    return head if head in ("encoder", "decoder") else ""
+
+
+class Capture:
+    """Context manager that reads sites during forwards; see the module docstring."""
+
+    def __init__(self, model: nn.Module, sites: Sequence[Site], stacks: dict[str, nn.Module],
+                 on_batch: OnBatch | None = None, *, keep_shape: bool = False,
+                 special_ids: Tensor | None = None) -> None:
+        if not sites:
+            raise ValueError("capture needs at least one site")
+        self.sites = {site.name: site for site in sites}
+        token_stacks = {site.stack for site in sites}
+        run_stacks = {run_stack(site) for site in sites}
+        if not keep_shape and (len(token_stacks) > 1 or len(run_stacks) > 1):
+            raise ValueError(f"sites {list(self.sites)} come from different token streams "
+                             f"({sorted(token_stacks | run_stacks)}), so their rows cannot be aligned; "
+                             "capture them in separate captures or with keep_shape=True")
+        self.token_stack = sites[0].stack
+        self.stack_name = next(iter(run_stacks))
+        self.model = model
+        self.stacks = stacks
+        self.on_batch = on_batch
+        self.keep_shape = keep_shape
+        self.special_ids = special_ids
+        self.last: tuple[dict[str, Tensor], TokenMeta] | None = None
+        self._inputs: dict[str, StackInputs] = {}
+        self._meta: dict[tuple[str, int, int], TokenMeta] = {}
+        self._acts: dict[str, Tensor] = {}
+        self._shapes: dict[str, tuple[int, int]] = {}  # token stack -> (B, T) read this forward
+        self._stopping = False
+        self._handles: HandleGroup | None = None
+
+    # -- registration -------------------------------------------------------------------
+    def __enter__(self) -> Capture:
+        if self._handles is not None:
+            raise RuntimeError("this Capture is already active; create a new one to nest captures")
+        handles = HandleGroup()
+        try:
+            for name, stack in self.stacks.items():
+                recorder = InputRecorder(stack)
+                handles.add(stack.register_forward_pre_hook(self._stack_pre_hook(name, recorder), with_kwargs=True))
+            handles.add(self.stacks[self.stack_name].register_forward_hook(self._stack_post_hook))
+            for site in self.sites.values():
+                handles.add(hook_site(site, self._reader(site)))
+        except BaseException:
+            handles.remove()
+            raise
+        self._handles = handles
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove every hook of this capture (safe to call twice)."""
+        handles, self._handles = self._handles, None
+        self._acts, self._meta = {}, {}
+        if handles is not None:
+            handles.remove()
+
+    # -- hooks ----------------------------------------------------------------------------
+    def _stack_pre_hook(self, name: str, recorder: InputRecorder):
+        def hook(module, args, kwargs):
+            self._inputs[name] = recorder(args, kwargs)
+            self._meta = {}
+            if name == self.stack_name:
+                self._acts, self._shapes = {}, {}
+
+        return hook
+
+    def _stack_post_hook(self, module, args, output) -> None:
+        self._flush()
+
+    def _reader(self, site: Site):
+        name, stack = site.name, site.stack
+
+        def read(x: Tensor) -> None:
+            x = x.detach()
+            self._shapes[stack] = (x.shape[0], x.shape[1])
+            if self.keep_shape:
+                self._acts[name] = x.to(torch.float32, copy=True)
+            else:
+                keep = self._token_meta(stack, x.shape[0], x.shape[1], x.device).keep
+                self._acts[name] = x[keep].float()  # boolean indexing copies
+            if self._stopping and len(self._acts) == len(self.sites):
+                raise StopForward
+
+        return read
+
+    def _token_meta(self, stack: str, batch: int, length: int, device: torch.device) -> TokenMeta:
+        key = (stack, batch, length)
+        if key not in self._meta:
+            inputs = self._inputs.get(stack, StackInputs())
+            self._meta[key] = inputs.meta(batch, length, device, self.special_ids)
+        return self._meta[key]
+
+    def _flush(self) -> None:
+        acts, self._acts = self._acts, {}
+        if not acts:
+            return
+        device = next(iter(acts.values())).device
+        stack = self.token_stack if self.token_stack in self._shapes else next(iter(self._shapes))
+        meta = self._token_meta(stack, *self._shapes[stack], device)
+        if not self.keep_shape:
+            keep = meta.keep
+            meta = TokenMeta(meta.row[keep], meta.position[keep], meta.token[keep], keep)
+        self.last = (acts, meta)
+        if self.on_batch is not None:
+            self.on_batch(acts, meta)
+
+    # -- capture-only forward -------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
+        """Run the model only as far as the last requested site; return the captured acts."""
+        if self._handles is None:
+            raise RuntimeError("Capture.forward must be called inside `with lens.capture(...)`")
+        self._stopping, self.last = True, None
+        try:
+            self.model(*args, **kwargs)
+        except StopForward:
+            self._flush()
+        finally:
+            self._stopping = False
+        if self.last is None:
+            raise RuntimeError(f"the forward reached none of the sites {list(self.sites)}")
+        return self.last[0]

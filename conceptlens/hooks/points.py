@@ -1,0 +1,77 @@
+"""One primitive for reading and editing a site: `hook_site(site, fn)`.
+
+`fn` receives the site's tensor in the layout of the site table — `(B, T, d)` or
+`(B, T, H, d_head)` — and returns None (read only) or a tensor of the same shape that
+replaces it in the forward. Capture and steering are both built on this.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from conceptlens.adapters.site import Site
+from conceptlens.hooks.attention import add_qkv_hook
+from conceptlens.hooks.handles import Handle, HandleGroup
+
+SiteFn = Callable[[Tensor], Tensor | None]
+
+
+def hook_site(site: Site, fn: SiteFn) -> Handle:
+    """Register `fn` at `site`; the returned handle removes it."""
+    if site.point in ("q", "k", "v"):
+        return add_qkv_hook(site.module, site.point, fn)
+    if site.point == "input":
+        return Handle(site.module.register_forward_pre_hook(_input_hook(fn), with_kwargs=True).remove)
+    if site.flat_in is not None:
+        return _flat_output_hook(site, fn)
+    return Handle(site.module.register_forward_hook(_output_hook(fn, site.heads)).remove)
+
+
+def _input_hook(fn: SiteFn):
+    def hook(module, args, kwargs):
+        if args:
+            new = fn(args[0])
+            return None if new is None else ((new, *args[1:]), kwargs)
+        new = fn(kwargs["hidden_states"])
+        return None if new is None else (args, {**kwargs, "hidden_states": new})
+
+    return hook
+
+
+def _output_hook(fn: SiteFn, heads: int | None):
+    def hook(module, args, output):
+        x = output[0] if isinstance(output, tuple) else output
+        shaped = x.unflatten(-1, (heads, -1)) if heads else x  # projection -> (B, T, H, d_head)
+        new = fn(shaped)
+        if new is None:
+            return None
+        if heads:
+            new = new.flatten(-2)
+        return (new, *output[1:]) if isinstance(output, tuple) else new
+
+    return hook
+
+
+def _flat_output_hook(site: Site, fn: SiteFn) -> Handle:
+    """For a module fed `(B * T, d)` rows: view its output as `(B, T, d)` for `fn`."""
+    batch_shape: list[torch.Size] = []
+
+    def remember(module, args, kwargs):
+        x = args[0] if args else kwargs["hidden_states"]
+        batch_shape[:] = [x.shape[:-1]]
+
+    def hook(module, args, output):
+        new = fn(output.view(*batch_shape[0], -1))
+        return None if new is None else new.reshape(output.shape)
+
+    group = HandleGroup()
+    try:
+        group.add(site.flat_in.register_forward_pre_hook(remember, with_kwargs=True))
+        group.add(site.module.register_forward_hook(hook))
+    except BaseException:
+        group.remove()
+        raise
+    return group

@@ -1,0 +1,91 @@
+"""Token bookkeeping: which rows of a forward are real tokens, and where they sit.
+
+A pre-hook on each stack module (the base model, or its encoder / decoder) records that
+stack's inputs; `StackInputs.meta(T)` turns them into a per-token keep mask, absolute
+positions (through left padding and the KV cache) and token ids for a tensor of length T.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+
+class TokenMeta(NamedTuple):
+    """Per-row bookkeeping of captured activations.
+
+    Flat captures give `(N,)` tensors, one entry per kept token, in the order of the rows of
+    every captured site; `keep_shape=True` captures give `(B, T)` tensors. `keep` is always
+    the `(B, T)` mask of tokens that were kept (not padding, not dropped special tokens).
+    """
+
+    row: Tensor
+    """Batch row of each token."""
+    position: Tensor
+    """Absolute position: index among the sequence's real tokens, counting cached ones."""
+    token: Tensor
+    """Token id (-1 when the forward got embeddings instead of ids)."""
+    keep: Tensor
+    """(B, T) bool mask of kept tokens."""
+
+
+@dataclass
+class StackInputs:
+    """What one stack was called with, reduced to what the bookkeeping needs."""
+
+    input_ids: Tensor | None = None
+    attention_mask: Tensor | None = None
+    past: Tensor | int = 0
+    """Cached length before this forward: an int, or `cache_position` (T,)."""
+
+    def meta(self, batch: int, length: int, device: torch.device, special_ids: Tensor | None = None) -> TokenMeta:
+        """Bookkeeping for a `(batch, length, ...)` tensor of this stack."""
+        mask = self.attention_mask
+        if mask is not None and (mask.ndim != 2 or mask.shape[0] != batch or mask.shape[1] < length):
+            mask = None  # 4-D or unrelated mask: every row counts
+        if mask is not None:
+            mask = mask.to(device)
+            keep = mask[:, -length:].bool()
+            position = (mask.long().cumsum(-1) - 1)[:, -length:].clamp(min=0)
+        else:
+            keep = torch.ones(batch, length, dtype=torch.bool, device=device)
+            past = self.past
+            start = past.to(device) if isinstance(past, Tensor) else past + torch.arange(length, device=device)
+            position = start.reshape(1, -1).expand(batch, length) if start.numel() == length else \
+                torch.arange(length, device=device).expand(batch, length)
+        ids = self.input_ids
+        if ids is not None and ids.ndim == 2 and ids.shape[0] == batch and ids.shape[1] >= length:
+            token = ids[:, -length:].to(device)
+            if special_ids is not None:
+                keep = keep & ~torch.isin(token, special_ids.to(device))
+        else:
+            token = torch.full((batch, length), -1, dtype=torch.long, device=device)
+        row = torch.arange(batch, device=device)[:, None].expand(batch, length)
+        return TokenMeta(row, position, token, keep)
+
+
+class InputRecorder:
+    """Reads a stack's forward arguments by name (positional or keyword)."""
+
+    def __init__(self, stack: nn.Module) -> None:
+        self.signature = inspect.signature(stack.forward)
+
+    def __call__(self, args: tuple, kwargs: dict[str, Any]) -> StackInputs:
+        try:
+            bound = self.signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            bound = dict(kwargs)
+        extra = bound.get("kwargs", {})
+        get = lambda name: bound.get(name, extra.get(name))  # noqa: E731
+        past: Tensor | int = 0
+        if get("cache_position") is not None:
+            past = get("cache_position")
+        else:
+            cache = get("past_key_values") or get("cache")
+            if cache is not None and hasattr(cache, "get_seq_length"):
+                past = int(cache.get_seq_length())
+        return StackInputs(get("input_ids"), get("attention_mask"), past)

@@ -1,0 +1,92 @@
+"""Lens: ties an adapter, hooks, fitting and steering to one model.
+
+    lens = conceptlens.attach(model, tokenizer)
+    lens.sites                                   # name -> Site, every site of the model
+    print(lens.site("blocks.-1.attn.k"))
+    with lens.capture(["blocks.3.resid_out"], on_batch=fn):
+        model(**batch)
+
+Attaching registers nothing: hooks exist only inside the scopes (`capture`, `hook`, and the
+steering and fitting scopes built on them), so a lens with no scope open leaves the model
+exactly as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from conceptlens.adapters.adapter import Adapter, get_path
+from conceptlens.adapters.site import Site
+from conceptlens.hooks.capture import Capture, OnBatch
+from conceptlens.hooks.handles import Handle
+from conceptlens.hooks.points import SiteFn, hook_site
+
+
+class Lens:
+    """The sites of one model and the scopes that read and edit them."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any = None) -> None:
+        if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+            raise TypeError(f"attach() needs a Hugging Face transformers model (an nn.Module with .config); "
+                            f"got {type(model).__name__}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.adapter = Adapter(model)
+        base = getattr(model, "base_model", model)
+        self.stacks: dict[str, nn.Module] = {name: get_path(base, path)
+                                             for name, path in self.adapter.spec.stacks.items()}
+
+    def __repr__(self) -> str:
+        blocks = ", ".join(f"{k or 'blocks'}: {n}" for k, n in self.adapter.n_blocks.items())
+        return f"Lens({type(self.model).__name__}, family={self.adapter.family!r}, {blocks}, {len(self.sites)} sites)"
+
+    @property
+    def sites(self) -> dict[str, Site]:
+        """Every site, by canonical name, in model order."""
+        return self.adapter.sites
+
+    @property
+    def name(self) -> str:
+        return getattr(self.model, "name_or_path", "") or getattr(self.model.config, "_name_or_path", "") or \
+            type(self.model).__name__
+
+    def site(self, name: str) -> Site:
+        """Describe one site; `KeyError` with close valid names if there is none."""
+        return self.adapter.resolve(name)
+
+    def hook(self, site: str | Site, fn: SiteFn) -> Handle:
+        """Low-level: run `fn(tensor) -> None | tensor` at a site until the handle is removed."""
+        return hook_site(self._site(site), fn)
+
+    def capture(self, sites: str | Site | Iterable[str | Site], on_batch: OnBatch | None = None, *,
+                keep_shape: bool = False, drop_special: bool = False) -> Capture:
+        """Context manager streaming the activations of `sites` to `on_batch(acts, meta)`.
+
+        acts: site name -> float32 `(N, d)` (or `(N, H, d_head)` for q/k/v) with padding
+        dropped and rows aligned across sites; `(B, T, ...)` with `keep_shape=True`.
+        `drop_special` also drops the tokenizer's special tokens (needs the tokenizer).
+        """
+        if isinstance(sites, (str, Site)):
+            sites = [sites]
+        resolved = [self._site(s) for s in sites]
+        special = None
+        if drop_special:
+            if self.tokenizer is None:
+                raise ValueError("drop_special=True needs a tokenizer: conceptlens.attach(model, tokenizer)")
+            special = torch.tensor(sorted(self.tokenizer.all_special_ids), dtype=torch.long)
+        return Capture(self.model, resolved, self.stacks, on_batch, keep_shape=keep_shape, special_ids=special)
+
+    def _site(self, site: str | Site) -> Site:
+        if isinstance(site, Site):
+            if self.sites.get(site.name) is not site:
+                raise ValueError(f"site {site.name!r} belongs to another model")
+            return site
+        return self.site(site)
+
+
+def attach(model: nn.Module, tokenizer: Any = None) -> Lens:
+    """Wrap a Hugging Face model (encoder, decoder or encoder-decoder) in a Lens."""
+    return Lens(model, tokenizer)

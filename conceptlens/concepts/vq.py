@@ -1,0 +1,408 @@
+"""VQCodebook: an online vector-quantisation codebook learned by exponential moving averages.
+
+    vq = VQCodebook(n_codes=512)
+    for x in stream:                 # x: (N, d) float32
+        vq.update(x)
+    vq.assign(x)                     # (N,) nearest code per token
+    cs = vq.concept_set()            # directions = the codes
+
+Training follows the EMA codebook of VQ-VAE / VQ-VAE-2: each code is the EMA of the sum of
+its assigned tokens divided by the Laplace-smoothed EMA of its count. During training a
+token is assigned to one of its `top_k` nearest codes, drawn with probabilities
+softmax(-distance / temperature) (distance = Euclidean, so the temperature is in activation
+units); evaluation (`assign`, `encode`, `quantize`) always takes the nearest code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from conceptlens.concepts.conceptset import ConceptSet
+
+InitMethod = Literal["kmeans", "spherical_kmeans", "random"]
+INIT_METHODS = ("kmeans", "spherical_kmeans", "random")
+
+
+@dataclass
+class VQConfig:
+    """Hyper-parameters of a `VQCodebook`."""
+
+    n_codes: int
+    """Number of codes K."""
+    decay: float = 0.99
+    """EMA decay of the assignment counts and sums, per step."""
+    eps: float = 1e-5
+    """Laplace smoothing of the counts: n_i = (N_i + eps) / (N + K eps) * N."""
+    top_k: int = 5
+    """Training draws each token's code among its top_k nearest (1 = nearest only)."""
+    temperature: float = 1.0
+    """Sampling temperature T of softmax(-distance / T); 0 = nearest."""
+    init: InitMethod = "kmeans"
+    """Codebook initialisation on the first init_size tokens."""
+    init_size: int | None = None
+    """Tokens collected before initialising; None = 16 * n_codes."""
+    reseed_after: int | None = 100
+    """Every this many steps, dead codes are replaced by random recent tokens; None = never."""
+    reseed_threshold: float = 0.03
+    """A code is dead (and unused in `usage`) when its EMA count is below this fraction of
+    the uniform share N / K."""
+    batch_size: int | None = None
+    """Rows per EMA step (a remainder waits for the next call); None = one step per call."""
+    seed: int = 0
+    """Seed of the private generator (k-means init, sampling, reseeding)."""
+
+    def __post_init__(self) -> None:
+        if self.init_size is None:
+            self.init_size = 16 * self.n_codes
+        positive = {"n_codes": self.n_codes, "top_k": self.top_k, "init_size": self.init_size,
+                    "reseed_after": self.reseed_after or 1, "batch_size": self.batch_size or 1}
+        for name, value in positive.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        if not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1); got {self.decay!r}")
+        if self.eps < 0 or self.temperature < 0 or self.reseed_threshold < 0:
+            raise ValueError(f"eps, temperature and reseed_threshold must be >= 0; got "
+                             f"{self.eps!r}, {self.temperature!r}, {self.reseed_threshold!r}")
+        if self.init not in INIT_METHODS:
+            raise ValueError(f"init must be one of {INIT_METHODS}; got {self.init!r}")
+        if self.init_size < self.n_codes:
+            raise ValueError(f"init_size={self.init_size} is smaller than n_codes={self.n_codes}: "
+                             f"initialisation needs at least one token per code")
+
+
+class VQStats(NamedTuple):
+    """Fit-report numbers of a codebook (EMA over recent steps)."""
+
+    usage: float
+    """Fraction of codes whose EMA count is at least reseed_threshold * N / K."""
+    perplexity: float
+    """exp(entropy) of the EMA assignment distribution: K when uniform, 1 when collapsed."""
+    fvu: float
+    """Fraction of variance unexplained by the nearest code, EMA over recent steps."""
+    steps: int
+    tokens: int
+
+
+class VQStep(NamedTuple):
+    """What one training step did: the sampled code per token and that code's vector
+    before the step's EMA update (what a straight-through estimator passes on)."""
+
+    index: Tensor       # (N,) long
+    quantized: Tensor   # (N, d)
+
+
+class VQCodebook:
+    """An EMA vector-quantisation codebook fitted online; see the module docstring.
+
+    `merge(other)` adds the other codebook's EMA counts, EMA sums, hit counts and FVU sums
+    code by code, so each merged code is e_i = (m_i + m'_i) / smooth(N + N')_i, the
+    count-weighted mean of both workers' codes. That presumes code i means the same on both
+    sides: start workers from one initialised state (same `state_dict`), then feed each
+    its own shard.
+    """
+
+    method = "vq"
+
+    def __init__(self, n_codes: int, *, decay: float = 0.99, eps: float = 1e-5, top_k: int = 5,
+                 temperature: float = 1.0, init: InitMethod = "kmeans", init_size: int | None = None,
+                 reseed_after: int | None = 100, reseed_threshold: float = 0.03,
+                 batch_size: int | None = None, seed: int = 0) -> None:
+        self.config = VQConfig(n_codes, decay, eps, top_k, temperature, init, init_size,
+                               reseed_after, reseed_threshold, batch_size, seed)
+        self.d: int | None = None
+        self.codes: Tensor | None = None      # (K, d) = sums / smooth(counts)
+        self.counts: Tensor | None = None     # (K,) EMA of sampled-assignment counts
+        self.sums: Tensor | None = None       # (K, d) EMA of sums of assigned tokens
+        self.hits: Tensor | None = None       # (K,) int64 nearest-code assignments, all steps
+        self._fvu: Tensor | None = None       # (d + 3,) float64 EMA of fvu_sums
+        self._pending: Tensor | None = None   # rows waiting for init or for a full batch
+        self._init_calls = 0
+        self.steps = 0
+        self.tokens = 0
+        self._gen: torch.Generator | None = None
+
+    # ---- streaming -------------------------------------------------------------------
+
+    def update(self, x: Tensor) -> None:
+        """Consume `x` (N, d): collect until init_size tokens, then one EMA step per
+        batch_size rows (or per call)."""
+        x = self._prepare(x)
+        rows = torch.cat([self._pending, x])
+        if self.codes is None:
+            self._init_calls += 1
+            if len(rows) < self.config.init_size:
+                self._pending = rows
+                return
+            self._initialise(rows[: self.config.init_size])
+            rows = rows[self.config.init_size:]
+        size = self.config.batch_size or len(rows)
+        n_full = len(rows) // size if size else 0
+        for i in range(n_full):
+            self.train_step(rows[i * size:(i + 1) * size])
+        self._pending = rows[n_full * size:].clone()
+
+    @property
+    def init_rows_needed(self) -> int:
+        """Tokens still to collect before the codebook initialises (0 once it has)."""
+        if self.codes is not None:
+            return 0
+        return self.config.init_size - (0 if self._pending is None else len(self._pending))
+
+    def train_step(self, x: Tensor) -> VQStep:
+        """One EMA step on the batch `x` (N, d): sample codes, update counts and sums,
+        track statistics, reseed dead codes every reseed_after steps."""
+        cfg, codes = self.config, self._require_codes()
+        x = self._prepare(x)
+        dist = torch.cdist(x, codes)                                   # (N, K) Euclidean
+        index = sample_top_k(dist, cfg.top_k, cfg.temperature, self._gen)
+        onehot = F.one_hot(index, cfg.n_codes).to(x.dtype)             # (N, K)
+        self.counts, self.sums = ema_update(self.counts, self.sums, onehot.sum(0), onehot.T @ x,
+                                            cfg.decay)
+        self.codes = codes_from_ema(self.counts, self.sums, cfg.eps)
+        nearest = dist.argmin(1)
+        self.hits += torch.bincount(nearest, minlength=cfg.n_codes)
+        self._fvu = cfg.decay * self._fvu + (1 - cfg.decay) * fvu_sums(x, codes[nearest])
+        self.steps += 1
+        self.tokens += len(x)
+        if cfg.reseed_after and self.steps % cfg.reseed_after == 0:
+            self._reseed(x)
+        return VQStep(index, codes[index])
+
+    def _prepare(self, x: Tensor) -> Tensor:
+        if x.ndim != 2:
+            raise ValueError(f"expected activations of shape (N, d); got {tuple(x.shape)}")
+        if self.d is None:
+            self.d = x.shape[1]
+            self._gen = torch.Generator(device=x.device).manual_seed(self.config.seed)
+            self._pending = x.new_zeros(0, self.d, dtype=torch.float32)
+        if x.shape[1] != self.d:
+            raise ValueError(f"expected width d={self.d} (fixed by the first update); got {x.shape[1]}")
+        return x.float()
+
+    def _initialise(self, x: Tensor) -> None:
+        """Codes from the first init_size tokens; EMA state consistent with them."""
+        cfg = self.config
+        centres, labels = initial_codes(x, cfg.n_codes, cfg.init, self._gen)
+        # EMA counts live on the scale of tokens per step, so the initial clusters weigh
+        # like one batch.
+        rows_per_step = cfg.batch_size or len(x) / self._init_calls
+        self.counts = torch.bincount(labels, minlength=cfg.n_codes).to(x) * (rows_per_step / len(x))
+        self.sums = centres * laplace_smooth(self.counts, cfg.eps)[:, None]
+        self.codes = codes_from_ema(self.counts, self.sums, cfg.eps)
+        self.hits = torch.zeros(cfg.n_codes, dtype=torch.long, device=x.device)
+        self._fvu = torch.zeros(self.d + 3, dtype=torch.float64, device=x.device)
+
+    def _reseed(self, x: Tensor) -> None:
+        """Replace dead codes by random tokens of the latest batch `x` (N, d)."""
+        cfg = self.config
+        share = self.counts.sum() / cfg.n_codes
+        dead = torch.nonzero(self.counts < cfg.reseed_threshold * share).squeeze(1)
+        if dead.numel() == 0:
+            return
+        if len(x) >= len(dead):
+            pick = torch.randperm(len(x), generator=self._gen, device=x.device)[: len(dead)]
+        else:
+            pick = torch.randint(len(x), (len(dead),), generator=self._gen, device=x.device)
+        # A reborn code starts with a uniform share, so it is not reseeded again at once.
+        self.counts[dead] = share
+        self.sums[dead] = x[pick] * laplace_smooth(self.counts, cfg.eps)[dead, None]
+        self.codes = codes_from_ema(self.counts, self.sums, cfg.eps)
+
+    # ---- evaluation ------------------------------------------------------------------
+
+    def assign(self, x: Tensor) -> Tensor:
+        """Nearest code per token: (N, d) -> (N,) long."""
+        codes = self._require_codes()
+        return torch.cdist(self._prepare(x), codes).argmin(1)
+
+    def encode(self, x: Tensor) -> Tensor:
+        """One-hot nearest-code assignment (N, d) -> (N, K) float, the concept activations."""
+        return F.one_hot(self.assign(x), self.config.n_codes).float()
+
+    def quantize(self, x: Tensor) -> Tensor:
+        """Each token replaced by its nearest code: (N, d) -> (N, d)."""
+        return self._require_codes()[self.assign(x)]
+
+    def stats(self) -> VQStats:
+        """Usage, perplexity and quantisation FVU for the fit report."""
+        self._require_codes()
+        counts = self.counts
+        share = counts.sum() / self.config.n_codes
+        usage = (counts >= self.config.reseed_threshold * share).float().mean().item()
+        return VQStats(usage, perplexity(counts).item(), fvu_from_sums(self._fvu), self.steps,
+                       self.tokens)
+
+    def concept_set(self) -> ConceptSet:
+        """Directions = the codes (K, d) in the input's activation space."""
+        codes = self._require_codes()
+        config = {**asdict(self.config), "fit_stats": self.stats()._asdict()}
+        return ConceptSet(codes.clone(), method=self.method, config=config,
+                          encoder={"codebook": codes.clone()},
+                          stats={"ema_count": self.counts.clone(), "hits": self.hits.clone()})
+
+    def _require_codes(self) -> Tensor:
+        if self.codes is None:
+            seen = 0 if self._pending is None else len(self._pending)
+            raise RuntimeError(f"the codebook is not initialised: it has seen {seen} tokens and "
+                               f"initialises after init_size={self.config.init_size}")
+        return self.codes
+
+    # ---- persistence -----------------------------------------------------------------
+
+    _TENSORS = ("codes", "counts", "sums", "hits", "_fvu", "_pending")
+    _SCALARS = ("d", "_init_calls", "steps", "tokens")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume bit for bit (tensors, ints, the generator state)."""
+        state: dict[str, Any] = {"config": asdict(self.config)}
+        for key in self._TENSORS + self._SCALARS:
+            value = getattr(self, key)
+            state[key] = value.clone() if isinstance(value, Tensor) else value
+        state["generator"] = None if self._gen is None else self._gen.get_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from `state_dict()`; the constructor arguments must match."""
+        if state["config"] != asdict(self.config):
+            diff = {k: v for k, v in state["config"].items() if asdict(self.config).get(k) != v}
+            raise ValueError(f"state was saved with different settings {diff}; "
+                             f"this codebook has {asdict(self.config)}")
+        for key in self._TENSORS + self._SCALARS:
+            value = state[key]
+            setattr(self, key, value.clone() if isinstance(value, Tensor) else value)
+        self._gen = None
+        if state["generator"] is not None:
+            self._gen = torch.Generator(device=self._pending.device)
+            self._gen.set_state(state["generator"])
+
+    def merge(self, other: VQCodebook | dict[str, Any]) -> None:
+        """Add another worker's EMA statistics (see the class docstring)."""
+        if isinstance(other, dict):
+            state, other = other, VQCodebook(**{k: v for k, v in other["config"].items()})
+            other.load_state_dict(state)
+        if other.config.n_codes != self.config.n_codes or (self.d and other.d and other.d != self.d):
+            raise ValueError(f"cannot merge a codebook of {other.config.n_codes} codes of width "
+                             f"{other.d} into one of {self.config.n_codes} codes of width {self.d}")
+        if other.codes is None:
+            return  # nothing fitted there yet: its pending init rows are not statistics
+        if self.codes is None:
+            self.d, self._pending, self._gen = other.d, other._pending[:0].clone(), torch.Generator(
+                device=other.codes.device).manual_seed(self.config.seed)
+            for key in ("counts", "sums", "hits", "_fvu"):
+                setattr(self, key, torch.zeros_like(getattr(other, key)))
+        self.counts = self.counts + other.counts
+        self.sums = self.sums + other.sums
+        self.hits = self.hits + other.hits
+        self._fvu = self._fvu + other._fvu
+        self.codes = codes_from_ema(self.counts, self.sums, self.config.eps)
+        self.tokens += other.tokens
+
+
+# ---- math: pure functions on tensors ---------------------------------------------------
+
+def laplace_smooth(counts: Tensor, eps: float) -> Tensor:
+    """Laplace-smoothed counts (K,) -> (K,): n_i = (N_i + eps) / (N + K eps) * N, N = sum N_i.
+
+    The total N is kept and empty codes stay above zero, so sums / counts stays finite.
+    """
+    n = counts.sum()
+    return (counts + eps) / (n + len(counts) * eps) * n
+
+
+def ema_update(counts: Tensor, sums: Tensor, batch_counts: Tensor, batch_sums: Tensor,
+               decay: float) -> tuple[Tensor, Tensor]:
+    """One EMA step of counts (K,) and sums (K, d) towards a batch's counts and sums."""
+    return decay * counts + (1 - decay) * batch_counts, decay * sums + (1 - decay) * batch_sums
+
+
+def codes_from_ema(counts: Tensor, sums: Tensor, eps: float) -> Tensor:
+    """Codes (K, d) = EMA sums (K, d) / Laplace-smoothed EMA counts (K,)."""
+    return sums / laplace_smooth(counts, eps)[:, None]
+
+
+def sample_top_k(dist: Tensor, k: int, temperature: float,
+                 generator: torch.Generator | None = None) -> Tensor:
+    """Draw one code per row among its k nearest, p ∝ exp(-dist / temperature).
+
+    dist: (N, K) distances -> (N,) long. temperature 0 or k 1 gives the nearest code.
+    """
+    neg, index = (-dist).topk(min(k, dist.shape[1]), dim=1)          # (N, k), nearest first
+    if temperature == 0 or index.shape[1] == 1:
+        return index[:, 0]
+    probs = torch.softmax(neg / temperature, dim=1)
+    choice = torch.multinomial(probs, 1, generator=generator)       # (N, 1)
+    return index.gather(1, choice).squeeze(1)
+
+
+def perplexity(counts: Tensor) -> Tensor:
+    """exp(entropy) of the distribution counts (K,) / sum: K if uniform, 1 if one code."""
+    p = counts / counts.sum()
+    return torch.exp(-torch.special.xlogy(p, p).sum())
+
+
+def fvu_sums(x: Tensor, x_hat: Tensor) -> Tensor:
+    """Additive sums for the FVU of x_hat against x, both (N, d): float64 (d + 3,) holding
+    [N, sum |x - x_hat|^2, sum |x|^2, sum x (d)]. Sums of batches (or EMAs of them) pool."""
+    x64 = x.detach().double()
+    head = torch.stack([x64.new_tensor(float(len(x))), (x64 - x_hat.detach().double()).pow(2).sum(),
+                        x64.pow(2).sum()])
+    return torch.cat([head, x64.sum(0)])
+
+
+def fvu_from_sums(sums: Tensor) -> float:
+    """Fraction of variance unexplained from `fvu_sums`: SSE / sum |x - mean|^2 (nan if none)."""
+    n, sse, sq, sx = sums[0], sums[1], sums[2], sums[3:]
+    total = sq - sx.dot(sx) / n if n > 0 else sums.new_tensor(0.0)
+    return (sse / total).item() if total > 0 else float("nan")
+
+
+def initial_codes(x: Tensor, k: int, method: InitMethod,
+                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Initial codes from a sample x (N, d) -> (centres (k, d), labels (N,)).
+
+    "kmeans": k-means++ then Lloyd. "spherical_kmeans": the same on unit vectors (cosine),
+    then each centre is rescaled to the mean norm of its members. "random": k distinct tokens.
+    """
+    if method == "random":
+        centres = x[torch.randperm(len(x), generator=generator, device=x.device)[:k]]
+        return centres, torch.cdist(x, centres).argmin(1)
+    spherical = method == "spherical_kmeans"
+    data = F.normalize(x, dim=1) if spherical else x
+    centres, labels = _lloyd(data, _kmeans_pp(data, k, generator), spherical)
+    if spherical:
+        counts = torch.bincount(labels, minlength=k).to(x)
+        norms = torch.zeros_like(counts).index_add_(0, labels, x.norm(dim=1)) / counts.clamp(min=1)
+        # an empty cluster keeps its direction at the sample's mean norm rather than at 0
+        centres = centres * torch.where(counts > 0, norms, x.norm(dim=1).mean())[:, None]
+    return centres, labels
+
+
+def _kmeans_pp(data: Tensor, k: int, generator: torch.Generator | None) -> Tensor:
+    """k-means++ seeding: (N, d) -> (k, d); each next centre drawn with p ∝ squared distance."""
+    chosen = [torch.randint(len(data), (1,), generator=generator, device=data.device)]
+    d2 = (data - data[chosen[0]]).pow(2).sum(1)                     # (N,)
+    for _ in range(1, k):
+        weights = d2 if d2.sum() > 0 else torch.ones_like(d2)     # all points already chosen
+        chosen.append(torch.multinomial(weights, 1, generator=generator))
+        d2 = torch.minimum(d2, (data - data[chosen[-1]]).pow(2).sum(1))
+    return data[torch.cat(chosen)]
+
+
+def _lloyd(data: Tensor, centres: Tensor, spherical: bool, iters: int = 25) -> tuple[Tensor, Tensor]:
+    """Lloyd iterations from `centres` (k, d) on data (N, d); empty clusters stay put."""
+    k = len(centres)
+    for _ in range(iters):
+        onehot = F.one_hot(torch.cdist(data, centres).argmin(1), k).to(data)   # (N, k)
+        counts = onehot.sum(0)
+        new = torch.where(counts[:, None] > 0, onehot.T @ data / counts.clamp(min=1)[:, None], centres)
+        new = F.normalize(new, dim=1) if spherical else new
+        if torch.equal(new, centres):
+            break
+        centres = new
+    return centres, torch.cdist(data, centres).argmin(1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
+import torch
 from torch import Tensor, nn
 
 from conceptlens.hooks.handles import Handle
@@ -23,7 +24,7 @@ QKVHook = Callable[[Tensor], Tensor | None]
 _INDEX = {"q": 0, "k": 1, "v": 2}
 _MISSING = object()
 
-_hooks: dict[nn.Module, list[tuple[int, QKVHook]]] = {}
+_hooks: dict[nn.Module, list[tuple[int, QKVHook, bool]]] = {}
 _installed: dict[str, object] = {}  # implementation name -> previous local entry (or _MISSING)
 
 
@@ -45,13 +46,7 @@ def _wrap(name: str, previous: object) -> Callable:
     def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, *args, **kwargs):
         hooks = _hooks.get(module)
         if hooks:
-            qkv = [query, key, value]
-            for index, fn in list(hooks):
-                # (B, H, T, d) -> (B, T, H, d), the layout of the q/k/v sites
-                new = fn(qkv[index].transpose(1, 2))
-                if new is not None:
-                    qkv[index] = new.transpose(1, 2)
-            query, key, value = qkv
+            query, key, value = _run_hooks(hooks, [query, key, value])
         if previous is _MISSING:
             original = _registry()._global_mapping.get(name) or _eager_of(module)
         else:
@@ -62,14 +57,32 @@ def _wrap(name: str, previous: object) -> Callable:
     return attention
 
 
+def _run_hooks(hooks: list, qkv: list[Tensor]) -> list[Tensor]:
+    length = qkv[0].shape[2]
+    for index, fn, current in list(hooks):
+        x = qkv[index]  # (B, H, S, d); with a KV cache, S = cached + current tokens
+        past = x.shape[2] - length if current and index else 0
+        new = fn(x[:, :, past:].transpose(1, 2))  # (B, T, H, d), the layout of the q/k/v sites
+        if new is not None:
+            new = new.transpose(1, 2)
+            qkv[index] = torch.cat([x[:, :, :past], new], dim=2) if past else new
+    return qkv
+
+
 def implementation_of(module: nn.Module) -> str:
     config = getattr(module, "config", None)
     name = getattr(config, "_attn_implementation", None) or "eager"
     return name
 
 
-def add_qkv_hook(module: nn.Module, which: str, fn: QKVHook, implementation: str | None = None) -> Handle:
-    """Run `fn` on `which` ("q", "k" or "v") each time `module` calls its attention function."""
+def add_qkv_hook(module: nn.Module, which: str, fn: QKVHook, *, current: bool = True,
+                 implementation: str | None = None) -> Handle:
+    """Run `fn` on `which` ("q", "k" or "v") each time `module` calls its attention function.
+
+    With `current=True` (self-attention) `fn` sees only the keys/values of this forward's
+    tokens, not those read back from a KV cache (the cache is assumed to append at the end,
+    as dynamic caches do). Cross-attention passes `current=False`: its keys are the encoder's.
+    """
     if which not in _INDEX:
         raise ValueError(f"which must be one of 'q', 'k', 'v'; got {which!r}")
     name = implementation or implementation_of(module)
@@ -77,7 +90,7 @@ def add_qkv_hook(module: nn.Module, which: str, fn: QKVHook, implementation: str
     if name not in _installed:
         _installed[name] = registry._local_mapping.get(name, _MISSING)
         registry._local_mapping[name] = _wrap(name, _installed[name])
-    entry = (_INDEX[which], fn)
+    entry = (_INDEX[which], fn, current)
     _hooks.setdefault(module, []).append(entry)
 
     def remove() -> None:

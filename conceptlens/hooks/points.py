@@ -22,7 +22,8 @@ SiteFn = Callable[[Tensor], Tensor | None]
 def hook_site(site: Site, fn: SiteFn) -> Handle:
     """Register `fn` at `site`; the returned handle removes it."""
     if site.point in ("q", "k", "v"):
-        return add_qkv_hook(site.module, site.point, fn)
+        # "T" in the sequence dimension: aligned with this forward's queries (self-attention)
+        return add_qkv_hook(site.module, site.point, fn, current=site.shape[1] == "T")
     if site.point == "input":
         return Handle(site.module.register_forward_pre_hook(_input_hook(fn), with_kwargs=True).remove)
     if site.flat_in is not None:

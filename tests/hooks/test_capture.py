@@ -1,0 +1,124 @@
+"""Capture: padding dropped, rows aligned, token bookkeeping, stop-early forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import conceptlens
+from tests.conftest import tiny_inputs, tiny_model
+
+
+def test_flat_rows_are_real_tokens_aligned_across_sites():
+    model = tiny_model("llama")
+    lens = conceptlens.attach(model)
+    inputs = tiny_inputs("llama")  # row 0 has 2 left pads
+    names = ["blocks.0.resid_out", "blocks.1.attn.q", "blocks.1.attn.k"]
+    batches = []
+    with torch.no_grad(), lens.capture(names, on_batch=lambda a, m: batches.append((a, m))):
+        model(**inputs)
+    with torch.no_grad(), lens.capture(names, keep_shape=True) as full:
+        model(**inputs)
+    assert len(batches) == 1
+    acts, meta = batches[0]
+    keep = inputs["attention_mask"].bool()
+    n = int(keep.sum())
+    assert acts["blocks.0.resid_out"].shape == (n, 32)
+    assert acts["blocks.1.attn.q"].shape == (n, 4, 8) and acts["blocks.1.attn.k"].shape == (n, 2, 8)
+    for name in names:
+        assert torch.equal(acts[name], full.last[0][name][keep])
+        assert acts[name].dtype == torch.float32
+    rows, cols = keep.nonzero(as_tuple=True)
+    assert torch.equal(meta.row, rows)
+    assert torch.equal(meta.token, inputs["input_ids"][rows, cols])
+    assert torch.equal(meta.position, (keep.cumsum(-1) - 1)[rows, cols])
+    assert meta.position[:5].tolist() == [0, 1, 2, 3, 4]  # row 0 starts after its padding
+
+
+def test_stop_early_runs_nothing_after_the_deepest_site():
+    model = tiny_model("llama")
+    lens = conceptlens.attach(model)
+    inputs = tiny_inputs("llama")
+    calls = []
+    spies = [model.model.layers[1].register_forward_pre_hook(lambda *a: calls.append("block1")),
+             model.lm_head.register_forward_pre_hook(lambda *a: calls.append("head"))]
+    try:
+        with lens.capture(["blocks.0.resid_out", "blocks.0.attn.k"]) as cap:
+            acts = cap.forward(**inputs)
+            assert calls == []
+            with torch.no_grad():
+                model(**inputs)
+            assert calls == ["block1", "head"]
+            assert torch.equal(acts["blocks.0.resid_out"], cap.last[0]["blocks.0.resid_out"])
+    finally:
+        for spy in spies:
+            spy.remove()
+
+
+def test_capture_only_forward_outside_with_is_an_error():
+    lens = conceptlens.attach(tiny_model("gpt2"))
+    cap = lens.capture("blocks.0.resid_out")
+    with pytest.raises(RuntimeError, match="inside"):
+        cap.forward(**tiny_inputs("gpt2"))
+
+
+def test_positions_through_the_kv_cache_during_generate():
+    model = tiny_model("llama")
+    lens = conceptlens.attach(model)
+    inputs = tiny_inputs("llama")
+    metas = []
+    with torch.no_grad(), lens.capture("blocks.1.attn.k", on_batch=lambda a, m: metas.append((a, m))):
+        model.generate(**inputs, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert len(metas) == 3  # the prompt pass and two cached steps
+    prompt_len = inputs["attention_mask"].sum(-1)
+    for step, (acts, meta) in enumerate(metas[1:], start=1):
+        assert acts["blocks.1.attn.k"].shape == (3, 2, 8)  # only the new token, not the cache
+        assert torch.equal(meta.position, prompt_len + step - 1)
+        assert torch.equal(meta.row, torch.arange(3))
+
+
+def test_keep_shape_meta_and_drop_special():
+    class Tok:
+        all_special_ids = [5, 6]
+
+    model = tiny_model("gpt2")
+    lens = conceptlens.attach(model, Tok())
+    inputs = tiny_inputs("gpt2")
+    inputs["input_ids"][1, 3] = 5
+    with torch.no_grad(), lens.capture("blocks.0.resid_out", drop_special=True) as cap:
+        model(**inputs)
+    acts, meta = cap.last
+    expected = inputs["attention_mask"].bool() & (inputs["input_ids"] != 5) & (inputs["input_ids"] != 6)
+    assert torch.equal(meta.keep, expected)
+    assert acts["blocks.0.resid_out"].shape[0] == int(expected.sum())
+    with pytest.raises(ValueError, match="tokenizer"):
+        conceptlens.attach(model).capture("blocks.0.resid_out", drop_special=True)
+
+
+def test_encoder_decoder_streams_and_generate():
+    model = tiny_model("t5")
+    lens = conceptlens.attach(model)
+    inputs = tiny_inputs("t5")
+    with pytest.raises(ValueError, match="different token streams"):
+        lens.capture(["encoder.blocks.0.resid_out", "decoder.blocks.0.resid_out"])
+    enc, dec = [], []
+    prompt = {k: v for k, v in inputs.items() if k != "decoder_input_ids"}
+    with torch.no_grad(), lens.capture("encoder.blocks.1.resid_out", on_batch=lambda a, m: enc.append(m)), \
+            lens.capture(["decoder.blocks.0.resid_out", "decoder.blocks.1.cross_attn.q"],
+                         on_batch=lambda a, m: dec.append(a)):
+        model.generate(**prompt, max_new_tokens=3, do_sample=False)
+    assert len(enc) == 1 and int(enc[0].keep.sum()) == int(inputs["attention_mask"].sum())
+    assert len(dec) == 3 and all(a["decoder.blocks.0.resid_out"].shape == (3, 32) for a in dec)
+    with torch.no_grad(), lens.capture("decoder.blocks.0.cross_attn.k") as cap:
+        model(**inputs)
+    assert cap.last[0]["decoder.blocks.0.cross_attn.k"].shape == (int(inputs["attention_mask"].sum()), 4, 8)
+
+
+def test_inputs_embeds_give_unknown_token_ids():
+    model = tiny_model("llama")
+    lens = conceptlens.attach(model)
+    embeds = model.model.embed_tokens(torch.tensor([[4, 5, 6]]))
+    with torch.no_grad(), lens.capture("blocks.0.resid_out") as cap:
+        model(inputs_embeds=embeds)
+    assert cap.last[1].token.tolist() == [-1, -1, -1]
+    assert cap.last[1].position.tolist() == [0, 1, 2]

@@ -1,0 +1,359 @@
+"""CLVQTranscoder: a cross-layer VQ bottleneck that reads one site and reconstructs another.
+
+    tc = CLVQTranscoder(n_codes=512)
+    for x_src, x_tgt in stream:            # the same tokens at two sites: (N, d_src), (N, d_tgt)
+        tc.update(x_src, x_tgt)
+    tc.encode(x_src)                         # (N, K) one-hot code per token
+    cs = tc.concept_set()                    # codes, and what each code writes at the target
+
+After the CLVQ-VAE: an adaptive residual encoder z_e = (1 - a) h + a LayerNorm(W h + b),
+a = 0.5 sigmoid(alpha) in [0, 0.5]; a `VQCodebook` (EMA, top-k temperature sampling) on
+z_e with a straight-through estimator; a decoder (an MLP, or a small transformer over each
+sequence's codes) reconstructing the target site. Loss: MSE(x_tgt, x_hat) +
+commitment * MSE(z_e, sg(q)), minimised by Adam; the codebook itself moves only by EMA.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.concepts.vq import VQCodebook, VQConfig, fvu_from_sums, fvu_sums
+
+DecoderKind = Literal["mlp", "transformer"]
+DECODERS = ("mlp", "transformer")
+
+
+@dataclass
+class CLVQConfig:
+    """Hyper-parameters of a `CLVQTranscoder`."""
+
+    n_codes: int
+    """Number of codes K."""
+    hidden: int = 1024
+    """Hidden width of the MLP decoder / model width of the transformer decoder."""
+    decoder: DecoderKind = "mlp"
+    """"mlp": per token. "transformer": attends over each sequence's codes (needs sequence_ids)."""
+    commitment: float = 0.1
+    """Weight of MSE(z_e, sg(q)), which keeps the encoder near its codes."""
+    lr: float = 1e-3
+    """Adam learning rate of the encoder and decoder."""
+    batch_size: int | None = 1024
+    """Rows per optimiser (and EMA) step; None = one step per call."""
+    layers: int = 2
+    """Transformer decoder layers."""
+    heads: int = 4
+    """Attention heads of the transformer decoder (must divide hidden)."""
+    causal: bool = True
+    """The transformer decoder sees only earlier tokens of a sequence (as in a causal LM)."""
+    codebook: dict[str, Any] = field(default_factory=dict)
+    """Options of the inner `VQCodebook` (decay, eps, top_k, temperature, init, init_size,
+    reseed_after, reseed_threshold)."""
+    seed: int = 0
+    """Seed of the parameter initialisation and of the codebook's generator."""
+
+    def __post_init__(self) -> None:
+        if self.decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {DECODERS}; got {self.decoder!r}")
+        for name in ("n_codes", "hidden", "layers", "heads"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer; got {getattr(self, name)!r}")
+        if self.decoder == "transformer" and self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads}")
+        if self.commitment < 0 or not self.lr > 0:
+            raise ValueError(f"commitment must be >= 0 and lr > 0; got {self.commitment!r}, {self.lr!r}")
+        allowed = set(VQConfig.__dataclass_fields__) - {"n_codes", "batch_size", "seed"}
+        if set(self.codebook) - allowed:
+            raise ValueError(f"unknown codebook options {sorted(set(self.codebook) - allowed)}; "
+                             f"valid: {sorted(allowed)}")
+
+
+class CLVQStats(NamedTuple):
+    """Fit-report numbers of a transcoder (EMA over recent steps)."""
+
+    fvu: float
+    """FVU of the target by the training reconstructions (sampled codes, before each step)."""
+    usage: float
+    perplexity: float
+    mix: float
+    """The encoder's residual mix a = 0.5 sigmoid(alpha)."""
+    steps: int
+    tokens: int
+
+
+class ResidualEncoder(nn.Module):
+    """z_e = (1 - a) h + a LayerNorm(W h + b) with a = 0.5 sigmoid(alpha): (N, d) -> (N, d)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.alpha = nn.Parameter(torch.zeros(()))
+
+    @property
+    def mix(self) -> Tensor:
+        return 0.5 * torch.sigmoid(self.alpha)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return (1 - self.mix) * h + self.mix * self.norm(self.linear(h))
+
+
+class MLPDecoder(nn.Module):
+    """Per-token decoder (N, d_in) -> (N, d_out); sequence_ids are ignored."""
+
+    def __init__(self, d_in: int, hidden: int, d_out: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Linear(hidden, d_out))
+
+    def forward(self, z: Tensor, sequence_ids: Tensor | None = None) -> Tensor:
+        return self.net(z)
+
+
+class SequenceDecoder(nn.Module):
+    """Transformer decoder over each sequence's codes: (N, d_in) -> (N, d_out).
+
+    Rows are grouped by `sequence_ids` (N,), in their order within the batch (sinusoidal
+    positions mark that order); each token attends to its sequence's codes, in self- and
+    cross-attention (memory = the codes, straight-through z_q).
+    """
+
+    def __init__(self, d_in: int, hidden: int, d_out: int, layers: int, heads: int, causal: bool) -> None:
+        super().__init__()
+        self.causal = causal
+        self.proj_in = nn.Linear(d_in, hidden)
+        layer = nn.TransformerDecoderLayer(hidden, heads, 2 * hidden, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.blocks = nn.TransformerDecoder(layer, layers)
+        self.proj_out = nn.Linear(hidden, d_out)
+
+    def forward(self, z: Tensor, sequence_ids: Tensor | None = None) -> Tensor:
+        if sequence_ids is None:
+            raise ValueError("the transformer decoder needs sequence_ids (N,) to group tokens into sequences")
+        h, padding, where = pad_sequences(self.proj_in(z), sequence_ids)        # (S, L, h)
+        length = h.shape[1]
+        h = h + sinusoids(length, h.shape[2]).to(h)      # attention alone does not see order
+        mask = torch.ones(length, length, dtype=torch.bool, device=z.device).triu(1) if self.causal else None
+        h = self.blocks(h, h, tgt_mask=mask, memory_mask=mask, tgt_key_padding_mask=padding,
+                        memory_key_padding_mask=padding)
+        return self.proj_out(h[where])                                            # (N, d_out)
+
+
+def pad_sequences(h: Tensor, sequence_ids: Tensor) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+    """Group rows h (N, d) by sequence id, keeping their order within each sequence.
+
+    Returns padded (S, L, d), padding mask (S, L) (True = padding), and (sequence, position)
+    indices (N,), (N,) so that padded[sequence, position] == h.
+    """
+    _, seq, counts = torch.unique(sequence_ids, return_inverse=True, return_counts=True)
+    order = torch.argsort(seq, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.empty_like(seq)
+    pos[order] = torch.arange(len(seq), device=h.device) - starts[seq[order]]
+    padded = h.new_zeros(len(counts), int(counts.max()), h.shape[1])
+    padded[seq, pos] = h
+    padding = torch.arange(padded.shape[1], device=h.device)[None] >= counts[:, None]
+    return padded, padding, (seq, pos)
+
+
+def sinusoids(length: int, width: int) -> Tensor:
+    """Sinusoidal position codes (length, width) of the original transformer."""
+    pos = torch.arange(length, dtype=torch.float64)[:, None]
+    freq = torch.exp(-torch.arange(0, width, 2, dtype=torch.float64) * (math.log(10_000.0) / width))
+    out = torch.zeros(length, width, dtype=torch.float64)
+    out[:, 0::2], out[:, 1::2] = torch.sin(pos * freq), torch.cos(pos * freq[: width // 2])
+    return out
+
+
+class CLVQTranscoder:
+    """A cross-layer VQ transcoder fitted online; see the module docstring.
+
+    Its codes live in the encoder space: z_e has the source site's width and, since
+    a <= 0.5, is at least half the source activation itself; `concept_set()` returns them
+    as directions (fit engines label them with the source site) and, in
+    `stats["decoded"]` (K, d_tgt), what each code writes at the target site.
+    """
+
+    method = "clvq"
+
+    def __init__(self, n_codes: int, *, hidden: int = 1024, decoder: DecoderKind = "mlp",
+                 commitment: float = 0.1, lr: float = 1e-3, batch_size: int | None = 1024,
+                 layers: int = 2, heads: int = 4, causal: bool = True,
+                 codebook: dict[str, Any] | None = None, seed: int = 0) -> None:
+        self.config = CLVQConfig(n_codes, hidden, decoder, commitment, lr, batch_size, layers, heads,
+                                 causal, dict(codebook or {}), seed)
+        self.vq = VQCodebook(n_codes, batch_size=batch_size, seed=seed, **self.config.codebook)
+        self.dims: tuple[int, int] | None = None
+        self.encoder: ResidualEncoder | None = None
+        self.decoder: nn.Module | None = None
+        self.optimizer: torch.optim.Adam | None = None
+        self.scales: dict[str, Tensor] = {}     # standardisation of decoder input and output
+        self._pending: list[Tensor] = []        # [src (M, d_src), tgt (M, d_tgt), ids (M,)]
+        self._fvu: Tensor | None = None         # (d_tgt + 3,) float64 EMA of fvu_sums
+        self.steps = 0
+
+    # ---- streaming -------------------------------------------------------------------
+
+    def update(self, x_src: Tensor, x_tgt: Tensor, sequence_ids: Tensor | None = None) -> None:
+        """Consume aligned tokens x_src (N, d_src), x_tgt (N, d_tgt), optional sequence ids
+        (N,): collect the first init_size rows for the codebook's initialisation, then one
+        Adam + EMA step per batch_size rows. A sequence split across steps is treated as two."""
+        batch = self._prepare(x_src, x_tgt, sequence_ids)
+        rows = [torch.cat([p, b]) for p, b in zip(self._pending, batch)]
+        n_init = self.vq.config.init_size
+        if self.vq.codes is None:
+            if len(rows[0]) < n_init:
+                self._pending = rows
+                return
+            self._initialise(*(r[:n_init] for r in rows))
+            rows = [r[n_init:] for r in rows]
+        size = self.config.batch_size or len(rows[0])
+        n_full = len(rows[0]) // size if size else 0
+        for i in range(n_full):
+            self._train_step(*(r[i * size:(i + 1) * size] for r in rows))
+        self._pending = [r[n_full * size:].clone() for r in rows]
+
+    def _train_step(self, src: Tensor, tgt: Tensor, ids: Tensor) -> None:
+        z_e = self.encoder(src)                                        # (N, d_src)
+        step = self.vq.train_step(z_e.detach())
+        z_q = z_e + (step.quantized - z_e).detach()                    # straight-through
+        x_hat = self._decode(z_q, ids)                                 # (N, d_tgt)
+        loss = F.mse_loss(x_hat, tgt) + self.config.commitment * F.mse_loss(z_e, step.quantized)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        decay = self.vq.config.decay
+        self._fvu = decay * self._fvu + (1 - decay) * fvu_sums(tgt, x_hat)
+        self.steps += 1
+
+    def _decode(self, z: Tensor, ids: Tensor | None) -> Tensor:
+        # Residual streams carry large means and norms: the decoder works on standardised
+        # inputs and outputs (scales fixed at initialisation) so that Adam's lr means the same
+        # at every site.
+        s = self.scales
+        return s["tgt_mean"] + s["tgt_scale"] * self.decoder((z - s["z_mean"]) / s["z_scale"], ids)
+
+    def _prepare(self, x_src: Tensor, x_tgt: Tensor, ids: Tensor | None) -> list[Tensor]:
+        if x_src.ndim != 2 or x_tgt.ndim != 2 or len(x_src) != len(x_tgt):
+            raise ValueError(f"expected aligned (N, d_src) and (N, d_tgt) tensors; got "
+                             f"{tuple(x_src.shape)} and {tuple(x_tgt.shape)}")
+        if ids is None:
+            if self.config.decoder == "transformer":
+                raise ValueError("decoder='transformer' needs sequence_ids (N,) in update")
+            ids = torch.zeros(len(x_src), dtype=torch.long, device=x_src.device)
+        if ids.shape != (len(x_src),):
+            raise ValueError(f"sequence_ids must have shape ({len(x_src)},); got {tuple(ids.shape)}")
+        dims = (x_src.shape[1], x_tgt.shape[1])
+        if self.dims is None:
+            self._build(dims, x_src.device)
+        if dims != self.dims:
+            raise ValueError(f"expected widths (d_src, d_tgt)={self.dims} (fixed by the first update); got {dims}")
+        return [x_src.float(), x_tgt.float(), ids.long()]
+
+    def _build(self, dims: tuple[int, int], device: torch.device) -> None:
+        cfg, (d_src, d_tgt) = self.config, dims
+        self.dims = dims
+        with torch.random.fork_rng(devices=[]):      # seeded init without touching global RNG
+            torch.manual_seed(cfg.seed)
+            self.encoder = ResidualEncoder(d_src)
+            self.decoder = (MLPDecoder(d_src, cfg.hidden, d_tgt) if cfg.decoder == "mlp" else
+                            SequenceDecoder(d_src, cfg.hidden, d_tgt, cfg.layers, cfg.heads, cfg.causal))
+        self.encoder, self.decoder = self.encoder.to(device), self.decoder.to(device)
+        params = [*self.encoder.parameters(), *self.decoder.parameters()]
+        self.optimizer = torch.optim.Adam(params, lr=cfg.lr)
+        self._pending = [torch.zeros(0, d_src, device=device), torch.zeros(0, d_tgt, device=device),
+                         torch.zeros(0, dtype=torch.long, device=device)]
+        self._fvu = torch.zeros(d_tgt + 3, dtype=torch.float64, device=device)
+
+    def _initialise(self, src: Tensor, tgt: Tensor, ids: Tensor) -> None:
+        """Standardisation from the first init_size rows; the codebook initialises on their z_e."""
+        with torch.no_grad():
+            z = self.encoder(src)
+        self.scales = {"z_mean": z.mean(0), "z_scale": _rms(z - z.mean(0)),
+                       "tgt_mean": tgt.mean(0), "tgt_scale": _rms(tgt - tgt.mean(0))}
+        self.vq.update(z)
+
+    # ---- evaluation ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode(self, x_src: Tensor) -> Tensor:
+        """One-hot nearest code of each token: (N, d_src) -> (N, K) float."""
+        return self.vq.encode(self._encoder()(x_src.float()))
+
+    @torch.no_grad()
+    def reconstruct(self, x_src: Tensor, sequence_ids: Tensor | None = None) -> Tensor:
+        """The target site predicted through the nearest codes: (N, d_src) -> (N, d_tgt)."""
+        return self._decode(self.vq.quantize(self._encoder()(x_src.float())), sequence_ids)
+
+    def stats(self) -> CLVQStats:
+        """Target FVU, codebook usage and perplexity, encoder mix for the fit report."""
+        vq = self.vq.stats()
+        return CLVQStats(fvu_from_sums(self._fvu), vq.usage, vq.perplexity,
+                         self._encoder().mix.item(), self.steps, vq.tokens)
+
+    @torch.no_grad()
+    def concept_set(self) -> ConceptSet:
+        """Directions = codes (K, d_src) in encoder space; stats["decoded"] (K, d_tgt) = the
+        decoder's output for each code alone (for the transformer: a one-token sequence)."""
+        codes = self.vq.concept_set()
+        ids = torch.arange(len(codes), device=codes.directions.device)
+        decoded = self._decode(self.vq.codes, ids)
+        enc = self._encoder()
+        encoder = {"codebook": self.vq.codes.clone(), "alpha": enc.alpha.detach().reshape(1).clone()}
+        encoder |= {f"{k}": v.clone() for k, v in enc.state_dict().items() if k != "alpha"}
+        config = {**asdict(self.config), "d_target": self.dims[1], "fit_stats": self.stats()._asdict()}
+        return ConceptSet(codes.directions, method=self.method, config=config, encoder=encoder,
+                          stats={**codes.stats, "decoded": decoded})
+
+    def _encoder(self) -> ResidualEncoder:
+        if self.encoder is None or self.vq.codes is None:
+            raise RuntimeError(f"the transcoder is not initialised: it starts after "
+                               f"init_size={self.vq.config.init_size} tokens")
+        return self.encoder
+
+    # ---- persistence -----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume bit for bit: parameters, Adam moments, the codebook."""
+        state: dict[str, Any] = {"config": asdict(self.config), "dims": self.dims, "steps": self.steps,
+                                 "vq": self.vq.state_dict()}
+        if self.dims is not None:
+            state |= {"encoder": self.encoder.state_dict(), "decoder": self.decoder.state_dict(),
+                      "optimizer": self.optimizer.state_dict(), "scales": self.scales,
+                      "pending": self._pending, "fvu": self._fvu}
+        return copy.deepcopy(state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from `state_dict()`; the constructor arguments must match."""
+        if state["config"] != asdict(self.config):
+            raise ValueError(f"state was saved with settings {state['config']}; "
+                             f"this transcoder has {asdict(self.config)}")
+        self.vq.load_state_dict(state["vq"])
+        self.steps = state["steps"]
+        if state["dims"] is None:
+            return
+        self._build(tuple(state["dims"]), state["fvu"].device)
+        self.encoder.load_state_dict(state["encoder"])
+        self.decoder.load_state_dict(state["decoder"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scales = {k: v.clone() for k, v in state["scales"].items()}
+        self._pending = [p.clone() for p in state["pending"]]
+        self._fvu = state["fvu"].clone()
+
+    def merge(self, other: Any) -> None:
+        """Not supported: the encoder and decoder are trained by gradient steps, whose
+        parameters do not add across workers. Fit a transcoder on one worker."""
+        raise NotImplementedError("CLVQTranscoder cannot merge workers: its encoder and decoder are "
+                                  "trained by gradient descent; fit it on a single worker")
+
+
+def _rms(x: Tensor) -> Tensor:
+    """Root mean square over all entries of x (N, d) (1 if x is all zeros)."""
+    rms = x.pow(2).mean().sqrt()
+    return torch.where(rms > 0, rms, torch.ones_like(rms))

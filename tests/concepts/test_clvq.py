@@ -1,0 +1,174 @@
+"""CLVQTranscoder: learns a cross-site map through its codes, keeps its encoder mix in
+[0, 0.5], uses sequence context when asked, and resumes bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conceptlens.concepts.clvq import CLVQTranscoder, pad_sequences
+from conceptlens.concepts.conceptset import ConceptSet
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # These tensors are tiny: on a shared 2-core machine thread hand-offs cost more than math.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def cross_site(n_clusters=16, d_src=16, d_tgt=12, *, seed=0, context=0.0):
+    """Sampler of aligned (source, target) rows: a clustered source and a nonlinear target.
+
+    With context > 0 the target also depends on the previous token of the same sequence
+    (sequences of 16 tokens): n -> (src, tgt, sequence_ids).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    centres = 3 * torch.randn(n_clusters, d_src, generator=gen)
+    w1, w2 = torch.randn(d_src, 32, generator=gen) / 4, torch.randn(32, d_tgt, generator=gen)
+    w3 = torch.randn(d_src, d_tgt, generator=gen) / 3
+
+    def draw(n: int):
+        src = centres[torch.randint(n_clusters, (n,), generator=gen)]
+        src = src + 0.2 * torch.randn(n, d_src, generator=gen)
+        ids = torch.arange(n) // 16
+        prev = torch.where((torch.arange(n) % 16 == 0)[:, None], 0.0, src.roll(1, 0))
+        return src, torch.tanh(src @ w1) @ w2 + context * prev @ w3, ids
+    return draw
+
+
+def assert_equal_nested(a, b, where="state") -> None:
+    """Exact equality of nested dicts / lists of tensors and scalars."""
+    assert type(a) is type(b), where
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_equal_nested(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_equal_nested(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+def held_out_fvu(tc: CLVQTranscoder, draw, transformer: bool = False) -> float:
+    src, tgt, ids = draw(2048)
+    pred = tc.reconstruct(src, ids if transformer else None)
+    return ((tgt - pred).pow(2).sum() / (tgt - tgt.mean(0)).pow(2).sum()).item()
+
+
+def fit(draw, steps: int, transformer: bool = False, **kwargs) -> CLVQTranscoder:
+    options = dict(hidden=64, batch_size=256, lr=3e-3, layers=1, heads=2,
+                   codebook=dict(init_size=256)) | kwargs
+    tc = CLVQTranscoder(16, decoder="transformer" if transformer else "mlp", **options)
+    for _ in range(steps):
+        src, tgt, ids = draw(256)
+        tc.update(src, tgt, ids if transformer else None)
+    return tc
+
+
+def test_transcoder_reconstructs_a_function_of_a_clustered_source():
+    draw = cross_site()
+    tc = fit(draw, 60)
+    stats = tc.stats()
+    assert held_out_fvu(tc, draw) < 0.15
+    assert stats.fvu < 0.5 and stats.usage > 0.9 and stats.steps == 59
+    assert 0.0 <= stats.mix <= 0.5 and stats.mix != 0.25      # alpha was trained (starts at 0.25)
+
+
+def test_encoder_is_the_bounded_residual_mix_by_hand():
+    tc = fit(cross_site(), 2)
+    enc = tc.encoder
+    h = torch.randn(5, 16)
+    a = 0.5 * torch.sigmoid(enc.alpha)
+    by_hand = (1 - a) * h + a * F.layer_norm(h @ enc.linear.weight.T + enc.linear.bias, (16,),
+                                             enc.norm.weight, enc.norm.bias)
+    torch.testing.assert_close(enc(h), by_hand)
+    for alpha, expected in [(-50.0, 0.0), (0.0, 0.25), (50.0, 0.5)]:
+        enc.alpha.data.fill_(alpha)
+        assert enc.mix.item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_gradients_pass_the_codes_to_the_encoder_and_predictions_use_the_codes():
+    tc = fit(cross_site(), 1)                       # initialised, no step yet
+    before = tc.encoder.linear.weight.clone()
+    src, tgt, _ = cross_site(seed=1)(256)
+    tc.update(src, tgt)
+    assert not torch.equal(before, tc.encoder.linear.weight)
+    with torch.no_grad():
+        codes = tc.vq.codes[tc.vq.assign(tc.encoder(src))]
+        torch.testing.assert_close(tc.reconstruct(src), tc._decode(codes, None))
+        assert torch.equal(tc.encode(src).argmax(1), tc.vq.assign(tc.encoder(src)))
+
+
+def test_transformer_decoder_uses_the_previous_token():
+    draw = cross_site(context=1.0)
+    mlp, seq = fit(draw, 60), fit(draw, 60, transformer=True)
+    mlp_fvu, seq_fvu = held_out_fvu(mlp, draw), held_out_fvu(seq, draw, transformer=True)
+    assert seq_fvu < 0.7 * mlp_fvu, (seq_fvu, mlp_fvu)
+
+
+def test_pad_sequences_groups_rows_in_order():
+    h = torch.arange(10.0).view(5, 2)
+    padded, padding, (seq, pos) = pad_sequences(h, torch.tensor([5, 3, 5, 3, 3]))
+    # sequence 3 holds rows 1, 3, 4; sequence 5 holds rows 0, 2
+    assert torch.equal(padded[0], h[[1, 3, 4]])
+    assert torch.equal(padded[1, :2], h[[0, 2]]) and torch.equal(padded[1, 2], torch.zeros(2))
+    assert torch.equal(padding, torch.tensor([[False, False, False], [False, False, True]]))
+    assert torch.equal(padded[seq, pos], h)
+
+
+@pytest.mark.parametrize("transformer", [False, True])
+def test_resume_from_a_saved_state_is_bit_identical(tmp_path, transformer):
+    draw = cross_site(seed=2)
+    stream = [draw(100 + 37 * (i % 3)) for i in range(12)]
+    make = lambda: CLVQTranscoder(8, hidden=32, batch_size=64, layers=1, heads=2, seed=3,   # noqa: E731
+                                  decoder="transformer" if transformer else "mlp",
+                                  codebook=dict(init_size=128, reseed_after=3))
+    whole, first, resumed = make(), make(), make()
+    for src, tgt, ids in stream:
+        whole.update(src, tgt, ids)
+    for src, tgt, ids in stream[:5]:
+        first.update(src, tgt, ids)
+    torch.save(first.state_dict(), tmp_path / "tc.pt")
+    resumed.load_state_dict(torch.load(tmp_path / "tc.pt", weights_only=True))
+    for src, tgt, ids in stream[5:]:
+        resumed.update(src, tgt, ids)
+    assert whole.steps > 10
+    assert_equal_nested(whole.state_dict(), resumed.state_dict())
+    src = stream[0][0]
+    assert torch.equal(whole.reconstruct(src, stream[0][2]), resumed.reconstruct(src, stream[0][2]))
+
+
+def test_concept_set_holds_codes_and_what_they_write(tmp_path):
+    tc = fit(cross_site(), 6)
+    cs = tc.concept_set()
+    assert cs.method == "clvq" and torch.equal(cs.directions, tc.vq.codes)
+    with torch.no_grad():
+        torch.testing.assert_close(cs.stats["decoded"], tc._decode(tc.vq.codes, None))
+    loaded = ConceptSet.load(cs.save(tmp_path / "cs"))
+    assert loaded.stats["decoded"].shape == (16, 12) and loaded.config["d_target"] == 12
+    assert loaded.encoder["alpha"].item() == tc.encoder.alpha.item()
+    assert loaded[3].stats["decoded"].shape == (1, 12)
+
+
+def test_bad_settings_and_inputs_are_named():
+    with pytest.raises(ValueError, match="decoder must be one of"):
+        CLVQTranscoder(8, decoder="rnn")
+    with pytest.raises(ValueError, match="unknown codebook options \\['k'\\]"):
+        CLVQTranscoder(8, codebook={"k": 3})
+    with pytest.raises(ValueError, match="needs sequence_ids"):
+        CLVQTranscoder(8, decoder="transformer", hidden=8, heads=2).update(torch.randn(4, 3), torch.randn(4, 2))
+    tc = CLVQTranscoder(8)
+    with pytest.raises(ValueError, match="aligned"):
+        tc.update(torch.randn(4, 3), torch.randn(5, 2))
+    with pytest.raises(RuntimeError, match="not initialised"):
+        tc.encode(torch.randn(4, 3))
+    with pytest.raises(NotImplementedError, match="single worker"):
+        tc.merge(CLVQTranscoder(8))

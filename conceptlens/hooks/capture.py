@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from conceptlens.adapters.site import Site
 from conceptlens.hooks.handles import HandleGroup
 from conceptlens.hooks.points import hook_site
-from conceptlens.hooks.tokens import InputRecorder, StackInputs, TokenMeta
+from conceptlens.hooks.tokens import TokenMeta, TokenTracker
 
 OnBatch = Callable[[dict[str, Tensor], TokenMeta], Any]
 
@@ -57,10 +57,8 @@ class Capture:
         self.stacks = stacks
         self.on_batch = on_batch
         self.keep_shape = keep_shape
-        self.special_ids = special_ids
         self.last: tuple[dict[str, Tensor], TokenMeta] | None = None
-        self._inputs: dict[str, StackInputs] = {}
-        self._meta: dict[tuple[str, int, int], TokenMeta] = {}
+        self.tokens = TokenTracker(stacks, special_ids, on_start=self._on_stack_start)
         self._acts: dict[str, Tensor] = {}
         self._shapes: dict[str, tuple[int, int]] = {}  # token stack -> (B, T) read this forward
         self._stopping = False
@@ -72,9 +70,7 @@ class Capture:
             raise RuntimeError("this Capture is already active; create a new one to nest captures")
         handles = HandleGroup()
         try:
-            for name, stack in self.stacks.items():
-                recorder = InputRecorder(stack)
-                handles.add(stack.register_forward_pre_hook(self._stack_pre_hook(name, recorder), with_kwargs=True))
+            self.tokens.register(handles)
             handles.add(self.stacks[self.stack_name].register_forward_hook(self._stack_post_hook))
             for site in self.sites.values():
                 handles.add(hook_site(site, self._reader(site)))
@@ -90,19 +86,15 @@ class Capture:
     def close(self) -> None:
         """Remove every hook of this capture (safe to call twice)."""
         handles, self._handles = self._handles, None
-        self._acts, self._meta = {}, {}
+        self._acts = {}
+        self.tokens.clear()
         if handles is not None:
             handles.remove()
 
     # -- hooks ----------------------------------------------------------------------------
-    def _stack_pre_hook(self, name: str, recorder: InputRecorder):
-        def hook(module, args, kwargs):
-            self._inputs[name] = recorder(args, kwargs)
-            self._meta = {}
-            if name == self.stack_name:
-                self._acts, self._shapes = {}, {}
-
-        return hook
+    def _on_stack_start(self, name: str) -> None:
+        if name == self.stack_name:
+            self._acts, self._shapes = {}, {}
 
     def _stack_post_hook(self, module, args, output) -> None:
         self._flush()
@@ -116,19 +108,12 @@ class Capture:
             if self.keep_shape:
                 self._acts[name] = x.to(torch.float32, copy=True)
             else:
-                keep = self._token_meta(stack, x.shape[0], x.shape[1], x.device).keep
+                keep = self.tokens.meta(stack, x.shape[0], x.shape[1], x.device).keep
                 self._acts[name] = x[keep].float()  # boolean indexing copies
             if self._stopping and len(self._acts) == len(self.sites):
                 raise StopForward
 
         return read
-
-    def _token_meta(self, stack: str, batch: int, length: int, device: torch.device) -> TokenMeta:
-        key = (stack, batch, length)
-        if key not in self._meta:
-            inputs = self._inputs.get(stack, StackInputs())
-            self._meta[key] = inputs.meta(batch, length, device, self.special_ids)
-        return self._meta[key]
 
     def _flush(self) -> None:
         acts, self._acts = self._acts, {}
@@ -136,7 +121,7 @@ class Capture:
             return
         device = next(iter(acts.values())).device
         stack = self.token_stack if self.token_stack in self._shapes else next(iter(self._shapes))
-        meta = self._token_meta(stack, *self._shapes[stack], device)
+        meta = self.tokens.meta(stack, *self._shapes[stack], device)
         if not self.keep_shape:
             keep = meta.keep
             meta = TokenMeta(meta.row[keep], meta.position[keep], meta.token[keep], keep)

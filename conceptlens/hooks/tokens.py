@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -89,3 +89,42 @@ class InputRecorder:
             if cache is not None and hasattr(cache, "get_seq_length"):
                 past = int(cache.get_seq_length())
         return StackInputs(get("input_ids"), get("attention_mask"), past)
+
+
+class TokenTracker:
+    """Records each stack's inputs during forwards and serves `TokenMeta` for its tensors.
+
+    `register(handles)` adds a forward pre-hook on every stack module; `on_start(stack)`
+    (optional) runs when a stack's forward begins. Metas are cached until the next forward.
+    """
+
+    def __init__(self, stacks: dict[str, nn.Module], special_ids: Tensor | None = None,
+                 on_start: Callable[[str], None] | None = None) -> None:
+        self.stacks = stacks
+        self.special_ids = special_ids
+        self.on_start = on_start
+        self.inputs: dict[str, StackInputs] = {}
+        self._cache: dict[tuple[str, int, int], TokenMeta] = {}
+
+    def register(self, handles) -> None:
+        for name, stack in self.stacks.items():
+            handles.add(stack.register_forward_pre_hook(self._pre_hook(name, InputRecorder(stack)), with_kwargs=True))
+
+    def _pre_hook(self, name: str, recorder: InputRecorder):
+        def hook(module, args, kwargs):
+            self.inputs[name] = recorder(args, kwargs)
+            self._cache = {}
+            if self.on_start is not None:
+                self.on_start(name)
+
+        return hook
+
+    def meta(self, stack: str, batch: int, length: int, device: torch.device) -> TokenMeta:
+        key = (stack, batch, length)
+        if key not in self._cache:
+            inputs = self.inputs.get(stack, StackInputs())
+            self._cache[key] = inputs.meta(batch, length, device, self.special_ids)
+        return self._cache[key]
+
+    def clear(self) -> None:
+        self.inputs, self._cache = {}, {}

@@ -13,16 +13,22 @@ exactly as it was.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from conceptlens.adapters.adapter import Adapter, get_path
 from conceptlens.adapters.site import Site
+from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.filters import FilterConfig
+from conceptlens.fit import FitConfig, FitReport
+from conceptlens.fit import fit as run_fit
 from conceptlens.hooks.capture import Capture, OnBatch
 from conceptlens.hooks.handles import Handle
 from conceptlens.hooks.points import SiteFn, hook_site
+from conceptlens.steering.edits import Edit, ProjectOut
+from conceptlens.steering.scope import Positions, Steer
 
 
 class Lens:
@@ -78,6 +84,34 @@ class Lens:
                 raise ValueError("drop_special=True needs a tokenizer: conceptlens.attach(model, tokenizer)")
             special = torch.tensor(sorted(self.tokenizer.all_special_ids), dtype=torch.long)
         return Capture(self.model, resolved, self.stacks, on_batch, keep_shape=keep_shape, special_ids=special)
+
+    def fit(self, extractors: Mapping[str | tuple[str, str], Any], data: Any, *, tokenizer: Any = None,
+            batch_size: int = 16, max_length: int = 128, max_tokens: int | None = None,
+            checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume: bool = True,
+            progress: bool = True, filters: FilterConfig | None = None) -> FitReport:
+        """Stream `data` once through the model into every extractor (see `conceptlens.fit`).
+
+        `extractors` maps a site, or a `(source_site, target_site)` pair for cross-layer
+        extractors, to an extractor; `data` is a list of strings, a .txt/.jsonl path, a
+        datasets.Dataset or a bundled set name (`conceptlens.data`).
+        """
+        config = FitConfig(batch_size=batch_size, max_length=max_length, max_tokens=max_tokens,
+                           checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+                           progress=progress, filters=filters or FilterConfig())
+        return run_fit(self, extractors, data, tokenizer=tokenizer, config=config)
+
+    def steer(self, *edits: Edit, positions: Positions = "all") -> Steer:
+        """Context manager applying `edits` (Add, ProjectOut, Clamp, CodeAblate) at their sites.
+
+        positions: "all", "prompt" (the first forward in the scope), "generated" (later
+        forwards) or a slice of absolute token positions.
+        """
+        return Steer(self, edits, positions)
+
+    def ablate(self, concepts: ConceptSet | Tensor, *, site: str | None = None,
+               positions: Positions = "all") -> Steer:
+        """Project the concept directions out at their site (shorthand for ProjectOut)."""
+        return Steer(self, [ProjectOut(concepts, site=site)], positions)
 
     def _site(self, site: str | Site) -> Site:
         if isinstance(site, Site):

@@ -1,0 +1,277 @@
+"""The streaming fit loop: texts -> batches -> capture -> extractors, with checkpoints.
+
+    report = lens.fit({"blocks.15.resid_out": StreamingKMeans(n_concepts=64)}, "bbc-news",
+                      max_tokens=200_000, checkpoint_dir="runs/km", checkpoint_every=50_000)
+    report.concepts["blocks.15.resid_out"]     # ConceptSet
+
+One capture-only forward per batch feeds every extractor at every site and stops after
+the deepest site needed. Every `checkpoint_every` tokens the extractor states, the row
+filter, the RNG states and the data position are written atomically; a fit started
+again with `resume=True` continues from there and ends bit-identical (on CPU) to a fit
+that was never interrupted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
+
+import torch
+from torch import Tensor
+
+from conceptlens._io import atomic_write
+from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.filters import FilterConfig, RowFilter
+
+if TYPE_CHECKING:
+    from conceptlens.lens import Lens
+
+Key = str | tuple[str, str]
+CHECKPOINT = "checkpoint.pt"
+
+
+@dataclass
+class FitConfig:
+    """How texts become batches and how often the fit is saved."""
+
+    batch_size: int = 16
+    """Documents per forward."""
+    max_length: int = 128
+    """Tokens per document; longer documents are truncated."""
+    max_tokens: int | None = None
+    """Stop after the batch that reaches this many real tokens (None: the whole source)."""
+    checkpoint_dir: str | None = None
+    """Folder for `checkpoint.pt` and, at the end, one ConceptSet folder per extractor."""
+    checkpoint_every: int | None = None
+    """Write a checkpoint each time this many more tokens have been seen."""
+    resume: bool = True
+    """Continue from `checkpoint_dir/checkpoint.pt` when it exists."""
+    progress: bool = True
+    """Show a tqdm bar of tokens and tokens/s."""
+    filters: FilterConfig = field(default_factory=FilterConfig)
+    """Token hygiene: attention sinks and non-finite rows never reach extractors."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "max_length", "max_tokens", "checkpoint_every"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        if self.checkpoint_every is not None and self.checkpoint_dir is None:
+            raise ValueError("checkpoint_every needs checkpoint_dir")
+
+
+@dataclass
+class FitReport:
+    """What a fit saw and produced."""
+
+    tokens: int
+    """Real (non-padding) tokens forwarded."""
+    documents: int
+    batches: int
+    seconds: float
+    """Wall time of this call (not counting time before a resume)."""
+    resumed_from: int
+    """Tokens already seen in the checkpoint this call resumed from (0: fresh start)."""
+    rows: dict[str, dict[str, int]]
+    """Per site: rows seen, kept, and dropped per reason (non-finite, first position, norm outlier)."""
+    extractors: dict[str, Any]
+    """Per extractor key: its own statistics (FVU, L0, usage, ...) when it reports any."""
+    concepts: dict[str, ConceptSet] = field(repr=False, default_factory=dict)
+
+    def summary(self) -> str:
+        rate = self.tokens / self.seconds if self.seconds else 0.0
+        lines = [f"{self.tokens:,} tokens in {self.documents:,} documents, {self.seconds:.1f} s ({rate:,.0f} tok/s)"]
+        for site, c in self.rows.items():
+            lines.append(f"  {site}: kept {c['kept']:,} of {c['seen']:,} rows (first position {c['first_position']:,}, "
+                         f"norm outliers {c['norm_outlier']:,}, non-finite {c['nonfinite']:,})")
+        return "\n".join(lines)
+
+
+def key_name(key: Key) -> str:
+    return key if isinstance(key, str) else f"{key[0]}->{key[1]}"
+
+
+def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any = None,
+        config: FitConfig | None = None) -> FitReport:
+    """Stream `data` through the model once, feeding every extractor; see the module docstring."""
+    from conceptlens import data as datasets
+
+    config = config or FitConfig()
+    tokenizer = tokenizer or lens.tokenizer
+    if tokenizer is None:
+        raise ValueError("fit needs a tokenizer: conceptlens.attach(model, tokenizer) or fit(..., tokenizer=...)")
+    plan = _plan(lens, extractors)
+    state = _State(RowFilter(config.filters))
+    checkpoint = Path(config.checkpoint_dir) / CHECKPOINT if config.checkpoint_dir else None
+    fingerprint = _fingerprint(plan, config)
+    if checkpoint is not None and config.resume and checkpoint.is_file():
+        state.load(checkpoint, plan, fingerprint)
+    resumed_from, start = state.tokens, time.perf_counter()
+    texts = islice(datasets.iter_texts(data), state.documents, None)
+    bar = _progress(config, resumed_from)
+    next_checkpoint = _next_mark(state.tokens, config.checkpoint_every)
+    with lens.capture(sorted(plan.sites)) as cap:
+        for docs in _batches(texts, config.batch_size):
+            if config.max_tokens is not None and state.tokens >= config.max_tokens:
+                break
+            n_tokens = _step(cap, tokenizer, docs, config.max_length, plan, state, lens.model)
+            state.documents += len(docs)
+            state.batches += 1
+            state.tokens += n_tokens
+            bar.update(n_tokens)
+            if next_checkpoint is not None and state.tokens >= next_checkpoint:
+                state.save(checkpoint, plan, fingerprint)
+                next_checkpoint = _next_mark(state.tokens, config.checkpoint_every)
+    bar.close()
+    if checkpoint is not None:
+        state.save(checkpoint, plan, fingerprint)
+    return _report(lens, plan, state, resumed_from, time.perf_counter() - start, config)
+
+
+@dataclass
+class _Plan:
+    extractors: dict[Key, Any]
+    sites: set[str]
+
+
+def _plan(lens: Lens, extractors: Mapping[Key, Any]) -> _Plan:
+    """Resolve every site before any work starts; canonical names as keys."""
+    if not extractors:
+        raise ValueError("fit needs at least one extractor: {site: extractor} or {(source, target): extractor}")
+    resolved: dict[Key, Any] = {}
+    for key, extractor in extractors.items():
+        if not callable(getattr(extractor, "update", None)):
+            raise TypeError(f"extractor for {key!r} has no update(x) method: {type(extractor).__name__}")
+        if isinstance(key, tuple):
+            if len(key) != 2:
+                raise ValueError(f"a cross-layer key is a (source_site, target_site) pair; got {key!r}")
+            resolved[(lens.site(key[0]).name, lens.site(key[1]).name)] = extractor
+        else:
+            resolved[lens.site(key).name] = extractor
+    sites = {s for key in resolved for s in ((key,) if isinstance(key, str) else key)}
+    return _Plan(resolved, sites)
+
+
+def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
+    while batch := list(islice(texts, size)):
+        yield batch
+
+
+def _tokenize(tokenizer: Any, docs: list[str], max_length: int) -> dict[str, Tensor]:
+    """Right-padded ids and mask; padding by hand so no pad token is needed."""
+    ids = tokenizer(docs, truncation=True, max_length=max_length)["input_ids"]
+    width = max(1, max(len(row) for row in ids))
+    input_ids = torch.zeros(len(ids), width, dtype=torch.long)
+    mask = torch.zeros(len(ids), width, dtype=torch.long)
+    for i, row in enumerate(ids):
+        input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[i, : len(row)] = 1
+    return {"input_ids": input_ids, "attention_mask": mask}
+
+
+def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: _State, model) -> int:
+    batch = _tokenize(tokenizer, docs, max_length)
+    n_tokens = int(batch["attention_mask"].sum())
+    if n_tokens == 0:
+        return 0  # empty documents only: nothing to forward
+    device = next(model.parameters()).device
+    acts = cap.forward(**{k: v.to(device) for k, v in batch.items()})  # no_grad inside
+    position = cap.last[1].position
+    keep = {site: state.rows(site, acts[site], position) for site in plan.sites}
+    for key, extractor in plan.extractors.items():
+        if isinstance(key, str):
+            rows = keep[key]
+            if rows.any():
+                extractor.update(_as_rows(acts[key][rows]))
+        else:
+            rows = keep[key[0]] & keep[key[1]]
+            if rows.any():  # pair extractors get q/k/v per head, (N, H, d_head)
+                extractor.update(acts[key[0]][rows], acts[key[1]][rows])
+    return n_tokens
+
+
+def _as_rows(x: Tensor) -> Tensor:
+    # Single-site extractors get (N, d) rows: q/k/v heads are concatenated.
+    return x if x.ndim == 2 else x.reshape(x.shape[0], -1)
+
+
+class _State:
+    """Everything a checkpoint holds besides the extractors."""
+
+    def __init__(self, rows: RowFilter) -> None:
+        self.rows = rows
+        self.tokens = self.documents = self.batches = 0
+
+    def save(self, path: Path, plan: _Plan, fingerprint: str) -> None:
+        state = {
+            "fingerprint": fingerprint,
+            "progress": {"tokens": self.tokens, "documents": self.documents, "batches": self.batches},
+            "rows": self.rows.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "extractors": {key_name(k): e.state_dict() for k, e in plan.extractors.items()},
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda tmp: torch.save(state, tmp))
+
+    def load(self, path: Path, plan: _Plan, fingerprint: str) -> None:
+        try:
+            state = torch.load(path, weights_only=True)
+        except Exception as err:  # noqa: BLE001 - any unreadable file gets the same advice
+            raise ValueError(f"cannot read checkpoint {path}: {err}; delete it or pass resume=False") from None
+        if state.get("fingerprint") != fingerprint:
+            raise ValueError(f"checkpoint {path} was written by a fit with other sites, extractors or batching; "
+                             "use another checkpoint_dir or resume=False")
+        for key, extractor in plan.extractors.items():
+            extractor.load_state_dict(state["extractors"][key_name(key)])
+        self.rows.load_state_dict(state["rows"])
+        torch.set_rng_state(state["torch_rng"])
+        progress = state["progress"]
+        self.tokens, self.documents, self.batches = progress["tokens"], progress["documents"], progress["batches"]
+
+
+def _fingerprint(plan: _Plan, config: FitConfig) -> str:
+    """What must not change between a checkpoint and its resume."""
+    what = {
+        "extractors": sorted((key_name(k), type(e).__qualname__) for k, e in plan.extractors.items()),
+        "batch_size": config.batch_size, "max_length": config.max_length, "filters": asdict(config.filters),
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _next_mark(tokens: int, every: int | None) -> int | None:
+    return None if every is None else (tokens // every + 1) * every
+
+
+def _progress(config: FitConfig, initial: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=config.max_tokens, initial=initial, unit="tok", unit_scale=True,
+                disable=not config.progress, desc="fit", dynamic_ncols=True)
+
+
+def _report(lens: Lens, plan: _Plan, state: _State, resumed_from: int, seconds: float,
+            config: FitConfig) -> FitReport:
+    concepts: dict[str, ConceptSet] = {}
+    stats: dict[str, Any] = {}
+    for key, extractor in plan.extractors.items():
+        name = key_name(key)
+        extractor_stats = getattr(extractor, "stats", None)
+        stats[name] = extractor_stats() if callable(extractor_stats) else extractor_stats
+        try:
+            cs = extractor.concept_set()
+        except RuntimeError:  # an extractor that never saw a row has no concepts yet
+            continue
+        cs.site = key if isinstance(key, str) else key[0]
+        cs.model = cs.model or lens.name
+        cs.config.setdefault("fit", {"tokens": state.tokens, "target_site": None if isinstance(key, str) else key[1]})
+        concepts[name] = cs
+        if config.checkpoint_dir:
+            cs.save(Path(config.checkpoint_dir) / "concepts" / name.replace("->", "__to__"))
+    return FitReport(state.tokens, state.documents, state.batches, seconds, resumed_from,
+                     {k: dict(v) for k, v in state.rows.counts.items()}, stats, concepts)
+

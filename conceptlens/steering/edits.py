@@ -1,0 +1,129 @@
+"""Edits: what steering does to a site's activations.
+
+    Add(cs[12], alpha=6.0)                 # x + alpha * c
+    ProjectOut(cs[[3, 7]])                 # remove the span of the directions
+    Clamp(sae, latent=42, value=0.0)       # set one SAE latent, keep the SAE's error
+    CodeAblate(codebook, codes=[5])        # remove the code vector from tokens assigned to it
+
+Each edit is bound to a site: the ConceptSet's, or `site=` when given a raw tensor or an
+extractor. `apply(x, mask)` edits the rows of `x` (`(B, T, d)`) where `mask` (`(B, T)`
+bool, or None for all) is true.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from conceptlens.concepts.conceptset import ConceptSet
+
+Concepts = ConceptSet | Tensor
+
+
+def _directions(concepts: Concepts) -> Tensor:
+    d = concepts.directions if isinstance(concepts, ConceptSet) else torch.as_tensor(concepts)
+    if d.ndim == 1:
+        d = d[None]
+    if d.ndim != 2:
+        raise ValueError(f"directions must have shape (d,) or (n, d); got {tuple(d.shape)}")
+    return d.detach().float()
+
+
+def _site_of(concepts: Any, site: str | None) -> str:
+    site = site or getattr(concepts, "site", None)
+    if not site:
+        raise ValueError(f"{type(concepts).__name__} carries no site; pass site='blocks.{{i}}.resid_out' "
+                         "(or another site name)")
+    return site
+
+
+class Edit:
+    """Base: a change applied to one site's activations."""
+
+    site: str
+
+    def apply(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        """(B, T, d) activations and an optional (B, T) mask -> edited activations."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _select(x: Tensor, new: Tensor, mask: Tensor | None) -> Tensor:
+        return new if mask is None else torch.where(mask[..., None], new, x)
+
+
+class Add(Edit):
+    """x + alpha * (sum of the concepts). Adds at one site are summed into one vector first,
+    so Add(alpha) and Add(-alpha) together leave every activation bit-identical."""
+
+    def __init__(self, concepts: Concepts, alpha: float = 1.0, *, site: str | None = None) -> None:
+        self.site = _site_of(concepts, site)
+        self.alpha = float(alpha)
+        self.vector = self.alpha * _directions(concepts).sum(0)  # (d,)
+
+    def apply(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        return add_vector(x, self.vector, mask)
+
+
+def add_vector(x: Tensor, vector: Tensor, mask: Tensor | None) -> Tensor:
+    v = vector.to(device=x.device, dtype=x.dtype)
+    return x + v if mask is None else x + mask[..., None].to(x.dtype) * v
+
+
+class ProjectOut(Edit):
+    """Remove the span of the directions: x - Q^T Q x with Q an orthonormal basis of it."""
+
+    def __init__(self, concepts: Concepts, *, site: str | None = None) -> None:
+        self.site = _site_of(concepts, site)
+        directions = _directions(concepts).double()
+        q, r = torch.linalg.qr(directions.T)  # (d, n): orthonormal columns spanning the directions
+        rank = int((r.diagonal().abs() > 1e-10 * r.diagonal().abs().max()).sum())
+        self.basis = q[:, :rank].T.float().contiguous()  # (rank, d)
+
+    def apply(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        basis = self.basis.to(device=x.device, dtype=x.dtype)
+        new = x - (x @ basis.T) @ basis
+        return self._select(x, new, mask)
+
+
+class Clamp(Edit):
+    """Set one SAE latent to `value`, keeping the SAE's reconstruction error:
+    x' = x + decode(z') - decode(z), so a latent left at its value changes nothing."""
+
+    def __init__(self, sae: Any, latent: int | Sequence[int], value: float, *, site: str | None = None) -> None:
+        if not (callable(getattr(sae, "encode", None)) and callable(getattr(sae, "decode", None))):
+            raise TypeError(f"Clamp needs an SAE with encode() and decode(); got {type(sae).__name__}")
+        self.site = _site_of(sae, site)
+        self.sae = sae
+        self.latents = torch.as_tensor([latent] if isinstance(latent, int) else list(latent), dtype=torch.long)
+        self.value = float(value)
+
+    @torch.no_grad()
+    def apply(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1]).float()
+        z = self.sae.encode(flat)
+        z_new = z.clone()
+        z_new[:, self.latents.to(z.device)] = self.value
+        delta = self.sae.decode(z_new) - self.sae.decode(z)
+        new = x + delta.reshape(x.shape).to(x.dtype)
+        return self._select(x, new, mask)
+
+
+class CodeAblate(Edit):
+    """Subtract the assigned code's vector from tokens assigned to one of `codes`."""
+
+    def __init__(self, codebook: Any, codes: int | Sequence[int], *, site: str | None = None) -> None:
+        if not (callable(getattr(codebook, "assign", None)) and callable(getattr(codebook, "quantize", None))):
+            raise TypeError(f"CodeAblate needs a codebook with assign() and quantize(); got {type(codebook).__name__}")
+        self.site = _site_of(codebook, site)
+        self.codebook = codebook
+        self.codes = torch.as_tensor([codes] if isinstance(codes, int) else list(codes), dtype=torch.long)
+
+    @torch.no_grad()
+    def apply(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1]).float()
+        hit = torch.isin(self.codebook.assign(flat), self.codes.to(x.device))  # (B*T,)
+        delta = torch.where(hit[:, None], -self.codebook.quantize(flat), torch.zeros_like(flat))
+        new = x + delta.reshape(x.shape).to(x.dtype)
+        return self._select(x, new, mask)

@@ -1,0 +1,188 @@
+"""Steering scopes: edits applied at their sites while a `with` block runs.
+
+    with lens.steer(Add(cs[12], alpha=6.0), positions="generated"):
+        model.generate(**inputs)
+
+Each site with active edits has exactly one hook, which applies that site's edits in the
+order they were entered; consecutive `Add`s with the same positions are summed into one
+vector first (so Add(a) with Add(-a) changes nothing, bit for bit, even across nested
+scopes). Positions are absolute — counted among a sequence's real tokens, through left
+padding and the KV cache — so an edit gives the same tokens with and without `use_cache`.
+`"prompt"` is the tokens of the first forward inside the scope; `"generated"` all later ones.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal, Sequence
+
+import torch
+from torch import Tensor
+
+from conceptlens.hooks.handles import HandleGroup
+from conceptlens.hooks.points import hook_site
+from conceptlens.hooks.tokens import TokenMeta, TokenTracker
+from conceptlens.steering.edits import Add, Edit, add_vector
+
+if TYPE_CHECKING:
+    from conceptlens.lens import Lens
+
+Positions = Literal["all", "prompt", "generated"] | slice
+_NAMED = ("all", "prompt", "generated")
+
+
+class Steer:
+    """One `lens.steer(...)` scope: its edits, positions and prompt bookkeeping."""
+
+    def __init__(self, lens: Lens, edits: Sequence[Edit], positions: Positions = "all") -> None:
+        if not edits:
+            raise ValueError("steer needs at least one edit, e.g. Add(concepts, alpha=4.0)")
+        for edit in edits:
+            if not isinstance(edit, Edit):
+                raise TypeError(f"not an edit: {edit!r}; use Add, ProjectOut, Clamp or CodeAblate")
+        if isinstance(positions, slice):
+            if positions.step not in (None, 1):
+                raise ValueError(f"positions slice must have step 1; got {positions}")
+        elif positions not in _NAMED:
+            raise ValueError(f"positions must be one of {_NAMED} or a slice of absolute positions; got {positions!r}")
+        self.lens = lens
+        self.sites = [lens.site(edit.site) for edit in edits]  # fails before any hook is added
+        self.edits = list(edits)
+        self.positions = positions
+        self.prompt_length: dict[str, Tensor] = {}  # stack -> (B,) real tokens in the first forward
+        self._active = False
+
+    def __enter__(self) -> Steer:
+        if self._active:
+            raise RuntimeError("this steering scope is already active")
+        _registry(self.lens).push(self)
+        self._active = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._active:
+            self._active = False
+            _registry(self.lens).pop(self)
+
+    def observe(self, stack: str, meta_source: TokenTracker) -> None:
+        """Called when a stack's forward starts: the first one defines the prompt."""
+        if stack in self.prompt_length:
+            return
+        inputs = meta_source.inputs[stack]
+        if inputs.attention_mask is not None and inputs.attention_mask.ndim == 2:
+            self.prompt_length[stack] = inputs.attention_mask.sum(-1)
+        elif inputs.input_ids is not None:
+            ids = inputs.input_ids
+            self.prompt_length[stack] = torch.full((ids.shape[0],), ids.shape[-1], device=ids.device)
+
+    def mask(self, stack: str, meta: TokenMeta) -> Tensor | None:
+        """(B, T) bool mask of positions this scope edits, or None for all."""
+        if self.positions == "all":
+            return None
+        if isinstance(self.positions, slice):
+            start = self.positions.start or 0
+            stop = self.positions.stop if self.positions.stop is not None else torch.iinfo(torch.long).max
+            return (meta.position >= start) & (meta.position < stop)
+        length = self.prompt_length.get(stack)
+        if length is None:  # a stack whose forward we never saw start: treat as prompt
+            in_prompt = torch.ones_like(meta.keep)
+        elif length.shape[0] != meta.position.shape[0]:
+            raise RuntimeError(f"positions={self.positions!r}: this scope's prompt had {length.shape[0]} rows but "
+                               f"this forward has {meta.position.shape[0]}; open one steering scope per generate call")
+        else:
+            in_prompt = meta.position < length.to(meta.position.device)[:, None]
+        return in_prompt if self.positions == "prompt" else ~in_prompt
+
+
+class _Registry:
+    """Per lens: the active scopes, one hook per edited site, one token tracker."""
+
+    def __init__(self, lens: Lens) -> None:
+        self.lens = lens
+        self.scopes: list[Steer] = []
+        self.tracker = TokenTracker(lens.stacks, on_start=self._on_start)
+        self.handles: HandleGroup | None = None
+
+    def _on_start(self, stack: str) -> None:
+        for scope in self.scopes:
+            scope.observe(stack, self.tracker)
+
+    def push(self, scope: Steer) -> None:
+        self.scopes.append(scope)
+        try:
+            self._rebuild()
+        except BaseException:
+            self.scopes.remove(scope)
+            self._rebuild()
+            raise
+
+    def pop(self, scope: Steer) -> None:
+        if scope in self.scopes:
+            self.scopes.remove(scope)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Replace every hook: one per site with edits, plus the tracker's pre-hooks."""
+        old, self.handles = self.handles, None
+        if old is not None:
+            old.remove()
+        if not self.scopes:
+            self.tracker.clear()
+            return
+        handles = HandleGroup()
+        try:
+            self.tracker.register(handles)
+            for site, entries in self._entries().items():
+                handles.add(hook_site(site, self._site_hook(site, entries)))
+        except BaseException:
+            handles.remove()
+            raise
+        self.handles = handles
+
+    def _entries(self) -> dict:
+        by_site: dict = {}
+        for scope in self.scopes:
+            for site, edit in zip(scope.sites, scope.edits):
+                by_site.setdefault(site, []).append((scope, edit))
+        return by_site
+
+    def _site_hook(self, site, entries: list[tuple[Steer, Edit]]):
+        groups = _fuse(entries)
+        tracker, stack = self.tracker, site.stack
+
+        def edit(x: Tensor) -> Tensor:
+            heads = x.shape[2:-1]
+            if heads:  # q/k/v (B, T, H, d): edits see concatenated heads
+                x = x.flatten(2)
+            meta = tracker.meta(stack, x.shape[0], x.shape[1], x.device)
+            for scope, item in groups:
+                mask = scope.mask(stack, meta)
+                x = add_vector(x, item, mask) if isinstance(item, Tensor) else item.apply(x, mask)
+            return x.unflatten(2, (*heads, -1)) if heads else x
+
+        return edit
+
+
+def _fuse(entries: list[tuple[Steer, Edit]]) -> list[tuple[Steer, Edit | Tensor]]:
+    """Sum consecutive Adds of scopes that select the same positions into one vector."""
+    groups: list[tuple[Steer, Edit | Tensor]] = []
+    for scope, edit in entries:
+        if isinstance(edit, Add) and groups and isinstance(groups[-1][1], Tensor) and \
+                _same_positions(groups[-1][0], scope):
+            groups[-1] = (groups[-1][0], groups[-1][1] + edit.vector)
+        else:
+            groups.append((scope, edit.vector.clone() if isinstance(edit, Add) else edit))
+    return groups
+
+
+def _same_positions(a: Steer, b: Steer) -> bool:
+    if a is b or a.positions == b.positions == "all":
+        return True
+    return isinstance(a.positions, slice) and a.positions == b.positions
+
+
+def _registry(lens: Lens) -> _Registry:
+    registry = getattr(lens, "_steering", None)
+    if registry is None:
+        registry = lens._steering = _Registry(lens)
+    return registry
+

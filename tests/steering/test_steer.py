@@ -1,0 +1,136 @@
+"""Steering: exact reversibility, projections, positions through the KV cache, hygiene."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import conceptlens
+from conceptlens import ConceptSet
+from conceptlens.hooks import attention
+from conceptlens.steering import Add, ProjectOut
+from tests.conftest import hook_snapshot, tiny_inputs, tiny_model
+
+SITE = "blocks.0.resid_out"
+
+
+@pytest.fixture
+def llama():
+    model = tiny_model("llama")
+    return model, conceptlens.attach(model)
+
+
+def _pre_post(lens, model, inputs, edits, positions="all", **gen):
+    """Capture the edited site before and after the edit during one call."""
+    pre, post = [], []
+    with torch.no_grad(), lens.capture(SITE, keep_shape=True, on_batch=lambda a, m: pre.append(a[SITE])), \
+            lens.steer(*edits, positions=positions), \
+            lens.capture(SITE, keep_shape=True, on_batch=lambda a, m: post.append(a[SITE])):
+        out = model.generate(**inputs, **gen) if gen else model(**inputs)
+    return pre, post, out
+
+
+def test_add_then_subtract_is_bit_identical(llama):
+    model, lens = llama
+    inputs = tiny_inputs("llama")
+    c = ConceptSet(torch.randn(3, 32), site=SITE)
+    with torch.no_grad():
+        bare = model(**inputs).logits
+        with lens.steer(Add(c[0], 7.3), Add(c[0], -7.3)):
+            assert torch.equal(model(**inputs).logits, bare)
+        with lens.steer(Add(c[[1, 2]], 3.1)), lens.steer(Add(c[[1, 2]], -3.1)):  # nested scopes
+            assert torch.equal(model(**inputs).logits, bare)
+        with lens.steer(Add(c[0], 7.3)):
+            assert not torch.equal(model(**inputs).logits, bare)
+    pre, post, _ = _pre_post(lens, model, inputs, [Add(c[1], 2.0)])
+    torch.testing.assert_close(post[0] - pre[0], (2.0 * c.directions[1]).expand_as(pre[0]))
+
+
+def test_project_out_leaves_no_component(llama):
+    model, lens = llama
+    inputs = tiny_inputs("llama")
+    directions = torch.randn(3, 32)
+    directions[2] = directions[0] + 2 * directions[1]  # rank-deficient: orthogonalise first
+    _, post, _ = _pre_post(lens, model, inputs, [ProjectOut(directions, site=SITE)])
+    unit = directions / directions.norm(dim=1, keepdim=True)
+    assert (post[0] @ unit.T).abs().max() < 1e-5 * post[0].norm(dim=-1).max()
+    with torch.no_grad(), lens.ablate(ConceptSet(directions, site=SITE)), \
+            lens.capture(SITE, keep_shape=True) as cap:
+        model(**inputs)
+    torch.testing.assert_close(cap.last[0][SITE], post[0], rtol=0, atol=0)
+
+
+def _generate(model, lens, inputs, edit, positions, use_cache):
+    with torch.no_grad(), lens.steer(edit, positions=positions):
+        return model.generate(**inputs, max_new_tokens=6, do_sample=False, use_cache=use_cache, pad_token_id=0)
+
+
+@pytest.mark.parametrize("positions", ["all", "prompt", "generated", slice(3, 8)])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_same_tokens_with_and_without_kv_cache(llama, positions, batch):
+    model, lens = llama
+    inputs = tiny_inputs("llama", batch=batch)  # batch 3: row 0 is left-padded
+    if batch == 1:
+        inputs = {k: v[1:2] for k, v in tiny_inputs("llama", batch=2).items()}
+    edit = Add(torch.randn(32, generator=torch.Generator().manual_seed(1)), 40.0, site="blocks.1.resid_out")
+    cached = _generate(model, lens, inputs, edit, positions, use_cache=True)
+    uncached = _generate(model, lens, inputs, edit, positions, use_cache=False)
+    assert torch.equal(cached, uncached)
+    with torch.no_grad():
+        bare = model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert not torch.equal(cached, bare)  # the edit does change generation
+
+
+@pytest.mark.parametrize("positions", ["prompt", "generated"])
+def test_prompt_and_generated_edit_only_their_tokens(llama, positions):
+    model, lens = llama
+    inputs = tiny_inputs("llama")
+    vector = torch.randn(32)
+    pre, post, _ = _pre_post(lens, model, inputs, [Add(vector, 5.0, site=SITE)], positions=positions,
+                             max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert len(pre) == 4  # prompt pass + 3 cached steps
+    changed = [(b - a).abs().amax(-1) > 0 for a, b in zip(pre, post)]  # (B, T) per forward
+    if positions == "prompt":
+        assert changed[0][inputs["attention_mask"].bool()].all()
+        assert not any(c.any() for c in changed[1:])
+    else:
+        assert not changed[0].any()
+        assert all(c.all() for c in changed[1:])
+
+
+def test_no_hook_remains_after_exceptions(llama):
+    model, lens = llama
+    inputs = tiny_inputs("llama")
+    snap = hook_snapshot(model)
+    with pytest.raises(ZeroDivisionError), lens.steer(Add(torch.randn(32), 1.0, site=SITE)):
+        assert hook_snapshot(model) != snap
+        1 / 0
+    assert hook_snapshot(model) == snap
+    with pytest.raises(KeyError), lens.steer(Add(torch.randn(32), 1.0, site="blocks.9.resid_out")):
+        pass
+    with pytest.raises(ValueError, match="positions"):
+        lens.steer(Add(torch.randn(32), 1.0, site=SITE), positions="middle")
+    edit = Add(torch.randn(8), 1.0, site="blocks.0.attn.k")
+    with lens.steer(edit), torch.no_grad():  # q/k/v sites take concatenated heads: (2 * 8 = 16) != 8
+        with pytest.raises(RuntimeError):
+            model(**inputs)
+    assert hook_snapshot(model) == snap and attention.active_hook_count() == 0
+
+
+def test_edits_compose_across_sites(llama):
+    model, lens = llama
+    inputs = tiny_inputs("llama")
+    a = Add(torch.randn(32), 3.0, site="blocks.0.resid_out")
+    b = ProjectOut(torch.randn(2, 32), site="blocks.1.attn_out")
+    with torch.no_grad():
+        with lens.steer(a):
+            with lens.steer(b):
+                both = model(**inputs).logits
+        with lens.steer(a, b):
+            together = model(**inputs).logits
+    assert torch.equal(both, together)
+
+
+def test_raw_tensor_without_site_is_an_error():
+    with pytest.raises(ValueError, match="site="):
+        Add(torch.randn(32), 1.0)

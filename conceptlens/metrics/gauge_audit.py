@@ -146,9 +146,10 @@ def _is_rotary(model: nn.Module) -> bool:
     config, model_type = getattr(model, "config", None), _model_type(model)
     if model_type in _INTERLEAVED_ROTARY:
         raise NotImplementedError(f"{model_type} pairs interleaved rotary dims; only rotate_half pairing is supported")
-    rope = getattr(config, "rope_parameters", None) or {}
-    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) if isinstance(rope, dict) else 1.0
-    if factor != 1.0:
+    rope = getattr(config, "rope_parameters", None)
+    rope = rope if isinstance(rope, dict) else {}
+    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if factor not in (None, 1.0):
         raise NotImplementedError(f"{model_type} rotates only part of each head (partial_rotary_factor={factor})")
     return True
 

@@ -1,0 +1,317 @@
+"""StreamingKMeans: weighted mini-batch k-means (Sculley 2010) over a stream of activations.
+
+    km = StreamingKMeans(n_concepts=512, seed=0)
+    for x in stream:                      # x: (N, d) float32
+        km.update(x)                      # or km.update(x, weight=w) with w: (N,) >= 0
+    cs = km.concept_set()                 # centres as directions, stats["mass"]
+
+Each centre is the weighted running mean of every row ever assigned to it: per minibatch,
+rows go to their nearest centre and c <- c + (sum_i w_i x_i - W c) / (m + W), with m the
+centre's mass so far and W the batch's weight for it (Sculley's per-centre 1/mass learning
+rate, applied to a whole batch at once).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from conceptlens.concepts.conceptset import ConceptSet
+
+
+@dataclass
+class KMeansConfig:
+    """Hyper-parameters of `StreamingKMeans`."""
+
+    n_concepts: int
+    """Number of centres k."""
+    spherical: bool = False
+    """Cluster directions: rows and centres are normalised, assignment by cosine similarity."""
+    batch_size: int | None = None
+    """Rows per minibatch step; None takes each `update` call as one step."""
+    init_size: int | None = None
+    """Rows buffered before k-means++ initialisation; None means max(3 k, 1024)."""
+    reseed_after: float | None = 50.0
+    """A centre that received no mass while `reseed_after * k` rows went by (a typical centre
+    would have received ~reseed_after rows) is moved to a row far from its centre; None never."""
+    seed: int = 0
+    """Seed of the private random generator (k-means++, batches, reseeding)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n_concepts, int) or self.n_concepts < 1:
+            raise ValueError(f"n_concepts must be a positive int; got {self.n_concepts!r}")
+        if self.batch_size is not None and (not isinstance(self.batch_size, int) or self.batch_size < 1):
+            raise ValueError(f"batch_size must be a positive int or None; got {self.batch_size!r}")
+        if self.init_size is not None and (not isinstance(self.init_size, int) or self.init_size < 1):
+            raise ValueError(f"init_size must be a positive int or None; got {self.init_size!r}")
+        if self.reseed_after is not None and not self.reseed_after > 0:
+            raise ValueError(f"reseed_after must be > 0 or None; got {self.reseed_after!r}")
+
+    @property
+    def rows_to_init(self) -> int:
+        return self.init_size if self.init_size is not None else max(3 * self.n_concepts, 1024)
+
+
+def squared_distances(x: Tensor, c: Tensor, x_sq: Tensor | None = None) -> Tensor:
+    """Squared Euclidean distances `(N, k)` between rows of x `(N, d)` and c `(k, d)`.
+
+    |x|^2 - 2 x.c + |c|^2 as one matmul; clamped at 0 against rounding.
+    """
+    x_sq = (x * x).sum(1) if x_sq is None else x_sq
+    return (x_sq[:, None] - 2.0 * (x @ c.T) + (c * c).sum(1)[None]).clamp_min_(0.0)
+
+
+def kmeans_plusplus(x: Tensor, k: int, generator: torch.Generator, weight: Tensor | None = None) -> Tensor:
+    """Indices `(k,)` of rows of x `(N, d)` chosen as initial centres by greedy k-means++.
+
+    Each new centre is the best (lowest weighted potential) of 2 + ln k candidates drawn with
+    probability proportional to weight * squared distance to the nearest chosen centre.
+    """
+    n = x.shape[0]
+    w = torch.ones(n, dtype=torch.float64) if weight is None else weight.detach().double().cpu()
+    x_sq = (x * x).sum(1)
+    trials = 2 + int(math.log(k))
+
+    def draw(p: Tensor, m: int) -> Tensor:
+        if not p.sum() > 0:  # every row already is a centre (or has weight 0): pick uniformly
+            return torch.randint(n, (m,), generator=generator)
+        return torch.multinomial(p, m, replacement=True, generator=generator)
+
+    chosen = [int(draw(w, 1))]
+    closest = squared_distances(x[chosen], x, x_sq[chosen])[0]  # (N,)
+    for _ in range(1, k):
+        cand = draw(w * closest.double().cpu(), trials)
+        d2 = torch.minimum(closest[None], squared_distances(x[cand.to(x.device)], x, x_sq[cand.to(x.device)]))
+        best = int((d2.double().cpu() * w).sum(1).argmin())
+        chosen.append(int(cand[best]))
+        closest = d2[best]
+    return torch.tensor(chosen, device=x.device)
+
+
+def minibatch_step(centres: Tensor, mass: Tensor, x: Tensor, weight: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One weighted mini-batch update; returns (centres (k, d), mass (k,), received (k,)).
+
+    centres (k, d), mass (k,) float64, x (N, d), weight (N,), labels (N,) nearest-centre index.
+    A centre that receives nothing is unchanged.
+    """
+    k = centres.shape[0]
+    sums = torch.zeros_like(centres).index_add_(0, labels, x * weight[:, None].to(x.dtype))
+    received = torch.zeros_like(mass).index_add_(0, labels, weight.to(mass.dtype))
+    new_mass = mass + received
+    # c + (sum w x - W c) / (m + W): the increment form keeps float32 precision at large mass.
+    rate = torch.where(new_mass > 0, 1.0 / new_mass.clamp_min(1e-300), 0.0).to(centres.dtype)
+    centres = centres + (sums - received.to(centres.dtype)[:, None] * centres) * rate[:, None]
+    return centres, new_mass, received.reshape(k)
+
+
+def weighted_lloyd(points: Tensor, weight: Tensor, k: int, generator: torch.Generator, *,
+                   spherical: bool = False, max_iter: int = 100) -> tuple[Tensor, Tensor]:
+    """Weighted k-means of points `(M, d)` with weights `(M,)` to k centres: (centres, mass).
+
+    Centres are weighted means of their points; with `spherical`, assignment uses directions.
+    """
+    view = _unit(points) if spherical else points
+    centres = points[kmeans_plusplus(view, k, generator, weight)]
+    labels = None
+    for _ in range(max_iter):
+        new = squared_distances(view, _unit(centres) if spherical else centres).argmin(1)
+        if labels is not None and torch.equal(new, labels):
+            break
+        labels = new
+        mass = torch.zeros(k, dtype=torch.float64, device=points.device).index_add_(0, labels, weight.double())
+        sums = torch.zeros_like(centres).index_add_(0, labels, points * weight[:, None].to(points.dtype))
+        centres = torch.where(mass[:, None] > 0, sums / mass.clamp_min(1e-300)[:, None].to(points.dtype), centres)
+    mass = torch.zeros(k, dtype=torch.float64, device=points.device).index_add_(0, labels, weight.double())
+    return centres, mass
+
+
+def _unit(x: Tensor) -> Tensor:
+    return x / x.norm(dim=1, keepdim=True).clamp_min(1e-12)
+
+
+class StreamingKMeans:
+    """Weighted mini-batch k-means with k-means++ start, dead-centre reseeding and merging.
+
+    `encode(x)` is the negative squared distance to each centre (spherical: the cosine
+    similarity), so its argmax is `predict(x)`. The first `init_size` rows are buffered, seed
+    k-means++ and then form the first minibatches. `concept_set()` on an object still
+    buffering initialises a copy on what it has, leaving the object itself unchanged.
+    """
+
+    method = "kmeans"
+
+    def __init__(self, n_concepts: int, *, spherical: bool = False, batch_size: int | None = None,
+                 init_size: int | None = None, reseed_after: float | None = 50.0, seed: int = 0) -> None:
+        self.config = KMeansConfig(n_concepts, spherical, batch_size, init_size, reseed_after, seed)
+        self._gen = torch.Generator().manual_seed(seed)
+        self.d: int | None = None
+        self._centres: Tensor | None = None  # (k, d) weighted running means (not normalised)
+        self._mass = torch.zeros(n_concepts, dtype=torch.float64)  # (k,) total weight received
+        self._idle = torch.zeros(n_concepts, dtype=torch.int64)  # (k,) rows seen since last mass
+        self._pending: tuple[Tensor, Tensor] | None = None  # rows (M, d), weights (M,) before init
+        self.n_seen = 0
+        self.n_reseeded = 0
+
+    @property
+    def is_initialised(self) -> bool:
+        """True once k-means++ has run (after `init_size` rows or `flush()`)."""
+        return self._centres is not None
+
+    @property
+    def centres(self) -> Tensor:
+        """The centres `(k, d)`; unit vectors when spherical."""
+        c = self._fitted()._centres
+        return _unit(c) if self.config.spherical else c
+
+    @property
+    def mass(self) -> Tensor:
+        """Total weight `(k,)` each centre has received (float64)."""
+        return self._fitted()._mass
+
+    def update(self, x: Tensor, weight: Tensor | None = None) -> None:
+        """Consume rows x `(N, d)` with optional non-negative weights `(N,)` (default 1)."""
+        x, weight = self._check(x, weight)
+        self.n_seen += x.shape[0]
+        if self._centres is None:
+            px, pw = self._pending if self._pending is not None else (x[:0], weight[:0])
+            self._pending = (torch.cat([px, x]), torch.cat([pw, weight]))
+            if self._pending[0].shape[0] >= self.config.rows_to_init:
+                self.flush()
+            return
+        self._steps(x, weight)
+
+    def flush(self) -> None:
+        """Initialise now on the buffered rows, if not yet initialised (no-op otherwise)."""
+        if self._centres is not None or self._pending is None:
+            return
+        x, w = self._pending
+        self._pending = None
+        self._centres = x[kmeans_plusplus(x, self.config.n_concepts, self._gen, w)].clone()
+        self._mass = self._mass.to(x.device)
+        self._idle = self._idle.to(x.device)
+        self._steps(x, w)
+
+    def _check(self, x: Tensor, weight: Tensor | None) -> tuple[Tensor, Tensor]:
+        if x.ndim != 2:
+            raise ValueError(f"update expects x of shape (N, d); got {tuple(x.shape)}")
+        if self.d is None:
+            self.d = x.shape[1]
+        elif x.shape[1] != self.d:
+            raise ValueError(f"this StreamingKMeans was fitted on width d={self.d}; got width {x.shape[1]}")
+        x = x.detach().float()
+        if weight is None:
+            weight = torch.ones(x.shape[0], device=x.device)
+        elif weight.shape != (x.shape[0],):
+            raise ValueError(f"weight must have shape ({x.shape[0]},); got {tuple(weight.shape)}")
+        elif not bool(torch.isfinite(weight).all() and (weight >= 0).all()):
+            raise ValueError("weight must be finite and non-negative")
+        return (_unit(x) if self.config.spherical else x), weight.detach().float().to(x.device)
+
+    def _steps(self, x: Tensor, w: Tensor) -> None:
+        size = self.config.batch_size or max(x.shape[0], 1)
+        for start in range(0, x.shape[0], size):
+            self._step(x[start:start + size], w[start:start + size])
+
+    def _step(self, x: Tensor, w: Tensor) -> None:
+        view = _unit(self._centres) if self.config.spherical else self._centres
+        best, labels = squared_distances(x, view).min(1)
+        self._centres, self._mass, received = minibatch_step(self._centres, self._mass, x, w, labels)
+        self._idle = torch.where(received > 0, 0, self._idle + x.shape[0])
+        if self.config.reseed_after is not None:
+            self._reseed(x, w, best)
+
+    def _reseed(self, x: Tensor, w: Tensor, best: Tensor) -> None:
+        """Move centres idle for too long onto rows drawn in proportion to w * distance^2."""
+        dead = torch.nonzero(self._idle >= self.config.reseed_after * self.config.n_concepts).flatten()
+        score = (w * best).double().cpu()
+        n = min(dead.numel(), int((score > 0).sum()))
+        if n == 0:
+            return
+        rows = torch.multinomial(score, n, replacement=False, generator=self._gen).to(x.device)
+        dead = dead[:n]
+        self._centres[dead] = x[rows]
+        self._mass[dead] = 0.0
+        self._idle[dead] = 0
+        self.n_reseeded += n
+
+    def _fitted(self) -> StreamingKMeans:
+        if self._centres is not None:
+            return self
+        if self._pending is None:
+            raise ValueError("StreamingKMeans has seen no data yet; call update(x) first")
+        twin = StreamingKMeans(**asdict(self.config))
+        twin.load_state_dict(self.state_dict())
+        twin.flush()
+        return twin
+
+    def encode(self, x: Tensor) -> Tensor:
+        """Concept activations `(N, k)`: -|x - c|^2, or cos(x, c) when spherical."""
+        c = self.centres
+        x = x.float()
+        return _unit(x) @ c.T if self.config.spherical else -squared_distances(x, c)
+
+    def predict(self, x: Tensor) -> Tensor:
+        """Index `(N,)` of the nearest centre (largest cosine when spherical)."""
+        return self.encode(x).argmax(1)
+
+    def inertia(self, x: Tensor, weight: Tensor | None = None) -> float:
+        """Sum of (weighted) squared distances to the nearest centre (unit vectors when spherical)."""
+        x = _unit(x.float()) if self.config.spherical else x.float()
+        d2 = squared_distances(x, self.centres).min(1).values.double()
+        return float(d2.sum() if weight is None else (d2 * weight.double()).sum())
+
+    def merge(self, other: StreamingKMeans | dict[str, Any]) -> None:
+        """Absorb another run's statistics (an object or its `state_dict()`).
+
+        Two runs' centres are not matched, so the 2k centres are clustered back to k by
+        weighted k-means (weights = masses); each merged centre is the mass-weighted mean of
+        its group and its mass the group's total, so total mass is conserved.
+        """
+        if isinstance(other, dict):
+            state, other = other, StreamingKMeans(**other["config"])
+            other.load_state_dict(state)
+        if other.config.n_concepts != self.config.n_concepts or other.config.spherical != self.config.spherical:
+            raise ValueError(f"cannot merge {other.config} into {self.config}: n_concepts and spherical must match")
+        if other._centres is None:
+            if other._pending is not None:
+                self.update(*other._pending)
+            return
+        pending, self._pending = self._pending, None
+        if self._centres is None:
+            self.d, self._centres, self._mass, self._idle = other.d, other._centres.clone(), other._mass.clone(), other._idle.clone()
+        else:
+            if other.d != self.d:
+                raise ValueError(f"cannot merge centres of width {other.d} into width {self.d}")
+            points = torch.cat([self._centres, other._centres])
+            mass = torch.cat([self._mass, other._mass.to(self._mass.device)])
+            self._centres, self._mass = weighted_lloyd(points, mass, self.config.n_concepts, self._gen,
+                                                        spherical=self.config.spherical)
+            self._idle = torch.zeros_like(self._idle)
+        self.n_seen += other.n_seen
+        if pending is not None:
+            self._steps(*pending)
+
+    def concept_set(self) -> ConceptSet:
+        fitted = self._fitted()
+        return ConceptSet(fitted.centres, method=self.method, config=asdict(self.config),
+                          stats={"mass": fitted._mass.float()})
+
+    def state_dict(self) -> dict[str, Any]:
+        px, pw = self._pending if self._pending is not None else (None, None)
+        return {"config": asdict(self.config), "d": self.d, "centres": self._centres, "mass": self._mass,
+                "idle": self._idle, "pending_x": px, "pending_w": pw, "n_seen": self.n_seen,
+                "n_reseeded": self.n_reseeded, "generator": self._gen.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["config"] != asdict(self.config):
+            raise ValueError(f"state was saved with config {state['config']}; this object has {asdict(self.config)}")
+        self.d, self.n_seen, self.n_reseeded = state["d"], state["n_seen"], state["n_reseeded"]
+        clone = (lambda t: None if t is None else t.clone())
+        self._centres, self._mass, self._idle = clone(state["centres"]), clone(state["mass"]), clone(state["idle"])
+        has_pending = state["pending_x"] is not None
+        self._pending = (state["pending_x"].clone(), state["pending_w"].clone()) if has_pending else None
+        self._gen.set_state(state["generator"])

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.vq import VQCodebook, VQConfig, fvu_from_sums, fvu_sums
 
@@ -47,6 +48,8 @@ class CLVQConfig:
     """Adam learning rate of the encoder and decoder."""
     batch_size: int | None = 1024
     """Rows per optimiser (and EMA) step; None = one step per call."""
+    buffer_size: int | None = None
+    """Rows the mixing buffer (MLP decoder) holds before drawing a batch; None = 4 * batch_size."""
     layers: int = 2
     """Transformer decoder layers."""
     heads: int = 4
@@ -62,9 +65,10 @@ class CLVQConfig:
     def __post_init__(self) -> None:
         if self.decoder not in DECODERS:
             raise ValueError(f"decoder must be one of {DECODERS}; got {self.decoder!r}")
-        for name in ("n_codes", "hidden", "layers", "heads"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer; got {getattr(self, name)!r}")
+        for name in ("n_codes", "hidden", "layers", "heads", "batch_size", "buffer_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer; got {value!r}")
         if self.decoder == "transformer" and self.hidden % self.heads:
             raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads}")
         if self.commitment < 0 or not self.lr > 0:
@@ -184,10 +188,10 @@ class CLVQTranscoder:
 
     def __init__(self, n_codes: int, *, hidden: int = 1024, decoder: DecoderKind = "mlp",
                  commitment: float = 0.1, lr: float = 1e-3, batch_size: int | None = 1024,
-                 layers: int = 2, heads: int = 4, causal: bool = True,
+                 buffer_size: int | None = None, layers: int = 2, heads: int = 4, causal: bool = True,
                  codebook: dict[str, Any] | None = None, seed: int = 0) -> None:
-        self.config = CLVQConfig(n_codes, hidden, decoder, commitment, lr, batch_size, layers, heads,
-                                 causal, dict(codebook or {}), seed)
+        self.config = CLVQConfig(n_codes, hidden, decoder, commitment, lr, batch_size, buffer_size,
+                                 layers, heads, causal, dict(codebook or {}), seed)
         self.vq = VQCodebook(n_codes, batch_size=batch_size, seed=seed, **self.config.codebook)
         self.dims: tuple[int, int] | None = None
         self.encoder: ResidualEncoder | None = None
@@ -195,6 +199,8 @@ class CLVQTranscoder:
         self.optimizer: torch.optim.Adam | None = None
         self.scales: dict[str, Tensor] = {}     # standardisation of decoder input and output
         self._pending: list[Tensor] = []        # [src (M, d_src), tgt (M, d_tgt), ids (M,)]
+        size = buffer_size or 4 * (batch_size or 1)
+        self._mixer = MixingBuffer(size, seed=seed + 2) if decoder == "mlp" and batch_size else None
         self._fvu: Tensor | None = None         # (d_tgt + 3,) float64 EMA of fvu_sums
         self.steps = 0
 
@@ -203,23 +209,54 @@ class CLVQTranscoder:
     def update(self, x_src: Tensor, x_tgt: Tensor, sequence_ids: Tensor | None = None) -> None:
         """Consume aligned tokens x_src (N, d_src), x_tgt (N, d_tgt), optional sequence ids
         (N,): collect the first init_size rows for the codebook's initialisation, then one
-        Adam + EMA step per batch_size rows. A sequence split across steps is treated as two."""
-        batch = self._prepare(x_src, x_tgt, sequence_ids)
+        Adam + EMA step per batch_size rows. The MLP decoder draws its batches at random from
+        a mixing buffer; the transformer takes consecutive rows, so sequences keep their
+        order (one split across two steps is treated as two sequences)."""
+        batch = self._prepare(x_src, x_tgt, sequence_ids)       # builds the modules on first use
         rows = [torch.cat([p, b]) for p, b in zip(self._pending, batch)]
-        n_init = self.vq.config.init_size
         if self.vq.codes is None:
+            n_init = self.vq.config.init_size
             if len(rows[0]) < n_init:
                 self._pending = rows
                 return
             self._initialise(*(r[:n_init] for r in rows))
             rows = [r[n_init:] for r in rows]
-        size = self.config.batch_size or len(rows[0])
-        n_full = len(rows[0]) // size if size else 0
+        if self._mixer is None:
+            self._pending = self._consecutive_steps(rows)
+            return
+        self._pending = [r[:0] for r in rows]
+        self._mixer.add(torch.cat(rows[:2], 1))
+        while (mixed := self._mixer.take(self.config.batch_size)) is not None:
+            self._train_step(*self._split(mixed.to(rows[0].device)))
+
+    def _consecutive_steps(self, rows: list[Tensor]) -> list[Tensor]:
+        """Steps on consecutive batch_size rows (all rows if None); returns the remainder."""
+        size = self.config.batch_size or max(len(rows[0]), 1)
+        n_full = len(rows[0]) // size
         for i in range(n_full):
             self._train_step(*(r[i * size:(i + 1) * size] for r in rows))
-        self._pending = [r[n_full * size:].clone() for r in rows]
+        return [r[n_full * size:].clone() for r in rows]
 
-    def _train_step(self, src: Tensor, tgt: Tensor, ids: Tensor) -> None:
+    def flush(self) -> None:
+        """End of stream: initialise on what was collected (if at least n_codes rows) and
+        train on the rows still held (the last batch may be short)."""
+        if self.vq.codes is None and self.dims is not None and len(self._pending[0]) >= self.config.n_codes:
+            self._initialise(*self._pending)
+            self._pending = [p[:0] for p in self._pending]
+        if self.vq.codes is None:
+            return
+        if self._mixer is not None and (rest := self._mixer.drain()) is not None:
+            for batch in rest.to(self._pending[0].device).split(self.config.batch_size):
+                self._train_step(*self._split(batch))
+        elif len(self._pending[0]):
+            self._train_step(*self._pending)
+            self._pending = [p[:0] for p in self._pending]
+
+    def _split(self, rows: Tensor) -> tuple[Tensor, Tensor, None]:
+        """Mixed rows [source | target] (N, d_src + d_tgt) -> source, target, no sequence ids."""
+        return rows[:, : self.dims[0]], rows[:, self.dims[0]:], None
+
+    def _train_step(self, src: Tensor, tgt: Tensor, ids: Tensor | None) -> None:
         z_e = self.encoder(src)                                        # (N, d_src)
         step = self.vq.train_step(z_e.detach())
         z_q = z_e + (step.quantized - z_e).detach()                    # straight-through
@@ -278,6 +315,7 @@ class CLVQTranscoder:
         self.scales = {"z_mean": z.mean(0), "z_scale": _rms(z - z.mean(0)),
                        "tgt_mean": tgt.mean(0), "tgt_scale": _rms(tgt - tgt.mean(0))}
         self.vq.update(z)
+        self.vq.flush()     # initialises on fewer than init_size rows when called by flush()
 
     # ---- evaluation ------------------------------------------------------------------
 
@@ -326,7 +364,8 @@ class CLVQTranscoder:
         if self.dims is not None:
             state |= {"encoder": self.encoder.state_dict(), "decoder": self.decoder.state_dict(),
                       "optimizer": self.optimizer.state_dict(), "scales": self.scales,
-                      "pending": self._pending, "fvu": self._fvu}
+                      "pending": self._pending, "fvu": self._fvu,
+                      "mixer": None if self._mixer is None else self._mixer.state_dict()}
         return copy.deepcopy(state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -345,6 +384,8 @@ class CLVQTranscoder:
         self.scales = {k: v.clone() for k, v in state["scales"].items()}
         self._pending = [p.clone() for p in state["pending"]]
         self._fvu = state["fvu"].clone()
+        if self._mixer is not None:
+            self._mixer.load_state_dict(state["mixer"])
 
     def merge(self, other: Any) -> None:
         """Not supported: the encoder and decoder are trained by gradient steps, whose

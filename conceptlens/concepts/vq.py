@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.concepts.kmeans import squared_distances, weighted_lloyd
 
 InitMethod = Literal["kmeans", "spherical_kmeans", "random"]
 INIT_METHODS = ("kmeans", "spherical_kmeans", "random")
@@ -52,7 +54,9 @@ class VQConfig:
     """A code is dead (and unused in `usage`) when its EMA count is below this fraction of
     the uniform share N / K."""
     batch_size: int | None = None
-    """Rows per EMA step (a remainder waits for the next call); None = one step per call."""
+    """Rows per EMA step, drawn at random from a mixing buffer; None = one step per call."""
+    buffer_size: int | None = None
+    """Rows the mixing buffer holds before drawing a batch; None = 4 * batch_size."""
     seed: int = 0
     """Seed of the private generator (k-means init, sampling, reseeding)."""
 
@@ -60,7 +64,8 @@ class VQConfig:
         if self.init_size is None:
             self.init_size = 16 * self.n_codes
         positive = {"n_codes": self.n_codes, "top_k": self.top_k, "init_size": self.init_size,
-                    "reseed_after": self.reseed_after or 1, "batch_size": self.batch_size or 1}
+                    "reseed_after": self.reseed_after or 1, "batch_size": self.batch_size or 1,
+                    "buffer_size": self.buffer_size or 1}
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
@@ -101,7 +106,7 @@ class VQCodebook:
     """An EMA vector-quantisation codebook fitted online; see the module docstring.
 
     `merge(other)` adds the other codebook's EMA counts, EMA sums, hit counts and FVU sums
-    code by code, so each merged code is e_i = (m_i + m'_i) / smooth(N + N')_i, the
+    code by code (rows still in its buffers are not statistics and are left out), so each merged code is e_i = (m_i + m'_i) / smooth(N + N')_i, the
     count-weighted mean of both workers' codes. That presumes code i means the same on both
     sides: start workers from one initialised state (same `state_dict`), then feed each
     its own shard.
@@ -112,40 +117,53 @@ class VQCodebook:
     def __init__(self, n_codes: int, *, decay: float = 0.99, eps: float = 1e-5, top_k: int = 5,
                  temperature: float = 1.0, init: InitMethod = "kmeans", init_size: int | None = None,
                  reseed_after: int | None = 100, reseed_threshold: float = 0.03,
-                 batch_size: int | None = None, seed: int = 0) -> None:
+                 batch_size: int | None = None, buffer_size: int | None = None, seed: int = 0) -> None:
         self.config = VQConfig(n_codes, decay, eps, top_k, temperature, init, init_size,
-                               reseed_after, reseed_threshold, batch_size, seed)
+                               reseed_after, reseed_threshold, batch_size, buffer_size, seed)
         self.d: int | None = None
         self.codes: Tensor | None = None      # (K, d) = sums / smooth(counts)
         self.counts: Tensor | None = None     # (K,) EMA of sampled-assignment counts
         self.sums: Tensor | None = None       # (K, d) EMA of sums of assigned tokens
         self.hits: Tensor | None = None       # (K,) int64 nearest-code assignments, all steps
         self._fvu: Tensor | None = None       # (d + 3,) float64 EMA of fvu_sums
-        self._pending: Tensor | None = None   # rows waiting for init or for a full batch
+        self._pending: Tensor | None = None   # rows collected for the initialisation
         self._init_calls = 0
         self.steps = 0
         self.tokens = 0
-        self._gen: torch.Generator | None = None
+        # One CPU generator for every draw, so CPU and GPU runs see the same random numbers.
+        self._gen = torch.Generator().manual_seed(seed)
+        size = self.config.buffer_size or 4 * (batch_size or 1)
+        self._mixer = MixingBuffer(size, seed=seed + 1) if batch_size else None   # its own stream
 
     # ---- streaming -------------------------------------------------------------------
 
     def update(self, x: Tensor) -> None:
-        """Consume `x` (N, d): collect until init_size tokens, then one EMA step per
-        batch_size rows (or per call)."""
+        """Consume `x` (N, d): collect until init_size tokens, then one EMA step per call, or
+        per batch_size rows drawn from the mixing buffer."""
         x = self._prepare(x)
-        rows = torch.cat([self._pending, x])
         if self.codes is None:
             self._init_calls += 1
-            if len(rows) < self.config.init_size:
-                self._pending = rows
+            self._pending = torch.cat([self._pending, x])
+            if len(self._pending) < self.config.init_size:
                 return
-            self._initialise(rows[: self.config.init_size])
-            rows = rows[self.config.init_size:]
-        size = self.config.batch_size or len(rows)
-        n_full = len(rows) // size if size else 0
-        for i in range(n_full):
-            self.train_step(rows[i * size:(i + 1) * size])
-        self._pending = rows[n_full * size:].clone()
+            x = self._pending[self.config.init_size:]
+            self._initialise(self._pending[: self.config.init_size])
+        if self._mixer is None:
+            if len(x):
+                self.train_step(x)
+            return
+        self._mixer.add(x)
+        while (batch := self._mixer.take(self.config.batch_size)) is not None:
+            self.train_step(batch.to(x.device))
+
+    def flush(self) -> None:
+        """End of stream: initialise on what was collected (if at least n_codes tokens) and
+        train on the rows left in the mixing buffer (the last batch may be short)."""
+        if self.codes is None and self._pending is not None and len(self._pending) >= self.config.n_codes:
+            self._initialise(self._pending)
+        rest = None if self._mixer is None or self.codes is None else self._mixer.drain()
+        for batch in () if rest is None else rest.split(self.config.batch_size):
+            self.train_step(batch.to(self.codes.device))
 
     @property
     def init_rows_needed(self) -> int:
@@ -179,7 +197,6 @@ class VQCodebook:
             raise ValueError(f"expected activations of shape (N, d); got {tuple(x.shape)}")
         if self.d is None:
             self.d = x.shape[1]
-            self._gen = torch.Generator(device=x.device).manual_seed(self.config.seed)
             self._pending = x.new_zeros(0, self.d, dtype=torch.float32)
         if x.shape[1] != self.d:
             raise ValueError(f"expected width d={self.d} (fixed by the first update); got {x.shape[1]}")
@@ -197,6 +214,7 @@ class VQCodebook:
         self.codes = codes_from_ema(self.counts, self.sums, cfg.eps)
         self.hits = torch.zeros(cfg.n_codes, dtype=torch.long, device=x.device)
         self._fvu = torch.zeros(self.d + 3, dtype=torch.float64, device=x.device)
+        self._pending = None
 
     def _reseed(self, x: Tensor) -> None:
         """Replace dead codes by random tokens of the latest batch `x` (N, d)."""
@@ -206,9 +224,10 @@ class VQCodebook:
         if dead.numel() == 0:
             return
         if len(x) >= len(dead):
-            pick = torch.randperm(len(x), generator=self._gen, device=x.device)[: len(dead)]
+            pick = torch.randperm(len(x), generator=self._gen)[: len(dead)]
         else:
-            pick = torch.randint(len(x), (len(dead),), generator=self._gen, device=x.device)
+            pick = torch.randint(len(x), (len(dead),), generator=self._gen)
+        pick = pick.to(x.device)
         # A reborn code starts with a uniform share, so it is not reseeded again at once.
         self.counts[dead] = share
         self.sums[dead] = x[pick] * laplace_smooth(self.counts, cfg.eps)[dead, None]
@@ -250,7 +269,7 @@ class VQCodebook:
         if self.codes is None:
             seen = 0 if self._pending is None else len(self._pending)
             raise RuntimeError(f"the codebook is not initialised: it has seen {seen} tokens and "
-                               f"initialises after init_size={self.config.init_size}")
+                               f"initialises after init_size={self.config.init_size} (or at flush())")
         return self.codes
 
     # ---- persistence -----------------------------------------------------------------
@@ -264,7 +283,8 @@ class VQCodebook:
         for key in self._TENSORS + self._SCALARS:
             value = getattr(self, key)
             state[key] = value.clone() if isinstance(value, Tensor) else value
-        state["generator"] = None if self._gen is None else self._gen.get_state()
+        state["generator"] = self._gen.get_state()
+        state["mixer"] = None if self._mixer is None else self._mixer.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -276,10 +296,9 @@ class VQCodebook:
         for key in self._TENSORS + self._SCALARS:
             value = state[key]
             setattr(self, key, value.clone() if isinstance(value, Tensor) else value)
-        self._gen = None
-        if state["generator"] is not None:
-            self._gen = torch.Generator(device=self._pending.device)
-            self._gen.set_state(state["generator"])
+        self._gen.set_state(state["generator"])
+        if self._mixer is not None:
+            self._mixer.load_state_dict(state["mixer"])
 
     def merge(self, other: VQCodebook | dict[str, Any]) -> None:
         """Add another worker's EMA statistics (see the class docstring)."""
@@ -290,10 +309,9 @@ class VQCodebook:
             raise ValueError(f"cannot merge a codebook of {other.config.n_codes} codes of width "
                              f"{other.d} into one of {self.config.n_codes} codes of width {self.d}")
         if other.codes is None:
-            return  # nothing fitted there yet: its pending init rows are not statistics
+            return
         if self.codes is None:
-            self.d, self._pending, self._gen = other.d, other._pending[:0].clone(), torch.Generator(
-                device=other.codes.device).manual_seed(self.config.seed)
+            self.d, self._pending = other.d, None
             for key in ("counts", "sums", "hits", "_fvu"):
                 setattr(self, key, torch.zeros_like(getattr(other, key)))
         self.counts = self.counts + other.counts
@@ -330,14 +348,16 @@ def sample_top_k(dist: Tensor, k: int, temperature: float,
                  generator: torch.Generator | None = None) -> Tensor:
     """Draw one code per row among its k nearest, p ∝ exp(-dist / temperature).
 
-    dist: (N, K) distances -> (N,) long. temperature 0 or k 1 gives the nearest code.
+    dist: (N, K) distances -> (N,) long. temperature 0 or k 1 gives the nearest code. The
+    uniforms come from the CPU `generator`, whatever the device of dist.
     """
     neg, index = (-dist).topk(min(k, dist.shape[1]), dim=1)          # (N, k), nearest first
     if temperature == 0 or index.shape[1] == 1:
         return index[:, 0]
-    probs = torch.softmax(neg / temperature, dim=1)
-    choice = torch.multinomial(probs, 1, generator=generator)       # (N, 1)
-    return index.gather(1, choice).squeeze(1)
+    cdf = torch.softmax(neg / temperature, dim=1).cumsum(1)         # (N, k)
+    u = torch.rand(len(dist), 1, generator=generator, dtype=cdf.dtype).to(dist.device)
+    choice = (cdf < u).sum(1).clamp(max=index.shape[1] - 1)         # inverse CDF
+    return index.gather(1, choice[:, None]).squeeze(1)
 
 
 def perplexity(counts: Tensor) -> Tensor:
@@ -370,39 +390,16 @@ def initial_codes(x: Tensor, k: int, method: InitMethod,
     then each centre is rescaled to the mean norm of its members. "random": k distinct tokens.
     """
     if method == "random":
-        centres = x[torch.randperm(len(x), generator=generator, device=x.device)[:k]]
-        return centres, torch.cdist(x, centres).argmin(1)
+        centres = x[torch.randperm(len(x), generator=generator)[:k].to(x.device)]
+        return centres, squared_distances(x, centres).argmin(1)
     spherical = method == "spherical_kmeans"
     data = F.normalize(x, dim=1) if spherical else x
-    centres, labels = _lloyd(data, _kmeans_pp(data, k, generator), spherical)
+    centres, _ = weighted_lloyd(data, torch.ones(len(x), device=x.device), k, generator, spherical=spherical)
+    centres = F.normalize(centres, dim=1) if spherical else centres
+    labels = squared_distances(data, centres).argmin(1)
     if spherical:
         counts = torch.bincount(labels, minlength=k).to(x)
         norms = torch.zeros_like(counts).index_add_(0, labels, x.norm(dim=1)) / counts.clamp(min=1)
         # an empty cluster keeps its direction at the sample's mean norm rather than at 0
         centres = centres * torch.where(counts > 0, norms, x.norm(dim=1).mean())[:, None]
     return centres, labels
-
-
-def _kmeans_pp(data: Tensor, k: int, generator: torch.Generator | None) -> Tensor:
-    """k-means++ seeding: (N, d) -> (k, d); each next centre drawn with p ∝ squared distance."""
-    chosen = [torch.randint(len(data), (1,), generator=generator, device=data.device)]
-    d2 = (data - data[chosen[0]]).pow(2).sum(1)                     # (N,)
-    for _ in range(1, k):
-        weights = d2 if d2.sum() > 0 else torch.ones_like(d2)     # all points already chosen
-        chosen.append(torch.multinomial(weights, 1, generator=generator))
-        d2 = torch.minimum(d2, (data - data[chosen[-1]]).pow(2).sum(1))
-    return data[torch.cat(chosen)]
-
-
-def _lloyd(data: Tensor, centres: Tensor, spherical: bool, iters: int = 25) -> tuple[Tensor, Tensor]:
-    """Lloyd iterations from `centres` (k, d) on data (N, d); empty clusters stay put."""
-    k = len(centres)
-    for _ in range(iters):
-        onehot = F.one_hot(torch.cdist(data, centres).argmin(1), k).to(data)   # (N, k)
-        counts = onehot.sum(0)
-        new = torch.where(counts[:, None] > 0, onehot.T @ data / counts.clamp(min=1)[:, None], centres)
-        new = F.normalize(new, dim=1) if spherical else new
-        if torch.equal(new, centres):
-            break
-        centres = new
-    return centres, torch.cdist(data, centres).argmin(1)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from conceptlens.concepts.clvq import CLVQTranscoder, pad_sequences
 from conceptlens.concepts.conceptset import ConceptSet
+from tests.concepts.test_vq import assert_equal_nested
 
 
 @pytest.fixture(autouse=True)
@@ -40,23 +41,6 @@ def cross_site(n_clusters=16, d_src=16, d_tgt=12, *, seed=0, context=0.0):
     return draw
 
 
-def assert_equal_nested(a, b, where="state") -> None:
-    """Exact equality of nested dicts / lists of tensors and scalars."""
-    assert type(a) is type(b), where
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_equal_nested(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_equal_nested(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    else:
-        assert a == b, where
-
-
 def held_out_fvu(tc: CLVQTranscoder, draw, transformer: bool = False) -> float:
     src, tgt, ids = draw(2048)
     pred = tc.reconstruct(src, ids if transformer else None)
@@ -76,6 +60,8 @@ def fit(draw, steps: int, transformer: bool = False, **kwargs) -> CLVQTranscoder
 def test_transcoder_reconstructs_a_function_of_a_clustered_source():
     draw = cross_site()
     tc = fit(draw, 60)
+    assert tc.steps == 56                     # 59 batches after init; the buffer holds 3
+    tc.flush()
     stats = tc.stats()
     assert held_out_fvu(tc, draw) < 0.15
     assert stats.fvu < 0.5 and stats.usage > 0.9 and stats.steps == 59
@@ -96,11 +82,11 @@ def test_encoder_is_the_bounded_residual_mix_by_hand():
 
 
 def test_gradients_pass_the_codes_to_the_encoder_and_predictions_use_the_codes():
-    tc = fit(cross_site(), 1)                       # initialised, no step yet
+    tc = fit(cross_site(), 1, buffer_size=256)      # initialised, no step yet
     before = tc.encoder.linear.weight.clone()
     src, tgt, _ = cross_site(seed=1)(256)
     tc.update(src, tgt)
-    assert not torch.equal(before, tc.encoder.linear.weight)
+    assert tc.steps == 1 and not torch.equal(before, tc.encoder.linear.weight)
     with torch.no_grad():
         codes = tc.vq.codes[tc.vq.assign(tc.encoder(src))]
         torch.testing.assert_close(tc.reconstruct(src), tc._decode(codes, None))
@@ -156,6 +142,20 @@ def test_concept_set_holds_codes_and_what_they_write(tmp_path):
     assert loaded.stats["decoded"].shape == (16, 12) and loaded.config["d_target"] == 12
     assert loaded.encoder["alpha"].item() == tc.encoder.alpha.item()
     assert loaded[3].stats["decoded"].shape == (1, 12)
+
+
+@pytest.mark.parametrize("transformer", [False, True])
+def test_flush_initialises_a_short_stream_and_trains_on_what_is_held(transformer):
+    src, tgt, ids = cross_site(seed=4)(200)
+    tc = CLVQTranscoder(16, hidden=32, batch_size=64, heads=2, layers=1, codebook=dict(init_size=256),
+                        decoder="transformer" if transformer else "mlp")
+    tc.update(src, tgt, ids if transformer else None)
+    assert tc.vq.codes is None
+    tc.flush()                                  # 200 < init_size rows: initialise on them
+    assert tc.vq.codes.shape == (16, 16) and tc.steps == 0
+    tc.update(src[:100], tgt[:100], ids[:100] if transformer else None)
+    tc.flush()                                  # 100 rows in batches of 64: steps of 64 and 36
+    assert tc.steps == 2 and tc.vq.tokens == 100
 
 
 def test_bad_settings_and_inputs_are_named():

@@ -35,7 +35,7 @@ def test_laplace_smoothing_matches_the_formula_by_hand():
 
 def test_ema_step_matches_a_hand_computed_update():
     vq = VQCodebook(2, decay=0.5, eps=0.5, top_k=1, init="random", init_size=2, batch_size=4,
-                    reseed_after=None)
+                    buffer_size=4, reseed_after=None)
     vq.update(torch.tensor([[0.0, 0.0], [10.0, 0.0]]))
     low = int(vq.codes[:, 0].argmin())              # the code initialised at (0, 0)
     order = [low, 1 - low]
@@ -123,7 +123,8 @@ def test_codebook_usage_on_a_stream_from_a_gaussian_mixture():
 
 
 def test_dead_codes_are_reseeded_with_recent_tokens():
-    vq = VQCodebook(4, decay=0.5, top_k=1, init="random", init_size=4, batch_size=8, reseed_after=10)
+    vq = VQCodebook(4, decay=0.5, top_k=1, init="random", init_size=4, batch_size=8, buffer_size=8,
+                    reseed_after=10)
     vq.update(torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]))
     far = torch.tensor([100.0, 100.0]) + torch.arange(16.0).view(8, 2)      # only one code is hit
     for _ in range(9):
@@ -145,13 +146,21 @@ def _make() -> VQCodebook:
                       seed=11)
 
 
-def assert_same_state(a: dict, b: dict, skip: tuple[str, ...] = ()) -> None:
-    assert a.keys() == b.keys()
-    for key in a.keys() - set(skip):
-        if isinstance(a[key], torch.Tensor):
-            assert torch.equal(a[key], b[key]), key
-        else:
-            assert a[key] == b[key], key
+def assert_equal_nested(a, b, where: str = "state") -> None:
+    """Exact equality of nested dicts / lists of tensors and scalars."""
+    assert type(a) is type(b), where
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_equal_nested(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_equal_nested(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, where
 
 
 @pytest.mark.parametrize("stop", [1, 15])
@@ -169,16 +178,23 @@ def test_resume_from_a_saved_state_is_bit_identical(tmp_path, stop):
     for x in stream[stop:]:
         resumed.update(x)
     assert whole.steps > 20
-    assert_same_state(whole.state_dict(), resumed.state_dict())
+    assert_equal_nested(whole.state_dict(), resumed.state_dict())
 
 
-def test_steps_do_not_depend_on_how_the_stream_is_split_into_calls():
-    stream = _stream()
-    chunked, joined = _make(), _make()
-    for x in stream:
-        chunked.update(x)
-    joined.update(torch.cat(stream))
-    assert_same_state(chunked.state_dict(), joined.state_dict(), skip=("_init_calls",))
+def test_batches_mix_the_buffer_and_flush_trains_on_the_rest():
+    vq = VQCodebook(2, top_k=1, init="random", init_size=2, batch_size=4, buffer_size=8,
+                    reseed_after=None)
+    vq.update(torch.tensor([[0.0], [10.0]]))
+    for start in range(0, 12, 3):                   # 12 rows in calls of 3: steps at 8, 11, 12 held
+        vq.update(torch.arange(start, start + 3.0)[:, None])
+    assert vq.steps == 2 and len(vq._mixer) == 4
+    vq.flush()
+    assert vq.steps == 3 and vq.tokens == 12 and len(vq._mixer) == 0
+
+    short = VQCodebook(4, init_size=100)
+    short.update(torch.randn(10, 3))
+    short.flush()                                   # fewer than init_size: initialises on what it has
+    assert short.codes.shape == (4, 3) and short.steps == 0
 
 
 def test_merge_adds_ema_counts_and_sums():

@@ -1,0 +1,254 @@
+"""Deleuzian: concepts as clusters of pairwise activation differences, weighted by skewness.
+
+    dz = Deleuzian(n_concepts=512, seed=0)
+    for x in stream:                  # x: (N, d) float32
+        dz.update(x)
+    cs = dz.concept_set()             # centroids of the sign-aligned differences
+    acts = dz.encode(x)               # x @ C.T, (N, 512)
+
+Tokens pass through a MixingBuffer; each block drawn from it is paired along a derangement
+(every token once as a, once as b), giving differences d = x_a - x_b. Each d is oriented so
+that the activations projected on it are positively skewed (a concept is "present" on its
+positive side), weighted by 1 / |skewness|, and fed to a weighted StreamingKMeans. Skewness
+is measured on a reservoir sample of the activations seen so far.
+
+What the weights do: a few rare, huge, heavy-tailed directions (massive activations) have
+large skewness and would otherwise take many centroids; 1/|g| takes them off, so the
+centroids spread over more directions. The same weights favour symmetric contrasts: with
+sparse on/off concepts of equal frequency, c_i - c_j projects symmetrically (g ~ 0) and
+outweighs the single-concept differences, so `skew_weighting=False` recovers such planted
+concepts more exactly (see tests/concepts/test_deleuzian.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from conceptlens.concepts.buffer import MixingBuffer
+from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.concepts.kmeans import StreamingKMeans
+
+
+@dataclass
+class DeleuzianConfig:
+    """Hyper-parameters of `Deleuzian`."""
+
+    n_concepts: int
+    """Number of centroids (concepts)."""
+    reference_size: int = 4096
+    """Rows of the reservoir sample of activations used to measure skewness."""
+    buffer_size: int = 16384
+    """Rows the mixing buffer holds before it hands out blocks."""
+    batch_size: int = 2048
+    """Tokens per block; each block gives as many differences, one k-means step."""
+    skew_weighting: bool = True
+    """Weight each difference by 1/|skewness|; False weights all equally (ablation)."""
+    reseed_after: float | None = 50.0
+    """Dead-centroid reseeding of the inner StreamingKMeans (see KMeansConfig)."""
+    seed: int = 0
+    """Seed of the private generators (reservoir, buffer, k-means)."""
+
+    def __post_init__(self) -> None:
+        for name in ("n_concepts", "reference_size", "buffer_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int; got {value!r}")
+        if not isinstance(self.batch_size, int) or self.batch_size < 2:
+            raise ValueError(f"batch_size must be an int >= 2 (a pair needs two tokens); got {self.batch_size!r}")
+
+
+def reservoir_update(reservoir: Tensor, n_seen: int, x: Tensor, generator: torch.Generator) -> int:
+    """Algorithm R over the rows of x `(N, d)`, in place on reservoir `(R, d)`; returns the new n_seen.
+
+    Row t (0-based over the whole stream) fills slot t while t < R; later it replaces slot
+    j ~ U{0..t} when j < R. Vectorised: when several rows hit one slot, the last one wins,
+    exactly as the sequential algorithm.
+    """
+    size, n = reservoir.shape[0], x.shape[0]
+    fill = max(0, min(size - n_seen, n))
+    reservoir[n_seen:n_seen + fill] = x[:fill]
+    if fill < n:
+        t = torch.arange(n_seen + fill, n_seen + n, dtype=torch.float64)
+        slot = (torch.rand(n - fill, generator=generator, dtype=torch.float64) * (t + 1)).floor().long()
+        hit = slot < size
+        rows = torch.arange(fill, n)[hit]
+        winner = torch.full((size,), -1, dtype=torch.long).scatter_reduce_(0, slot[hit], rows, "amax")
+        filled = winner >= 0
+        reservoir[filled.to(reservoir.device)] = x[winner[filled].to(x.device)].to(reservoir.dtype)
+    return n_seen + n
+
+
+def skewness(x: Tensor, directions: Tensor) -> Tensor:
+    """Skewness `(M,)` of the projections of rows x `(R, d)` on each direction `(M, d)`.
+
+    g = mean(((p - mean p) / std p)^3) with p = x @ d; it does not depend on |d|, so the
+    directions need not be unit. A direction with zero spread gives NaN.
+    """
+    p = (x - x.mean(0)) @ directions.T  # (R, M), centred projections
+    var = (p * p).mean(0)
+    return (p * p * p).mean(0) / var.pow(1.5)
+
+
+def oriented_differences(block: Tensor, reference: Tensor, skew_weighting: bool = True) -> tuple[Tensor, Tensor]:
+    """Differences `(m, d)` of a randomly ordered block `(m, d)` and their weights `(m,)`.
+
+    Row i is paired with row i-1 (cyclically): a derangement in which each row is used once
+    on each side. Each difference is flipped so the reference projects on it with positive
+    skewness; its weight is 1/|skewness| (0 where that is not finite), or 1 without weighting.
+    """
+    diff = block - block.roll(1, 0)
+    g = skewness(reference, diff)
+    diff = diff * torch.where(g < 0, -1.0, 1.0)[:, None]
+    if not skew_weighting:
+        return diff, torch.ones_like(g)
+    w = 1.0 / g.abs()
+    return diff, torch.where(torch.isfinite(w), w, 0.0)
+
+
+class Deleuzian:
+    """Online Deleuzian concept extraction: weighted k-means of oriented pairwise differences.
+
+    Concepts are the centroids C `(k, d)`; `encode(x) = x @ C.T`. Differences are made in
+    blocks of `batch_size` drawn from a mixing buffer of `buffer_size` tokens; tokens still in
+    the buffer are paired when the concepts are read (on a copy: reading changes nothing).
+    """
+
+    method = "deleuzian"
+
+    def __init__(self, n_concepts: int, *, reference_size: int = 4096, buffer_size: int = 16384,
+                 batch_size: int = 2048, skew_weighting: bool = True, reseed_after: float | None = 50.0,
+                 seed: int = 0) -> None:
+        self.config = DeleuzianConfig(n_concepts, reference_size, buffer_size, batch_size, skew_weighting,
+                                      reseed_after, seed)
+        self._gen = torch.Generator().manual_seed(seed)
+        self.buffer = MixingBuffer(buffer_size, seed=seed + 1)
+        self.kmeans = StreamingKMeans(n_concepts, reseed_after=reseed_after, seed=seed + 2)
+        self.d: int | None = None
+        self._reference: Tensor | None = None  # (reference_size, d) reservoir sample
+        self.n_seen = 0
+        self._ready: tuple[int, StreamingKMeans] | None = None  # cached flushed copy for reading
+
+    @property
+    def reference(self) -> Tensor:
+        """The reservoir sample `(min(n_seen, reference_size), d)` used for skewness."""
+        if self._reference is None:
+            raise ValueError("Deleuzian has seen no data yet; call update(x) first")
+        return self._reference[: min(self.n_seen, self.config.reference_size)]
+
+    def update(self, x: Tensor) -> None:
+        """Consume activations x `(N, d)`."""
+        if x.ndim != 2:
+            raise ValueError(f"update expects x of shape (N, d); got {tuple(x.shape)}")
+        if self.d is None:
+            self.d = x.shape[1]
+            self._reference = x.new_zeros(self.config.reference_size, self.d, dtype=torch.float32)
+        elif x.shape[1] != self.d:
+            raise ValueError(f"this Deleuzian was fitted on width d={self.d}; got width {x.shape[1]}")
+        x = x.detach().float()
+        self.n_seen = reservoir_update(self._reference, self.n_seen, x, self._gen)
+        self.buffer.add(x)
+        while (block := self.buffer.take(self.config.batch_size)) is not None:
+            self._step(block)
+
+    def _step(self, block: Tensor) -> None:
+        diff, weight = oriented_differences(block, self.reference, self.config.skew_weighting)
+        self.kmeans.update(diff, weight)
+
+    def flush(self) -> None:
+        """Pair what is left in the buffer and initialise the k-means if it has not yet."""
+        rest = self.buffer.drain()
+        if rest is not None:
+            for start in range(0, rest.shape[0], self.config.batch_size):
+                block = rest[start:start + self.config.batch_size]
+                if block.shape[0] >= 2:
+                    self._step(block)
+        self.kmeans.flush()
+
+    def _fitted(self) -> StreamingKMeans:
+        """The inner k-means as it would be after `flush()`, without changing this object."""
+        if len(self.buffer) == 0 and self.kmeans.is_initialised:
+            return self.kmeans
+        if self._ready is None or self._ready[0] != self.n_seen:
+            twin = Deleuzian(**asdict(self.config))
+            twin.load_state_dict(self.state_dict())
+            twin.flush()
+            self._ready = (self.n_seen, twin.kmeans)
+        return self._ready[1]
+
+    @property
+    def centroids(self) -> Tensor:
+        """The concepts C `(k, d)`."""
+        return self._fitted().centres
+
+    def encode(self, x: Tensor) -> Tensor:
+        """Concept activations `(N, k)` = x @ C.T."""
+        return x.float() @ self.centroids.T
+
+    def merge(self, other: Deleuzian | dict[str, Any]) -> None:
+        """Absorb another run (an object or its `state_dict()`): k-means merged as in
+        `StreamingKMeans.merge`, reservoirs pooled in proportion to rows seen, buffers joined."""
+        if isinstance(other, dict):
+            state, other = other, Deleuzian(**other["config"])
+            other.load_state_dict(state)
+        if other.config.n_concepts != self.config.n_concepts:
+            raise ValueError(f"cannot merge {other.config.n_concepts} concepts into {self.config.n_concepts}")
+        if other.d is None:
+            return
+        if self.d is None:
+            self.d = other.d
+            self._reference = other._reference.new_zeros(self.config.reference_size, self.d)
+        if other.d != self.d:
+            raise ValueError(f"cannot merge a Deleuzian of width {other.d} into width {self.d}")
+        self._merge_reference(other)
+        self.kmeans.merge(other.kmeans)
+        leftover = other.buffer.state_dict()["data"]
+        if leftover is not None and leftover.shape[0] > 0:
+            self.buffer.add(leftover)
+            while (block := self.buffer.take(self.config.batch_size)) is not None:
+                self._step(block)
+        self._ready = None
+
+    def _merge_reference(self, other: Deleuzian) -> None:
+        """Pool the reservoirs into one uniform-looking sample of both streams."""
+        size = self.config.reference_size
+        mine, theirs = self.reference, other.reference.to(self.reference.device)
+        total = self.n_seen + other.n_seen
+        if mine.shape[0] + theirs.shape[0] <= size:
+            pooled = torch.cat([mine, theirs])
+        else:
+            n_mine = min(mine.shape[0], max(size - theirs.shape[0], round(size * self.n_seen / total)))
+            pick_mine = torch.randperm(mine.shape[0], generator=self._gen)[:n_mine]
+            pick_theirs = torch.randperm(theirs.shape[0], generator=self._gen)[: size - n_mine]
+            pooled = torch.cat([mine[pick_mine.to(mine.device)], theirs[pick_theirs.to(mine.device)]])
+        self._reference = self._reference.new_zeros(size, self.d)
+        self._reference[: pooled.shape[0]] = pooled
+        self.n_seen = total  # pooled holds min(total, size) rows, as after `total` updates
+
+    def concept_set(self) -> ConceptSet:
+        fitted = self._fitted()
+        return ConceptSet(fitted.centres, method=self.method, config=asdict(self.config),
+                          stats={"mass": fitted._mass.float()})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"config": asdict(self.config), "d": self.d, "n_seen": self.n_seen,
+                "reference": None if self._reference is None else self.reference.clone(),
+                "generator": self._gen.get_state(), "buffer": self.buffer.state_dict(),
+                "kmeans": self.kmeans.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["config"] != asdict(self.config):
+            raise ValueError(f"state was saved with config {state['config']}; this object has {asdict(self.config)}")
+        self.d, self.n_seen = state["d"], state["n_seen"]
+        self._reference = None
+        if state["reference"] is not None:
+            ref = state["reference"]
+            self._reference = ref.new_zeros(self.config.reference_size, ref.shape[1])
+            self._reference[: ref.shape[0]] = ref
+        self._gen.set_state(state["generator"])
+        self.buffer.load_state_dict(state["buffer"])
+        self.kmeans.load_state_dict(state["kmeans"])
+        self._ready = None

@@ -1,0 +1,45 @@
+"""`conceptlens` command line: one subcommand per module in `conceptlens.commands`.
+
+    conceptlens demo                    # the main job on the embedded defaults
+    conceptlens sites --model smollm2-135m
+    conceptlens steer --model smollm2-135m --concepts DIR --concept 12 --alpha 8 --prompt "..."
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module in conceptlens.commands exposing add_arguments(parser) and run(args) -> int
+COMMANDS = {
+    "demo": "Load SmolLM2, fit concepts on a bundled corpus, steer with one; all offline.",
+    "sites": "List the sites of a model with their shapes.",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="conceptlens", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, help_text in COMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(f"conceptlens.commands.{name}").add_arguments(command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module = importlib.import_module(f"conceptlens.commands.{args.command}")
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (KeyError, ValueError, FileNotFoundError, ModuleNotFoundError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"conceptlens {args.command}: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

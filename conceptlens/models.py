@@ -95,6 +95,18 @@ def load(name: str, **kwargs: Any) -> tuple[Any, Any]:
     any other string goes to `AutoModelForCausalLM.from_pretrained` (falling back to
     `AutoModel` for encoders), as a hub id or a local folder, with `kwargs` passed on.
     """
+    from transformers.utils import logging
+
+    was_enabled = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()  # a per-tensor "Loading weights" bar is noise here
+    try:
+        return _load(name, **kwargs)
+    finally:
+        if was_enabled:
+            logging.enable_progress_bar()
+
+
+def _load(name: str, **kwargs: Any) -> tuple[Any, Any]:
     if name in REGISTRY:
         entry = REGISTRY[name]
         return entry.loader(_package_dir(entry))

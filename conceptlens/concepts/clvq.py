@@ -330,10 +330,12 @@ class CLVQTranscoder:
         return self._decode(self.vq.quantize(self._encoder()(x_src.float())), sequence_ids)
 
     def stats(self) -> CLVQStats:
-        """Target FVU, codebook usage and perplexity, encoder mix for the fit report."""
+        """Target FVU, codebook usage and perplexity, encoder mix for the fit report (nan
+        before the codebook initialises)."""
         vq = self.vq.stats()
-        return CLVQStats(fvu_from_sums(self._fvu), vq.usage, vq.perplexity,
-                         self._encoder().mix.item(), self.steps, vq.tokens)
+        fvu = float("nan") if self._fvu is None else fvu_from_sums(self._fvu)
+        mix = float("nan") if self.encoder is None else self.encoder.mix.item()
+        return CLVQStats(fvu, vq.usage, vq.perplexity, mix, self.steps, vq.tokens)
 
     @torch.no_grad()
     def concept_set(self) -> ConceptSet:

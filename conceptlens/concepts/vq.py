@@ -249,8 +249,9 @@ class VQCodebook:
         return self._require_codes()[self.assign(x)]
 
     def stats(self) -> VQStats:
-        """Usage, perplexity and quantisation FVU for the fit report."""
-        self._require_codes()
+        """Usage, perplexity and quantisation FVU for the fit report (nan before init)."""
+        if self.codes is None:
+            return VQStats(float("nan"), float("nan"), float("nan"), self.steps, self.tokens)
         counts = self.counts
         share = counts.sum() / self.config.n_codes
         usage = (counts >= self.config.reseed_threshold * share).float().mean().item()

@@ -166,6 +166,7 @@ def test_bad_settings_and_inputs_are_named():
     with pytest.raises(ValueError, match="needs sequence_ids"):
         CLVQTranscoder(8, decoder="transformer", hidden=8, heads=2).update(torch.randn(4, 3), torch.randn(4, 2))
     tc = CLVQTranscoder(8)
+    assert tc.stats().steps == 0
     with pytest.raises(ValueError, match="aligned"):
         tc.update(torch.randn(4, 3), torch.randn(5, 2))
     with pytest.raises(RuntimeError, match="not initialised"):

@@ -253,6 +253,7 @@ def test_bad_settings_and_inputs_are_named():
         VQCodebook(8, decay=1.0)
     vq = VQCodebook(8, init_size=16)
     vq.update(torch.randn(10, 3))
+    assert math.isnan(vq.stats().fvu) and vq.stats().tokens == 0      # a report, not an error
     with pytest.raises(RuntimeError, match="seen 10 tokens"):
         vq.encode(torch.randn(2, 3))
     with pytest.raises(ValueError, match="expected width d=3"):

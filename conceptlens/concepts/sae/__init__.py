@@ -1,0 +1,26 @@
+"""Sparse autoencoders trained online on streamed activations.
+
+    sae = TopKSAE(width=4608, k=32, seed=0)
+    for x in stream: sae.update(x)
+    cs = sae.concept_set()
+"""
+
+from conceptlens.concepts.sae.base import Code, SparseAutoencoder
+from conceptlens.concepts.sae.batchtopk import BatchTopKConfig, BatchTopKSAE
+from conceptlens.concepts.sae.config import SAEConfig
+from conceptlens.concepts.sae.jumprelu import JumpReLUConfig, JumpReLUSAE
+from conceptlens.concepts.sae.matryoshka import MatryoshkaConfig, MatryoshkaSAE
+from conceptlens.concepts.sae.relu import ReLUConfig, ReLUSAE
+from conceptlens.concepts.sae.restore import sae_from_concept_set
+from conceptlens.concepts.sae.saelens import export_saelens, import_saelens
+from conceptlens.concepts.sae.spade import SpaDE, SpaDEConfig
+from conceptlens.concepts.sae.sparsemax import sparsemax
+from conceptlens.concepts.sae.stats import SAEStats, StepStats
+from conceptlens.concepts.sae.topk import TopKConfig, TopKSAE
+
+__all__ = [
+    "SparseAutoencoder", "SAEConfig", "Code", "SAEStats", "StepStats",
+    "ReLUSAE", "ReLUConfig", "TopKSAE", "TopKConfig", "BatchTopKSAE", "BatchTopKConfig",
+    "JumpReLUSAE", "JumpReLUConfig", "SpaDE", "SpaDEConfig", "MatryoshkaSAE", "MatryoshkaConfig",
+    "sparsemax", "export_saelens", "import_saelens", "sae_from_concept_set",
+]

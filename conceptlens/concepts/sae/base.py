@@ -1,0 +1,252 @@
+"""SparseAutoencoder: the streaming training loop every SAE variant shares.
+
+    sae = TopKSAE(width=4608, k=32, seed=0)     # a variant; d is read from the first batch
+    for x in stream:                            # x: (N, d) float32 raw activations
+        sae.update(x)
+    sae.flush()                                 # end of stream: train on what is buffered
+    sae.stats                                   # FVU, L0, dead fraction (last step, running mean)
+    cs = sae.concept_set()                      # directions = decoder rows, in raw units
+
+Training happens in a normalised space: x_n = s x with one scalar s chosen over the first
+`warmup_tokens` so that E||x_n||^2 = d. On export the scale is folded into the weights so that
+`encode`, `decode` and the ConceptSet work on raw activations, with latents in raw units and
+unit-norm decoder rows (for the linear variants this needs the activation to be positively
+homogeneous, which ReLU, TopK and JumpReLU gates are):
+    z_raw = z_n / s,  W_enc, W_dec unchanged,  b_enc, b_dec, threshold divided by s.
+
+A variant overrides the encoding (`_activate`) and its loss term (`_penalty`); the buffer,
+optimiser, decoder constraint, statistics and checkpointing live here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+from torch import Tensor
+
+from conceptlens.concepts.buffer import MixingBuffer
+from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.concepts.sae.config import SAEConfig, build_config
+from conceptlens.concepts.sae.persist import average_replicas, load_training_state, training_state
+from conceptlens.concepts.sae.stats import LatentTracker, RunningStats, SAEStats, StepStats, geometric_median
+
+
+class Code(NamedTuple):
+    """An encoding: the latents and the pre-activations they were gated from."""
+
+    z: Tensor
+    """(N, width) latent activations."""
+    pre: Tensor
+    """(N, width) pre-activations (for SpaDE: the scaled negative squared distances)."""
+
+
+class SparseAutoencoder:
+    """Base of the SAE variants: implements the Extractor protocol around `_activate`.
+
+    Subclasses set `Config` and `method`, and override `_activate(pre, w, train)` and, if
+    they have one, `_penalty(x, x_hat, code, w)`. The decoder rows are kept at unit norm:
+    the gradient component along each row is removed before the Adam step and the rows are
+    renormalised after it.
+    """
+
+    Config: ClassVar[type[SAEConfig]] = SAEConfig
+    method: ClassVar[str] = "sae"
+    unit_decoder: ClassVar[bool] = True
+    folded_by_scale: ClassVar[tuple[str, ...]] = ("b_enc", "b_dec", "threshold")
+
+    def __init__(self, config: SAEConfig | None = None, /, *, seed: int = 0, **kwargs: Any) -> None:
+        self.config = build_config(self.Config, config, kwargs)
+        self.seed = seed
+        self.d: int | None = None
+        self.scale: float | None = None
+        self.params: dict[str, Tensor] = {}  # trainable leaves, in the normalised space
+        self.buffers: dict[str, Tensor] = {}  # non-trainable state a variant keeps
+        self._gen = torch.Generator().manual_seed(seed)
+        self._mixer = MixingBuffer(size=self.config.mixing_size(), seed=seed)
+        self._warm = [0.0, 0]  # sum of ||x||^2 (float64 accumulated) and rows, during warm-up
+        self._device = torch.device("cpu")
+        self._opt: torch.optim.Adam | None = None
+        self._tracker = LatentTracker(self.config.width, self.config.dead_after)
+        self._running = RunningStats()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config}, d={self.d}, steps={self._running.steps})"
+
+    # ---- streaming -------------------------------------------------------------------
+    def update(self, x: Tensor) -> None:
+        """Buffer the rows of `x` `(N, d)`; take one Adam step per `batch_size` mixed rows."""
+        x = self._check_input(x)
+        if self.scale is None:
+            self._warm_up(x)
+        self._mixer.add(x)
+        if self.scale is None:
+            return
+        while (batch := self._mixer.take(self.config.batch_size)) is not None:
+            self._step(batch)
+
+    def flush(self) -> None:
+        """Train on everything still buffered (the last batch may be short); call at stream end."""
+        if self.scale is None and self._warm[1] > 0:
+            self._set_scale()
+        rest = self._mixer.drain() if self.scale is not None else None
+        for batch in () if rest is None else rest.split(self.config.batch_size):
+            self._step(batch)
+
+    def _check_input(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor) or x.ndim != 2 or not x.is_floating_point():
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"{type(self).__name__}.update expects a float tensor (N, d); got {got}")
+        if self.d is None:
+            self.d, self._device = x.shape[1], x.device
+            self._tracker = LatentTracker(self.config.width, self.config.dead_after, x.device)
+        elif x.shape[1] != self.d:
+            raise ValueError(f"{type(self).__name__} was fitted on width d={self.d}; got width {x.shape[1]}")
+        return x.float()
+
+    def _warm_up(self, x: Tensor) -> None:
+        rows = x[: self.config.warmup_tokens - self._warm[1]]
+        self._warm[0] += float(rows.double().pow(2).sum())
+        self._warm[1] += rows.shape[0]
+        if self._warm[1] >= self.config.warmup_tokens:
+            self._set_scale()
+
+    def _set_scale(self) -> None:
+        mean_sq = self._warm[0] / self._warm[1]
+        if not mean_sq > 0:
+            raise ValueError(f"the first {self._warm[1]} rows are all zero; cannot normalise their scale")
+        self.scale = (self.d / mean_sq) ** 0.5
+
+    # ---- one optimiser step ---------------------------------------------------------
+    def _step(self, batch: Tensor) -> None:
+        x = batch.to(self._device) * self.scale  # (B, d), normalised
+        if self._opt is None:
+            self._start(x)
+        w = self._weights()
+        code = self._encode(x, w, train=True)
+        x_hat = self._decode(code.z, w)  # (B, d)
+        recon = self._recon_loss(x, code.z, x_hat, w)
+        loss = recon + self._penalty(x, x_hat, code, w)
+        self._opt.zero_grad(set_to_none=True)
+        loss.backward()
+        with torch.no_grad():
+            if self.unit_decoder:
+                W, g = self.params["W_dec"], self.params["W_dec"].grad  # (width, d)
+                g -= (g * W).sum(1, keepdim=True) * W
+            self._opt.step()
+            if self.unit_decoder:
+                W /= W.norm(dim=1, keepdim=True).clamp(min=1e-12)
+            self._record(x, x_hat, code, loss)
+            self._after_step(code)
+
+    def _start(self, x: Tensor) -> None:
+        if not self.params:  # (a rebuilt SAE already has its parameters)
+            self.params = {k: v.to(self._device).requires_grad_(True) for k, v in self._init_params(x).items()}
+        self._opt = torch.optim.Adam(list(self.params.values()), lr=self.config.learning_rate(),
+                                     betas=self.config.betas)
+
+    def _record(self, x: Tensor, x_hat: Tensor, code: Code, loss: Tensor) -> None:
+        fired = code.z.detach() != 0  # (B, width)
+        self._tracker.observe(fired.sum(0), x.shape[0])
+        sse = (x - x_hat.detach()).pow(2).sum()
+        var = (x - x.mean(0)).pow(2).sum().clamp(min=1e-12)
+        values = torch.stack([sse / var, fired.sum(1).float().mean(),
+                              self._tracker.dead().float().mean(), loss.detach()]).tolist()
+        self._running.observe(StepStats(*values), x.shape[0])
+
+    @property
+    def stats(self) -> SAEStats:
+        """Steps, tokens, the last step's FVU / L0 / dead fraction / loss, and their running means."""
+        return self._running.summary()
+
+    # ---- what variants override -------------------------------------------------------
+    def _init_params(self, x: Tensor) -> dict[str, Tensor]:
+        """Initial parameters from the first normalised batch `x` `(B, d)`: tied W_enc = W_dec^T."""
+        width, d = self.config.width, x.shape[1]
+        W_dec = torch.randn(width, d, generator=self._gen)
+        W_dec /= W_dec.norm(dim=1, keepdim=True)
+        init = self.config.b_dec_init
+        b_dec = (geometric_median(x) if init == "geometric_median" else x.mean(0) if init == "mean"
+                 else torch.zeros(d))
+        return {"W_enc": W_dec.T.clone(), "b_enc": torch.zeros(width), "W_dec": W_dec, "b_dec": b_dec.cpu()}
+
+    def _weights(self) -> dict[str, Tensor]:
+        """The weights the encoding uses, derived from `params` and `buffers` (differentiable)."""
+        return {**self.params, **self.buffers}
+
+    def _encode(self, x: Tensor, w: dict[str, Tensor], train: bool) -> Code:
+        pre = (x - w["b_dec"]) @ w["W_enc"] + w["b_enc"]  # (N, width)
+        return Code(self._activate(pre, w, train), pre)
+
+    def _activate(self, pre: Tensor, w: dict[str, Tensor], train: bool) -> Tensor:
+        """The variant's gate: pre-activations `(N, width)` -> latents `(N, width)`."""
+        raise NotImplementedError(f"{type(self).__name__} must define _activate")
+
+    def _decode(self, z: Tensor, w: dict[str, Tensor]) -> Tensor:
+        return z @ w["W_dec"] + w["b_dec"]  # (N, d)
+
+    def _recon_loss(self, x: Tensor, z: Tensor, x_hat: Tensor, w: dict[str, Tensor]) -> Tensor:
+        """Mean over tokens of ||x - x_hat||^2."""
+        return (x - x_hat).pow(2).sum(-1).mean()
+
+    def _penalty(self, x: Tensor, x_hat: Tensor, code: Code, w: dict[str, Tensor]) -> Tensor:
+        """The variant's extra loss term (sparsity, auxiliary); none by default."""
+        return x.new_zeros(())
+
+    def _after_step(self, code: Code) -> None:
+        """Update non-trainable state from the step's code; nothing by default."""
+
+    def _fold(self, w: dict[str, Tensor], scale: float) -> dict[str, Tensor]:
+        """Raw-space weights from normalised ones (see the module docstring)."""
+        keep = ("W_enc", "W_dec", *self.folded_by_scale)
+        return {k: v / scale if k in self.folded_by_scale else v for k, v in w.items() if k in keep}
+
+    # ---- inference on raw activations -------------------------------------------------
+    def _raw(self) -> dict[str, Tensor]:
+        if not self.params:
+            seen = self._warm[1] + self._tracker.tokens
+            raise RuntimeError(f"{type(self).__name__} has not taken a step yet ({seen} tokens seen, warm-up "
+                               f"{self.config.warmup_tokens}, batch {self.config.batch_size}); call update() or flush()")
+        with torch.no_grad():
+            return {k: v.detach() for k, v in self._fold(self._weights(), self.scale).items()}
+
+    @torch.no_grad()
+    def encode(self, x: Tensor) -> Tensor:
+        """Raw activations `(N, d)` -> latents `(N, width)` in raw units."""
+        return self._encode(x.to(self._device).float(), self._raw(), train=False).z
+
+    @torch.no_grad()
+    def decode(self, z: Tensor) -> Tensor:
+        """Latents `(N, width)` -> reconstructed raw activations `(N, d)`."""
+        return self._decode(z.to(self._device).float(), self._raw())
+
+    def reconstruct(self, x: Tensor) -> Tensor:
+        """`decode(encode(x))`, `(N, d)`."""
+        return self.decode(self.encode(x))
+
+    def concept_set(self) -> ConceptSet:
+        """Decoder rows as directions; the raw-space encoder and firing frequencies come along."""
+        raw = {k: v.cpu() for k, v in self._raw().items()}
+        directions = raw.pop("W_dec")
+        config = {**self.config.to_json(), "seed": self.seed, "input_scale": self.scale,
+                  "steps": self._running.steps, "tokens": self._running.tokens}
+        return ConceptSet(directions, method=self.method, config=config, encoder=raw,
+                          stats={"firing_frequency": self._tracker.frequency().cpu()})
+
+    # ---- checkpoints and replicas ------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Parameters, Adam state, buffered rows, RNG and statistics: enough to resume bit for bit."""
+        return training_state(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_training_state(self, state)
+
+    def merge(self, other: SparseAutoencoder) -> None:
+        """Average parameters and Adam moments with a data-parallel replica (local SGD).
+
+        SAEs have no sufficient statistics to add up. Replicas that started from one state
+        (load the same `state_dict` after warm-up, so they share the input scale and the
+        initialisation) and trained on different shards can be averaged with equal weights;
+        firing records combine and the other's buffered rows join this buffer.
+        """
+        average_replicas(self, other)

@@ -1,0 +1,73 @@
+"""BatchTopKSAE: keep the k * B largest activations of a whole batch (Bussmann et al. 2024).
+
+    sae = BatchTopKSAE(width=4608, k=32, seed=0)
+
+Tokens share a budget of k * B active latents, so a rich token can use more than k and a
+plain one fewer. The batch is not available at inference, so the SAE is exported as a
+JumpReLU with one global threshold: a running estimate of the smallest activation that
+training kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from conceptlens.concepts.sae.base import Code
+from conceptlens.concepts.sae.config import check_float
+from conceptlens.concepts.sae.topk import TopKConfig, TopKSAE
+
+
+@dataclass(kw_only=True)
+class BatchTopKConfig(TopKConfig):
+    """BatchTopKSAE hyper-parameters."""
+
+    threshold_momentum: float = 0.01
+    """Weight of each step's smallest kept activation in the threshold's moving average."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_float("threshold_momentum", self.threshold_momentum, strict=True)
+        if self.threshold_momentum > 1:
+            raise ValueError(f"threshold_momentum must be in (0, 1]; got {self.threshold_momentum!r}")
+
+
+def batch_topk_relu(pre: Tensor, k: int) -> Tensor:
+    """Keep the k * N largest ReLU'd entries of `pre` `(N, width)` over the whole batch."""
+    flat = pre.relu().flatten()  # (N * width,)
+    values, indices = flat.topk(min(k * pre.shape[0], flat.numel()), sorted=False)
+    return torch.zeros_like(flat).scatter(0, indices, values).view_as(pre)
+
+
+class BatchTopKSAE(TopKSAE):
+    """Training: batch top-k of ReLU((x - b_dec) W_enc + b_enc); inference: z = pre * (pre > theta)."""
+
+    Config = BatchTopKConfig
+    method = "batchtopk_sae"
+    config: BatchTopKConfig
+
+    def _init_params(self, x: Tensor) -> dict[str, Tensor]:
+        self.buffers = {"threshold": torch.zeros((), device=x.device), "threshold_steps": torch.zeros((), dtype=torch.int64)}
+        return super()._init_params(x)
+
+    def _weights(self) -> dict[str, Tensor]:
+        return {**self.params, "threshold": self.buffers["threshold"]}
+
+    def _activate(self, pre: Tensor, w: dict[str, Tensor], train: bool) -> Tensor:
+        if train:
+            return batch_topk_relu(pre, self.config.k)
+        return pre * (pre > w["threshold"])
+
+    def _after_step(self, code: Code) -> None:
+        """Move the threshold toward the smallest positive activation this batch kept."""
+        z = code.z.detach()
+        kept = z[z > 0]
+        if kept.numel() == 0:
+            return
+        steps = int(self.buffers["threshold_steps"])
+        # the first estimate is taken as is, rather than averaged with the initial zero
+        rate = 1.0 if steps == 0 else self.config.threshold_momentum
+        self.buffers["threshold"].lerp_(kept.min(), rate)
+        self.buffers["threshold_steps"] += 1

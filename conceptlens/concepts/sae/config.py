@@ -1,0 +1,95 @@
+"""SAEConfig: the hyper-parameters every sparse autoencoder shares, validated on creation.
+
+    cfg = SAEConfig(width=4608, batch_size=4096)
+    cfg.learning_rate()                    # lr, or the width-scaled default
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+
+def check_int(name: str, value: Any, low: int = 1) -> None:
+    """Raise unless `value` is an int (not a bool) >= `low`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}; got {value!r}")
+
+
+def check_float(name: str, value: Any, low: float = 0.0, *, strict: bool = False) -> None:
+    """Raise unless `value` is a finite real > `low` (strict) or >= `low`."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (value <= low if strict else value < low):
+        raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {low}; got {value!r}")
+
+
+@dataclass(kw_only=True)
+class SAEConfig:
+    """Shared SAE hyper-parameters; each variant's config adds its own fields."""
+
+    width: int
+    """Number of latents (dictionary size)."""
+    lr: float | None = None
+    """Adam learning rate; None scales it with width as 2e-4 * sqrt(16384 / width) (Gao et al.)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's moment decay rates."""
+    batch_size: int = 4096
+    """Tokens per optimiser step."""
+    buffer_size: int | None = None
+    """Rows the mixing buffer keeps before drawing a batch; None means 4 * batch_size."""
+    warmup_tokens: int = 4096
+    """Tokens over which the input scale (E||x||^2 = d) is estimated before the first step."""
+    dead_after: int = 10_000_000
+    """A latent is dead when it has not fired in this many tokens."""
+    b_dec_init: Literal["geometric_median", "mean", "zeros"] = "geometric_median"
+    """Where the pre-encoder bias starts, computed on the first batch."""
+
+    def __post_init__(self) -> None:
+        check_int("width", self.width)
+        if self.lr is not None:
+            check_float("lr", self.lr, strict=True)
+        betas = tuple(self.betas)
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+            raise ValueError(f"betas must be two numbers in [0, 1); got {self.betas!r}")
+        self.betas = (float(betas[0]), float(betas[1]))
+        check_int("batch_size", self.batch_size)
+        if self.buffer_size is not None:
+            check_int("buffer_size", self.buffer_size)
+        check_int("warmup_tokens", self.warmup_tokens)
+        check_int("dead_after", self.dead_after)
+        if self.b_dec_init not in ("geometric_median", "mean", "zeros"):
+            raise ValueError(f"b_dec_init must be 'geometric_median', 'mean' or 'zeros'; got {self.b_dec_init!r}")
+
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else 2e-4 * math.sqrt(16384 / self.width)
+
+    def mixing_size(self) -> int:
+        return self.buffer_size if self.buffer_size is not None else 4 * self.batch_size
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON types (tuples become lists)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+C = TypeVar("C", bound=SAEConfig)
+
+
+def build_config(cls: type[C], config: C | None, kwargs: dict[str, Any]) -> C:
+    """A config of type `cls` from either a ready config or keyword arguments (not both)."""
+    if config is not None:
+        if kwargs:
+            raise TypeError(f"pass either a {cls.__name__} or keyword arguments, not both; got {sorted(kwargs)}")
+        if not isinstance(config, cls):
+            raise TypeError(f"expected a {cls.__name__}; got {type(config).__name__}")
+        return config
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(kwargs) - set(names))
+    if unknown:
+        raise TypeError(f"unknown argument(s) {unknown}; valid: {names}")
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in kwargs]
+    if missing:
+        raise TypeError(f"missing required argument(s) {missing}")
+    return cls(**kwargs)

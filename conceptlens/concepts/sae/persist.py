@@ -1,0 +1,93 @@
+"""Checkpoints and replica averaging for SparseAutoencoder (kept apart from the training loop).
+
+    state = training_state(sae)             # what sae.state_dict() returns
+    load_training_state(fresh_sae, state)   # resumes bit for bit
+    average_replicas(sae, other_replica)    # what sae.merge(other) does
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from conceptlens.concepts.sae.stats import LatentTracker
+
+if TYPE_CHECKING:
+    from conceptlens.concepts.sae.base import SparseAutoencoder
+
+
+def training_state(sae: SparseAutoencoder) -> dict[str, Any]:
+    """Tensors, scalars and nested dicts only, so `torch.load(weights_only=True)` reads it."""
+    return {
+        "class": type(sae).__name__,
+        "config": sae.config.to_json(),
+        "seed": sae.seed,
+        "d": sae.d,
+        "scale": sae.scale,
+        "warm": list(sae._warm),
+        "params": {k: v.detach().clone() for k, v in sae.params.items()},
+        "buffers": {k: v.clone() for k, v in sae.buffers.items()},
+        # deep copy: Adam's state_dict shares its moment tensors with the live optimiser
+        "optimizer": None if sae._opt is None else copy.deepcopy(sae._opt.state_dict()),
+        "generator": sae._gen.get_state(),
+        "mixer": sae._mixer.state_dict(),
+        "tracker": sae._tracker.state_dict(),
+        "running": sae._running.state_dict(),
+    }
+
+
+def load_training_state(sae: SparseAutoencoder, state: dict[str, Any]) -> None:
+    """Restore `training_state` into an SAE constructed with the same class and config."""
+    if state.get("class") != type(sae).__name__:
+        raise ValueError(f"state is for a {state.get('class')!r}; this is a {type(sae).__name__!r}")
+    mine = sae.config.to_json()
+    differ = sorted(k for k in mine.keys() | state["config"].keys() if mine.get(k) != state["config"].get(k))
+    if differ:
+        raise ValueError(f"state was saved with a different config: {[(k, state['config'].get(k), mine.get(k)) for k in differ]} "
+                         "(key, saved, this)")
+    sae.seed, sae.d, sae.scale, sae._warm = state["seed"], state["d"], state["scale"], list(state["warm"])
+    sae.params = {k: v.clone().requires_grad_(True) for k, v in state["params"].items()}
+    sae.buffers = {k: v.clone() for k, v in state["buffers"].items()}
+    if sae.params:
+        sae._device = next(iter(sae.params.values())).device
+        sae._opt = torch.optim.Adam(list(sae.params.values()), lr=sae.config.learning_rate(), betas=sae.config.betas)
+        sae._opt.load_state_dict(copy.deepcopy(state["optimizer"]))
+    sae._gen.set_state(state["generator"])
+    sae._mixer.load_state_dict(state["mixer"])
+    sae._tracker = LatentTracker(sae.config.width, sae.config.dead_after, sae._device)
+    sae._tracker.load_state_dict(state["tracker"])
+    sae._running.load_state_dict(state["running"])
+
+
+@torch.no_grad()
+def average_replicas(sae: SparseAutoencoder, other: SparseAutoencoder) -> None:
+    """Equal-weight average of parameters, buffers and Adam moments of two replicas, into `sae`.
+
+    Buffered rows stay with their replica. Firing counts add (after averaging, a replica
+    that reloads the merged state has both histories, so frequencies stay fractions).
+    """
+    if type(other) is not type(sae):
+        raise TypeError(f"can only merge a {type(sae).__name__} with another; got {type(other).__name__}")
+    if other.config != sae.config:
+        raise ValueError(f"replicas need the same config; got {other.config} and {sae.config}")
+    if not sae.params or not other.params:
+        raise ValueError("both replicas must have taken an optimiser step before they can be averaged")
+    if other.scale != sae.scale or other.d != sae.d:
+        raise ValueError(f"replicas must share the input width and warm-up scale (start them from one state_dict); "
+                         f"got d={sae.d}, scale={sae.scale} and d={other.d}, scale={other.scale}")
+    for name, p in sae.params.items():
+        q = other.params[name]
+        p.add_(q.to(p.device)).mul_(0.5)
+        mine, theirs = sae._opt.state[p], other._opt.state[q]
+        for key in ("exp_avg", "exp_avg_sq"):
+            mine[key].add_(theirs[key].to(p.device)).mul_(0.5)
+        mine["step"] = torch.maximum(mine["step"], theirs["step"].to(mine["step"].device))
+    for name, b in sae.buffers.items():
+        if b.is_floating_point():
+            b.add_(other.buffers[name].to(b.device)).mul_(0.5)
+    if sae.unit_decoder:
+        W = sae.params["W_dec"]
+        W /= W.norm(dim=1, keepdim=True).clamp(min=1e-12)
+    sae._tracker.merge(other._tracker)

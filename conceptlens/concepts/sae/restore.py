@@ -1,0 +1,54 @@
+"""Rebuild an SAE object from a ConceptSet, to encode with it (or to train it further).
+
+    sae = sae_from_concept_set(cs)            # cs from sae.concept_set() or import_saelens(...)
+    z = sae.encode(x)                         # (N, d) raw activations -> (N, width)
+
+The ConceptSet holds raw-space weights, so the rebuilt SAE has input scale 1 and no
+optimiser state; a further `update` starts a fresh Adam.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.concepts.sae.base import SparseAutoencoder
+from conceptlens.concepts.sae.batchtopk import BatchTopKSAE
+from conceptlens.concepts.sae.jumprelu import JumpReLUSAE
+from conceptlens.concepts.sae.matryoshka import MatryoshkaSAE
+from conceptlens.concepts.sae.relu import ReLUSAE
+from conceptlens.concepts.sae.spade import SpaDE
+from conceptlens.concepts.sae.stats import LatentTracker
+from conceptlens.concepts.sae.topk import TopKSAE
+
+CLASSES: dict[str, type[SparseAutoencoder]] = {
+    cls.method: cls for cls in (ReLUSAE, TopKSAE, BatchTopKSAE, JumpReLUSAE, SpaDE, MatryoshkaSAE)}
+
+
+def sae_from_concept_set(cs: ConceptSet) -> SparseAutoencoder:
+    """The SAE whose `encode` / `decode` / `concept_set` reproduce `cs` (method must be an SAE's)."""
+    cls = CLASSES.get(cs.method)
+    if cls is None:
+        raise ValueError(f"ConceptSet method {cs.method!r} is not an SAE; expected one of {sorted(CLASSES)}")
+    names = {f.name for f in dataclasses.fields(cls.Config)}
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in cs.config.items() if k in names}
+    sae = cls(seed=cs.config.get("seed", 0), **kwargs)
+    raw = {**cs.encoder, "W_dec": cs.directions}
+    params = {k: raw[k].clone() for k in ("W_enc", "b_enc", "W_dec", "b_dec") if k in raw}
+    if cls is JumpReLUSAE:
+        params["log_threshold"] = raw["threshold"].log()
+    elif cls is BatchTopKSAE:
+        sae.buffers = {"threshold": raw["threshold"].clone().reshape(()),
+                       "threshold_steps": torch.ones((), dtype=torch.int64)}
+    elif cls is SpaDE:
+        lam = float(raw["lambda"])
+        params = {"prototypes": raw["prototypes"].clone(), "W_dec": raw["W_dec"].clone(),
+                  "lambda_pre": torch.tensor(math.log(math.expm1(lam)))}
+    sae.params = {k: v.float().requires_grad_(True) for k, v in params.items()}
+    sae.d, sae.scale = cs.hidden_size, 1.0
+    sae._warm = [float(cs.hidden_size), 1]
+    sae._tracker = LatentTracker(sae.config.width, sae.config.dead_after)
+    return sae

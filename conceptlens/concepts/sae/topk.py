@@ -1,0 +1,73 @@
+"""TopKSAE: keep the k largest pre-activations of each token (Gao et al. 2024).
+
+    sae = TopKSAE(width=4608, k=32, seed=0)
+
+Sparsity is set by k, so the loss has no sparsity term; the AuxK term makes the k_aux
+largest pre-activations of dead latents reconstruct the main reconstruction's residual,
+which revives them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from conceptlens.concepts.sae.base import Code, SparseAutoencoder
+from conceptlens.concepts.sae.config import SAEConfig, check_float, check_int
+
+
+@dataclass(kw_only=True)
+class TopKConfig(SAEConfig):
+    """TopKSAE hyper-parameters."""
+
+    k: int
+    """Active latents per token."""
+    k_aux: int | None = None
+    """Dead latents used by the AuxK term; None means d // 2."""
+    aux_coef: float = 1 / 32
+    """Weight of the AuxK term."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("k", self.k)
+        if self.k > self.width:
+            raise ValueError(f"k must be at most width={self.width}; got k={self.k}")
+        if self.k_aux is not None:
+            check_int("k_aux", self.k_aux)
+        check_float("aux_coef", self.aux_coef)
+
+
+def topk_relu(pre: Tensor, k: int) -> Tensor:
+    """Keep the k largest entries of each row of `pre` `(N, width)`, ReLU them, zero the rest."""
+    values, indices = pre.topk(k, dim=-1, sorted=False)  # (N, k)
+    return torch.zeros_like(pre).scatter(-1, indices, values.relu())
+
+
+class TopKSAE(SparseAutoencoder):
+    """z = ReLU(TopK((x - b_dec) W_enc + b_enc)); loss ||x - x_hat||^2 + AuxK."""
+
+    Config = TopKConfig
+    method = "topk_sae"
+    config: TopKConfig
+
+    def _activate(self, pre: Tensor, w: dict[str, Tensor], train: bool) -> Tensor:
+        return topk_relu(pre, self.config.k)
+
+    def _penalty(self, x: Tensor, x_hat: Tensor, code: Code, w: dict[str, Tensor]) -> Tensor:
+        """AuxK: alpha * ||e - e_hat||^2 / Var(e), in units of the main loss (times Var(x) / B).
+
+        As in Gao et al. the term is normalised by the residual's variance, so its weight
+        does not fade as the main reconstruction improves.
+        """
+        dead = self._tracker.dead()  # (width,)
+        n_dead = int(dead.sum())
+        if n_dead == 0 or self.config.aux_coef == 0:
+            return x.new_zeros(())
+        k_aux = min(self.config.k_aux or max(x.shape[1] // 2, 1), n_dead)
+        e = (x - x_hat).detach()  # (B, d): the residual the dead latents should explain
+        e_hat = topk_relu(code.pre.masked_fill(~dead, float("-inf")), k_aux) @ w["W_dec"]
+        var_e = (e - e.mean(0)).pow(2).sum().clamp(min=1e-12)
+        var_x = (x - x.mean(0)).pow(2).sum()
+        return self.config.aux_coef * (e - e_hat).pow(2).sum() / var_e * var_x / x.shape[0]

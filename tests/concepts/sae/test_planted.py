@@ -1,0 +1,95 @@
+"""Acceptance: SAEs recover a planted dictionary; SpaDE separates concepts a half-space cannot.
+
+Synthetic data only, small sizes, seeded: each test runs in about a second.
+"""
+
+import pytest
+import torch
+
+from conceptlens.concepts.sae import BatchTopKSAE, JumpReLUSAE, MatryoshkaSAE, ReLUSAE, SpaDE, TopKSAE
+
+D, N_ATOMS, ACTIVE = 32, 64, 3
+COMMON = dict(width=128, batch_size=512, warmup_tokens=512, dead_after=20_000)  # default lr
+VARIANTS = {
+    "relu": lambda: ReLUSAE(**COMMON, l1=0.1, seed=0),
+    "topk": lambda: TopKSAE(**COMMON, k=ACTIVE, seed=0),
+    "batchtopk": lambda: BatchTopKSAE(**COMMON, k=ACTIVE, seed=0),
+    "jumprelu": lambda: JumpReLUSAE(**COMMON, l0=0.05, threshold_init=0.1, bandwidth=0.05, seed=0),
+    "matryoshka": lambda: MatryoshkaSAE(**COMMON, k=ACTIVE, prefixes=(16, 32, 64, 128), seed=0),
+}
+
+
+def planted_dictionary(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unit atoms (N_ATOMS, D) and n tokens, each ACTIVE atoms with coefficients in [0.5, 1.5],
+    plus a constant offset (which b_dec must absorb)."""
+    g = torch.Generator().manual_seed(seed)
+    atoms = torch.randn(N_ATOMS, D, generator=g)
+    atoms /= atoms.norm(dim=1, keepdim=True)
+    chosen = torch.rand(n, N_ATOMS, generator=g).argsort(1)[:, :ACTIVE]  # (n, ACTIVE)
+    codes = torch.zeros(n, N_ATOMS).scatter(1, chosen, 0.5 + torch.rand(n, ACTIVE, generator=g))
+    return atoms, codes @ atoms + 2.0
+
+
+def recovered(atoms: torch.Tensor, directions: torch.Tensor, cos: float = 0.9) -> float:
+    """Fraction of atoms whose best-matching direction has cosine above `cos`."""
+    unit = directions / directions.norm(dim=1, keepdim=True)
+    return ((atoms @ unit.T).max(1).values > cos).float().mean().item()
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_recovers_planted_dictionary(name):
+    atoms, x = planted_dictionary(55_000)
+    x, x_test = x[:50_000], x[50_000:]
+    sae = VARIANTS[name]()
+    for chunk in x.split(1000):
+        sae.update(chunk)
+    share = recovered(atoms, sae.concept_set().directions)
+    # held-out quality through the raw-space (scale-folded) encode / reconstruct
+    fvu = ((x_test - sae.reconstruct(x_test)).pow(2).sum() / (x_test - x_test.mean(0)).pow(2).sum()).item()
+    l0 = (sae.encode(x_test) != 0).sum(1).float().mean().item()
+    print(f"{name}: {share:.0%} of atoms recovered, held-out FVU {fvu:.3f}, L0 {l0:.1f}")
+    assert share >= 0.9
+    assert fvu < 0.25
+    assert l0 < 32  # a quarter of the latents: the code is sparse
+
+
+def magnitude_concepts(n: int, g: torch.Generator, d: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Four concepts at magnitudes 1, 2, 3, 4 along one direction, with small isotropic noise."""
+    labels = torch.randint(4, (n,), generator=g)
+    x = 0.05 * torch.randn(n, d, generator=g)
+    x[:, 0] += labels.float() + 1
+    return x, labels
+
+
+def best_latent_f1(z: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per concept, the best F1 of 'latent j fires' as a detector of the concept: (n_concepts,)."""
+    fired = (z > 0).float()  # (N, width)
+    scores = []
+    for c in range(int(labels.max()) + 1):
+        y = (labels == c).float()[:, None]
+        tp = (fired * y).sum(0)
+        precision, recall = tp / fired.sum(0).clamp(min=1), tp / y.sum()
+        scores.append((2 * precision * recall / (precision + recall).clamp(min=1e-12)).max())
+    return torch.stack(scores)
+
+
+def test_spade_separates_concepts_that_differ_only_in_magnitude():
+    g = torch.Generator().manual_seed(0)
+    x, _ = magnitude_concepts(100_000, g)
+    x_test, y_test = magnitude_concepts(4000, g)
+    common = dict(width=16, batch_size=256, warmup_tokens=256, dead_after=5000, lr=1e-2, seed=0)
+    saes = {"spade": SpaDE(**common), "relu": ReLUSAE(**common, l1=0.1),
+            "jumprelu": JumpReLUSAE(**common, l0=0.05, threshold_init=0.5, bandwidth=0.1)}
+    f1 = {}
+    for name, sae in saes.items():
+        for chunk in x.split(2000):
+            sae.update(chunk)
+        f1[name] = best_latent_f1(sae.encode(x_test), y_test)
+        print(f"{name}: per-concept best-latent F1 {[round(v, 3) for v in f1[name].tolist()]}, mean {f1[name].mean():.3f}")
+    # A ReLU/JumpReLU latent fires on a half-space, so for a middle magnitude its F1 is at most
+    # about 2/3; SpaDE's latents fire on bounded regions around prototypes.
+    # (seeds 0-3 give SpaDE 0.89-0.96, ReLU and JumpReLU at most 0.69)
+    assert f1["spade"].mean() > 0.85
+    assert f1["spade"].mean() > max(f1["relu"].mean(), f1["jumprelu"].mean()) + 0.15
+    middle = {name: scores[1:3].mean() for name, scores in f1.items()}
+    assert middle["spade"] > max(middle["relu"], middle["jumprelu"]) + 0.1

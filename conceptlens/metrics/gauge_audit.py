@@ -1,6 +1,6 @@
 """Gauge audit: move a model along its query/key symmetry and see which metrics move with it.
 
-    report = gauge_audit(model, inputs, capture_qk=capture)   # capture: (model, inputs) -> {layer: (q, k)}
+    report = gauge_audit(model, inputs)      # q/k read at the blocks.{i}.attn.q/.k sites
     print(report)               # logits diff, then each metric's relative change
     report.moved()              # ['key_cosine', 'key_norm', 'key_pca']: not properties of the model
 
@@ -29,11 +29,12 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal, Mapping
+from typing import Any, Iterator, Literal, Mapping
 
 import torch
 from torch import Tensor, nn
 
+from conceptlens.metrics.capture_qk import QKCapture, qk_capture
 from conceptlens.metrics.gauge import AUDIT_METRICS, AuditMetric
 
 Group = Literal["auto", "general", "rotary"]
@@ -231,10 +232,6 @@ def gauged(model: nn.Module, transform: GaugeTransform) -> Iterator[nn.Module]:
                 t.copy_(s)
 
 
-QKCapture = Callable[[nn.Module, Mapping[str, Any]], Mapping[Any, tuple[Tensor, Tensor]]]
-"""(model, inputs) -> {layer: (q, k)}: post-rotary q `(B, T, H, d_head)` and k `(B, T, H_kv, d_head)`."""
-
-
 @dataclass(frozen=True)
 class AuditReport:
     """What one random gauge element moved. Print it for a table.
@@ -296,7 +293,7 @@ def _relative_change(before: Tensor, after: Tensor) -> float:
 def gauge_audit(
     model: nn.Module,
     inputs: Mapping[str, Any],
-    capture_qk: QKCapture,
+    capture_qk: QKCapture | None = None,
     metrics: Mapping[str, AuditMetric] | None = None,
     seed: int = 0,
     group: Group = "auto",
@@ -304,12 +301,15 @@ def gauge_audit(
     """Run the model before and after a random gauge; report the output change and each
     metric's relative change per layer. The model comes back unchanged (weights and modes).
 
-        report = gauge_audit(model, tok(texts, return_tensors="pt"), capture_qk=capture)
+        report = gauge_audit(model, tok(texts, return_tensors="pt"))
 
+    `capture_qk`: `(model, inputs) -> {layer: (q, k)}`; default `qk_capture()`, every block's
+    `attn.q` / `attn.k` site (pass `qk_capture(layers=[...])` to audit fewer blocks).
     `metrics` maps names to `(q (N, H, d_head), k (N, H_kv, d_head)) -> Tensor`; default
     `AUDIT_METRICS` (key norm, key cosine, key PCA, key distance, score cosine, QK spectrum).
     """
     metrics = dict(AUDIT_METRICS if metrics is None else metrics)
+    capture_qk = qk_capture() if capture_qk is None else capture_qk
     transform = random_gauge(model, seed=seed, group=group)
     modes = {m: m.training for m in model.modules()}
     model.eval()  # dropout would differ between the two runs

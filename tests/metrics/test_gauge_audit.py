@@ -14,6 +14,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from conceptlens.metrics.capture_qk import qk_capture
 from conceptlens.metrics.gauge import AUDIT_METRICS
 from conceptlens.metrics.gauge_audit import apply_gauge, gauge_audit, gauged, random_gauge
 
@@ -39,9 +40,10 @@ def _recording_eager_attention(model, records):
         model.config._attn_implementation = implementation
 
 
-def capture_qk(model, inputs):
+def eager_qk(model, inputs):
+    """Reference q/k straight from HF's eager attention function."""
     records = {}
-    with _recording_eager_attention(model, records):
+    with torch.no_grad(), _recording_eager_attention(model, records):
         model(**inputs)
     return records
 
@@ -85,7 +87,7 @@ def test_audit_keeps_outputs_and_separates_invariant_metrics(build, group):
     _perturb_biases(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     model.train()
-    report = gauge_audit(model, _inputs(), capture_qk=capture_qk, seed=3)
+    report = gauge_audit(model, _inputs(), seed=3)  # default: q/k read at the attn.q/.k sites
     assert report.group == group
     assert report.logits_max_abs_diff < 1e-3 * max(1.0, report.logits_max_abs)
     assert report.logits_max_abs_diff < 1e-3
@@ -102,7 +104,7 @@ def test_audit_keeps_outputs_and_separates_invariant_metrics(build, group):
 
 def test_general_gauge_on_a_rotary_model_is_caught():
     metrics = {"key_distance": AUDIT_METRICS["key_distance"]}
-    report = gauge_audit(_llama(), _inputs(), capture_qk=capture_qk, metrics=metrics, group="general")
+    report = gauge_audit(_llama(), _inputs(), metrics=metrics, group="general")
     assert report.group == "general"
     assert report.logits_max_abs_diff > 1e-3  # the true symmetries give ~2e-7 here
     assert report.relative_change["key_distance"] > 1e-2
@@ -110,7 +112,7 @@ def test_general_gauge_on_a_rotary_model_is_caught():
 
 def test_rotary_gauge_is_valid_on_models_without_rotary_too():
     metrics = {name: AUDIT_METRICS[name] for name in ("key_distance", "key_norm")}
-    report = gauge_audit(_gpt2(), _inputs(), capture_qk=capture_qk, metrics=metrics, group="rotary", seed=5)
+    report = gauge_audit(_gpt2(), _inputs(), metrics=metrics, group="rotary", seed=5)
     assert report.logits_max_abs_diff < 1e-4
     assert report.relative_change["key_distance"] < 1e-4 < 1e-2 < report.relative_change["key_norm"]
 
@@ -120,20 +122,36 @@ def test_gqa_shares_one_matrix_per_key_head_and_gauged_restores():
     t = random_gauge(model, seed=1)
     assert set(t.matrices) == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
     assert t.matrices["model.layers.0.self_attn"].shape == (2, 16, 16)
-    records, records_gauged = {}, {}
     inputs = _inputs()
-    with torch.no_grad(), _recording_eager_attention(model, records):
-        model(**inputs)
-    with torch.no_grad(), gauged(model, t), _recording_eager_attention(model, records_gauged):
-        model(**inputs)
-    q, k = records[1]
-    q2, k2 = records_gauged[1]
+    capture = qk_capture(layers=[1])
+    q, k = capture(model, inputs)[1]
+    with gauged(model, t):
+        q2, k2 = capture(model, inputs)[1]
     A = t.matrices["model.layers.1.self_attn"].float()
     # query heads 0, 1 read key head 0; heads 2, 3 read key head 1 (HF's h // g)
-    expected_q = torch.einsum("hab,nthb->ntha", A.repeat_interleave(2, 0), q)
+    expected_q = torch.einsum("hab,nhb->nha", A.repeat_interleave(2, 0), q)
     torch.testing.assert_close(q2, expected_q, rtol=1e-4, atol=1e-4)
-    expected_k = torch.einsum("hab,nthb->ntha", torch.linalg.inv(A).transpose(-1, -2), k)
+    expected_k = torch.einsum("hab,nhb->nha", torch.linalg.inv(A).transpose(-1, -2), k)
     torch.testing.assert_close(k2, expected_k, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("build", [_llama, _gpt2, _bert])
+def test_default_capture_reads_what_the_eager_attention_function_receives(build):
+    model, inputs = build().eval(), _inputs()
+    mask = inputs["attention_mask"].bool()
+    ours, reference = qk_capture()(model, inputs), eager_qk(model, inputs)
+    assert sorted(ours) == sorted(reference) == [0, 1]
+    for layer, (q, k) in reference.items():
+        torch.testing.assert_close(ours[layer][0], q[mask], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours[layer][1], k[mask], rtol=1e-5, atol=1e-6)
+    assert sorted(qk_capture(layers=[-1])(model, inputs)) == [1]
+
+
+def test_qk_capture_rejects_layers_the_model_lacks():
+    with pytest.raises(ValueError, match=r"layers \[2\] are not blocks of this model \(0..1"):
+        qk_capture(layers=[2])(_gpt2(), _inputs())
+    with pytest.raises(ValueError, match="stack must be one of"):
+        qk_capture(stack="encoder")(_gpt2(), _inputs())
 
 
 def test_inverse_undoes_apply_up_to_rounding():

@@ -2,5 +2,7 @@
 
 from conceptlens.steering.edits import Add, Clamp, CodeAblate, Edit, ProjectOut
 from conceptlens.steering.scope import Positions, Steer
+from conceptlens.steering.sweep import Generation, SweepResult, sweep, token_logprob
 
-__all__ = ["Add", "Clamp", "CodeAblate", "Edit", "ProjectOut", "Positions", "Steer"]
+__all__ = ["Add", "Clamp", "CodeAblate", "Edit", "Generation", "ProjectOut", "Positions", "Steer", "SweepResult",
+           "sweep", "token_logprob"]

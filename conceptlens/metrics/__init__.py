@@ -1,1 +1,48 @@
-"""metrics"""
+"""Metrics: gauge-invariant attention geometry, concept quality, hierarchy, faithfulness.
+
+    from conceptlens.metrics import QueryKeyMoments, key_distance, gauge_audit, probe_loss, splice_ce
+
+Names load lazily from their modules (gauge, gauge_audit, capture_qk, quality, hierarchy,
+splice), so importing this package pulls in neither networkx nor a model.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "gauge": ["QueryKeyMoments", "key_distance", "score_cosine", "qk_spectrum", "qk_singular_values",
+              "key_cosine", "key_norm", "key_pca_explained", "AUDIT_METRICS", "AuditMetric"],
+    "gauge_audit": ["gauge_audit", "AuditReport", "GaugeTransform", "random_gauge", "apply_gauge", "gauged"],
+    "capture_qk": ["qk_capture", "QKCapture"],
+    "quality": ["probe_loss", "ProbeResult", "fit_logistic_1d", "mppc", "effective_rank", "max_pairwise_cosine",
+                "fvu", "l0", "dead_fraction", "ce_loss_recovered", "lda_directions", "LDADirections"],
+    "hierarchy": ["CoactivationStats", "build_dag", "hierarchy_scores", "HierarchyScores", "export_dag"],
+    "splice": ["splice_ce", "SpliceResult", "next_token_loss", "splice_mask"],
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+if TYPE_CHECKING:
+    from conceptlens.metrics.capture_qk import QKCapture, qk_capture
+    from conceptlens.metrics.gauge import (AUDIT_METRICS, AuditMetric, QueryKeyMoments, key_cosine, key_distance,
+                                           key_norm, key_pca_explained, qk_singular_values, qk_spectrum, score_cosine)
+    from conceptlens.metrics.gauge_audit import (AuditReport, GaugeTransform, apply_gauge, gauge_audit, gauged,
+                                                 random_gauge)
+    from conceptlens.metrics.hierarchy import (CoactivationStats, HierarchyScores, build_dag, export_dag,
+                                               hierarchy_scores)
+    from conceptlens.metrics.quality import (LDADirections, ProbeResult, ce_loss_recovered, dead_fraction,
+                                             effective_rank, fit_logistic_1d, fvu, l0, lda_directions,
+                                             max_pairwise_cosine, mppc, probe_loss)
+    from conceptlens.metrics.splice import SpliceResult, next_token_loss, splice_ce, splice_mask
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULE_OF:
+        return getattr(importlib.import_module(f"conceptlens.metrics.{_MODULE_OF[name]}"), name)
+    raise AttributeError(f"module 'conceptlens.metrics' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -94,3 +94,17 @@ def test_errors_say_what_is_wrong():
     with pytest.raises(KeyError, match="blocks.7"):
         splice_ce(lens, "blocks.7.resid_out", Doubler(), batch)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in lens.model.modules())
+
+
+def test_metrics_package_exports_every_name_lazily():
+    import subprocess
+    import sys
+
+    import conceptlens.metrics as metrics
+
+    for name in metrics.__all__:
+        assert getattr(metrics, name) is not None
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        metrics.nope
+    code = "import sys, conceptlens.metrics; print('networkx' in sys.modules, 'transformers' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.split() == ["False", "False"]

@@ -15,6 +15,7 @@ import sys
 COMMANDS = {
     "demo": "Load SmolLM2, fit concepts on a bundled corpus, steer with one; all offline.",
     "sites": "List the sites of a model with their shapes.",
+    "steer": "Continue a prompt without and with a concept (or word) direction added, side by side.",
 }
 
 

@@ -1,0 +1,155 @@
+"""`conceptlens steer`: a prompt's continuation without and with a steering edit, side by side.
+
+    conceptlens steer --concepts runs/demo/concepts --concept 12 --alpha 8 --prompt "I went to the shop and"
+    conceptlens steer --direction-word " wedding" --site blocks.15.resid_out --alpha 40 --prompt "..."
+
+The direction is a concept of a saved ConceptSet (several indices are summed) or the
+unembedding row of a word's first token; it is scaled to unit norm unless `--raw`, so
+alpha is a distance in the site's activation space (SmolLM2's median token norm at block
+15 is ~175: useful alphas are tens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import textwrap
+from typing import Any
+
+import torch
+from torch import Tensor
+
+POSITIONS = ("all", "prompt", "generated")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="registered name, hub id or local folder")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--concepts", metavar="DIR", help="a saved ConceptSet folder")
+    source.add_argument("--direction-word", metavar="WORD", help="steer along the unembedding of this word")
+    parser.add_argument("--concept", type=int, nargs="+", metavar="I",
+                        help="concept index in DIR (several are summed); needed when DIR holds more than one")
+    parser.add_argument("--site", help="where to steer (default: the concept set's site; with --direction-word "
+                                       "the middle block's resid_out)")
+    parser.add_argument("--alpha", type=float, default=8.0, help="steering strength (default 8)")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--positions", choices=POSITIONS, default="generated",
+                        help="which tokens the edit touches (default: generated)")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    parser.add_argument("--raw", action="store_true", help="use the direction's own norm instead of unit norm")
+
+
+def run(args: argparse.Namespace) -> int:
+    import conceptlens
+    from conceptlens import models
+    from conceptlens.steering import Add
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
+    model, tokenizer = models.load(args.model)
+    lens = conceptlens.attach(model, tokenizer)
+    direction, site, what = steering_direction(lens, args)
+    if not args.raw:
+        direction = direction / direction.norm().clamp_min(1e-12)
+    prompt = chat_prompt(tokenizer, args.prompt) if args.chat else args.prompt
+    bare, steered = continuations(lens, Add(direction, args.alpha, site=site), prompt,
+                                  positions=args.positions, max_new_tokens=args.max_new_tokens)
+    print(f"prompt: {args.prompt!r}\nsteering: {what}, alpha {args.alpha:g} at {site}, positions={args.positions}\n")
+    print(side_by_side("unsteered", bare, "steered", steered))
+    return 0
+
+
+def steering_direction(lens: Any, args: argparse.Namespace) -> tuple[Tensor, str, str]:
+    """(direction (d,), site name, description) from --concepts/--concept or --direction-word."""
+    if args.direction_word is not None:
+        if args.concept:
+            raise ValueError("--concept selects from --concepts; it does not apply to --direction-word")
+        return word_direction(lens, args.direction_word, args.site)
+    from conceptlens import ConceptSet
+
+    concepts = ConceptSet.load(args.concepts)
+    n = len(concepts)
+    indices = args.concept if args.concept else ([0] if n == 1 else None)
+    if indices is None:
+        raise ValueError(f"{args.concepts} holds {n} concepts: choose with --concept I (0-{n - 1})")
+    bad = [i for i in indices if not -n <= i < n]
+    if bad:
+        raise ValueError(f"--concept {bad[0]} is out of range: {args.concepts} holds {n} concepts, "
+                         f"valid indices are 0-{n - 1} (or -{n} to -1)")
+    site = _concept_site(lens, concepts.site, args.site, args.concepts)
+    direction = concepts.directions[indices].sum(0)
+    _check_width(lens, site, direction)
+    return direction, site, f"concept{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}"
+
+
+def word_direction(lens: Any, word: str, site: str | None) -> tuple[Tensor, str, str]:
+    """The unembedding row of `word`'s first token, at `site` (default: the middle block's resid_out)."""
+    ids = lens.tokenizer(word, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError(f"--direction-word {word!r} encodes to no tokens")
+    head = lens.model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(lens.model).__name__} has no output embeddings; use --concepts")
+    if site is None:
+        if "" not in lens.adapter.n_blocks:
+            raise ValueError("pass --site: there is no default site for an encoder-decoder model")
+        site = f"blocks.{lens.adapter.n_blocks[''] // 2}.resid_out"
+    site = lens.site(site).name
+    direction = head.weight[ids[0]].detach().float()
+    _check_width(lens, site, direction)
+    return direction, site, f"unembedding of {lens.tokenizer.decode(ids[:1])!r}"
+
+
+def _concept_site(lens: Any, stored: str | None, given: str | None, folder: str) -> str:
+    if stored is None and given is None:
+        raise ValueError(f"the concept set in {folder} records no site; pass --site")
+    if stored is not None and given is not None and lens.site(given).name != lens.site(stored).name:
+        raise ValueError(f"the concepts in {folder} live at {stored!r}; --site {given!r} is a different space")
+    return lens.site(given or stored).name
+
+
+def _check_width(lens: Any, site: str, direction: Tensor) -> None:
+    width = math.prod(int(s) for s in lens.site(site).shape[2:])
+    if direction.shape[-1] != width:
+        raise ValueError(f"the direction has width {direction.shape[-1]} but {site} has width {width}")
+
+
+def chat_prompt(tokenizer: Any, prompt: str) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--chat: this tokenizer has no chat template")
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=False)
+
+
+@torch.no_grad()
+def continuations(lens: Any, edit: Any, prompt: str, *, positions: str = "generated",
+                  max_new_tokens: int = 32) -> tuple[str, str]:
+    """Greedy continuations of `prompt` without and with `edit`: (unsteered, steered)."""
+    tokenizer, model = lens.tokenizer, lens.model
+    device = next(model.parameters()).device
+    inputs = {k: v.to(device) for k, v in tokenizer([prompt], return_tensors="pt").items()}
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    start = inputs["input_ids"].shape[1]
+
+    def generate() -> str:
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+        return tokenizer.decode(out[0, start:], skip_special_tokens=True)
+
+    bare = generate()
+    with lens.steer(edit, positions=positions):
+        return bare, generate()
+
+
+def side_by_side(left_title: str, left: str, right_title: str, right: str, width: int | None = None) -> str:
+    """Two titled, wrapped text columns (stacked when the terminal is narrower than 60)."""
+    width = width or shutil.get_terminal_size((100, 24)).columns
+    if width < 60:
+        return f"{left_title}:\n{textwrap.fill(left, width)}\n\n{right_title}:\n{textwrap.fill(right, width)}"
+    column = (width - 3) // 2
+    wrap = lambda text: textwrap.wrap(text, column, replace_whitespace=True) or [""]  # noqa: E731
+    lefts, rights = [left_title, "-" * column, *wrap(left)], [right_title, "-" * column, *wrap(right)]
+    rows = max(len(lefts), len(rights))
+    lefts, rights = lefts + [""] * (rows - len(lefts)), rights + [""] * (rows - len(rights))
+    return "\n".join(f"{a:<{column}} | {b}".rstrip() for a, b in zip(lefts, rights))

@@ -1,0 +1,106 @@
+"""`conceptlens steer` on a tiny random Llama saved with a word-level tokenizer in a folder."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import conceptlens
+from conceptlens import ConceptSet, models
+from conceptlens.cli import main
+from conceptlens.commands.steer import continuations, side_by_side
+from conceptlens.steering import Add
+from tests.conftest import tiny_model
+from tests.steering.test_sweep import word_tokenizer
+
+PROMPT = "w5 w6 w7"
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A saved tiny model and a saved 3-concept set at blocks.1.resid_out."""
+    root = tmp_path_factory.mktemp("steer")
+    model, tok = tiny_model("llama"), word_tokenizer()
+    model.generation_config.eos_token_id = 1
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    ConceptSet(torch.randn(3, 32, generator=torch.Generator().manual_seed(0)),
+               site="blocks.1.resid_out").save(root / "concepts")
+    return str(root / "model"), str(root / "concepts")
+
+
+def _steer(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["steer", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_word_direction_prints_both_continuations(folders, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    model_dir, _ = folders
+    code, out, _ = _steer(capsys, "--model", model_dir, "--direction-word", "w50", "--site", "final",
+                          "--alpha", "400", "--prompt", PROMPT, "--max-new-tokens", "4")
+    assert code == 0
+    model, tok = models.load(model_dir)
+    lens = conceptlens.attach(model, tok)
+    direction = model.get_output_embeddings().weight[50].detach()
+    bare, steered = continuations(lens, Add(direction / direction.norm(), 400.0, site="final"), PROMPT,
+                                  max_new_tokens=4)
+    assert steered.split()[1:] == ["w50"] * 3 and bare != steered  # the first token comes from the prompt
+    assert "unembedding of 'w50', alpha 400 at final, positions=generated" in out
+    assert f"{bare:<98} | {steered}" in out
+
+
+def test_concept_from_a_saved_set(folders, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    model_dir, concepts_dir = folders
+    code, out, _ = _steer(capsys, "--model", model_dir, "--concepts", concepts_dir, "--concept", "2", "0",
+                          "--alpha", "30", "--prompt", PROMPT, "--max-new-tokens", "4", "--positions", "all")
+    assert code == 0 and "concepts 2, 0, alpha 30 at blocks.1.resid_out, positions=all" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--concept", "3"], "--concept 3 is out of range: .* holds 3 concepts, valid indices are 0-2"),
+    (["--concept", "-4"], "valid indices are 0-2"),
+    ([], "holds 3 concepts: choose with --concept I \\(0-2\\)"),
+    (["--concept", "1", "--site", "blocks.0.resid_out"], "live at 'blocks.1.resid_out'"),
+    (["--concept", "1", "--site", "blocks.7.resid_out"], "blocks.7.resid_out"),
+])
+def test_bad_concept_arguments_name_the_valid_range(folders, capsys, argv, message):
+    model_dir, concepts_dir = folders
+    code, _, err = _steer(capsys, "--model", model_dir, "--concepts", concepts_dir, "--prompt", PROMPT, *argv)
+    assert code == 2
+    assert err.startswith("conceptlens steer: error:")
+    assert re.search(message, err), err
+
+
+def test_word_and_missing_folder_errors(folders, capsys, tmp_path):
+    model_dir, _ = folders
+    code, _, err = _steer(capsys, "--model", model_dir, "--direction-word", "w5", "--concept", "1", "--prompt", "w5")
+    assert code == 2 and "--direction-word" in err
+    code, _, err = _steer(capsys, "--model", model_dir, "--concepts", str(tmp_path / "nope"), "--prompt", "w5")
+    assert code == 2 and "config.json" in err
+    with pytest.raises(SystemExit):  # argparse: one of --concepts / --direction-word is required
+        main(["steer", "--model", model_dir, "--prompt", "w5"])
+
+
+def test_continuations_equal_plain_generate():
+    model, tok = tiny_model("llama"), word_tokenizer()
+    lens = conceptlens.attach(model, tok)
+    edit = Add(torch.randn(32, generator=torch.Generator().manual_seed(2)), 20.0, site="blocks.0.resid_out")
+    bare, steered = continuations(lens, edit, PROMPT, positions="all", max_new_tokens=5)
+    ids = tok([PROMPT], return_tensors="pt")
+    with torch.no_grad():
+        plain = model.generate(**ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        with lens.steer(edit):
+            edited = model.generate(**ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert bare == tok.decode(plain[0, 3:]) and steered == tok.decode(edited[0, 3:])
+
+
+def test_side_by_side_columns():
+    text = side_by_side("a", "word " * 8, "b", "five", width=63)  # two columns of 30
+    assert text.splitlines() == [f"{'a':<30} | b", f"{'-' * 30} | {'-' * 30}", f"{'word ' * 5 + 'word':<30} | five",
+                                 "word word".ljust(30) + " |"]
+    assert side_by_side("a", "x", "b", "y", width=40) == "a:\nx\n\nb:\ny"  # narrow: stacked

@@ -175,6 +175,19 @@ def sinusoids(length: int, width: int) -> Tensor:
     return out
 
 
+@dataclass
+class TranscoderParts:
+    """What a `CLVQTranscoder` builds on its first update, once the widths are known."""
+
+    dims: tuple[int, int]           # (d_src, d_tgt)
+    encoder: ResidualEncoder
+    decoder: nn.Module
+    optimizer: torch.optim.Adam
+    pending: list[Tensor]           # rows not yet stepped on: src (M, d_src), tgt (M, d_tgt), ids (M,)
+    fvu: Tensor                     # (d_tgt + 3,) float64 EMA of fvu_sums
+    scales: dict[str, Tensor] = field(default_factory=dict)   # decoder standardisation, from init
+
+
 class CLVQTranscoder:
     """A cross-layer VQ transcoder fitted online; see the module docstring.
 
@@ -193,16 +206,14 @@ class CLVQTranscoder:
         self.config = CLVQConfig(n_codes, hidden, decoder, commitment, lr, batch_size, buffer_size,
                                  layers, heads, causal, dict(codebook or {}), seed)
         self.vq = VQCodebook(n_codes, batch_size=batch_size, seed=seed, **self.config.codebook)
-        self.dims: tuple[int, int] | None = None
-        self.encoder: ResidualEncoder | None = None
-        self.decoder: nn.Module | None = None
-        self.optimizer: torch.optim.Adam | None = None
-        self.scales: dict[str, Tensor] = {}     # standardisation of decoder input and output
-        self._pending: list[Tensor] = []        # [src (M, d_src), tgt (M, d_tgt), ids (M,)]
+        self.parts: TranscoderParts | None = None
         size = buffer_size or 4 * (batch_size or 1)
         self._mixer = MixingBuffer(size, seed=seed + 2) if decoder == "mlp" and batch_size else None
-        self._fvu: Tensor | None = None         # (d_tgt + 3,) float64 EMA of fvu_sums
         self.steps = 0
+
+    @property
+    def encoder(self) -> ResidualEncoder:
+        return self._ready().encoder
 
     # ---- streaming -------------------------------------------------------------------
 
@@ -212,71 +223,80 @@ class CLVQTranscoder:
         Adam + EMA step per batch_size rows. The MLP decoder draws its batches at random from
         a mixing buffer; the transformer takes consecutive rows, so sequences keep their
         order (one split across two steps is treated as two sequences)."""
-        batch = self._prepare(x_src, x_tgt, sequence_ids)       # builds the modules on first use
-        rows = [torch.cat([p, b]) for p, b in zip(self._pending, batch)]
-        if self.vq.codes is None:
-            n_init = self.vq.config.init_size
+        parts, batch = self._prepare(x_src, x_tgt, sequence_ids)
+        rows = [torch.cat([p, b]) for p, b in zip(parts.pending, batch)]
+        if not self.vq.is_initialised:
+            n_init = self.vq.config.rows_to_init
             if len(rows[0]) < n_init:
-                self._pending = rows
+                parts.pending = rows
                 return
-            self._initialise(*(r[:n_init] for r in rows))
+            self._initialise(parts, *(r[:n_init] for r in rows))
             rows = [r[n_init:] for r in rows]
-        if self._mixer is None:
-            self._pending = self._consecutive_steps(rows)
+        size = self.config.batch_size
+        if self._mixer is None or size is None:
+            parts.pending = self._consecutive_steps(parts, rows)
             return
-        self._pending = [r[:0] for r in rows]
+        parts.pending = [r[:0] for r in rows]
         self._mixer.add(torch.cat(rows[:2], 1))
-        while (mixed := self._mixer.take(self.config.batch_size)) is not None:
-            self._train_step(*self._split(mixed.to(rows[0].device)))
-
-    def _consecutive_steps(self, rows: list[Tensor]) -> list[Tensor]:
-        """Steps on consecutive batch_size rows (all rows if None); returns the remainder."""
-        size = self.config.batch_size or max(len(rows[0]), 1)
-        n_full = len(rows[0]) // size
-        for i in range(n_full):
-            self._train_step(*(r[i * size:(i + 1) * size] for r in rows))
-        return [r[n_full * size:].clone() for r in rows]
+        while (mixed := self._mixer.take(size)) is not None:
+            self._train_step(parts, *self._split(parts, mixed.to(rows[0].device)))
 
     def flush(self) -> None:
         """End of stream: initialise on what was collected (if at least n_codes rows) and
         train on the rows still held (the last batch may be short)."""
-        if self.vq.codes is None and self.dims is not None and len(self._pending[0]) >= self.config.n_codes:
-            self._initialise(*self._pending)
-            self._pending = [p[:0] for p in self._pending]
-        if self.vq.codes is None:
+        parts = self.parts
+        if parts is None:
             return
-        if self._mixer is not None and (rest := self._mixer.drain()) is not None:
-            for batch in rest.to(self._pending[0].device).split(self.config.batch_size):
-                self._train_step(*self._split(batch))
-        elif len(self._pending[0]):
-            self._train_step(*self._pending)
-            self._pending = [p[:0] for p in self._pending]
+        if not self.vq.is_initialised and len(parts.pending[0]) >= self.config.n_codes:
+            self._initialise(parts, *parts.pending)
+            parts.pending = [p[:0] for p in parts.pending]
+        size = self.config.batch_size
+        if not self.vq.is_initialised:
+            return
+        if self._mixer is not None and size is not None:
+            rest = self._mixer.drain()
+            for batch in () if rest is None else rest.to(parts.fvu.device).split(size):
+                self._train_step(parts, *self._split(parts, batch))
+        elif len(parts.pending[0]):
+            self._train_step(parts, *parts.pending)
+            parts.pending = [p[:0] for p in parts.pending]
 
-    def _split(self, rows: Tensor) -> tuple[Tensor, Tensor, None]:
+    def _consecutive_steps(self, parts: TranscoderParts, rows: list[Tensor]) -> list[Tensor]:
+        """Steps on consecutive batch_size rows (all rows if None); returns the remainder."""
+        size = self.config.batch_size or max(len(rows[0]), 1)
+        n_full = len(rows[0]) // size
+        for i in range(n_full):
+            self._train_step(parts, *(r[i * size:(i + 1) * size] for r in rows))
+        return [r[n_full * size:].clone() for r in rows]
+
+    @staticmethod
+    def _split(parts: TranscoderParts, rows: Tensor) -> tuple[Tensor, Tensor, None]:
         """Mixed rows [source | target] (N, d_src + d_tgt) -> source, target, no sequence ids."""
-        return rows[:, : self.dims[0]], rows[:, self.dims[0]:], None
+        return rows[:, : parts.dims[0]], rows[:, parts.dims[0]:], None
 
-    def _train_step(self, src: Tensor, tgt: Tensor, ids: Tensor | None) -> None:
-        z_e = self.encoder(src)                                        # (N, d_src)
+    def _train_step(self, parts: TranscoderParts, src: Tensor, tgt: Tensor, ids: Tensor | None) -> None:
+        z_e = parts.encoder(src)                                       # (N, d_src)
         step = self.vq.train_step(z_e.detach())
         z_q = z_e + (step.quantized - z_e).detach()                    # straight-through
-        x_hat = self._decode(z_q, ids)                                 # (N, d_tgt)
+        x_hat = self._decode(parts, z_q, ids)                          # (N, d_tgt)
         loss = F.mse_loss(x_hat, tgt) + self.config.commitment * F.mse_loss(z_e, step.quantized)
-        self.optimizer.zero_grad(set_to_none=True)
+        parts.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        self.optimizer.step()
+        parts.optimizer.step()
         decay = self.vq.config.decay
-        self._fvu = decay * self._fvu + (1 - decay) * fvu_sums(tgt, x_hat)
+        parts.fvu = decay * parts.fvu + (1 - decay) * fvu_sums(tgt, x_hat)
         self.steps += 1
 
-    def _decode(self, z: Tensor, ids: Tensor | None) -> Tensor:
+    @staticmethod
+    def _decode(parts: TranscoderParts, z: Tensor, ids: Tensor | None) -> Tensor:
         # Residual streams carry large means and norms: the decoder works on standardised
         # inputs and outputs (scales fixed at initialisation) so that Adam's lr means the same
         # at every site.
-        s = self.scales
-        return s["tgt_mean"] + s["tgt_scale"] * self.decoder((z - s["z_mean"]) / s["z_scale"], ids)
+        s = parts.scales
+        return s["tgt_mean"] + s["tgt_scale"] * parts.decoder((z - s["z_mean"]) / s["z_scale"], ids)
 
-    def _prepare(self, x_src: Tensor, x_tgt: Tensor, ids: Tensor | None) -> list[Tensor]:
+    def _prepare(self, x_src: Tensor, x_tgt: Tensor,
+                 ids: Tensor | None) -> tuple[TranscoderParts, list[Tensor]]:
         if x_src.ndim != 2 or x_tgt.ndim != 2 or len(x_src) != len(x_tgt):
             raise ValueError(f"expected aligned (N, d_src) and (N, d_tgt) tensors; got "
                              f"{tuple(x_src.shape)} and {tuple(x_tgt.shape)}")
@@ -287,33 +307,33 @@ class CLVQTranscoder:
         if ids.shape != (len(x_src),):
             raise ValueError(f"sequence_ids must have shape ({len(x_src)},); got {tuple(ids.shape)}")
         dims = (x_src.shape[1], x_tgt.shape[1])
-        if self.dims is None:
-            self._build(dims, x_src.device)
-        if dims != self.dims:
-            raise ValueError(f"expected widths (d_src, d_tgt)={self.dims} (fixed by the first update); got {dims}")
-        return [x_src.float(), x_tgt.float(), ids.long()]
+        if self.parts is None:
+            self.parts = self._build(dims, x_src.device)
+        if dims != self.parts.dims:
+            raise ValueError(f"expected widths (d_src, d_tgt)={self.parts.dims} (fixed by the first "
+                             f"update); got {dims}")
+        return self.parts, [x_src.float(), x_tgt.float(), ids.long()]
 
-    def _build(self, dims: tuple[int, int], device: torch.device) -> None:
+    def _build(self, dims: tuple[int, int], device: torch.device) -> TranscoderParts:
         cfg, (d_src, d_tgt) = self.config, dims
-        self.dims = dims
         with torch.random.fork_rng(devices=[]):      # seeded init without touching global RNG
             torch.manual_seed(cfg.seed)
-            self.encoder = ResidualEncoder(d_src)
-            self.decoder = (MLPDecoder(d_src, cfg.hidden, d_tgt) if cfg.decoder == "mlp" else
-                            SequenceDecoder(d_src, cfg.hidden, d_tgt, cfg.layers, cfg.heads, cfg.causal))
-        self.encoder, self.decoder = self.encoder.to(device), self.decoder.to(device)
-        params = [*self.encoder.parameters(), *self.decoder.parameters()]
-        self.optimizer = torch.optim.Adam(params, lr=cfg.lr)
-        self._pending = [torch.zeros(0, d_src, device=device), torch.zeros(0, d_tgt, device=device),
-                         torch.zeros(0, dtype=torch.long, device=device)]
-        self._fvu = torch.zeros(d_tgt + 3, dtype=torch.float64, device=device)
+            encoder = ResidualEncoder(d_src)
+            decoder = (MLPDecoder(d_src, cfg.hidden, d_tgt) if cfg.decoder == "mlp" else
+                       SequenceDecoder(d_src, cfg.hidden, d_tgt, cfg.layers, cfg.heads, cfg.causal))
+        encoder, decoder = encoder.to(device), decoder.to(device)
+        optimizer = torch.optim.Adam([*encoder.parameters(), *decoder.parameters()], lr=cfg.lr)
+        pending = [torch.zeros(0, d_src, device=device), torch.zeros(0, d_tgt, device=device),
+                   torch.zeros(0, dtype=torch.long, device=device)]
+        fvu = torch.zeros(d_tgt + 3, dtype=torch.float64, device=device)
+        return TranscoderParts(dims, encoder, decoder, optimizer, pending, fvu)
 
-    def _initialise(self, src: Tensor, tgt: Tensor, ids: Tensor) -> None:
+    def _initialise(self, parts: TranscoderParts, src: Tensor, tgt: Tensor, ids: Tensor) -> None:
         """Standardisation from the first init_size rows; the codebook initialises on their z_e."""
         with torch.no_grad():
-            z = self.encoder(src)
-        self.scales = {"z_mean": z.mean(0), "z_scale": _rms(z - z.mean(0)),
-                       "tgt_mean": tgt.mean(0), "tgt_scale": _rms(tgt - tgt.mean(0))}
+            z = parts.encoder(src)
+        parts.scales = {"z_mean": z.mean(0), "z_scale": _rms(z - z.mean(0)),
+                        "tgt_mean": tgt.mean(0), "tgt_scale": _rms(tgt - tgt.mean(0))}
         self.vq.update(z)
         self.vq.flush()     # initialises on fewer than init_size rows when called by flush()
 
@@ -322,52 +342,59 @@ class CLVQTranscoder:
     @torch.no_grad()
     def encode(self, x_src: Tensor) -> Tensor:
         """One-hot nearest code of each token: (N, d_src) -> (N, K) float."""
-        return self.vq.encode(self._encoder()(x_src.float()))
+        return self.vq.encode(self._ready().encoder(x_src.float()))
+
+    @torch.no_grad()
+    def decode(self, z: Tensor, sequence_ids: Tensor | None = None) -> Tensor:
+        """What the decoder writes at the target site for encoder-space vectors z (N, d_src)."""
+        return self._decode(self._ready(), z.float(), sequence_ids)
 
     @torch.no_grad()
     def reconstruct(self, x_src: Tensor, sequence_ids: Tensor | None = None) -> Tensor:
         """The target site predicted through the nearest codes: (N, d_src) -> (N, d_tgt)."""
-        return self._decode(self.vq.quantize(self._encoder()(x_src.float())), sequence_ids)
+        parts = self._ready()
+        return self._decode(parts, self.vq.quantize(parts.encoder(x_src.float())), sequence_ids)
 
     def stats(self) -> CLVQStats:
         """Target FVU, codebook usage and perplexity, encoder mix for the fit report (nan
         before the codebook initialises)."""
-        vq = self.vq.stats()
-        fvu = float("nan") if self._fvu is None else fvu_from_sums(self._fvu)
-        mix = float("nan") if self.encoder is None else self.encoder.mix.item()
+        vq, parts, nan = self.vq.stats(), self.parts, float("nan")
+        fvu = nan if parts is None else fvu_from_sums(parts.fvu)
+        mix = nan if parts is None else parts.encoder.mix.item()
         return CLVQStats(fvu, vq.usage, vq.perplexity, mix, self.steps, vq.tokens)
 
     @torch.no_grad()
     def concept_set(self) -> ConceptSet:
         """Directions = codes (K, d_src) in encoder space; stats["decoded"] (K, d_tgt) = the
         decoder's output for each code alone (for the transformer: a one-token sequence)."""
-        codes = self.vq.concept_set()
+        parts, codes = self._ready(), self.vq.concept_set()
         ids = torch.arange(len(codes), device=codes.directions.device)
-        decoded = self._decode(self.vq.codes, ids)
-        enc = self._encoder()
-        encoder = {"codebook": self.vq.codes.clone(), "alpha": enc.alpha.detach().reshape(1).clone()}
-        encoder |= {f"{k}": v.clone() for k, v in enc.state_dict().items() if k != "alpha"}
-        config = {**asdict(self.config), "d_target": self.dims[1], "fit_stats": self.stats()._asdict()}
+        decoded = self._decode(parts, self.vq.codes, ids)
+        weights = parts.encoder.state_dict()        # linear.*, norm.*, alpha (as shape (1,))
+        encoder = {"codebook": self.vq.codes.clone(),
+                   **{k: (v.reshape(-1) if k == "alpha" else v).clone() for k, v in weights.items()}}
+        config = {**asdict(self.config), "d_target": parts.dims[1], "fit_stats": self.stats()._asdict()}
         return ConceptSet(codes.directions, method=self.method, config=config, encoder=encoder,
                           stats={**codes.stats, "decoded": decoded})
 
-    def _encoder(self) -> ResidualEncoder:
-        if self.encoder is None or self.vq.codes is None:
+    def _ready(self) -> TranscoderParts:
+        if self.parts is None or not self.vq.is_initialised:
             raise RuntimeError(f"the transcoder is not initialised: it starts after "
-                               f"init_size={self.vq.config.init_size} tokens")
-        return self.encoder
+                               f"init_size={self.vq.config.rows_to_init} tokens (or at flush())")
+        return self.parts
 
     # ---- persistence -----------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume bit for bit: parameters, Adam moments, the codebook."""
-        state: dict[str, Any] = {"config": asdict(self.config), "dims": self.dims, "steps": self.steps,
-                                 "vq": self.vq.state_dict()}
-        if self.dims is not None:
-            state |= {"encoder": self.encoder.state_dict(), "decoder": self.decoder.state_dict(),
-                      "optimizer": self.optimizer.state_dict(), "scales": self.scales,
-                      "pending": self._pending, "fvu": self._fvu,
-                      "mixer": None if self._mixer is None else self._mixer.state_dict()}
+        state: dict[str, Any] = {"config": asdict(self.config), "steps": self.steps,
+                                 "vq": self.vq.state_dict(), "parts": None,
+                                 "mixer": None if self._mixer is None else self._mixer.state_dict()}
+        if (parts := self.parts) is not None:
+            state["parts"] = {"dims": parts.dims, "encoder": parts.encoder.state_dict(),
+                              "decoder": parts.decoder.state_dict(),
+                              "optimizer": parts.optimizer.state_dict(),
+                              "pending": parts.pending, "fvu": parts.fvu, "scales": parts.scales}
         return copy.deepcopy(state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -377,17 +404,19 @@ class CLVQTranscoder:
                              f"this transcoder has {asdict(self.config)}")
         self.vq.load_state_dict(state["vq"])
         self.steps = state["steps"]
-        if state["dims"] is None:
-            return
-        self._build(tuple(state["dims"]), state["fvu"].device)
-        self.encoder.load_state_dict(state["encoder"])
-        self.decoder.load_state_dict(state["decoder"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scales = {k: v.clone() for k, v in state["scales"].items()}
-        self._pending = [p.clone() for p in state["pending"]]
-        self._fvu = state["fvu"].clone()
         if self._mixer is not None:
             self._mixer.load_state_dict(state["mixer"])
+        saved = state["parts"]
+        if saved is None:
+            self.parts = None
+            return
+        parts = self.parts = self._build(tuple(saved["dims"]), saved["fvu"].device)
+        parts.encoder.load_state_dict(saved["encoder"])
+        parts.decoder.load_state_dict(saved["decoder"])
+        parts.optimizer.load_state_dict(saved["optimizer"])
+        parts.pending = [p.clone() for p in saved["pending"]]
+        parts.fvu = saved["fvu"].clone()
+        parts.scales = {k: v.clone() for k, v in saved["scales"].items()}
 
     def merge(self, other: Any) -> None:
         """Not supported: the encoder and decoder are trained by gradient steps, whose

@@ -61,9 +61,7 @@ class VQConfig:
     """Seed of the private generator (k-means init, sampling, reseeding)."""
 
     def __post_init__(self) -> None:
-        if self.init_size is None:
-            self.init_size = 16 * self.n_codes
-        positive = {"n_codes": self.n_codes, "top_k": self.top_k, "init_size": self.init_size,
+        positive = {"n_codes": self.n_codes, "top_k": self.top_k, "init_size": self.rows_to_init,
                     "reseed_after": self.reseed_after or 1, "batch_size": self.batch_size or 1,
                     "buffer_size": self.buffer_size or 1}
         for name, value in positive.items():
@@ -76,9 +74,14 @@ class VQConfig:
                              f"{self.eps!r}, {self.temperature!r}, {self.reseed_threshold!r}")
         if self.init not in INIT_METHODS:
             raise ValueError(f"init must be one of {INIT_METHODS}; got {self.init!r}")
-        if self.init_size < self.n_codes:
-            raise ValueError(f"init_size={self.init_size} is smaller than n_codes={self.n_codes}: "
+        if self.rows_to_init < self.n_codes:
+            raise ValueError(f"init_size={self.rows_to_init} is smaller than n_codes={self.n_codes}: "
                              f"initialisation needs at least one token per code")
+
+    @property
+    def rows_to_init(self) -> int:
+        """Tokens collected before initialising (init_size, or 16 * n_codes if None)."""
+        return self.init_size if self.init_size is not None else 16 * self.n_codes
 
 
 class VQStats(NamedTuple):
@@ -98,18 +101,35 @@ class VQStep(NamedTuple):
     """What one training step did: the sampled code per token and that code's vector
     before the step's EMA update (what a straight-through estimator passes on)."""
 
-    index: Tensor       # (N,) long
+    code: Tensor        # (N,) long
     quantized: Tensor   # (N, d)
+
+
+@dataclass
+class CodebookState:
+    """The fitted part of a `VQCodebook`; it exists once the codebook is initialised."""
+
+    codes: Tensor       # (K, d) = sums / smooth(counts)
+    counts: Tensor      # (K,) EMA of sampled-assignment counts
+    sums: Tensor        # (K, d) EMA of the sums of assigned tokens
+    hits: Tensor        # (K,) int64 nearest-code assignments over all steps
+    fvu: Tensor         # (d + 3,) float64 EMA of fvu_sums
 
 
 class VQCodebook:
     """An EMA vector-quantisation codebook fitted online; see the module docstring.
 
+    The first init_size tokens initialise the codes (k-means, spherical k-means or random
+    tokens); then each call is one EMA step, or, with batch_size, each batch_size rows
+    drawn from a mixing buffer are; `flush()` at the end of the stream trains on the rest.
+    Every reseed_after steps, codes whose EMA count fell below reseed_threshold * N / K
+    restart at random tokens of the latest batch.
+
     `merge(other)` adds the other codebook's EMA counts, EMA sums, hit counts and FVU sums
-    code by code (rows still in its buffers are not statistics and are left out), so each merged code is e_i = (m_i + m'_i) / smooth(N + N')_i, the
-    count-weighted mean of both workers' codes. That presumes code i means the same on both
-    sides: start workers from one initialised state (same `state_dict`), then feed each
-    its own shard.
+    code by code (rows still buffered there are left out), so each merged code is
+    e_i = (m_i + m'_i) / smooth(N + N')_i, the count-weighted mean of both workers' codes.
+    That presumes code i means the same on both sides: start the workers from one
+    initialised state (the same `state_dict`), then feed each its own shard.
     """
 
     method = "vq"
@@ -121,11 +141,7 @@ class VQCodebook:
         self.config = VQConfig(n_codes, decay, eps, top_k, temperature, init, init_size,
                                reseed_after, reseed_threshold, batch_size, buffer_size, seed)
         self.d: int | None = None
-        self.codes: Tensor | None = None      # (K, d) = sums / smooth(counts)
-        self.counts: Tensor | None = None     # (K,) EMA of sampled-assignment counts
-        self.sums: Tensor | None = None       # (K, d) EMA of sums of assigned tokens
-        self.hits: Tensor | None = None       # (K,) int64 nearest-code assignments, all steps
-        self._fvu: Tensor | None = None       # (d + 3,) float64 EMA of fvu_sums
+        self.fitted: CodebookState | None = None
         self._pending: Tensor | None = None   # rows collected for the initialisation
         self._init_calls = 0
         self.steps = 0
@@ -135,109 +151,117 @@ class VQCodebook:
         size = self.config.buffer_size or 4 * (batch_size or 1)
         self._mixer = MixingBuffer(size, seed=seed + 1) if batch_size else None   # its own stream
 
+    @property
+    def is_initialised(self) -> bool:
+        return self.fitted is not None
+
+    @property
+    def codes(self) -> Tensor:
+        """The codes (K, d)."""
+        return self._fitted().codes
+
+    @property
+    def counts(self) -> Tensor:
+        """EMA assignment counts (K,)."""
+        return self._fitted().counts
+
     # ---- streaming -------------------------------------------------------------------
 
     def update(self, x: Tensor) -> None:
         """Consume `x` (N, d): collect until init_size tokens, then one EMA step per call, or
         per batch_size rows drawn from the mixing buffer."""
         x = self._prepare(x)
-        if self.codes is None:
+        if self.fitted is None:
             self._init_calls += 1
-            self._pending = torch.cat([self._pending, x])
-            if len(self._pending) < self.config.init_size:
+            pending = self._pending = torch.cat([self._pending, x]) if self._pending is not None else x
+            if len(pending) < self.config.rows_to_init:
                 return
-            x = self._pending[self.config.init_size:]
-            self._initialise(self._pending[: self.config.init_size])
-        if self._mixer is None:
+            x = pending[self.config.rows_to_init:]
+            self._initialise(pending[: self.config.rows_to_init])
+        size = self.config.batch_size
+        if self._mixer is None or size is None:
             if len(x):
                 self.train_step(x)
             return
         self._mixer.add(x)
-        while (batch := self._mixer.take(self.config.batch_size)) is not None:
+        while (batch := self._mixer.take(size)) is not None:
             self.train_step(batch.to(x.device))
 
     def flush(self) -> None:
         """End of stream: initialise on what was collected (if at least n_codes tokens) and
         train on the rows left in the mixing buffer (the last batch may be short)."""
-        if self.codes is None and self._pending is not None and len(self._pending) >= self.config.n_codes:
+        if self.fitted is None and self._pending is not None and len(self._pending) >= self.config.n_codes:
             self._initialise(self._pending)
-        rest = None if self._mixer is None or self.codes is None else self._mixer.drain()
-        for batch in () if rest is None else rest.split(self.config.batch_size):
-            self.train_step(batch.to(self.codes.device))
-
-    @property
-    def init_rows_needed(self) -> int:
-        """Tokens still to collect before the codebook initialises (0 once it has)."""
-        if self.codes is not None:
-            return 0
-        return self.config.init_size - (0 if self._pending is None else len(self._pending))
+        size = self.config.batch_size
+        if self.fitted is None or self._mixer is None or size is None:
+            return
+        rest = self._mixer.drain()
+        for batch in () if rest is None else rest.split(size):
+            self.train_step(batch.to(self.fitted.codes.device))
 
     def train_step(self, x: Tensor) -> VQStep:
         """One EMA step on the batch `x` (N, d): sample codes, update counts and sums,
         track statistics, reseed dead codes every reseed_after steps."""
-        cfg, codes = self.config, self._require_codes()
-        x = self._prepare(x)
+        cfg, fit = self.config, self._fitted()
+        x, codes = self._prepare(x), fit.codes
         dist = torch.cdist(x, codes)                                   # (N, K) Euclidean
-        index = sample_top_k(dist, cfg.top_k, cfg.temperature, self._gen)
-        onehot = F.one_hot(index, cfg.n_codes).to(x.dtype)             # (N, K)
-        self.counts, self.sums = ema_update(self.counts, self.sums, onehot.sum(0), onehot.T @ x,
-                                            cfg.decay)
-        self.codes = codes_from_ema(self.counts, self.sums, cfg.eps)
+        code = sample_top_k(dist, cfg.top_k, cfg.temperature, self._gen)
+        onehot = F.one_hot(code, cfg.n_codes).to(x.dtype)              # (N, K)
+        fit.counts, fit.sums = ema_update(fit.counts, fit.sums, onehot.sum(0), onehot.T @ x, cfg.decay)
+        fit.codes = codes_from_ema(fit.counts, fit.sums, cfg.eps)
         nearest = dist.argmin(1)
-        self.hits += torch.bincount(nearest, minlength=cfg.n_codes)
-        self._fvu = cfg.decay * self._fvu + (1 - cfg.decay) * fvu_sums(x, codes[nearest])
+        fit.hits += torch.bincount(nearest, minlength=cfg.n_codes)
+        fit.fvu = cfg.decay * fit.fvu + (1 - cfg.decay) * fvu_sums(x, codes[nearest])
         self.steps += 1
         self.tokens += len(x)
         if cfg.reseed_after and self.steps % cfg.reseed_after == 0:
-            self._reseed(x)
-        return VQStep(index, codes[index])
+            self._reseed(fit, x)
+        return VQStep(code, codes[code])
 
     def _prepare(self, x: Tensor) -> Tensor:
         if x.ndim != 2:
             raise ValueError(f"expected activations of shape (N, d); got {tuple(x.shape)}")
         if self.d is None:
             self.d = x.shape[1]
-            self._pending = x.new_zeros(0, self.d, dtype=torch.float32)
         if x.shape[1] != self.d:
             raise ValueError(f"expected width d={self.d} (fixed by the first update); got {x.shape[1]}")
         return x.float()
 
     def _initialise(self, x: Tensor) -> None:
-        """Codes from the first init_size tokens; EMA state consistent with them."""
+        """Codes from the first init_size tokens x (M, d); EMA state consistent with them."""
         cfg = self.config
         centres, labels = initial_codes(x, cfg.n_codes, cfg.init, self._gen)
         # EMA counts live on the scale of tokens per step, so the initial clusters weigh
         # like one batch.
-        rows_per_step = cfg.batch_size or len(x) / self._init_calls
-        self.counts = torch.bincount(labels, minlength=cfg.n_codes).to(x) * (rows_per_step / len(x))
-        self.sums = centres * laplace_smooth(self.counts, cfg.eps)[:, None]
-        self.codes = codes_from_ema(self.counts, self.sums, cfg.eps)
-        self.hits = torch.zeros(cfg.n_codes, dtype=torch.long, device=x.device)
-        self._fvu = torch.zeros(self.d + 3, dtype=torch.float64, device=x.device)
+        rows_per_step = cfg.batch_size or len(x) / max(self._init_calls, 1)
+        counts = torch.bincount(labels, minlength=cfg.n_codes).to(x) * (rows_per_step / len(x))
+        sums = centres * laplace_smooth(counts, cfg.eps)[:, None]
+        self.fitted = CodebookState(codes_from_ema(counts, sums, cfg.eps), counts, sums,
+                                    torch.zeros(cfg.n_codes, dtype=torch.long, device=x.device),
+                                    torch.zeros(x.shape[1] + 3, dtype=torch.float64, device=x.device))
         self._pending = None
 
-    def _reseed(self, x: Tensor) -> None:
+    def _reseed(self, fit: CodebookState, x: Tensor) -> None:
         """Replace dead codes by random tokens of the latest batch `x` (N, d)."""
         cfg = self.config
-        share = self.counts.sum() / cfg.n_codes
-        dead = torch.nonzero(self.counts < cfg.reseed_threshold * share).squeeze(1)
+        share = fit.counts.sum() / cfg.n_codes
+        dead = torch.nonzero(fit.counts < cfg.reseed_threshold * share).squeeze(1)
         if dead.numel() == 0:
             return
         if len(x) >= len(dead):
             pick = torch.randperm(len(x), generator=self._gen)[: len(dead)]
         else:
             pick = torch.randint(len(x), (len(dead),), generator=self._gen)
-        pick = pick.to(x.device)
         # A reborn code starts with a uniform share, so it is not reseeded again at once.
-        self.counts[dead] = share
-        self.sums[dead] = x[pick] * laplace_smooth(self.counts, cfg.eps)[dead, None]
-        self.codes = codes_from_ema(self.counts, self.sums, cfg.eps)
+        fit.counts[dead] = share
+        fit.sums[dead] = x[pick.to(x.device)] * laplace_smooth(fit.counts, cfg.eps)[dead, None]
+        fit.codes = codes_from_ema(fit.counts, fit.sums, cfg.eps)
 
     # ---- evaluation ------------------------------------------------------------------
 
     def assign(self, x: Tensor) -> Tensor:
         """Nearest code per token: (N, d) -> (N,) long."""
-        codes = self._require_codes()
+        codes = self._fitted().codes
         return torch.cdist(self._prepare(x), codes).argmin(1)
 
     def encode(self, x: Tensor) -> Tensor:
@@ -246,47 +270,43 @@ class VQCodebook:
 
     def quantize(self, x: Tensor) -> Tensor:
         """Each token replaced by its nearest code: (N, d) -> (N, d)."""
-        return self._require_codes()[self.assign(x)]
+        return self._fitted().codes[self.assign(x)]
 
     def stats(self) -> VQStats:
         """Usage, perplexity and quantisation FVU for the fit report (nan before init)."""
-        if self.codes is None:
+        if self.fitted is None:
             return VQStats(float("nan"), float("nan"), float("nan"), self.steps, self.tokens)
-        counts = self.counts
+        counts = self.fitted.counts
         share = counts.sum() / self.config.n_codes
         usage = (counts >= self.config.reseed_threshold * share).float().mean().item()
-        return VQStats(usage, perplexity(counts).item(), fvu_from_sums(self._fvu), self.steps,
+        return VQStats(usage, perplexity(counts).item(), fvu_from_sums(self.fitted.fvu), self.steps,
                        self.tokens)
 
     def concept_set(self) -> ConceptSet:
         """Directions = the codes (K, d) in the input's activation space."""
-        codes = self._require_codes()
+        fit = self._fitted()
         config = {**asdict(self.config), "fit_stats": self.stats()._asdict()}
-        return ConceptSet(codes.clone(), method=self.method, config=config,
-                          encoder={"codebook": codes.clone()},
-                          stats={"ema_count": self.counts.clone(), "hits": self.hits.clone()})
+        return ConceptSet(fit.codes.clone(), method=self.method, config=config,
+                          encoder={"codebook": fit.codes.clone()},
+                          stats={"ema_count": fit.counts.clone(), "hits": fit.hits.clone()})
 
-    def _require_codes(self) -> Tensor:
-        if self.codes is None:
+    def _fitted(self) -> CodebookState:
+        if self.fitted is None:
             seen = 0 if self._pending is None else len(self._pending)
             raise RuntimeError(f"the codebook is not initialised: it has seen {seen} tokens and "
-                               f"initialises after init_size={self.config.init_size} (or at flush())")
-        return self.codes
+                               f"initialises after init_size={self.config.rows_to_init} (or at flush())")
+        return self.fitted
 
     # ---- persistence -----------------------------------------------------------------
 
-    _TENSORS = ("codes", "counts", "sums", "hits", "_fvu", "_pending")
-    _SCALARS = ("d", "_init_calls", "steps", "tokens")
-
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume bit for bit (tensors, ints, the generator state)."""
-        state: dict[str, Any] = {"config": asdict(self.config)}
-        for key in self._TENSORS + self._SCALARS:
-            value = getattr(self, key)
-            state[key] = value.clone() if isinstance(value, Tensor) else value
-        state["generator"] = self._gen.get_state()
-        state["mixer"] = None if self._mixer is None else self._mixer.state_dict()
-        return state
+        fitted = None if self.fitted is None else {k: v.clone() for k, v in asdict(self.fitted).items()}
+        pending = None if self._pending is None else self._pending.clone()
+        return {"config": asdict(self.config), "d": self.d, "fitted": fitted, "pending": pending,
+                "init_calls": self._init_calls, "steps": self.steps, "tokens": self.tokens,
+                "generator": self._gen.get_state(),
+                "mixer": None if self._mixer is None else self._mixer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from `state_dict()`; the constructor arguments must match."""
@@ -294,9 +314,11 @@ class VQCodebook:
             diff = {k: v for k, v in state["config"].items() if asdict(self.config).get(k) != v}
             raise ValueError(f"state was saved with different settings {diff}; "
                              f"this codebook has {asdict(self.config)}")
-        for key in self._TENSORS + self._SCALARS:
-            value = state[key]
-            setattr(self, key, value.clone() if isinstance(value, Tensor) else value)
+        fitted = state["fitted"]
+        self.fitted = None if fitted is None else CodebookState(**{k: v.clone() for k, v in fitted.items()})
+        self._pending = None if state["pending"] is None else state["pending"].clone()
+        self.d, self._init_calls = state["d"], state["init_calls"]
+        self.steps, self.tokens = state["steps"], state["tokens"]
         self._gen.set_state(state["generator"])
         if self._mixer is not None:
             self._mixer.load_state_dict(state["mixer"])
@@ -304,22 +326,21 @@ class VQCodebook:
     def merge(self, other: VQCodebook | dict[str, Any]) -> None:
         """Add another worker's EMA statistics (see the class docstring)."""
         if isinstance(other, dict):
-            state, other = other, VQCodebook(**{k: v for k, v in other["config"].items()})
+            state, other = other, VQCodebook(**other["config"])
             other.load_state_dict(state)
         if other.config.n_codes != self.config.n_codes or (self.d and other.d and other.d != self.d):
             raise ValueError(f"cannot merge a codebook of {other.config.n_codes} codes of width "
                              f"{other.d} into one of {self.config.n_codes} codes of width {self.d}")
-        if other.codes is None:
+        if other.fitted is None:
             return
-        if self.codes is None:
+        theirs = other.fitted
+        if self.fitted is None:
             self.d, self._pending = other.d, None
-            for key in ("counts", "sums", "hits", "_fvu"):
-                setattr(self, key, torch.zeros_like(getattr(other, key)))
-        self.counts = self.counts + other.counts
-        self.sums = self.sums + other.sums
-        self.hits = self.hits + other.hits
-        self._fvu = self._fvu + other._fvu
-        self.codes = codes_from_ema(self.counts, self.sums, self.config.eps)
+            self.fitted = CodebookState(**{k: torch.zeros_like(v) for k, v in asdict(theirs).items()})
+        mine = self.fitted
+        mine.counts, mine.sums = mine.counts + theirs.counts, mine.sums + theirs.sums
+        mine.hits, mine.fvu = mine.hits + theirs.hits, mine.fvu + theirs.fvu
+        mine.codes = codes_from_ema(mine.counts, mine.sums, self.config.eps)
         self.tokens += other.tokens
 
 
@@ -384,7 +405,7 @@ def fvu_from_sums(sums: Tensor) -> float:
 
 
 def initial_codes(x: Tensor, k: int, method: InitMethod,
-                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+                  generator: torch.Generator) -> tuple[Tensor, Tensor]:
     """Initial codes from a sample x (N, d) -> (centres (k, d), labels (N,)).
 
     "kmeans": k-means++ then Lloyd. "spherical_kmeans": the same on unit vectors (cosine),

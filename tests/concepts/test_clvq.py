@@ -89,7 +89,7 @@ def test_gradients_pass_the_codes_to_the_encoder_and_predictions_use_the_codes()
     assert tc.steps == 1 and not torch.equal(before, tc.encoder.linear.weight)
     with torch.no_grad():
         codes = tc.vq.codes[tc.vq.assign(tc.encoder(src))]
-        torch.testing.assert_close(tc.reconstruct(src), tc._decode(codes, None))
+        torch.testing.assert_close(tc.reconstruct(src), tc.decode(codes))
         assert torch.equal(tc.encode(src).argmax(1), tc.vq.assign(tc.encoder(src)))
 
 
@@ -137,7 +137,7 @@ def test_concept_set_holds_codes_and_what_they_write(tmp_path):
     cs = tc.concept_set()
     assert cs.method == "clvq" and torch.equal(cs.directions, tc.vq.codes)
     with torch.no_grad():
-        torch.testing.assert_close(cs.stats["decoded"], tc._decode(tc.vq.codes, None))
+        torch.testing.assert_close(cs.stats["decoded"], tc.decode(tc.vq.codes))
     loaded = ConceptSet.load(cs.save(tmp_path / "cs"))
     assert loaded.stats["decoded"].shape == (16, 12) and loaded.config["d_target"] == 12
     assert loaded.encoder["alpha"].item() == tc.encoder.alpha.item()
@@ -150,7 +150,7 @@ def test_flush_initialises_a_short_stream_and_trains_on_what_is_held(transformer
     tc = CLVQTranscoder(16, hidden=32, batch_size=64, heads=2, layers=1, codebook=dict(init_size=256),
                         decoder="transformer" if transformer else "mlp")
     tc.update(src, tgt, ids if transformer else None)
-    assert tc.vq.codes is None
+    assert not tc.vq.is_initialised
     tc.flush()                                  # 200 < init_size rows: initialise on them
     assert tc.vq.codes.shape == (16, 16) and tc.steps == 0
     tc.update(src[:100], tgt[:100], ids[:100] if transformer else None)
@@ -164,7 +164,8 @@ def test_bad_settings_and_inputs_are_named():
     with pytest.raises(ValueError, match="unknown codebook options \\['k'\\]"):
         CLVQTranscoder(8, codebook={"k": 3})
     with pytest.raises(ValueError, match="needs sequence_ids"):
-        CLVQTranscoder(8, decoder="transformer", hidden=8, heads=2).update(torch.randn(4, 3), torch.randn(4, 2))
+        tc = CLVQTranscoder(8, decoder="transformer", hidden=8, heads=2)
+        tc.update(torch.randn(4, 3), torch.randn(4, 2))
     tc = CLVQTranscoder(8)
     assert tc.stats().steps == 0
     with pytest.raises(ValueError, match="aligned"):

@@ -18,12 +18,15 @@ if TYPE_CHECKING:
 
 _LAZY = {"attach": "conceptlens.lens", "Lens": "conceptlens.lens",
          "ConceptSet": "conceptlens.concepts.conceptset"}
+_SUBMODULES = {"models", "data", "concepts", "steering", "metrics", "fit"}
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy re-exports: `import conceptlens` stays cheap (no transformers import).
-    if name in _LAZY:
-        import importlib
+    # Lazy re-exports and submodules: `import conceptlens` stays cheap (no transformers import).
+    import importlib
 
+    if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"conceptlens.{name}")
     raise AttributeError(f"module 'conceptlens' has no attribute {name!r}")

@@ -87,3 +87,17 @@ def hook_snapshot(model: torch.nn.Module) -> dict:
 @pytest.fixture(params=FAMILIES)
 def family(request) -> str:
     return request.param
+
+
+class CharTokenizer:
+    """A file-free tokenizer for tiny models: one id per character (ids 3-98), no specials."""
+
+    all_special_ids: list[int] = []
+
+    def __call__(self, texts, truncation=False, max_length=None, **kwargs):
+        if isinstance(texts, str):
+            texts = [texts]
+        ids = [[3 + ord(c) % 96 for c in text] for text in texts]
+        if truncation and max_length:
+            ids = [row[:max_length] for row in ids]
+        return {"input_ids": ids}

@@ -16,6 +16,7 @@ COMMANDS = {
     "demo": "Load SmolLM2, fit concepts on a bundled corpus, steer with one; all offline.",
     "sites": "List the sites of a model with their shapes.",
     "steer": "Continue a prompt without and with a concept (or word) direction added, side by side.",
+    "gauge": "Gauge-invariant q/k geometry of one layer, streamed, then a gauge audit of the metrics.",
 }
 
 

@@ -1,0 +1,93 @@
+"""`conceptlens gauge`: its per-head table against brute force, and its argument checks."""
+
+import argparse
+
+import pytest
+import torch
+
+from conceptlens.cli import build_parser
+from conceptlens.commands import gauge
+from conceptlens.metrics.gauge import QueryKeyMoments
+
+
+def _stream(seed=0, n=300, h=4, h_kv=2, d=8):
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(d, d, generator=g)
+    q = torch.randn(n, h, d, generator=g) @ mix
+    k = torch.randn(n, h_kv, d, generator=g) @ mix.T + 3 * torch.arange(d) / d  # keys share a mean: raw cosines far from 0
+    return q.double(), k.double()
+
+
+def test_head_table_matches_brute_force_over_token_pairs():
+    q, k = _stream()
+    moments = QueryKeyMoments()
+    moments.update(q[:100], k[:100])
+    moments.update(q[100:], k[100:])
+    table = gauge.head_table(moments, k, n_pairs=500, seed=1)
+    d, g = 8, 2
+    # every (query token, key token) pair, query heads grouped by their key head (h // g)
+    scores = torch.einsum("ihd,jhd->ijh", q, k.repeat_interleave(g, 1)) / d**0.5  # (N, N, H)
+    rms = scores.pow(2).mean((0, 1)).view(2, g).mean(1).sqrt()
+    torch.testing.assert_close(table.rms_score, rms)
+    spec = torch.linalg.eigvals(moments.S_q @ moments.S_k).real.sort(descending=True).values
+    p = spec / spec.sum(-1, keepdim=True)
+    torch.testing.assert_close(table.spectrum_rank, torch.exp(-(p * p.log()).sum(-1)))
+    torch.testing.assert_close(table.top_share, p[:, 0])
+    assert table.group_size == g and (table.cosine_mean.abs() <= 1).all()
+    # pairs are reproducible and never pair a key with itself
+    again = gauge.head_table(moments, k, n_pairs=500, seed=1)
+    assert torch.equal(again.distance_mean, table.distance_mean)
+    twins = gauge.head_table(moments, k[:1].expand(2, -1, -1).clone(), n_pairs=50)
+    assert torch.all(twins.distance_mean == 0)  # two copies of one key: every pair is (0, 1) or (1, 0)
+    torch.testing.assert_close(twins.cosine_mean, torch.ones(2, dtype=torch.float64))
+
+
+def test_head_table_invariant_columns_ignore_a_gauge():
+    q, k = _stream(seed=2)
+    g = torch.Generator().manual_seed(3)
+    A = torch.linalg.qr(torch.randn(2, 8, 8, generator=g, dtype=torch.float64)).Q * torch.linspace(0.5, 2, 8)
+    q2 = torch.einsum("hab,nhb->nha", A.repeat_interleave(2, 0), q)
+    k2 = torch.einsum("hab,nhb->nha", torch.linalg.inv(A).transpose(-1, -2), k)
+    tables = []
+    for qq, kk in ((q, k), (q2, k2)):
+        m = QueryKeyMoments()
+        m.update(qq, kk)
+        tables.append(gauge.head_table(m, kk, n_pairs=400))
+    for field in ("spectrum_rank", "top_share", "rms_score", "distance_mean", "distance_median",
+                  "cosine_mean", "cosine_std"):
+        torch.testing.assert_close(getattr(tables[0], field), getattr(tables[1], field), rtol=1e-8, atol=1e-10)
+    assert ((tables[0].raw_cosine - tables[1].raw_cosine).abs() > 0.05).all(), (tables[0].raw_cosine, tables[1].raw_cosine)
+    assert len(gauge.format_table(tables[0]).splitlines()) == 3
+
+
+def test_head_table_needs_two_keys():
+    m = QueryKeyMoments()
+    m.update(*_stream(n=5))
+    with pytest.raises(ValueError, match="at least two keys"):
+        gauge.head_table(m, torch.zeros(1, 2, 8), n_pairs=3)
+
+
+def test_gauge_arguments_are_checked(capsys):
+    args = build_parser().parse_args(["gauge", "--layer", "3", "--pairs", "0"])
+    with pytest.raises(ValueError, match="--pairs must be a positive integer; got 0"):
+        gauge.run(args)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["gauge", "--group", "orthogonal"])
+    assert "invalid choice: 'orthogonal'" in capsys.readouterr().err
+
+
+@pytest.mark.real_model
+def test_gauge_command_on_smollm2(capsys, tmp_path):
+    from conceptlens.cli import main
+
+    texts = tmp_path / "texts.txt"
+    texts.write_text("The bank raised interest rates on Tuesday.\nA cat sat on the mat and slept all day.\n" * 4)
+    code = main(["gauge", "--layer", "1", "--data", str(texts), "--max-tokens", "100", "--sample-docs", "2",
+                 "--pairs", "100"])
+    out = capsys.readouterr().out
+    assert code == 0
+    table = out[out.index("key head"):out.index("gauge audit")].strip().splitlines()
+    assert [row.split()[:2] for row in table[1:]] == [["0", "0-2"], ["1", "3-5"], ["2", "6-8"]]  # GQA: 9 q, 3 kv heads
+    audit = {line.split()[0]: line.split()[-1] for line in out[out.index("gauge audit"):].splitlines()[1:]}
+    assert audit == {"key_norm": "moved", "key_cosine": "moved", "key_pca": "moved",
+                     "key_distance": "invariant", "score_cosine": "invariant", "qk_spectrum": "invariant"}

@@ -124,7 +124,7 @@ class SparseAutoencoder:
             self._start(x)
         w = self._weights()
         code = self._encode(x, w, train=True)
-        x_hat = self._decode(code.z, w)  # (B, d)
+        x_hat = self._decode(code.z, w, train=True)  # (B, d)
         recon = self._recon_loss(x, code.z, x_hat, w)
         loss = recon + self._penalty(x, x_hat, code, w)
         self._opt.zero_grad(set_to_none=True)
@@ -146,11 +146,14 @@ class SparseAutoencoder:
                                      betas=self.config.betas)
 
     def _record(self, x: Tensor, x_hat: Tensor, code: Code, loss: Tensor) -> None:
-        fired = code.z.detach() != 0  # (B, width)
-        self._tracker.observe(fired.sum(0), x.shape[0])
+        # per-latent firing counts as a matrix-vector product: on CPU, reductions of a
+        # (B, width) bool tensor along either dimension are several times slower
+        fired = code.z.detach().ne(0).float()  # (B, width)
+        counts = x.new_ones(x.shape[0]) @ fired  # (width,)
+        self._tracker.observe(counts.long(), x.shape[0])
         sse = (x - x_hat.detach()).pow(2).sum()
         var = (x - x.mean(0)).pow(2).sum().clamp(min=1e-12)
-        values = torch.stack([sse / var, fired.sum(1).float().mean(),
+        values = torch.stack([sse / var, counts.sum() / x.shape[0],
                               self._tracker.dead().float().mean(), loss.detach()]).tolist()
         self._running.observe(StepStats(*values), x.shape[0])
 
@@ -182,7 +185,7 @@ class SparseAutoencoder:
         """The variant's gate: pre-activations `(N, width)` -> latents `(N, width)`."""
         raise NotImplementedError(f"{type(self).__name__} must define _activate")
 
-    def _decode(self, z: Tensor, w: dict[str, Tensor]) -> Tensor:
+    def _decode(self, z: Tensor, w: dict[str, Tensor], train: bool = False) -> Tensor:
         return z @ w["W_dec"] + w["b_dec"]  # (N, d)
 
     def _recon_loss(self, x: Tensor, z: Tensor, x_hat: Tensor, w: dict[str, Tensor]) -> Tensor:
@@ -206,7 +209,8 @@ class SparseAutoencoder:
         if not self.params:
             seen = self._warm[1] + self._tracker.tokens
             raise RuntimeError(f"{type(self).__name__} has not taken a step yet ({seen} tokens seen, warm-up "
-                               f"{self.config.warmup_tokens}, batch {self.config.batch_size}); call update() or flush()")
+                               f"{self.config.warmup_tokens}, batch {self.config.batch_size}); "
+                               "call update() or flush()")
         with torch.no_grad():
             return {k: v.detach() for k, v in self._fold(self._weights(), self.scale).items()}
 
@@ -218,7 +222,7 @@ class SparseAutoencoder:
     @torch.no_grad()
     def decode(self, z: Tensor) -> Tensor:
         """Latents `(N, width)` -> reconstructed raw activations `(N, d)`."""
-        return self._decode(z.to(self._device).float(), self._raw())
+        return self._decode(z.to(self._device).float(), self._raw(), train=False)
 
     def reconstruct(self, x: Tensor) -> Tensor:
         """`decode(encode(x))`, `(N, d)`."""

@@ -47,9 +47,12 @@ class BatchTopKSAE(TopKSAE):
     Config = BatchTopKConfig
     method = "batchtopk_sae"
     config: BatchTopKConfig
+    at_most_k_in_training = False  # a token may keep more than k of the batch's k * B
 
     def _init_params(self, x: Tensor) -> dict[str, Tensor]:
-        self.buffers = {"threshold": torch.zeros((), device=x.device), "threshold_steps": torch.zeros((), dtype=torch.int64)}
+        # the inference threshold (normalised units) and how many steps have moved it
+        self.buffers = {"threshold": torch.zeros((), device=x.device),
+                        "threshold_steps": torch.zeros((), dtype=torch.int64)}
         return super()._init_params(x)
 
     def _weights(self) -> dict[str, Tensor]:

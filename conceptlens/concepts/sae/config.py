@@ -88,8 +88,9 @@ def build_config(cls: type[C], config: C | None, kwargs: dict[str, Any]) -> C:
     unknown = sorted(set(kwargs) - set(names))
     if unknown:
         raise TypeError(f"unknown argument(s) {unknown}; valid: {names}")
-    missing = [f.name for f in dataclasses.fields(cls)
-               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in kwargs]
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [name for name in required if name not in kwargs]
     if missing:
         raise TypeError(f"missing required argument(s) {missing}")
     return cls(**kwargs)

@@ -33,13 +33,15 @@ class MatryoshkaConfig(TopKConfig):
         sizes = tuple(self.prefixes)
         if (not sizes or any(isinstance(m, bool) or not isinstance(m, int) for m in sizes)
                 or any(a >= b for a, b in zip(sizes, sizes[1:])) or sizes[0] < 1 or sizes[-1] != self.width):
-            raise ValueError(f"prefixes must be strictly increasing ints >= 1 ending at width={self.width}; got {self.prefixes!r}")
+            raise ValueError(f"prefixes must be strictly increasing ints >= 1 ending at width={self.width}; "
+                             f"got {self.prefixes!r}")
         self.prefixes = sizes
         if self.prefix_weights is None:
             self.prefix_weights = (1.0,) * len(sizes)
         weights = tuple(float(v) for v in self.prefix_weights)
         if len(weights) != len(sizes) or any(not v >= 0 for v in weights):
-            raise ValueError(f"prefix_weights must be {len(sizes)} numbers >= 0, one per prefix; got {self.prefix_weights!r}")
+            raise ValueError(f"prefix_weights must be {len(sizes)} numbers >= 0, one per prefix; "
+                             f"got {self.prefix_weights!r}")
         self.prefix_weights = weights
 
 

@@ -45,8 +45,8 @@ def load_training_state(sae: SparseAutoencoder, state: dict[str, Any]) -> None:
     mine = sae.config.to_json()
     differ = sorted(k for k in mine.keys() | state["config"].keys() if mine.get(k) != state["config"].get(k))
     if differ:
-        raise ValueError(f"state was saved with a different config: {[(k, state['config'].get(k), mine.get(k)) for k in differ]} "
-                         "(key, saved, this)")
+        changes = [(k, state["config"].get(k), mine.get(k)) for k in differ]
+        raise ValueError(f"state was saved with a different config: {changes} (key, saved, this)")
     sae.seed, sae.d, sae.scale, sae._warm = state["seed"], state["d"], state["scale"], list(state["warm"])
     sae.params = {k: v.clone().requires_grad_(True) for k, v in state["params"].items()}
     sae.buffers = {k: v.clone() for k, v in state["buffers"].items()}

@@ -81,7 +81,8 @@ def import_saelens(directory: str | os.PathLike) -> ConceptSet:
     directory = Path(directory)
     for name in (CFG_FILE, WEIGHTS_FILE):
         if not (directory / name).is_file():
-            raise FileNotFoundError(f"{directory / name} not found: a SAELens folder holds {CFG_FILE} and {WEIGHTS_FILE}")
+            raise FileNotFoundError(f"{directory / name} not found: "
+                                    f"a SAELens folder holds {CFG_FILE} and {WEIGHTS_FILE}")
     cfg = json.loads((directory / CFG_FILE).read_text())
     arch = cfg.get("architecture", "standard")
     if arch not in METHOD:

@@ -66,7 +66,7 @@ class SpaDE(SparseAutoencoder):
         pre = -w["lambda"] * squared_distances(x, w["prototypes"])  # (N, width)
         return Code(sparsemax(pre), pre)
 
-    def _decode(self, z: Tensor, w: dict[str, Tensor]) -> Tensor:
+    def _decode(self, z: Tensor, w: dict[str, Tensor], train: bool = False) -> Tensor:
         return z @ w["W_dec"]  # (N, d)
 
     def _penalty(self, x: Tensor, x_hat: Tensor, code: Code, w: dict[str, Tensor]) -> Tensor:

@@ -10,8 +10,10 @@ which revives them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from conceptlens.concepts.sae.base import Code, SparseAutoencoder
@@ -45,15 +47,34 @@ def topk_relu(pre: Tensor, k: int) -> Tensor:
     return torch.zeros_like(pre).scatter(-1, indices, values.relu())
 
 
+def sparse_decode(z: Tensor, k: int, W_dec: Tensor) -> Tensor:
+    """`z @ W_dec` for z `(N, width)` with at most k nonzeros per row, as a gather-and-sum.
+
+    O(N k d) instead of O(N width d), forward and backward (the dense product's backward
+    also multiplies by the full decoder).
+    """
+    values, indices = z.topk(k, dim=-1, sorted=False)  # (N, k): every nonzero, padded with zeros
+    return F.embedding_bag(indices, W_dec, per_sample_weights=values, mode="sum")  # (N, d)
+
+
 class TopKSAE(SparseAutoencoder):
     """z = ReLU(TopK((x - b_dec) W_enc + b_enc)); loss ||x - x_hat||^2 + AuxK."""
 
     Config = TopKConfig
     method = "topk_sae"
     config: TopKConfig
+    at_most_k_in_training: ClassVar[bool] = True
+    """Whether training codes have at most k nonzeros per row (so the decode can gather)."""
 
     def _activate(self, pre: Tensor, w: dict[str, Tensor], train: bool) -> Tensor:
         return topk_relu(pre, self.config.k)
+
+    def _decode(self, z: Tensor, w: dict[str, Tensor], train: bool = False) -> Tensor:
+        # In training z has at most k nonzeros per row; latents passed to decode() may have
+        # more (a clamped latent), so they take the dense product.
+        if train and self.at_most_k_in_training:
+            return sparse_decode(z, self.config.k, w["W_dec"]) + w["b_dec"]
+        return super()._decode(z, w)
 
     def _penalty(self, x: Tensor, x_hat: Tensor, code: Code, w: dict[str, Tensor]) -> Tensor:
         """AuxK: alpha * ||e - e_hat||^2 / Var(e), in units of the main loss (times Var(x) / B).
@@ -67,7 +88,8 @@ class TopKSAE(SparseAutoencoder):
             return x.new_zeros(())
         k_aux = min(self.config.k_aux or max(x.shape[1] // 2, 1), n_dead)
         e = (x - x_hat).detach()  # (B, d): the residual the dead latents should explain
-        e_hat = topk_relu(code.pre.masked_fill(~dead, float("-inf")), k_aux) @ w["W_dec"]
+        values, indices = code.pre.masked_fill(~dead, float("-inf")).topk(k_aux, dim=-1, sorted=False)
+        e_hat = F.embedding_bag(indices, w["W_dec"], per_sample_weights=values.relu(), mode="sum")  # (B, d)
         var_e = (e - e.mean(0)).pow(2).sum().clamp(min=1e-12)
         var_x = (x - x.mean(0)).pow(2).sum()
         return self.config.aux_coef * (e - e_hat).pow(2).sum() / var_e * var_x / x.shape[0]

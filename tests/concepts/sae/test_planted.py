@@ -85,7 +85,8 @@ def test_spade_separates_concepts_that_differ_only_in_magnitude():
         for chunk in x.split(2000):
             sae.update(chunk)
         f1[name] = best_latent_f1(sae.encode(x_test), y_test)
-        print(f"{name}: per-concept best-latent F1 {[round(v, 3) for v in f1[name].tolist()]}, mean {f1[name].mean():.3f}")
+        scores = [round(v, 3) for v in f1[name].tolist()]
+        print(f"{name}: per-concept best-latent F1 {scores}, mean {f1[name].mean():.3f}")
     # A ReLU/JumpReLU latent fires on a half-space, so for a middle magnitude its F1 is at most
     # about 2/3; SpaDE's latents fire on bounded regions around prototypes.
     # (seeds 0-3 give SpaDE 0.89-0.96, ReLU and JumpReLU at most 0.69)

@@ -65,7 +65,7 @@ def test_hook_names_and_refusals(tmp_path):
         import_saelens(tmp_path / "missing")
 
 
-@pytest.mark.parametrize("name", ["relu", "topk", "jumprelu", "batchtopk"])
+@pytest.mark.parametrize("name", EXPORTABLE)
 def test_saelens_loads_our_export(name, tmp_path):
     sae_lens = pytest.importorskip("sae_lens")
     sae, cs = fitted(name)

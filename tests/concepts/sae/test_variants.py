@@ -13,7 +13,7 @@ from conceptlens.concepts.sae import (BatchTopKSAE, Code, JumpReLUSAE, Matryoshk
 from conceptlens.concepts.sae.batchtopk import batch_topk_relu
 from conceptlens.concepts.sae.jumprelu import JumpReLUFunction, StepFunction
 from conceptlens.concepts.sae.stats import LatentTracker, geometric_median
-from conceptlens.concepts.sae.topk import topk_relu
+from conceptlens.concepts.sae.topk import sparse_decode, topk_relu
 
 
 def data(n: int = 400, d: int = 8, seed: int = 0) -> torch.Tensor:
@@ -43,6 +43,25 @@ def test_topk_keeps_k_largest():
     torch.testing.assert_close(topk_relu(pre, 2), expected)
     z = trained(TopKSAE, k=3).encode(data(50, seed=1))
     assert ((z != 0).sum(1) <= 3).all() and (z >= 0).all()
+
+
+def test_sparse_decode_equals_the_dense_product_and_its_gradients():
+    g = torch.Generator().manual_seed(0)
+    pre = torch.randn(20, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(16, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    target = torch.randn(20, 5, generator=g, dtype=torch.float64)
+    grads = []
+    for decode in (lambda z: sparse_decode(z, 3, W), lambda z: z @ W):
+        out = decode(topk_relu(pre, 3))
+        (out - target).pow(2).sum().backward()
+        grads.append((out.detach(), pre.grad.clone(), W.grad.clone()))
+        pre.grad, W.grad = None, None
+    for sparse, dense in zip(*grads):
+        torch.testing.assert_close(sparse, dense)
+    sae = trained(TopKSAE, k=2)
+    z = torch.zeros(1, 16)
+    z[0, :5] = 1.0  # more than k latents, as a clamp could make: decode() takes the dense product
+    torch.testing.assert_close(sae.decode(z), z @ sae.concept_set().directions + sae.concept_set().encoder["b_dec"])
 
 
 def test_batch_topk_keeps_k_times_batch_over_the_whole_batch():

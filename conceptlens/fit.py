@@ -14,6 +14,7 @@ that was never interrupted.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -128,6 +129,10 @@ def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any 
                 state.save(checkpoint, plan, fingerprint)
                 next_checkpoint = _next_mark(state.tokens, config.checkpoint_every)
     bar.close()
+    for extractor in plan.extractors.values():  # train on rows still held in mixing buffers
+        flush = getattr(extractor, "flush", None)
+        if callable(flush):
+            flush()
     if checkpoint is not None:
         state.save(checkpoint, plan, fingerprint)
     return _report(lens, plan, state, resumed_from, time.perf_counter() - start, config)
@@ -137,6 +142,8 @@ def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any 
 class _Plan:
     extractors: dict[Key, Any]
     sites: set[str]
+    sequence_aware: set[Key] = field(default_factory=set)
+    """Pair extractors whose update takes `sequence_ids` (tokens grouped by document)."""
 
 
 def _plan(lens: Lens, extractors: Mapping[Key, Any]) -> _Plan:
@@ -154,7 +161,8 @@ def _plan(lens: Lens, extractors: Mapping[Key, Any]) -> _Plan:
         else:
             resolved[lens.site(key).name] = extractor
     sites = {s for key in resolved for s in ((key,) if isinstance(key, str) else key)}
-    return _Plan(resolved, sites)
+    aware = {key for key, e in resolved.items() if "sequence_ids" in inspect.signature(e.update).parameters}
+    return _Plan(resolved, sites, aware)
 
 
 def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
@@ -181,8 +189,8 @@ def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: 
         return 0  # empty documents only: nothing to forward
     device = next(model.parameters()).device
     acts = cap.forward(**{k: v.to(device) for k, v in batch.items()})  # no_grad inside
-    position = cap.last[1].position
-    keep = {site: state.rows(site, acts[site], position) for site in plan.sites}
+    meta = cap.last[1]
+    keep = {site: state.rows(site, acts[site], meta.position) for site in plan.sites}
     for key, extractor in plan.extractors.items():
         if isinstance(key, str):
             rows = keep[key]
@@ -190,8 +198,11 @@ def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: 
                 extractor.update(_as_rows(acts[key][rows]))
         else:
             rows = keep[key[0]] & keep[key[1]]
-            if rows.any():  # pair extractors get q/k/v per head, (N, H, d_head)
-                extractor.update(acts[key[0]][rows], acts[key[1]][rows])
+            if not rows.any():
+                continue
+            # pair extractors get q/k/v per head, (N, H, d_head); sequence ids = document index
+            extra = {"sequence_ids": meta.row[rows] + state.documents} if key in plan.sequence_aware else {}
+            extractor.update(acts[key[0]][rows], acts[key[1]][rows], **extra)
     return n_tokens
 
 

@@ -34,6 +34,9 @@ class KillSwitch:
             os.kill(os.getpid(), signal.SIGKILL)
         self.inner.update(x)
 
+    def flush(self):
+        self.inner.flush()
+
     def state_dict(self):
         return self.inner.state_dict()
 

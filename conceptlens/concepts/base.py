@@ -30,6 +30,9 @@ class Extractor(Protocol):
     def update(self, x: Tensor) -> None:
         """Consume a batch `(N, d)`: O(N) time, memory independent of the stream length."""
 
+    def flush(self) -> None:
+        """End of stream: train on rows still held back (mixing buffer, pending batch)."""
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume bit for bit."""
 

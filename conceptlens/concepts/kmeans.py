@@ -56,13 +56,15 @@ class KMeansConfig:
         return self.init_size if self.init_size is not None else max(3 * self.n_concepts, 1024)
 
 
-def squared_distances(x: Tensor, c: Tensor, x_sq: Tensor | None = None) -> Tensor:
+def squared_distances(x: Tensor, c: Tensor, x_sq: Tensor | None = None, c_sq: Tensor | None = None) -> Tensor:
     """Squared Euclidean distances `(N, k)` between rows of x `(N, d)` and c `(k, d)`.
 
-    |x|^2 - 2 x.c + |c|^2 as one matmul; clamped at 0 against rounding.
+    |x|^2 - 2 x.c + |c|^2 as one matmul (row norms may be passed in when already known);
+    clamped at 0 against rounding.
     """
     x_sq = (x * x).sum(1) if x_sq is None else x_sq
-    return (x_sq[:, None] - 2.0 * (x @ c.T) + (c * c).sum(1)[None]).clamp_min_(0.0)
+    c_sq = (c * c).sum(1) if c_sq is None else c_sq
+    return (x_sq[:, None] - 2.0 * (x @ c.T) + c_sq[None]).clamp_min_(0.0)
 
 
 def kmeans_plusplus(x: Tensor, k: int, generator: torch.Generator, weight: Tensor | None = None) -> Tensor:
@@ -82,10 +84,10 @@ def kmeans_plusplus(x: Tensor, k: int, generator: torch.Generator, weight: Tenso
         return torch.multinomial(p, m, replacement=True, generator=generator)
 
     chosen = [int(draw(w, 1))]
-    closest = squared_distances(x[chosen], x, x_sq[chosen])[0]  # (N,)
+    closest = squared_distances(x[chosen], x, x_sq[chosen], x_sq)[0]  # (N,)
     for _ in range(1, k):
-        cand = draw(w * closest.double().cpu(), trials)
-        d2 = torch.minimum(closest[None], squared_distances(x[cand.to(x.device)], x, x_sq[cand.to(x.device)]))
+        cand = draw(w * closest.double().cpu(), trials).to(x.device)
+        d2 = torch.minimum(closest[None], squared_distances(x[cand], x, x_sq[cand], x_sq))  # (trials, N)
         best = int((d2.double().cpu() * w).sum(1).argmin())
         chosen.append(int(cand[best]))
         closest = d2[best]

@@ -192,7 +192,9 @@ class StreamingKMeans:
             return
         x, w = self._pending
         self._pending = None
-        self._centres = x[kmeans_plusplus(x, self.config.n_concepts, self._gen, w)].clone()
+        # k-means++ costs O(k N d): seed on the first init_size rows even if more arrived at once.
+        head = self.config.rows_to_init
+        self._centres = x[kmeans_plusplus(x[:head], self.config.n_concepts, self._gen, w[:head])].clone()
         self._mass = self._mass.to(x.device)
         self._idle = self._idle.to(x.device)
         self._steps(x, w)

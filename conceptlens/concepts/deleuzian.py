@@ -155,7 +155,8 @@ class Deleuzian:
             self._step(block)
 
     def _step(self, block: Tensor) -> None:
-        diff, weight = oriented_differences(block, self.reference, self.config.skew_weighting)
+        # The mixing buffer lives on the CPU; pairing and k-means run where the activations came from.
+        diff, weight = oriented_differences(block.to(self._reference.device), self.reference, self.config.skew_weighting)
         self.kmeans.update(diff, weight)
 
     def flush(self) -> None:

@@ -1,6 +1,32 @@
-"""Online concept extractors and ConceptSet: tensors in, tensors out."""
+"""Online concept extractors and ConceptSet: tensors in, tensors out.
+
+    from conceptlens.concepts import StreamingKMeans, Deleuzian, TopKSAE, VQCodebook
+"""
 
 from conceptlens.concepts.base import Extractor
+from conceptlens.concepts.buffer import MixingBuffer
+from conceptlens.concepts.clvq import CLVQConfig, CLVQTranscoder
 from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.concepts.deleuzian import Deleuzian, DeleuzianConfig
+from conceptlens.concepts.kmeans import KMeansConfig, StreamingKMeans
+from conceptlens.concepts.sae import (
+    BatchTopKSAE,
+    JumpReLUSAE,
+    MatryoshkaSAE,
+    ReLUSAE,
+    SAEConfig,
+    SpaDE,
+    SparseAutoencoder,
+    TopKSAE,
+    export_saelens,
+    import_saelens,
+)
+from conceptlens.concepts.vq import VQCodebook, VQConfig
 
-__all__ = ["Extractor", "ConceptSet"]
+__all__ = [
+    "Extractor", "ConceptSet", "MixingBuffer",
+    "StreamingKMeans", "KMeansConfig", "Deleuzian", "DeleuzianConfig",
+    "SparseAutoencoder", "SAEConfig", "ReLUSAE", "TopKSAE", "BatchTopKSAE", "JumpReLUSAE", "SpaDE",
+    "MatryoshkaSAE", "export_saelens", "import_saelens",
+    "VQCodebook", "VQConfig", "CLVQTranscoder", "CLVQConfig",
+]

@@ -15,6 +15,8 @@ from conceptlens.concepts.base import Extractor
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.deleuzian import Deleuzian
 from conceptlens.concepts.kmeans import StreamingKMeans
+from conceptlens.concepts.sae import BatchTopKSAE, JumpReLUSAE, MatryoshkaSAE, ReLUSAE, SpaDE, TopKSAE
+from conceptlens.concepts.vq import VQCodebook
 
 EXTRACTORS = [
     pytest.param(lambda: StreamingKMeans(6, batch_size=128, init_size=500, reseed_after=1.0, seed=3), id="kmeans"),
@@ -22,6 +24,19 @@ EXTRACTORS = [
     pytest.param(lambda: Deleuzian(5, reference_size=256, buffer_size=512, batch_size=128, seed=3), id="deleuzian"),
     pytest.param(lambda: Deleuzian(5, reference_size=256, buffer_size=512, batch_size=128, skew_weighting=False,
                                    seed=3), id="deleuzian-unweighted"),
+]
+
+# Dictionaries trained by gradient or EMA steps: same protocol, but their merge has its own
+# contract (replicas of one initial state), tested with each of them.
+_SAE = dict(batch_size=256, warmup_tokens=256, seed=3)
+DICTIONARIES = [
+    pytest.param(lambda: ReLUSAE(width=12, **_SAE), id="relu-sae"),
+    pytest.param(lambda: TopKSAE(width=12, k=3, **_SAE), id="topk-sae"),
+    pytest.param(lambda: BatchTopKSAE(width=12, k=3, **_SAE), id="batchtopk-sae"),
+    pytest.param(lambda: JumpReLUSAE(width=12, **_SAE), id="jumprelu-sae"),
+    pytest.param(lambda: SpaDE(width=12, **_SAE), id="spade"),
+    pytest.param(lambda: MatryoshkaSAE(width=12, k=3, prefixes=(4, 12), **_SAE), id="matryoshka-sae"),
+    pytest.param(lambda: VQCodebook(8, init_size=256, batch_size=128, seed=3), id="vq"),
 ]
 
 
@@ -48,7 +63,7 @@ def roundtrip(state):
     return torch.load(buf, weights_only=True)
 
 
-@pytest.mark.parametrize("factory", EXTRACTORS)
+@pytest.mark.parametrize("factory", EXTRACTORS + DICTIONARIES)
 def test_follows_the_protocol_at_any_width(factory):
     for d in (5, 9):
         ext = fitted(factory, stream(d=d))
@@ -65,7 +80,7 @@ def test_follows_the_protocol_at_any_width(factory):
 
 
 @pytest.mark.parametrize("split", [1, 6])  # early (still initialising for some) and late
-@pytest.mark.parametrize("factory", EXTRACTORS)
+@pytest.mark.parametrize("factory", EXTRACTORS + DICTIONARIES)
 def test_resume_from_state_dict_is_bit_identical(factory, split):
     chunks = stream()
     whole = fitted(factory, chunks)

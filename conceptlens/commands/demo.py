@@ -20,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=30_000)
     parser.add_argument("--concepts", type=int, default=32, help="number of k-means concepts")
     parser.add_argument("--word", default=" wedding", help="steer towards this token's unembedding")
+    parser.add_argument("--steer-site", default="blocks.20.resid_out", help="where the word direction is added")
     parser.add_argument("--out", default="runs/demo", help="folder for the checkpoint and concept set")
 
 
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     concepts = report.concepts[site.name]
     print(f"concept set saved under {args.out}/concepts: {concepts}")
 
-    _steering_demo(lens, tok, site.name, args.word)
+    _steering_demo(lens, tok, lens.site(args.steer_site).name, args.word)
     return 0
 
 
@@ -72,7 +73,7 @@ def _steering_demo(lens, tok, site: str, word: str) -> None:
     direction = direction / direction.norm()
     prompt = tok(["I went to the shop and"], return_tensors="pt")
     print(f"\nSteering at {site} along the unembedding of {word!r} (positions='generated'):")
-    for alpha in (0.0, 30.0, 60.0):
+    for alpha in (0.0, 80.0, 160.0):  # median token norm in middle blocks is ~175
         with torch.no_grad(), lens.steer(Add(direction, alpha, site=site), positions="generated"):
             out = model.generate(**prompt, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
         text = tok.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)

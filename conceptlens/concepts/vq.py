@@ -16,7 +16,7 @@ units); evaluation (`assign`, `encode`, `quantize`) always takes the nearest cod
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +24,8 @@ from torch import Tensor
 
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
-from conceptlens.concepts.kmeans import squared_distances, weighted_lloyd
-
-InitMethod = Literal["kmeans", "spherical_kmeans", "random"]
-INIT_METHODS = ("kmeans", "spherical_kmeans", "random")
+from conceptlens.concepts.vq_math import (INIT_METHODS, InitMethod, codes_from_ema, ema_update, fvu_from_sums,
+                                          fvu_sums, initial_codes, laplace_smooth, perplexity, sample_top_k)
 
 
 @dataclass
@@ -342,86 +340,3 @@ class VQCodebook:
         mine.hits, mine.fvu = mine.hits + theirs.hits, mine.fvu + theirs.fvu
         mine.codes = codes_from_ema(mine.counts, mine.sums, self.config.eps)
         self.tokens += other.tokens
-
-
-# ---- math: pure functions on tensors ---------------------------------------------------
-
-def laplace_smooth(counts: Tensor, eps: float) -> Tensor:
-    """Laplace-smoothed counts (K,) -> (K,): n_i = (N_i + eps) / (N + K eps) * N, N = sum N_i.
-
-    The total N is kept and empty codes stay above zero, so sums / counts stays finite.
-    """
-    n = counts.sum()
-    return (counts + eps) / (n + len(counts) * eps) * n
-
-
-def ema_update(counts: Tensor, sums: Tensor, batch_counts: Tensor, batch_sums: Tensor,
-               decay: float) -> tuple[Tensor, Tensor]:
-    """One EMA step of counts (K,) and sums (K, d) towards a batch's counts and sums."""
-    return decay * counts + (1 - decay) * batch_counts, decay * sums + (1 - decay) * batch_sums
-
-
-def codes_from_ema(counts: Tensor, sums: Tensor, eps: float) -> Tensor:
-    """Codes (K, d) = EMA sums (K, d) / Laplace-smoothed EMA counts (K,)."""
-    return sums / laplace_smooth(counts, eps)[:, None]
-
-
-def sample_top_k(dist: Tensor, k: int, temperature: float,
-                 generator: torch.Generator | None = None) -> Tensor:
-    """Draw one code per row among its k nearest, p ∝ exp(-dist / temperature).
-
-    dist: (N, K) distances -> (N,) long. temperature 0 or k 1 gives the nearest code. The
-    uniforms come from the CPU `generator`, whatever the device of dist.
-    """
-    neg, index = (-dist).topk(min(k, dist.shape[1]), dim=1)          # (N, k), nearest first
-    if temperature == 0 or index.shape[1] == 1:
-        return index[:, 0]
-    cdf = torch.softmax(neg / temperature, dim=1).cumsum(1)         # (N, k)
-    u = torch.rand(len(dist), 1, generator=generator, dtype=cdf.dtype).to(dist.device)
-    choice = (cdf < u).sum(1).clamp(max=index.shape[1] - 1)         # inverse CDF
-    return index.gather(1, choice[:, None]).squeeze(1)
-
-
-def perplexity(counts: Tensor) -> Tensor:
-    """exp(entropy) of the distribution counts (K,) / sum: K if uniform, 1 if one code."""
-    p = counts / counts.sum()
-    return torch.exp(-torch.special.xlogy(p, p).sum())
-
-
-def fvu_sums(x: Tensor, x_hat: Tensor) -> Tensor:
-    """Additive sums for the FVU of x_hat against x, both (N, d): float64 (d + 3,) holding
-    [N, sum |x - x_hat|^2, sum |x|^2, sum x (d)]. Sums of batches (or EMAs of them) pool."""
-    x64 = x.detach().double()
-    head = torch.stack([x64.new_tensor(float(len(x))), (x64 - x_hat.detach().double()).pow(2).sum(),
-                        x64.pow(2).sum()])
-    return torch.cat([head, x64.sum(0)])
-
-
-def fvu_from_sums(sums: Tensor) -> float:
-    """Fraction of variance unexplained from `fvu_sums`: SSE / sum |x - mean|^2 (nan if none)."""
-    n, sse, sq, sx = sums[0], sums[1], sums[2], sums[3:]
-    total = sq - sx.dot(sx) / n if n > 0 else sums.new_tensor(0.0)
-    return (sse / total).item() if total > 0 else float("nan")
-
-
-def initial_codes(x: Tensor, k: int, method: InitMethod,
-                  generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Initial codes from a sample x (N, d) -> (centres (k, d), labels (N,)).
-
-    "kmeans": k-means++ then Lloyd. "spherical_kmeans": the same on unit vectors (cosine),
-    then each centre is rescaled to the mean norm of its members. "random": k distinct tokens.
-    """
-    if method == "random":
-        centres = x[torch.randperm(len(x), generator=generator)[:k].to(x.device)]
-        return centres, squared_distances(x, centres).argmin(1)
-    spherical = method == "spherical_kmeans"
-    data = F.normalize(x, dim=1) if spherical else x
-    centres, _ = weighted_lloyd(data, torch.ones(len(x), device=x.device), k, generator, spherical=spherical)
-    centres = F.normalize(centres, dim=1) if spherical else centres
-    labels = squared_distances(data, centres).argmin(1)
-    if spherical:
-        counts = torch.bincount(labels, minlength=k).to(x)
-        norms = torch.zeros_like(counts).index_add_(0, labels, x.norm(dim=1)) / counts.clamp(min=1)
-        # an empty cluster keeps its direction at the sample's mean norm rather than at 0
-        centres = centres * torch.where(counts > 0, norms, x.norm(dim=1).mean())[:, None]
-    return centres, labels

@@ -130,7 +130,7 @@ def _left_padded(tokenizer: Any, prompts: list[str]) -> dict[str, Tensor]:
     if len(prompts) > 1 and tokenizer.pad_token_id is None:
         raise ValueError("several prompts need a tokenizer with a pad token; "
                          "e.g. tokenizer.pad_token = tokenizer.eos_token")
-    return dict(tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left"))
+    return dict(tokenizer(prompts, return_tensors="pt", padding=len(prompts) > 1, padding_side="left"))
 
 
 @torch.no_grad()

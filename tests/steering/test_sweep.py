@@ -103,3 +103,7 @@ def test_errors_name_what_is_missing(setup):
         sweep(lens, edit, [0.0], "w5 w6", len)
     with pytest.raises(ValueError, match="no tokens"):
         token_logprob(tok, "")
+    tok.pad_token = None  # one prompt needs no padding; several do
+    assert sweep(lens, edit, [0.0], PROMPTS[:1], len, max_new_tokens=2).scores.shape == (1, 1)
+    with pytest.raises(ValueError, match="pad token"):
+        sweep(lens, edit, [0.0], PROMPTS, len)

@@ -127,8 +127,8 @@ def pool(acts: Tensor, row: Tensor, position: Tensor, n_rows: int, how: Literal[
 class ProbeTask:
     """A linear probe on clean activations, scored under ablation on held-out texts."""
 
-    labels: Sequence[int] | Tensor
-    """One class label (0..K-1) per text."""
+    labels: Sequence[int] | Sequence[str] | Tensor
+    """One label per text: class indices 0..K-1, or names (numbered in sorted order)."""
     site: str | None = None
     """Where the probe reads: the ablated site or any later one (default: the concepts' site)."""
     pool: Literal["mean", "last"] = "mean"
@@ -142,7 +142,11 @@ class ProbeTask:
     y: Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.y = torch.as_tensor(self.labels, dtype=torch.long).reshape(-1)
+        labels = self.labels
+        if len(labels) and isinstance(labels[0], str):
+            index = {name: i for i, name in enumerate(sorted(set(labels)))}
+            labels = [index[name] for name in labels]
+        self.y = torch.as_tensor(labels, dtype=torch.long).reshape(-1)
         if len(self.y) and self.y.min() < 0:
             raise ValueError(f"labels must be class indices 0..K-1; got {int(self.y.min())}")
         if len(torch.unique(self.y)) < 2:

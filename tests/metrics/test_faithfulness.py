@@ -121,6 +121,7 @@ def test_errors_name_the_problem(probe_setup):
         faithfulness(lens, u, texts)
     with pytest.raises(ValueError, match="tokenizer"):
         faithfulness(lens, ConceptSet(u, site=SITE), ["some text"])
+    assert ProbeTask(["sport", "tech", "sport", "arts"]).y.tolist() == [1, 2, 1, 0]
     with pytest.raises(ValueError, match="two classes"):
         ProbeTask([1, 1, 1])
     with pytest.raises(ValueError, match="metric"):

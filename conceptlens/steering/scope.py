@@ -148,14 +148,15 @@ class _Registry:
     def _site_hook(self, site, entries: list[tuple[Steer, Edit]]):
         groups = _fuse(entries)
         tracker, stack = self.tracker, site.stack
+        needs_meta = any(scope.positions != "all" for scope, _ in groups)  # bookkeeping costs ~60 us
 
         def edit(x: Tensor) -> Tensor:
             heads = x.shape[2:-1]
             if heads:  # q/k/v (B, T, H, d): edits see concatenated heads
                 x = x.flatten(2)
-            meta = tracker.meta(stack, x.shape[0], x.shape[1], x.device)
+            meta = tracker.meta(stack, x.shape[0], x.shape[1], x.device) if needs_meta else None
             for scope, item in groups:
-                mask = scope.mask(stack, meta)
+                mask = scope.mask(stack, meta) if needs_meta else None
                 x = add_vector(x, item, mask) if isinstance(item, Tensor) else item.apply(x, mask)
             return x.unflatten(2, (*heads, -1)) if heads else x
 

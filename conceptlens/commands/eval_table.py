@@ -1,0 +1,108 @@
+"""The metric table of `conceptlens eval`: probe, geometry, reconstruction and LDA rows.
+
+    rows = metric_rows(cs.directions, train, test, class_names, recon)   # train/test: Features
+    print(format_rows(rows))
+
+Tensors in, rows out: no model, no files. `Features` are what the probe sees (documents or
+tokens), `ReconStats` streams FVU / L0 / dead fraction over token batches.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from conceptlens.metrics.quality import effective_rank, lda_directions, max_pairwise_cosine, probe_loss
+
+
+class Features(NamedTuple):
+    x: Tensor
+    """`(M, d)` activations of the probed units (document means, or tokens)"""
+    z: Tensor
+    """`(M, n)` concept activations (document means of per-token activations, or per token)"""
+    y: Tensor
+    """`(M,)` labels"""
+
+
+class ReconStats:
+    """Streamed FVU, L0 and dead fraction over token batches; equal to `quality.fvu`, `l0`,
+    `dead_fraction` on the concatenated batches."""
+
+    def __init__(self) -> None:
+        self.n, self.err, self.sq, self.nonzero = 0, 0.0, 0.0, 0.0
+        self.sum: Tensor | None = None
+        self.fired: Tensor | None = None
+
+    def update(self, x: Tensor, z: Tensor, x_hat: Tensor) -> None:
+        x = x.double()
+        self.err += float((x - x_hat.double()).pow(2).sum())
+        self.sq += float(x.pow(2).sum())
+        self.sum = x.sum(0) if self.sum is None else self.sum + x.sum(0)
+        self.n += len(x)
+        self.nonzero += float((z != 0).sum())
+        fired = (z != 0).any(0)
+        self.fired = fired if self.fired is None else self.fired | fired
+
+    def fvu(self) -> float:
+        return self.err / (self.sq - float(self.sum.pow(2).sum()) / self.n)
+
+    def l0(self) -> float:
+        return self.nonzero / self.n
+
+    def dead_fraction(self) -> float:
+        return float((~self.fired).double().mean())
+
+
+class Row(NamedTuple):
+    metric: str
+    value: float
+    note: str = ""
+
+
+def probe_candidates(z: Tensor, y: Tensor, per_class: int) -> Tensor:
+    """Concepts worth a logistic probe: per class the `per_class` with the largest standardised
+    mean difference |mean(class) - mean(rest)| / std on `z` `(M, n)`; sorted unique indices."""
+    std = z.double().std(0).clamp_min(1e-12)
+    score = torch.stack([(z[y == c].double().mean(0) - z[y != c].double().mean(0)).abs() / std for c in y.unique()])
+    return score.topk(min(per_class, z.shape[1]), dim=1).indices.flatten().unique()
+
+
+def metric_rows(directions: Tensor, train: Features, test: Features, class_names: list[str],
+                recon: ReconStats | None = None, candidates: int | None = 16) -> list[Row]:
+    """Every metric that applies, as table rows (class rows are indented under their summary).
+
+    The probe fits 1-D logistic regressions only on `probe_candidates(..., candidates)` (all
+    concepts when None): a screen that keeps wide dictionaries (thousands of SAE latents times
+    dozens of tags) to seconds.
+    """
+    keep = torch.arange(train.z.shape[1]) if candidates is None else probe_candidates(train.z, train.y, candidates)
+    probe = probe_loss(train.z[:, keep], train.y, test.z[:, keep], test.y)
+    screened = "" if candidates is None else f" (of {len(keep)} screened)"
+    rows = [Row("probe loss (median class)", probe.loss, f"test log-loss of the best single concept per class{screened}")]
+    rows += [Row(f"  {class_names[c]}", float(loss), f"concept {int(keep[j])}")
+             for c, loss, j in zip(probe.classes, probe.per_class, probe.best_concept)]
+    n, d = directions.shape
+    rows.append(Row("effective rank", effective_rank(directions), f"of {n} directions in {d} dimensions"))
+    if n > 1:
+        mpc = max_pairwise_cosine(directions)
+        rows += [Row("max pairwise cosine", float(mpc.max()), "largest over all pairs"),
+                 Row("mean max pairwise cosine", float(mpc.mean()), "each concept's closest other, averaged")]
+    if recon is not None and recon.n:
+        rows += [Row("FVU", recon.fvu(), f"{recon.n:,} test tokens"), Row("L0", recon.l0(), "active concepts per token"),
+                 Row("dead fraction", recon.dead_fraction(), "concepts that never fired on the test tokens")]
+    lda = lda_directions(train.x, train.y)
+    cos = F.normalize(lda.directions, dim=1) @ F.normalize(directions.double(), dim=1).T  # (classes, n)
+    best = cos.max(1)
+    rows.append(Row("LDA cosine (median class)", float(best.values.quantile(0.5)),
+                    "cosine of each class's LDA direction with its best-aligned concept"))
+    rows += [Row(f"  {class_names[c]}", float(v), f"concept {int(j)}")
+             for c, v, j in zip(lda.classes, best.values, best.indices)]
+    return rows
+
+
+def format_rows(rows: list[Row]) -> str:
+    width = max(len(r.metric) for r in rows)
+    return "\n".join(f"{r.metric:<{width}}  {r.value:10.4f}  {r.note}".rstrip() for r in rows)

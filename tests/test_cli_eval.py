@@ -1,0 +1,177 @@
+"""`conceptlens eval` (commands/eval.py, eval_table.py): label alignment, concept activations, the metric
+table, argument errors."""
+
+import math
+import re
+
+import pytest
+import torch
+
+import conceptlens
+from conceptlens.cli import main
+from conceptlens.commands import eval as ev
+from conceptlens.commands import eval_table as table
+from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.concepts.sae import TopKSAE
+from conceptlens.concepts.vq import VQCodebook
+from conceptlens.metrics.quality import dead_fraction, fvu, l0, probe_loss
+from tests.conftest import tiny_model
+
+
+def test_first_subtoken_labels_align_tags_with_tokens():
+    words = ["The", "banker", "s", ",", "left"]  # text: "The banker s , left"
+    spans = ev.word_spans(words)
+    assert spans.tolist() == [[0, 3], [4, 10], [11, 12], [13, 14], [15, 19]]
+    # <s> | "The" | " bank" | "er" | " s" | " " | "," | (truncated before "left") | pad
+    offsets = torch.tensor([[0, 0], [0, 3], [3, 8], [8, 10], [10, 12], [12, 13], [13, 14], [0, 0]])
+    labels = ev.first_subtoken_labels(offsets, spans, torch.tensor([10, 11, 12, 13, 14]))
+    assert labels.tolist() == [-1, 10, 11, -1, 12, -1, 13, -1]
+
+
+def test_recon_stats_stream_equals_the_full_tensor_metrics():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 6, generator=g) * 4 + 2
+    x_hat = x + torch.randn(300, 6, generator=g)
+    z = torch.relu(torch.randn(300, 10, generator=g) - 1)
+    z[:, 7] = 0  # a dead concept
+    stats = table.ReconStats()
+    for rows in torch.arange(300).split(70):
+        stats.update(x[rows], z[rows], x_hat[rows])
+    assert stats.fvu() == pytest.approx(fvu(x, x_hat), rel=1e-10)
+    assert stats.l0() == pytest.approx(l0(z), rel=1e-12)
+    assert stats.dead_fraction() == dead_fraction(z) == 0.1
+
+
+def test_concept_encoders_reproduce_the_extractors_they_came_from():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(600, 8, generator=g)
+    sae = TopKSAE(width=16, k=3, batch_size=64, warmup_tokens=100, buffer_size=128, seed=0)
+    sae.update(x)
+    sae.flush()
+    enc = ev.concept_encoder(sae.concept_set())
+    torch.testing.assert_close(enc.encode(x), sae.encode(x))
+    torch.testing.assert_close(enc.decode(enc.encode(x)), sae.reconstruct(x))
+
+    vq = VQCodebook(8, init_size=200, seed=0)
+    vq.update(x)
+    vq.flush()
+    enc = ev.concept_encoder(vq.concept_set())
+    assert torch.equal(enc.encode(x), vq.encode(x))
+    assert torch.equal(enc.decode(enc.encode(x)), vq.quantize(x))
+
+    directions = torch.randn(5, 8, generator=g)
+    enc = ev.concept_encoder(ConceptSet(directions, method="kmeans"))
+    assert enc.decode is None and torch.equal(enc.encode(x), x @ directions.T)
+
+
+def _synthetic(n=400, seed=2):
+    """Labels 0/1/2; concept 4 fires for class 1 only; class 2 shifts x along e_0 (= concept 6)."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % 3
+    x = torch.randn(n, 8, generator=g)
+    x[:, 0] += 3.0 * (y == 2)
+    directions = torch.randn(7, 8, generator=g)
+    directions[6] = torch.nn.functional.one_hot(torch.tensor(0), 8).float()
+    z = torch.randn(n, 7, generator=g)
+    z[:, 4] += 4.0 * (y == 1)
+    return table.Features(x, z, y), directions
+
+
+def test_metric_rows_find_planted_concepts():
+    (train, directions), (test, _) = _synthetic(seed=2), _synthetic(seed=3)
+    rows = table.metric_rows(directions, train, test, ["a", "b", "c"], candidates=None)
+    names = [r.metric for r in rows]
+    reference = probe_loss(train.z, train.y, test.z, test.y)
+    assert names[:4] == ["probe loss (median class)", "  a", "  b", "  c"]
+    assert rows[0].value == pytest.approx(reference.loss)
+    assert rows[2].note == "concept 4" and rows[2].value < 0.1
+    assert "FVU" not in names  # a plain direction set does not reconstruct
+    lda = rows[names.index("LDA cosine (median class)") + 3]
+    assert lda.metric == "  c" and lda.note == "concept 6" and lda.value > 0.9  # class c's LDA points along e_0
+    assert rows[names.index("effective rank")].value <= 7
+    # the screen keeps the planted concept, so the probe of class b is unchanged
+    screened = table.metric_rows(directions, train, test, ["a", "b", "c"], candidates=2)
+    assert screened[2] == rows[2] and "(of " in screened[0].note
+
+
+def test_probe_candidates_rank_by_standardised_mean_difference():
+    z = torch.zeros(6, 4)
+    y = torch.tensor([0, 0, 0, 1, 1, 1])
+    z[:, 2] = torch.tensor([0.0, 0.1, 0.0, 5.0, 5.1, 5.0])  # separates the classes
+    z[:, 1] = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, -1.0])  # noise
+    assert table.probe_candidates(z, y, per_class=1).tolist() == [2]
+    assert table.probe_candidates(z, y, per_class=9).tolist() == [0, 1, 2, 3]
+
+
+def test_collect_pools_documents_and_picks_labelled_tokens():
+    model = tiny_model("llama")
+    lens = conceptlens.attach(model)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 99, (3, 6), generator=g)
+    mask = torch.ones_like(ids)
+    mask[2, 4:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask}
+    with torch.no_grad():
+        hidden = model(**batch, output_hidden_states=True).hidden_states[1]  # after block 0 (the last one is normed)
+    directions = torch.randn(5, 32, generator=g)
+    enc = ev.concept_encoder(ConceptSet(directions))
+    docs = ev.collect(lens, "blocks.0.resid_out", enc, [(batch, torch.tensor([1, 0, 1]))])
+    expected = torch.stack([hidden[r, 1:int(mask[r].sum())].mean(0) for r in range(3)])  # first token left out
+    torch.testing.assert_close(docs.x, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(docs.z, expected @ directions.T, rtol=1e-4, atol=1e-4)
+    assert docs.y.tolist() == [1, 0, 1]
+    tags = torch.full((3, 6), -1)
+    tags[0, 0], tags[0, 3], tags[1, 5], tags[2, 5] = 7, 8, 9, 4  # position 0 and padding never count
+    tokens = ev.collect(lens, "blocks.0.resid_out", enc, [(batch, tags)])
+    assert tokens.y.tolist() == [8, 9]
+    torch.testing.assert_close(tokens.x, torch.stack([hidden[0, 3], hidden[1, 5]]), rtol=1e-5, atol=1e-5)
+
+
+def test_load_concepts_from_a_set_or_a_checkpoint_dir(tmp_path):
+    cs = ConceptSet(torch.randn(3, 4), site="blocks.0.resid_out")
+    cs.save(tmp_path / "one")
+    assert torch.equal(ev.load_concepts(tmp_path / "one").directions, cs.directions)
+    cs.save(tmp_path / "run" / "concepts" / "blocks.0.resid_out")
+    assert ev.load_concepts(tmp_path / "run").site == "blocks.0.resid_out"
+    cs.save(tmp_path / "run" / "concepts" / "other")
+    with pytest.raises(ValueError, match=r"holds 2 sets; choose one with --concepts: \['blocks.0.resid_out', 'other'\]"):
+        ev.load_concepts(tmp_path / "run")
+    assert ev.load_concepts(tmp_path / "run", "other").site == "blocks.0.resid_out"
+    with pytest.raises(ValueError, match="no concept set 'third'"):
+        ev.load_concepts(tmp_path / "run", "third")
+    with pytest.raises(FileNotFoundError, match="neither a ConceptSet"):
+        ev.load_concepts(tmp_path / "empty")
+
+
+def test_cli_argument_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["eval", str(tmp_path), "--task", "imdb"])
+    assert "invalid choice: 'imdb'" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path), "--task", "bbc-news"]) == 2
+    assert "neither a ConceptSet" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path), "--task", "bbc-news", "--max-docs", "0"]) == 2
+    assert "--max-docs must be a positive integer; got 0" in capsys.readouterr().err
+    ConceptSet(torch.randn(3, 4)).save(tmp_path / "nosite")
+    assert main(["eval", str(tmp_path / "nosite"), "--task", "wsj-pos"]) == 2
+    assert "names no site" in capsys.readouterr().err
+    ConceptSet(torch.randn(3, 4), site="blocks.0.resid_out").save(tmp_path / "nomodel")
+    assert main(["eval", str(tmp_path / "nomodel"), "--task", "wsj-pos"]) == 2
+    assert "names no model; pass --model" in capsys.readouterr().err
+
+
+@pytest.mark.real_model
+def test_eval_command_on_smollm2_with_an_sae_set(tmp_path, capsys):
+    g = torch.Generator().manual_seed(0)
+    sae = TopKSAE(width=32, k=4, batch_size=64, warmup_tokens=100, buffer_size=128, seed=0)
+    sae.update(torch.randn(400, 576, generator=g) * 5)
+    sae.flush()
+    cs = sae.concept_set()
+    cs.site, cs.model = "blocks.1.resid_out", "smollm2-135m"
+    cs.save(tmp_path / "run" / "concepts" / "blocks.1.resid_out")
+    code = main(["eval", str(tmp_path / "run"), "--task", "movie-polarity", "--max-docs", "24", "--ce-docs", "4"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = {cells[0]: cells[1:] for line in out.splitlines()[4:] if (cells := re.split(r"\s{2,}", line.strip()))}
+    assert {"probe loss (median class)", "negative", "positive", "effective rank", "max pairwise cosine", "FVU",
+            "L0", "dead fraction", "LDA cosine (median class)", "CE loss recovered"} <= set(rows), out
+    assert float(rows["L0"][0]) == 4.0 and math.isfinite(float(rows["CE loss recovered"][0]))

@@ -1,9 +1,9 @@
 """Metrics: gauge-invariant attention geometry, concept quality, hierarchy, faithfulness.
 
-    from conceptlens.metrics import QueryKeyMoments, key_distance, gauge_audit, probe_loss, splice_ce
+    from conceptlens.metrics import QueryKeyMoments, key_distance, gauge_audit, probe_loss, splice_ce, faithfulness
 
 Names load lazily from their modules (gauge, gauge_audit, capture_qk, quality, hierarchy,
-splice), so importing this package pulls in neither networkx nor a model.
+splice, faithfulness), so importing this package pulls in neither networkx nor a model.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ _EXPORTS = {
     "quality": ["probe_loss", "ProbeResult", "fit_logistic_1d", "mppc", "effective_rank", "max_pairwise_cosine",
                 "fvu", "l0", "dead_fraction", "ce_loss_recovered", "lda_directions", "LDADirections"],
     "hierarchy": ["CoactivationStats", "build_dag", "hierarchy_scores", "HierarchyScores", "export_dag"],
-    "splice": ["splice_ce", "SpliceResult", "next_token_loss", "splice_mask"],
+    "splice": ["splice_ce", "SpliceResult", "splice_mask"],
+    "faithfulness": ["faithfulness", "FaithfulnessResult", "ProbeTask", "next_token_loss_sum"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)
@@ -35,7 +36,8 @@ if TYPE_CHECKING:
     from conceptlens.metrics.quality import (LDADirections, ProbeResult, ce_loss_recovered, dead_fraction,
                                              effective_rank, fit_logistic_1d, fvu, l0, lda_directions,
                                              max_pairwise_cosine, mppc, probe_loss)
-    from conceptlens.metrics.splice import SpliceResult, next_token_loss, splice_ce, splice_mask
+    from conceptlens.metrics.faithfulness import FaithfulnessResult, ProbeTask, faithfulness, next_token_loss_sum
+    from conceptlens.metrics.splice import SpliceResult, splice_ce, splice_mask
 
 
 def __getattr__(name: str) -> Any:

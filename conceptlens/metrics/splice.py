@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from conceptlens.metrics.faithfulness import next_token_loss_sum
 from conceptlens.metrics.quality import ce_loss_recovered
 
 if TYPE_CHECKING:
@@ -40,18 +40,6 @@ class SpliceResult(NamedTuple):
     """(zero_ablated - spliced) / (zero_ablated - clean)"""
     tokens: int
     """number of predicted tokens the means are over"""
-
-
-def next_token_loss(logits: Tensor, input_ids: Tensor, mask: Tensor) -> tuple[Tensor, int]:
-    """Summed next-token cross-entropy over real tokens and their count.
-
-        total, n = next_token_loss(out.logits, ids, mask)    # (B, T, V), (B, T), (B, T)
-
-    Position t predicts token t + 1; it counts when both are real (mask 1). float64 sum.
-    """
-    valid = (mask[:, :-1] != 0) & (mask[:, 1:] != 0)  # (B, T - 1)
-    ce = F.cross_entropy(logits[:, :-1][valid].double(), input_ids[:, 1:][valid], reduction="sum")
-    return ce, int(valid.sum())
 
 
 def splice_mask(mask: Tensor, skip_first: bool = True) -> Tensor:
@@ -126,8 +114,8 @@ def splice_ce(lens: Lens, site: str, reconstruction: Any, batches: Mapping[str, 
             else:
                 with lens.hook(name, _replacer(replace, where)):
                     logits = lens.model(**batch).logits
-            total, n = next_token_loss(logits, ids, mask)
-            totals[i] += total.cpu()
+            total, n = next_token_loss_sum(logits, ids, mask)
+            totals[i] += total
         count += n
     if count == 0:
         raise ValueError("the batches hold no next-token prediction between two real tokens")

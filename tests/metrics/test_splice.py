@@ -2,7 +2,8 @@ import pytest
 import torch
 
 import conceptlens
-from conceptlens.metrics.splice import next_token_loss, splice_ce, splice_mask
+from conceptlens.metrics.faithfulness import next_token_loss_sum
+from conceptlens.metrics.splice import splice_ce, splice_mask
 from tests.conftest import tiny_inputs, tiny_model
 
 
@@ -53,9 +54,9 @@ def test_spliced_loss_equals_feeding_the_edited_embeddings():
     edited = torch.where(where[..., None], 2 * embeds, embeds)
     with torch.no_grad():
         logits = lens.model(inputs_embeds=edited, attention_mask=batch["attention_mask"]).logits
-    total, n = next_token_loss(logits, batch["input_ids"], batch["attention_mask"])
+    total, n = next_token_loss_sum(logits, batch["input_ids"], batch["attention_mask"])
     result = splice_ce(lens, "embed", Doubler(), batch)
-    assert result.spliced == pytest.approx(total.item() / n, rel=1e-6)
+    assert result.spliced == pytest.approx(total / n, rel=1e-6)
     assert result.spliced != result.clean
 
 

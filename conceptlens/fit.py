@@ -273,6 +273,8 @@ def _report(lens: Lens, plan: _Plan, state: _State, resumed_from: int, seconds: 
         name = key_name(key)
         extractor_stats = getattr(extractor, "stats", None)
         stats[name] = extractor_stats() if callable(extractor_stats) else extractor_stats
+        if not callable(getattr(extractor, "concept_set", None)):
+            continue  # a statistic (e.g. q/k moments), not a concept extractor
         try:
             cs = extractor.concept_set()
         except RuntimeError:  # an extractor that never saw a row has no concepts yet

@@ -109,7 +109,9 @@ def load(name: str, **kwargs: Any) -> tuple[Any, Any]:
 def _load(name: str, **kwargs: Any) -> tuple[Any, Any]:
     if name in REGISTRY:
         entry = REGISTRY[name]
-        return entry.loader(_package_dir(entry))
+        model, tokenizer = entry.loader(_package_dir(entry))
+        model.name_or_path = model.config._name_or_path = name  # portable: ConceptSets record it
+        return model, tokenizer
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
     config = AutoConfig.from_pretrained(name)

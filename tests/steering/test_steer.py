@@ -8,7 +8,8 @@ import torch
 import conceptlens
 from conceptlens import ConceptSet
 from conceptlens.hooks import attention
-from conceptlens.steering import Add, ProjectOut
+from conceptlens.concepts import TopKSAE, VQCodebook
+from conceptlens.steering import Add, Clamp, CodeAblate, ProjectOut
 from tests.conftest import hook_snapshot, tiny_inputs, tiny_model
 
 SITE = "blocks.0.resid_out"
@@ -49,8 +50,9 @@ def test_add_then_subtract_is_bit_identical(llama):
 def test_project_out_leaves_no_component(llama):
     model, lens = llama
     inputs = tiny_inputs("llama")
-    directions = torch.randn(3, 32)
-    directions[2] = directions[0] + 2 * directions[1]  # rank-deficient: orthogonalise first
+    directions = torch.randn(4, 32)
+    directions[1] = directions[0]  # repeated and dependent directions, not only last
+    directions[2] = directions[0] + 2 * directions[3]
     _, post, _ = _pre_post(lens, model, inputs, [ProjectOut(directions, site=SITE)])
     unit = directions / directions.norm(dim=1, keepdim=True)
     assert (post[0] @ unit.T).abs().max() < 1e-5 * post[0].norm(dim=-1).max()
@@ -134,3 +136,62 @@ def test_edits_compose_across_sites(llama):
 def test_raw_tensor_without_site_is_an_error():
     with pytest.raises(ValueError, match="site="):
         Add(torch.randn(32), 1.0)
+
+
+def test_steer_scope_entered_again_starts_a_new_prompt(llama):
+    model, lens = llama
+    scope = lens.steer(Add(torch.randn(32), 9.0, site=SITE), positions="generated")
+    short = tiny_inputs("llama", length=4)
+    longer = tiny_inputs("llama", length=9)
+    with torch.no_grad():
+        with scope:
+            model(**short)
+        bare = model(**longer).logits
+        with scope:  # the first forward is this scope's prompt again: left unedited
+            assert torch.equal(model(**longer).logits, bare)
+
+
+def _fitted(extractor, width=32, rows=2048):
+    g = torch.Generator().manual_seed(0)
+    for x in (3 * torch.randn(rows, width, generator=g)).split(512):
+        extractor.update(x)
+    extractor.flush()
+    return extractor
+
+
+def test_clamp_keeps_the_reconstruction_error(llama):
+    model, lens = llama
+    inputs = tiny_inputs("llama")
+    sae = _fitted(TopKSAE(width=64, k=4, batch_size=256, warmup_tokens=256))
+    with torch.no_grad(), lens.capture(SITE, keep_shape=True) as cap:
+        bare = model(**inputs).logits
+    z = sae.encode(cap.last[0][SITE].reshape(-1, 32))
+    silent = int((z.abs().sum(0) == 0).nonzero()[0])  # a latent off on every token here
+    active = int(z.abs().sum(0).argmax())
+    with torch.no_grad():
+        with lens.steer(Clamp(sae, silent, 0.0, site=SITE)):  # clamped to its current value
+            assert (model(**inputs).logits - bare).abs().max() < 1e-6
+    pre, post, _ = _pre_post(lens, model, inputs, [Clamp(sae, active, 5.0, site=SITE)])
+    expected = (5.0 - z[:, active])[:, None] * sae.decode(torch.eye(64)[active:active + 1] ) \
+        - (5.0 - z[:, active])[:, None] * sae.decode(torch.zeros(1, 64))
+    torch.testing.assert_close((post[0] - pre[0]).reshape(-1, 32), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_code_ablate_removes_the_assigned_code_only(llama):
+    model, lens = llama
+    inputs = tiny_inputs("llama")
+    vq = VQCodebook(8, init_size=64)
+    with torch.no_grad(), lens.capture(SITE) as cap:  # fit the codes on this site's own activations
+        for seed in range(8):
+            vq.update(cap.forward(**tiny_inputs("llama", batch=4, length=12, seed=seed))[SITE])
+    vq.flush()
+    with torch.no_grad(), lens.capture(SITE, keep_shape=True) as cap:
+        model(**inputs)
+    common = int(vq.assign(cap.last[0][SITE].reshape(-1, 32)).mode().values)
+    pre, post, _ = _pre_post(lens, model, inputs, [CodeAblate(vq, [common], site=SITE)])
+    x = pre[0].reshape(-1, 32)
+    hit = vq.assign(x) == common
+    assert hit.any() and (~hit).any()
+    delta = (post[0] - pre[0]).reshape(-1, 32)
+    torch.testing.assert_close(delta[hit], -vq.quantize(x)[hit])
+    assert torch.equal(delta[~hit], torch.zeros_like(delta[~hit]))

@@ -17,6 +17,7 @@ import hashlib
 import inspect
 import json
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor
 
 from conceptlens._io import atomic_write
+from conceptlens.concepts.base import NotFittedError
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.filters import FilterConfig, RowFilter
 
@@ -109,7 +111,7 @@ def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any 
     plan = _plan(lens, extractors)
     state = _State(RowFilter(config.filters))
     checkpoint = Path(config.checkpoint_dir) / CHECKPOINT if config.checkpoint_dir else None
-    fingerprint = _fingerprint(plan, config)
+    fingerprint = _fingerprint(plan, config, lens.name, data)
     if checkpoint is not None and config.resume and checkpoint.is_file():
         state.load(checkpoint, plan, fingerprint)
     resumed_from, start = state.tokens, time.perf_counter()
@@ -129,12 +131,12 @@ def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any 
                 state.save(checkpoint, plan, fingerprint)
                 next_checkpoint = _next_mark(state.tokens, config.checkpoint_every)
     bar.close()
+    if checkpoint is not None:  # before flushing, so a longer resumed fit equals one long fit
+        state.save(checkpoint, plan, fingerprint)
     for extractor in plan.extractors.values():  # train on rows still held in mixing buffers
         flush = getattr(extractor, "flush", None)
         if callable(flush):
             flush()
-    if checkpoint is not None:
-        state.save(checkpoint, plan, fingerprint)
     return _report(lens, plan, state, resumed_from, time.perf_counter() - start, config)
 
 
@@ -235,7 +237,8 @@ class _State:
         except Exception as err:  # noqa: BLE001 - any unreadable file gets the same advice
             raise ValueError(f"cannot read checkpoint {path}: {err}; delete it or pass resume=False") from None
         if state.get("fingerprint") != fingerprint:
-            raise ValueError(f"checkpoint {path} was written by a fit with other sites, extractors or batching; "
+            raise ValueError(f"checkpoint {path} was written by a fit of another model, data, sites, extractors or "
+                             "batching; "
                              "use another checkpoint_dir or resume=False")
         for key, extractor in plan.extractors.items():
             extractor.load_state_dict(state["extractors"][key_name(key)])
@@ -245,9 +248,11 @@ class _State:
         self.tokens, self.documents, self.batches = progress["tokens"], progress["documents"], progress["batches"]
 
 
-def _fingerprint(plan: _Plan, config: FitConfig) -> str:
-    """What must not change between a checkpoint and its resume."""
+def _fingerprint(plan: _Plan, config: FitConfig, model: str, data: Any) -> str:
+    """What must not change between a checkpoint and its resume (data: its name or path when
+    it has one; an in-memory list or iterator cannot be recognised)."""
     what = {
+        "model": model, "data": str(data) if isinstance(data, (str, Path)) else type(data).__name__,
         "extractors": sorted((key_name(k), type(e).__qualname__) for k, e in plan.extractors.items()),
         "batch_size": config.batch_size, "max_length": config.max_length, "filters": asdict(config.filters),
     }
@@ -277,7 +282,9 @@ def _report(lens: Lens, plan: _Plan, state: _State, resumed_from: int, seconds: 
             continue  # a statistic (e.g. q/k moments), not a concept extractor
         try:
             cs = extractor.concept_set()
-        except RuntimeError:  # an extractor that never saw a row has no concepts yet
+        except NotFittedError as err:  # e.g. too few rows to initialise: say so, keep the others
+            warnings.warn(f"no concepts from {name}: {err}", stacklevel=3)
+            stats[name] = {"error": str(err), "stats": stats[name]}
             continue
         cs.site = key if isinstance(key, str) else key[0]
         cs.model = cs.model or lens.name

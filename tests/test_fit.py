@@ -34,9 +34,6 @@ class Recorder:
     def load_state_dict(self, state):
         pass
 
-    def concept_set(self):
-        raise RuntimeError("no concepts")
-
 
 @pytest.fixture
 def lens():
@@ -187,5 +184,13 @@ def _assert_same_state(a, b):
 
 def test_resume_refuses_a_checkpoint_of_another_fit(lens, tmp_path):
     lens.fit({"blocks.0.resid_out": Recorder()}, DOCS, checkpoint_dir=str(tmp_path), progress=False)
-    with pytest.raises(ValueError, match="other sites"):
+    with pytest.raises(ValueError, match="another model, data, sites"):
         lens.fit({"blocks.1.resid_out": Recorder()}, DOCS, checkpoint_dir=str(tmp_path), progress=False)
+
+
+def test_an_extractor_without_concepts_yet_is_reported_not_dropped_silently(lens):
+    km = StreamingKMeans(n_concepts=4)
+    with pytest.warns(UserWarning, match="no concepts from blocks.0.resid_out"):  # one-token documents:
+        report = lens.fit({"blocks.0.resid_out": km}, ["a", "b", "c"], progress=False)  # all sinks
+    assert "blocks.0.resid_out" not in report.concepts
+    assert "error" in report.extractors["blocks.0.resid_out"]

@@ -3,7 +3,7 @@
     from conceptlens.concepts import StreamingKMeans, Deleuzian, TopKSAE, VQCodebook
 """
 
-from conceptlens.concepts.base import Extractor
+from conceptlens.concepts.base import Extractor, NotFittedError
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.clvq import CLVQConfig, CLVQTranscoder
 from conceptlens.concepts.conceptset import ConceptSet
@@ -24,7 +24,7 @@ from conceptlens.concepts.sae import (
 from conceptlens.concepts.vq import VQCodebook, VQConfig
 
 __all__ = [
-    "Extractor", "ConceptSet", "MixingBuffer",
+    "Extractor", "NotFittedError", "ConceptSet", "MixingBuffer",
     "StreamingKMeans", "KMeansConfig", "Deleuzian", "DeleuzianConfig",
     "SparseAutoencoder", "SAEConfig", "ReLUSAE", "TopKSAE", "BatchTopKSAE", "JumpReLUSAE", "SpaDE",
     "MatryoshkaSAE", "export_saelens", "import_saelens",

@@ -17,6 +17,11 @@ from torch import Tensor
 from conceptlens.concepts.conceptset import ConceptSet
 
 
+class NotFittedError(ValueError, RuntimeError):
+    """Raised by `encode` / `concept_set` of an extractor that has not seen enough rows yet
+    (a ValueError like sklearn's, and a RuntimeError)."""
+
+
 @runtime_checkable
 class Extractor(Protocol):
     """An online concept extractor fed `(N, d)` float32 batches of activations.

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from conceptlens.concepts.base import NotFittedError
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.clvq_modules import MLPDecoder, ResidualEncoder, SequenceDecoder
 # re-exported, so that they stay importable from this module
@@ -299,7 +300,7 @@ class CLVQTranscoder:
 
     def _ready(self) -> TranscoderParts:
         if self.parts is None or not self.vq.is_initialised:
-            raise RuntimeError(f"the transcoder is not initialised: it starts after "
+            raise NotFittedError(f"the transcoder is not initialised: it starts after "
                                f"init_size={self.vq.config.rows_to_init} tokens (or at flush())")
         return self.parts
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from conceptlens.concepts.base import NotFittedError
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.kmeans import StreamingKMeans
@@ -136,7 +137,7 @@ class Deleuzian:
     def reference(self) -> Tensor:
         """The reservoir sample `(min(n_seen, reference_size), d)` used for skewness."""
         if self._reference is None:
-            raise ValueError("Deleuzian has seen no data yet; call update(x) first")
+            raise NotFittedError("Deleuzian has seen no data yet; call update(x) first")
         return self._reference[: min(self.n_seen, self.config.reference_size)]
 
     def update(self, x: Tensor) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from conceptlens.concepts.base import NotFittedError
 from conceptlens.concepts.conceptset import ConceptSet
 
 
@@ -246,7 +247,7 @@ class StreamingKMeans:
         if self._centres is not None:
             return self
         if self._pending is None:
-            raise ValueError("StreamingKMeans has seen no data yet; call update(x) first")
+            raise NotFittedError("StreamingKMeans has seen no data yet; call update(x) first")
         twin = StreamingKMeans(**asdict(self.config))
         twin.load_state_dict(self.state_dict())
         twin.flush()

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from conceptlens.concepts.base import NotFittedError
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.vq_math import (INIT_METHODS, InitMethod, codes_from_ema, ema_update, fvu_from_sums,
@@ -291,7 +292,7 @@ class VQCodebook:
     def _fitted(self) -> CodebookState:
         if self.fitted is None:
             seen = 0 if self._pending is None else len(self._pending)
-            raise RuntimeError(f"the codebook is not initialised: it has seen {seen} tokens and "
+            raise NotFittedError(f"the codebook is not initialised: it has seen {seen} tokens and "
                                f"initialises after init_size={self.config.rows_to_init} (or at flush())")
         return self.fitted
 

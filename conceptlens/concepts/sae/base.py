@@ -25,6 +25,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import Tensor
 
+from conceptlens.concepts.base import NotFittedError
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.sae.config import SAEConfig, build_config
@@ -208,7 +209,7 @@ class SparseAutoencoder:
     def _raw(self) -> dict[str, Tensor]:
         if not self.params:
             seen = self._warm[1] + self._tracker.tokens
-            raise RuntimeError(f"{type(self).__name__} has not taken a step yet ({seen} tokens seen, warm-up "
+            raise NotFittedError(f"{type(self).__name__} has not taken a step yet ({seen} tokens seen, warm-up "
                                f"{self.config.warmup_tokens}, batch {self.config.batch_size}); "
                                "call update() or flush()")
         with torch.no_grad():

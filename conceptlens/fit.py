@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from conceptlens._io import atomic_write
+from conceptlens.batching import encode_batch
 from conceptlens.concepts.base import NotFittedError
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.filters import FilterConfig, RowFilter
@@ -172,20 +173,8 @@ def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
-def _tokenize(tokenizer: Any, docs: list[str], max_length: int) -> dict[str, Tensor]:
-    """Right-padded ids and mask; padding by hand so no pad token is needed."""
-    ids = tokenizer(docs, truncation=True, max_length=max_length)["input_ids"]
-    width = max(1, max(len(row) for row in ids))
-    input_ids = torch.zeros(len(ids), width, dtype=torch.long)
-    mask = torch.zeros(len(ids), width, dtype=torch.long)
-    for i, row in enumerate(ids):
-        input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        mask[i, : len(row)] = 1
-    return {"input_ids": input_ids, "attention_mask": mask}
-
-
 def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: _State, model) -> int:
-    batch = _tokenize(tokenizer, docs, max_length)
+    batch = encode_batch(tokenizer, docs, max_length)
     n_tokens = int(batch["attention_mask"].sum())
     if n_tokens == 0:
         return 0  # empty documents only: nothing to forward

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from conceptlens.batching import encode_batch
 from conceptlens.commands.eval_table import Features, ReconStats, Row, format_rows, metric_rows
 from conceptlens.concepts.conceptset import CONFIG_FILE, ConceptSet
 
@@ -120,20 +121,12 @@ def first_subtoken_labels(offsets: Tensor, spans: Tensor, tags: Tensor) -> Tenso
     return labels
 
 
-def _tokenize(tok: Any, texts: list[str], max_length: int, offsets: bool = False) -> dict[str, Tensor]:
-    if getattr(tok, "pad_token", None) is None:
-        tok.pad_token = tok.eos_token  # borrowed for padding only: the mask hides it
-    tok.padding_side = "right"
-    return dict(tok(texts, return_tensors="pt", padding=True, truncation=True, max_length=max_length,
-                    return_offsets_mapping=offsets))
-
-
 def task_batches(tok: Any, texts: list[str], labels: list[Any], *, token_level: bool, tag_ids: dict[str, int],
                  batch_size: int, max_length: int) -> Iterator[tuple[dict[str, Tensor], Tensor]]:
     """(batch, labels) pairs: labels `(B,)` per document, or `(B, T)` per token (-1 = unlabelled)."""
     for i in range(0, len(texts), batch_size):
         chunk, chunk_labels = texts[i:i + batch_size], labels[i:i + batch_size]
-        batch = _tokenize(tok, chunk, max_length, offsets=token_level)
+        batch = encode_batch(tok, chunk, max_length, offsets=token_level)
         if not token_level:
             yield batch, torch.tensor(chunk_labels)
             continue
@@ -236,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     rows = metric_rows(cs.directions, train, test, class_names, recon, args.probe_candidates or None)
     if encoder.decode is not None and args.ce_docs and model.can_generate() and not model.config.is_encoder_decoder:
         docs = texts["test"][:args.ce_docs]
-        ce_batches = [_tokenize(tok, docs[i:i + args.batch_size], args.max_length)
+        ce_batches = [encode_batch(tok, docs[i:i + args.batch_size], args.max_length)
                       for i in range(0, len(docs), args.batch_size)]
         ce = splice_ce(lens, site.name, lambda x: encoder.decode(encoder.encode(x)), ce_batches)
         rows.append(Row("CE loss recovered", ce.recovered, f"clean {ce.clean:.3f}, spliced {ce.spliced:.3f}, "

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from conceptlens.batching import pad_right
+
 if TYPE_CHECKING:
     from conceptlens.concepts.conceptset import ConceptSet
     from conceptlens.lens import Lens
@@ -261,16 +263,7 @@ def _token_ids(texts: Texts, tokenizer: Any, max_length: int) -> list[list[int]]
 
 def _batches(ids: list[list[int]], batch_size: int) -> list[dict[str, Tensor]]:
     """Right-padded `input_ids` / `attention_mask` batches (pad id 0, masked out)."""
-    batches = []
-    for start in range(0, len(ids), batch_size):
-        chunk = ids[start:start + batch_size]
-        width = max(map(len, chunk))
-        input_ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        mask = torch.zeros(len(chunk), width, dtype=torch.long)
-        for i, t in enumerate(chunk):
-            input_ids[i, :len(t)], mask[i, :len(t)] = torch.tensor(t), 1
-        batches.append({"input_ids": input_ids, "attention_mask": mask})
-    return batches
+    return [pad_right(ids[start:start + batch_size]) for start in range(0, len(ids), batch_size)]
 
 
 def _ablating(lens: Lens, ablate: Ablation):

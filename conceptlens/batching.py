@@ -1,0 +1,37 @@
+"""Texts to model batches, right-padded by hand: no pad token needed, the tokenizer untouched.
+
+    batch = encode_batch(tokenizer, ["a text", "another"], max_length=128)
+    model(**batch)        # input_ids and attention_mask, (B, T); padding is id 0, masked out
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+
+def pad_right(rows: Sequence[Sequence[int]]) -> dict[str, Tensor]:
+    """Token id lists -> `input_ids` (pad 0) and `attention_mask`, both `(B, max len)` long."""
+    width = max(1, max((len(row) for row in rows), default=0))
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+        mask[i, : len(row)] = 1
+    return {"input_ids": input_ids, "attention_mask": mask}
+
+
+def encode_batch(tokenizer: Any, texts: list[str], max_length: int, *, offsets: bool = False) -> dict[str, Tensor]:
+    """Tokenize (truncating to `max_length`) and pad; `offsets=True` adds `offset_mapping` (B, T, 2)."""
+    extra = {"return_offsets_mapping": True} if offsets else {}
+    encoded = tokenizer(texts, truncation=True, max_length=max_length, **extra)
+    batch = pad_right(encoded["input_ids"])
+    if offsets:
+        spans = torch.zeros(*batch["input_ids"].shape, 2, dtype=torch.long)
+        for i, row in enumerate(encoded["offset_mapping"]):
+            if len(row):
+                spans[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+        batch["offset_mapping"] = spans
+    return batch

@@ -126,7 +126,8 @@ class CLVQTranscoder:
                  codebook: dict[str, Any] | None = None, seed: int = 0) -> None:
         self.config = CLVQConfig(n_codes, hidden, decoder, commitment, lr, batch_size, buffer_size,
                                  layers, heads, causal, dict(codebook or {}), seed)
-        self.vq = VQCodebook(n_codes, batch_size=batch_size, seed=seed, **self.config.codebook)
+        # The transcoder batches rows itself and calls train_step: no second mixing buffer.
+        self.vq = VQCodebook(n_codes, batch_size=None, seed=seed, **self.config.codebook)
         self.parts: TranscoderParts | None = None
         size = buffer_size or 4 * (batch_size or 1)
         self._mixer = MixingBuffer(size, seed=seed + 2) if decoder == "mlp" and batch_size else None

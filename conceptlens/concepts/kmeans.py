@@ -232,6 +232,8 @@ class StreamingKMeans:
     def _reseed(self, x: Tensor, w: Tensor, best: Tensor) -> None:
         """Move centres idle for too long onto rows drawn in proportion to w * distance^2."""
         dead = torch.nonzero(self._idle >= self.config.reseed_after * self.config.n_concepts).flatten()
+        if dead.numel() == 0:  # the common case: no copy of the scores
+            return
         score = (w * best).double().cpu()
         n = min(dead.numel(), int((score > 0).sum()))
         if n == 0:

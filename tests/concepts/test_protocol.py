@@ -92,6 +92,23 @@ def test_resume_from_state_dict_is_bit_identical(factory, split):
     probe = torch.randn(11, 6)
     assert torch.equal(resumed.concept_set().directions, whole.concept_set().directions)
     assert torch.equal(resumed.encode(probe), whole.encode(probe))
+    assert_same_state(resumed.state_dict(), whole.state_dict())  # everything, not only the outputs
+
+
+def assert_same_state(a, b, path="state"):
+    assert type(a) is type(b), path
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for key in a:
+            assert_same_state(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{path}[{i}]")
+    else:
+        assert a == b or (a != a and b != b), path  # NaN statistics compare equal
 
 
 @pytest.mark.parametrize("factory", EXTRACTORS)

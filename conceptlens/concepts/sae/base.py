@@ -101,6 +101,11 @@ class SparseAutoencoder:
         if self.d is None:
             self.d, self._device = x.shape[1], x.device
             self._tracker = LatentTracker(self.config.width, self.config.dead_after, x.device)
+        elif not self.params and self._device != x.device:  # resumed before the first step
+            self._device = x.device
+            state = self._tracker.state_dict()
+            self._tracker = LatentTracker(self.config.width, self.config.dead_after, x.device)
+            self._tracker.load_state_dict(state)
         elif x.shape[1] != self.d:
             raise ValueError(f"{type(self).__name__} was fitted on width d={self.d}; got width {x.shape[1]}")
         return x.float()

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from conceptlens.concepts.kmeans import squared_distances
 from conceptlens.concepts.sae.base import Code, SparseAutoencoder
 from conceptlens.concepts.sae.config import SAEConfig, check_float
 from conceptlens.concepts.sae.sparsemax import sparsemax
@@ -34,12 +35,6 @@ class SpaDEConfig(SAEConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_float("gamma", self.gamma)
-
-
-def squared_distances(x: Tensor, prototypes: Tensor) -> Tensor:
-    """||x_n - w_i||^2 for x `(N, d)`, prototypes `(width, d)` -> `(N, width)`, clamped at 0."""
-    cross = x @ prototypes.T  # (N, width)
-    return (x.pow(2).sum(1, keepdim=True) - 2 * cross + prototypes.pow(2).sum(1)).clamp(min=0)
 
 
 class SpaDE(SparseAutoencoder):

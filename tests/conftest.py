@@ -101,3 +101,20 @@ class CharTokenizer:
         if truncation and max_length:
             ids = [row[:max_length] for row in ids]
         return {"input_ids": ids}
+
+
+def assert_same_state(a, b, path: str = "state") -> None:
+    """Exact equality of nested dicts / lists of tensors and scalars (a resumed state vs a whole run)."""
+    assert type(a) is type(b), path
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for key in a:
+            assert_same_state(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{path}[{i}]")
+    else:
+        assert a == b or (a != a and b != b), path  # NaN statistics compare equal

@@ -13,7 +13,7 @@ import torch
 import conceptlens
 from conceptlens import ConceptSet
 from conceptlens.concepts.kmeans import StreamingKMeans
-from tests.conftest import CharTokenizer, hook_snapshot, tiny_model
+from tests.conftest import CharTokenizer, assert_same_state, hook_snapshot, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [f"text number {i} " + "xyz" * (i % 4) for i in range(40)]
@@ -163,23 +163,8 @@ def test_sigkilled_fit_resumes_bit_identical(tmp_path):
     a, b = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "resumed.pt")
     assert b["resumed_from"] > 0 and a["tokens"] == b["tokens"]
     for key in a["states"]:
-        _assert_same_state(a["states"][key], b["states"][key])
+        assert_same_state(a["states"][key], b["states"][key])
 
-
-def _assert_same_state(a, b):
-    assert type(a) is type(b)
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            _assert_same_state(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _assert_same_state(x, y)
-    else:
-        assert a == b
 
 
 def test_resume_refuses_a_checkpoint_of_another_fit(lens, tmp_path):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from conceptlens.concepts.clvq import CLVQTranscoder, pad_sequences
 from conceptlens.concepts.conceptset import ConceptSet
-from tests.concepts.test_vq import assert_equal_nested
+from tests.conftest import assert_same_state
 
 
 @pytest.fixture(autouse=True)
@@ -127,7 +127,7 @@ def test_resume_from_a_saved_state_is_bit_identical(tmp_path, transformer):
     for src, tgt, ids in stream[5:]:
         resumed.update(src, tgt, ids)
     assert whole.steps > 10
-    assert_equal_nested(whole.state_dict(), resumed.state_dict())
+    assert_same_state(whole.state_dict(), resumed.state_dict())
     src = stream[0][0]
     assert torch.equal(whole.reconstruct(src, stream[0][2]), resumed.reconstruct(src, stream[0][2]))
 

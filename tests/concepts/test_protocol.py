@@ -17,6 +17,7 @@ from conceptlens.concepts.deleuzian import Deleuzian
 from conceptlens.concepts.kmeans import StreamingKMeans
 from conceptlens.concepts.sae import BatchTopKSAE, JumpReLUSAE, MatryoshkaSAE, ReLUSAE, SpaDE, TopKSAE
 from conceptlens.concepts.vq import VQCodebook
+from tests.conftest import assert_same_state
 
 EXTRACTORS = [
     pytest.param(lambda: StreamingKMeans(6, batch_size=128, init_size=500, reseed_after=1.0, seed=3), id="kmeans"),
@@ -94,21 +95,6 @@ def test_resume_from_state_dict_is_bit_identical(factory, split):
     assert torch.equal(resumed.encode(probe), whole.encode(probe))
     assert_same_state(resumed.state_dict(), whole.state_dict())  # everything, not only the outputs
 
-
-def assert_same_state(a, b, path="state"):
-    assert type(a) is type(b), path
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for key in a:
-            assert_same_state(a[key], b[key], f"{path}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same_state(x, y, f"{path}[{i}]")
-    else:
-        assert a == b or (a != a and b != b), path  # NaN statistics compare equal
 
 
 @pytest.mark.parametrize("factory", EXTRACTORS)

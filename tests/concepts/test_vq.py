@@ -14,6 +14,8 @@ from conceptlens.concepts.vq import (
     VQCodebook, fvu_from_sums, fvu_sums, laplace_smooth, perplexity, sample_top_k,
 )
 
+from tests.conftest import assert_same_state
+
 
 def mixture(n_clusters: int, d: int, *, scale: float = 5.0, noise: float = 0.3, seed: int = 0):
     """A sampler of a Gaussian mixture with equal weights: n -> ((n, d), labels (n,))."""
@@ -146,23 +148,6 @@ def _make() -> VQCodebook:
                       seed=11)
 
 
-def assert_equal_nested(a, b, where: str = "state") -> None:
-    """Exact equality of nested dicts / lists of tensors and scalars."""
-    assert type(a) is type(b), where
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_equal_nested(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_equal_nested(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    else:
-        assert a == b, where
-
-
 @pytest.mark.parametrize("stop", [1, 15])
 def test_resume_from_a_saved_state_is_bit_identical(tmp_path, stop):
     stream = _stream()
@@ -178,7 +163,7 @@ def test_resume_from_a_saved_state_is_bit_identical(tmp_path, stop):
     for x in stream[stop:]:
         resumed.update(x)
     assert whole.steps > 20
-    assert_equal_nested(whole.state_dict(), resumed.state_dict())
+    assert_same_state(whole.state_dict(), resumed.state_dict())
 
 
 def test_batches_mix_the_buffer_and_flush_trains_on_the_rest():

@@ -142,3 +142,16 @@ class ConceptSet:
         return cls(directions, config["site"], method=config["method"], config=config["config"],
                    model=config["model"], encoder=encoder, stats=stats)
 
+
+    @classmethod
+    def from_pretrained(cls, repo_or_path: str | os.PathLike, **kwargs: Any) -> ConceptSet:
+        """Load from a local folder or a Hub repo (`subfolder=`, `revision=`, ...); see `concepts.hub`."""
+        from conceptlens.concepts.hub import from_pretrained
+
+        return from_pretrained(repo_or_path, **kwargs)
+
+    def push_to_hub(self, repo_id: str, **kwargs: Any) -> Any:
+        """Upload this set with a model card (`subfolder=`, `private=`, ...); see `concepts.hub`."""
+        from conceptlens.concepts.hub import push_to_hub
+
+        return push_to_hub(self, repo_id, **kwargs)

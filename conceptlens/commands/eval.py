@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from conceptlens.batching import encode_batch
+from conceptlens.batching import check_max_length, encode_batch
 from conceptlens.commands._args import count, existing_dir, positive_int
 from conceptlens.commands.eval_table import Features, ReconStats, Row, format_rows, metric_rows
 from conceptlens.concepts.conceptset import CONFIG_FILE, ConceptSet
@@ -211,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
     if not (args.model or cs.model):
         raise ValueError(f"{cs} names no model; pass --model")
     model, tok = models.load(args.model or cs.model)
+    check_max_length(model, args.max_length, "--max-length")
     lens = conceptlens.attach(model, tok)
     site = lens.site(cs.site)
     width = math.prod(int(s) for s in site.shape[2:])

@@ -72,7 +72,7 @@ class CLVQConfig:
             raise ValueError(f"decoder must be one of {DECODERS}; got {self.decoder!r}")
         for name in ("n_codes", "hidden", "layers", "heads", "batch_size", "buffer_size"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
         if self.decoder == "transformer" and self.hidden % self.heads:
             raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads}")

@@ -57,9 +57,9 @@ class DeleuzianConfig:
     def __post_init__(self) -> None:
         for name in ("n_concepts", "reference_size", "buffer_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int; got {value!r}")
-        if not isinstance(self.batch_size, int) or self.batch_size < 2:
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 2:
             raise ValueError(f"batch_size must be an int >= 2 (a pair needs two tokens); got {self.batch_size!r}")
 
 

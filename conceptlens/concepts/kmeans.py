@@ -44,11 +44,13 @@ class KMeansConfig:
     """Seed of the private random generator (k-means++, batches, reseeding)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n_concepts, int) or self.n_concepts < 1:
+        if isinstance(self.n_concepts, bool) or not isinstance(self.n_concepts, int) or self.n_concepts < 1:
             raise ValueError(f"n_concepts must be a positive int; got {self.n_concepts!r}")
-        if self.batch_size is not None and (not isinstance(self.batch_size, int) or self.batch_size < 1):
+        if self.batch_size is not None and (isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int)
+                                            or self.batch_size < 1):
             raise ValueError(f"batch_size must be a positive int or None; got {self.batch_size!r}")
-        if self.init_size is not None and (not isinstance(self.init_size, int) or self.init_size < 1):
+        if self.init_size is not None and (isinstance(self.init_size, bool) or not isinstance(self.init_size, int)
+                                           or self.init_size < 1):
             raise ValueError(f"init_size must be a positive int or None; got {self.init_size!r}")
         if self.reseed_after is not None and not self.reseed_after > 0:
             raise ValueError(f"reseed_after must be > 0 or None; got {self.reseed_after!r}")

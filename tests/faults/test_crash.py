@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from conceptlens import ConceptSet
-from conceptlens.checkpoint import CHECKPOINT
 from tests.conftest import assert_same_state
 from tests.faults.kill_worker import run_fit, two_sets
 
 ROOT = Path(__file__).resolve().parents[2]
+CHECKPOINT = "checkpoint.pt"
 N_RENAMES = 6  # a fit of the worker: checkpoints at 250, 500 and 750 tokens, the final one, the set's two files
 
 

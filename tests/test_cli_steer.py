@@ -81,9 +81,9 @@ def test_word_and_missing_folder_errors(folders, capsys, tmp_path):
     code, _, err = _steer(capsys, "--model", model_dir, "--direction-word", "w5", "--concept", "1", "--prompt", "w5")
     assert code == 2 and "--direction-word" in err
     code, _, err = _steer(capsys, "--model", model_dir, "--concepts", str(tmp_path / "nope"), "--prompt", "w5")
-    assert code == 2 and "config.json" in err
-    with pytest.raises(SystemExit):  # argparse: one of --concepts / --direction-word is required
-        main(["steer", "--model", model_dir, "--prompt", "w5"])
+    assert code == 2 and "nope' does not exist" in err
+    code, _, err = _steer(capsys, "--model", model_dir, "--prompt", "w5")  # one of --concepts / --direction-word
+    assert code == 2 and "required" in err and len(err.strip().splitlines()) == 1
 
 
 def test_continuations_equal_plain_generate():

@@ -12,16 +12,18 @@ from pathlib import Path
 
 import torch
 
+from conceptlens.commands._args import data_source, nonempty_text, out_dir, positive_int
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--site", default="blocks.15.resid_out")
-    parser.add_argument("--data", default="bbc-news", help="bundled set name, .txt or .jsonl path")
-    parser.add_argument("--max-tokens", type=int, default=30_000)
-    parser.add_argument("--concepts", type=int, default=32, help="number of k-means concepts")
-    parser.add_argument("--word", default=" wedding", help="steer towards this token's unembedding")
+    parser.add_argument("--data", type=data_source, default="bbc-news", help="bundled set name, .txt or .jsonl path")
+    parser.add_argument("--max-tokens", type=positive_int, default=30_000)
+    parser.add_argument("--concepts", type=positive_int, default=32, help="number of k-means concepts")
+    parser.add_argument("--word", type=nonempty_text, default=" wedding", help="steer towards this token's unembedding")
     parser.add_argument("--steer-site", default="blocks.20.resid_out", help="where the word direction is added")
-    parser.add_argument("--out", default="runs/demo", help="folder for the checkpoint and concept set")
+    parser.add_argument("--out", type=out_dir, default="runs/demo", help="folder for the checkpoint and concept set")
 
 
 def run(args: argparse.Namespace) -> int:

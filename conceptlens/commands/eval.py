@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from conceptlens.batching import encode_batch
+from conceptlens.batching import check_max_length, encode_batch
+from conceptlens.commands._args import count, existing_dir, positive_int
 from conceptlens.commands.eval_table import Features, ReconStats, Row, format_rows, metric_rows
 from conceptlens.concepts.conceptset import CONFIG_FILE, ConceptSet
 
@@ -37,17 +38,17 @@ TASKS = ("bbc-news", "movie-polarity", "wsj-pos")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", help="a ConceptSet folder, or a fit checkpoint_dir holding concepts/<name>/")
+    parser.add_argument("run_dir", type=existing_dir, help="a ConceptSet folder, or a fit checkpoint_dir holding concepts/<name>/")
     parser.add_argument("--task", required=True, choices=TASKS, help="labelled set to probe with")
     parser.add_argument("--concepts", help="which concepts/<name> of a checkpoint_dir holding several")
     parser.add_argument("--model", help="model to load (default: the one the set names)")
-    parser.add_argument("--max-docs", type=int, default=400, help="documents (sentences) per split")
-    parser.add_argument("--max-length", type=int, default=128, help="tokens per document")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--max-classes", type=int, default=8, help="wsj-pos: probe the most frequent tags only")
-    parser.add_argument("--probe-candidates", type=int, default=16,
+    parser.add_argument("--max-docs", type=positive_int, default=400, help="documents (sentences) per split")
+    parser.add_argument("--max-length", type=positive_int, default=128, help="tokens per document")
+    parser.add_argument("--batch-size", type=positive_int, default=16)
+    parser.add_argument("--max-classes", type=positive_int, default=8, help="wsj-pos: probe the most frequent tags only")
+    parser.add_argument("--probe-candidates", type=count, default=16,
                         help="concepts per class screened for the logistic probe (0: probe every concept)")
-    parser.add_argument("--ce-docs", type=int, default=16, help="test documents for CE-loss recovered (0: skip)")
+    parser.add_argument("--ce-docs", type=count, default=16, help="test documents for CE-loss recovered (0: skip)")
     parser.add_argument("--seed", type=int, default=0, help="which documents are drawn")
 
 
@@ -211,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
     if not (args.model or cs.model):
         raise ValueError(f"{cs} names no model; pass --model")
     model, tok = load_model(args, args.model or cs.model)
+    check_max_length(model, args.max_length, "--max-length")
     lens = conceptlens.attach(model, tok)
     site = lens.site(cs.site)
     width = math.prod(int(s) for s in site.shape[2:])

@@ -20,23 +20,25 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from conceptlens.commands._args import concept_dir, finite_float, nonempty_text, positive_int
+
 POSITIONS = ("all", "prompt", "generated")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="registered name, hub id or local folder")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--concepts", metavar="DIR", help="a saved ConceptSet folder")
-    source.add_argument("--direction-word", metavar="WORD", help="steer along the unembedding of this word")
+    source.add_argument("--concepts", metavar="DIR", type=concept_dir, help="a saved ConceptSet folder")
+    source.add_argument("--direction-word", metavar="WORD", type=nonempty_text, help="steer along the unembedding of this word")
     parser.add_argument("--concept", type=int, nargs="+", metavar="I",
                         help="concept index in DIR (several are summed); needed when DIR holds more than one")
     parser.add_argument("--site", help="where to steer (default: the concept set's site; with --direction-word "
                                        "the middle block's resid_out)")
-    parser.add_argument("--alpha", type=float, default=8.0, help="steering strength (default 8)")
-    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--alpha", type=finite_float, default=8.0, help="steering strength (default 8)")
+    parser.add_argument("--prompt", required=True, type=nonempty_text)
     parser.add_argument("--positions", choices=POSITIONS, default="generated",
                         help="which tokens the edit touches (default: generated)")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32)
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     parser.add_argument("--raw", action="store_true", help="use the direction's own norm instead of unit norm")
 

@@ -125,7 +125,8 @@ class ConceptSet:
         directory = Path(directory)
         config_path, tensor_path = directory / CONFIG_FILE, directory / TENSOR_FILE
         if not tensor_path.is_file():
-            raise FileNotFoundError(f"{tensor_path} not found: a ConceptSet folder holds {CONFIG_FILE} and {TENSOR_FILE}")
+            raise FileNotFoundError(f"{tensor_path} not found: a ConceptSet folder holds {CONFIG_FILE} and "
+                                    f"{TENSOR_FILE}")
         tensors, stored = _read_tensors(tensor_path)
         config = _read_config(config_path, stored, tensor_path)
         if "sha256" in config and (digest := tensor_digest(tensors)) != config["sha256"]:
@@ -175,7 +176,8 @@ def _read_config(config_path: Path, stored: str | None, tensor_path: Path) -> di
     checked against config.json; config.json alone for version-1 sets."""
     if stored is None:
         if not config_path.is_file():
-            raise FileNotFoundError(f"{config_path} not found: a ConceptSet folder holds {CONFIG_FILE} and {TENSOR_FILE}")
+            raise FileNotFoundError(f"{config_path} not found: a ConceptSet folder holds {CONFIG_FILE} and "
+                                    f"{TENSOR_FILE}")
         return _parse_config(config_path.read_bytes(), config_path)
     config = _parse_config(stored.encode(), tensor_path)
     if not config_path.is_file() or config_path.read_bytes() == stored.encode():

@@ -233,7 +233,7 @@ class Deleuzian:
     def concept_set(self) -> ConceptSet:
         fitted = self._fitted()
         return ConceptSet(fitted.centres, method=self.method, config=asdict(self.config),
-                          stats={"mass": fitted._mass.float()})
+                          stats={"mass": fitted._mass.float()}, mean=self.reference.double().mean(0))
 
     def state_dict(self) -> dict[str, Any]:
         return {"config": asdict(self.config), "d": self.d, "n_seen": self.n_seen,

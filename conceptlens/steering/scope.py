@@ -46,6 +46,8 @@ class Steer:
             raise ValueError(f"positions must be one of {_NAMED} or a slice of absolute positions; got {positions!r}")
         self.lens = lens
         self.sites = [lens.site(edit.site) for edit in edits]  # fails before any hook is added
+        for edit in edits:
+            edit.bind(lens)  # e.g. Add(scale="site_norm") measures the site's token norm, before any hook
         self.edits = list(edits)
         self.positions = positions
         self.prompt_length: dict[str, Tensor] = {}  # stack -> (B,) real tokens in the first forward

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from conceptlens._checks import known_kwargs
 from conceptlens.concepts.base import NotFittedError
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
@@ -120,6 +121,7 @@ class Deleuzian:
 
     method = "deleuzian"
 
+    @known_kwargs
     def __init__(self, n_concepts: int, *, reference_size: int = 4096, buffer_size: int = 16384,
                  batch_size: int = 2048, skew_weighting: bool = True, reseed_after: float | None = 50.0,
                  seed: int = 0) -> None:

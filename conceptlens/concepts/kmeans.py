@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from conceptlens._checks import known_kwargs
 from conceptlens.concepts.base import NotFittedError
 from conceptlens.concepts.conceptset import ConceptSet
 
@@ -153,6 +154,7 @@ class StreamingKMeans:
 
     method = "kmeans"
 
+    @known_kwargs
     def __init__(self, n_concepts: int, *, spherical: bool = False, batch_size: int | None = None,
                  init_size: int | None = None, reseed_after: float | None = 50.0, seed: int = 0) -> None:
         self.config = KMeansConfig(n_concepts, spherical, batch_size, init_size, reseed_after, seed)

@@ -22,9 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from conceptlens._checks import known_kwargs
 from conceptlens.concepts.base import NotFittedError
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.concepts.sae.config import check_float, check_int
 from conceptlens.concepts.vq_math import (INIT_METHODS, InitMethod, codes_from_ema, ema_update, fvu_from_sums,
                                           fvu_sums, initial_codes, laplace_smooth, perplexity, sample_top_k)
 
@@ -64,13 +66,14 @@ class VQConfig:
                     "reseed_after": self.reseed_after or 1, "batch_size": self.batch_size or 1,
                     "buffer_size": self.buffer_size or 1}
         for name, value in positive.items():
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer; got {value!r}")
-        if not 0.0 <= self.decay < 1.0:
+            check_int(name, value)
+        check_float("decay", self.decay)
+        if not self.decay < 1.0:
             raise ValueError(f"decay must be in [0, 1); got {self.decay!r}")
-        if self.eps < 0 or self.temperature < 0 or self.reseed_threshold < 0:
-            raise ValueError(f"eps, temperature and reseed_threshold must be >= 0; got "
-                             f"{self.eps!r}, {self.temperature!r}, {self.reseed_threshold!r}")
+        check_float("eps", self.eps)
+        check_float("temperature", self.temperature)
+        check_float("reseed_threshold", self.reseed_threshold)
+        check_int("seed", self.seed, low=0)
         if self.init not in INIT_METHODS:
             raise ValueError(f"init must be one of {INIT_METHODS}; got {self.init!r}")
         if self.rows_to_init < self.n_codes:
@@ -133,6 +136,7 @@ class VQCodebook:
 
     method = "vq"
 
+    @known_kwargs
     def __init__(self, n_codes: int, *, decay: float = 0.99, eps: float = 1e-5, top_k: int = 5,
                  temperature: float = 1.0, init: InitMethod = "kmeans", init_size: int | None = None,
                  reseed_after: int | None = 100, reseed_threshold: float = 0.03,

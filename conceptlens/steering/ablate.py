@@ -39,7 +39,9 @@ class Ablate(Edit):
             raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
         self.site = _site_of(concepts, site)
         self.mode = mode
-        self.basis = ProjectOut(concepts, site=self.site).basis  # (r, d) orthonormal rows
+        projection = ProjectOut(concepts, site=self.site)
+        self.basis = projection.basis  # (r, d) orthonormal rows
+        self.width, self.model = projection.width, projection.model
         if mean is None and isinstance(concepts, ConceptSet):
             mean = concepts.mean
         if mode == "mean" and mean is None:

@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import conceptlens
-    from conceptlens import ConceptSet, data, models
+    from conceptlens import ConceptSet, data
+    from conceptlens.commands._common import load_model
     from conceptlens.metrics.faithfulness import ProbeTask, faithfulness
 
     for name in ("max_docs", "max_length", "batch_size"):
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     centre = full.mean is not None and not args.no_centre
     base = full.centred() if centre else full
     chosen = base[list(args.concept)]
-    model, tok = models.load(args.model or full.model)
+    model, tok = load_model(args, args.model or full.model)
     lens = conceptlens.attach(model, tok)
     test = data.load(args.data, "test") if not Path(args.data).exists() else None
     pool = test.texts if test is not None else list(data.iter_texts(args.data))

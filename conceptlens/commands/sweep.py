@@ -42,13 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import conceptlens
-    from conceptlens import models
+    from conceptlens.commands._common import load_model
     from conceptlens.steering import Add, site_norm, sweep, token_logprob
     from conceptlens.steering.sweep_scores import ConceptExpression
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
-    model, tokenizer = models.load(args.model)
+    model, tokenizer = load_model(args)
     if tokenizer.pad_token is None and len(args.prompts) > 1:
         tokenizer.pad_token = tokenizer.eos_token
     lens = conceptlens.attach(model, tokenizer)

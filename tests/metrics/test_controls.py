@@ -114,3 +114,35 @@ def test_probe_task_reports_its_baseline():
     result = faithfulness(lens, torch.randn(1, 32), texts, site=SITE, task=ProbeTask(labels, metric="accuracy"),
                           n_controls=2)
     assert 0.2 < result.baseline < 0.5  # three balanced classes, majority guess on the held-out half
+
+
+def test_raw_centroids_ablate_the_planted_mean_centred_ones_do_not():
+    """A planted mean at blocks.0: projecting out raw k-means centroids costs what the mean direction
+    alone costs; the centred centroids cost much less (the issue's SmolLM2 finding, in miniature)."""
+    from conceptlens.concepts.kmeans import StreamingKMeans
+
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(0)
+    mean_dir = torch.nn.functional.normalize(torch.randn(32, generator=g), dim=0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # a confident model, scored on its own samples: ablations can hurt
+        model.get_input_embeddings().weight.add_(0.5 * mean_dir)  # every token carries the planted mean
+        start = torch.randint(3, 99, (48, 1), generator=g)
+        torch.manual_seed(0)
+        texts = model.generate(start, attention_mask=torch.ones_like(start), max_new_tokens=11, do_sample=True,
+                               pad_token_id=0)
+    lens = conceptlens.attach(model)
+    km = StreamingKMeans(n_concepts=4, seed=0)
+    with torch.no_grad(), lens.capture(SITE) as cap:
+        model(texts)
+    km.update(cap.last[0][SITE][cap.last[1].position > 0])
+    km.flush()
+    cs = km.concept_set()
+    cs.site = SITE
+    assert (torch.nn.functional.normalize(cs.directions, dim=1) @ mean_dir).min() > 0.9
+    ids = texts.tolist()
+    raw = faithfulness(lens, cs[[0, 1]], ids, batch_size=48, n_controls=4)
+    alone = faithfulness(lens, ConceptSet(cs.mean, site=SITE), ids, batch_size=48, n_controls=4)
+    centred = faithfulness(lens, cs.centred()[[0, 1]], ids, batch_size=48, n_controls=4)
+    assert raw.harm > 1 and alone.harm > 0.8 * raw.harm  # the raw harm is the mean's (measured: +5.4 and +5.4)
+    assert centred.harm < 0.2 * raw.harm  # measured +0.12

@@ -117,9 +117,14 @@ class Lens:
 
     @known_kwargs
     def ablate(self, concepts: ConceptSet | Tensor, *, site: str | None = None,
-               positions: Positions = "all") -> Steer:
-        """Project the concept directions out at their site (shorthand for ProjectOut)."""
-        return Steer(self, [ProjectOut(concepts, site=site)], positions)
+               positions: Positions = "all", mode: str = "projection") -> Steer:
+        """Ablate the concept directions at their site: `mode` "projection" (ProjectOut, the
+        default), "mean" (component replaced by the set's mean) or "zero" (see `steering.ablate`)."""
+        if mode == "projection":
+            return Steer(self, [ProjectOut(concepts, site=site)], positions)
+        from conceptlens.steering.ablate import Ablate
+
+        return Steer(self, [Ablate(concepts, mode, site=site)], positions)
 
     def _site(self, site: str | Site) -> Site:
         if isinstance(site, Site):

@@ -68,16 +68,16 @@ def _sink_statistics(lens, tok, texts: list[str], site: str) -> None:
 
 
 def _steering_demo(lens, tok, site: str, word: str) -> None:
-    from conceptlens.steering import Add
+    from conceptlens.steering import Add, site_norm
 
     model = lens.model
     word_id = tok(word, add_special_tokens=False)["input_ids"][0]
     direction = model.get_output_embeddings().weight[word_id].detach()
-    direction = direction / direction.norm()
     prompt = tok(["I went to the shop and"], return_tensors="pt")
-    print(f"\nSteering at {site} along the unembedding of {word!r} (positions='generated'):")
-    for alpha in (0.0, 80.0, 160.0):  # median token norm in middle blocks is ~175
-        with torch.no_grad(), lens.steer(Add(direction, alpha, site=site), positions="generated"):
+    print(f"\nSteering at {site} along the unembedding of {word!r} (positions='generated'); alpha is in "
+          f"multiples of the site's median token norm ({site_norm(lens, site):.1f}):")
+    for alpha in (0.0, 0.5, 1.0):  # scale="site_norm": the same alphas mean the same on any model
+        with torch.no_grad(), lens.steer(Add(direction, alpha, scale="site_norm", site=site), positions="generated"):
             out = model.generate(**prompt, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
         text = tok.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
-        print(f"  alpha {alpha:5.1f}: {text!r}")
+        print(f"  alpha {alpha:4.2f}: {text!r}")

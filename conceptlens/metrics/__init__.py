@@ -21,6 +21,8 @@ _EXPORTS = {
     "hierarchy": ["CoactivationStats", "build_dag", "hierarchy_scores", "HierarchyScores", "export_dag"],
     "splice": ["splice_ce", "SpliceResult", "splice_mask"],
     "faithfulness": ["faithfulness", "FaithfulnessResult", "ProbeTask", "next_token_loss_sum"],
+    "controls": ["covariance_directions", "random_orthonormal", "base_rate_entropy", "majority_accuracy",
+                 "unigram_entropy"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)
@@ -38,6 +40,8 @@ if TYPE_CHECKING:
                                              max_pairwise_cosine, mppc, probe_loss)
     from conceptlens.metrics.faithfulness import FaithfulnessResult, ProbeTask, faithfulness, next_token_loss_sum
     from conceptlens.metrics.splice import SpliceResult, splice_ce, splice_mask
+    from conceptlens.metrics.controls import (base_rate_entropy, covariance_directions, majority_accuracy,
+                                              random_orthonormal, unigram_entropy)
 
 
 def __getattr__(name: str) -> Any:

@@ -30,6 +30,7 @@ from conceptlens._io import atomic_write
 from conceptlens.batching import encode_batch
 from conceptlens.concepts.base import NotFittedError
 from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.devices import input_device
 from conceptlens.filters import FilterConfig, RowFilter
 
 if TYPE_CHECKING:
@@ -59,6 +60,8 @@ class FitConfig:
     """Show a tqdm bar of tokens and tokens/s."""
     filters: FilterConfig = field(default_factory=FilterConfig)
     """Token hygiene: attention sinks and non-finite rows never reach extractors."""
+    dtype: torch.dtype | str = torch.float32
+    """dtype of the rows extractors get: float32, or "model" for the model's own (e.g. bf16)."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_length", "max_tokens", "checkpoint_every"):
@@ -119,7 +122,7 @@ def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any 
     texts = islice(datasets.iter_texts(data), state.documents, None)
     bar = _progress(config, resumed_from)
     next_checkpoint = _next_mark(state.tokens, config.checkpoint_every)
-    with lens.capture(sorted(plan.sites)) as cap:
+    with lens.capture(sorted(plan.sites), dtype=config.dtype) as cap:
         for docs in _batches(texts, config.batch_size):
             if config.max_tokens is not None and state.tokens >= config.max_tokens:
                 break
@@ -178,7 +181,7 @@ def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: 
     n_tokens = int(batch["attention_mask"].sum())
     if n_tokens == 0:
         return 0  # empty documents only: nothing to forward
-    device = next(model.parameters()).device
+    device = input_device(model)  # with a device map: the input embeddings' device
     acts = cap.forward(**{k: v.to(device) for k, v in batch.items()})  # no_grad inside
     meta = cap.last[1]
     keep = {site: state.rows(site, acts[site], meta.position) for site in plan.sites}
@@ -188,12 +191,14 @@ def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: 
             if rows.any():
                 extractor.update(_as_rows(acts[key][rows]))
         else:
-            rows = keep[key[0]] & keep[key[1]]
+            rows = keep[key[0]] & keep[key[1]].to(keep[key[0]].device)  # sites may sit on two devices
             if not rows.any():
                 continue
             # pair extractors get q/k/v per head, (N, H, d_head); sequence ids = document index
-            extra = {"sequence_ids": meta.row[rows] + state.documents} if key in plan.sequence_aware else {}
-            extractor.update(acts[key[0]][rows], acts[key[1]][rows], **extra)
+            extra = {"sequence_ids": meta.row[rows.to(meta.row.device)] + state.documents} \
+                if key in plan.sequence_aware else {}
+            target = acts[key[1]]
+            extractor.update(acts[key[0]][rows], target[rows.to(target.device)], **extra)
     return n_tokens
 
 

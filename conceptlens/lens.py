@@ -68,12 +68,15 @@ class Lens:
         return hook_site(self._site(site), fn)
 
     def capture(self, sites: str | Site | Iterable[str | Site], on_batch: OnBatch | None = None, *,
-                keep_shape: bool = False, drop_special: bool = False) -> Capture:
+                keep_shape: bool = False, drop_special: bool = False,
+                dtype: torch.dtype | str = torch.float32) -> Capture:
         """Context manager streaming the activations of `sites` to `on_batch(acts, meta)`.
 
         acts: site name -> float32 `(N, d)` (or `(N, H, d_head)` for q/k/v) with padding
         dropped and rows aligned across sites; `(B, T, ...)` with `keep_shape=True`.
         `drop_special` also drops the tokenizer's special tokens (needs the tokenizer).
+        `dtype`: float32 by default; `"model"` keeps each site's own dtype (half the memory of
+        a bf16 model's copies). Each site's tensors stay on the device its layer ran on.
         """
         if isinstance(sites, (str, Site)):
             sites = [sites]
@@ -83,12 +86,14 @@ class Lens:
             if self.tokenizer is None:
                 raise ValueError("drop_special=True needs a tokenizer: conceptlens.attach(model, tokenizer)")
             special = torch.tensor(sorted(self.tokenizer.all_special_ids), dtype=torch.long)
-        return Capture(self.model, resolved, self.stacks, on_batch, keep_shape=keep_shape, special_ids=special)
+        return Capture(self.model, resolved, self.stacks, on_batch, keep_shape=keep_shape, special_ids=special,
+                       dtype=dtype)
 
     def fit(self, extractors: Mapping[str | tuple[str, str], Any], data: Any, *, tokenizer: Any = None,
             batch_size: int = 16, max_length: int = 128, max_tokens: int | None = None,
             checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume: bool = True,
-            progress: bool = True, filters: FilterConfig | None = None) -> FitReport:
+            progress: bool = True, filters: FilterConfig | None = None,
+            dtype: torch.dtype | str = torch.float32) -> FitReport:
         """Stream `data` once through the model into every extractor (see `conceptlens.fit`).
 
         `extractors` maps a site, or a `(source_site, target_site)` pair for cross-layer
@@ -97,7 +102,7 @@ class Lens:
         """
         config = FitConfig(batch_size=batch_size, max_length=max_length, max_tokens=max_tokens,
                            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-                           progress=progress, filters=filters or FilterConfig())
+                           progress=progress, filters=filters or FilterConfig(), dtype=dtype)
         return run_fit(self, extractors, data, tokenizer=tokenizer, config=config)
 
     def steer(self, *edits: Edit, positions: Positions = "all") -> Steer:

@@ -29,12 +29,14 @@ from conceptlens.hooks.handles import Handle
 from conceptlens.hooks.points import SiteFn, hook_site
 from conceptlens.steering.edits import Edit, ProjectOut
 from conceptlens.steering.scope import Positions, Steer
+from conceptlens.wrappers import unwrap
 
 
 class Lens:
     """The sites of one model and the scopes that read and edit them."""
 
     def __init__(self, model: nn.Module, tokenizer: Any = None) -> None:
+        model, tokenizer = unwrap(model, tokenizer)  # an nnsight NNsight / LanguageModel: its module
         if not isinstance(model, nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"attach() needs a Hugging Face transformers model (an nn.Module with .config); "
                             f"got {type(model).__name__}")
@@ -127,5 +129,6 @@ class Lens:
 
 
 def attach(model: nn.Module, tokenizer: Any = None) -> Lens:
-    """Wrap a Hugging Face model (encoder, decoder or encoder-decoder) in a Lens."""
+    """Wrap a Hugging Face model (encoder, decoder or encoder-decoder) in a Lens; an nnsight
+    `NNsight` / `LanguageModel` wrapper of one is accepted too (its tokenizer comes along)."""
     return Lens(model, tokenizer)

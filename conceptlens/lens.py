@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
+from conceptlens._checks import known_kwargs
 from conceptlens.adapters.adapter import Adapter, get_path
 from conceptlens.adapters.site import Site
 from conceptlens.concepts.conceptset import ConceptSet
@@ -58,8 +59,11 @@ class Lens:
 
     @property
     def name(self) -> str:
-        return getattr(self.model, "name_or_path", "") or getattr(self.model.config, "_name_or_path", "") or \
-            type(self.model).__name__
+        """The model's portable id (registered name, hub id, or a local folder's name; never an absolute path)."""
+        from conceptlens.models import portable_id
+
+        name = getattr(self.model, "name_or_path", "") or getattr(self.model.config, "_name_or_path", "")
+        return portable_id(name) if name else type(self.model).__name__
 
     def site(self, name: str) -> Site:
         """Describe one site; `KeyError` with close valid names if there is none."""
@@ -69,6 +73,7 @@ class Lens:
         """Low-level: run `fn(tensor) -> None | tensor` at a site until the handle is removed."""
         return hook_site(self._site(site), fn)
 
+    @known_kwargs
     def capture(self, sites: str | Site | Iterable[str | Site], on_batch: OnBatch | None = None, *,
                 keep_shape: bool = False, drop_special: bool = False,
                 dtype: torch.dtype | str = torch.float32) -> Capture:
@@ -91,6 +96,7 @@ class Lens:
         return Capture(self.model, resolved, self.stacks, on_batch, keep_shape=keep_shape, special_ids=special,
                        dtype=dtype)
 
+    @known_kwargs
     def fit(self, extractors: Mapping[str | tuple[str, str], Any], data: Any, *, tokenizer: Any = None,
             batch_size: int = 16, max_length: int = 128, max_tokens: int | None = None,
             checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume: bool = True,
@@ -107,6 +113,7 @@ class Lens:
                            progress=progress, filters=filters or FilterConfig(), dtype=dtype)
         return run_fit(self, extractors, data, tokenizer=tokenizer, config=config)
 
+    @known_kwargs
     def steer(self, *edits: Edit, positions: Positions = "all") -> Steer:
         """Context manager applying `edits` (Add, ProjectOut, Clamp, CodeAblate) at their sites.
 
@@ -115,6 +122,7 @@ class Lens:
         """
         return Steer(self, edits, positions)
 
+    @known_kwargs
     def ablate(self, concepts: ConceptSet | Tensor, *, site: str | None = None,
                positions: Positions = "all") -> Steer:
         """Project the concept directions out at their site (shorthand for ProjectOut)."""
@@ -128,6 +136,7 @@ class Lens:
         return self.site(site)
 
 
+@known_kwargs
 def attach(model: nn.Module, tokenizer: Any = None) -> Lens:
     """Wrap a Hugging Face model (encoder, decoder or encoder-decoder) in a Lens; an nnsight
     `NNsight` / `LanguageModel` wrapper of one is accepted too (its tokenizer comes along)."""

@@ -22,6 +22,7 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
+import torch
 from torch import Tensor
 
 from conceptlens.batching import check_max_length, encode_batch

@@ -22,12 +22,14 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
+import torch
 from torch import Tensor
 
 from conceptlens.batching import check_max_length, encode_batch
 from conceptlens.checkpoint import CHECKPOINT, FitState, fit_fingerprint
 from conceptlens.concepts.base import NotFittedError
 from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.devices import input_device
 from conceptlens.filters import FilterConfig, RowFilter
 
 if TYPE_CHECKING:
@@ -56,6 +58,8 @@ class FitConfig:
     """Show a tqdm bar of tokens and tokens/s."""
     filters: FilterConfig = field(default_factory=FilterConfig)
     """Token hygiene: attention sinks and non-finite rows never reach extractors."""
+    dtype: torch.dtype | str = torch.float32
+    """dtype of the rows extractors get: float32, or "model" for the model's own (e.g. bf16)."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_length", "max_tokens", "checkpoint_every"):
@@ -123,7 +127,7 @@ def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any 
     resumed_from, start = state.tokens, time.perf_counter()
     bar = _progress(config, resumed_from)
     next_checkpoint = _next_mark(state.tokens, config.checkpoint_every)
-    with lens.capture(sorted(plan.sites)) as cap:
+    with lens.capture(sorted(plan.sites), dtype=config.dtype) as cap:
         for docs in _batches(texts, config.batch_size):
             if config.max_tokens is not None and state.tokens >= config.max_tokens:
                 break
@@ -180,7 +184,7 @@ def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: 
     n_tokens = int(batch["attention_mask"].sum())
     if n_tokens == 0:
         return 0  # empty documents only: nothing to forward
-    device = next(model.parameters()).device
+    device = input_device(model)  # with a device map: the input embeddings' device
     acts = cap.forward(**{k: v.to(device) for k, v in batch.items()})  # no_grad inside
     meta = cap.last[1]
     keep = {site: state.rows(site, acts[site], meta.position) for site in plan.sites}
@@ -190,12 +194,14 @@ def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: 
             if rows.any():
                 extractor.update(_as_rows(acts[key][rows]))
         else:
-            rows = keep[key[0]] & keep[key[1]]
+            rows = keep[key[0]] & keep[key[1]].to(keep[key[0]].device)  # sites may sit on two devices
             if not rows.any():
                 continue
             # pair extractors get q/k/v per head, (N, H, d_head); sequence ids = document index
-            extra = {"sequence_ids": meta.row[rows] + state.documents} if key in plan.sequence_aware else {}
-            extractor.update(acts[key[0]][rows], acts[key[1]][rows], **extra)
+            extra = {"sequence_ids": meta.row[rows.to(meta.row.device)] + state.documents} \
+                if key in plan.sequence_aware else {}
+            target = acts[key[1]]
+            extractor.update(acts[key[0]][rows], target[rows.to(target.device)], **extra)
     return n_tokens
 
 

@@ -9,6 +9,8 @@ splice, faithfulness), so importing this package pulls in neither networkx nor a
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
@@ -48,3 +50,18 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """Keeps a function named like its module (`gauge_audit`, `faithfulness`) the package
+    attribute: importing the submodule would otherwise set `metrics.gauge_audit` to the module,
+    so `from conceptlens.metrics import gauge_audit` returned the module. Submodules stay
+    importable as `from conceptlens.metrics.gauge_audit import ...` (through sys.modules)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and name in _MODULE_OF and _MODULE_OF[name] == name:
+            return  # the import system registering the submodule: the function keeps the name
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

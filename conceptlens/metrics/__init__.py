@@ -3,7 +3,7 @@
     from conceptlens.metrics import QueryKeyMoments, key_distance, gauge_audit, probe_loss, splice_ce, faithfulness
 
 Names load lazily from their modules (gauge, gauge_audit, capture_qk, quality, hierarchy,
-splice, faithfulness), so importing this package pulls in neither networkx nor a model.
+hierarchy_eval, splice, faithfulness), so importing this package pulls in neither networkx nor a model.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ _EXPORTS = {
     "capture_qk": ["qk_capture", "QKCapture"],
     "quality": ["probe_loss", "ProbeResult", "fit_logistic_1d", "mppc", "effective_rank", "max_pairwise_cosine",
                 "fvu", "l0", "dead_fraction", "ce_loss_recovered", "lda_directions", "LDADirections"],
-    "hierarchy": ["CoactivationStats", "build_dag", "hierarchy_scores", "HierarchyScores", "export_dag"],
+    "hierarchy": ["CoactivationStats", "build_dag", "dag_depth", "export_dag"],
+    "hierarchy_eval": ["hierarchy_scores", "HierarchyScores", "monosemanticity", "graph_activations"],
     "splice": ["splice_ce", "SpliceResult", "splice_mask"],
     "faithfulness": ["faithfulness", "FaithfulnessResult", "ProbeTask", "next_token_loss_sum"],
 }
@@ -33,8 +34,9 @@ if TYPE_CHECKING:
                                            key_norm, key_pca_explained, qk_singular_values, qk_spectrum, score_cosine)
     from conceptlens.metrics.gauge_audit import (AuditReport, GaugeTransform, apply_gauge, gauge_audit, gauged,
                                                  random_gauge)
-    from conceptlens.metrics.hierarchy import (CoactivationStats, HierarchyScores, build_dag, export_dag,
-                                               hierarchy_scores)
+    from conceptlens.metrics.hierarchy import CoactivationStats, build_dag, dag_depth, export_dag
+    from conceptlens.metrics.hierarchy_eval import (HierarchyScores, graph_activations, hierarchy_scores,
+                                                    monosemanticity)
     from conceptlens.metrics.quality import (LDADirections, ProbeResult, ce_loss_recovered, dead_fraction,
                                              effective_rank, fit_logistic_1d, fvu, l0, lda_directions,
                                              max_pairwise_cosine, mppc, probe_loss)

@@ -22,6 +22,10 @@ _EXPORTS = {
                 "fvu", "l0", "dead_fraction", "ce_loss_recovered", "lda_directions", "LDADirections"],
     "hierarchy": ["CoactivationStats", "build_dag", "dag_depth", "export_dag"],
     "hierarchy_eval": ["hierarchy_scores", "HierarchyScores", "monosemanticity", "graph_activations"],
+    "similarity": ["similarity", "group_audit", "GroupAuditReport", "MEASURES", "SimilarityMeasure", "linear_cka",
+                   "cca", "svcca", "procrustes", "mutual_knn", "random_element"],
+    "duality": ["ProbeWeight", "Direction", "InnerProduct", "probe_to_direction", "direction_to_probe"],
+    "gauge_sites": ["GaugeWarning", "warn_if_qk", "is_qk_site"],
     "splice": ["splice_ce", "SpliceResult", "splice_mask"],
     "faithfulness": ["faithfulness", "FaithfulnessResult", "ProbeTask", "next_token_loss_sum"],
 }
@@ -41,6 +45,12 @@ if TYPE_CHECKING:
                                              effective_rank, fit_logistic_1d, fvu, l0, lda_directions,
                                              max_pairwise_cosine, mppc, probe_loss)
     from conceptlens.metrics.faithfulness import FaithfulnessResult, ProbeTask, faithfulness, next_token_loss_sum
+    from conceptlens.metrics.duality import (Direction, InnerProduct, ProbeWeight, direction_to_probe,
+                                             probe_to_direction)
+    from conceptlens.metrics.gauge_sites import GaugeWarning, is_qk_site, warn_if_qk
+    from conceptlens.metrics.similarity import (MEASURES, GroupAuditReport, SimilarityMeasure, cca, group_audit,
+                                                linear_cka, mutual_knn, procrustes, random_element, similarity,
+                                                svcca)
     from conceptlens.metrics.splice import SpliceResult, splice_ce, splice_mask
 
 

@@ -7,7 +7,7 @@ import conceptlens.metrics as metrics
 
 
 def test_functions_named_like_their_module_stay_functions_after_the_submodule_loads():
-    for name in ("gauge_audit", "faithfulness"):
+    for name in ("gauge_audit", "faithfulness", "similarity"):
         module = importlib.import_module(f"conceptlens.metrics.{name}")  # registers the submodule
         assert isinstance(module, types.ModuleType)
         from_package = getattr(metrics, name)

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
+from conceptlens._checks import known_kwargs
 from conceptlens.adapters.adapter import Adapter, get_path
 from conceptlens.adapters.site import Site
 from conceptlens.concepts.conceptset import ConceptSet
@@ -56,8 +57,11 @@ class Lens:
 
     @property
     def name(self) -> str:
-        return getattr(self.model, "name_or_path", "") or getattr(self.model.config, "_name_or_path", "") or \
-            type(self.model).__name__
+        """The model's portable id (registered name, hub id, or a local folder's name; never an absolute path)."""
+        from conceptlens.models import portable_id
+
+        name = getattr(self.model, "name_or_path", "") or getattr(self.model.config, "_name_or_path", "")
+        return portable_id(name) if name else type(self.model).__name__
 
     def site(self, name: str) -> Site:
         """Describe one site; `KeyError` with close valid names if there is none."""
@@ -67,6 +71,7 @@ class Lens:
         """Low-level: run `fn(tensor) -> None | tensor` at a site until the handle is removed."""
         return hook_site(self._site(site), fn)
 
+    @known_kwargs
     def capture(self, sites: str | Site | Iterable[str | Site], on_batch: OnBatch | None = None, *,
                 keep_shape: bool = False, drop_special: bool = False) -> Capture:
         """Context manager streaming the activations of `sites` to `on_batch(acts, meta)`.
@@ -85,6 +90,7 @@ class Lens:
             special = torch.tensor(sorted(self.tokenizer.all_special_ids), dtype=torch.long)
         return Capture(self.model, resolved, self.stacks, on_batch, keep_shape=keep_shape, special_ids=special)
 
+    @known_kwargs
     def fit(self, extractors: Mapping[str | tuple[str, str], Any], data: Any, *, tokenizer: Any = None,
             batch_size: int = 16, max_length: int = 128, max_tokens: int | None = None,
             checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume: bool = True,
@@ -100,6 +106,7 @@ class Lens:
                            progress=progress, filters=filters or FilterConfig())
         return run_fit(self, extractors, data, tokenizer=tokenizer, config=config)
 
+    @known_kwargs
     def steer(self, *edits: Edit, positions: Positions = "all") -> Steer:
         """Context manager applying `edits` (Add, ProjectOut, Clamp, CodeAblate) at their sites.
 
@@ -108,6 +115,7 @@ class Lens:
         """
         return Steer(self, edits, positions)
 
+    @known_kwargs
     def ablate(self, concepts: ConceptSet | Tensor, *, site: str | None = None,
                positions: Positions = "all") -> Steer:
         """Project the concept directions out at their site (shorthand for ProjectOut)."""
@@ -121,6 +129,7 @@ class Lens:
         return self.site(site)
 
 
+@known_kwargs
 def attach(model: nn.Module, tokenizer: Any = None) -> Lens:
     """Wrap a Hugging Face model (encoder, decoder or encoder-decoder) in a Lens."""
     return Lens(model, tokenizer)

@@ -12,11 +12,14 @@ bool, or None for all) is true.
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
+from conceptlens._checks import known_kwargs
 from conceptlens.concepts.conceptset import ConceptSet
 
 Concepts = ConceptSet | Tensor
@@ -28,7 +31,29 @@ def _directions(concepts: Concepts) -> Tensor:
         d = d[None]
     if d.ndim != 2:
         raise ValueError(f"directions must have shape (d,) or (n, d); got {tuple(d.shape)}")
-    return d.detach().float()
+    d = d.detach().float()
+    bad = (~torch.isfinite(d)).any(dim=1).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"direction{'s' if len(bad) > 1 else ''} {bad[:8]} of the {d.shape[0]} given hold NaN or "
+                         "inf values; an edit needs finite directions")
+    return d
+
+
+def _number(name: str, value: Any) -> float:
+    """A finite real number (not a bool), as float; ValueError naming the value otherwise."""
+    ok = isinstance(value, (int, float)) or (isinstance(value, Tensor) and value.numel() == 1)
+    number = float(value) if ok and not isinstance(value, bool) else math.nan
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number; got {value!r}")
+    return number
+
+
+def _indices(name: str, value: Any) -> Tensor:
+    """An int or a sequence of ints (no bools) as a long tensor."""
+    items = [value] if isinstance(value, int) else list(value) if isinstance(value, Sequence) else [value]
+    if not items or any(isinstance(i, bool) or not isinstance(i, int) for i in items):
+        raise ValueError(f"{name} must be an int or a list of ints; got {value!r}")
+    return torch.as_tensor(items, dtype=torch.long)
 
 
 def _site_of(concepts: Any, site: str | None) -> str:
@@ -43,6 +68,20 @@ class Edit:
     """Base: a change applied to one site's activations."""
 
     site: str
+    width: int | None = None
+    """Row width the edit works in (None: not known until it runs)."""
+    model: str | None = None
+    """Model the edit's concepts were recorded for, when they say."""
+
+    def check(self, site: str, width: int, model: str | None) -> None:
+        """Called when a scope is built on a model: ValueError if the edit's width is not the
+        site's, a warning if its concepts were recorded for another model."""
+        if self.width is not None and self.width != width:
+            raise ValueError(f"{type(self).__name__} at {site}: its direction has width {self.width}, but {site} "
+                             f"has width {width}")
+        if self.model and model and self.model != model:
+            warnings.warn(f"{type(self).__name__} at {site}: the concepts were recorded for model {self.model!r}; "
+                          f"this model is {model!r}", UserWarning, stacklevel=4)
 
     def apply(self, x: Tensor, mask: Tensor | None) -> Tensor:
         """(B, T, d) activations and an optional (B, T) mask -> edited activations."""
@@ -57,10 +96,12 @@ class Add(Edit):
     """x + alpha * (sum of the concepts). Adds at one site are summed into one vector first,
     so Add(alpha) and Add(-alpha) together leave every activation bit-identical."""
 
+    @known_kwargs
     def __init__(self, concepts: Concepts, alpha: float = 1.0, *, site: str | None = None) -> None:
         self.site = _site_of(concepts, site)
-        self.alpha = float(alpha)
+        self.alpha = _number("alpha", alpha)
         self.vector = self.alpha * _directions(concepts).sum(0)  # (d,)
+        self.width, self.model = self.vector.shape[0], getattr(concepts, "model", None)
 
     def apply(self, x: Tensor, mask: Tensor | None) -> Tensor:
         return add_vector(x, self.vector, mask)
@@ -74,12 +115,14 @@ def add_vector(x: Tensor, vector: Tensor, mask: Tensor | None) -> Tensor:
 class ProjectOut(Edit):
     """Remove the span of the directions: x - Q^T Q x with Q an orthonormal basis of it."""
 
+    @known_kwargs
     def __init__(self, concepts: Concepts, *, site: str | None = None) -> None:
         self.site = _site_of(concepts, site)
         directions = _directions(concepts).double()
         # SVD, not QR: the span is right whichever directions are dependent or repeated.
         _, s, vh = torch.linalg.svd(directions, full_matrices=False)
         self.basis = vh[s > 1e-10 * s.max()].float().contiguous()  # (rank, d) orthonormal rows
+        self.width, self.model = directions.shape[1], getattr(concepts, "model", None)
 
     def apply(self, x: Tensor, mask: Tensor | None) -> Tensor:
         basis = self.basis.to(x.device)
@@ -92,13 +135,18 @@ class Clamp(Edit):
     """Set one SAE latent to `value`, keeping the SAE's reconstruction error:
     x' = x + decode(z') - decode(z), so a latent left at its value changes nothing."""
 
+    @known_kwargs
     def __init__(self, sae: Any, latent: int | Sequence[int], value: float, *, site: str | None = None) -> None:
         if not (callable(getattr(sae, "encode", None)) and callable(getattr(sae, "decode", None))):
             raise TypeError(f"Clamp needs an SAE with encode() and decode(); got {type(sae).__name__}")
         self.site = _site_of(sae, site)
         self.sae = sae
-        self.latents = torch.as_tensor([latent] if isinstance(latent, int) else list(latent), dtype=torch.long)
-        self.value = float(value)
+        self.latents = _indices("latent", latent)
+        self.value = _number("value", value)
+        self.width = getattr(sae, "d", None)
+        n = getattr(getattr(sae, "config", None), "width", None)
+        if isinstance(n, int) and not bool(((self.latents >= -n) & (self.latents < n)).all()):
+            raise ValueError(f"latent {latent!r} is out of range: the SAE has {n} latents (0-{n - 1})")
 
     @torch.no_grad()
     def apply(self, x: Tensor, mask: Tensor | None) -> Tensor:
@@ -114,12 +162,14 @@ class Clamp(Edit):
 class CodeAblate(Edit):
     """Subtract the assigned code's vector from tokens assigned to one of `codes`."""
 
+    @known_kwargs
     def __init__(self, codebook: Any, codes: int | Sequence[int], *, site: str | None = None) -> None:
         if not (callable(getattr(codebook, "assign", None)) and callable(getattr(codebook, "quantize", None))):
             raise TypeError(f"CodeAblate needs a codebook with assign() and quantize(); got {type(codebook).__name__}")
         self.site = _site_of(codebook, site)
         self.codebook = codebook
-        self.codes = torch.as_tensor([codes] if isinstance(codes, int) else list(codes), dtype=torch.long)
+        self.codes = _indices("codes", codes)
+        self.width = getattr(codebook, "d", None)
 
     @torch.no_grad()
     def apply(self, x: Tensor, mask: Tensor | None) -> Tensor:

@@ -1,0 +1,77 @@
+"""Every script in examples/ runs (on a tiny random Llama saved to a folder, small budgets)."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def save_tiny_llama(folder: Path) -> Path:
+    """A 2-block random Llama with a byte-level BPE tokenizer, saved as a local model folder."""
+    import transformers as tf
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(["<s>", "</s>", *sorted(alphabet)])}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tok = tf.PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="</s>")
+    tok.save_pretrained(folder)
+    config = tf.LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                            bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(save_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def run_example(name: str, *args: str) -> None:
+    argv = sys.argv
+    sys.argv = [name, *args]
+    try:
+        runpy.run_path(str(EXAMPLES / name), run_name="__main__")
+    finally:
+        sys.argv = argv
+
+
+def test_every_example_is_tested():
+    tested = {"sites.py", "steer.py", "ablate.py", "gauge_audit.py"}
+    assert {p.name for p in EXAMPLES.glob("*.py")} == tested
+
+
+def test_sites(tiny, capsys):
+    run_example("sites.py", "--model", tiny, "--filter", "blocks.1")
+    out = capsys.readouterr().out
+    assert "blocks.1.resid_out" in out and "blocks.1.attn.q" in out and "blocks.0.mlp_out" not in out
+
+
+def test_steer(tiny, capsys):
+    run_example("steer.py", "--model", tiny, "--max-tokens", "3000", "--alpha", "4")
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("alpha 0.00") and lines[1].startswith("alpha 4.00")
+    assert lines[0].split(": ", 1)[1] != lines[1].split(": ", 1)[1]  # the concept changed the continuation
+
+
+def test_ablate(tiny, capsys):
+    run_example("ablate.py", "--model", tiny, "--max-tokens", "3000", "--texts", "20")
+    out = capsys.readouterr().out
+    assert "random controls" in out and "z =" in out
+
+
+def test_gauge_audit(tiny, capsys):
+    run_example("gauge_audit.py", "--model", tiny)
+    out = capsys.readouterr().out
+    assert "mean key norm (ours)" in out and "moved" in out
+    assert "key_distance" not in out.split("not gauge invariant:")[1]

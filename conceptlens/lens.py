@@ -92,7 +92,8 @@ class Lens:
         """Stream `data` once through the model into every extractor (see `conceptlens.fit`).
 
         `extractors` maps a site, or a `(source_site, target_site)` pair for cross-layer
-        extractors, to an extractor; `data` is a list of strings, a .txt/.jsonl path, a
+        extractors, to an extractor or to `{name: extractor}` (several per site, reported and
+        saved under their names); `data` is a list of strings, a .txt/.jsonl path, a
         datasets.Dataset or a bundled set name (`conceptlens.data`).
         """
         config = FitConfig(batch_size=batch_size, max_length=max_length, max_tokens=max_tokens,

@@ -101,6 +101,13 @@ class Lens:
                            progress=progress, filters=filters or FilterConfig())
         return run_fit(self, extractors, data, tokenizer=tokenizer, config=config)
 
+    def describe(self, concept_sets: Mapping[str, ConceptSet], data: Any, **kwargs: Any) -> dict[str, Any]:
+        """Describe fitted concept sets over (held-out) documents: top contexts, histograms,
+        neighbours, promoted tokens, per-class probes; see `conceptlens.describe.describe`."""
+        from conceptlens.describe import describe
+
+        return describe(self, concept_sets, data, **kwargs)
+
     def steer(self, *edits: Edit, positions: Positions = "all") -> Steer:
         """Context manager applying `edits` (Add, ProjectOut, Clamp, CodeAblate) at their sites.
 

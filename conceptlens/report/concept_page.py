@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any, Sequence
 
@@ -43,12 +44,13 @@ def _stats_block(ex: ExtractorView, i: int) -> str:
 
 
 def _probe_block(ex: ExtractorView, i: int) -> str:
-    if "probe_loss" not in ex.stats or not ex.labels:
+    if "probe_loss" not in ex.stats or not ex.labels or not np.isfinite(ex.stats["probe_loss"][i]).any():
         return ""
     base = ex.meta.get("base_rate_entropy") or {}
     rows = []
     for c, label in enumerate(ex.labels):
         loss, b = float(ex.stats["probe_loss"][i, c]), base.get(label)
+        b = None if b is None or not math.isfinite(b) else float(b)
         better = b is not None and loss < b
         rows.append((esc(label), f'<span class="{"good" if better else ""}">{num(loss)}</span>', num(b),
                      num(b - loss) if b is not None else ""))

@@ -45,15 +45,16 @@ def extractor_rows(k: int, ex: ExtractorView, labels: Sequence[str]) -> list[lis
     s, n = ex.stats, ex.n
     xy = map_xy(ex)
     promoted = (ex.tokens or {}).get("promoted")
-    base = ex.meta.get("base_rate_entropy") or {}
+    base = {c: math.nan if v is None else float(v) for c, v in (ex.meta.get("base_rate_entropy") or {}).items()}
     probe = s.get("probe_loss")
     rows = []
     for i in range(n):
         best = [None, None, None, None]
         if probe is not None and ex.labels:
-            gains = [base.get(c, math.nan) - probe[i, j] for j, c in enumerate(ex.labels)]
-            j = int(np.nanargmax(gains)) if not all(math.isnan(g) for g in gains) else int(np.argmin(probe[i]))
-            best = [ex.labels[j], probe[i, j], base.get(ex.labels[j]), gains[j]]
+            gains = [base.get(c, math.nan) - float(probe[i, j]) for j, c in enumerate(ex.labels)]
+            if not all(math.isnan(g) for g in gains):
+                j = int(np.nanargmax(gains))
+                best = [ex.labels[j], probe[i, j], base.get(ex.labels[j]), gains[j]]
         rows.append([_clean(v) for v in [
             k, i, *(s[key][i] if key in s else None for key in ("frequency", "mean_activation", "max_activation")),
             labels[i], " ".join(t.strip() or t for t in promoted[i][:5]) if promoted else None, *best,

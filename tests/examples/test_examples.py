@@ -47,7 +47,7 @@ def run_example(name: str, *args: str) -> None:
 
 
 def test_every_example_is_tested():
-    tested = {"sites.py", "steer.py", "ablate.py", "gauge_audit.py"}
+    tested = {"sites.py", "steer.py", "ablate.py", "gauge_audit.py", "fit_and_report.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -75,3 +75,11 @@ def test_gauge_audit(tiny, capsys):
     out = capsys.readouterr().out
     assert "mean key norm (ours)" in out and "moved" in out
     assert "key_distance" not in out.split("not gauge invariant:")[1]
+
+
+def test_fit_and_report(tiny, tmp_path, capsys):
+    run_example("fit_and_report.py", "--model", tiny, "--max-tokens", "3000", "--out", str(tmp_path / "run"))
+    out = capsys.readouterr().out
+    assert "open file://" in out
+    assert (tmp_path / "run" / "report" / "concepts" / "topk" / "0.html").is_file()
+    assert (tmp_path / "run" / "report" / "concepts" / "kmeans" / "31.html").is_file()

@@ -97,4 +97,4 @@ class NormAudit:
             return f"norm audit: too few rows ({s['rows']})"
         return (f"largest-norm {s['top_fraction']:.0%} of kept tokens carry {s['top_share']:.1%} of the variance "
                 f"({s['top_fraction']:.0%} if every token carried the same); max norm {s['max_norm_ratio']:.1f}x the median "
-                f"{s['median_norm']:.0f} (sample of {s['sample']:,} of {s['rows']:,} rows)")
+                f"{s['median_norm']:.3g} (sample of {s['sample']:,} of {s['rows']:,} rows)")

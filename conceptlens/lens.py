@@ -105,13 +105,21 @@ class Lens:
         """Stream `data` once through the model into every extractor (see `conceptlens.fit`).
 
         `extractors` maps a site, or a `(source_site, target_site)` pair for cross-layer
-        extractors, to an extractor; `data` is a list of strings, a .txt/.jsonl path, a
+        extractors, to an extractor or to `{name: extractor}` (several per site, reported and
+        saved under their names); `data` is a list of strings, a .txt/.jsonl path, a
         datasets.Dataset or a bundled set name (`conceptlens.data`).
         """
         config = FitConfig(batch_size=batch_size, max_length=max_length, max_tokens=max_tokens,
                            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
                            progress=progress, filters=filters or FilterConfig(), dtype=dtype)
         return run_fit(self, extractors, data, tokenizer=tokenizer, config=config)
+
+    def describe(self, concept_sets: Mapping[str, ConceptSet], data: Any, **kwargs: Any) -> dict[str, Any]:
+        """Describe fitted concept sets over (held-out) documents: top contexts, histograms,
+        neighbours, promoted tokens, per-class probes; see `conceptlens.describe.describe`."""
+        from conceptlens.describe import describe
+
+        return describe(self, concept_sets, data, **kwargs)
 
     @known_kwargs
     def steer(self, *edits: Edit, positions: Positions = "all") -> Steer:

@@ -16,6 +16,7 @@ that was never interrupted.
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import re
 import time
@@ -37,6 +38,8 @@ from conceptlens.filters import FilterConfig, RowFilter
 
 if TYPE_CHECKING:
     from conceptlens.lens import Lens
+
+log = logging.getLogger(__name__)
 
 Key = str | tuple[str, str]
 SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
@@ -143,6 +146,8 @@ def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any 
                   if isinstance(k, str)}
         texts = state.open(checkpoint, texts, resume=config.resume, widths=widths)
     resumed_from, start = state.tokens, time.perf_counter()
+    if resumed_from:
+        log.info("resuming %s at %d tokens (%d documents)", checkpoint, state.tokens, state.documents)
     bar = _progress(config, resumed_from)
     next_checkpoint = _next_mark(state.tokens, config.checkpoint_every)
     with lens.capture(sorted(plan.sites), dtype=config.dtype) as cap:

@@ -102,8 +102,11 @@ class FitState:
             rows.load_state_dict(state["rows"])
         except Exception as err:  # noqa: BLE001
             raise ValueError(f"checkpoint {path}: its row filter state does not load: {_one_line(err)}") from None
-        for name, extractor in self.extractors.items():  # checked on copies above: cannot fail halfway
-            extractor.load_state_dict(state["extractors"][name])
+        for name, extractor in self.extractors.items():  # checked on copies above
+            try:
+                extractor.load_state_dict(state["extractors"][name])
+            except Exception as err:  # noqa: BLE001 - only an extractor that could not be copied gets here
+                raise ValueError(f"checkpoint {path}: the state of {name} does not load: {_one_line(err)}") from None
         self.rows.load_state_dict(state["rows"])
         torch.set_rng_state(state["torch_rng"])
         progress = state["progress"]
@@ -173,7 +176,11 @@ def check_extractor_states(path: Path, states: dict[str, Any], extractors: dict[
             raise ValueError(f"checkpoint {path}: the state of {name} is for width {d}; the site has width "
                              f"{widths[name]}")
         try:
-            copy.deepcopy(extractor).load_state_dict(state)
+            probe = copy.deepcopy(extractor)
+        except Exception:  # noqa: BLE001 - an extractor holding something uncopyable is not probed
+            continue
+        try:
+            probe.load_state_dict(state)
         except Exception as err:  # noqa: BLE001 - a wrong state can fail in any way; report it in one line
             raise ValueError(f"checkpoint {path}: the state of {name} does not load: {_one_line(err)}") from None
 

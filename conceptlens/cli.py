@@ -12,6 +12,8 @@ import importlib
 import sys
 from typing import NoReturn
 
+from conceptlens.commands._common import add_runtime_arguments, apply_runtime
+
 # subcommand -> module in conceptlens.commands exposing add_arguments(parser) and run(args) -> int
 COMMANDS = {
     "demo": "Load SmolLM2, fit concepts on a bundled corpus, steer with one; all offline.",
@@ -35,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
         importlib.import_module(f"conceptlens.commands.{name}").add_arguments(command)
+        add_runtime_arguments(command)
     return parser
 
 
@@ -45,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return done.code if isinstance(done.code, int) else 2
     module = importlib.import_module(f"conceptlens.commands.{args.command}")
     try:
+        apply_runtime(args)  # threads, logging, device and model names: checked before any loading
         return int(module.run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

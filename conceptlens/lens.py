@@ -57,8 +57,11 @@ class Lens:
 
     @property
     def name(self) -> str:
-        return getattr(self.model, "name_or_path", "") or getattr(self.model.config, "_name_or_path", "") or \
-            type(self.model).__name__
+        """The model's portable id (registered name, hub id, or a local folder's name; never an absolute path)."""
+        from conceptlens.models import portable_id
+
+        name = getattr(self.model, "name_or_path", "") or getattr(self.model.config, "_name_or_path", "")
+        return portable_id(name) if name else type(self.model).__name__
 
     def site(self, name: str) -> Site:
         """Describe one site; `KeyError` with close valid names if there is none."""

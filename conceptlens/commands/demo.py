@@ -28,10 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import conceptlens
-    from conceptlens import data, models
+    from conceptlens import data
+    from conceptlens.commands._common import load_model
     from conceptlens.concepts.kmeans import StreamingKMeans
 
-    model, tok = models.load(args.model)
+    model, tok = load_model(args)
     lens = conceptlens.attach(model, tok)
     site = lens.site(args.site)
     print(f"{lens}\n")

@@ -196,7 +196,8 @@ def _label(task_set: Any, i: int, token_level: bool) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     import conceptlens
-    from conceptlens import data, models
+    from conceptlens import data
+    from conceptlens.commands._common import load_model
     from conceptlens.metrics.splice import splice_ce
 
     for name in ("max_docs", "max_length", "batch_size", "max_classes"):
@@ -210,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{cs} names no site; set cs.site and save it again")
     if not (args.model or cs.model):
         raise ValueError(f"{cs} names no model; pass --model")
-    model, tok = models.load(args.model or cs.model)
+    model, tok = load_model(args, args.model or cs.model)
     check_max_length(model, args.max_length, "--max-length")
     lens = conceptlens.attach(model, tok)
     site = lens.site(cs.site)

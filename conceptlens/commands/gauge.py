@@ -109,14 +109,15 @@ def sample_keys(lens: Any, site: str, batch: dict[str, Tensor]) -> Tensor:
 
 def run(args: argparse.Namespace) -> int:
     import conceptlens
-    from conceptlens import data, models
+    from conceptlens import data
+    from conceptlens.commands._common import load_model
     from conceptlens.metrics.capture_qk import qk_capture
     from conceptlens.metrics.gauge_audit import gauge_audit
 
     for name in ("max_tokens", "pairs", "sample_docs", "max_length"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer; got {getattr(args, name)}")
-    model, tok = models.load(args.model)
+    model, tok = load_model(args)
     lens = conceptlens.attach(model, tok)
     q_site, k_site = lens.site(f"blocks.{args.layer}.attn.q").name, lens.site(f"blocks.{args.layer}.attn.k").name
     print(f"{lens}\n  {lens.site(q_site).describe()}\n  {lens.site(k_site).describe()}\n")

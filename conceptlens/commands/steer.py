@@ -45,12 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import conceptlens
-    from conceptlens import models
+    from conceptlens.commands._common import load_model
     from conceptlens.steering import Add
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
-    model, tokenizer = models.load(args.model)
+    model, tokenizer = load_model(args)
     lens = conceptlens.attach(model, tokenizer)
     direction, site, what = steering_direction(lens, args)
     if not args.raw:

@@ -144,6 +144,19 @@ class ConceptSet:
         return cls(directions, config["site"], method=config["method"], config=config["config"],
                    model=config["model"], encoder=encoder, stats=stats)
 
+    @classmethod
+    def from_pretrained(cls, repo_or_path: str | os.PathLike, **kwargs: Any) -> ConceptSet:
+        """Load from a local folder or a Hub repo (`subfolder=`, `revision=`, ...); see `concepts.hub`."""
+        from conceptlens.concepts.hub import from_pretrained
+
+        return from_pretrained(repo_or_path, **kwargs)
+
+    def push_to_hub(self, repo_id: str, **kwargs: Any) -> Any:
+        """Upload this set with a model card (`subfolder=`, `private=`, ...); see `concepts.hub`."""
+        from conceptlens.concepts.hub import push_to_hub
+
+        return push_to_hub(self, repo_id, **kwargs)
+
 
 def _read_tensors(path: Path) -> tuple[dict[str, Tensor], str | None]:
     """The tensors of a set's file and the config text stored in it (None in version-1 files)."""

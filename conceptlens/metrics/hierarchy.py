@@ -22,37 +22,67 @@ import itertools
 import math
 import os
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import networkx as nx
 import torch
 from torch import Tensor
 
+from conceptlens.concepts.base import ExtractorBase, check_int
+
 _PAIR_CHUNK = 1 << 22  # (sample, latent, latent) triples scattered per step: bounds memory
 
 
-class CoactivationStats:
+@dataclass
+class CoactivationConfig:
+    """Settings of `CoactivationStats`."""
+
+    width: int
+    """Number of latents."""
+    top: int = 64
+    """Latents kept per sample (its top activations)."""
+
+    def __post_init__(self) -> None:
+        check_int("width", self.width)
+        check_int("top", self.top)
+
+
+class CoactivationSummary(NamedTuple):
+    rows: int
+    """Samples summed."""
+    alive_fraction: float
+    """Fraction of latents that fired at least once."""
+
+
+class CoactivationStats(ExtractorBase):
     """Streamed, mergeable co-activation sums of `width` latents (float64, exact to 2^53).
 
         stats = CoactivationStats(width=4608, top=64); stats.update(z); stats.W
 
-    Memory: two `(width, width)` float64 matrices (340 MB at width 4608).
+    `merge` takes another worker's object or state dict; the sums add, so the result equals
+    one run over both streams. Memory: two `(width, width)` float64 matrices (340 MB at width 4608).
     """
 
-    def __init__(self, width: int, top: int = 64) -> None:
-        if width < 1 or top < 1:
-            raise ValueError(f"width and top must be positive integers; got width={width}, top={top}")
+    Config = CoactivationConfig
+    method = "coactivation"
+
+    def __init__(self, width: int, top: int = 64, *, device: str | torch.device | None = None) -> None:
+        self.config = CoactivationConfig(width, top)
+        self._set_device(device)
         self.width, self.top = width, top
         self.n = 0
-        self.count = torch.zeros(width, dtype=torch.float64)  # sum B_i: firings
-        self.mass = torch.zeros(width, dtype=torch.float64)  # sum a_i B_i
-        self.co_mass = torch.zeros(width, width, dtype=torch.float64)  # [i, j] = sum a_i B_i B_j
-        self.co_count = torch.zeros(width, width, dtype=torch.float64)  # [i, j] = sum B_i B_j
+        dev = self.device or "cpu"
+        self.count = torch.zeros(width, dtype=torch.float64, device=dev)  # sum B_i: firings
+        self.mass = torch.zeros(width, dtype=torch.float64, device=dev)  # sum a_i B_i
+        self.co_mass = torch.zeros(width, width, dtype=torch.float64, device=dev)  # [i, j] = sum a_i B_i B_j
+        self.co_count = torch.zeros(width, width, dtype=torch.float64, device=dev)  # [i, j] = sum B_i B_j
 
     def update(self, z: Tensor) -> None:
         """Add activations `(N, width)` (any sign; negatives count as silent)."""
         if z.ndim != 2 or z.shape[1] != self.width:
             raise ValueError(f"z must have shape (N, {self.width}); got {tuple(z.shape)}")
+        z = z.to(self.count.device)
         values, index = z.double().clamp_min(0).topk(min(self.top, self.width), dim=1)  # (N, k)
         values = values * (values > 0)  # B_i = 0 for silent latents among the top k
         fired = (values > 0).double()
@@ -76,25 +106,30 @@ class CoactivationStats:
         """`(width, width)`: W[i, j] = share of i's activation mass while j fires (0 if i never fires)."""
         return self.co_mass / torch.where(self.mass > 0, self.mass, torch.ones_like(self.mass))[:, None]
 
+    def flush(self) -> None:
+        """Nothing is held back."""
+
+    def stats(self) -> CoactivationSummary:
+        return CoactivationSummary(self.n, (self.count > 0).double().mean().item())
+
     def state_dict(self) -> dict[str, Any]:
-        return {"width": self.width, "top": self.top, "n": self.n, "count": self.count,
+        return {"config": self.config_dict(), "n": self.n, "count": self.count,
                 "mass": self.mass, "co_mass": self.co_mass, "co_count": self.co_count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if (state["width"], state["top"]) != (self.width, self.top):
-            raise ValueError(f"state has width={state['width']}, top={state['top']}; "
-                             f"this object width={self.width}, top={self.top}")
+        self.check_state(state)
+        state = self._placed(state)
         self.n = int(state["n"])
         for key in ("count", "mass", "co_mass", "co_count"):
             setattr(self, key, state[key].clone())
 
-    def merge(self, other: CoactivationStats) -> None:
+    def _merge(self, other: CoactivationStats) -> None:
         """Add another worker's sums: equals one run over both streams."""
         if (other.width, other.top) != (self.width, self.top):
             raise ValueError(f"cannot merge width={other.width}, top={other.top} into width={self.width}, top={self.top}")
         self.n += other.n
         for key in ("count", "mass", "co_mass", "co_count"):
-            getattr(self, key).add_(getattr(other, key))
+            getattr(self, key).add_(getattr(other, key).to(self.count.device))
 
 
 def _candidate_edges(W: Tensor, alive: Tensor, threshold: float) -> list[tuple[int, int]]:

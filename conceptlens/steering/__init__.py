@@ -3,6 +3,7 @@
 from conceptlens.steering.edits import Add, Clamp, CodeAblate, Edit, ProjectOut
 from conceptlens.steering.scope import Positions, Steer
 from conceptlens.steering.sweep import Generation, SweepResult, sweep, token_logprob
+from conceptlens.steering.vectors import AddKeepNorm, SteeringVector, train_vector
 
-__all__ = ["Add", "Clamp", "CodeAblate", "Edit", "Generation", "ProjectOut", "Positions", "Steer", "SweepResult",
+__all__ = ["Add", "AddKeepNorm", "SteeringVector", "train_vector", "Clamp", "CodeAblate", "Edit", "Generation", "ProjectOut", "Positions", "Steer", "SweepResult",
            "sweep", "token_logprob"]

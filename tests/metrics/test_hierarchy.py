@@ -66,7 +66,7 @@ def test_state_dict_round_trip_and_errors():
     resumed.update(TOY[4:])
     stats.update(TOY[4:])
     assert torch.equal(resumed.co_mass, stats.co_mass) and torch.equal(resumed.count, stats.count)
-    with pytest.raises(ValueError, match="width=5, top=64"):
+    with pytest.raises(ValueError, match=r"\('top', 3, 64\)"):
         CoactivationStats(width=5).load_state_dict(stats.state_dict())
     with pytest.raises(ValueError, match=r"shape \(N, 5\)"):
         stats.update(torch.zeros(3, 4))

@@ -126,7 +126,7 @@ class FitState:
 def read_checkpoint(path: Path) -> dict[str, Any]:
     """The verified state of a checkpoint file; a one-line ValueError naming what is wrong."""
     try:
-        payload = torch.load(path, weights_only=True, map_location="cpu")
+        payload = torch.load(path, weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file gets the same advice
         raise ValueError(f"cannot read checkpoint {path}: {_one_line(err)}; delete it or pass resume=False") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:

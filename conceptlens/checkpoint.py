@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import tempfile
 from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator
@@ -68,8 +69,9 @@ class FitState:
 
     def open(self, path: Path, texts: Iterator[str], *, resume: bool = True,
              widths: dict[str, int] | None = None) -> Iterator[str]:
-        """Before a fit writing to `path`: remove temporary files a killed run left, check
-        the path, and resume from it when it exists (see `resume`)."""
+        """Before a fit writing to `path`: check that its folder can be written, remove
+        temporary files a killed run left, and resume from `path` when it exists (see `resume`)."""
+        _writable_folder(path.parent)
         remove_leftovers(path.parent, (path.name,))
         for folder in sorted((path.parent / "concepts").glob("*")):
             remove_leftovers(folder, ("concepts.safetensors", "config.json"))
@@ -121,6 +123,17 @@ class FitState:
             if stored.get(part) != self.fingerprint.get(part):
                 raise ValueError(f"checkpoint {path} was written by a fit of {what}; "
                                  "use another checkpoint_dir or resume=False")
+
+
+def _writable_folder(folder: Path) -> None:
+    """Create `folder` if needed and check it takes files: a one-line ValueError before any work."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        reason = "it is a file" if folder.is_file() else err.strerror or type(err).__name__
+        raise ValueError(f"checkpoint_dir {str(folder)!r} cannot be written: {reason}") from None
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:

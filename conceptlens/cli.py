@@ -20,7 +20,10 @@ COMMANDS = {
     "sites": "List the sites of a model with their shapes.",
     "steer": "Continue a prompt without and with a concept (or word) direction added, side by side.",
     "gauge": "Gauge-invariant q/k geometry of one layer, streamed, then a gauge audit of the metrics.",
+    "report": "Write the static concept atlas (index, one page per concept, matches) of a run folder.",
     "eval": "Quality metrics of a fitted concept set on a labelled task (probe loss, rank, FVU, LDA, ...).",
+    "sweep": "Dose-response of steering: a target score and fluency (perplexity) for each alpha.",
+    "ablate": "Ablate chosen concepts on held-out text against matched controls, with the task's baseline.",
 }
 
 

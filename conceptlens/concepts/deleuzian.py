@@ -248,7 +248,7 @@ class Deleuzian(ExtractorBase):
     def concept_set(self) -> ConceptSet:
         fitted = self._fitted()
         return ConceptSet(fitted.centres, method=self.method, config=self.config_dict(),
-                          stats={"mass": fitted._mass.float()})
+                          stats={"mass": fitted._mass.float()}, mean=self.reference.double().mean(0))
 
     def state_dict(self) -> dict[str, Any]:
         return {"config": self.config_dict(), "d": self.d, "n_seen": self.n_seen,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import tempfile
 from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator
@@ -68,8 +69,9 @@ class FitState:
 
     def open(self, path: Path, texts: Iterator[str], *, resume: bool = True,
              widths: dict[str, int] | None = None) -> Iterator[str]:
-        """Before a fit writing to `path`: remove temporary files a killed run left, check
-        the path, and resume from it when it exists (see `resume`)."""
+        """Before a fit writing to `path`: check that its folder can be written, remove
+        temporary files a killed run left, and resume from `path` when it exists (see `resume`)."""
+        _writable_folder(path.parent)
         remove_leftovers(path.parent, (path.name,))
         for folder in sorted((path.parent / "concepts").glob("*")):
             remove_leftovers(folder, ("concepts.safetensors", "config.json"))
@@ -102,8 +104,11 @@ class FitState:
             rows.load_state_dict(state["rows"])
         except Exception as err:  # noqa: BLE001
             raise ValueError(f"checkpoint {path}: its row filter state does not load: {_one_line(err)}") from None
-        for name, extractor in self.extractors.items():  # checked on copies above: cannot fail halfway
-            extractor.load_state_dict(state["extractors"][name])
+        for name, extractor in self.extractors.items():  # checked on copies above
+            try:
+                extractor.load_state_dict(state["extractors"][name])
+            except Exception as err:  # noqa: BLE001 - only an extractor that could not be copied gets here
+                raise ValueError(f"checkpoint {path}: the state of {name} does not load: {_one_line(err)}") from None
         self.rows.load_state_dict(state["rows"])
         torch.set_rng_state(state["torch_rng"])
         progress = state["progress"]
@@ -120,10 +125,21 @@ class FitState:
                                  "use another checkpoint_dir or resume=False")
 
 
+def _writable_folder(folder: Path) -> None:
+    """Create `folder` if needed and check it takes files: a one-line ValueError before any work."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        reason = "it is a file" if folder.is_file() else err.strerror or type(err).__name__
+        raise ValueError(f"checkpoint_dir {str(folder)!r} cannot be written: {reason}") from None
+
+
 def read_checkpoint(path: Path) -> dict[str, Any]:
     """The verified state of a checkpoint file; a one-line ValueError naming what is wrong."""
     try:
-        payload = torch.load(path, weights_only=True, map_location="cpu")
+        payload = torch.load(path, weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file gets the same advice
         raise ValueError(f"cannot read checkpoint {path}: {_one_line(err)}; delete it or pass resume=False") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
@@ -173,7 +189,11 @@ def check_extractor_states(path: Path, states: dict[str, Any], extractors: dict[
             raise ValueError(f"checkpoint {path}: the state of {name} is for width {d}; the site has width "
                              f"{widths[name]}")
         try:
-            copy.deepcopy(extractor).load_state_dict(state)
+            probe = copy.deepcopy(extractor)
+        except Exception:  # noqa: BLE001 - an extractor holding something uncopyable is not probed
+            continue
+        try:
+            probe.load_state_dict(state)
         except Exception as err:  # noqa: BLE001 - a wrong state can fail in any way; report it in one line
             raise ValueError(f"checkpoint {path}: the state of {name} does not load: {_one_line(err)}") from None
 

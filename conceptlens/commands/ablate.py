@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--controls", choices=tuple(CONTROLS), default="covariance",
                         help="covariance (default): random directions with the activation covariance; random: "
                              "isotropic; concepts: other concepts of the same set")
-    parser.add_argument("--n-controls", type=positive_int, default=8)
+    parser.add_argument("--n-controls", type=positive_int, default=8, help="control sets (at least 2)")
     parser.add_argument("--positions", choices=("after-first", "all"), default="after-first",
                         help="after-first (default) leaves the attention sink at position 0 alone")
     parser.add_argument("--max-docs", type=positive_int, default=64, help="test documents")

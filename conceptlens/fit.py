@@ -30,6 +30,7 @@ from conceptlens._io import atomic_write
 from conceptlens.batching import encode_batch
 from conceptlens.concepts.base import NotFittedError
 from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.distributed import DistributedRun
 from conceptlens.filters import FilterConfig, RowFilter
 
 if TYPE_CHECKING:
@@ -59,6 +60,9 @@ class FitConfig:
     """Show a tqdm bar of tokens and tokens/s."""
     filters: FilterConfig = field(default_factory=FilterConfig)
     """Token hygiene: attention sinks and non-finite rows never reach extractors."""
+    distributed: bool = False
+    """Fit across the processes of a torch.distributed group (see conceptlens/distributed.py):
+    documents sharded by rank, `batch_size` documents per rank per step, rank 0 writes."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_length", "max_tokens", "checkpoint_every"):
@@ -111,19 +115,23 @@ def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any 
         raise ValueError("fit needs a tokenizer: conceptlens.attach(model, tokenizer) or fit(..., tokenizer=...)")
     plan = _plan(lens, extractors)
     state = _State(RowFilter(config.filters))
+    run = DistributedRun.start(plan.extractors) if config.distributed else None
+    state.run = run
     checkpoint = Path(config.checkpoint_dir) / CHECKPOINT if config.checkpoint_dir else None
     fingerprint = _fingerprint(plan, config, lens.name, data)
     if checkpoint is not None and config.resume and checkpoint.is_file():
         state.load(checkpoint, plan, fingerprint)
     resumed_from, start = state.tokens, time.perf_counter()
-    texts = islice(datasets.iter_texts(data), state.documents, None)
-    bar = _progress(config, resumed_from)
+    texts = datasets.iter_texts(data) if run is None else run.shard(datasets.iter_texts(data))
+    batches = _batches(islice(texts, state.documents, None), config.batch_size)
+    bar = _progress(config, resumed_from, run is None or run.writes)
     next_checkpoint = _next_mark(state.tokens, config.checkpoint_every)
     with lens.capture(sorted(plan.sites)) as cap:
-        for docs in _batches(texts, config.batch_size):
+        for docs in batches if run is None else run.lockstep(batches):
             if config.max_tokens is not None and state.tokens >= config.max_tokens:
-                break
+                break  # (distributed: tokens are the global count, so every rank stops here)
             n_tokens = _step(cap, tokenizer, docs, config.max_length, plan, state, lens.model)
+            n_tokens = n_tokens if run is None else run.total(n_tokens)
             state.documents += len(docs)
             state.batches += 1
             state.tokens += n_tokens
@@ -138,6 +146,8 @@ def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any 
         flush = getattr(extractor, "flush", None)
         if callable(flush):
             flush()
+    if run is not None:
+        run.finish(plan.extractors)
     return _report(lens, plan, state, resumed_from, time.perf_counter() - start, config)
 
 
@@ -174,22 +184,27 @@ def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
 
 
 def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: _State, model) -> int:
-    batch = encode_batch(tokenizer, docs, max_length)
-    n_tokens = int(batch["attention_mask"].sum())
-    if n_tokens == 0:
+    run = state.run
+    batch = encode_batch(tokenizer, docs or ["."], max_length)  # a rank out of data forwards a stub
+    n_tokens = int(batch["attention_mask"].sum()) if docs else 0
+    if n_tokens == 0 and run is None:
         return 0  # empty documents only: nothing to forward
     device = next(model.parameters()).device
     acts = cap.forward(**{k: v.to(device) for k, v in batch.items()})  # no_grad inside
     meta = cap.last[1]
-    keep = {site: state.rows(site, acts[site], meta.position) for site in plan.sites}
+    if n_tokens == 0:  # distributed, nothing real on this rank: empty updates keep the lockstep
+        keep = {site: torch.zeros(acts[site].shape[0], dtype=torch.bool, device=acts[site].device)
+                for site in plan.sites}
+    else:
+        keep = {site: state.rows(site, acts[site], meta.position) for site in plan.sites}
     for key, extractor in plan.extractors.items():
         if isinstance(key, str):
             rows = keep[key]
-            if rows.any():
+            if rows.any() or run is not None:
                 extractor.update(_as_rows(acts[key][rows]))
         else:
             rows = keep[key[0]] & keep[key[1]]
-            if not rows.any():
+            if not rows.any() and run is None:
                 continue
             # pair extractors get q/k/v per head, (N, H, d_head); sequence ids = document index
             extra = {"sequence_ids": meta.row[rows] + state.documents} if key in plan.sequence_aware else {}
@@ -208,6 +223,7 @@ class _State:
     def __init__(self, rows: RowFilter) -> None:
         self.rows = rows
         self.tokens = self.documents = self.batches = 0
+        self.run: DistributedRun | None = None
 
     def save(self, path: Path, plan: _Plan, fingerprint: str) -> None:
         state = {
@@ -217,6 +233,10 @@ class _State:
             "torch_rng": torch.get_rng_state(),
             "extractors": {key_name(k): e.state_dict() for k, e in plan.extractors.items()},
         }
+        if self.run is not None:  # every rank's state, in one file written by rank 0
+            state = self.run.gather_checkpoint(state)
+            if state is None:
+                return
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda tmp: torch.save(state, tmp))
 
@@ -225,6 +245,7 @@ class _State:
             state = torch.load(path, weights_only=True)
         except Exception as err:  # noqa: BLE001 - any unreadable file gets the same advice
             raise ValueError(f"cannot read checkpoint {path}: {err}; delete it or pass resume=False") from None
+        state = state if self.run is None else self.run.own_checkpoint(state, path)
         if state.get("fingerprint") != fingerprint:
             raise ValueError(f"checkpoint {path} was written by a fit of another model, data, sites, extractors or "
                              "batching; "
@@ -252,11 +273,11 @@ def _next_mark(tokens: int, every: int | None) -> int | None:
     return None if every is None else (tokens // every + 1) * every
 
 
-def _progress(config: FitConfig, initial: int):
+def _progress(config: FitConfig, initial: int, show: bool = True):
     from tqdm.auto import tqdm
 
     return tqdm(total=config.max_tokens, initial=initial, unit="tok", unit_scale=True,
-                disable=not config.progress, desc="fit", dynamic_ncols=True)
+                disable=not (config.progress and show), desc="fit", dynamic_ncols=True)
 
 
 def _report(lens: Lens, plan: _Plan, state: _State, resumed_from: int, seconds: float,
@@ -279,7 +300,7 @@ def _report(lens: Lens, plan: _Plan, state: _State, resumed_from: int, seconds: 
         cs.model = cs.model or lens.name
         cs.config.setdefault("fit", {"tokens": state.tokens, "target_site": None if isinstance(key, str) else key[1]})
         concepts[name] = cs
-        if config.checkpoint_dir:
+        if config.checkpoint_dir and (state.run is None or state.run.writes):
             cs.save(Path(config.checkpoint_dir) / "concepts" / name.replace("->", "__to__"))
     return FitReport(state.tokens, state.documents, state.batches, seconds, resumed_from,
                      {k: dict(v) for k, v in state.rows.counts.items()}, stats, concepts)

@@ -88,16 +88,17 @@ class Lens:
     def fit(self, extractors: Mapping[str | tuple[str, str], Any], data: Any, *, tokenizer: Any = None,
             batch_size: int = 16, max_length: int = 128, max_tokens: int | None = None,
             checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume: bool = True,
-            progress: bool = True, filters: FilterConfig | None = None) -> FitReport:
+            progress: bool = True, filters: FilterConfig | None = None, distributed: bool = False) -> FitReport:
         """Stream `data` once through the model into every extractor (see `conceptlens.fit`).
 
         `extractors` maps a site, or a `(source_site, target_site)` pair for cross-layer
         extractors, to an extractor; `data` is a list of strings, a .txt/.jsonl path, a
-        datasets.Dataset or a bundled set name (`conceptlens.data`).
+        datasets.Dataset or a bundled set name (`conceptlens.data`). `distributed=True` fits
+        across the processes of a torch.distributed group (torchrun), see conceptlens/distributed.py.
         """
         config = FitConfig(batch_size=batch_size, max_length=max_length, max_tokens=max_tokens,
                            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-                           progress=progress, filters=filters or FilterConfig())
+                           progress=progress, filters=filters or FilterConfig(), distributed=distributed)
         return run_fit(self, extractors, data, tokenizer=tokenizer, config=config)
 
     def steer(self, *edits: Edit, positions: Positions = "all") -> Steer:

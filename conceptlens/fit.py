@@ -13,9 +13,8 @@ that was never interrupted.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
-import json
+import math
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -26,10 +25,11 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 import torch
 from torch import Tensor
 
-from conceptlens._io import atomic_write
-from conceptlens.batching import encode_batch
+from conceptlens.batching import check_max_length, encode_batch
+from conceptlens.checkpoint import CHECKPOINT, FitState, fit_fingerprint
 from conceptlens.concepts.base import NotFittedError
 from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.devices import input_device
 from conceptlens.distributed import DistributedRun
 from conceptlens.filters import FilterConfig, RowFilter
 
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from conceptlens.lens import Lens
 
 Key = str | tuple[str, str]
-CHECKPOINT = "checkpoint.pt"
 
 
 @dataclass
@@ -60,6 +59,8 @@ class FitConfig:
     """Show a tqdm bar of tokens and tokens/s."""
     filters: FilterConfig = field(default_factory=FilterConfig)
     """Token hygiene: attention sinks and non-finite rows never reach extractors."""
+    dtype: torch.dtype | str = torch.float32
+    """dtype of the rows extractors get: float32, or "model" for the model's own (e.g. bf16)."""
     distributed: bool = False
     """Fit across the processes of a torch.distributed group (see conceptlens/distributed.py):
     documents sharded by rank, `batch_size` documents per rank per step, rank 0 writes."""
@@ -67,7 +68,7 @@ class FitConfig:
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_length", "max_tokens", "checkpoint_every"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every needs checkpoint_dir")
@@ -92,8 +93,11 @@ class FitReport:
     concepts: dict[str, ConceptSet] = field(repr=False, default_factory=dict)
 
     def summary(self) -> str:
-        rate = self.tokens / self.seconds if self.seconds else 0.0
-        lines = [f"{self.tokens:,} tokens in {self.documents:,} documents, {self.seconds:.1f} s ({rate:,.0f} tok/s)"]
+        new = self.tokens - self.resumed_from  # the rate of this call: time before a resume is not counted
+        rate = new / self.seconds if self.seconds else 0.0
+        resumed = f" ({new:,} after resuming at {self.resumed_from:,})" if self.resumed_from else ""
+        lines = [f"{self.tokens:,} tokens{resumed} in {self.documents:,} documents, {self.seconds:.1f} s "
+                 f"({rate:,.0f} tok/s)"]
         for site, c in self.rows.items():
             lines.append(f"  {site}: kept {c['kept']:,} of {c['seen']:,} rows (first position {c['first_position']:,}, "
                          f"norm outliers {c['norm_outlier']:,}, non-finite {c['nonfinite']:,})")
@@ -114,34 +118,34 @@ def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any 
     if tokenizer is None:
         raise ValueError("fit needs a tokenizer: conceptlens.attach(model, tokenizer) or fit(..., tokenizer=...)")
     plan = _plan(lens, extractors)
-    state = _State(RowFilter(config.filters))
-    run = DistributedRun.start(plan.extractors) if config.distributed else None
-    state.run = run
+    named = {key_name(k): e for k, e in plan.extractors.items()}
+    batching = {"batch_size": config.batch_size, "max_length": config.max_length, "filters": asdict(config.filters)}
+    check_max_length(lens.model, config.max_length)
+    state = FitState(RowFilter(config.filters), named, fit_fingerprint(lens.model, named, batching))
+    run = state.run = DistributedRun.start(plan.extractors) if config.distributed else None
     checkpoint = Path(config.checkpoint_dir) / CHECKPOINT if config.checkpoint_dir else None
-    fingerprint = _fingerprint(plan, config, lens.name, data)
-    if checkpoint is not None and config.resume and checkpoint.is_file():
-        state.load(checkpoint, plan, fingerprint)
-    resumed_from, start = state.tokens, time.perf_counter()
     texts = datasets.iter_texts(data) if run is None else run.shard(datasets.iter_texts(data))
-    batches = _batches(islice(texts, state.documents, None), config.batch_size)
+    if checkpoint is not None:
+        widths = {key_name(k): math.prod(int(s) for s in lens.site(k).shape[2:]) for k in plan.extractors
+                  if isinstance(k, str)}
+        texts = state.open(checkpoint, texts, resume=config.resume, widths=widths)
+    resumed_from, start = state.tokens, time.perf_counter()
     bar = _progress(config, resumed_from, run is None or run.writes)
     next_checkpoint = _next_mark(state.tokens, config.checkpoint_every)
-    with lens.capture(sorted(plan.sites)) as cap:
+    batches = _batches(texts, config.batch_size)
+    with lens.capture(sorted(plan.sites), dtype=config.dtype) as cap:
         for docs in batches if run is None else run.lockstep(batches):
             if config.max_tokens is not None and state.tokens >= config.max_tokens:
                 break  # (distributed: tokens are the global count, so every rank stops here)
             n_tokens = _step(cap, tokenizer, docs, config.max_length, plan, state, lens.model)
-            n_tokens = n_tokens if run is None else run.total(n_tokens)
-            state.documents += len(docs)
-            state.batches += 1
-            state.tokens += n_tokens
+            state.advance(docs, n_tokens if run is None else run.total(n_tokens))
             bar.update(n_tokens)
             if next_checkpoint is not None and state.tokens >= next_checkpoint:
-                state.save(checkpoint, plan, fingerprint)
+                state.save(checkpoint)
                 next_checkpoint = _next_mark(state.tokens, config.checkpoint_every)
     bar.close()
     if checkpoint is not None:  # before flushing, so a longer resumed fit equals one long fit
-        state.save(checkpoint, plan, fingerprint)
+        state.save(checkpoint)
     for extractor in plan.extractors.values():  # train on rows still held in mixing buffers
         flush = getattr(extractor, "flush", None)
         if callable(flush):
@@ -183,16 +187,16 @@ def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
-def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: _State, model) -> int:
-    run = state.run
+def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: FitState, model) -> int:
+    run = state.run  # distributed: every rank updates every extractor each step, with empty rows if need be
     batch = encode_batch(tokenizer, docs or ["."], max_length)  # a rank out of data forwards a stub
     n_tokens = int(batch["attention_mask"].sum()) if docs else 0
     if n_tokens == 0 and run is None:
         return 0  # empty documents only: nothing to forward
-    device = next(model.parameters()).device
+    device = input_device(model)  # with a device map: the input embeddings' device
     acts = cap.forward(**{k: v.to(device) for k, v in batch.items()})  # no_grad inside
     meta = cap.last[1]
-    if n_tokens == 0:  # distributed, nothing real on this rank: empty updates keep the lockstep
+    if n_tokens == 0:  # distributed, nothing real on this rank
         keep = {site: torch.zeros(acts[site].shape[0], dtype=torch.bool, device=acts[site].device)
                 for site in plan.sites}
     else:
@@ -203,70 +207,20 @@ def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: 
             if rows.any() or run is not None:
                 extractor.update(_as_rows(acts[key][rows]))
         else:
-            rows = keep[key[0]] & keep[key[1]]
+            rows = keep[key[0]] & keep[key[1]].to(keep[key[0]].device)  # sites may sit on two devices
             if not rows.any() and run is None:
                 continue
             # pair extractors get q/k/v per head, (N, H, d_head); sequence ids = document index
-            extra = {"sequence_ids": meta.row[rows] + state.documents} if key in plan.sequence_aware else {}
-            extractor.update(acts[key[0]][rows], acts[key[1]][rows], **extra)
+            extra = {"sequence_ids": meta.row[rows.to(meta.row.device)] + state.documents} \
+                if key in plan.sequence_aware else {}
+            target = acts[key[1]]
+            extractor.update(acts[key[0]][rows], target[rows.to(target.device)], **extra)
     return n_tokens
 
 
 def _as_rows(x: Tensor) -> Tensor:
     # Single-site extractors get (N, d) rows: q/k/v heads are concatenated.
     return x if x.ndim == 2 else x.reshape(x.shape[0], -1)
-
-
-class _State:
-    """Everything a checkpoint holds besides the extractors."""
-
-    def __init__(self, rows: RowFilter) -> None:
-        self.rows = rows
-        self.tokens = self.documents = self.batches = 0
-        self.run: DistributedRun | None = None
-
-    def save(self, path: Path, plan: _Plan, fingerprint: str) -> None:
-        state = {
-            "fingerprint": fingerprint,
-            "progress": {"tokens": self.tokens, "documents": self.documents, "batches": self.batches},
-            "rows": self.rows.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "extractors": {key_name(k): e.state_dict() for k, e in plan.extractors.items()},
-        }
-        if self.run is not None:  # every rank's state, in one file written by rank 0
-            state = self.run.gather_checkpoint(state)
-            if state is None:
-                return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, lambda tmp: torch.save(state, tmp))
-
-    def load(self, path: Path, plan: _Plan, fingerprint: str) -> None:
-        try:
-            state = torch.load(path, weights_only=True)
-        except Exception as err:  # noqa: BLE001 - any unreadable file gets the same advice
-            raise ValueError(f"cannot read checkpoint {path}: {err}; delete it or pass resume=False") from None
-        state = state if self.run is None else self.run.own_checkpoint(state, path)
-        if state.get("fingerprint") != fingerprint:
-            raise ValueError(f"checkpoint {path} was written by a fit of another model, data, sites, extractors or "
-                             "batching; "
-                             "use another checkpoint_dir or resume=False")
-        for key, extractor in plan.extractors.items():
-            extractor.load_state_dict(state["extractors"][key_name(key)])
-        self.rows.load_state_dict(state["rows"])
-        torch.set_rng_state(state["torch_rng"])
-        progress = state["progress"]
-        self.tokens, self.documents, self.batches = progress["tokens"], progress["documents"], progress["batches"]
-
-
-def _fingerprint(plan: _Plan, config: FitConfig, model: str, data: Any) -> str:
-    """What must not change between a checkpoint and its resume (data: its name or path when
-    it has one; an in-memory list or iterator cannot be recognised)."""
-    what = {
-        "model": model, "data": str(data) if isinstance(data, (str, Path)) else type(data).__name__,
-        "extractors": sorted((key_name(k), type(e).__qualname__) for k, e in plan.extractors.items()),
-        "batch_size": config.batch_size, "max_length": config.max_length, "filters": asdict(config.filters),
-    }
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _next_mark(tokens: int, every: int | None) -> int | None:
@@ -280,7 +234,7 @@ def _progress(config: FitConfig, initial: int, show: bool = True):
                 disable=not (config.progress and show), desc="fit", dynamic_ncols=True)
 
 
-def _report(lens: Lens, plan: _Plan, state: _State, resumed_from: int, seconds: float,
+def _report(lens: Lens, plan: _Plan, state: FitState, resumed_from: int, seconds: float,
             config: FitConfig) -> FitReport:
     concepts: dict[str, ConceptSet] = {}
     stats: dict[str, Any] = {}

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from conceptlens._checks import known_kwargs
 from conceptlens.concepts.base import ExtractorBase, NotFittedError, check_bool, check_choice, check_float, check_int
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.clvq_modules import MLPDecoder, ResidualEncoder, SequenceDecoder
@@ -124,6 +125,7 @@ class CLVQTranscoder(ExtractorBase):
     Config = CLVQConfig
     method = "clvq"
 
+    @known_kwargs
     def __init__(self, n_codes: int, *, hidden: int = 1024, decoder: DecoderKind = "mlp",
                  commitment: float = 0.1, lr: float = 1e-3, batch_size: int | None = 1024,
                  buffer_size: int | None = None, layers: int = 2, heads: int = 4, causal: bool = True,

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from conceptlens._checks import known_kwargs
 from conceptlens.concepts.base import ExtractorBase, NotFittedError, check_bool, check_float, check_int
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
@@ -133,6 +134,7 @@ class Deleuzian(ExtractorBase):
     method = "deleuzian"
     distributed = "step"
 
+    @known_kwargs
     def __init__(self, n_concepts: int, *, reference_size: int = 4096, buffer_size: int = 16384,
                  batch_size: int = 2048, skew_weighting: bool = True, reseed_after: float | None = 50.0,
                  seed: int = 0, device: str | torch.device | None = None) -> None:
@@ -261,7 +263,7 @@ class Deleuzian(ExtractorBase):
     def concept_set(self) -> ConceptSet:
         fitted = self._fitted()
         return ConceptSet(fitted.centres, method=self.method, config=self.config_dict(),
-                          stats={"mass": fitted._mass.float()})
+                          stats={"mass": fitted._mass.float()}, mean=self.reference.double().mean(0))
 
     def state_dict(self) -> dict[str, Any]:
         return {"config": self.config_dict(), "d": self.d, "n_seen": self.n_seen,

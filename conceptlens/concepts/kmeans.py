@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from conceptlens._checks import known_kwargs
 from conceptlens.concepts.base import ExtractorBase, NotFittedError, check_bool, check_float, check_int
 from conceptlens.concepts.conceptset import ConceptSet
 
@@ -64,6 +65,12 @@ def squared_distances(x: Tensor, c: Tensor, x_sq: Tensor | None = None, c_sq: Te
     x_sq = (x * x).sum(1) if x_sq is None else x_sq
     c_sq = (c * c).sum(1) if c_sq is None else c_sq
     return (x_sq[:, None] - 2.0 * (x @ c.T) + c_sq[None]).clamp_min_(0.0)
+
+
+def mass_weighted_mean(centres: Tensor, mass: Tensor) -> Tensor:
+    """(d,) mean of the rows clustered, from centres `(k, d)` that are running means and their
+    masses `(k,)` (exact until a centre is reseeded or merged; the fit's mean activation)."""
+    return (mass.double() @ centres.double() / mass.double().sum().clamp_min(1e-300)).float()
 
 
 def kmeans_plusplus(x: Tensor, k: int, generator: torch.Generator, weight: Tensor | None = None) -> Tensor:
@@ -175,6 +182,7 @@ class StreamingKMeans(ExtractorBase):
     Config = KMeansConfig
     method = "kmeans"
 
+    @known_kwargs
     def __init__(self, n_concepts: int, *, spherical: bool = False, batch_size: int | None = None,
                  init_size: int | None = None, reseed_after: float | None = 50.0, seed: int = 0,
                  device: str | torch.device | None = None) -> None:
@@ -366,7 +374,7 @@ class StreamingKMeans(ExtractorBase):
     def concept_set(self) -> ConceptSet:
         fitted = self._fitted()
         return ConceptSet(fitted.centres, method=self.method, config=asdict(self.config),
-                          stats={"mass": fitted._mass.float()})
+                          stats={"mass": fitted._mass.float()}, mean=mass_weighted_mean(fitted.centres, fitted._mass))
 
     def state_dict(self) -> dict[str, Any]:
         px, pw = self._pending if self._pending is not None else (None, None)

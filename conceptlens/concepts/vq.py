@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from conceptlens._checks import known_kwargs
 from conceptlens.concepts.base import (ExtractorBase, NotFittedError, check_choice, check_float, check_fraction,
                                       check_int)
 from conceptlens.concepts.buffer import MixingBuffer
@@ -136,6 +137,7 @@ class VQCodebook(ExtractorBase):
     method = "vq"
     distributed = "step"
 
+    @known_kwargs
     def __init__(self, n_codes: int, *, decay: float = 0.99, eps: float = 1e-5, top_k: int = 5,
                  temperature: float = 1.0, init: InitMethod = "kmeans", init_size: int | None = None,
                  reseed_after: int | None = 100, reseed_threshold: float = 0.03,
@@ -351,7 +353,8 @@ class VQCodebook(ExtractorBase):
         config = {**self.config_dict(), "fit_stats": self.stats()._asdict()}
         return ConceptSet(fit.codes.clone(), method=self.method, config=config,
                           encoder={"codebook": fit.codes.clone()},
-                          stats={"ema_count": fit.counts.clone(), "hits": fit.hits.clone()})
+                          stats={"ema_count": fit.counts.clone(), "hits": fit.hits.clone()},
+                          mean=fit.sums.sum(0) / fit.counts.sum())  # EMA mean of the activations
 
     def _fitted(self) -> CodebookState:
         if self.fitted is None:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conceptlens.concepts import ConceptSet, Extractor
-from conceptlens.concepts.sae import (BatchTopKSAE, JumpReLUSAE, MatryoshkaSAE, ReLUSAE, SpaDE, TopKSAE,
-                                      sae_from_concept_set)
+from conceptlens.concepts.sae import (ActMSAE, BatchTopKSAE, EWGSAE, JumpReLUSAE, MatryoshkaSAE, ReLUSAE, SpaDE,
+                                      TopKSAE, sae_from_concept_set)
 
 SMALL = dict(width=24, batch_size=64, warmup_tokens=100, buffer_size=128, dead_after=200)
 VARIANTS = {
@@ -17,6 +17,8 @@ VARIANTS = {
     "jumprelu": lambda seed=0: JumpReLUSAE(**SMALL, l0=0.1, threshold_init=0.1, bandwidth=0.05, seed=seed),
     "spade": lambda seed=0: SpaDE(**SMALL, seed=seed),
     "matryoshka": lambda seed=0: MatryoshkaSAE(**SMALL, k=4, prefixes=(6, 12, 24), seed=seed),
+    "actmsae": lambda seed=0: ActMSAE(**SMALL, k=2, ks=(2, 6, 24), seed=seed),
+    "ewg": lambda seed=0: EWGSAE(**SMALL, groups=(3, 9, 24), l1=0.3, seed=seed),
 }
 pytestmark = pytest.mark.parametrize("name", VARIANTS)
 

@@ -210,15 +210,7 @@ class DistributedRun:
         states = self.comm.gather_objects(state)
         if not self.writes:
             return None
-        return {"fingerprint": state["fingerprint"], "world_size": self.comm.world, "ranks": states}
-
-    def own_checkpoint(self, saved: dict[str, Any], path: Any) -> dict[str, Any]:
-        """This rank's part of a checkpoint written by `gather_checkpoint`."""
-        world = saved.get("world_size")
-        if world != self.comm.world:
-            raise ValueError(f"checkpoint {path} was written by a fit on {world or 1} process(es); this fit runs on "
-                             f"{self.comm.world}: resume with the same world size, or use resume=False")
-        return saved["ranks"][self.comm.rank]
+        return {"world_size": self.comm.world, "ranks": states}
 
     def finish(self, extractors: dict[Any, Any]) -> None:
         """After the flushes: statistics summed over the ranks; then wait for rank 0's files."""
@@ -226,3 +218,15 @@ class DistributedRun:
         for extractor in extractors.values():
             if getattr(extractor, "comm", None) is self.comm:
                 extractor.comm = None  # an extractor outlives the fit; its later updates are local
+
+
+def own_checkpoint(saved: dict[str, Any], path: Any, run: DistributedRun | None) -> dict[str, Any]:
+    """This rank's part of a checkpoint written by `DistributedRun.gather_checkpoint`."""
+    world = saved.get("world_size", 1) if "ranks" in saved else 1
+    mine = 1 if run is None else run.comm.world
+    if world != mine or not isinstance(saved.get("ranks", [None] * world), list):
+        raise ValueError(f"checkpoint {path} was written by a fit on {world} process(es); this fit runs on "
+                         f"{mine}: resume with the same world size, or use resume=False")
+    if "ranks" not in saved:
+        return saved
+    return saved["ranks"][0 if run is None else run.comm.rank]

@@ -54,6 +54,9 @@ def _entry(rank: int, world: int, port: int, fn, out_dir: str, args: tuple, time
 def spawn(fn, world: int, out_dir: Path, *args, timeout: float = 240.0, collective_timeout: float = 60.0) -> list:
     """Run fn on `world` gloo ranks; return (exit codes, results or error texts, seconds)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    for r in range(world):  # no stale result of an earlier run
+        for suffix in (".pt", ".err"):
+            (out_dir / f"rank{r}{suffix}").unlink(missing_ok=True)
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, str(out_dir), args, collective_timeout))

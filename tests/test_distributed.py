@@ -152,3 +152,30 @@ def test_a_dead_rank_stops_the_others_with_a_clear_error_and_both_resume_bit_ide
 def test_fit_distributed_without_a_process_group_names_the_fix():
     with pytest.raises(DistributedError, match="torchrun"):
         Comm()
+
+
+def test_torchrun_starts_a_distributed_fit_from_its_environment(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(W.free_port()), str(root / "tests" / "torchrun_fit.py"), str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CONCEPTLENS_DIST_TIMEOUT": "60"}
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert r0["tokens"] == r1["tokens"] == sum(min(len(d), 24) for d in W.CORPUS)
+    assert (r0["documents"], r1["documents"]) == (21, 20)
+    assert_same_state(r0["states"]["blocks.0.mlp_out"]["params"], r1["states"]["blocks.0.mlp_out"]["params"])
+    assert torch.equal(r0["states"]["blocks.1.resid_out"]["centres"], r1["states"]["blocks.1.resid_out"]["centres"])
+
+
+def test_an_extractor_that_cannot_be_synchronised_is_refused_by_name():
+    from conceptlens.concepts import CLVQTranscoder
+    from conceptlens.distributed import attach
+
+    with pytest.raises(ValueError, match=r"CLVQTranscoder\) cannot be fitted with distributed=True; supported"):
+        attach({("blocks.0.resid_out", "blocks.1.resid_out"): CLVQTranscoder(4)}, comm=None)

@@ -45,6 +45,7 @@ class FitState:
         self.fingerprint = fingerprint
         self.tokens = self.documents = self.batches = 0
         self._data = hashlib.sha256()  # of the documents consumed so far, in order
+        self.run: Any = None  # a conceptlens.distributed.DistributedRun in a distributed fit
 
     def advance(self, docs: list[str], n_tokens: int) -> None:
         """Count one batch of documents that has been fed to the extractors."""
@@ -63,6 +64,10 @@ class FitState:
             "torch_rng": torch.get_rng_state(),
             "extractors": {name: e.state_dict() for name, e in self.extractors.items()},
         }
+        if self.run is not None:  # every rank's state in one file, written by rank 0
+            state = self.run.gather_checkpoint(state)
+            if state is None:
+                return
         payload = {"format": FORMAT, "version": VERSION, "sha256": state_digest(state), "state": state}
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda tmp: torch.save(payload, tmp))
@@ -89,6 +94,11 @@ class FitState:
         each extractor's state) runs before anything of the caller's is changed.
         """
         state = read_checkpoint(path)
+        if self.run is not None or "ranks" in state:  # this rank's part of a distributed checkpoint
+            from conceptlens.distributed import own_checkpoint
+
+            state = own_checkpoint(state, path, self.run)
+            _check_structure(path, state)
         self._check_fingerprint(path, state["fingerprint"])
         check_extractor_states(path, state["extractors"], self.extractors, widths or {})
         documents = state["progress"]["documents"]
@@ -151,7 +161,8 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     if not isinstance(state, dict) or payload.get("sha256") != state_digest(state):
         raise ValueError(f"checkpoint {path} is corrupt: its content does not match its sha256; "
                          "delete it or pass resume=False")
-    _check_structure(path, state)
+    if "ranks" not in state:  # (a distributed checkpoint's parts are checked by `FitState.resume`)
+        _check_structure(path, state)
     return state
 
 

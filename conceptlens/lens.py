@@ -101,17 +101,20 @@ class Lens:
             batch_size: int = 16, max_length: int = 128, max_tokens: int | None = None,
             checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume: bool = True,
             progress: bool = True, filters: FilterConfig | None = None,
-            dtype: torch.dtype | str = torch.float32) -> FitReport:
+            dtype: torch.dtype | str = torch.float32, distributed: bool = False) -> FitReport:
         """Stream `data` once through the model into every extractor (see `conceptlens.fit`).
 
         `extractors` maps a site, or a `(source_site, target_site)` pair for cross-layer
         extractors, to an extractor or to `{name: extractor}` (several per site, reported and
         saved under their names); `data` is a list of strings, a .txt/.jsonl path, a
         datasets.Dataset or a bundled set name (`conceptlens.data`).
+        `distributed=True` fits across the processes of a torch.distributed group (torchrun), see
+        conceptlens/distributed.py.
         """
         config = FitConfig(batch_size=batch_size, max_length=max_length, max_tokens=max_tokens,
                            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-                           progress=progress, filters=filters or FilterConfig(), dtype=dtype)
+                           progress=progress, filters=filters or FilterConfig(), dtype=dtype,
+                           distributed=distributed)
         return run_fit(self, extractors, data, tokenizer=tokenizer, config=config)
 
     def describe(self, concept_sets: Mapping[str, ConceptSet], data: Any, **kwargs: Any) -> dict[str, Any]:

@@ -132,6 +132,7 @@ class Deleuzian(ExtractorBase):
 
     Config = DeleuzianConfig
     method = "deleuzian"
+    distributed = "step"
 
     @known_kwargs
     def __init__(self, n_concepts: int, *, reference_size: int = 4096, buffer_size: int = 16384,
@@ -147,6 +148,15 @@ class Deleuzian(ExtractorBase):
         self._reference: Tensor | None = None  # (reference_size, d) reservoir sample
         self.n_seen = 0
         self._ready: tuple[int, StreamingKMeans] | None = None  # cached flushed copy for reading
+
+    @property
+    def comm(self):  # noqa: ANN201 - a conceptlens.distributed.Comm or None
+        """Distributed fits synchronise the inner k-means (its statistics are all-reduced per step)."""
+        return self.kmeans.comm
+
+    @comm.setter
+    def comm(self, value) -> None:  # noqa: ANN001
+        self.kmeans.comm = value
 
     @property
     def reference(self) -> Tensor:
@@ -167,6 +177,12 @@ class Deleuzian(ExtractorBase):
         x = self._place(x.detach().float())
         self.n_seen = reservoir_update(self._reference, self.n_seen, x, self._gen)
         self.buffer.add(x)
+        if self.comm is not None:  # as many k-means steps on every rank; short ranks add empty blocks
+            size = self.config.batch_size
+            for _ in range(self.comm.max_int(self.buffer.ready(size))):
+                block = self.buffer.take(size)
+                self._step(block if block is not None else x[:0])
+            return
         while (block := self.buffer.take(self.config.batch_size)) is not None:
             self._step(block)
 
@@ -178,11 +194,10 @@ class Deleuzian(ExtractorBase):
     def flush(self) -> None:
         """Pair what is left in the buffer and initialise the k-means if it has not yet."""
         rest = self.buffer.drain()
-        if rest is not None:
-            for start in range(0, rest.shape[0], self.config.batch_size):
-                block = rest[start:start + self.config.batch_size]
-                if block.shape[0] >= 2:
-                    self._step(block)
+        blocks = [] if rest is None else [b for b in rest.split(self.config.batch_size) if b.shape[0] >= 2]
+        n = len(blocks) if self.comm is None or self.d is None else self.comm.max_int(len(blocks))
+        for i in range(n):
+            self._step(blocks[i] if i < len(blocks) else self._reference[:0])
         self.kmeans.flush()
 
     def _fitted(self) -> StreamingKMeans:

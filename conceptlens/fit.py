@@ -156,15 +156,20 @@ def _plan(lens: Lens, extractors: Mapping[Key, Any]) -> _Plan:
     if not extractors:
         raise ValueError("fit needs at least one extractor: {site: extractor} or {(source, target): extractor}")
     resolved: dict[Key, Any] = {}
+    given: dict[Key, Key] = {}
     for key, extractor in extractors.items():
         if not callable(getattr(extractor, "update", None)):
             raise TypeError(f"extractor for {key!r} has no update(x) method: {type(extractor).__name__}")
         if isinstance(key, tuple):
             if len(key) != 2:
                 raise ValueError(f"a cross-layer key is a (source_site, target_site) pair; got {key!r}")
-            resolved[(lens.site(key[0]).name, lens.site(key[1]).name)] = extractor
+            name: Key = (lens.site(key[0]).name, lens.site(key[1]).name)
         else:
-            resolved[lens.site(key).name] = extractor
+            name = lens.site(key).name
+        if name in resolved:  # e.g. "blocks.-1.resid_out" and "blocks.1.resid_out" on a 2-block model
+            raise ValueError(f"keys {given[name]!r} and {key!r} both name {name!r}; one extractor per site "
+                             "(fit several extractors at one site in separate fits)")
+        resolved[name], given[name] = extractor, key
     sites = {s for key in resolved for s in ((key,) if isinstance(key, str) else key)}
     aware = {key for key, e in resolved.items() if "sequence_ids" in inspect.signature(e.update).parameters}
     return _Plan(resolved, sites, aware)

@@ -12,11 +12,14 @@ k-means++), a TopK SAE (8x the width, k = 32; probed on its codes).
 
 from __future__ import annotations
 
+import sys
+
 from _common import Clock, activations, fit_deleuzian, fit_topk, report, threads
 
 from conceptlens.metrics.quality import mppc
 
 TASKS = [
+    ("MiniLM bbc-news (doc means)", "minilm-l6", "bbc-news", "blocks.5.resid_out", 300, 256),
     ("SmolLM2 bbc-news (doc means)", "smollm2-135m", "bbc-news", "blocks.15.resid_out", 300, 256),
     ("SmolLM2 wsj-pos (tokens)", "smollm2-135m", "wsj-pos", "blocks.15.resid_out", 200, 512),
 ]
@@ -25,7 +28,10 @@ TASKS = [
 def main() -> None:
     threads(2)
     clock, rows = Clock(), []
+    only = sys.argv[1:]  # e.g. "MiniLM": run the tasks whose name contains one of these words
     for name, model, task, site, docs, k in TASKS:
+        if only and not any(word in name for word in only):
+            continue
         train = activations(model, task, "train", site, max_docs=docs)
         test = activations(model, task, "test", site, max_docs=docs // 2)
         d = train.x.shape[1]

@@ -17,6 +17,8 @@ on its dense pre-activations.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from _common import Clock, activations, fit_deleuzian, fit_topk, report, sae_pre_activations, threads
@@ -33,7 +35,10 @@ TASKS = [  # (name, model, task, site, docs per split, Deleuzian concepts)
 def main() -> None:
     threads(2)
     clock, rows = Clock(), []
+    only = sys.argv[1:]  # e.g. "MiniLM": run the tasks whose name contains one of these words
     for name, model, task, site, docs, k in TASKS:
+        if only and not any(word in name for word in only):
+            continue
         train = activations(model, task, "train", site, max_docs=docs)
         test = activations(model, task, "test", site, max_docs=docs // 2)
         d = train.x.shape[1]

@@ -15,6 +15,8 @@ here (the paper's code allows 300) to fit the time budget.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from _common import Clock, cached, report, threads, token_rows
@@ -40,7 +42,10 @@ def _tokens(model: str, site: str, n: int) -> torch.Tensor:
 def main() -> None:
     threads(2)
     clock, rows = Clock(), []
+    only = sys.argv[1:]  # e.g. "minilm": run the representations whose model name contains one of these words
     for model, site, n, ks in RUNS:
+        if only and not any(word in model for word in only):
+            continue
         x = cached("tokens", _tokens, model=model, site=site, n=n)
         print(f"[{clock}] {model} {site}: {tuple(x.shape)}", flush=True)
         for k in ks:

@@ -10,8 +10,8 @@ are invariant. (A qualitative claim: no table in the paper.)
 1. SmolLM2 (rotary): a random element of the rotary gauge group (commutes with the rotations,
    so it is a symmetry) and, as a negative control, of the general linear group (not a
    symmetry of a rotary model: the logits must move), on 8 bbc-news texts, every layer.
-2. `group_audit` of CKA, CCA, SVCCA, Procrustes and mutual k-NN between SmolLM2 block 5 and
-   block 10 document means, under random isometries, similarities and affine maps.
+2. `group_audit` of CKA, CCA, SVCCA, Procrustes and mutual k-NN between MiniLM block 2 and
+   block 5 document means, under random isometries, similarities and affine maps.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ def main() -> None:
     inputs = encode_batch(tok, texts, 64)
     for group in ("rotary", "general"):
         print(f"\n[{clock}] " + str(gauge_audit(model, inputs, seed=1, group=group)), flush=True)
-    a = activations("smollm2-135m", "bbc-news", "train", "blocks.5.resid_out", max_docs=200).x
-    b = activations("smollm2-135m", "bbc-news", "train", "blocks.10.resid_out", max_docs=200).x
+    a = activations("minilm-l6", "bbc-news", "train", "blocks.2.resid_out", max_docs=200).x
+    b = activations("minilm-l6", "bbc-news", "train", "blocks.5.resid_out", max_docs=200).x
     report = group_audit(a.double(), b.double(), trials=4, seed=0, rtol=1e-6)
-    print(f"\n[{clock}] group audit of representation similarities, block 5 vs block 10 document means "
+    print(f"\n[{clock}] group audit of representation similarities, MiniLM block 2 vs block 5 document means "
           f"({len(a)} documents); max relative change over 4 random elements:\n{report}\n"
           f"declared invariances hold: {report.consistent}")
     print(f"\ntotal {clock}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import importlib.util
+import logging
 import os
 import re
 import shutil
@@ -24,6 +25,8 @@ import torch
 
 from conceptlens._cache import cache_dir
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Registered:
@@ -33,8 +36,8 @@ class Registered:
     """Import name of the package holding the files."""
     install: str
     """The exact command that installs it."""
-    loader: Callable[[Path], tuple[Any, Any]]
-    """Loads (model, tokenizer) from the package's folder."""
+    loader: Callable[..., tuple[Any, Any]]
+    """Loads (model, tokenizer) from the package's folder; keyword arguments go to `from_pretrained`."""
     hub_id: str | None = None
     """The same model's Hugging Face id (what exported files name, so others can load it)."""
 
@@ -48,13 +51,13 @@ def _package_dir(entry: Registered) -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
-def _load_smollm2(folder: Path) -> tuple[Any, Any]:
+def _load_smollm2(folder: Path, **kwargs: Any) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cached = cache_dir("models", "smollm2-135m-instruct-fp32")
     if not (cached / "config.json").is_file():
         _cache_fp32(folder / "SmolLM2-135M-Instruct.Q4_1.gguf", cached)
-    model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(cached, **{"dtype": torch.float32, **kwargs})
     tokenizer = AutoTokenizer.from_pretrained(cached)
     return model.eval(), tokenizer
 
@@ -65,6 +68,7 @@ def _cache_fp32(gguf: Path, target: Path) -> None:
 
     if not gguf.is_file():
         raise FileNotFoundError(f"{gguf} is missing from the installed package")
+    log.info("dequantising %s once into an fp32 copy at %s", gguf.name, target)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model.hf_quantizer = None
@@ -79,11 +83,11 @@ def _cache_fp32(gguf: Path, target: Path) -> None:
     tmp.rename(target)
 
 
-def _load_minilm(folder: Path) -> tuple[Any, Any]:
+def _load_minilm(folder: Path, **kwargs: Any) -> tuple[Any, Any]:
     from transformers import AutoModel, AutoTokenizer
 
     path = folder / "model"
-    return AutoModel.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    return AutoModel.from_pretrained(path, **kwargs).eval(), AutoTokenizer.from_pretrained(path)
 
 
 REGISTRY: dict[str, Registered] = {
@@ -97,7 +101,9 @@ REGISTRY: dict[str, Registered] = {
 def load(name: str, **kwargs: Any) -> tuple[Any, Any]:
     """Load `(model, tokenizer)` in eval mode.
 
-    A registered name (`"smollm2-135m"`, `"minilm-l6"`) loads from its installed package; a
+    A registered name (`"smollm2-135m"`, `"minilm-l6"`) loads from its installed package, with
+    `kwargs` (`dtype=`, `device_map=`, `quantization_config=`, ...) passed to `from_pretrained`
+    (SmolLM2 defaults to float32); a
     `.gguf` file is dequantised once into a cached fp32 copy; any other string goes to
     `AutoModelForCausalLM.from_pretrained` (falling back to `AutoModel` for encoders), as a
     hub id or a local folder, with `kwargs` passed on. A name that can be none of these fails
@@ -118,7 +124,7 @@ def load(name: str, **kwargs: Any) -> tuple[Any, Any]:
 def _load(name: str, **kwargs: Any) -> tuple[Any, Any]:
     if name in REGISTRY:
         entry = REGISTRY[name]
-        model, tokenizer = entry.loader(_package_dir(entry))
+        model, tokenizer = entry.loader(_package_dir(entry), **kwargs)
         model.name_or_path = model.config._name_or_path = name  # portable: ConceptSets record it
         return model, tokenizer
     check_name(name)

@@ -192,7 +192,3 @@ def test_clvq_codes_are_labelled_with_their_encoder_space_not_the_source_site(le
     with pytest.raises(KeyError):
         lens.site(cs.site)  # names no activation site: steering or projecting it fails loudly
 
-
-def test_two_keys_naming_one_site_are_refused_not_dropped(lens):
-    with pytest.raises(ValueError, match="keys 'blocks.1.resid_out' and 'blocks.-1.resid_out' both name"):
-        lens.fit({"blocks.1.resid_out": Recorder(), "blocks.-1.resid_out": Recorder()}, DOCS, progress=False)

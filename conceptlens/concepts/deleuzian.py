@@ -304,7 +304,7 @@ class Deleuzian(ExtractorBase):
         fitted = self._fitted()
         mass = fitted.mass if isinstance(fitted, PaperFit) else fitted._mass
         return ConceptSet(fitted.centres, method=self.method, config=self.config_dict(),
-                          stats={"mass": mass.float()})
+                          stats={"mass": mass.float()}, mean=self.reference.double().mean(0))
 
     def state_dict(self) -> dict[str, Any]:
         return {"config": self.config_dict(), "d": self.d, "n_seen": self.n_seen,

@@ -67,6 +67,12 @@ def squared_distances(x: Tensor, c: Tensor, x_sq: Tensor | None = None, c_sq: Te
     return (x_sq[:, None] - 2.0 * (x @ c.T) + c_sq[None]).clamp_min_(0.0)
 
 
+def mass_weighted_mean(centres: Tensor, mass: Tensor) -> Tensor:
+    """(d,) mean of the rows clustered, from centres `(k, d)` that are running means and their
+    masses `(k,)` (exact until a centre is reseeded or merged; the fit's mean activation)."""
+    return (mass.double() @ centres.double() / mass.double().sum().clamp_min(1e-300)).float()
+
+
 def kmeans_plusplus(x: Tensor, k: int, generator: torch.Generator, weight: Tensor | None = None) -> Tensor:
     """Indices `(k,)` of rows of x `(N, d)` chosen as initial centres by greedy k-means++.
 
@@ -328,7 +334,7 @@ class StreamingKMeans(ExtractorBase):
     def concept_set(self) -> ConceptSet:
         fitted = self._fitted()
         return ConceptSet(fitted.centres, method=self.method, config=asdict(self.config),
-                          stats={"mass": fitted._mass.float()})
+                          stats={"mass": fitted._mass.float()}, mean=mass_weighted_mean(fitted.centres, fitted._mass))
 
     def state_dict(self) -> dict[str, Any]:
         px, pw = self._pending if self._pending is not None else (None, None)

@@ -308,7 +308,8 @@ class VQCodebook(ExtractorBase):
         config = {**self.config_dict(), "fit_stats": self.stats()._asdict()}
         return ConceptSet(fit.codes.clone(), method=self.method, config=config,
                           encoder={"codebook": fit.codes.clone()},
-                          stats={"ema_count": fit.counts.clone(), "hits": fit.hits.clone()})
+                          stats={"ema_count": fit.counts.clone(), "hits": fit.hits.clone()},
+                          mean=fit.sums.sum(0) / fit.counts.sum())  # EMA mean of the activations
 
     def _fitted(self) -> CodebookState:
         if self.fitted is None:

@@ -28,6 +28,8 @@ _EXPORTS = {
     "gauge_sites": ["GaugeWarning", "warn_if_qk", "is_qk_site"],
     "splice": ["splice_ce", "SpliceResult", "splice_mask"],
     "faithfulness": ["faithfulness", "FaithfulnessResult", "ProbeTask", "next_token_loss_sum"],
+    "controls": ["covariance_directions", "random_orthonormal", "base_rate_entropy", "majority_accuracy",
+                 "unigram_entropy"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)
@@ -52,6 +54,8 @@ if TYPE_CHECKING:
                                                 linear_cka, mutual_knn, procrustes, random_element, similarity,
                                                 svcca)
     from conceptlens.metrics.splice import SpliceResult, splice_ce, splice_mask
+    from conceptlens.metrics.controls import (base_rate_entropy, covariance_directions, majority_accuracy,
+                                              random_orthonormal, unigram_entropy)
 
 
 def __getattr__(name: str) -> Any:

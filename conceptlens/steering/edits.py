@@ -1,6 +1,7 @@
 """Edits: what steering does to a site's activations.
 
-    Add(cs[12], alpha=6.0)                 # x + alpha * c
+    Add(cs[12], alpha=6.0)                 # x + alpha * c  (the raw direction)
+    Add(cs[12], alpha=0.5, scale="site_norm")  # x + 0.5 * (typical token norm) * c / |c|
     ProjectOut(cs[[3, 7]])                 # remove the span of the directions
     Clamp(sae, latent=42, value=0.0)       # set one SAE latent, keep the SAE's error
     CodeAblate(codebook, codes=[5])        # remove the code vector from tokens assigned to it
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 import torch
 from torch import Tensor
@@ -22,7 +23,12 @@ from torch import Tensor
 from conceptlens._checks import known_kwargs
 from conceptlens.concepts.conceptset import ConceptSet
 
+if TYPE_CHECKING:
+    from conceptlens.lens import Lens
+
 Concepts = ConceptSet | Tensor
+Scale = Literal["raw", "unit", "site_norm"]
+SCALES = ("raw", "unit", "site_norm")
 
 
 def _directions(concepts: Concepts) -> Tensor:
@@ -83,6 +89,9 @@ class Edit:
             warnings.warn(f"{type(self).__name__} at {site}: the concepts were recorded for model {self.model!r}; "
                           f"this model is {model!r}", UserWarning, stacklevel=4)
 
+    def bind(self, lens: Lens) -> None:
+        """Called when a steering scope is built on `lens`: measure what the edit needs of it."""
+
     def apply(self, x: Tensor, mask: Tensor | None) -> Tensor:
         """(B, T, d) activations and an optional (B, T) mask -> edited activations."""
         raise NotImplementedError
@@ -93,15 +102,56 @@ class Edit:
 
 
 class Add(Edit):
-    """x + alpha * (sum of the concepts). Adds at one site are summed into one vector first,
-    so Add(alpha) and Add(-alpha) together leave every activation bit-identical."""
+    """x + alpha * v, v the sum of the concepts' directions, scaled by `scale`:
+
+    - "raw": v as given (a k-means centroid's norm is about a token's norm);
+    - "unit": v / |v|, so alpha is a distance in the site's activation space;
+    - "site_norm": v / |v| times the site's typical token norm (`steering.units.site_norm`,
+      measured by the lens when the scope is built, or `norm=`), so alpha is a multiple of
+      it: 0.5 adds half a typical token whatever the model's activation scale.
+
+    Adds at one site are summed into one vector first, so Add(alpha) and Add(-alpha)
+    together leave every activation bit-identical.
+    """
 
     @known_kwargs
-    def __init__(self, concepts: Concepts, alpha: float = 1.0, *, site: str | None = None) -> None:
+    def __init__(self, concepts: Concepts, alpha: float = 1.0, *, scale: Scale = "raw", norm: float | None = None,
+                 site: str | None = None) -> None:
+        if scale not in SCALES:
+            raise ValueError(f"scale must be one of {SCALES}; got {scale!r}")
+        if norm is not None and not _number("norm", norm) > 0:
+            raise ValueError(f"norm must be a positive number (a typical token norm); got {norm!r}")
         self.site = _site_of(concepts, site)
-        self.alpha = _number("alpha", alpha)
-        self.vector = self.alpha * _directions(concepts).sum(0)  # (d,)
-        self.width, self.model = self.vector.shape[0], getattr(concepts, "model", None)
+        self.alpha, self.scale = _number("alpha", alpha), scale
+        direction = _directions(concepts).sum(0)  # (d,)
+        if scale != "raw":
+            length = direction.norm()
+            if not length > 0:
+                raise ValueError(f"scale={scale!r} needs a direction of nonzero norm; the concepts sum to zero")
+            direction = direction / length
+        self.direction = direction
+        self.width, self.model = direction.shape[0], getattr(concepts, "model", None)
+        self.norm = None if norm is None else float(norm)  # site_norm: the token norm alpha multiplies
+        self._fixed_norm = norm is not None
+        self._vector = None if scale == "site_norm" and norm is None else self._scaled()
+
+    def _scaled(self) -> Tensor:
+        return self.alpha * (self.norm if self.scale == "site_norm" else 1.0) * self.direction
+
+    def bind(self, lens: Lens) -> None:
+        if self.scale == "site_norm" and not self._fixed_norm:
+            from conceptlens.steering.units import site_norm
+
+            self.norm = site_norm(lens, self.site)
+            self._vector = self._scaled()
+
+    @property
+    def vector(self) -> Tensor:
+        """(d,) what is added to each edited token."""
+        if self._vector is None:
+            raise RuntimeError("Add(scale='site_norm') learns the site's token norm when a steering scope is built "
+                               "(lens.steer(add)); pass norm= to use it without a lens")
+        return self._vector
 
     def apply(self, x: Tensor, mask: Tensor | None) -> Tensor:
         return add_vector(x, self.vector, mask)

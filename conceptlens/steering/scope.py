@@ -49,6 +49,8 @@ class Steer:
         self.sites = [lens.site(edit.site) for edit in edits]  # fails before any hook is added
         for edit, site in zip(edits, self.sites):
             edit.check(site.name, math.prod(int(s) for s in site.shape[2:]), lens.name)
+        for edit in edits:
+            edit.bind(lens)  # e.g. Add(scale="site_norm") measures the site's token norm, before any hook
         self.edits = list(edits)
         self.positions = positions
         self.prompt_length: dict[str, Tensor] = {}  # stack -> (B,) real tokens in the first forward

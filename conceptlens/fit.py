@@ -304,6 +304,8 @@ def _report(lens: Lens, plan: _Plan, state: FitState, resumed_from: int, seconds
             stats[name] = {"error": str(err), "stats": stats[name]}
             continue
         cs.site = key if isinstance(key, str) else key[0]
+        if cs.config.get("space") == "clvq_z_e":  # codes in an encoder space: a label, not a site
+            cs.site = f"{key[0]}->{key[1]}:z_e"
         cs.model = cs.model or lens.name
         cs.config.setdefault("fit", {"tokens": state.tokens, "target_site": None if isinstance(key, str) else key[1]})
         concepts[name] = cs

@@ -150,11 +150,11 @@ def finish(d: ConceptDescriber, *, name: str, lens: Lens, tokenizer: Any,
                          "skip_documents?)")
     s = {k: v.cpu() for k, v in d.sums.items()}
     rows = max(d.rows, 1)
-    edges, counts = fin.display_histogram(s["hist"], o.bins)
+    edges, counts = fin.display_histogram(s["hist"], s["zeros"], o.bins)
+    top_values, top_doc, top_pos = fin.used_slots(d)
     stats = {"frequency": (s["fire_count"].double() / rows).float(), "mean_activation": (s["act_sum"] / rows).float(),
              "max_activation": d.top.values[:, 0].cpu().float(), "hist_edges": edges, "hist_counts": counts,
-             "top_values": d.top.values.cpu().float(), "top_doc": d.top.doc.cpu(), "top_pos": d.top.pos.cpu(),
-             "map_xy": fin.map_xy(cs.directions)}
+             "top_values": top_values, "top_doc": top_doc, "top_pos": top_pos, "map_xy": fin.map_xy(cs.directions)}
     unit = torch.nn.functional.normalize(cs.directions.float(), dim=1)
     stats["nearest_direction"], stats["nearest_direction_cos"] = fin.nearest(unit @ unit.T, o.n_nearest)
     stats["nearest_coact"], stats["nearest_coact_score"] = fin.nearest(

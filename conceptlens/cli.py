@@ -2,6 +2,8 @@
 
     conceptlens demo                    # the main job on the embedded defaults
     conceptlens sites --model smollm2-135m
+    conceptlens fit run.toml            # or --model M --data D --site S --extractor "topk:width=4608,k=32"
+    conceptlens describe runs/x
     conceptlens steer --model smollm2-135m --concepts DIR --concept 12 --alpha 8 --prompt "..."
 """
 
@@ -18,6 +20,8 @@ COMMANDS = {
     "steer": "Continue a prompt without and with a concept (or word) direction added, side by side.",
     "gauge": "Gauge-invariant q/k geometry of one layer, streamed, then a gauge audit of the metrics.",
     "eval": "Quality metrics of a fitted concept set on a labelled task (probe loss, rank, FVU, LDA, ...).",
+    "fit": "Stream-fit named concept extractors at sites into a run folder (TOML config or flags), then describe them.",
+    "describe": "Description pass of a run folder: top contexts, histograms, neighbours, tokens, probes per concept.",
 }
 
 

@@ -125,7 +125,7 @@ def test_describe_command_redoes_the_pass_with_other_options(files, tmp_path, ca
 
 @pytest.mark.parametrize("change, message", [
     (["--extractor", "topq:width=4"], "unknown extractor method 'topq'; choose one of kmeans, deleuzian, topk"),
-    (["--extractor", "topk:widht=4"], "topk has no option 'widht'; valid: name, site, seed, width"),
+    (["--extractor", "topk:widht=4"], "topk has no option 'widht'; valid: name, site, seed"),
     (["--extractor", "topk:width"], "bad extractor option 'width'"),
     (["--extractor", "topk:width=4,k=9"], "k must be at most width=4; got k=9"),
     (["--extractor", "kmeans:n_concepts=4", "--extractor", "kmeans:n_concepts=5"], "two extractors are named 'kmeans'"),

@@ -12,24 +12,27 @@ from pathlib import Path
 
 import torch
 
+from conceptlens.commands._args import data_source, nonempty_text, out_dir, positive_int
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--site", default="blocks.15.resid_out")
-    parser.add_argument("--data", default="bbc-news", help="bundled set name, .txt or .jsonl path")
-    parser.add_argument("--max-tokens", type=int, default=30_000)
-    parser.add_argument("--concepts", type=int, default=32, help="number of k-means concepts")
-    parser.add_argument("--word", default=" wedding", help="steer towards this token's unembedding")
+    parser.add_argument("--data", type=data_source, default="bbc-news", help="bundled set name, .txt or .jsonl path")
+    parser.add_argument("--max-tokens", type=positive_int, default=30_000)
+    parser.add_argument("--concepts", type=positive_int, default=32, help="number of k-means concepts")
+    parser.add_argument("--word", type=nonempty_text, default=" wedding", help="steer towards this token's unembedding")
     parser.add_argument("--steer-site", default="blocks.20.resid_out", help="where the word direction is added")
-    parser.add_argument("--out", default="runs/demo", help="folder for the checkpoint and concept set")
+    parser.add_argument("--out", type=out_dir, default="runs/demo", help="folder for the checkpoint and concept set")
 
 
 def run(args: argparse.Namespace) -> int:
     import conceptlens
-    from conceptlens import data, models
+    from conceptlens import data
+    from conceptlens.commands._common import load_model
     from conceptlens.concepts.kmeans import StreamingKMeans
 
-    model, tok = models.load(args.model)
+    model, tok = load_model(args)
     lens = conceptlens.attach(model, tok)
     site = lens.site(args.site)
     print(f"{lens}\n")
@@ -65,16 +68,16 @@ def _sink_statistics(lens, tok, texts: list[str], site: str) -> None:
 
 
 def _steering_demo(lens, tok, site: str, word: str) -> None:
-    from conceptlens.steering import Add
+    from conceptlens.steering import Add, site_norm
 
     model = lens.model
     word_id = tok(word, add_special_tokens=False)["input_ids"][0]
     direction = model.get_output_embeddings().weight[word_id].detach()
-    direction = direction / direction.norm()
     prompt = tok(["I went to the shop and"], return_tensors="pt")
-    print(f"\nSteering at {site} along the unembedding of {word!r} (positions='generated'):")
-    for alpha in (0.0, 80.0, 160.0):  # median token norm in middle blocks is ~175
-        with torch.no_grad(), lens.steer(Add(direction, alpha, site=site), positions="generated"):
+    print(f"\nSteering at {site} along the unembedding of {word!r} (positions='generated'); alpha is in "
+          f"multiples of the site's median token norm ({site_norm(lens, site):.1f}):")
+    for alpha in (0.0, 0.5, 1.0):  # scale="site_norm": the same alphas mean the same on any model
+        with torch.no_grad(), lens.steer(Add(direction, alpha, scale="site_norm", site=site), positions="generated"):
             out = model.generate(**prompt, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
         text = tok.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
-        print(f"  alpha {alpha:5.1f}: {text!r}")
+        print(f"  alpha {alpha:4.2f}: {text!r}")

@@ -152,17 +152,19 @@ def jsonable(value: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     import conceptlens
-    from conceptlens import models
+    from conceptlens.commands._common import load_model
     from conceptlens.commands.describe import describe_run
+    from conceptlens.models import check_name
 
     cfg = resolve(args)
+    check_name(cfg.model)
     plan = rc.build(cfg)
     texts = source(cfg.data, cfg.shuffle)
     if cfg.describe.enabled and cfg.describe.data:
         source(cfg.describe.data, cfg.shuffle)
     out = Path(cfg.out)
     _same_run(out, cfg)
-    model, tok = models.load(cfg.model)
+    model, tok = load_model(args, cfg.model)
     lens = conceptlens.attach(model, tok)
     for site in cfg.sites:
         lens.site(site)

@@ -76,7 +76,7 @@ def describe(lens: Lens, concept_sets: Mapping[str, ConceptSet], data: Any, *, t
         plan.setdefault(d.concepts.site, {})[name] = d
     texts = islice(datasets.iter_texts(data), skip_documents, None)
     if out is not None:
-        _forget_other_pass(Path(out), {"skip_documents": skip_documents, "max_tokens": max_tokens,
+        _forget_other_pass(Path(out), {"skip_documents": skip_documents,
                                        "data": data if isinstance(data, str) else getattr(data, "name", None)})
     run_fit(lens, plan, texts, tokenizer=tokenizer, config=FitConfig(
         batch_size=batch_size, max_length=max_length, max_tokens=max_tokens, checkpoint_dir=out,

@@ -11,6 +11,7 @@ import torch
 import conceptlens
 from conceptlens import ConceptSet
 from conceptlens.batching import encode_batch
+from conceptlens.checkpoint import read_checkpoint
 from conceptlens.describe import ConceptDescriber, Description, SteeringRequest
 from conceptlens.describe.describer import fine_bins, fine_edges
 from conceptlens.filters import FilterConfig
@@ -164,7 +165,7 @@ def test_resume_and_merge_equal_one_pass(lens, tmp_path):
     cs = {"a": random_set(seed=3)}
     whole = run(lens, cs, batch_size=4)["a"]
     run(lens, cs, batch_size=4, max_tokens=150, out=str(tmp_path))  # an interrupted pass ...
-    done = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["progress"]["documents"]
+    done = read_checkpoint(tmp_path / "checkpoint.pt")["progress"]["documents"]
     calls = []
     handle = lens.model.model.embed_tokens.register_forward_hook(lambda *a: calls.append(1))
     try:

@@ -30,6 +30,8 @@ class Tok(CharTokenizer):
 
     def __call__(self, texts, truncation=False, max_length=None, return_tensors=None, **kwargs):
         out = super().__call__(texts, truncation=truncation, max_length=max_length)
+        if isinstance(texts, str) and return_tensors is None:  # like HF: one text, one flat list
+            return {"input_ids": out["input_ids"][0]}
         if return_tensors == "pt":
             ids = torch.tensor(out["input_ids"])
             return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -220,7 +222,9 @@ def test_steering_samples_start_from_the_unsteered_text(lens):
     plain = lens.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
                                 pad_token_id=0)
     assert entry["samples"][0]["text"] == lens.tokenizer.decode(plain[0, ids.shape[1]:])
-    assert entry["site_norm"] == pytest.approx(d.info["site_norm"]) and entry["site_norm"] > 0
+    from conceptlens.steering.units import site_norm
+
+    assert entry["site_norm"] == site_norm(lens, SITE) > 0
     assert entry["samples"][1]["text"] != entry["samples"][0]["text"]
 
 

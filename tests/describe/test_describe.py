@@ -235,3 +235,15 @@ def test_bad_sets_fail_before_any_forward(lens):
         run(lens, {"a": ConceptSet(torch.randn(3, 32), "blocks.9.resid_out")})
     with pytest.raises(ValueError, match="not among the label names"):
         run(lens, {"a": random_set()}, labels=["q"] * 36, label_names=["x"])
+
+
+def test_describer_refuses_states_and_shards_it_cannot_take():
+    cs = random_set()
+    a, b = ConceptDescriber(cs, top_n=4), ConceptDescriber(cs, top_n=3)
+    with pytest.raises(ValueError, match="different config"):
+        a.load_state_dict(b.state_dict())
+    with pytest.raises(ValueError, match="cannot merge a description of 6 concepts"):
+        a.merge(b)
+    with pytest.raises(ValueError, match="with labels keep per-document sums"):
+        ConceptDescriber(cs, n_documents=5).merge(ConceptDescriber(cs, n_documents=5))
+    assert a.stats() == (0, 0)

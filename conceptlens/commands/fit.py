@@ -169,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
     for site in cfg.sites:
         lens.site(site)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write(out / "run.toml", lambda p: Path(p).write_text(rc.to_toml(cfg), encoding="utf-8"))
+    written = dataclasses.replace(cfg, fit=dataclasses.replace(cfg.fit, resume=True))  # a rerun of it resumes
+    atomic_write(out / "run.toml", lambda p: Path(p).write_text(rc.to_toml(written), encoding="utf-8"))
     print(f"{lens}\nfitting {', '.join(e['name'] for e in cfg.extractors)} at {', '.join(cfg.sites)} -> {out}")
     report = lens.fit(plan, texts, batch_size=cfg.fit.batch_size, max_length=cfg.fit.max_length,
                       max_tokens=cfg.fit.max_tokens, checkpoint_dir=str(out),

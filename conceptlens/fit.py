@@ -139,8 +139,10 @@ def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any 
     if tokenizer is None:
         raise ValueError("fit needs a tokenizer: conceptlens.attach(model, tokenizer) or fit(..., tokenizer=...)")
     plan = _plan(lens, extractors)
-    batching = {"batch_size": config.batch_size, "max_length": config.max_length, "filters": asdict(config.filters),
-                "sites": {name: key_name(key) for name, key in plan.keys.items()}}
+    batching = {"batch_size": config.batch_size, "max_length": config.max_length, "filters": asdict(config.filters)}
+    moved = {name: key_name(key) for name, key in plan.keys.items() if name != key_name(key)}
+    if moved:  # named extractors: which site each reads is part of what must not change
+        batching["sites"] = moved
     check_max_length(lens.model, config.max_length)
     state = FitState(RowFilter(config.filters), plan.extractors, fit_fingerprint(lens.model, plan.extractors, batching))
     run = state.run = DistributedRun.start(plan.extractors) if config.distributed else None
@@ -255,8 +257,9 @@ def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: 
             extra = {}
             if name in plan.token_aware:
                 if ids is None:
-                    ids = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -1).to(device)
-                extra["tokens"] = TokenRows(meta.row[rows] + state.documents, meta.position[rows], ids,
+                    ids = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -1).to(rows.device)
+                where = rows.to(meta.row.device)
+                extra["tokens"] = TokenRows(meta.row[where] + state.documents, meta.position[where], ids,
                                             state.documents)
             extractor.update(_as_rows(acts[key][rows]), **extra)
         else:

@@ -75,6 +75,9 @@ def describe(lens: Lens, concept_sets: Mapping[str, ConceptSet], data: Any, *, t
     for name, d in describers.items():
         plan.setdefault(d.concepts.site, {})[name] = d
     texts = islice(datasets.iter_texts(data), skip_documents, None)
+    if out is not None:
+        _forget_other_pass(Path(out), {"skip_documents": skip_documents, "max_tokens": max_tokens,
+                                       "data": data if isinstance(data, str) else getattr(data, "name", None)})
     run_fit(lens, plan, texts, tokenizer=tokenizer, config=FitConfig(
         batch_size=batch_size, max_length=max_length, max_tokens=max_tokens, checkpoint_dir=out,
         checkpoint_every=checkpoint_every, resume=resume, progress=progress, filters=filters or FilterConfig()))
@@ -89,6 +92,22 @@ def describe(lens: Lens, concept_sets: Mapping[str, ConceptSet], data: Any, *, t
         if out is not None:
             results[name].save(Path(out) / name)
     return results
+
+
+def _forget_other_pass(out: Path, source: dict[str, Any]) -> None:
+    """A checkpoint of a pass over other documents (e.g. before the fit ran longer) is dropped:
+    the fit's fingerprint cannot see which documents an iterator skipped."""
+    import json
+
+    from conceptlens._io import atomic_write
+    from conceptlens.fit import CHECKPOINT
+
+    marker = out / "source.json"
+    if marker.is_file() and json.loads(marker.read_text()) != source and (out / CHECKPOINT).is_file():
+        (out / CHECKPOINT).unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(source)
+    atomic_write(marker, lambda p: Path(p).write_text(text))
 
 
 def _checked(lens: Lens, concept_sets: Mapping[str, ConceptSet]) -> dict[str, ConceptSet]:
@@ -150,11 +169,11 @@ def finish(d: ConceptDescriber, *, name: str, lens: Lens, tokenizer: Any,
                          "skip_documents?)")
     s = {k: v.cpu() for k, v in d.sums.items()}
     rows = max(d.rows, 1)
-    edges, counts = fin.display_histogram(s["hist"], o.bins)
+    edges, counts = fin.display_histogram(s["hist"], s["zeros"], o.bins)
+    top_values, top_doc, top_pos = fin.used_slots(d)
     stats = {"frequency": (s["fire_count"].double() / rows).float(), "mean_activation": (s["act_sum"] / rows).float(),
              "max_activation": d.top.values[:, 0].cpu().float(), "hist_edges": edges, "hist_counts": counts,
-             "top_values": d.top.values.cpu().float(), "top_doc": d.top.doc.cpu(), "top_pos": d.top.pos.cpu(),
-             "map_xy": fin.map_xy(cs.directions)}
+             "top_values": top_values, "top_doc": top_doc, "top_pos": top_pos, "map_xy": fin.map_xy(cs.directions)}
     unit = torch.nn.functional.normalize(cs.directions.float(), dim=1)
     stats["nearest_direction"], stats["nearest_direction_cos"] = fin.nearest(unit @ unit.T, o.n_nearest)
     stats["nearest_coact"], stats["nearest_coact_score"] = fin.nearest(

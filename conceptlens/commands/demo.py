@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from pathlib import Path
 
@@ -42,29 +41,24 @@ def sae_batch_size(max_tokens: int, steps: int = 150) -> int:
     return size
 
 
-def _extractors(args: argparse.Namespace) -> dict:
-    from conceptlens.concepts.deleuzian import Deleuzian
-    from conceptlens.concepts.kmeans import StreamingKMeans
-    from conceptlens.concepts.sae import TopKSAE
-    from conceptlens.norm_audit import NormAudit
+def run_config(args: argparse.Namespace):
+    """The demo's run as a `fit` RunConfig (written to RUN/run.toml, so `conceptlens describe` and
+    `conceptlens report` work on the demo's folder): three extractors at one site, the SAE's
+    batch and mixing buffer scaled with the budget. Checks every option without a model."""
+    from conceptlens.commands import run_config as rc
 
     batch = sae_batch_size(args.max_tokens)
-    deleuzian_buffer = max(2048, min(16384, args.max_tokens // 4))
-    return {"deleuzian": Deleuzian(n_concepts=args.concepts, buffer_size=deleuzian_buffer,
-                                   batch_size=min(2048, deleuzian_buffer // 2), seed=args.seed),
-            "topk": TopKSAE(width=args.width, k=args.k, batch_size=batch, buffer_size=8 * batch,
-                            warmup_tokens=min(4096, 4 * batch), seed=args.seed),
-            "kmeans": StreamingKMeans(n_concepts=args.concepts, seed=args.seed),
-            "norms": NormAudit(seed=args.seed)}
-
-
-def _shuffled(split: str, seed: int):
-    from conceptlens import data
-
-    texts = data.load("bbc-news", split)  # stored in topic order: shuffle so any prefix has every topic
-    order = list(range(len(texts)))
-    random.Random(seed).shuffle(order)
-    return [texts.texts[i] for i in order], [texts.labels[i] for i in order], texts.label_names
+    buffer = max(2048, min(16384, args.max_tokens // 4))
+    return rc.from_dict({
+        "model": args.model, "data": "bbc-news:train", "sites": [args.site], "out": args.out, "shuffle": args.seed,
+        "fit": {"max_tokens": args.max_tokens, "checkpoint_every": max(args.max_tokens // 2, 1)},
+        "describe": {"data": "bbc-news:test", "max_tokens": args.describe_tokens},
+        "extractor": [
+            {"method": "deleuzian", "name": "deleuzian", "n_concepts": args.concepts, "buffer_size": buffer,
+             "batch_size": min(2048, buffer // 2), "seed": args.seed},
+            {"method": "topk", "name": "topk", "width": args.width, "k": args.k, "batch_size": batch,
+             "buffer_size": 8 * batch, "warmup_tokens": min(4096, 4 * batch), "seed": args.seed},
+            {"method": "kmeans", "name": "kmeans", "n_concepts": args.concepts, "seed": args.seed}]})
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -78,12 +72,14 @@ def _check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     import conceptlens
     from conceptlens import data, models
+    from conceptlens.report import write_report
 
     _check(args)
     start = time.perf_counter()
-    if args.topic not in data.load("bbc-news", "test").label_names:
-        raise ValueError(f"--topic {args.topic!r} is not a bbc-news topic; choose one of "
-                         f"{', '.join(data.load('bbc-news', 'test').label_names)}")
+    topics = data.load("bbc-news", "test").label_names
+    if args.topic not in topics:
+        raise ValueError(f"--topic {args.topic!r} is not a bbc-news topic; choose one of {', '.join(topics)}")
+    cfg = run_config(args)
     model, tok = models.load(args.model)
     lens = conceptlens.attach(model, tok)
     site = lens.site(args.site)
@@ -91,13 +87,10 @@ def run(args: argparse.Namespace) -> int:
     for name in ("embed", site.name, f"blocks.{site.name.split('.')[1]}.attn.k", "final"):
         print(" ", lens.site(name).describe())
     out = Path(args.out)
-    report = _fit(lens, site.name, args, out)
-    test_texts, test_labels, names = _shuffled("test", args.seed + 1)
-    descriptions = _describe(lens, report, site.name, (test_texts, test_labels, names), args, out)
+    report = _fit(lens, cfg, args, out)
+    test_labels, descriptions = _describe(lens, report, cfg, args, out)
     _quality(descriptions, report, out)
     _steer(lens, tok, descriptions, test_labels, args, out)
-    from conceptlens.report import write_report
-
     print("\nWriting the report")
     summary = write_report(out, progress=not args.no_progress)
     print(f"{summary.pages:,} pages, {summary.bytes / 1e6:.1f} MB in {summary.seconds:.1f} s")
@@ -106,44 +99,39 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _jsonable(value):
-    if hasattr(value, "_asdict"):
-        return {k: _jsonable(v) for k, v in value._asdict().items()}
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
+def _fit(lens, cfg, args: argparse.Namespace, out: Path):
+    from conceptlens._io import atomic_write
+    from conceptlens.commands import run_config as rc
+    from conceptlens.commands.fit import jsonable, source
+    from conceptlens.norm_audit import NormAudit
 
-
-def _fit(lens, site: str, args: argparse.Namespace, out: Path):
-    extractors = _extractors(args)
-    texts, _, _ = _shuffled("train", args.seed)
-    sae = extractors["topk"].config
+    plan, site = rc.build(cfg), cfg.sites[0]
+    audit = plan[site]["norms"] = NormAudit(seed=args.seed)  # an audit, not an extractor: not in run.toml
+    sae = plan[site]["topk"].config
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "run.toml", lambda p: Path(p).write_text(rc.to_toml(cfg), encoding="utf-8"))
     print(f"\nOne streaming pass over BBC News (train split, up to {args.max_tokens:,} tokens) at {site}:\n"
           f"  Deleuzian {args.concepts} concepts, TopK SAE width {args.width} k {args.k} (batch {sae.batch_size}, "
           f"about {args.max_tokens // sae.batch_size} optimiser steps), k-means {args.concepts}")
-    report = lens.fit({site: extractors}, texts, max_tokens=args.max_tokens, checkpoint_dir=str(out),
-                      checkpoint_every=max(args.max_tokens // 2, 1), progress=not args.no_progress)
+    report = lens.fit(plan, source(cfg.data, cfg.shuffle), max_tokens=args.max_tokens, checkpoint_dir=str(out),
+                      checkpoint_every=cfg.fit.checkpoint_every, progress=not args.no_progress)
     print(report.summary())
-    print(f"  {extractors['norms'].summary()}")
+    print(f"  {audit.summary()}")
     steps = report.extractors["topk"]
     if getattr(steps, "steps", None) is not None:
         print(f"  TopK SAE: {steps.steps} optimiser steps on {steps.tokens:,} tokens")
     fields = {k: v for k, v in vars(report).items() if k != "concepts"}
-    (out / "fit_report.json").write_text(json.dumps(_jsonable(fields), indent=1))
-    (out / "run.toml").write_text(
-        f'# written by conceptlens demo\nmodel = "{args.model}"\ndata = "bbc-news"\nsite = "{site}"\n'
-        f"max_tokens = {args.max_tokens}\ndescribe_tokens = {args.describe_tokens}\nseed = {args.seed}\n"
-        f'extractors = ["deleuzian:n_concepts={args.concepts}", "topk:width={args.width},k={args.k},'
-        f'batch_size={sae.batch_size}", "kmeans:n_concepts={args.concepts}"]\n')
+    text = json.dumps(jsonable(fields) | {"concepts": sorted(report.concepts)}, indent=1)
+    atomic_write(out / "fit_report.json", lambda p: Path(p).write_text(text, encoding="utf-8"))
     return report
 
 
-def _describe(lens, report, site: str, test, args: argparse.Namespace, out: Path):
+def _describe(lens, report, cfg, args: argparse.Namespace, out: Path):
+    """(labels of the described documents, descriptions) incl. a control set of random directions."""
+    from conceptlens.commands.fit import source
     from conceptlens.concepts.conceptset import ConceptSet
 
-    texts, labels, names = test
+    test, site = source(cfg.describe.data, cfg.shuffle), cfg.sites[0]
     sets = dict(report.concepts)
     d = next(iter(sets.values())).hidden_size
     n = max(len(cs) for cs in sets.values())
@@ -152,8 +140,8 @@ def _describe(lens, report, site: str, test, args: argparse.Namespace, out: Path
     sets["random"].save(out / "concepts" / "random")
     print(f"\nDescription pass over held-out articles (test split, up to {args.describe_tokens:,} tokens), "
           f"with a control of {n} random directions")
-    return lens.describe(sets, texts, labels=labels, label_names=names, max_tokens=args.describe_tokens,
-                         out=str(out / "describe"), progress=not args.no_progress)
+    return test.labels, lens.describe(sets, test, max_tokens=args.describe_tokens, out=str(out / "describe"),
+                                      progress=not args.no_progress)
 
 
 def _quality(descriptions, report, out: Path) -> None:

@@ -135,7 +135,9 @@ def _describe(lens, report, cfg, args: argparse.Namespace, out: Path):
     sets = dict(report.concepts)
     d = next(iter(sets.values())).hidden_size
     n = max(len(cs) for cs in sets.values())
-    g = torch.Generator().manual_seed(args.seed)
+    # not args.seed: an SAE seeded alike starts from torch.randn of the same shape, and the control
+    # must not be its initial decoder
+    g = torch.Generator().manual_seed(1_000_003 + args.seed)
     sets["random"] = ConceptSet(torch.randn(n, d, generator=g), site, method="random", model=args.model)
     sets["random"].save(out / "concepts" / "random")
     print(f"\nDescription pass over held-out articles (test split, up to {args.describe_tokens:,} tokens), "

@@ -21,22 +21,28 @@ SiteFn = Callable[[Tensor], Tensor | None]
 
 def hook_site(site: Site, fn: SiteFn) -> Handle:
     """Register `fn` at `site`; the returned handle removes it."""
+    if site.point == "pattern":
+        return add_qkv_hook(site.module, "pattern", fn)
     if site.point in ("q", "k", "v"):
         # "T" in the sequence dimension: aligned with this forward's queries (self-attention)
         return add_qkv_hook(site.module, site.point, fn, current=site.shape[1] == "T")
     if site.point == "input":
-        return Handle(site.module.register_forward_pre_hook(_input_hook(fn), with_kwargs=True).remove)
+        return Handle(site.module.register_forward_pre_hook(_input_hook(fn, site.heads), with_kwargs=True).remove)
     if site.flat_in is not None:
         return _flat_output_hook(site, fn)
     return Handle(site.module.register_forward_hook(_output_hook(fn, site.heads)).remove)
 
 
-def _input_hook(fn: SiteFn):
+def _input_hook(fn: SiteFn, heads: int | None = None):
+    def call(x: Tensor) -> Tensor | None:
+        new = fn(x.unflatten(-1, (heads, -1)) if heads else x)  # (B, T, H * d) -> (B, T, H, d)
+        return new.flatten(-2) if new is not None and heads else new
+
     def hook(module, args, kwargs):
         if args:
-            new = fn(args[0])
+            new = call(args[0])
             return None if new is None else ((new, *args[1:]), kwargs)
-        new = fn(kwargs["hidden_states"])
+        new = call(kwargs["hidden_states"])
         return None if new is None else (args, {**kwargs, "hidden_states": new})
 
     return hook
@@ -44,14 +50,16 @@ def _input_hook(fn: SiteFn):
 
 def _output_hook(fn: SiteFn, heads: int | None):
     def hook(module, args, output):
-        x = output[0] if isinstance(output, tuple) else output
+        x = output[0] if isinstance(output, (tuple, list)) else output
         shaped = x.unflatten(-1, (heads, -1)) if heads else x  # projection -> (B, T, H, d_head)
         new = fn(shaped)
         if new is None:
             return None
         if heads:
             new = new.flatten(-2)
-        return (new, *output[1:]) if isinstance(output, tuple) else new
+        if isinstance(output, (tuple, list)):
+            return type(output)([new, *output[1:]])
+        return new
 
     return hook
 
@@ -65,8 +73,12 @@ def _flat_output_hook(site: Site, fn: SiteFn) -> Handle:
         batch_shape[:] = [x.shape[:-1]]
 
     def hook(module, args, output):
-        new = fn(output.view(*batch_shape[0], -1))
-        return None if new is None else new.reshape(output.shape)
+        x = output[0] if isinstance(output, tuple) else output
+        new = fn(x.view(*batch_shape[0], -1))
+        if new is None:
+            return None
+        new = new.reshape(x.shape)
+        return (new, *output[1:]) if isinstance(output, tuple) else new
 
     group = HandleGroup()
     try:

@@ -27,6 +27,7 @@ _MISSING = object()
 
 _hooks: dict[nn.Module, list[tuple[int, QKVHook, bool]]] = {}
 _installed: dict[str, object] = {}  # implementation name -> previous local entry (or _MISSING)
+_edits: set = set()  # entries registered by steering (run before reads)
 _observers: list[Callable] = []  # fn(module, query, key, value, kwargs) for every call (attach-time probe)
 
 
@@ -72,9 +73,18 @@ def _run_hooks(hooks: list, qkv: list[Tensor], args: tuple, kwargs: dict, module
         past = x.shape[2] - length if current and index else 0
         new = fn(x[:, :, past:].transpose(1, 2))  # (B, T, H, d), the layout of the q/k/v sites
         if new is not None:
-            new = new.transpose(1, 2)
-            qkv[index] = torch.cat([x[:, :, :past], new], dim=2) if past else new
+            qkv[index] = _replace(x, new.transpose(1, 2), past, index)
     return qkv
+
+
+def _replace(x: Tensor, new: Tensor, past: int, index: int) -> Tensor:
+    """Put the edited tokens back. Keys and values are written in place: a dynamic KV cache
+    returns its own storage (or a view of it, for sliding windows), so the cache keeps the
+    edited k/v and a cached forward sees what an uncached one recomputes."""
+    if index in (1, 2) and not torch.is_grad_enabled():
+        x[:, :, past:] = new
+        return x
+    return torch.cat([x[:, :, :past], new], dim=2) if past else new
 
 
 def implementation_of(module: nn.Module) -> str:
@@ -84,7 +94,7 @@ def implementation_of(module: nn.Module) -> str:
 
 
 def add_qkv_hook(module: nn.Module, which: str, fn: QKVHook, *, current: bool = True,
-                 implementation: str | None = None) -> Handle:
+                 implementation: str | None = None, edit: bool = False) -> Handle:
     """Run `fn` on `which` ("q", "k" or "v") each time `module` calls its attention function.
 
     With `current=True` (self-attention) `fn` sees only the keys/values of this forward's
@@ -95,12 +105,18 @@ def add_qkv_hook(module: nn.Module, which: str, fn: QKVHook, *, current: bool = 
         raise ValueError(f"which must be one of 'q', 'k', 'v', 'pattern'; got {which!r}")
     _install(implementation or implementation_of(module))
     entry = (_INDEX[which], fn, current)
-    _hooks.setdefault(module, []).append(entry)
+    hooks = _hooks.setdefault(module, [])
+    if edit:  # edits before reads; among edits, registration order
+        hooks.insert(sum(1 for h in hooks if h in _edits), entry)
+        _edits.add(entry)
+    else:
+        hooks.append(entry)
 
     def remove() -> None:
         hooks = _hooks.get(module, [])
         if entry in hooks:
             hooks.remove(entry)
+        _edits.discard(entry)
         if not hooks:
             _hooks.pop(module, None)
         if not _hooks and not _observers:

@@ -19,18 +19,25 @@ from conceptlens.hooks.handles import Handle, HandleGroup
 SiteFn = Callable[[Tensor], Tensor | None]
 
 
-def hook_site(site: Site, fn: SiteFn) -> Handle:
-    """Register `fn` at `site`; the returned handle removes it."""
+def hook_site(site: Site, fn: SiteFn, *, edit: bool = False) -> Handle:
+    """Register `fn` at `site`; the returned handle removes it.
+
+    `edit=True` (steering) puts the hook before every other hook at the site, so edits at a
+    site always run before reads there, whatever order the scopes were opened in.
+    """
     if site.point == "pattern":
+        if edit:
+            raise ValueError(f"{site.name} is read only (attention probabilities); edit q or k instead")
         return add_qkv_hook(site.module, "pattern", fn)
     if site.point in ("q", "k", "v"):
         # "T" in the sequence dimension: aligned with this forward's queries (self-attention)
-        return add_qkv_hook(site.module, site.point, fn, current=site.shape[1] == "T")
+        return add_qkv_hook(site.module, site.point, fn, current=site.shape[1] == "T", edit=edit)
     if site.point == "input":
-        return Handle(site.module.register_forward_pre_hook(_input_hook(fn, site.heads), with_kwargs=True).remove)
+        return Handle(site.module.register_forward_pre_hook(_input_hook(fn, site.heads), with_kwargs=True,
+                                                            prepend=edit).remove)
     if site.flat_in is not None:
-        return _flat_output_hook(site, fn)
-    return Handle(site.module.register_forward_hook(_output_hook(fn, site.heads)).remove)
+        return _flat_output_hook(site, fn, edit)
+    return Handle(site.module.register_forward_hook(_output_hook(fn, site.heads), prepend=edit).remove)
 
 
 def _input_hook(fn: SiteFn, heads: int | None = None):
@@ -64,7 +71,7 @@ def _output_hook(fn: SiteFn, heads: int | None):
     return hook
 
 
-def _flat_output_hook(site: Site, fn: SiteFn) -> Handle:
+def _flat_output_hook(site: Site, fn: SiteFn, edit: bool = False) -> Handle:
     """For a module fed `(B * T, d)` rows: view its output as `(B, T, d)` for `fn`."""
     batch_shape: list[torch.Size] = []
 
@@ -82,8 +89,8 @@ def _flat_output_hook(site: Site, fn: SiteFn) -> Handle:
 
     group = HandleGroup()
     try:
-        group.add(site.flat_in.register_forward_pre_hook(remember, with_kwargs=True))
-        group.add(site.module.register_forward_hook(hook))
+        group.add(site.flat_in.register_forward_pre_hook(remember, with_kwargs=True, prepend=True))
+        group.add(site.module.register_forward_hook(hook, prepend=edit))
     except BaseException:
         group.remove()
         raise

@@ -133,7 +133,7 @@ class _Registry:
         try:
             self.tracker.register(handles)
             for site, entries in self._entries().items():
-                handles.add(hook_site(site, self._site_hook(site, entries)))
+                handles.add(hook_site(site, self._site_hook(site, entries), edit=True))
         except BaseException:
             handles.remove()
             raise

@@ -186,6 +186,13 @@ class Adapter:
                     source += " (after rotary embedding and any q/k norm, as the scores use it)"
                 stack = q_stack if which == "q" else kv_stack
                 self._add(f"{name}.{which}", attn, which, shapes[which], stack, source + suffix)
+            for which, names, count in (("q", _Q_NAMES, call.heads), ("k", _K_NAMES, call.kv_heads)):
+                proj = next((getattr(attn, n) for n in names if hasattr(getattr(attn, n, None), "out_features")), None)
+                if proj is not None and proj.out_features == count * call.head_dim:
+                    self._add(f"{name}.{which}_pre", proj, "output", ("B", shapes[which][1], count, call.head_dim),
+                              q_stack if which == "q" else kv_stack, f"output of {type(attn).__name__}'s {which} "
+                              "projection: before rotary embedding and any q/k norm (TransformerLens hook_"
+                              f"{which})", heads=count)
             self._add(f"{name}.pattern", attn, "pattern", ("B", "T", call.heads, "S" if seq_kv == "S" else "T"),
                       q_stack, "attention probabilities softmax(q.k^T * scaling + the model's mask/bias), computed "
                       "from the q/k passed to the attention function (equal to eager attention weights; read only)")

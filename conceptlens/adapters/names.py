@@ -59,7 +59,12 @@ class NameResolver:
         n = self.adapter.n_blocks.get(prefix.rstrip("."))
         if n is not None and -n <= index < 0:
             index += n
-        return f"{prefix}blocks.{index}.{rest}"
+        name = f"{prefix}blocks.{index}.{rest}"
+        if rest.endswith(("q_pre", "k_pre")) and name not in self.sites:
+            plain = name[: -len("_pre")]  # attention read from its projections: q/k are already pre-rotary
+            if plain in self.sites and self.sites[plain].point == "output":
+                return plain
+        return name
 
     def _module_path(self, name: str) -> str | None:
         """An HF module path (from the model or its base model) -> the site that is its output."""

@@ -47,8 +47,10 @@ PARTIAL = {"beam", "granitemoe_swa", "granitemoeshared", "inkling_text", "minima
 # Not working yet (reported as such in DESIGN.md); strict, so a fix shows up.
 # Attention sinks applied after the softmax: HF's eager weights leave them out, the pattern site includes them.
 SINK_SCALED = {"granite_swa", "granitemoe_swa"}
-KNOWN_FAILING: dict[str, str] = {}
-SLOW = {"afmoe", "blt", "encoder-decoder", "luke", "perceiver", "t5gemma", "t5gemma2", "vibevoice_asr"}
+KNOWN_FAILING = {"perceiver": "attach fails with AttributeError (no hidden_size on its config), not a clear error"}
+# transformers needs minutes to build these from the generic tiny config (sub-configs keep their default sizes).
+TOO_SLOW_TO_BUILD = {"blt", "t5gemma", "t5gemma2"}
+SLOW = {"afmoe", "encoder-decoder", "luke", "perceiver", "vibevoice_asr"}
 
 
 def _param(t: str):
@@ -63,6 +65,8 @@ TYPES = [_param(t) for t in model_types()]
 
 @pytest.mark.parametrize("model_type", TYPES)
 def test_model_type(model_type):
+    if model_type in TOO_SLOW_TO_BUILD:
+        pytest.skip(f"transformers takes minutes to build a tiny {model_type} from the generic config")
     try:
         model, inputs, out = coverage.reference(model_type)
     except coverage.NotBuildable as err:

@@ -46,6 +46,9 @@ class Steer:
             raise ValueError(f"positions must be one of {_NAMED} or a slice of absolute positions; got {positions!r}")
         self.lens = lens
         self.sites = [lens.site(edit.site) for edit in edits]  # fails before any hook is added
+        for site in self.sites:
+            if site.point == "pattern":
+                raise ValueError(f"{site.name} is read only (attention probabilities); edit attn.q or attn.k instead")
         self.edits = list(edits)
         self.positions = positions
         self.prompt_length: dict[str, Tensor] = {}  # stack -> (B,) real tokens in the first forward

@@ -77,3 +77,10 @@ def test_qkv_edits_same_tokens_and_logits_with_and_without_cache(family, which, 
     torch.testing.assert_close(cached_scores, fresh_scores, rtol=0, atol=1e-5)
     if not (which == "k" and positions == "all"):  # one vector added to every key shifts all scores alike
         assert not torch.allclose(cached_scores, bare_scores, atol=1e-4)  # the edit does something
+
+
+def test_steering_the_pattern_site_is_refused_before_any_hook():
+    model = tiny_model("llama")
+    lens = conceptlens.attach(model)
+    with pytest.raises(ValueError, match="read only"):
+        lens.steer(Add(torch.randn(4), site="blocks.0.attn.pattern"))

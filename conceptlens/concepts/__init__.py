@@ -10,7 +10,12 @@ from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.deleuzian import Deleuzian, DeleuzianConfig
 from conceptlens.concepts.kmeans import KMeansConfig, StreamingKMeans
 from conceptlens.concepts.sae import (
+    HSAE,
+    MPSAE,
+    ActMSAE,
+    ArchMSAE,
     BatchTopKSAE,
+    EWGSAE,
     JumpReLUSAE,
     MatryoshkaSAE,
     ReLUSAE,
@@ -27,6 +32,6 @@ __all__ = [
     "Extractor", "NotFittedError", "ConceptSet", "MixingBuffer",
     "StreamingKMeans", "KMeansConfig", "Deleuzian", "DeleuzianConfig",
     "SparseAutoencoder", "SAEConfig", "ReLUSAE", "TopKSAE", "BatchTopKSAE", "JumpReLUSAE", "SpaDE",
-    "MatryoshkaSAE", "export_saelens", "import_saelens",
+    "MatryoshkaSAE", "ArchMSAE", "ActMSAE", "EWGSAE", "MPSAE", "HSAE", "export_saelens", "import_saelens",
     "VQCodebook", "VQConfig", "CLVQTranscoder", "CLVQConfig",
 ]

@@ -30,7 +30,7 @@ class MixingBuffer:
     """
 
     def __init__(self, size: int, device: str | torch.device = "cpu", seed: int = 0) -> None:
-        if not isinstance(size, int) or size < 1:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"size must be a positive int; got {size!r}")
         self.size = size
         self.device = torch.device(device)

@@ -22,16 +22,17 @@ concepts more exactly (see tests/concepts/test_deleuzian.py).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from conceptlens.concepts.base import NotFittedError
+from conceptlens._checks import known_kwargs
+from conceptlens.concepts.base import ExtractorBase, NotFittedError, check_bool, check_float, check_int
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
-from conceptlens.concepts.kmeans import StreamingKMeans
+from conceptlens.concepts.kmeans import KMeansStats, StreamingKMeans
 
 
 @dataclass
@@ -55,11 +56,22 @@ class DeleuzianConfig:
 
     def __post_init__(self) -> None:
         for name in ("n_concepts", "reference_size", "buffer_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int; got {value!r}")
-        if not isinstance(self.batch_size, int) or self.batch_size < 2:
-            raise ValueError(f"batch_size must be an int >= 2 (a pair needs two tokens); got {self.batch_size!r}")
+            check_int(name, getattr(self, name))
+        check_int("batch_size (a pair needs two tokens)", self.batch_size, 2)
+        check_bool("skew_weighting", self.skew_weighting)
+        check_float("reseed_after", self.reseed_after, strict=True, optional=True)
+        check_int("seed", self.seed, 0)
+
+
+class DeleuzianStats(NamedTuple):
+    """Fit-report numbers of a Deleuzian extractor."""
+
+    rows: int
+    """Tokens consumed."""
+    buffered: int
+    """Tokens still in the mixing buffer (paired at `flush`)."""
+    kmeans: KMeansStats
+    """The inner k-means of the differences."""
 
 
 def reservoir_update(reservoir: Tensor, n_seen: int, x: Tensor, generator: torch.Generator) -> int:
@@ -110,7 +122,7 @@ def oriented_differences(block: Tensor, reference: Tensor, skew_weighting: bool 
     return diff, torch.where(torch.isfinite(w), w, 0.0)
 
 
-class Deleuzian:
+class Deleuzian(ExtractorBase):
     """Online Deleuzian concept extraction: weighted k-means of oriented pairwise differences.
 
     Concepts are the centroids C `(k, d)`; `encode(x) = x @ C.T`. Differences are made in
@@ -118,16 +130,19 @@ class Deleuzian:
     the buffer are paired when the concepts are read (on a copy: reading changes nothing).
     """
 
+    Config = DeleuzianConfig
     method = "deleuzian"
 
+    @known_kwargs
     def __init__(self, n_concepts: int, *, reference_size: int = 4096, buffer_size: int = 16384,
                  batch_size: int = 2048, skew_weighting: bool = True, reseed_after: float | None = 50.0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, device: str | torch.device | None = None) -> None:
         self.config = DeleuzianConfig(n_concepts, reference_size, buffer_size, batch_size, skew_weighting,
                                       reseed_after, seed)
+        self._set_device(device)
         self._gen = torch.Generator().manual_seed(seed)
         self.buffer = MixingBuffer(buffer_size, seed=seed + 1)
-        self.kmeans = StreamingKMeans(n_concepts, reseed_after=reseed_after, seed=seed + 2)
+        self.kmeans = StreamingKMeans(n_concepts, reseed_after=reseed_after, seed=seed + 2, device=device)
         self.d: int | None = None
         self._reference: Tensor | None = None  # (reference_size, d) reservoir sample
         self.n_seen = 0
@@ -146,10 +161,10 @@ class Deleuzian:
             raise ValueError(f"update expects x of shape (N, d); got {tuple(x.shape)}")
         if self.d is None:
             self.d = x.shape[1]
-            self._reference = x.new_zeros(self.config.reference_size, self.d, dtype=torch.float32)
+            self._reference = self._place(x.new_zeros(self.config.reference_size, self.d, dtype=torch.float32))
         elif x.shape[1] != self.d:
             raise ValueError(f"this Deleuzian was fitted on width d={self.d}; got width {x.shape[1]}")
-        x = x.detach().float()
+        x = self._place(x.detach().float())
         self.n_seen = reservoir_update(self._reference, self.n_seen, x, self._gen)
         self.buffer.add(x)
         while (block := self.buffer.take(self.config.batch_size)) is not None:
@@ -175,8 +190,7 @@ class Deleuzian:
         if len(self.buffer) == 0 and self.kmeans.is_initialised:
             return self.kmeans
         if self._ready is None or self._ready[0] != self.n_seen:
-            twin = Deleuzian(**asdict(self.config))
-            twin.load_state_dict(self.state_dict())
+            twin = type(self).from_state(self.state_dict())
             twin.flush()
             self._ready = (self.n_seen, twin.kmeans)
         return self._ready[1]
@@ -188,14 +202,15 @@ class Deleuzian:
 
     def encode(self, x: Tensor) -> Tensor:
         """Concept activations `(N, k)` = x @ C.T."""
-        return x.float() @ self.centroids.T
+        c = self.centroids
+        return x.float().to(c.device) @ c.T
 
-    def merge(self, other: Deleuzian | dict[str, Any]) -> None:
-        """Absorb another run (an object or its `state_dict()`): k-means merged as in
-        `StreamingKMeans.merge`, reservoirs pooled in proportion to rows seen, buffers joined."""
-        if isinstance(other, dict):
-            state, other = other, Deleuzian(**other["config"])
-            other.load_state_dict(state)
+    def stats(self) -> DeleuzianStats:
+        return DeleuzianStats(self.n_seen, len(self.buffer), self.kmeans.stats())
+
+    def _merge(self, other: Deleuzian) -> None:
+        """Absorb another run (`merge` takes an object or its `state_dict()`): k-means merged
+        as in `StreamingKMeans.merge`, reservoirs pooled in proportion to rows seen, buffers joined."""
         if other.config.n_concepts != self.config.n_concepts:
             raise ValueError(f"cannot merge {other.config.n_concepts} concepts into {self.config.n_concepts}")
         if other.d is None:
@@ -232,18 +247,18 @@ class Deleuzian:
 
     def concept_set(self) -> ConceptSet:
         fitted = self._fitted()
-        return ConceptSet(fitted.centres, method=self.method, config=asdict(self.config),
-                          stats={"mass": fitted._mass.float()})
+        return ConceptSet(fitted.centres, method=self.method, config=self.config_dict(),
+                          stats={"mass": fitted._mass.float()}, mean=self.reference.double().mean(0))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"config": asdict(self.config), "d": self.d, "n_seen": self.n_seen,
+        return {"config": self.config_dict(), "d": self.d, "n_seen": self.n_seen,
                 "reference": None if self._reference is None else self.reference.clone(),
                 "generator": self._gen.get_state(), "buffer": self.buffer.state_dict(),
                 "kmeans": self.kmeans.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["config"] != asdict(self.config):
-            raise ValueError(f"state was saved with config {state['config']}; this object has {asdict(self.config)}")
+        self.check_state(state)
+        state = self._placed(state)
         self.d, self.n_seen = state["d"], state["n_seen"]
         self._reference = None
         if state["reference"] is not None:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from conceptlens.concepts.base import NotFittedError
+from conceptlens._checks import known_kwargs
+from conceptlens.concepts.base import ExtractorBase, NotFittedError, check_bool, check_float, check_int
 from conceptlens.concepts.conceptset import ConceptSet
 
 
@@ -43,14 +44,12 @@ class KMeansConfig:
     """Seed of the private random generator (k-means++, batches, reseeding)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n_concepts, int) or self.n_concepts < 1:
-            raise ValueError(f"n_concepts must be a positive int; got {self.n_concepts!r}")
-        if self.batch_size is not None and (not isinstance(self.batch_size, int) or self.batch_size < 1):
-            raise ValueError(f"batch_size must be a positive int or None; got {self.batch_size!r}")
-        if self.init_size is not None and (not isinstance(self.init_size, int) or self.init_size < 1):
-            raise ValueError(f"init_size must be a positive int or None; got {self.init_size!r}")
-        if self.reseed_after is not None and not self.reseed_after > 0:
-            raise ValueError(f"reseed_after must be > 0 or None; got {self.reseed_after!r}")
+        check_int("n_concepts", self.n_concepts)
+        check_bool("spherical", self.spherical)
+        check_int("batch_size", self.batch_size, optional=True)
+        check_int("init_size", self.init_size, optional=True)
+        check_float("reseed_after", self.reseed_after, strict=True, optional=True)
+        check_int("seed", self.seed, 0)
 
     @property
     def rows_to_init(self) -> int:
@@ -66,6 +65,12 @@ def squared_distances(x: Tensor, c: Tensor, x_sq: Tensor | None = None, c_sq: Te
     x_sq = (x * x).sum(1) if x_sq is None else x_sq
     c_sq = (c * c).sum(1) if c_sq is None else c_sq
     return (x_sq[:, None] - 2.0 * (x @ c.T) + c_sq[None]).clamp_min_(0.0)
+
+
+def mass_weighted_mean(centres: Tensor, mass: Tensor) -> Tensor:
+    """(d,) mean of the rows clustered, from centres `(k, d)` that are running means and their
+    masses `(k,)` (exact until a centre is reseeded or merged; the fit's mean activation)."""
+    return (mass.double() @ centres.double() / mass.double().sum().clamp_min(1e-300)).float()
 
 
 def kmeans_plusplus(x: Tensor, k: int, generator: torch.Generator, weight: Tensor | None = None) -> Tensor:
@@ -136,7 +141,20 @@ def _unit(x: Tensor) -> Tensor:
     return x / x.norm(dim=1, keepdim=True).clamp_min(1e-12)
 
 
-class StreamingKMeans:
+class KMeansStats(NamedTuple):
+    """Fit-report numbers of a k-means (also used by Deleuzian for its inner k-means)."""
+
+    steps: int
+    """Minibatch steps taken."""
+    rows: int
+    """Rows consumed (including those still waiting for the initialisation)."""
+    live_fraction: float
+    """Fraction of centres that have received mass (nan before the initialisation)."""
+    reseeded: int
+    """Centres moved by dead-centre reseeding so far."""
+
+
+class StreamingKMeans(ExtractorBase):
     """Weighted mini-batch k-means with k-means++ start, dead-centre reseeding and merging.
 
     `encode(x)` is the negative squared distance to each centre (spherical: the cosine
@@ -145,11 +163,15 @@ class StreamingKMeans:
     buffering initialises a copy on what it has, leaving the object itself unchanged.
     """
 
+    Config = KMeansConfig
     method = "kmeans"
 
+    @known_kwargs
     def __init__(self, n_concepts: int, *, spherical: bool = False, batch_size: int | None = None,
-                 init_size: int | None = None, reseed_after: float | None = 50.0, seed: int = 0) -> None:
+                 init_size: int | None = None, reseed_after: float | None = 50.0, seed: int = 0,
+                 device: str | torch.device | None = None) -> None:
         self.config = KMeansConfig(n_concepts, spherical, batch_size, init_size, reseed_after, seed)
+        self._set_device(device)
         self._gen = torch.Generator().manual_seed(seed)
         self.d: int | None = None
         self._centres: Tensor | None = None  # (k, d) weighted running means (not normalised)
@@ -158,6 +180,7 @@ class StreamingKMeans:
         self._pending: tuple[Tensor, Tensor] | None = None  # rows (M, d), weights (M,) before init
         self.n_seen = 0
         self.n_reseeded = 0
+        self.n_steps = 0
 
     @property
     def is_initialised(self) -> bool:
@@ -207,7 +230,7 @@ class StreamingKMeans:
             self.d = x.shape[1]
         elif x.shape[1] != self.d:
             raise ValueError(f"this StreamingKMeans was fitted on width d={self.d}; got width {x.shape[1]}")
-        x = x.detach().float()
+        x = self._place(x.detach().float())
         if weight is None:
             weight = torch.ones(x.shape[0], device=x.device)
         elif weight.shape != (x.shape[0],):
@@ -226,6 +249,7 @@ class StreamingKMeans:
         best, labels = squared_distances(x, view).min(1)
         self._centres, self._mass, received = minibatch_step(self._centres, self._mass, x, w, labels)
         self._idle = torch.where(received > 0, 0, self._idle + x.shape[0])
+        self.n_steps += 1
         if self.config.reseed_after is not None:
             self._reseed(x, w, best)
 
@@ -250,15 +274,14 @@ class StreamingKMeans:
             return self
         if self._pending is None:
             raise NotFittedError("StreamingKMeans has seen no data yet; call update(x) first")
-        twin = StreamingKMeans(**asdict(self.config))
-        twin.load_state_dict(self.state_dict())
+        twin = type(self).from_state(self.state_dict())
         twin.flush()
         return twin
 
     def encode(self, x: Tensor) -> Tensor:
         """Concept activations `(N, k)`: -|x - c|^2, or cos(x, c) when spherical."""
         c = self.centres
-        x = x.float()
+        x = x.float().to(c.device)
         return _unit(x) @ c.T if self.config.spherical else -squared_distances(x, c)
 
     def predict(self, x: Tensor) -> Tensor:
@@ -267,20 +290,25 @@ class StreamingKMeans:
 
     def inertia(self, x: Tensor, weight: Tensor | None = None) -> float:
         """Sum of (weighted) squared distances to the nearest centre (unit vectors when spherical)."""
-        x = _unit(x.float()) if self.config.spherical else x.float()
+        x = x.float().to(self.centres.device)
+        x = _unit(x) if self.config.spherical else x
         d2 = squared_distances(x, self.centres).min(1).values.double()
-        return float(d2.sum() if weight is None else (d2 * weight.double()).sum())
+        return float(d2.sum() if weight is None else (d2 * weight.double().to(d2.device)).sum())
 
-    def merge(self, other: StreamingKMeans | dict[str, Any]) -> None:
-        """Absorb another run's statistics (an object or its `state_dict()`).
+    def stats(self) -> KMeansStats:
+        live = float("nan") if self._centres is None else (self._mass > 0).float().mean().item()
+        return KMeansStats(self.n_steps, self.n_seen, live, self.n_reseeded)
 
-        Two runs' centres are not matched, so the 2k centres are clustered back to k by
-        weighted k-means (weights = masses); each merged centre is the mass-weighted mean of
-        its group and its mass the group's total, so total mass is conserved.
+    def _merge(self, other: StreamingKMeans) -> None:
+        """Absorb another run's statistics (`merge` takes an object or its `state_dict()`).
+
+        Two independent runs' centres are not matched, so the 2k centres are clustered back
+        to k by weighted k-means (weights = masses); each merged centre is the mass-weighted
+        mean of its group and its mass the group's total, so total mass is conserved. This is
+        not the same as one run over both streams (no online k-means merge can be); the exact
+        combination is per step: `step_statistics` of disjoint shards add up, which is what a
+        distributed fit all-reduces before every centre update.
         """
-        if isinstance(other, dict):
-            state, other = other, StreamingKMeans(**other["config"])
-            other.load_state_dict(state)
         if other.config.n_concepts != self.config.n_concepts or other.config.spherical != self.config.spherical:
             raise ValueError(f"cannot merge {other.config} into {self.config}: n_concepts and spherical must match")
         if other._centres is None:
@@ -293,30 +321,32 @@ class StreamingKMeans:
         else:
             if other.d != self.d:
                 raise ValueError(f"cannot merge centres of width {other.d} into width {self.d}")
-            points = torch.cat([self._centres, other._centres])
+            points = torch.cat([self._centres, other._centres.to(self._centres.device)])
             mass = torch.cat([self._mass, other._mass.to(self._mass.device)])
             self._centres, self._mass = weighted_lloyd(points, mass, self.config.n_concepts, self._gen,
                                                         spherical=self.config.spherical)
             self._idle = torch.zeros_like(self._idle)
         self.n_seen += other.n_seen
+        self.n_steps += other.n_steps
         if pending is not None:
             self._steps(*pending)
 
     def concept_set(self) -> ConceptSet:
         fitted = self._fitted()
         return ConceptSet(fitted.centres, method=self.method, config=asdict(self.config),
-                          stats={"mass": fitted._mass.float()})
+                          stats={"mass": fitted._mass.float()}, mean=mass_weighted_mean(fitted.centres, fitted._mass))
 
     def state_dict(self) -> dict[str, Any]:
         px, pw = self._pending if self._pending is not None else (None, None)
-        return {"config": asdict(self.config), "d": self.d, "centres": self._centres, "mass": self._mass,
+        return {"config": self.config_dict(), "d": self.d, "steps": self.n_steps, "centres": self._centres, "mass": self._mass,
                 "idle": self._idle, "pending_x": px, "pending_w": pw, "n_seen": self.n_seen,
                 "n_reseeded": self.n_reseeded, "generator": self._gen.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["config"] != asdict(self.config):
-            raise ValueError(f"state was saved with config {state['config']}; this object has {asdict(self.config)}")
+        self.check_state(state)
+        state = self._placed(state)
         self.d, self.n_seen, self.n_reseeded = state["d"], state["n_seen"], state["n_reseeded"]
+        self.n_steps = state.get("steps", 0)
         clone = (lambda t: None if t is None else t.clone())
         self._centres, self._mass, self._idle = clone(state["centres"]), clone(state["mass"]), clone(state["idle"])
         has_pending = state["pending_x"] is not None

@@ -13,6 +13,7 @@ padding and the KV cache — so an edit gives the same tokens with and without `
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Literal, Sequence
 
 import torch
@@ -49,6 +50,10 @@ class Steer:
         for site in self.sites:
             if site.point == "pattern":
                 raise ValueError(f"{site.name} is read only (attention probabilities); edit attn.q or attn.k instead")
+        for edit, site in zip(edits, self.sites):
+            edit.check(site.name, math.prod(int(s) for s in site.shape[2:]), lens.name)
+        for edit in edits:
+            edit.bind(lens)  # e.g. Add(scale="site_norm") measures the site's token norm, before any hook
         self.edits = list(edits)
         self.positions = positions
         self.prompt_length: dict[str, Tensor] = {}  # stack -> (B,) real tokens in the first forward

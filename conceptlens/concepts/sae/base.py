@@ -4,7 +4,7 @@
     for x in stream:                            # x: (N, d) float32 raw activations
         sae.update(x)
     sae.flush()                                 # end of stream: train on what is buffered
-    sae.stats                                   # FVU, L0, dead fraction (last step, running mean)
+    sae.stats()                                 # FVU, L0, dead fraction (last step, running mean)
     cs = sae.concept_set()                      # directions = decoder rows, in raw units
 
 Training happens in a normalised space: x_n = s x with one scalar s chosen over the first
@@ -20,16 +20,17 @@ optimiser, decoder constraint, statistics and checkpointing live here.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 
-from conceptlens.concepts.base import NotFittedError
+from conceptlens.concepts.base import ExtractorBase, NotFittedError
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.sae.config import SAEConfig, build_config
-from conceptlens.concepts.sae.persist import average_replicas, load_training_state, training_state
+from conceptlens.concepts.sae.persist import load_training_state, merge_replicas, training_state
 from conceptlens.concepts.sae.stats import LatentTracker, RunningStats, SAEStats, StepStats, geometric_median
 
 
@@ -42,7 +43,7 @@ class Code(NamedTuple):
     """(N, width) pre-activations (for SpaDE: the scaled negative squared distances)."""
 
 
-class SparseAutoencoder:
+class SparseAutoencoder(ExtractorBase):
     """Base of the SAE variants: implements the Extractor protocol around `_activate`.
 
     Subclasses set `Config` and `method`, and override `_activate(pre, w, train)` and, if
@@ -56,8 +57,12 @@ class SparseAutoencoder:
     unit_decoder: ClassVar[bool] = True
     folded_by_scale: ClassVar[tuple[str, ...]] = ("b_enc", "b_dec", "threshold")
 
-    def __init__(self, config: SAEConfig | None = None, /, *, seed: int = 0, **kwargs: Any) -> None:
+    def __init__(self, config: SAEConfig | None = None, /, *, seed: int = 0,
+                 device: str | torch.device | None = None, **kwargs: Any) -> None:
         self.config = build_config(self.Config, config, kwargs)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0; got {seed!r}")
+        self._set_device(device)
         self.seed = seed
         self.d: int | None = None
         self.scale: float | None = None
@@ -66,7 +71,7 @@ class SparseAutoencoder:
         self._gen = torch.Generator().manual_seed(seed)
         self._mixer = MixingBuffer(size=self.config.mixing_size(), seed=seed)
         self._warm = [0.0, 0]  # sum of ||x||^2 (float64 accumulated) and rows, during warm-up
-        self._device = torch.device("cpu")
+        self._device = self.device or torch.device("cpu")
         self._opt: torch.optim.Adam | None = None
         self._tracker = LatentTracker(self.config.width, self.config.dead_after)
         self._running = RunningStats()
@@ -98,13 +103,14 @@ class SparseAutoencoder:
         if not isinstance(x, Tensor) or x.ndim != 2 or not x.is_floating_point():
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"{type(self).__name__}.update expects a float tensor (N, d); got {got}")
+        device = self.device or x.device
         if self.d is None:
-            self.d, self._device = x.shape[1], x.device
-            self._tracker = LatentTracker(self.config.width, self.config.dead_after, x.device)
-        elif not self.params and self._device != x.device:  # resumed before the first step
-            self._device = x.device
+            self.d, self._device = x.shape[1], device
+            self._tracker = LatentTracker(self.config.width, self.config.dead_after, device)
+        elif not self.params and self._device != device:  # resumed before the first step
+            self._device = device
             state = self._tracker.state_dict()
-            self._tracker = LatentTracker(self.config.width, self.config.dead_after, x.device)
+            self._tracker = LatentTracker(self.config.width, self.config.dead_after, device)
             self._tracker.load_state_dict(state)
         elif x.shape[1] != self.d:
             raise ValueError(f"{type(self).__name__} was fitted on width d={self.d}; got width {x.shape[1]}")
@@ -163,7 +169,6 @@ class SparseAutoencoder:
                               self._tracker.dead().float().mean(), loss.detach()]).tolist()
         self._running.observe(StepStats(*values), x.shape[0])
 
-    @property
     def stats(self) -> SAEStats:
         """Steps, tokens, the last step's FVU / L0 / dead fraction / loss, and their running means."""
         return self._running.summary()
@@ -249,14 +254,32 @@ class SparseAutoencoder:
         return training_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_training_state(self, state)
+        self.check_state(state)
+        load_training_state(self, self._placed(state))
 
-    def merge(self, other: SparseAutoencoder) -> None:
-        """Average parameters and Adam moments with a data-parallel replica (local SGD).
+    @classmethod
+    def from_config(cls, config: dict[str, Any], seed: int = 0) -> SparseAutoencoder:
+        names = {f.name for f in dataclasses.fields(cls.Config)}
+        return cls(seed=seed, **{k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in names})
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> SparseAutoencoder:
+        if not isinstance(state, dict) or "config" not in state:
+            raise ValueError(f"not a {cls.__name__} state: expected a dict with a 'config' entry")
+        obj = cls.from_config(state["config"], seed=state.get("seed", 0))
+        obj.load_state_dict(state)
+        return obj
+
+    def _merge(self, other: SparseAutoencoder) -> None:
+        """Combine with a data-parallel replica (local SGD); `merge` also takes its state dict.
 
         SAEs have no sufficient statistics to add up. Replicas that started from one state
         (load the same `state_dict` after warm-up, so they share the input scale and the
-        initialisation) and trained on different shards can be averaged with equal weights;
-        firing records combine and the other's buffered rows join this buffer.
+        initialisation) and trained on different shards are averaged with equal weights
+        (parameters, Adam moments); firing records and token counts add, the step count is
+        the larger one, and the other's buffered rows join this buffer (trained on at the
+        next `update` or `flush`). A replica that has not started yet takes the other's
+        state; two still warming up pool their warm-up sums. For training across processes
+        the fit all-reduces gradients every step instead (see conceptlens/distributed.py).
         """
-        average_replicas(self, other)
+        merge_replicas(self, other)

@@ -1,0 +1,167 @@
+"""From a ConceptDescriber's sums to a Description: histograms, neighbours, tokens, probes.
+
+    description = finish(describer, name="topk", tokenizer=tok, unembedding=W_U, labels=y)
+
+Pure tensor math on the describer's state, plus decoding token ids with the tokenizer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from conceptlens.describe.describer import FINE, HALF_BINS, ConceptDescriber, fine_edges
+from conceptlens.describe.description import Description
+
+
+def display_histogram(fine: Tensor, zeros: Tensor, bins: int) -> tuple[Tensor, Tensor]:
+    """Fine counts `(n, FINE)` (zeros, counted apart in `(n,)`, inside bin HALF_BINS) -> per-concept
+    edges `(n, bins + 1)` and counts `(n, bins)`: each concept's occupied range of fine bins cut
+    into `bins` groups of whole fine bins, zeros left out."""
+    signed = fine.clone()
+    signed[:, HALF_BINS] -= zeros
+    occupied = signed > 0
+    cols = torch.arange(FINE).expand_as(signed)
+    lo = torch.where(occupied, cols, FINE).min(1).values
+    hi = torch.where(occupied, cols, -1).max(1).values
+    empty = hi < 0
+    lo, hi = torch.where(empty, 0, lo), torch.where(empty, 0, hi)
+    group = torch.div(hi - lo + bins, bins, rounding_mode="floor")  # ceil((hi - lo + 1) / bins)
+    cut = torch.minimum(lo[:, None] + group[:, None] * torch.arange(bins + 1), hi[:, None] + 1)  # (n, bins + 1)
+    cum = torch.nn.functional.pad(signed.cumsum(1), (1, 0))
+    counts = cum.gather(1, cut[:, 1:]) - cum.gather(1, cut[:, :-1])
+    edges = fine_edges()[cut].float()
+    return torch.where(empty[:, None], 0.0, edges), counts
+
+
+def nearest(scores: Tensor, m: int) -> tuple[Tensor, Tensor]:
+    """Top-m other concepts per row of a square score matrix (the diagonal left out)."""
+    scores = scores.clone().float()
+    scores.fill_diagonal_(-math.inf)
+    m = min(m, scores.shape[0] - 1)
+    if m < 1:
+        return torch.zeros(len(scores), 0, dtype=torch.long), torch.zeros(len(scores), 0)
+    top = scores.topk(m, dim=1)
+    return top.indices, top.values
+
+
+def coactivation(sums: dict[str, Tensor], sparse: bool) -> Tensor:
+    """Jaccard of firing (sparse sets) or Pearson correlation of activations (dense sets), `(n, n)`."""
+    outer, total, rows = sums["sub_outer"].cpu().double(), sums["sub_sum"].cpu(), float(sums["sub_rows"])
+    if sparse:
+        count = outer.diagonal()
+        union = count[:, None] + count[None, :] - outer
+        return torch.where(union > 0, outer / union.clamp(min=1e-12), 0.0)
+    mean = total / max(rows, 1.0)
+    cov = outer / max(rows, 1.0) - mean[:, None] * mean[None, :]
+    std = cov.diagonal().clamp(min=0).sqrt()
+    denom = std[:, None] * std[None, :]
+    return torch.where(denom > 0, cov / denom.clamp(min=1e-300), 0.0)
+
+
+def map_xy(directions: Tensor) -> Tensor:
+    """2-D PCA coordinates `(n, 2)` of the unit directions (eigenvectors of the smaller Gram matrix)."""
+    unit = torch.nn.functional.normalize(directions.double(), dim=1)
+    centred = unit - unit.mean(0)
+    xy = torch.zeros(len(unit), 2, dtype=torch.float64)
+    if len(unit) < 2:
+        return xy.float()
+    if centred.shape[1] <= centred.shape[0]:
+        _, vectors = torch.linalg.eigh(centred.T @ centred)  # ascending: the last are the principal axes
+        scores = centred @ vectors[:, -2:].flip(1)
+    else:
+        values, vectors = torch.linalg.eigh(centred @ centred.T)
+        scores = vectors[:, -2:].flip(1) * values[-2:].flip(0).clamp(min=0).sqrt()
+    xy[:, : scores.shape[1]] = scores
+    return xy.float()
+
+
+def logit_tokens(directions: Tensor, unembedding: Tensor, p: int, chunk: int = 256) -> dict[str, Tensor]:
+    """Each unit direction through the unembedding `(V, d)`: its p most promoted and suppressed token ids."""
+    unit = torch.nn.functional.normalize(directions.float(), dim=1)
+    w = unembedding.detach().float().cpu()
+    out: dict[str, list[Tensor]] = {k: [] for k in ("promoted_ids", "promoted_logit", "suppressed_ids",
+                                                     "suppressed_logit")}
+    for rows in unit.split(chunk):
+        logits = rows @ w.T  # (chunk, V)
+        up, down = logits.topk(p, dim=1), (-logits).topk(p, dim=1)
+        out["promoted_ids"].append(up.indices)
+        out["promoted_logit"].append(up.values)
+        out["suppressed_ids"].append(down.indices)
+        out["suppressed_logit"].append(-down.values)
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+def class_probes(doc_sum: Tensor, doc_rows: Tensor, labels: Sequence[int], n_classes: int) -> tuple[Tensor, Tensor]:
+    """Per concept and class, the test log-loss of a 1-D logistic probe on document-mean
+    activations: `(n, C)`, and the base-rate entropy per class `(C,)` (nats). Described
+    documents alternate train / test in their order (even: train, odd: test)."""
+    from conceptlens.metrics.quality import _chunk, fit_logistic_1d, logistic_log_loss
+
+    seen = (doc_rows > 0).nonzero().squeeze(1).cpu()
+    means = (doc_sum[seen] / doc_rows[seen, None]).cpu()
+    y = torch.as_tensor([labels[i] for i in seen.tolist()])
+    train, test = torch.arange(len(seen)) % 2 == 0, torch.arange(len(seen)) % 2 == 1
+    loss = torch.full((means.shape[1], n_classes), math.nan)
+    entropy = torch.full((n_classes,), math.nan)
+    for c in range(n_classes):
+        y_tr, y_te = (y[train] == c).double(), (y[test] == c).double()
+        if not len(y_te) or y_tr.min() == y_tr.max():
+            continue  # a class absent (or alone) in the train half cannot be probed
+        rate = float(y_te.mean())
+        entropy[c] = 0.0 if rate in (0.0, 1.0) else -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
+        for cols in torch.arange(means.shape[1]).split(_chunk(int(train.sum()))):
+            w, b = fit_logistic_1d(means[train][:, cols], y_tr)
+            loss[cols, c] = logistic_log_loss(means[test][:, cols], y_te, w, b).float()
+    return loss, entropy
+
+
+def used_slots(describer: ConceptDescriber) -> tuple[Tensor, Tensor, Tensor]:
+    """Top values, documents and positions `(n, k)` with unused slots -inf / -1; for sparse
+    (SAE) sets a zero activation is no context either."""
+    top = describer.top
+    values, doc, pos = top.values.cpu().float(), top.doc.cpu(), top.pos.cpu()
+    unused = doc < 0
+    if describer.activations.sparse:
+        unused |= values <= 0
+    return values.masked_fill(unused, -math.inf), doc.masked_fill(unused, -1), pos.masked_fill(unused, -1)
+
+
+def decode_contexts(describer: ConceptDescriber, tokenizer: Any) -> list[dict[str, Any]]:
+    """contexts.jsonl lines: each concept's top windows, trimmed to their document, tokens decoded,
+    activations to 5 significant digits."""
+    top = describer.top
+    values, doc, pos = used_slots(describer)
+    ids = top.window_ids.cpu()
+    acts = top.window_acts.cpu().double()
+    magnitude = torch.floor(torch.log10(acts.abs().clamp(min=1e-30)))
+    scale = torch.pow(10.0, 4 - magnitude)
+    acts = torch.where(acts == 0, 0.0, torch.round(acts * scale) / scale)
+    vocab = decoder(tokenizer, ids[ids >= 0].unique().tolist())
+    left = top.window[0]
+    lines = []
+    all_ids, all_acts = ids.tolist(), acts.tolist()
+    all_values, all_doc, all_pos = values.tolist(), doc.tolist(), pos.tolist()
+    for c in range(describer.n):
+        contexts = []
+        for j in range(top.k):
+            if all_doc[c][j] < 0:
+                break
+            row = all_ids[c][j]
+            keep = [t >= 0 for t in row]
+            contexts.append({"value": all_values[c][j], "doc": all_doc[c][j], "pos": all_pos[c][j],
+                             "center": left - keep.index(True), "tokens": [vocab[t] for t in row if t >= 0],
+                             "acts": [a for a, k in zip(all_acts[c][j], keep) if k]})
+        lines.append({"concept": c, "contexts": contexts})
+    return lines
+
+
+def decoder(tokenizer: Any, ids: Sequence[int]) -> dict[int, str]:
+    """Token id -> its text (`tokenizer.decode([id])`; the id in angle brackets when it cannot decode)."""
+    decode = getattr(tokenizer, "decode", None)
+    if not callable(decode):
+        return {i: f"<{i}>" for i in ids}
+    return {i: decode([i]) for i in ids}

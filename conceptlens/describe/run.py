@@ -1,0 +1,232 @@
+"""The description pass: held-out documents through the model once, every concept set described.
+
+    descriptions = lens.describe({"topk": cs_topk, "km": cs_km}, "bbc-news", skip_documents=400,
+                                 max_tokens=50_000, out="runs/demo/describe")
+    descriptions["topk"].contexts[12]
+
+It is a fit whose extractors are `ConceptDescriber`s (one forward feeds every set at every
+site; the fit's filters, checkpoints and resume come with it), followed by `finish`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import torch
+
+from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.describe import finish as fin
+from conceptlens.describe.describer import ConceptDescriber, DescribeConfig
+from conceptlens.describe.description import Description
+from conceptlens.filters import FilterConfig
+
+if TYPE_CHECKING:
+    from conceptlens.lens import Lens
+
+
+@dataclass
+class SteeringRequest:
+    """Steering samples to record: a fixed prompt continued unsteered and steered."""
+
+    concepts: Sequence[int] | Mapping[str, Sequence[int]]
+    """Concept indices (for every set) or per set name."""
+    prompt: str = "I went to the shop and"
+    alphas: Sequence[float] = (0.0, 0.25, 0.5, 1.0)
+    """Multiples of the site's typical token norm (`steering.units.site_norm`, the unit of
+    `Add(..., scale="site_norm")`) added along the unit direction."""
+    max_new_tokens: int = 24
+
+
+@dataclass
+class FinishOptions:
+    n_nearest: int = 8
+    n_tokens: int = 10
+    bins: int = 32
+
+
+def describe(lens: Lens, concept_sets: Mapping[str, ConceptSet], data: Any, *, tokenizer: Any = None,
+             labels: Sequence[Any] | None = None, label_names: Sequence[str] | None = None,
+             skip_documents: int = 0, top_n: int = 16, window: tuple[int, int] = (8, 4),
+             max_tokens: int | None = None, batch_size: int = 16, max_length: int = 128, out: str | None = None,
+             checkpoint_every: int | None = None, resume: bool = True, progress: bool = True,
+             filters: FilterConfig | None = None, steering: SteeringRequest | None = None,
+             coact_rows: int = 512, options: FinishOptions | None = None) -> dict[str, Description]:
+    """Describe every set over `data` after its first `skip_documents` documents; `labels`
+    (one per document of the whole source; a TextSet brings its own) add per-class probes.
+    `out`: the run's describe/ folder (checkpoint.pt and one <name>/ per set)."""
+    from conceptlens import data as datasets
+    from conceptlens.fit import FitConfig
+    from conceptlens.fit import fit as run_fit
+
+    tokenizer = tokenizer or lens.tokenizer
+    if isinstance(data, datasets.TextSet) and labels is None and data.labels and \
+            not isinstance(data.labels[0], list):
+        labels, label_names = data.labels, data.label_names
+    classes = _class_ids(labels, label_names)
+    n_docs = None if classes is None else len(classes[0]) - skip_documents
+    if n_docs is not None and n_docs < 1:
+        raise ValueError(f"skip_documents={skip_documents} leaves no labelled document of {len(classes[0])}")
+    config = DescribeConfig(top_n=top_n, window=window, coact_rows=coact_rows, n_documents=n_docs)
+    describers = {name: ConceptDescriber(cs, config, first_document=skip_documents) for name, cs in _checked(lens, concept_sets).items()}
+    plan: dict[str, dict[str, ConceptDescriber]] = {}
+    for name, d in describers.items():
+        plan.setdefault(d.concepts.site, {})[name] = d
+    texts = islice(datasets.iter_texts(data), skip_documents, None)
+    if out is not None:
+        _forget_other_pass(Path(out), {"skip_documents": skip_documents,
+                                       "data": data if isinstance(data, str) else getattr(data, "name", None)})
+    run_fit(lens, plan, texts, tokenizer=tokenizer, config=FitConfig(
+        batch_size=batch_size, max_length=max_length, max_tokens=max_tokens, checkpoint_dir=out,
+        checkpoint_every=checkpoint_every, resume=resume, progress=progress, filters=filters or FilterConfig()))
+    options = options or FinishOptions()
+    results = {}
+    for name, d in describers.items():
+        results[name] = finish(d, name=name, lens=lens, tokenizer=tokenizer,
+                               classes=None if classes is None else (classes[0][skip_documents:], classes[1]),
+                               options=options)
+        if steering is not None:
+            results[name].info["steering"] = steering_samples(lens, tokenizer, d, name, steering)
+        if out is not None:
+            results[name].save(Path(out) / name)
+    return results
+
+
+def _forget_other_pass(out: Path, source: dict[str, Any]) -> None:
+    """A checkpoint of a pass over other documents (e.g. before the fit ran longer) is dropped:
+    the fit's fingerprint cannot see which documents an iterator skipped."""
+    import json
+
+    from conceptlens._io import atomic_write
+    from conceptlens.fit import CHECKPOINT
+
+    marker = out / "source.json"
+    if marker.is_file() and json.loads(marker.read_text()) != source and (out / CHECKPOINT).is_file():
+        (out / CHECKPOINT).unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(source)
+    atomic_write(marker, lambda p: Path(p).write_text(text))
+
+
+def _checked(lens: Lens, concept_sets: Mapping[str, ConceptSet]) -> dict[str, ConceptSet]:
+    if not concept_sets:
+        raise ValueError("describe needs at least one concept set: {name: ConceptSet}")
+    out = {}
+    for name, cs in concept_sets.items():
+        if not isinstance(cs, ConceptSet):
+            raise TypeError(f"concept set {name!r} is a {type(cs).__name__}, not a ConceptSet")
+        if cs.site is None:
+            raise ValueError(f"concept set {name!r} names no site; set cs.site")
+        site = lens.site(cs.site)
+        width = math.prod(int(s) for s in site.shape[2:])
+        if width != cs.hidden_size:
+            raise ValueError(f"concept set {name!r} has width {cs.hidden_size} but {site.name} has width {width}")
+        out[name] = cs if cs.site == site.name else ConceptSet(
+            cs.directions, site.name, method=cs.method, config=cs.config, model=cs.model, encoder=cs.encoder,
+            stats=cs.stats)
+    return out
+
+
+def _class_ids(labels: Sequence[Any] | None, names: Sequence[str] | None) -> tuple[list[int], list[str]] | None:
+    """Labels -> (class id per document, class names); str labels are numbered by `names` (or sorted)."""
+    if labels is None:
+        return None
+    labels = list(labels)
+    if names is None:
+        names = sorted({str(v) for v in labels}) if labels and isinstance(labels[0], str) else \
+            [str(v) for v in sorted(set(labels))]
+    names = list(names)
+    if labels and isinstance(labels[0], str):
+        unknown = sorted(set(labels) - set(names))
+        if unknown:
+            raise ValueError(f"labels {unknown[:5]} are not among the label names {names}")
+        return [names.index(v) for v in labels], names
+    ids = [int(v) for v in labels]
+    if min(ids) < 0 or max(ids) >= len(names):
+        raise ValueError(f"integer labels must lie in 0..{len(names) - 1} (one per label name); got "
+                         f"{min(ids)}..{max(ids)}")
+    return ids, names
+
+
+def unembedding(lens: Lens, site: str, width: int) -> torch.Tensor | None:
+    """The decoder's output embedding `(V, d)` when the site lives in its residual width, else None."""
+    model = lens.model
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    can_generate = getattr(model, "can_generate", lambda: False)()
+    if head is None or not can_generate or site.startswith("encoder.") or head.weight.shape[1] != width:
+        return None
+    return head.weight.detach()
+
+
+def finish(d: ConceptDescriber, *, name: str, lens: Lens, tokenizer: Any,
+           classes: tuple[list[int], list[str]] | None = None, options: FinishOptions | None = None) -> Description:
+    """The Description of one describer's state (see ATLAS_FORMAT.md)."""
+    o, cs, n = options or FinishOptions(), d.concepts, d.n
+    if d.sums is None:
+        raise ValueError(f"concept set {name!r} saw no tokens: nothing to describe (more data or a smaller "
+                         "skip_documents?)")
+    s = {k: v.cpu() for k, v in d.sums.items()}
+    rows = max(d.rows, 1)
+    edges, counts = fin.display_histogram(s["hist"], s["zeros"], o.bins)
+    top_values, top_doc, top_pos = fin.used_slots(d)
+    stats = {"frequency": (s["fire_count"].double() / rows).float(), "mean_activation": (s["act_sum"] / rows).float(),
+             "max_activation": d.top.values[:, 0].cpu().float(), "hist_edges": edges, "hist_counts": counts,
+             "top_values": top_values, "top_doc": top_doc, "top_pos": top_pos, "map_xy": fin.map_xy(cs.directions)}
+    unit = torch.nn.functional.normalize(cs.directions.float(), dim=1)
+    stats["nearest_direction"], stats["nearest_direction_cos"] = fin.nearest(unit @ unit.T, o.n_nearest)
+    stats["nearest_coact"], stats["nearest_coact_score"] = fin.nearest(
+        fin.coactivation(s, d.activations.sparse), o.n_nearest)
+    w_u = unembedding(lens, cs.site, cs.hidden_size)
+    tokens = None
+    if w_u is not None:
+        stats |= fin.logit_tokens(cs.directions, w_u, min(o.n_tokens, w_u.shape[0]))
+        vocab = fin.decoder(tokenizer, torch.cat([stats["promoted_ids"], stats["suppressed_ids"]]).unique().tolist())
+        tokens = {k: [[vocab[i] for i in row] for row in stats[f"{k}_ids"].tolist()] for k in ("promoted", "suppressed")}
+    entropy = None
+    if classes is not None:
+        stats["probe_loss"], h = fin.class_probes(s["doc_sum"], s["doc_rows"], classes[0], len(classes[1]))
+        entropy = {c: (None if math.isnan(v) else v) for c, v in zip(classes[1], h.tolist())}
+    contexts = fin.decode_contexts(d, tokenizer)
+    info = {"name": name, "site": cs.site, "method": cs.method, "model": cs.model or lens.name, "n_concepts": n,
+            "tokens": d.rows, "documents": d.documents, "first_document": d.first_document, "top_n": d.top.k,
+            "window": list(d.top.window), "hist_edges_kind": "per-concept", "activation": d.activations.kind,
+            "coact_kind": "jaccard" if d.activations.sparse else "pearson",
+            "mean_token_norm": float(s["norm_sum"]) / rows, "labels": None if classes is None else list(classes[1]),
+            "base_rate_entropy": entropy, "has_unembedding": w_u is not None, "steering": []}
+    return Description(info, stats, contexts, tokens)
+
+
+@torch.no_grad()
+def steering_samples(lens: Lens, tokenizer: Any, d: ConceptDescriber, name: str,
+                     request: SteeringRequest) -> list[dict[str, Any]]:
+    """For each requested concept: the prompt continued greedily with alpha * site_norm * unit
+    direction added at every position (`Add(..., scale="site_norm")`)."""
+    from conceptlens.steering import Add
+    from conceptlens.steering.units import site_norm as typical_norm
+
+    model = lens.model
+    if not getattr(model, "can_generate", lambda: False)():
+        return []
+    chosen = request.concepts.get(name, []) if isinstance(request.concepts, Mapping) else request.concepts
+    site_norm = typical_norm(lens, d.concepts.site)
+    unit = torch.nn.functional.normalize(d.concepts.directions.float(), dim=1)
+    device = next(model.parameters()).device
+    prompt = {k: v.to(device) for k, v in tokenizer([request.prompt], return_tensors="pt").items()}
+    pad = getattr(tokenizer, "pad_token_id", None)
+    samples = []
+    for concept in chosen:
+        if not 0 <= int(concept) < d.n:
+            raise ValueError(f"steering concept {concept} is out of range for {name!r} ({d.n} concepts)")
+        runs = []
+        for alpha in request.alphas:
+            edit = Add(unit[int(concept)], alpha, scale="site_norm", norm=site_norm, site=d.concepts.site)
+            with lens.steer(edit):
+                out = model.generate(**prompt, max_new_tokens=request.max_new_tokens, do_sample=False,
+                                     pad_token_id=pad if pad is not None else 0)
+            text = tokenizer.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+            runs.append({"alpha": float(alpha), "scale": "site_norm", "text": text})
+        samples.append({"concept": int(concept), "prompt": request.prompt, "site_norm": site_norm, "samples": runs})
+    return samples

@@ -1,0 +1,123 @@
+"""Exact streaming top-N per concept: the same N entries as sorting every activation seen.
+
+    top = TopN(n_concepts=64, k=16, window=(8, 4))
+    top.update(z, doc, pos, ids, first_doc)    # z: (N, n) activations of N rows, in stream order
+    top.values, top.doc, top.pos, top.window_ids, top.window_acts
+
+Order: larger value first; equal values by (document, position), earlier first, so the
+result does not depend on how the stream was cut into batches, on a resume, or on merging
+shards. A batch's candidates are reduced with `torch.topk` on an int64 key that packs the
+value's order-preserving bits above the row index (unique keys: no tie is left to chance),
+then merged with the kept entries by a stable sort of 2k values per concept. No host syncs.
+Pure tensor math: no model, no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_LOW = (1 << 32) - 1
+
+
+def order_key(values: Tensor) -> Tensor:
+    """float32 -> int32 whose signed order equals the float order (-0.0 counts as +0.0)."""
+    bits = (values.float() + 0.0).contiguous().view(torch.int32)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def batch_top(z: Tensor, k: int, key32: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Per column of z `(N, n)`: the k largest values `(n, k)` and their rows `(n, k)`, ties to
+    the earlier row. `key32`: `order_key(z)` when the caller has it already."""
+    rows = torch.arange(z.shape[0], device=z.device, dtype=torch.int64)
+    key = (order_key(z) if key32 is None else key32).long()
+    key.bitwise_left_shift_(32).bitwise_or_((_LOW - rows)[:, None])  # (N, n), unique per column
+    top = torch.topk(key, min(k, z.shape[0]), dim=0).indices.T  # (n, k)
+    return z.gather(0, top.T).T, top
+
+
+class TopN:
+    """The k largest activations of each of n concepts, with documents, positions and windows."""
+
+    def __init__(self, n_concepts: int, k: int = 16, window: tuple[int, int] = (8, 4)) -> None:
+        if k < 1 or n_concepts < 1 or min(window) < 0:
+            raise ValueError(f"need n_concepts >= 1, k >= 1 and window sizes >= 0; got {n_concepts}, {k}, {window}")
+        self.n, self.k, self.window = n_concepts, k, (int(window[0]), int(window[1]))
+        self.values: Tensor | None = None
+
+    @property
+    def width(self) -> int:
+        return self.window[0] + 1 + self.window[1]
+
+    def _init(self, device: torch.device) -> None:
+        n, k, w = self.n, self.k, self.width
+        self.values = torch.full((n, k), -torch.inf, device=device)
+        self.doc = torch.full((n, k), -1, dtype=torch.long, device=device)
+        self.pos = torch.full((n, k), -1, dtype=torch.long, device=device)
+        self.window_ids = torch.full((n, k, w), -1, dtype=torch.long, device=device)
+        self.window_acts = torch.zeros(n, k, w, device=device)
+
+    def update(self, z: Tensor, doc: Tensor, pos: Tensor, ids: Tensor, first_doc: int,
+               key32: Tensor | None = None) -> None:
+        """z `(N, n)` rows in stream order with their doc/pos `(N,)` (doc counted in the source);
+        ids `(B, T)` token ids of the batch (-1 = padding; batch row b is document first_doc + b)."""
+        if self.values is None:
+            self._init(z.device)
+        if z.shape[0] == 0:
+            return
+        new_values, rows = batch_top(z, self.k, key32)  # (n, k') each
+        b, t = doc[rows] - first_doc, pos[rows]
+        row_of = torch.full(ids.shape, -1, dtype=torch.long, device=z.device)  # (B, T): row of x, -1 if none
+        row_of[doc - first_doc, pos] = torch.arange(z.shape[0], device=z.device)
+        span = t[..., None] + torch.arange(-self.window[0], self.window[1] + 1, device=z.device)  # (n, k', W)
+        inside = (span >= 0) & (span < ids.shape[1])
+        span, b = span.clamp(0, ids.shape[1] - 1), b[..., None]
+        concept = torch.arange(self.n, device=z.device)[:, None, None]
+        window_ids = torch.where(inside, ids[b, span], -1)
+        source = row_of[b, span]  # (n, k', W); filtered tokens (the first position, outliers) show 0
+        window_acts = torch.where(inside & (source >= 0), z[source.clamp(min=0), concept], 0.0)
+        self._merge(new_values, doc[rows], t, window_ids, window_acts)
+
+    def _merge(self, values: Tensor, doc: Tensor, pos: Tensor, window_ids: Tensor, window_acts: Tensor,
+               lexicographic: bool = False) -> None:
+        """Keep the k best of the kept entries and these (kept first: earlier in the stream)."""
+        cat = [torch.cat(pair, 1) for pair in ((self.values, values), (self.doc, doc), (self.pos, pos),
+                                                 (self.window_ids, window_ids), (self.window_acts, window_acts))]
+        if lexicographic:  # entries of two shards interleave in the stream: order by (doc, pos) first
+            first = torch.argsort(cat[1] * (1 << 32) + cat[2].clamp(min=0), dim=1, stable=True)
+            cat = [c.gather(1, first if c.ndim == 2 else first[..., None].expand_as(c)) for c in cat]
+        order = torch.sort(cat[0], dim=1, descending=True, stable=True).indices[:, :self.k]
+        self.values, self.doc, self.pos = (c.gather(1, order) for c in cat[:3])
+        wide = order[..., None].expand(-1, -1, self.width)
+        self.window_ids, self.window_acts = cat[3].gather(1, wide), cat[4].gather(1, wide)
+
+    def merge(self, other: TopN) -> None:
+        """Absorb the entries of another shard (the same result as one stream over both)."""
+        if (other.n, other.k, other.window) != (self.n, self.k, self.window):
+            raise ValueError(f"cannot merge top-N of n={other.n}, k={other.k}, window={other.window} into "
+                             f"n={self.n}, k={self.k}, window={self.window}")
+        if other.values is None:
+            return
+        if self.values is None:
+            self._init(other.values.device)
+        unused = other.doc < 0  # -inf slots sort last either way; keep them last after the (doc, pos) sort
+        doc = other.doc.masked_fill(unused, 1 << 30)
+        self.doc = self.doc.masked_fill(self.doc < 0, 1 << 30)
+        self._merge(other.values, doc, other.pos, other.window_ids, other.window_acts, lexicographic=True)
+        self.doc = self.doc.masked_fill(self.doc == 1 << 30, -1)
+
+    def state_dict(self) -> dict[str, Any]:
+        tensors = {} if self.values is None else {
+            "values": self.values, "doc": self.doc, "pos": self.pos,
+            "window_ids": self.window_ids, "window_acts": self.window_acts}
+        return {"n": self.n, "k": self.k, "window": list(self.window), **tensors}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state["n"], state["k"], tuple(state["window"])) != (self.n, self.k, self.window):
+            raise ValueError(f"top-N state for n={state['n']}, k={state['k']}, window={state['window']} does not "
+                             f"fit n={self.n}, k={self.k}, window={self.window}")
+        if "values" in state:
+            for name in ("values", "doc", "pos", "window_ids", "window_acts"):
+                setattr(self, name, state[name].clone())

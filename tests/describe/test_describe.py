@@ -1,0 +1,249 @@
+"""The description pass on a tiny random Llama, checked against brute force over captured activations."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import conceptlens
+from conceptlens import ConceptSet
+from conceptlens.batching import encode_batch
+from conceptlens.checkpoint import read_checkpoint
+from conceptlens.describe import ConceptDescriber, Description, SteeringRequest
+from conceptlens.describe.describer import fine_bins, fine_edges
+from conceptlens.filters import FilterConfig
+from tests.conftest import CharTokenizer, tiny_model
+
+DOCS = [f"doc {i}: " + "abcdefgh"[i % 8] * (3 + i % 5) + " the end" for i in range(36)]
+LABELS = [i % 3 for i in range(36)]
+SITE = "blocks.1.resid_out"
+NO_NORM = FilterConfig(max_norm_ratio=None)
+
+
+class Tok(CharTokenizer):
+    """CharTokenizer that also decodes and returns tensors (for generate)."""
+
+    pad_token_id = 0
+
+    def __call__(self, texts, truncation=False, max_length=None, return_tensors=None, **kwargs):
+        out = super().__call__(texts, truncation=truncation, max_length=max_length)
+        if isinstance(texts, str) and return_tensors is None:  # like HF: one text, one flat list
+            return {"input_ids": out["input_ids"][0]}
+        if return_tensors == "pt":
+            ids = torch.tensor(out["input_ids"])
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        return out
+
+    def decode(self, ids, skip_special_tokens=False):
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
+        return "".join(chr(i - 3 if i - 3 >= 32 else i - 3 + 96) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def lens():
+    return conceptlens.attach(tiny_model("llama"), Tok())
+
+
+def random_set(n=6, seed=0, method="custom"):
+    g = torch.Generator().manual_seed(seed)
+    return ConceptSet(torch.randn(n, 32, generator=g), SITE, method=method)
+
+
+def captured(lens, docs, max_length=16):
+    """Every kept row (position > 0) of SITE with its (doc, pos), and the batch ids: the reference."""
+    batch = encode_batch(lens.tokenizer, docs, max_length)
+    with lens.capture(SITE) as cap:
+        x = cap.forward(**batch)[SITE]
+    meta = cap.last[1]
+    keep = meta.position > 0
+    return x[keep], meta.row[keep], meta.position[keep], batch["input_ids"]
+
+
+def run(lens, sets, docs=DOCS, **kw):
+    kw.setdefault("filters", NO_NORM)
+    return lens.describe(sets, docs, max_length=16, progress=False, top_n=4, window=(3, 2), **kw)
+
+
+@pytest.mark.parametrize("method", ["custom", "kmeans"])
+def test_statistics_equal_brute_force(lens, method):
+    cs = random_set(method=method)
+    d = run(lens, {"a": cs}, batch_size=5)["a"]
+    x, doc, pos, ids = captured(lens, DOCS)
+    unit = torch.nn.functional.normalize(cs.directions, dim=1)
+    z = x @ unit.T
+    s = d.stats
+    assert d.info["tokens"] == len(x) and d.info["documents"] == len(DOCS)
+    torch.testing.assert_close(s["mean_activation"], z.mean(0))
+    torch.testing.assert_close(s["max_activation"], z.max(0).values)
+    assigned = torch.cdist(x, cs.directions).argmin(1) if method == "kmeans" else z.argmax(1)
+    torch.testing.assert_close(s["frequency"], torch.bincount(assigned, minlength=6).float() / len(x))
+    assert torch.equal(s["hist_counts"].sum(1), torch.full((6,), len(x)))  # no exact zeros here
+    for c in range(6):
+        order = torch.sort(z[:, c], descending=True, stable=True).indices[:4]
+        torch.testing.assert_close(s["top_values"][c], z[order, c])
+        assert s["top_doc"][c].tolist() == doc[order].tolist() and s["top_pos"][c].tolist() == pos[order].tolist()
+        ctx = d.contexts[c]["contexts"][0]
+        text = DOCS[int(doc[order[0]])]
+        p = int(pos[order[0]])
+        assert "".join(ctx["tokens"]) == text[max(0, p - 3):min(p + 3, 16)]
+        assert ctx["tokens"][ctx["center"]] == text[p] and ctx["acts"][ctx["center"]] == pytest.approx(ctx["value"], rel=1e-4)
+    cos = unit @ unit.T
+    cos.fill_diagonal_(-2)
+    assert s["nearest_direction"][:, 0].tolist() == cos.argmax(1).tolist()
+    corr = torch.corrcoef(z.T.double())
+    corr.fill_diagonal_(-2)
+    assert s["nearest_coact"][:, 0].tolist() == corr.argmax(1).tolist()  # every row used: 512 >= batch rows
+    assert d.info["coact_kind"] == "pearson" and d.info["has_unembedding"]
+
+
+def test_sae_set_fires_on_positive_latents_and_jaccard_neighbours(lens):
+    from conceptlens.concepts.sae import TopKSAE
+
+    sae = TopKSAE(width=16, k=3, batch_size=32, warmup_tokens=64, seed=0)
+    cs = lens.fit({SITE: sae}, DOCS * 3, max_length=16, progress=False, filters=NO_NORM).concepts[SITE]
+    d = run(lens, {"sae": cs}, batch_size=36, coact_rows=4096)["sae"]  # every row
+    x, *_ = captured(lens, DOCS)
+    z = sae.encode(x)
+    fired = (z > 0).double()
+    torch.testing.assert_close(d.stats["frequency"], fired.mean(0).float())
+    nonzero = (z != 0).sum(0)
+    assert torch.equal(d.stats["hist_counts"].sum(1), nonzero)
+    both = fired.T @ fired
+    union = fired.sum(0)[:, None] + fired.sum(0)[None] - both
+    jac = torch.where(union > 0, both / union.clamp(min=1), 0.0)
+    jac.fill_diagonal_(-1)
+    torch.testing.assert_close(d.stats["nearest_coact_score"][:, 0], jac.max(1).values.float())
+    assert d.info["coact_kind"] == "jaccard" and d.info["activation"] == "topk_sae encoder"
+    top = d.stats["top_values"]
+    assert torch.all((top > 0) | ((top == -torch.inf) & (d.stats["top_doc"] == -1)))  # zero is no context
+    for c in range(16):
+        order = torch.sort(z[:, c], descending=True, stable=True).indices[:4]
+        fired_top = z[order, c][z[order, c] > 0]
+        torch.testing.assert_close(top[c, : len(fired_top)], fired_top)
+        assert len(d.contexts[c]["contexts"]) == len(fired_top)
+
+
+def test_histogram_bins_and_display_edges_hold_every_value():
+    from conceptlens.describe.finish import display_histogram, map_xy
+    from conceptlens.describe.topn import order_key
+
+    z = torch.tensor([-70000.0, -3.0, -1.3, -1e-9, -0.0, 0.0, 1e-9, 2 ** -16, 0.3, 1.0, 1.24, 1.25, 5.0, 70000.0])
+    bins = fine_bins(order_key(z[:, None]))[:, 0]
+    edges = fine_edges()
+    assert edges.shape == (257,) and torch.all(edges[1:] > edges[:-1])
+    for value, b in zip(z.tolist(), bins.tolist()):
+        if value == 0:
+            assert b == 128  # counted apart and subtracted
+        elif 2 ** -16 <= abs(value) < 2 ** 16:
+            inside = edges[b] <= value < edges[b + 1] if value > 0 else edges[b] < value <= edges[b + 1]
+            assert inside, (value, b)  # negative bins mirror the positive ones: (lower, upper]
+    assert bins[0] == 0 and bins[-1] == 255 and bins[3] == 127 and bins[6] == 128  # end bins
+    assert bins[10] == bins[9] and bins[11] == bins[9] + 1  # 1.24 and 1.0 share a bin; 1.25 starts the next
+    hist = torch.bincount(bins, minlength=256)[None]
+    e, c = display_histogram(hist, torch.tensor([2]), 8)
+    assert c.sum() == len(z) - 2 and torch.all(e[0, 1:] >= e[0, :-1])
+    assert e[0, 0] == -(2.0 ** 16) and e[0, -1] == 2.0 ** 16
+    g = torch.Generator().manual_seed(0)
+    for dirs in (torch.randn(20, 5, generator=g), torch.randn(5, 20, generator=g)):  # n > d and n < d
+        unit = torch.nn.functional.normalize(dirs.double(), dim=1)
+        _, _, vh = torch.linalg.svd(unit - unit.mean(0))
+        ref = (unit - unit.mean(0)) @ vh[:2].T
+        torch.testing.assert_close(map_xy(dirs).double().abs(), ref.abs(), rtol=1e-4, atol=1e-5)  # up to sign
+
+
+def test_batching_does_not_change_the_description(lens):
+    sets = {"a": random_set(seed=1), "b": random_set(n=3, seed=2)}
+    one, other = run(lens, sets, batch_size=4), run(lens, sets, batch_size=11)
+    for name in sets:
+        for key in ("top_values", "top_doc", "top_pos", "hist_counts", "hist_edges", "frequency"):
+            assert torch.equal(one[name].stats[key], other[name].stats[key]), key
+        assert one[name].contexts == other[name].contexts
+
+
+def test_resume_and_merge_equal_one_pass(lens, tmp_path):
+    cs = {"a": random_set(seed=3)}
+    whole = run(lens, cs, batch_size=4)["a"]
+    run(lens, cs, batch_size=4, max_tokens=150, out=str(tmp_path))  # an interrupted pass ...
+    done = read_checkpoint(tmp_path / "checkpoint.pt")["progress"]["documents"]
+    calls = []
+    handle = lens.model.model.embed_tokens.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        resumed = run(lens, cs, batch_size=4, out=str(tmp_path))["a"]  # ... continued from its checkpoint
+    finally:
+        handle.remove()
+    assert 0 < done < len(DOCS) and len(calls) == math.ceil((len(DOCS) - done) / 4)
+    halves = []
+    for first, docs in ((0, DOCS[:20]), (20, DOCS[20:])):
+        plan = {SITE: {"a": ConceptDescriber(cs["a"], top_n=4, window=(3, 2), first_document=first)}}
+        lens.fit(plan, docs, batch_size=4, max_length=16, progress=False, filters=NO_NORM)
+        halves.append(plan[SITE]["a"])
+    merged = halves[0]
+    merged.merge(halves[1].state_dict())
+    merged_top = merged.top
+    for other in (resumed,):
+        assert torch.equal(other.stats["top_values"], whole.stats["top_values"])
+        assert torch.equal(other.stats["hist_counts"], whole.stats["hist_counts"])
+    assert torch.equal(merged_top.values, whole.stats["top_values"])
+    assert merged_top.doc.tolist() == whole.stats["top_doc"].tolist()
+    assert torch.equal(merged.sums["hist"].sum(1), whole.stats["hist_counts"].sum(1))
+
+
+def test_labels_give_per_class_probes_and_base_rates(lens, tmp_path):
+    d = run(lens, {"a": random_set()}, labels=LABELS, label_names=["x", "y", "z"], skip_documents=6,
+            out=str(tmp_path))["a"]
+    assert d.stats["probe_loss"].shape == (6, 3) and torch.isfinite(d.stats["probe_loss"]).all()
+    rate = sum(1 for i in range(6, 36) if (i - 6) % 2 == 1 and LABELS[i] == 0) / 15
+    assert d.info["base_rate_entropy"]["x"] == pytest.approx(-(rate * math.log(rate) + (1 - rate) * math.log(1 - rate)))
+    assert d.info["first_document"] == 6 and d.stats["top_doc"].min() >= 6
+    loaded = Description.load(tmp_path / "a")
+    assert loaded.info == json.loads(json.dumps(d.info)) and loaded.contexts == d.contexts
+    assert loaded.tokens == d.tokens and set(loaded.stats) == set(d.stats)
+    info = json.loads((tmp_path / "a" / "description.json").read_text())
+    assert info["format"] == "conceptlens.Description" and info["labels"] == ["x", "y", "z"]
+
+
+def test_promoted_tokens_are_the_unembedding_extremes(lens):
+    cs = random_set()
+    d = run(lens, {"a": cs}, options=conceptlens.describe.FinishOptions(n_tokens=5))["a"]
+    logits = torch.nn.functional.normalize(cs.directions, dim=1) @ lens.model.get_output_embeddings().weight.T
+    assert d.stats["promoted_ids"].tolist() == logits.topk(5).indices.tolist()
+    assert d.stats["suppressed_ids"].tolist() == (-logits).topk(5).indices.tolist()
+    assert d.tokens["promoted"][0][0] == lens.tokenizer.decode([int(d.stats["promoted_ids"][0, 0])])
+
+
+def test_steering_samples_start_from_the_unsteered_text(lens):
+    cs = random_set()
+    d = run(lens, {"a": cs}, steering=SteeringRequest([2], prompt="doc 1: a", alphas=(0.0, 4.0), max_new_tokens=6))["a"]
+    (entry,) = d.info["steering"]
+    ids = torch.tensor([lens.tokenizer(["doc 1: a"])["input_ids"][0]])
+    plain = lens.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                                pad_token_id=0)
+    assert entry["samples"][0]["text"] == lens.tokenizer.decode(plain[0, ids.shape[1]:])
+    from conceptlens.steering.units import site_norm
+
+    assert entry["site_norm"] == site_norm(lens, SITE) > 0
+    assert entry["samples"][1]["text"] != entry["samples"][0]["text"]
+
+
+def test_bad_sets_fail_before_any_forward(lens):
+    with pytest.raises(ValueError, match="width 8 but blocks.1.resid_out has width 32"):
+        run(lens, {"a": ConceptSet(torch.randn(3, 8), SITE)})
+    with pytest.raises(KeyError):
+        run(lens, {"a": ConceptSet(torch.randn(3, 32), "blocks.9.resid_out")})
+    with pytest.raises(ValueError, match="not among the label names"):
+        run(lens, {"a": random_set()}, labels=["q"] * 36, label_names=["x"])
+
+
+def test_describer_refuses_states_and_shards_it_cannot_take():
+    cs = random_set()
+    a, b = ConceptDescriber(cs, top_n=4), ConceptDescriber(cs, top_n=3)
+    with pytest.raises(ValueError, match="different config"):
+        a.load_state_dict(b.state_dict())
+    with pytest.raises(ValueError, match="cannot merge a description of 6 concepts"):
+        a.merge(b)
+    with pytest.raises(ValueError, match="with labels keep per-document sums"):
+        ConceptDescriber(cs, n_documents=5).merge(ConceptDescriber(cs, n_documents=5))
+    assert a.stats() == (0, 0)

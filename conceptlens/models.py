@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import importlib.util
+import logging
 import os
 import re
 import shutil
@@ -23,6 +24,8 @@ from typing import Any, Callable
 import torch
 
 from conceptlens._cache import cache_dir
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ def _cache_fp32(gguf: Path, target: Path) -> None:
 
     if not gguf.is_file():
         raise FileNotFoundError(f"{gguf} is missing from the installed package")
+    log.info("dequantising %s once into an fp32 copy at %s", gguf.name, target)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model.hf_quantizer = None

@@ -3,6 +3,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# The report's browser test drives Debian's chromium through selenium (the dev extra).
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver
+    else
+        echo "setup: chromium and chromium-driver are missing (apt-get install them for the report's browser test)" >&2
+    fi
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 pip=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 # torch first and pinned: an unpinned torch pulled in by a dependency is a multi-GB CUDA build.

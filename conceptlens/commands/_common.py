@@ -9,13 +9,15 @@ import argparse
 import logging
 from typing import Any
 
+from conceptlens.commands._args import positive_int
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("runtime")
-    group.add_argument("--threads", type=_positive_int, default=None,
+    group.add_argument("--threads", type=positive_int, default=None,
                        help="torch CPU threads (default: torch's choice; 1 is often fastest on a busy machine)")
     group.add_argument("--device", default=None,
                        help="where the model runs: cpu, cuda, cuda:1, mps, or 'auto' (accelerate device map)")
@@ -69,12 +71,3 @@ def load_model(args: argparse.Namespace, name: str | None = None) -> tuple[Any, 
         model = model.to(device)
     return model, tokenizer
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value

@@ -1,83 +1,219 @@
-"""`conceptlens demo`: the main job on the embedded defaults, offline.
+"""`conceptlens demo`: the main job on SmolLM2 and BBC News, offline, in a few minutes.
 
-Loads SmolLM2-135M, lists a few of its sites, measures the attention-sink tokens at a
-middle block, stream-fits k-means concepts there over BBC News articles without saving
-activations, and steers generation with a direction read from the model's unembedding.
+One streaming pass fits Deleuzian concepts, a TopK SAE and k-means at one middle block (no
+activation is saved); a description pass over held-out articles records each concept's top
+contexts, histogram and topic probes; a quality table puts every number next to its
+baseline; the static report is written; and the concept that best predicts one topic (picked
+by the run) is added to an unrelated prompt, unsteered vs steered side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import time
 from pathlib import Path
 
 import torch
 
-from conceptlens.commands._args import data_source, nonempty_text, out_dir, positive_int
+from conceptlens.commands._args import count, nonempty_text, out_dir, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--site", default="blocks.15.resid_out")
-    parser.add_argument("--data", type=data_source, default="bbc-news", help="bundled set name, .txt or .jsonl path")
-    parser.add_argument("--max-tokens", type=positive_int, default=30_000)
-    parser.add_argument("--concepts", type=positive_int, default=32, help="number of k-means concepts")
-    parser.add_argument("--word", type=nonempty_text, default=" wedding", help="steer towards this token's unembedding")
-    parser.add_argument("--steer-site", default="blocks.20.resid_out", help="where the word direction is added")
-    parser.add_argument("--out", type=out_dir, default="runs/demo", help="folder for the checkpoint and concept set")
+    parser.add_argument("--max-tokens", type=positive_int, default=40_000, help="tokens of the fit pass")
+    parser.add_argument("--describe-tokens", type=positive_int, default=30_000, help="tokens of the description pass")
+    parser.add_argument("--concepts", type=positive_int, default=128, help="Deleuzian and k-means concepts")
+    parser.add_argument("--width", type=positive_int, default=1024, help="TopK SAE latents")
+    parser.add_argument("--k", type=positive_int, default=32, help="TopK SAE active latents per token")
+    parser.add_argument("--topic", default="sports", help="the topic whose best concept steers the prompt")
+    parser.add_argument("--prompt", type=nonempty_text, default="My favourite recipe for a quick dinner is")
+    parser.add_argument("--out", type=out_dir, default="runs/demo", help="run folder (concepts, descriptions, report)")
+    parser.add_argument("--seed", type=count, default=0)
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def sae_batch_size(max_tokens: int, steps: int = 150) -> int:
+    """Tokens per SAE step so that a fit of `max_tokens` takes about `steps` optimiser steps:
+    a power of two in [128, 4096] (4096, the usual size, needs 600k tokens for 150 steps)."""
+    size = 128
+    while size * 2 <= min(4096, max_tokens // steps):
+        size *= 2
+    return size
+
+
+def run_config(args: argparse.Namespace):
+    """The demo's run as a `fit` RunConfig (written to RUN/run.toml, so `conceptlens describe` and
+    `conceptlens report` work on the demo's folder): three extractors at one site, the SAE's
+    batch and mixing buffer scaled with the budget. Checks every option without a model."""
+    from conceptlens.commands import run_config as rc
+
+    batch = sae_batch_size(args.max_tokens)
+    buffer = max(2048, min(16384, args.max_tokens // 4))
+    return rc.from_dict({
+        "model": args.model, "data": "bbc-news:train", "sites": [args.site], "out": args.out, "shuffle": args.seed,
+        "fit": {"max_tokens": args.max_tokens, "checkpoint_every": max(args.max_tokens // 2, 1)},
+        "describe": {"data": "bbc-news:test", "max_tokens": args.describe_tokens},
+        "extractor": [
+            {"method": "deleuzian", "name": "deleuzian", "n_concepts": args.concepts, "buffer_size": buffer,
+             "batch_size": min(2048, buffer // 2), "seed": args.seed},
+            {"method": "topk", "name": "topk", "width": args.width, "k": args.k, "batch_size": batch,
+             "buffer_size": 8 * batch, "warmup_tokens": min(4096, 4 * batch), "seed": args.seed},
+            {"method": "kmeans", "name": "kmeans", "n_concepts": args.concepts, "seed": args.seed}]})
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("max_tokens", "describe_tokens", "concepts", "width", "k"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer; got {getattr(args, name)}")
+    if args.k > args.width:
+        raise ValueError(f"--k {args.k} must not exceed --width {args.width}")
 
 
 def run(args: argparse.Namespace) -> int:
     import conceptlens
     from conceptlens import data
     from conceptlens.commands._common import load_model
-    from conceptlens.concepts.kmeans import StreamingKMeans
+    from conceptlens.report import write_report
 
+    _check(args)
+    start = time.perf_counter()
+    topics = data.load("bbc-news", "test").label_names
+    if args.topic not in topics:
+        raise ValueError(f"--topic {args.topic!r} is not a bbc-news topic; choose one of {', '.join(topics)}")
+    cfg = run_config(args)
     model, tok = load_model(args)
     lens = conceptlens.attach(model, tok)
     site = lens.site(args.site)
     print(f"{lens}\n")
-    for name in ("embed", args.site, f"blocks.{site.name.split('.')[1]}.attn.k", "final"):
+    for name in ("embed", site.name, f"blocks.{site.name.split('.')[1]}.attn.k", "final"):
         print(" ", lens.site(name).describe())
-
-    texts = data.load(args.data).texts if isinstance(args.data, str) and not Path(args.data).exists() else args.data
-    _sink_statistics(lens, tok, texts[:32], site.name)
-
-    print(f"\nStream-fitting {args.concepts} k-means concepts at {site.name} on up to {args.max_tokens:,} tokens")
-    report = lens.fit({site.name: StreamingKMeans(n_concepts=args.concepts)}, texts, max_tokens=args.max_tokens,
-                      checkpoint_dir=args.out, checkpoint_every=max(args.max_tokens // 3, 1))
-    print(report.summary())
-    concepts = report.concepts[site.name]
-    print(f"concept set saved under {args.out}/concepts: {concepts}")
-
-    _steering_demo(lens, tok, lens.site(args.steer_site).name, args.word)
+    out = Path(args.out)
+    report = _fit(lens, cfg, args, out)
+    test_labels, descriptions = _describe(lens, report, cfg, args, out)
+    _quality(descriptions, report, out)
+    _steer(lens, tok, descriptions, test_labels, args, out)
+    print("\nWriting the report")
+    summary = write_report(out, progress=not args.no_progress)
+    print(f"{summary.pages:,} pages, {summary.bytes / 1e6:.1f} MB in {summary.seconds:.1f} s")
+    print(f"\nDone in {time.perf_counter() - start:.0f} s. Open:\n  {summary.path.resolve().as_uri()}\n"
+          f"  run folder {out}/ (run.toml, fit_report.json, concepts/, describe/, quality.json, report/)")
     return 0
 
 
-def _sink_statistics(lens, tok, texts: list[str], site: str) -> None:
-    batch = tok(texts, return_tensors="pt", padding=True, truncation=True, max_length=128)
-    with lens.capture(site) as cap:
-        acts = cap.forward(**batch)[site]
-    meta = cap.last[1]
-    norms = acts.norm(dim=1)
-    first = meta.position == 0
-    centred = acts - acts.mean(0)
-    share = centred[first].pow(2).sum() / centred.pow(2).sum()
-    print(f"\n{site} over {len(texts)} documents ({len(acts):,} tokens): median norm {norms.median():.0f}, "
-          f"first-token norm {norms[first].median():.0f} ({first.float().mean():.1%} of tokens carry "
-          f"{share:.1%} of the variance) - fits skip these attention sinks")
+def _fit(lens, cfg, args: argparse.Namespace, out: Path):
+    from conceptlens._io import atomic_write
+    from conceptlens.commands import run_config as rc
+    from conceptlens.commands.fit import jsonable, source
+    from conceptlens.norm_audit import NormAudit
+
+    plan, site = rc.build(cfg), cfg.sites[0]
+    audit = plan[site]["norms"] = NormAudit(seed=args.seed)  # an audit, not an extractor: not in run.toml
+    sae = plan[site]["topk"].config
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "run.toml", lambda p: Path(p).write_text(rc.to_toml(cfg), encoding="utf-8"))
+    print(f"\nOne streaming pass over BBC News (train split, up to {args.max_tokens:,} tokens) at {site}:\n"
+          f"  Deleuzian {args.concepts} concepts, TopK SAE width {args.width} k {args.k} (batch {sae.batch_size}, "
+          f"about {args.max_tokens // sae.batch_size} optimiser steps), k-means {args.concepts}")
+    report = lens.fit(plan, source(cfg.data, cfg.shuffle), max_tokens=args.max_tokens, checkpoint_dir=str(out),
+                      checkpoint_every=cfg.fit.checkpoint_every, progress=not args.no_progress)
+    print(report.summary())
+    print(f"  {audit.summary()}")
+    steps = report.extractors["topk"]
+    if getattr(steps, "steps", None) is not None:
+        print(f"  TopK SAE: {steps.steps} optimiser steps on {steps.tokens:,} tokens")
+    fields = {k: v for k, v in vars(report).items() if k != "concepts"}
+    text = json.dumps(jsonable(fields) | {"concepts": sorted(report.concepts)}, indent=1)
+    atomic_write(out / "fit_report.json", lambda p: Path(p).write_text(text, encoding="utf-8"))
+    return report
 
 
-def _steering_demo(lens, tok, site: str, word: str) -> None:
-    from conceptlens.steering import Add, site_norm
+def _describe(lens, report, cfg, args: argparse.Namespace, out: Path):
+    """(labels of the described documents, descriptions) incl. a control set of random directions."""
+    from conceptlens.commands.fit import source
+    from conceptlens.concepts.conceptset import ConceptSet
 
-    model = lens.model
-    word_id = tok(word, add_special_tokens=False)["input_ids"][0]
-    direction = model.get_output_embeddings().weight[word_id].detach()
-    prompt = tok(["I went to the shop and"], return_tensors="pt")
-    print(f"\nSteering at {site} along the unembedding of {word!r} (positions='generated'); alpha is in "
-          f"multiples of the site's median token norm ({site_norm(lens, site):.1f}):")
-    for alpha in (0.0, 0.5, 1.0):  # scale="site_norm": the same alphas mean the same on any model
-        with torch.no_grad(), lens.steer(Add(direction, alpha, scale="site_norm", site=site), positions="generated"):
-            out = model.generate(**prompt, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
-        text = tok.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
-        print(f"  alpha {alpha:4.2f}: {text!r}")
+    test, site = source(cfg.describe.data, cfg.shuffle), cfg.sites[0]
+    sets = dict(report.concepts)
+    d = next(iter(sets.values())).hidden_size
+    n = max(len(cs) for cs in sets.values())
+    # not args.seed: an SAE seeded alike starts from torch.randn of the same shape, and the control
+    # must not be its initial decoder
+    g = torch.Generator().manual_seed(1_000_003 + args.seed)
+    sets["random"] = ConceptSet(torch.randn(n, d, generator=g), site, method="random", model=args.model)
+    sets["random"].save(out / "concepts" / "random")
+    print(f"\nDescription pass over held-out articles (test split, up to {args.describe_tokens:,} tokens), "
+          f"with a control of {n} random directions")
+    return test.labels, lens.describe(sets, test, max_tokens=args.describe_tokens, out=str(out / "describe"),
+                                      progress=not args.no_progress)
+
+
+def _quality(descriptions, report, out: Path) -> None:
+    from conceptlens.commands.demo_quality import format_quality, quality_rows, write_quality
+
+    first = next(iter(descriptions.values())).info
+    base = {c: v for c, v in (first.get("base_rate_entropy") or {}).items() if v is not None}
+    from conceptlens.concepts.conceptset import ConceptSet
+
+    directions = {name: ConceptSet.load(out / "concepts" / name).directions for name in descriptions}
+    rows = quality_rows(descriptions, directions, report.extractors)
+    docs = first.get("documents", 0)
+    print(f"\nQuality on {docs} held-out documents (probes: even documents train, odd documents test)")
+    print(format_quality(rows, base))
+    write_quality(rows, base, out / "quality.json",
+                  note="probe: test log-loss of the best single concept per class (lower is better) vs the "
+                       "base-rate entropy; 'random' is the same selection over random directions")
+
+
+def _steer(lens, tok, descriptions, labels, args: argparse.Namespace, out: Path) -> None:
+    from conceptlens.commands.demo_quality import best_per_class
+    from conceptlens.steering import Add
+    from conceptlens.steering.units import site_norm as typical_norm
+
+    name, concept, loss = _pick_concept(descriptions, labels, args.topic)
+    if name is None:
+        print(f"\nNo concept's top contexts come mostly from {args.topic!r} articles: no steering example")
+        return
+    d = descriptions[name]
+    base = d.info["base_rate_entropy"][args.topic]
+    site_norm = typical_norm(lens, d.info["site"])  # the unit of Add(..., scale="site_norm")
+    print(f"\nSteering with {name} concept {concept}, the best {args.topic!r} probe among concepts whose top "
+          f"contexts are mostly {args.topic} articles (log-loss {loss:.3f} vs base rate {base:.3f}; best over "
+          f"random directions {best_per_class(descriptions['random']).get(args.topic, (float('nan'),))[0]:.3f})")
+    from conceptlens.concepts.conceptset import ConceptSet
+
+    unit = torch.nn.functional.normalize(ConceptSet.load(out / "concepts" / name).directions[concept], dim=0)
+    prompt = tok([args.prompt], return_tensors="pt")
+    samples = []
+    for alpha in (0.0, 0.5, 1.0):
+        edit = Add(unit, alpha, scale="site_norm", norm=site_norm, site=d.info["site"])
+        with torch.no_grad(), lens.steer(edit, positions="generated"):
+            ids = lens.model.generate(**prompt, max_new_tokens=24, do_sample=False, pad_token_id=tok.eos_token_id)
+        text = tok.decode(ids[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+        samples.append({"alpha": alpha, "scale": "site_norm", "text": text})
+        label = "unsteered" if alpha == 0 else f"+{alpha:g} x {site_norm:.0f}"
+        print(f"  {label:>12}: {args.prompt}{text!r}")
+    path = out / "describe" / name / "description.json"
+    info = json.loads(path.read_text())
+    info["steering"] = [*info.get("steering", []), {"concept": concept, "prompt": args.prompt,
+                                                    "site_norm": site_norm, "samples": samples}]
+    path.write_text(json.dumps(info, indent=1))
+
+
+def _pick_concept(descriptions, labels, topic: str):
+    """(set, concept, loss): the lowest `topic` probe loss among concepts of the fitted sets whose
+    top contexts come mostly from `topic` documents (so that adding the direction means more topic)."""
+    best = (None, None, float("inf"))
+    for name, d in descriptions.items():
+        if name == "random" or "probe_loss" not in d.stats:
+            continue
+        c = d.info["labels"].index(topic)
+        for j in torch.argsort(d.stats["probe_loss"][:, c]).tolist()[:50]:
+            docs = [ctx["doc"] for ctx in d.contexts[j]["contexts"]]
+            share = sum(labels[doc] == topic for doc in docs) / max(len(docs), 1)
+            loss = float(d.stats["probe_loss"][j, c])
+            if share > 0.5 and loss < best[2]:
+                best = (name, j, loss)
+                break
+    return best

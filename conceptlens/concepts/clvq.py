@@ -31,8 +31,10 @@ from conceptlens.concepts.clvq_modules import MLPDecoder, ResidualEncoder, Seque
 from conceptlens.concepts.clvq_modules import pad_sequences as pad_sequences, sinusoids as sinusoids
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.vq import VQCodebook, VQConfig
-from conceptlens.concepts.vq_math import fvu_from_sums, fvu_sums
+from conceptlens.concepts.vq_math import fvu_from_sums, fvu_sums, laplace_smooth
 
+SPACE = "clvq_z_e"
+"""`ConceptSet.config["space"]` of CLVQ codes: the encoder's z_e space, not an activation site."""
 DecoderKind = Literal["mlp", "transformer"]
 DECODERS = ("mlp", "transformer")
 
@@ -117,8 +119,10 @@ class CLVQTranscoder(ExtractorBase):
     """A cross-layer VQ transcoder fitted online; see the module docstring.
 
     Its codes live in the encoder space: z_e has the source site's width and, since
-    a <= 0.5, is at least half the source activation itself; `concept_set()` returns them
-    as directions (fit engines label them with the source site) and, in
+    a <= 0.5, is at least half the source activation itself, but it is not the source site.
+    `concept_set()` returns them as directions with `config["space"] = "clvq_z_e"` (a fit labels
+    the set `"<source>-><target>:z_e"`, which names no site, so steering or projecting them at
+    an activation site fails loudly instead of treating them as residual directions) and, in
     `stats["decoded"]` (K, d_tgt), what each code writes at the target site.
     """
 
@@ -268,6 +272,11 @@ class CLVQTranscoder(ExtractorBase):
                         "tgt_mean": tgt.mean(0), "tgt_scale": _rms(tgt - tgt.mean(0))}
         self.vq.update(z)
         self.vq.flush()     # initialises on fewer than init_size rows when called by flush()
+        # The paper's EMA codebook starts every count at 1 (sums = codes), so the first batches
+        # move the codes at once; the codebook's own init weighs the init_size rows as one step.
+        fit = self.vq.fitted
+        fit.counts = torch.ones_like(fit.counts)
+        fit.sums = fit.codes * laplace_smooth(fit.counts, self.vq.config.eps)[:, None]
 
     # ---- evaluation ------------------------------------------------------------------
 
@@ -306,7 +315,8 @@ class CLVQTranscoder(ExtractorBase):
         weights = parts.encoder.state_dict()        # linear.*, norm.*, alpha (as shape (1,))
         encoder = {"codebook": self.vq.codes.clone(),
                    **{k: (v.reshape(-1) if k == "alpha" else v).clone() for k, v in weights.items()}}
-        config = {**self.config_dict(), "d_target": parts.dims[1], "fit_stats": self.stats()._asdict()}
+        config = {**self.config_dict(), "d_target": parts.dims[1], "fit_stats": self.stats()._asdict(),
+                  "space": SPACE}
         return ConceptSet(codes.directions, method=self.method, config=config, encoder=encoder,
                           stats={**codes.stats, "decoded": decoded})
 

@@ -195,3 +195,10 @@ def test_merge_averages_replicas_of_one_start():
     other = fit(cross_site(seed=5), 2, buffer_size=256)  # another start: refused
     with pytest.raises(ValueError, match="one initialised state"):
         a.merge(other)
+
+
+def test_codebook_counts_start_at_one_as_in_the_paper():
+    tc = fit(cross_site(), 1, buffer_size=256)  # initialised on init_size rows, no EMA step yet
+    assert torch.equal(tc.vq.fitted.counts, torch.ones(16))
+    torch.testing.assert_close(tc.vq.fitted.sums, tc.vq.codes)  # smooth(1) = 1: sums = codes
+    assert tc.concept_set().config["space"] == "clvq_z_e"

@@ -1,0 +1,166 @@
+"""Read a run folder (concepts/, describe/, fit_report.json, ...) for the report.
+
+    atlas = Atlas.load("runs/demo")
+    for ex in atlas.extractors:            # one per describe/<NAME>/
+        ex.name, ex.site, ex.n, ex.stats["frequency"], ex.contexts()
+
+The layout is the run-folder contract written by `conceptlens fit` / `describe`
+(see DESIGN.md, "Atlas run folder"). Statistics are read as numpy arrays; contexts are
+streamed line by line so that 4096 concepts never sit in memory as Python objects at once.
+"""
+
+from __future__ import annotations
+
+import json
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the run config is shown only when tomllib exists
+    tomllib = None  # type: ignore[assignment]
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+DESCRIPTION_FORMAT = "conceptlens.Description"
+
+
+@dataclass
+class ExtractorView:
+    """One extractor's description (and its ConceptSet's directions, when saved)."""
+
+    name: str
+    folder: Path
+    meta: dict[str, Any]
+    stats: dict[str, np.ndarray]
+    tokens: dict[str, list[list[str]]] | None
+    directions: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def site(self) -> str:
+        return str(self.meta.get("site") or "")
+
+    @property
+    def method(self) -> str:
+        return str(self.meta.get("method") or "")
+
+    @property
+    def n(self) -> int:
+        return int(self.meta["n_concepts"])
+
+    @property
+    def labels(self) -> list[str] | None:
+        return self.meta.get("labels")
+
+    def contexts(self) -> Iterator[list[dict[str, Any]]]:
+        """The top contexts of each concept, in concept order (one JSON line each)."""
+        path = self.folder / "contexts.jsonl"
+        if not path.is_file():
+            for _ in range(self.n):
+                yield []
+            return
+        with open(path, encoding="utf-8") as f:
+            for expected, line in enumerate(f):
+                record = json.loads(line)
+                if record.get("concept") != expected:
+                    raise ValueError(f"{path}: line {expected + 1} is concept {record.get('concept')!r}, "
+                                     f"expected {expected} (one line per concept, in order)")
+                yield record.get("contexts", [])
+
+    def steering(self) -> dict[int, dict[str, Any]]:
+        return {int(s["concept"]): s for s in self.meta.get("steering") or []}
+
+
+@dataclass
+class Atlas:
+    """Everything the report shows about one run folder."""
+
+    run: Path
+    extractors: list[ExtractorView]
+    config: dict[str, Any]
+    fit_report: dict[str, Any] | None
+    quality: dict[str, Any] | None
+    hierarchies: dict[str, dict[str, Any]]
+
+    @classmethod
+    def load(cls, run: str | Path) -> Atlas:
+        run = Path(run)
+        if not run.is_dir():
+            raise FileNotFoundError(f"no run folder {run}")
+        describe = run / "describe"
+        names = sorted(p.name for p in describe.iterdir() if (p / "description.json").is_file()) \
+            if describe.is_dir() else []
+        if not names:
+            raise FileNotFoundError(f"{run} has no describe/<NAME>/description.json: run `conceptlens describe {run}` first")
+        return cls(
+            run=run,
+            extractors=[_load_extractor(run, name) for name in names],
+            config=_read_toml(run / "run.toml"),
+            fit_report=_read_json(run / "fit_report.json"),
+            quality=_read_json(run / "quality.json"),
+            hierarchies=_load_hierarchies(run, names),
+        )
+
+    def extractor(self, name: str) -> ExtractorView:
+        for ex in self.extractors:
+            if ex.name == name:
+                return ex
+        raise KeyError(f"no extractor {name!r} in {self.run}; it has {[e.name for e in self.extractors]}")
+
+
+def _read_json(path: Path) -> Any:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    if not path.is_file() or tomllib is None:
+        return {}
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{path} is not valid TOML: {err}") from None
+
+
+def _load_extractor(run: Path, name: str) -> ExtractorView:
+    from safetensors.numpy import load_file
+
+    folder = run / "describe" / name
+    meta = _read_json(folder / "description.json")
+    if not isinstance(meta, dict) or meta.get("format") != DESCRIPTION_FORMAT:
+        raise ValueError(f"{folder / 'description.json'} is not a description (expected format {DESCRIPTION_FORMAT!r})")
+    stats_path = folder / "stats.safetensors"
+    if not stats_path.is_file():
+        raise FileNotFoundError(f"{stats_path} not found: a description folder holds description.json and stats.safetensors")
+    stats = load_file(stats_path)
+    n = int(meta["n_concepts"])
+    for key, value in stats.items():
+        if value.shape[:1] != (n,):
+            raise ValueError(f"{stats_path}: {key} has shape {value.shape}; its first dimension must be n_concepts={n}")
+    return ExtractorView(name, folder, meta, stats, _read_json(folder / "tokens.json"), _directions(run / "concepts" / name, n))
+
+
+def _directions(folder: Path, n: int) -> np.ndarray | None:
+    """Unit directions of the extractor's ConceptSet, or None when it was not saved."""
+    if not (folder / "concepts.safetensors").is_file():
+        return None
+    from conceptlens.concepts.conceptset import ConceptSet
+
+    d = ConceptSet.load(folder).directions.numpy().astype(np.float32)
+    if d.shape[0] != n:
+        raise ValueError(f"{folder} holds {d.shape[0]} concepts but its description says {n}")
+    return d / np.maximum(np.linalg.norm(d, axis=1, keepdims=True), 1e-12)
+
+
+def _load_hierarchies(run: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """`hierarchy/<NAME>.json` (node-link, as `metrics.hierarchy.export_dag` writes it) per extractor."""
+    out = {}
+    for name in names:
+        data = _read_json(run / "hierarchy" / f"{name}.json")
+        if data is not None:
+            out[name] = data
+    return out

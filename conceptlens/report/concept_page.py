@@ -1,0 +1,134 @@
+"""One page per concept: top contexts, histogram, promoted tokens, neighbours, steering."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any, Sequence
+
+import numpy as np
+
+from conceptlens.report.atlas import ExtractorView
+from conceptlens.report.html import context_html, esc, histogram_svg, num, page, pct, table, token_text
+
+ROOT = "../../"
+
+
+def top_tokens(contexts: Sequence[dict[str, Any]], k: int = 4) -> list[str]:
+    """The most frequent activating (centre) tokens of the top contexts, strongest first on ties."""
+    centres = [c["tokens"][c["center"]].strip() or c["tokens"][c["center"]]
+               for c in contexts if 0 <= c.get("center", -1) < len(c.get("tokens", []))]
+    counts = Counter(centres)
+    first = {t: i for i, t in reversed(list(enumerate(centres)))}
+    return sorted(counts, key=lambda t: (-counts[t], first[t]))[:k]
+
+
+def concept_href(name: str, i: int, from_concept_page: bool = True) -> str:
+    return f"../{name}/{i}.html" if from_concept_page else f"concepts/{name}/{i}.html"
+
+
+def concept_link(name: str, i: int, labels: dict[str, list[str]], extra: str = "") -> str:
+    label = labels.get(name, [])
+    text = label[i] if i < len(label) else ""
+    return (f'<a href="{esc(concept_href(name, i))}">{esc(name)} #{i}</a> '
+            f'<span class="muted">{esc(text)}{extra}</span>')
+
+
+def _stats_block(ex: ExtractorView, i: int) -> str:
+    s = ex.stats
+    rows = [("frequency", pct(s["frequency"][i]) if "frequency" in s else ""),
+            ("mean activation", num(s["mean_activation"][i]) if "mean_activation" in s else ""),
+            ("max activation", num(s["max_activation"][i]) if "max_activation" in s else "")]
+    head = (f'<p class="meta">{esc(ex.method)} at <code>{esc(ex.site)}</code>, concept {i} of {ex.n}</p>')
+    return head + table(["statistic", "value"], [(k, v) for k, v in rows if v], [False, True])
+
+
+def _probe_block(ex: ExtractorView, i: int) -> str:
+    if "probe_loss" not in ex.stats or not ex.labels or not np.isfinite(ex.stats["probe_loss"][i]).any():
+        return ""
+    base = ex.meta.get("base_rate_entropy") or {}
+    rows = []
+    for c, label in enumerate(ex.labels):
+        loss, b = float(ex.stats["probe_loss"][i, c]), base.get(label)
+        b = None if b is None or not math.isfinite(b) else float(b)
+        better = b is not None and loss < b
+        rows.append((esc(label), f'<span class="{"good" if better else ""}">{num(loss)}</span>', num(b),
+                     num(b - loss) if b is not None else ""))
+    return "<h2>Probe loss per class</h2>" + table(
+        ["class", "probe log-loss", "base-rate entropy", "gain (nats)"], rows, [False, True, True, True])
+
+
+def _tokens_block(ex: ExtractorView, i: int) -> str:
+    if not ex.tokens:
+        return ""
+    out = []
+    for key, logit_key in (("promoted", "promoted_logit"), ("suppressed", "suppressed_logit")):
+        toks = (ex.tokens.get(key) or [[]] * ex.n)[i]
+        logits = ex.stats.get(logit_key)
+        spans = " ".join(f'<span class="tok" title="{num(logits[i, j]) if logits is not None else ""}">'
+                         f'{esc(token_text(t))}</span>' for j, t in enumerate(toks))
+        out.append(f"<div><h2>{key.capitalize()} tokens</h2>{spans}</div>")
+    return '<div class="grid">' + "".join(out) + "</div>"
+
+
+def _neighbours_block(ex: ExtractorView, i: int, labels: dict[str, list[str]],
+                      partners: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> str:
+    cols = []
+    for key, score_key, title in (("nearest_direction", "nearest_direction_cos", "Nearest by direction (cosine)"),
+                                  ("nearest_coact", "nearest_coact_score", "Nearest by co-activation (Jaccard)")):
+        if key in ex.stats:
+            items = [concept_link(ex.name, int(j), labels, f" ({num(s, 3)})")
+                     for j, s in zip(ex.stats[key][i], ex.stats[score_key][i]) if 0 <= j < ex.n]
+            cols.append(f"<div><h2>{title}</h2><ol>" + "".join(f"<li>{x}</li>" for x in items) + "</ol></div>")
+    if partners:
+        items = [concept_link(other, int(best[i]), labels, f" (cosine {num(cos[i], 3)})") for other, best, cos in partners]
+        cols.append('<div><h2>Closest in other extractors</h2><ul>' + "".join(f"<li>{x}</li>" for x in items)
+                    + '</ul><p><a href="../../matches.html">all matches</a></p></div>')
+    return '<div class="grid">' + "".join(cols) + "</div>" if cols else ""
+
+
+def _contexts_block(contexts: Sequence[dict[str, Any]]) -> str:
+    if not contexts:
+        return "<h2>Top contexts</h2><p class='muted'>none recorded</p>"
+    scale = max((abs(float(a)) for c in contexts for a in c.get("acts", [])), default=0.0)
+    lines = [f'<div class="ctx"><span class="v">{num(c["value"], 3)}</span>'
+             f'{context_html(c["tokens"], c["acts"], c["center"], scale)}</div>' for c in contexts]
+    return f"<h2>Top {len(contexts)} contexts</h2>" + "\n".join(lines)
+
+
+def _steering_block(sample: dict[str, Any] | None) -> str:
+    if not sample:
+        return ""
+    rows = [(f'{num(s["alpha"], 3)} &times; {esc(s.get("scale", ""))}', esc(s["text"])) for s in sample["samples"]]
+    norm = f' (typical residual norm {num(sample["site_norm"])})' if sample.get("site_norm") else ""
+    return (f'<h2>Steering</h2><p>Prompt: <code>{esc(sample["prompt"])}</code>{esc(norm)}</p>'
+            + table(["alpha", "continuation"], rows, attrs=' class="steer"'))
+
+
+def _hierarchy_block(name: str, i: int, hierarchy: dict[str, list[int]] | None, labels: dict[str, list[str]]) -> str:
+    if hierarchy is None:
+        return ""
+    parents, children = hierarchy.get(f"p{i}", []), hierarchy.get(f"c{i}", [])
+    if not parents and not children:
+        return ""
+    fmt = lambda js: ", ".join(concept_link(name, j, labels) for j in js) or "none"  # noqa: E731
+    return (f'<h2>Hierarchy</h2><p>parents: {fmt(parents)}</p><p>children: {fmt(children)}</p>'
+            f'<p><a href="../../hierarchy/{esc(name)}.html">the whole hierarchy</a></p>')
+
+
+def concept_page(ex: ExtractorView, i: int, contexts: Sequence[dict[str, Any]], labels: dict[str, list[str]],
+                 partners: Sequence[tuple[str, np.ndarray, np.ndarray]], steering: dict[str, Any] | None,
+                 hierarchy: dict[str, list[int]] | None = None) -> str:
+    """The HTML of concept `i` of `ex` (written to `concepts/<NAME>/<i>.html`)."""
+    s = ex.stats
+    hist = ""
+    if "hist_counts" in s and "hist_edges" in s:
+        edges = s["hist_edges"][i] if s["hist_edges"].ndim == 2 else s["hist_edges"]
+        hist = "<h2>Activation histogram</h2>" + histogram_svg(edges, s["hist_counts"][i])
+    nav = [("index.html", "atlas index"), ("matches.html", "matches")]
+    nav += [(f"concepts/{ex.name}/{j}.html", label) for j, label in ((i - 1, "previous"), (i + 1, "next")) if 0 <= j < ex.n]
+    label = labels.get(ex.name, [""] * ex.n)[i]
+    body = (f'<div class="grid"><div>{_stats_block(ex, i)}</div><div>{hist}</div></div>' + _contexts_block(contexts)
+            + _probe_block(ex, i) + _tokens_block(ex, i) + _neighbours_block(ex, i, labels, partners)
+            + _hierarchy_block(ex.name, i, hierarchy, labels) + _steering_block(steering))
+    return page(f"{ex.name} #{i}" + (f" \u2014 {label}" if label else ""), body, ROOT, nav)

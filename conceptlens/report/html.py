@@ -1,0 +1,86 @@
+"""Small HTML and inline-SVG helpers for the report (strings in, strings out)."""
+
+from __future__ import annotations
+
+import math
+from html import escape
+from typing import Iterable, Sequence
+
+import numpy as np
+
+
+def esc(value: object) -> str:
+    return escape(str(value), quote=True)
+
+
+def num(value: float | None, digits: int = 4) -> str:
+    """A number to `digits` significant figures; '' for None/nan/inf."""
+    if value is None or not math.isfinite(float(value)):
+        return ""
+    return f"{float(value):.{digits}g}"
+
+
+def pct(value: float | None) -> str:
+    if value is None or not math.isfinite(float(value)):
+        return ""
+    return f"{100 * float(value):.3g}%"
+
+
+def token_text(token: str) -> str:
+    """A decoded token made visible: newlines as a return sign, tabs as an arrow."""
+    return token.replace("\n", "\u21b5").replace("\t", "\u2192")
+
+
+def page(title: str, body: str, root: str, nav: Iterable[tuple[str, str]] = ()) -> str:
+    """A whole HTML page; `root` is the relative path from the page to the report folder ('' or '../../')."""
+    links = "".join(f'<a href="{esc(root + href)}">{esc(text)}</a>' for href, text in nav)
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f'<title>{esc(title)}</title><link rel="stylesheet" href="{root}static/style.css">'
+            f'</head><body><header><h1>{esc(title)}</h1><nav>{links}</nav></header>\n{body}\n</body></html>\n')
+
+
+def table(head: Sequence[str], rows: Iterable[Sequence[str]], numeric: Sequence[bool] | None = None,
+          attrs: str = "") -> str:
+    """An HTML table from already-escaped cells; `numeric[i]` right-aligns column i."""
+    numeric = numeric or [False] * len(head)
+    cls = [' class="num"' if n else "" for n in numeric]
+    out = [f"<table{attrs}><thead><tr>" + "".join(f"<th{c}>{h}</th>" for h, c in zip(head, cls)) + "</tr></thead><tbody>"]
+    out += ["<tr>" + "".join(f"<td{c}>{v}</td>" for v, c in zip(row, cls)) + "</tr>" for row in rows]
+    return "\n".join(out) + "</tbody></table>"
+
+
+def histogram_svg(edges: np.ndarray, counts: np.ndarray, width: int = 420, height: int = 120) -> str:
+    """Bars of `counts` (B,) over `edges` (B+1,) with a log-count axis, as inline SVG."""
+    counts = np.asarray(counts, dtype=np.float64)
+    edges = np.asarray(edges, dtype=np.float64)
+    if counts.size == 0 or counts.sum() <= 0 or not np.isfinite(edges).all():
+        return '<p class="muted">no activations recorded</p>'
+    top = math.log10(counts.max() + 1)
+    pad, base = 4, height - 16
+    bar_w = (width - 2 * pad) / counts.size
+    bars = []
+    for i, c in enumerate(counts):
+        if c <= 0:
+            continue
+        h = (base - 4) * math.log10(c + 1) / top
+        bars.append(f'<rect x="{pad + i * bar_w:.1f}" y="{base - h:.1f}" width="{max(bar_w - 1, 1):.1f}" '
+                    f'height="{h:.1f}" fill="#f08a24"><title>[{edges[i]:.3g}, {edges[i + 1]:.3g}): {int(c)}</title></rect>')
+    return (f'<svg width="{width}" height="{height}" role="img" aria-label="activation histogram">'
+            + "".join(bars)
+            + f'<line x1="{pad}" y1="{base}" x2="{width - pad}" y2="{base}" stroke="#999"/>'
+            + f'<text x="{pad}" y="{height - 3}">{edges[0]:.3g}</text>'
+            + f'<text x="{width - pad}" y="{height - 3}" text-anchor="end">{edges[-1]:.3g}</text>'
+            + f'<text x="{width // 2}" y="{height - 3}" text-anchor="middle">activation (log count)</text></svg>')
+
+
+def context_html(tokens: Sequence[str], acts: Sequence[float], center: int, scale: float) -> str:
+    """One context: each token shaded by its activation / `scale` (orange positive, blue negative)."""
+    parts = []
+    for i, (tok, act) in enumerate(zip(tokens, acts)):
+        a = min(abs(float(act)) / scale, 1.0) if scale > 0 else 0.0
+        cls = ("neg " if act < 0 else "") + ("c" if i == center else "")
+        cls_attr = f' class="{cls.strip()}"' if cls.strip() else ""
+        shaded = f' style="--a:{a:.2f}" title="{float(act):.3g}"' if a >= 0.005 else ""  # unshaded: no attributes
+        parts.append(f'<i{cls_attr}{shaded}>{esc(token_text(tok))}</i>')
+    return "".join(parts)

@@ -1,0 +1,101 @@
+"""The report in a real headless browser (Debian's chromium + chromium-driver via selenium).
+
+Checks that the index and a concept page load from file:// with no console errors, that the
+index lists every expected concept with working links both ways, and that sorting and the
+filter act on the table. Screenshots are kept under tests/artefacts/ (ignored by git).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conceptlens.report import write_report
+from tests.report.atlas_fixture import write_fake_run
+
+ARTEFACTS = Path(__file__).resolve().parents[1] / "artefacts"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+
+if not (CHROMIUM and DRIVER):
+    if os.environ.get("CI"):  # .ci/run installs them: missing there is a failure, not a skip
+        raise RuntimeError("chromium and chromium-driver are missing; scripts/setup.sh installs them with apt-get")
+    pytest.skip("chromium / chromedriver not installed (scripts/setup.sh installs them)", allow_module_level=True)
+webdriver = pytest.importorskip("selenium.webdriver")
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+
+EXTRACTORS = [("topk", "topk-sae", 12), ("kmeans", "kmeans", 8)]
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    options = webdriver.ChromeOptions()
+    profile = tmp_path_factory.mktemp("chromium-profile")  # own profile: parallel runs do not collide
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1300,1400", "--disable-background-networking", f"--user-data-dir={profile}"):
+        options.add_argument(arg)
+    options.binary_location = CHROMIUM
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=Service(DRIVER))
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> Path:
+    run = write_fake_run(tmp_path_factory.mktemp("browser") / "run", EXTRACTORS, hierarchy="topk")
+    return write_report(run).path.parent
+
+
+def _errors(driver) -> list[dict]:
+    return [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
+
+
+def _shot(driver, name: str) -> None:
+    ARTEFACTS.mkdir(exist_ok=True)
+    driver.save_screenshot(str(ARTEFACTS / name))
+    assert (ARTEFACTS / name).stat().st_size > 10_000
+
+
+def test_index_lists_concepts_and_links_to_them(browser, report):
+    browser.get((report / "index.html").as_uri())
+    assert _errors(browser) == []
+    links = browser.find_elements(By.CSS_SELECTOR, "#concepts a.concept")
+    got = sorted(a.get_attribute("href").split("/concepts/")[1] for a in links)
+    assert got == sorted(f"{name}/{i}.html" for name, _, n in EXTRACTORS for i in range(n))
+    first = browser.find_element(By.ID, "map-extractor").get_attribute("value")  # extractors in name order
+    assert first == "kmeans" and len(browser.find_elements(By.CSS_SELECTOR, "#map a circle")) == 8
+    _shot(browser, "report_index.png")
+    # filter by extractor, then sort by frequency (descending on first click)
+    browser.find_element(By.CSS_SELECTOR, "#extractor option[value=kmeans]").click()
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#concepts tbody tr")) == 8
+    browser.find_element(By.CSS_SELECTOR, "th[data-col=frequency]").click()
+    freqs = [float(td.text.rstrip("%")) for td in browser.find_elements(By.CSS_SELECTOR, "#concepts tbody tr td:nth-child(3)")]
+    assert freqs == sorted(freqs, reverse=True)
+    # clicking a concept opens its page, which links back to the index
+    browser.find_element(By.CSS_SELECTOR, "#concepts a.concept").click()
+    assert "/concepts/kmeans/" in browser.current_url and browser.title.startswith("kmeans #")
+    assert _errors(browser) == []
+    browser.find_element(By.LINK_TEXT, "atlas index").click()
+    assert browser.current_url.endswith("/index.html")
+
+
+def test_concept_page_loads_and_links(browser, report):
+    browser.get((report / "concepts" / "topk" / "1.html").as_uri())
+    assert _errors(browser) == []
+    assert browser.title.startswith("topk #1")
+    assert len(browser.find_elements(By.CSS_SELECTOR, ".ctx")) == 6
+    assert browser.find_elements(By.CSS_SELECTOR, "svg rect")  # histogram bars
+    _shot(browser, "report_concept.png")
+    nearest = browser.find_elements(By.CSS_SELECTOR, "ol a")[0]
+    target = nearest.get_attribute("href")
+    nearest.click()
+    assert browser.current_url == target and _errors(browser) == []
+    for page in ("matches.html", "hierarchy/topk.html"):
+        browser.get((report / page).as_uri())
+        assert _errors(browser) == [] and browser.find_elements(By.CSS_SELECTOR, "a[href*='concepts/']")

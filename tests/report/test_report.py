@@ -1,0 +1,155 @@
+"""The static report: layout, links that resolve, escaping, matching, errors, CLI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conceptlens.cli import main
+from conceptlens.report import Atlas, write_report
+from conceptlens.report.concept_page import top_tokens
+from conceptlens.report.matching import match_directions
+from tests.report.atlas_fixture import write_fake_run
+
+EXTRACTORS = [("topk", "topk-sae", 12), ("kmeans", "kmeans", 8), ("deleuzian", "deleuzian", 8)]
+
+
+class _Links(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        for key, value in attrs:
+            if key in ("href", "src") and value:
+                self.links.append(value)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> Path:
+    run = write_fake_run(tmp_path_factory.mktemp("atlas") / "run", EXTRACTORS, hierarchy="topk")
+    write_report(run)
+    return run / "report"
+
+
+def test_layout_one_page_per_concept(report):
+    for name, _, n in EXTRACTORS:
+        assert sorted(p.name for p in (report / "concepts" / name).iterdir()) == sorted(f"{i}.html" for i in range(n))
+    for rel in ("index.html", "matches.html", "hierarchy/topk.html", "static/style.css", "static/atlas.js",
+                "static/atlas-data.js"):
+        assert (report / rel).is_file(), rel
+
+
+def test_every_link_resolves_and_nothing_is_remote(report):
+    pages = list(report.rglob("*.html"))
+    for page in pages:
+        parser = _Links()
+        parser.feed(page.read_text())
+        for link in parser.links:
+            assert not re.match(r"^[a-z]+://|^//", link), f"{page}: remote link {link}"
+            target = link.split("#")[0]
+            if target:
+                assert (page.parent / target).resolve().is_file(), f"{page}: broken link {link}"
+    css_js = (report / "static" / "style.css").read_text() + (report / "static" / "atlas.js").read_text()
+    assert "http://" not in css_js.replace("http://www.w3.org/2000/svg", "") and "https://" not in css_js
+
+
+def test_index_data_lists_every_concept(report):
+    text = (report / "static" / "atlas-data.js").read_text()
+    data = json.loads(text[text.index("=") + 1:].rstrip().rstrip(";"))
+    ex_idx, c_idx = data["columns"].index("ex"), data["columns"].index("concept")
+    got = sorted((data["extractors"][r[ex_idx]]["name"], r[c_idx]) for r in data["rows"])
+    assert got == sorted((name, i) for name, _, n in EXTRACTORS for i in range(n))
+
+
+def test_concept_page_content(report, tmp_path):
+    run = report.parent
+    atlas = Atlas.load(run)
+    ex = atlas.extractor("topk")
+    contexts = list(ex.contexts())
+    html = (report / "concepts" / "topk" / "1.html").read_text()
+    # each top context appears with its tokens shaded, centre marked
+    assert html.count('class="ctx"') == len(contexts[1])
+    assert html.count('class="c"') == len(contexts[1])
+    # neighbours by direction are links to the stored indices
+    for j in ex.stats["nearest_direction"][1]:
+        assert f'href="../topk/{j}.html"' in html
+    # probe loss per class vs base rate; steering sample text is escaped
+    assert "base-rate entropy" in html and "politics" in html
+    assert "text at alpha 0.5 &lt;b&gt;" in html and "<b>" not in html
+    # promoted tokens of a decoder, none for k-means
+    assert "Promoted tokens" in html
+    assert "Promoted tokens" not in (report / "concepts" / "kmeans" / "0.html").read_text()
+    # hierarchy family: 1 is the child of 0 and parent of 3, 4
+    assert 'href="../topk/0.html"' in html.split("parents:")[1].split("children:")[0]
+
+
+def test_top_tokens_counts_centres():
+    ctx = [{"tokens": ["a", " goal"], "center": 1}, {"tokens": [" cup", "x"], "center": 0},
+           {"tokens": [" goal"], "center": 0}]
+    assert top_tokens(ctx) == ["goal", "cup"]
+
+
+def test_matching_is_the_best_assignment():
+    rng = np.random.default_rng(3)
+    a = rng.normal(size=(5, 6))
+    b = rng.normal(size=(5, 6))
+    a /= np.linalg.norm(a, axis=1, keepdims=True)
+    b /= np.linalg.norm(b, axis=1, keepdims=True)
+    cos = a @ b.T
+    best = max(itertools.permutations(range(5)), key=lambda p: sum(cos[i, p[i]] for i in range(5)))
+    m = match_directions(a, b)
+    assert dict(zip(m.rows.tolist(), m.cols.tolist())) == dict(enumerate(best))
+    assert np.all(np.diff(m.cos) <= 0)
+    np.testing.assert_allclose(m.best_ab_cos, cos.max(1))
+
+
+def test_matches_page_pairs_same_site_only(tmp_path):
+    run = write_fake_run(tmp_path / "run", EXTRACTORS[:2])
+    write_report(run)
+    html = (run / "report" / "matches.html").read_text()
+    assert "topk &harr; kmeans" in html or "kmeans &harr; topk" in html
+    # a copy of topk's directions is matched to itself with cosine 1
+    import shutil
+    shutil.copytree(run / "concepts" / "topk", run / "concepts" / "topk2")
+    shutil.copytree(run / "describe" / "topk", run / "describe" / "topk2")
+    write_report(run)
+    html = (run / "report" / "matches.html").read_text()
+    rows = re.findall(r'topk2?/(\d+)\.html">topk2? #\d+</a>.*?topk2?/(\d+)\.html.*?<td class="num">([\d.]+)</td>', html)
+    assert any(cos == "1" for _, _, cos in rows)
+
+
+def test_no_description_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    assert main(["report", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "describe" in err and "Traceback" not in err
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert "no run folder" in capsys.readouterr().err
+
+
+def test_bad_contexts_order_is_named(tmp_path):
+    run = write_fake_run(tmp_path / "run", EXTRACTORS[1:2])
+    path = run / "describe" / "kmeans" / "contexts.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[1], lines[0], *lines[2:]]) + "\n")
+    with pytest.raises(ValueError, match="concept 1.*expected 0"):
+        write_report(run)
+    assert not (run / "report").exists()
+
+
+def test_cli_writes_report_and_replaces_old(tmp_path, capsys):
+    run = write_fake_run(tmp_path / "run", EXTRACTORS[:1], labels=False, steering=False)
+    (run / "report").mkdir()
+    (run / "report" / "stale.html").write_text("old")
+    assert main(["report", str(run), "--no-progress"]) == 0
+    assert "index.html" in capsys.readouterr().out
+    assert not (run / "report" / "stale.html").exists() and (run / "report" / "index.html").is_file()
+    html = (run / "report" / "concepts" / "topk" / "0.html").read_text()
+    assert "Probe loss" not in html and "Steering" not in html

@@ -1,0 +1,56 @@
+"""`conceptlens demo` end to end on a tiny random Llama folder with small budgets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conceptlens.cli import main
+from conceptlens.commands.demo import sae_batch_size
+from tests.tiny_folder import save_tiny_llama
+
+
+def test_sae_batch_scales_with_the_budget():
+    assert sae_batch_size(3_000) == 128
+    assert sae_batch_size(40_000) == 256
+    assert sae_batch_size(10_000_000) == 4096
+    for tokens in (20_000, 60_000, 200_000, 600_000):
+        assert tokens // sae_batch_size(tokens) >= 150
+
+
+def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
+    model = save_tiny_llama(tmp_path / "tiny")
+    out = tmp_path / "run"
+    code = main(["demo", "--model", str(model), "--site", "blocks.1.resid_out", "--max-tokens", "3000",
+                 "--describe-tokens", "3000", "--concepts", "8", "--width", "64", "--k", "4", "--out", str(out),
+                 "--no-progress"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    for part in ("run.toml", "fit_report.json", "quality.json", "report/index.html", "report/matches.html",
+                 "report/concepts/topk/63.html", "report/concepts/deleuzian/7.html", "report/concepts/random/0.html"):
+        assert (out / part).is_file(), part
+    quality = json.loads((out / "quality.json").read_text())
+    assert set(quality["extractors"]) == {"deleuzian", "topk", "kmeans", "random"}
+    assert "FVU" in quality["extractors"]["topk"] and "FVU" not in quality["extractors"]["kmeans"]
+    assert "base-rate entropy" in printed and "of kept tokens carry" in printed and "optimiser steps" in printed
+    assert "unsteered" in printed or "no steering example" in printed
+    assert "Open:" in printed and (out / "report" / "index.html").resolve().as_uri() in printed
+
+
+def test_bad_topic_fails_before_the_model_loads(capsys, monkeypatch):
+    from conceptlens import models
+
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["demo", "--topic", "cooking"]) == 2
+    err = capsys.readouterr().err
+    assert "cooking" in err and "sports" in err and "Traceback" not in err
+    assert main(["demo", "--max-tokens", "0"]) == 2
+    assert "--max-tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--width", "--k"])
+def test_bad_sizes_are_named(flag, capsys):
+    args = ["demo", "--k", "64", "--width", "32"] if flag == "--k" else ["demo", flag, "-1"]
+    assert main(args) == 2
+    assert flag in capsys.readouterr().err

@@ -18,4 +18,5 @@ bench: setup
 	HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/capture.py
 	HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/kmeans.py
 	HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/sae.py
+	.venv/bin/python benchmarks/report.py
 	.venv/bin/python -m pip install -q nnsight && HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/steer.py

@@ -41,9 +41,11 @@ def main() -> None:
         run = write_fake_run(Path(tmp) / "run", [(n, m, args.concepts) for n, m in METHODS[:args.extractors]],
                              d=args.d, top_n=args.top_n, bins=32, hierarchy="topk")
         print(f"fixture: {args.extractors} x {args.concepts} concepts written in {time.perf_counter() - start:.1f} s")
+        cpu = time.process_time()
         summary = write_report(run)
+        cpu = time.process_time() - cpu
         per_page = summary.bytes / summary.pages
-        print(f"report: {summary.seconds:.1f} s for {args.extractors * args.concepts} concepts, {summary.pages} pages, "
+        print(f"report: {summary.seconds:.1f} s wall ({cpu:.1f} s CPU) for {args.extractors * args.concepts} concepts, {summary.pages} pages, "
               f"{summary.bytes / 1e6:.1f} MB ({per_page / 1e3:.1f} kB per page); "
               f"atlas-data.js {(summary.path.parent / 'static' / 'atlas-data.js').stat().st_size / 1e6:.2f} MB, "
               f"index.html {summary.path.stat().st_size / 1e3:.1f} kB")

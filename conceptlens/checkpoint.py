@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import tempfile
 from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator
@@ -44,6 +45,7 @@ class FitState:
         self.fingerprint = fingerprint
         self.tokens = self.documents = self.batches = 0
         self._data = hashlib.sha256()  # of the documents consumed so far, in order
+        self.run: Any = None  # a conceptlens.distributed.DistributedRun in a distributed fit
 
     def advance(self, docs: list[str], n_tokens: int) -> None:
         """Count one batch of documents that has been fed to the extractors."""
@@ -62,14 +64,19 @@ class FitState:
             "torch_rng": torch.get_rng_state(),
             "extractors": {name: e.state_dict() for name, e in self.extractors.items()},
         }
+        if self.run is not None:  # every rank's state in one file, written by rank 0
+            state = self.run.gather_checkpoint(state)
+            if state is None:
+                return
         payload = {"format": FORMAT, "version": VERSION, "sha256": state_digest(state), "state": state}
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda tmp: torch.save(payload, tmp))
 
     def open(self, path: Path, texts: Iterator[str], *, resume: bool = True,
              widths: dict[str, int] | None = None) -> Iterator[str]:
-        """Before a fit writing to `path`: remove temporary files a killed run left, check
-        the path, and resume from it when it exists (see `resume`)."""
+        """Before a fit writing to `path`: check that its folder can be written, remove
+        temporary files a killed run left, and resume from `path` when it exists (see `resume`)."""
+        _writable_folder(path.parent)
         remove_leftovers(path.parent, (path.name,))
         for folder in sorted((path.parent / "concepts").glob("*")):
             remove_leftovers(folder, ("concepts.safetensors", "config.json"))
@@ -87,6 +94,11 @@ class FitState:
         each extractor's state) runs before anything of the caller's is changed.
         """
         state = read_checkpoint(path)
+        if self.run is not None or "ranks" in state:  # this rank's part of a distributed checkpoint
+            from conceptlens.distributed import own_checkpoint
+
+            state = own_checkpoint(state, path, self.run)
+            _check_structure(path, state)
         self._check_fingerprint(path, state["fingerprint"])
         check_extractor_states(path, state["extractors"], self.extractors, widths or {})
         documents = state["progress"]["documents"]
@@ -102,8 +114,11 @@ class FitState:
             rows.load_state_dict(state["rows"])
         except Exception as err:  # noqa: BLE001
             raise ValueError(f"checkpoint {path}: its row filter state does not load: {_one_line(err)}") from None
-        for name, extractor in self.extractors.items():  # checked on copies above: cannot fail halfway
-            extractor.load_state_dict(state["extractors"][name])
+        for name, extractor in self.extractors.items():  # checked on copies above
+            try:
+                extractor.load_state_dict(state["extractors"][name])
+            except Exception as err:  # noqa: BLE001 - only an extractor that could not be copied gets here
+                raise ValueError(f"checkpoint {path}: the state of {name} does not load: {_one_line(err)}") from None
         self.rows.load_state_dict(state["rows"])
         torch.set_rng_state(state["torch_rng"])
         progress = state["progress"]
@@ -120,10 +135,21 @@ class FitState:
                                  "use another checkpoint_dir or resume=False")
 
 
+def _writable_folder(folder: Path) -> None:
+    """Create `folder` if needed and check it takes files: a one-line ValueError before any work."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        reason = "it is a file" if folder.is_file() else err.strerror or type(err).__name__
+        raise ValueError(f"checkpoint_dir {str(folder)!r} cannot be written: {reason}") from None
+
+
 def read_checkpoint(path: Path) -> dict[str, Any]:
     """The verified state of a checkpoint file; a one-line ValueError naming what is wrong."""
     try:
-        payload = torch.load(path, weights_only=True, map_location="cpu")
+        payload = torch.load(path, weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file gets the same advice
         raise ValueError(f"cannot read checkpoint {path}: {_one_line(err)}; delete it or pass resume=False") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
@@ -135,7 +161,8 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     if not isinstance(state, dict) or payload.get("sha256") != state_digest(state):
         raise ValueError(f"checkpoint {path} is corrupt: its content does not match its sha256; "
                          "delete it or pass resume=False")
-    _check_structure(path, state)
+    if "ranks" not in state:  # (a distributed checkpoint's parts are checked by `FitState.resume`)
+        _check_structure(path, state)
     return state
 
 
@@ -173,7 +200,11 @@ def check_extractor_states(path: Path, states: dict[str, Any], extractors: dict[
             raise ValueError(f"checkpoint {path}: the state of {name} is for width {d}; the site has width "
                              f"{widths[name]}")
         try:
-            copy.deepcopy(extractor).load_state_dict(state)
+            probe = copy.deepcopy(extractor)
+        except Exception:  # noqa: BLE001 - an extractor holding something uncopyable is not probed
+            continue
+        try:
+            probe.load_state_dict(state)
         except Exception as err:  # noqa: BLE001 - a wrong state can fail in any way; report it in one line
             raise ValueError(f"checkpoint {path}: the state of {name} does not load: {_one_line(err)}") from None
 

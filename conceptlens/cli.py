@@ -2,6 +2,8 @@
 
     conceptlens demo                    # the main job on the embedded defaults
     conceptlens sites --model smollm2-135m
+    conceptlens fit run.toml            # or --model M --data D --site S --extractor "topk:width=4608,k=32"
+    conceptlens describe runs/x
     conceptlens steer --model smollm2-135m --concepts DIR --concept 12 --alpha 8 --prompt "..."
 """
 
@@ -22,6 +24,8 @@ COMMANDS = {
     "gauge": "Gauge-invariant q/k geometry of one layer, streamed, then a gauge audit of the metrics.",
     "report": "Write the static concept atlas (index, one page per concept, matches) of a run folder.",
     "eval": "Quality metrics of a fitted concept set on a labelled task (probe loss, rank, FVU, LDA, ...).",
+    "fit": "Stream-fit named concept extractors at sites into a run folder (TOML config or flags), then describe them.",
+    "describe": "Description pass of a run folder: top contexts, histograms, neighbours, tokens, probes per concept.",
     "sweep": "Dose-response of steering: a target score and fluency (perplexity) for each alpha.",
     "ablate": "Ablate chosen concepts on held-out text against matched controls, with the task's baseline.",
 }

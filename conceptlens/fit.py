@@ -34,6 +34,7 @@ from conceptlens.checkpoint import CHECKPOINT, FitState, fit_fingerprint
 from conceptlens.concepts.base import NotFittedError
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.devices import input_device
+from conceptlens.distributed import DistributedRun
 from conceptlens.filters import FilterConfig, RowFilter
 
 if TYPE_CHECKING:
@@ -81,6 +82,9 @@ class FitConfig:
     """Token hygiene: attention sinks and non-finite rows never reach extractors."""
     dtype: torch.dtype | str = torch.float32
     """dtype of the rows extractors get: float32, or "model" for the model's own (e.g. bf16)."""
+    distributed: bool = False
+    """Fit across the processes of a torch.distributed group (see conceptlens/distributed.py):
+    documents sharded by rank, `batch_size` documents per rank per step, rank 0 writes."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_length", "max_tokens", "checkpoint_every"):
@@ -135,12 +139,15 @@ def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any 
     if tokenizer is None:
         raise ValueError("fit needs a tokenizer: conceptlens.attach(model, tokenizer) or fit(..., tokenizer=...)")
     plan = _plan(lens, extractors)
-    batching = {"batch_size": config.batch_size, "max_length": config.max_length, "filters": asdict(config.filters),
-                "sites": {name: key_name(key) for name, key in plan.keys.items()}}
+    batching = {"batch_size": config.batch_size, "max_length": config.max_length, "filters": asdict(config.filters)}
+    moved = {name: key_name(key) for name, key in plan.keys.items() if name != key_name(key)}
+    if moved:  # named extractors: which site each reads is part of what must not change
+        batching["sites"] = moved
     check_max_length(lens.model, config.max_length)
     state = FitState(RowFilter(config.filters), plan.extractors, fit_fingerprint(lens.model, plan.extractors, batching))
+    run = state.run = DistributedRun.start(plan.extractors) if config.distributed else None
     checkpoint = Path(config.checkpoint_dir) / CHECKPOINT if config.checkpoint_dir else None
-    texts = datasets.iter_texts(data)
+    texts = datasets.iter_texts(data) if run is None else run.shard(datasets.iter_texts(data))
     if checkpoint is not None:
         widths = {name: math.prod(int(s) for s in lens.site(k).shape[2:]) for name, k in plan.keys.items()
                   if isinstance(k, str)}
@@ -148,14 +155,15 @@ def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any 
     resumed_from, start = state.tokens, time.perf_counter()
     if resumed_from:
         log.info("resuming %s at %d tokens (%d documents)", checkpoint, state.tokens, state.documents)
-    bar = _progress(config, resumed_from)
+    bar = _progress(config, resumed_from, run is None or run.writes)
     next_checkpoint = _next_mark(state.tokens, config.checkpoint_every)
+    batches = _batches(texts, config.batch_size)
     with lens.capture(sorted(plan.sites), dtype=config.dtype) as cap:
-        for docs in _batches(texts, config.batch_size):
+        for docs in batches if run is None else run.lockstep(batches):
             if config.max_tokens is not None and state.tokens >= config.max_tokens:
-                break
+                break  # (distributed: tokens are the global count, so every rank stops here)
             n_tokens = _step(cap, tokenizer, docs, config.max_length, plan, state, lens.model)
-            state.advance(docs, n_tokens)
+            state.advance(docs, n_tokens if run is None else run.total(n_tokens))
             bar.update(n_tokens)
             if next_checkpoint is not None and state.tokens >= next_checkpoint:
                 state.save(checkpoint)
@@ -167,6 +175,8 @@ def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any 
         flush = getattr(extractor, "flush", None)
         if callable(flush):
             flush()
+    if run is not None:
+        run.finish(plan.extractors)
     return _report(lens, plan, state, resumed_from, time.perf_counter() - start, config)
 
 
@@ -224,31 +234,37 @@ def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
 
 
 def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: FitState, model) -> int:
-    batch = encode_batch(tokenizer, docs, max_length)
-    n_tokens = int(batch["attention_mask"].sum())
-    if n_tokens == 0:
+    run = state.run  # distributed: every rank updates every extractor each step, with empty rows if need be
+    batch = encode_batch(tokenizer, docs or ["."], max_length)  # a rank out of data forwards a stub
+    n_tokens = int(batch["attention_mask"].sum()) if docs else 0
+    if n_tokens == 0 and run is None:
         return 0  # empty documents only: nothing to forward
     device = input_device(model)  # with a device map: the input embeddings' device
     acts = cap.forward(**{k: v.to(device) for k, v in batch.items()})  # no_grad inside
     meta = cap.last[1]
-    keep = {site: state.rows(site, acts[site], meta.position) for site in plan.sites}
+    if n_tokens == 0:  # distributed, nothing real on this rank
+        keep = {site: torch.zeros(acts[site].shape[0], dtype=torch.bool, device=acts[site].device)
+                for site in plan.sites}
+    else:
+        keep = {site: state.rows(site, acts[site], meta.position) for site in plan.sites}
     ids = None
     for name, extractor in plan.extractors.items():
         key = plan.keys[name]
         if isinstance(key, str):
             rows = keep[key]
-            if not rows.any():
+            if not rows.any() and run is None:
                 continue
             extra = {}
             if name in plan.token_aware:
                 if ids is None:
-                    ids = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -1).to(device)
-                extra["tokens"] = TokenRows(meta.row[rows] + state.documents, meta.position[rows], ids,
+                    ids = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -1).to(rows.device)
+                where = rows.to(meta.row.device)
+                extra["tokens"] = TokenRows(meta.row[where] + state.documents, meta.position[where], ids,
                                             state.documents)
             extractor.update(_as_rows(acts[key][rows]), **extra)
         else:
             rows = keep[key[0]] & keep[key[1]].to(keep[key[0]].device)  # sites may sit on two devices
-            if not rows.any():
+            if not rows.any() and run is None:
                 continue
             # pair extractors get q/k/v per head, (N, H, d_head); sequence ids = document index
             extra = {"sequence_ids": meta.row[rows.to(meta.row.device)] + state.documents} \
@@ -267,11 +283,11 @@ def _next_mark(tokens: int, every: int | None) -> int | None:
     return None if every is None else (tokens // every + 1) * every
 
 
-def _progress(config: FitConfig, initial: int):
+def _progress(config: FitConfig, initial: int, show: bool = True):
     from tqdm.auto import tqdm
 
     return tqdm(total=config.max_tokens, initial=initial, unit="tok", unit_scale=True,
-                disable=not config.progress, desc="fit", dynamic_ncols=True)
+                disable=not (config.progress and show), desc="fit", dynamic_ncols=True)
 
 
 def _report(lens: Lens, plan: _Plan, state: FitState, resumed_from: int, seconds: float,
@@ -296,7 +312,7 @@ def _report(lens: Lens, plan: _Plan, state: FitState, resumed_from: int, seconds
         cs.model = cs.model or lens.name
         cs.config.setdefault("fit", {"tokens": state.tokens, "target_site": None if isinstance(key, str) else key[1]})
         concepts[name] = cs
-        if config.checkpoint_dir:
+        if config.checkpoint_dir and (state.run is None or state.run.writes):
             cs.save(Path(config.checkpoint_dir) / "concepts" / name.replace("->", "__to__"))
     return FitReport(state.tokens, state.documents, state.batches, seconds, resumed_from,
                      {k: dict(v) for k, v in state.rows.counts.items()}, stats, concepts)

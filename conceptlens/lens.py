@@ -66,8 +66,17 @@ class Lens:
         return portable_id(name) if name else type(self.model).__name__
 
     def site(self, name: str) -> Site:
-        """Describe one site; `KeyError` with close valid names if there is none."""
+        """Describe one site; `KeyError` with close valid names if there is none.
+
+        Also accepts TransformerLens hook names (`blocks.5.hook_resid_post`, `blocks.5.attn.hook_rot_q`)
+        and Hugging Face module paths (`model.layers.5` -> the module's output site); the returned
+        Site's `name` is the canonical name it maps to (see `site_name`).
+        """
         return self.adapter.resolve(name)
+
+    def site_name(self, name: str) -> str:
+        """The canonical site name that `name` (canonical, TransformerLens or HF path) maps to."""
+        return self.adapter.resolve(name).name
 
     def hook(self, site: str | Site, fn: SiteFn) -> Handle:
         """Low-level: run `fn(tensor) -> None | tensor` at a site until the handle is removed."""
@@ -101,17 +110,20 @@ class Lens:
             batch_size: int = 16, max_length: int = 128, max_tokens: int | None = None,
             checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume: bool = True,
             progress: bool = True, filters: FilterConfig | None = None,
-            dtype: torch.dtype | str = torch.float32) -> FitReport:
+            dtype: torch.dtype | str = torch.float32, distributed: bool = False) -> FitReport:
         """Stream `data` once through the model into every extractor (see `conceptlens.fit`).
 
         `extractors` maps a site, or a `(source_site, target_site)` pair for cross-layer
         extractors, to an extractor or to `{name: extractor}` (several per site, reported and
         saved under their names); `data` is a list of strings, a .txt/.jsonl path, a
         datasets.Dataset or a bundled set name (`conceptlens.data`).
+        `distributed=True` fits across the processes of a torch.distributed group (torchrun), see
+        conceptlens/distributed.py.
         """
         config = FitConfig(batch_size=batch_size, max_length=max_length, max_tokens=max_tokens,
                            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-                           progress=progress, filters=filters or FilterConfig(), dtype=dtype)
+                           progress=progress, filters=filters or FilterConfig(), dtype=dtype,
+                           distributed=distributed)
         return run_fit(self, extractors, data, tokenizer=tokenizer, config=config)
 
     def describe(self, concept_sets: Mapping[str, ConceptSet], data: Any, **kwargs: Any) -> dict[str, Any]:

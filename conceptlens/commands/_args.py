@@ -109,3 +109,16 @@ def out_dir(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is not writable ({os.strerror(err.errno or 0)} in "
                                          f"{str(parent)!r})") from None
     return text
+
+
+def out_file(text: str) -> str:
+    """A file to write: not a folder, in a folder that exists or can be created and is writable."""
+    if text == "":
+        raise argparse.ArgumentTypeError("an empty path")
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
+    try:
+        out_dir(str(Path(text).parent))
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written: {err}") from None
+    return text

@@ -17,29 +17,30 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from conceptlens.commands._args import concept_dir, data_source, positive_int
 from conceptlens.metrics.faithfulness_result import CONTROLS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model to load (default: the one the set names)")
-    parser.add_argument("--concepts", metavar="DIR", required=True, help="a saved ConceptSet folder")
+    parser.add_argument("--concepts", metavar="DIR", type=concept_dir, required=True, help="a saved ConceptSet folder")
     parser.add_argument("--concept", type=int, nargs="+", metavar="I", required=True, help="concepts to ablate")
     parser.add_argument("--mode", choices=("projection", "mean"), default="projection",
                         help="projection: the component along the span -> 0; mean: -> the set's mean's")
     parser.add_argument("--no-centre", action="store_true", help="ablate the stored directions, not centred ones")
     parser.add_argument("--task", choices=("next_token", "probe"), default="next_token")
-    parser.add_argument("--data", default="bbc-news",
+    parser.add_argument("--data", type=data_source, default="bbc-news",
                         help="bundled set (its test split is used), or a .txt / .jsonl file of texts (next_token)")
     parser.add_argument("--probe-site", help="--task probe: where the probe reads (default: the concepts' site)")
     parser.add_argument("--controls", choices=tuple(CONTROLS), default="covariance",
                         help="covariance (default): random directions with the activation covariance; random: "
                              "isotropic; concepts: other concepts of the same set")
-    parser.add_argument("--n-controls", type=int, default=8)
+    parser.add_argument("--n-controls", type=positive_int, default=8, help="control sets (at least 2)")
     parser.add_argument("--positions", choices=("after-first", "all"), default="after-first",
                         help="after-first (default) leaves the attention sink at position 0 alone")
-    parser.add_argument("--max-docs", type=int, default=64, help="test documents")
-    parser.add_argument("--max-length", type=int, default=128, help="tokens per document")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-docs", type=positive_int, default=64, help="test documents")
+    parser.add_argument("--max-length", type=positive_int, default=128, help="tokens per document")
+    parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--seed", type=int, default=0, help="controls, documents and the probe's split")
     parser.add_argument("--no-progress", action="store_true")
 

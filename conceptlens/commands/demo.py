@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from pathlib import Path
 
@@ -44,29 +43,24 @@ def sae_batch_size(max_tokens: int, steps: int = 150) -> int:
     return size
 
 
-def _extractors(args: argparse.Namespace) -> dict:
-    from conceptlens.concepts.deleuzian import Deleuzian
-    from conceptlens.concepts.kmeans import StreamingKMeans
-    from conceptlens.concepts.sae import TopKSAE
-    from conceptlens.norm_audit import NormAudit
+def run_config(args: argparse.Namespace):
+    """The demo's run as a `fit` RunConfig (written to RUN/run.toml, so `conceptlens describe` and
+    `conceptlens report` work on the demo's folder): three extractors at one site, the SAE's
+    batch and mixing buffer scaled with the budget. Checks every option without a model."""
+    from conceptlens.commands import run_config as rc
 
     batch = sae_batch_size(args.max_tokens)
-    deleuzian_buffer = max(2048, min(16384, args.max_tokens // 4))
-    return {"deleuzian": Deleuzian(n_concepts=args.concepts, buffer_size=deleuzian_buffer,
-                                   batch_size=min(2048, deleuzian_buffer // 2), seed=args.seed),
-            "topk": TopKSAE(width=args.width, k=args.k, batch_size=batch, buffer_size=8 * batch,
-                            warmup_tokens=min(4096, 4 * batch), seed=args.seed),
-            "kmeans": StreamingKMeans(n_concepts=args.concepts, seed=args.seed),
-            "norms": NormAudit(seed=args.seed)}
-
-
-def _shuffled(split: str, seed: int):
-    from conceptlens import data
-
-    texts = data.load("bbc-news", split)  # stored in topic order: shuffle so any prefix has every topic
-    order = list(range(len(texts)))
-    random.Random(seed).shuffle(order)
-    return [texts.texts[i] for i in order], [texts.labels[i] for i in order], texts.label_names
+    buffer = max(2048, min(16384, args.max_tokens // 4))
+    return rc.from_dict({
+        "model": args.model, "data": "bbc-news:train", "sites": [args.site], "out": args.out, "shuffle": args.seed,
+        "fit": {"max_tokens": args.max_tokens, "checkpoint_every": max(args.max_tokens // 2, 1)},
+        "describe": {"data": "bbc-news:test", "max_tokens": args.describe_tokens},
+        "extractor": [
+            {"method": "deleuzian", "name": "deleuzian", "n_concepts": args.concepts, "buffer_size": buffer,
+             "batch_size": min(2048, buffer // 2), "seed": args.seed},
+            {"method": "topk", "name": "topk", "width": args.width, "k": args.k, "batch_size": batch,
+             "buffer_size": 8 * batch, "warmup_tokens": min(4096, 4 * batch), "seed": args.seed},
+            {"method": "kmeans", "name": "kmeans", "n_concepts": args.concepts, "seed": args.seed}]})
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -81,12 +75,14 @@ def run(args: argparse.Namespace) -> int:
     import conceptlens
     from conceptlens import data
     from conceptlens.commands._common import load_model
+    from conceptlens.report import write_report
 
     _check(args)
     start = time.perf_counter()
-    if args.topic not in data.load("bbc-news", "test").label_names:
-        raise ValueError(f"--topic {args.topic!r} is not a bbc-news topic; choose one of "
-                         f"{', '.join(data.load('bbc-news', 'test').label_names)}")
+    topics = data.load("bbc-news", "test").label_names
+    if args.topic not in topics:
+        raise ValueError(f"--topic {args.topic!r} is not a bbc-news topic; choose one of {', '.join(topics)}")
+    cfg = run_config(args)
     model, tok = load_model(args)
     lens = conceptlens.attach(model, tok)
     site = lens.site(args.site)
@@ -94,13 +90,10 @@ def run(args: argparse.Namespace) -> int:
     for name in ("embed", site.name, f"blocks.{site.name.split('.')[1]}.attn.k", "final"):
         print(" ", lens.site(name).describe())
     out = Path(args.out)
-    report = _fit(lens, site.name, args, out)
-    test_texts, test_labels, names = _shuffled("test", args.seed + 1)
-    descriptions = _describe(lens, report, site.name, (test_texts, test_labels, names), args, out)
+    report = _fit(lens, cfg, args, out)
+    test_labels, descriptions = _describe(lens, report, cfg, args, out)
     _quality(descriptions, report, out)
     _steer(lens, tok, descriptions, test_labels, args, out)
-    from conceptlens.report import write_report
-
     print("\nWriting the report")
     summary = write_report(out, progress=not args.no_progress)
     print(f"{summary.pages:,} pages, {summary.bytes / 1e6:.1f} MB in {summary.seconds:.1f} s")
@@ -109,54 +102,51 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _jsonable(value):
-    if hasattr(value, "_asdict"):
-        return {k: _jsonable(v) for k, v in value._asdict().items()}
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
+def _fit(lens, cfg, args: argparse.Namespace, out: Path):
+    from conceptlens._io import atomic_write
+    from conceptlens.commands import run_config as rc
+    from conceptlens.commands.fit import jsonable, source
+    from conceptlens.norm_audit import NormAudit
 
-
-def _fit(lens, site: str, args: argparse.Namespace, out: Path):
-    extractors = _extractors(args)
-    texts, _, _ = _shuffled("train", args.seed)
-    sae = extractors["topk"].config
+    plan, site = rc.build(cfg), cfg.sites[0]
+    audit = plan[site]["norms"] = NormAudit(seed=args.seed)  # an audit, not an extractor: not in run.toml
+    sae = plan[site]["topk"].config
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "run.toml", lambda p: Path(p).write_text(rc.to_toml(cfg), encoding="utf-8"))
     print(f"\nOne streaming pass over BBC News (train split, up to {args.max_tokens:,} tokens) at {site}:\n"
           f"  Deleuzian {args.concepts} concepts, TopK SAE width {args.width} k {args.k} (batch {sae.batch_size}, "
           f"about {args.max_tokens // sae.batch_size} optimiser steps), k-means {args.concepts}")
-    report = lens.fit({site: extractors}, texts, max_tokens=args.max_tokens, checkpoint_dir=str(out),
-                      checkpoint_every=max(args.max_tokens // 2, 1), progress=not args.no_progress)
+    report = lens.fit(plan, source(cfg.data, cfg.shuffle), max_tokens=args.max_tokens, checkpoint_dir=str(out),
+                      checkpoint_every=cfg.fit.checkpoint_every, progress=not args.no_progress)
     print(report.summary())
-    print(f"  {extractors['norms'].summary()}")
+    print(f"  {audit.summary()}")
     steps = report.extractors["topk"]
     if getattr(steps, "steps", None) is not None:
         print(f"  TopK SAE: {steps.steps} optimiser steps on {steps.tokens:,} tokens")
     fields = {k: v for k, v in vars(report).items() if k != "concepts"}
-    (out / "fit_report.json").write_text(json.dumps(_jsonable(fields), indent=1))
-    (out / "run.toml").write_text(
-        f'# written by conceptlens demo\nmodel = "{args.model}"\ndata = "bbc-news"\nsite = "{site}"\n'
-        f"max_tokens = {args.max_tokens}\ndescribe_tokens = {args.describe_tokens}\nseed = {args.seed}\n"
-        f'extractors = ["deleuzian:n_concepts={args.concepts}", "topk:width={args.width},k={args.k},'
-        f'batch_size={sae.batch_size}", "kmeans:n_concepts={args.concepts}"]\n')
+    text = json.dumps(jsonable(fields) | {"concepts": sorted(report.concepts)}, indent=1)
+    atomic_write(out / "fit_report.json", lambda p: Path(p).write_text(text, encoding="utf-8"))
     return report
 
 
-def _describe(lens, report, site: str, test, args: argparse.Namespace, out: Path):
+def _describe(lens, report, cfg, args: argparse.Namespace, out: Path):
+    """(labels of the described documents, descriptions) incl. a control set of random directions."""
+    from conceptlens.commands.fit import source
     from conceptlens.concepts.conceptset import ConceptSet
 
-    texts, labels, names = test
+    test, site = source(cfg.describe.data, cfg.shuffle), cfg.sites[0]
     sets = dict(report.concepts)
     d = next(iter(sets.values())).hidden_size
     n = max(len(cs) for cs in sets.values())
-    g = torch.Generator().manual_seed(args.seed)
+    # not args.seed: an SAE seeded alike starts from torch.randn of the same shape, and the control
+    # must not be its initial decoder
+    g = torch.Generator().manual_seed(1_000_003 + args.seed)
     sets["random"] = ConceptSet(torch.randn(n, d, generator=g), site, method="random", model=args.model)
     sets["random"].save(out / "concepts" / "random")
     print(f"\nDescription pass over held-out articles (test split, up to {args.describe_tokens:,} tokens), "
           f"with a control of {n} random directions")
-    return lens.describe(sets, texts, labels=labels, label_names=names, max_tokens=args.describe_tokens,
-                         out=str(out / "describe"), progress=not args.no_progress)
+    return test.labels, lens.describe(sets, test, max_tokens=args.describe_tokens, out=str(out / "describe"),
+                                      progress=not args.no_progress)
 
 
 def _quality(descriptions, report, out: Path) -> None:
@@ -179,6 +169,7 @@ def _quality(descriptions, report, out: Path) -> None:
 def _steer(lens, tok, descriptions, labels, args: argparse.Namespace, out: Path) -> None:
     from conceptlens.commands.demo_quality import best_per_class
     from conceptlens.steering import Add
+    from conceptlens.steering.units import site_norm as typical_norm
 
     name, concept, loss = _pick_concept(descriptions, labels, args.topic)
     if name is None:
@@ -186,7 +177,7 @@ def _steer(lens, tok, descriptions, labels, args: argparse.Namespace, out: Path)
         return
     d = descriptions[name]
     base = d.info["base_rate_entropy"][args.topic]
-    site_norm = float(d.info["site_norm"])
+    site_norm = typical_norm(lens, d.info["site"])  # the unit of Add(..., scale="site_norm")
     print(f"\nSteering with {name} concept {concept}, the best {args.topic!r} probe among concepts whose top "
           f"contexts are mostly {args.topic} articles (log-loss {loss:.3f} vs base rate {base:.3f}; best over "
           f"random directions {best_per_class(descriptions['random']).get(args.topic, (float('nan'),))[0]:.3f})")
@@ -196,7 +187,8 @@ def _steer(lens, tok, descriptions, labels, args: argparse.Namespace, out: Path)
     prompt = tok([args.prompt], return_tensors="pt")
     samples = []
     for alpha in (0.0, 0.5, 1.0):
-        with torch.no_grad(), lens.steer(Add(unit, alpha * site_norm, site=d.info["site"]), positions="generated"):
+        edit = Add(unit, alpha, scale="site_norm", norm=site_norm, site=d.info["site"])
+        with torch.no_grad(), lens.steer(edit, positions="generated"):
             ids = lens.model.generate(**prompt, max_new_tokens=24, do_sample=False, pad_token_id=tok.eos_token_id)
         text = tok.decode(ids[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
         samples.append({"alpha": alpha, "scale": "site_norm", "text": text})

@@ -38,14 +38,16 @@ TASKS = ("bbc-news", "movie-polarity", "wsj-pos")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", type=existing_dir, help="a ConceptSet folder, or a fit checkpoint_dir holding concepts/<name>/")
+    parser.add_argument("run_dir", type=existing_dir,
+                        help="a ConceptSet folder, or a fit checkpoint_dir holding concepts/<name>/")
     parser.add_argument("--task", required=True, choices=TASKS, help="labelled set to probe with")
     parser.add_argument("--concepts", help="which concepts/<name> of a checkpoint_dir holding several")
     parser.add_argument("--model", help="model to load (default: the one the set names)")
     parser.add_argument("--max-docs", type=positive_int, default=400, help="documents (sentences) per split")
     parser.add_argument("--max-length", type=positive_int, default=128, help="tokens per document")
     parser.add_argument("--batch-size", type=positive_int, default=16)
-    parser.add_argument("--max-classes", type=positive_int, default=8, help="wsj-pos: probe the most frequent tags only")
+    parser.add_argument("--max-classes", type=positive_int, default=8,
+                        help="wsj-pos: probe the most frequent tags only")
     parser.add_argument("--probe-candidates", type=count, default=16,
                         help="concepts per class screened for the logistic probe (0: probe every concept)")
     parser.add_argument("--ce-docs", type=count, default=16, help="test documents for CE-loss recovered (0: skip)")

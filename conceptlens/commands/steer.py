@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="registered name, hub id or local folder")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--concepts", metavar="DIR", type=concept_dir, help="a saved ConceptSet folder")
-    source.add_argument("--direction-word", metavar="WORD", type=nonempty_text, help="steer along the unembedding of this word")
+    source.add_argument("--direction-word", metavar="WORD", type=nonempty_text,
+                        help="steer along the unembedding of this word")
     parser.add_argument("--concept", type=int, nargs="+", metavar="I",
                         help="concept index in DIR (several are summed); needed when DIR holds more than one")
     parser.add_argument("--site", help="where to steer (default: the concept set's site; with --direction-word "

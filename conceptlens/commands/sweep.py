@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 
+from conceptlens.commands._args import concept_dir, finite_float, nonempty_text, out_file, positive_int
 from conceptlens.commands.steer import POSITIONS, SCALES, chat_prompt, steering_direction
 
 PROMPTS = ("I went to the shop and", "The weather today is", "My favourite thing about the city is",
@@ -24,20 +25,23 @@ PROMPTS = ("I went to the shop and", "The weather today is", "My favourite thing
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="registered name, hub id or local folder")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--concepts", metavar="DIR", help="a saved ConceptSet folder")
-    source.add_argument("--direction-word", metavar="WORD", help="steer along the unembedding of this word")
+    source.add_argument("--concepts", metavar="DIR", type=concept_dir, help="a saved ConceptSet folder")
+    source.add_argument("--direction-word", metavar="WORD", type=nonempty_text,
+                        help="steer along the unembedding of this word")
     parser.add_argument("--concept", type=int, nargs="+", metavar="I", help="concept index in DIR (several are summed)")
     parser.add_argument("--site", help="where to steer (default: the set's site; with --direction-word the middle block)")
-    parser.add_argument("--alphas", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0, 1.5],
+    parser.add_argument("--alphas", type=finite_float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0, 1.5],
                         help="strengths to try, in --scale units (default 0 0.25 0.5 0.75 1 1.5)")
     parser.add_argument("--scale", choices=SCALES, default="site_norm", help="unit of alpha (see `steer --help`)")
     parser.add_argument("--no-centre", action="store_true", help="do not centre a set that carries the fit's mean")
-    parser.add_argument("--prompts", nargs="+", default=list(PROMPTS), help="prompts to continue")
-    parser.add_argument("--target-word", help="score: mean log-probability of this word's first token per step")
+    parser.add_argument("--prompts", type=nonempty_text, nargs="+", default=list(PROMPTS), help="prompts to continue")
+    parser.add_argument("--target-word", type=nonempty_text,
+                        help="score: mean log-probability of this word's first token per step")
     parser.add_argument("--positions", choices=POSITIONS, default="generated")
-    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=24)
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
-    parser.add_argument("--plot", metavar="PNG", help="also save the dose-response figure of the target score")
+    parser.add_argument("--plot", metavar="PNG", type=out_file,
+                        help="also save the dose-response figure of the target score")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,7 +3,7 @@
     from conceptlens.concepts import StreamingKMeans, Deleuzian, TopKSAE, VQCodebook
 """
 
-from conceptlens.concepts.base import Extractor, NotFittedError
+from conceptlens.concepts.base import Extractor, ExtractorBase, NotFittedError
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.clvq import CLVQConfig, CLVQTranscoder
 from conceptlens.concepts.conceptset import ConceptSet
@@ -29,7 +29,7 @@ from conceptlens.concepts.sae import (
 from conceptlens.concepts.vq import VQCodebook, VQConfig
 
 __all__ = [
-    "Extractor", "NotFittedError", "ConceptSet", "MixingBuffer",
+    "Extractor", "ExtractorBase", "NotFittedError", "ConceptSet", "MixingBuffer",
     "StreamingKMeans", "KMeansConfig", "Deleuzian", "DeleuzianConfig",
     "SparseAutoencoder", "SAEConfig", "ReLUSAE", "TopKSAE", "BatchTopKSAE", "JumpReLUSAE", "SpaDE",
     "MatryoshkaSAE", "ArchMSAE", "ActMSAE", "EWGSAE", "MPSAE", "HSAE", "export_saelens", "import_saelens",

@@ -158,8 +158,13 @@ class ExtractorBase:
 
     Config: ClassVar[type]
     method: ClassVar[str] = "custom"
+    distributed: ClassVar[str | None] = None
+    """How a distributed fit keeps the ranks in step: "step" (collectives inside every
+    update, through `comm`), "merge" (states summed once at the end), None (not supported)."""
     config: Any
     device: torch.device | None = None
+    comm: Any = None
+    """A `conceptlens.distributed.Comm` while a distributed fit runs, else None."""
 
     def _set_device(self, device: str | torch.device | None) -> None:
         self.device = None if device is None else torch.device(device)

@@ -59,6 +59,11 @@ class MixingBuffer:
         self._data[self.count : need] = x.to(self._data.device, self._data.dtype)
         self.count = need
 
+    def ready(self, n: int) -> int:
+        """How many `take(n)` calls would return rows now."""
+        need = max(self.size, n)
+        return 0 if self.count < need else (self.count - need) // n + 1
+
     def take(self, n: int) -> Tensor | None:
         """`n` rows `(n, d)` drawn without replacement, or None until `size` (and n) rows are stored."""
         if n < 1:

@@ -164,6 +164,7 @@ class Deleuzian(ExtractorBase):
 
     Config = DeleuzianConfig
     method = "deleuzian"
+    distributed = "step"
 
     @known_kwargs
     def __init__(self, n_concepts: int, *, reference_size: int = 4096, buffer_size: int = 16384,
@@ -184,6 +185,15 @@ class Deleuzian(ExtractorBase):
         self._paper: PaperFit | None = None  # paper mode: the clusters computed at the last flush
 
     @property
+    def comm(self):  # noqa: ANN201 - a conceptlens.distributed.Comm or None
+        """Distributed fits synchronise the inner k-means (its statistics are all-reduced per step)."""
+        return self.kmeans.comm
+
+    @comm.setter
+    def comm(self, value) -> None:  # noqa: ANN001
+        self.kmeans.comm = value
+
+    @property
     def reference(self) -> Tensor:
         """The reservoir sample `(min(n_seen, reference_size), d)` used for skewness."""
         if self._reference is None:
@@ -202,6 +212,12 @@ class Deleuzian(ExtractorBase):
         x = self._place(x.detach().float())
         self.n_seen = reservoir_update(self._reference, self.n_seen, x, self._gen)
         self.buffer.add(x)
+        if self.comm is not None:  # as many k-means steps on every rank; short ranks add empty blocks
+            size = self.config.batch_size
+            for _ in range(self.comm.max_int(self.buffer.ready(size))):
+                block = self.buffer.take(size)
+                self._step(block if block is not None else x[:0])
+            return
         while (block := self.buffer.take(self.config.batch_size)) is not None:
             self._step(block)
 
@@ -220,11 +236,10 @@ class Deleuzian(ExtractorBase):
     def flush(self) -> None:
         """Pair what is left in the buffer and initialise the k-means if it has not yet."""
         rest = self.buffer.drain()
-        if rest is not None:
-            for start in range(0, rest.shape[0], self.config.batch_size):
-                block = rest[start:start + self.config.batch_size]
-                if block.shape[0] >= 2:
-                    self._step(block)
+        blocks = [] if rest is None else [b for b in rest.split(self.config.batch_size) if b.shape[0] >= 2]
+        n = len(blocks) if self.comm is None or self.d is None else self.comm.max_int(len(blocks))
+        for i in range(n):
+            self._step(blocks[i] if i < len(blocks) else self._reference[:0])
         if self.config.mode == "paper":
             if self._paper is None and len(self.differences):
                 gen = torch.Generator().manual_seed(self.config.seed + 2)

@@ -106,9 +106,24 @@ def minibatch_step(centres: Tensor, mass: Tensor, x: Tensor, weight: Tensor, lab
     centres (k, d), mass (k,) float64, x (N, d), weight (N,), labels (N,) nearest-centre index.
     A centre that receives nothing is unchanged.
     """
-    k = centres.shape[0]
+    sums, received = step_statistics(centres, mass, x, weight, labels)
+    return apply_step(centres, mass, sums, received)
+
+
+def step_statistics(centres: Tensor, mass: Tensor, x: Tensor, weight: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """The additive statistics of one minibatch: per-centre weighted sums (k, d) and weights (k,).
+
+    Statistics of disjoint shards of a batch add up to those of the whole batch, which is
+    what a distributed fit all-reduces before `apply_step`.
+    """
     sums = torch.zeros_like(centres).index_add_(0, labels, x * weight[:, None].to(x.dtype))
     received = torch.zeros_like(mass).index_add_(0, labels, weight.to(mass.dtype))
+    return sums, received
+
+
+def apply_step(centres: Tensor, mass: Tensor, sums: Tensor, received: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Centres moved by a minibatch's `step_statistics`: (centres, mass, received)."""
+    k = centres.shape[0]
     new_mass = mass + received
     # c + (sum w x - W c) / (m + W): the increment form keeps float32 precision at large mass.
     rate = torch.where(new_mass > 0, 1.0 / new_mass.clamp_min(1e-300), 0.0).to(centres.dtype)
@@ -155,6 +170,7 @@ class KMeansStats(NamedTuple):
 
 
 class StreamingKMeans(ExtractorBase):
+    distributed = "step"
     """Weighted mini-batch k-means with k-means++ start, dead-centre reseeding and merging.
 
     `encode(x)` is the negative squared distance to each centre (spherical: the cosine
@@ -201,6 +217,8 @@ class StreamingKMeans(ExtractorBase):
     def update(self, x: Tensor, weight: Tensor | None = None) -> None:
         """Consume rows x `(N, d)` with optional non-negative weights `(N,)` (default 1)."""
         x, weight = self._check(x, weight)
+        if self.comm is not None and self._centres is None:  # every rank buffers the same rows
+            x, weight = self._gather(x, weight)
         self.n_seen += x.shape[0]
         if self._centres is None:
             px, pw = self._pending if self._pending is not None else (x[:0], weight[:0])
@@ -221,7 +239,7 @@ class StreamingKMeans(ExtractorBase):
         self._centres = x[kmeans_plusplus(x[:head], self.config.n_concepts, self._gen, w[:head])].clone()
         self._mass = self._mass.to(x.device)
         self._idle = self._idle.to(x.device)
-        self._steps(x, w)
+        self._steps(x, w, shared=True)  # distributed: these rows are the same on every rank
 
     def _check(self, x: Tensor, weight: Tensor | None) -> tuple[Tensor, Tensor]:
         if x.ndim != 2:
@@ -239,25 +257,47 @@ class StreamingKMeans(ExtractorBase):
             raise ValueError("weight must be finite and non-negative")
         return (_unit(x) if self.config.spherical else x), weight.detach().float().to(x.device)
 
-    def _steps(self, x: Tensor, w: Tensor) -> None:
+    def _steps(self, x: Tensor, w: Tensor, shared: bool = False) -> None:
+        """Steps of `batch_size` rows. Distributed (`comm` set, rows not `shared`): each rank
+        holds its part of every step, and the ranks take as many steps as the rank with the
+        most rows (the others contribute empty parts)."""
         size = self.config.batch_size or max(x.shape[0], 1)
-        for start in range(0, x.shape[0], size):
-            self._step(x[start:start + size], w[start:start + size])
+        n = -(-x.shape[0] // size)
+        synced = self.comm is not None and not shared
+        for i in range(self.comm.max_int(n) if synced else n):
+            self._step(x[i * size:(i + 1) * size], w[i * size:(i + 1) * size], synced)
 
-    def _step(self, x: Tensor, w: Tensor) -> None:
+    def _step(self, x: Tensor, w: Tensor, synced: bool = False) -> None:
         view = _unit(self._centres) if self.config.spherical else self._centres
         best, labels = squared_distances(x, view).min(1)
-        self._centres, self._mass, received = minibatch_step(self._centres, self._mass, x, w, labels)
-        self._idle = torch.where(received > 0, 0, self._idle + x.shape[0])
+        sums, received = step_statistics(self._centres, self._mass, x, w, labels)
+        rows = x.shape[0]
+        if synced:  # the statistics of the whole step, summed over the ranks, before the update
+            k, d = sums.shape
+            packed = self.comm.sum_(torch.cat([sums.flatten().double(), received.double(),
+                                               received.new_tensor([rows], dtype=torch.float64)]))
+            sums, received = packed[: k * d].view(k, d).to(sums.dtype), packed[k * d: k * d + k].to(received.dtype)
+            rows = int(packed[-1].item())
+        self._centres, self._mass, received = apply_step(self._centres, self._mass, sums, received)
+        self._idle = torch.where(received > 0, 0, self._idle + rows)
         self.n_steps += 1
         if self.config.reseed_after is not None:
-            self._reseed(x, w, best)
+            self._reseed(x, w, best, synced)
 
-    def _reseed(self, x: Tensor, w: Tensor, best: Tensor) -> None:
-        """Move centres idle for too long onto rows drawn in proportion to w * distance^2."""
+    def _gather(self, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+        """Rows and weights of every rank, in rank order (distributed)."""
+        both = self.comm.gather_rows(torch.cat([x, w[:, None].to(x.dtype)], 1))
+        return both[:, :-1], both[:, -1].to(w.dtype)
+
+    def _reseed(self, x: Tensor, w: Tensor, best: Tensor, synced: bool = False) -> None:
+        """Move centres idle for too long onto rows drawn in proportion to w * distance^2
+        (distributed: drawn from every rank's rows, gathered in rank order)."""
         dead = torch.nonzero(self._idle >= self.config.reseed_after * self.config.n_concepts).flatten()
         if dead.numel() == 0:  # the common case: no copy of the scores
             return
+        if synced:
+            both = self.comm.gather_rows(torch.cat([x, w[:, None], best[:, None]], 1))
+            x, w, best = both[:, :-2], both[:, -2], both[:, -1]
         score = (w * best).double().cpu()
         n = min(dead.numel(), int((score > 0).sum()))
         if n == 0:

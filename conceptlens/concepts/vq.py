@@ -28,7 +28,8 @@ from conceptlens.concepts.base import (ExtractorBase, NotFittedError, check_choi
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.vq_math import (INIT_METHODS, InitMethod, codes_from_ema, ema_update, fvu_from_sums,
-                                          fvu_sums, initial_codes, laplace_smooth, perplexity, sample_top_k)
+                                          fvu_sums, initial_codes, laplace_smooth, perplexity, sample_top_k,
+                                          samples_randomly)
 
 
 @dataclass
@@ -134,6 +135,7 @@ class VQCodebook(ExtractorBase):
 
     Config = VQConfig
     method = "vq"
+    distributed = "step"
 
     @known_kwargs
     def __init__(self, n_codes: int, *, decay: float = 0.99, eps: float = 1e-5, top_k: int = 5,
@@ -176,7 +178,10 @@ class VQCodebook(ExtractorBase):
         """Consume `x` (N, d): collect until init_size tokens, then one EMA step per call, or
         per batch_size rows drawn from the mixing buffer."""
         x = self._prepare(x)
+        shared = False  # distributed: rows gathered from every rank (the same everywhere)
         if self.fitted is None:
+            if self.comm is not None:
+                x, shared = self.comm.gather_rows(x), True
             self._init_calls += 1
             pending = self._pending = torch.cat([self._pending, x]) if self._pending is not None else x
             if len(pending) < self.config.rows_to_init:
@@ -185,10 +190,16 @@ class VQCodebook(ExtractorBase):
             self._initialise(pending[: self.config.rows_to_init])
         size = self.config.batch_size
         if self._mixer is None or size is None:
-            if len(x):
-                self.train_step(x)
+            if len(x) or (self.comm is not None and not shared):
+                self.train_step(x, shared=shared)
             return
-        self._mixer.add(x)
+        if not shared or self.comm.rank == 0:  # gathered leftover rows join one buffer only
+            self._mixer.add(x)
+        if self.comm is not None:  # as many steps on every rank; short ranks add empty batches
+            for _ in range(self.comm.max_int(self._mixer.ready(size))):
+                batch = self._mixer.take(size)
+                self.train_step(batch.to(x.device) if batch is not None else x[:0])
+            return
         while (batch := self._mixer.take(size)) is not None:
             self.train_step(batch.to(x.device))
 
@@ -201,27 +212,56 @@ class VQCodebook(ExtractorBase):
         if self.fitted is None or self._mixer is None or size is None:
             return
         rest = self._mixer.drain()
-        for batch in () if rest is None else rest.split(size):
-            self.train_step(batch.to(self.fitted.codes.device))
+        batches = [] if rest is None else list(rest.split(size))
+        n = len(batches) if self.comm is None else self.comm.max_int(len(batches))
+        device = self.fitted.codes.device
+        for i in range(n):
+            self.train_step(batches[i].to(device) if i < len(batches) else self.fitted.codes[:0])
 
-    def train_step(self, x: Tensor) -> VQStep:
+    def train_step(self, x: Tensor, shared: bool = False) -> VQStep:
         """One EMA step on the batch `x` (N, d): sample codes, update counts and sums,
-        track statistics, reseed dead codes every reseed_after steps."""
+        track statistics, reseed dead codes every reseed_after steps. Distributed (`comm`
+        set, rows not `shared`): x is this rank's part of the step; the uniforms are this
+        rank's slice of the whole step's, and the statistics are all-reduced before the EMA
+        update, so the step equals one on all ranks' rows in rank order."""
         cfg, fit = self.config, self._fitted()
         x, codes = self._prepare(x), fit.codes
+        synced = self.comm is not None and not shared
         dist = torch.cdist(x, codes)                                   # (N, K) Euclidean
-        code = sample_top_k(dist, cfg.top_k, cfg.temperature, self._gen)
+        u = None
+        if synced:
+            sizes = self.comm.sizes(len(x))
+            if samples_randomly(cfg.top_k, cfg.temperature, cfg.n_codes):
+                start = sum(sizes[: self.comm.rank])
+                u = torch.rand(sum(sizes), 1, generator=self._gen)[start:start + len(x)]
+        code = sample_top_k(dist, cfg.top_k, cfg.temperature, self._gen, u)
         onehot = F.one_hot(code, cfg.n_codes).to(x.dtype)              # (N, K)
-        fit.counts, fit.sums = ema_update(fit.counts, fit.sums, onehot.sum(0), onehot.T @ x, cfg.decay)
-        fit.codes = codes_from_ema(fit.counts, fit.sums, cfg.eps)
         nearest = dist.argmin(1)
-        fit.hits += torch.bincount(nearest, minlength=cfg.n_codes)
-        fit.fvu = cfg.decay * fit.fvu + (1 - cfg.decay) * fvu_sums(x, codes[nearest])
+        counts, sums = onehot.sum(0), onehot.T @ x
+        hits, fvu = torch.bincount(nearest, minlength=cfg.n_codes), fvu_sums(x, codes[nearest])
+        n_rows = len(x)
+        if synced:
+            counts, sums, hits, fvu = self._all_reduce(counts, sums, hits, fvu)
+            n_rows = sum(sizes)
+        fit.counts, fit.sums = ema_update(fit.counts, fit.sums, counts, sums, cfg.decay)
+        fit.codes = codes_from_ema(fit.counts, fit.sums, cfg.eps)
+        fit.hits += hits
+        fit.fvu = cfg.decay * fit.fvu + (1 - cfg.decay) * fvu
         self.steps += 1
-        self.tokens += len(x)
+        self.tokens += n_rows
         if cfg.reseed_after and self.steps % cfg.reseed_after == 0:
-            self._reseed(fit, x)
+            self._reseed(fit, x, synced)
         return VQStep(code, codes[code])
+
+    def _all_reduce(self, counts: Tensor, sums: Tensor, hits: Tensor, fvu: Tensor) -> tuple[Tensor, ...]:
+        """One step's statistics summed over the ranks (one all-reduce, float64)."""
+        parts = [counts, sums, hits, fvu]
+        flat = self.comm.sum_(torch.cat([p.flatten().double() for p in parts]))
+        out, offset = [], 0
+        for p in parts:
+            out.append(flat[offset:offset + p.numel()].view_as(p).to(p.dtype))
+            offset += p.numel()
+        return tuple(out)
 
     def _prepare(self, x: Tensor) -> Tensor:
         if x.ndim != 2:
@@ -261,12 +301,17 @@ class VQCodebook(ExtractorBase):
             "counts": fit.counts.clone(), "sums": fit.sums.clone(), "hits": fit.hits.clone(),
             "fvu": fit.fvu.clone(), "steps": self.steps, "tokens": self.tokens}
 
-    def _reseed(self, fit: CodebookState, x: Tensor) -> None:
-        """Replace dead codes by random tokens of the latest batch `x` (N, d)."""
+    def _reseed(self, fit: CodebookState, x: Tensor, synced: bool = False) -> None:
+        """Replace dead codes by random tokens of the latest batch `x` (N, d) (distributed:
+        of every rank's part of it, in rank order)."""
         cfg = self.config
         share = fit.counts.sum() / cfg.n_codes
         dead = torch.nonzero(fit.counts < cfg.reseed_threshold * share).squeeze(1)
         if dead.numel() == 0:
+            return
+        if synced:
+            x = self.comm.gather_rows(x)
+        if len(x) == 0:
             return
         if len(x) >= len(dead):
             pick = torch.randperm(len(x), generator=self._gen)[: len(dead)]

@@ -2,7 +2,7 @@
 
     act = concept_activations(cs)
     z = act.encode(x)                 # (N, d) -> (N, n)
-    fired = act.fires(z, x)           # (N, n) bool: the concept fires / is the token's assignment
+    counts = act.fire_count(z, x)     # (n,) tokens on which each concept fires / that it is assigned
 
 SAE sets use their own encoder (activation > 0 fires). Every other set (k-means, Deleuzian,
 VQ, a probe, any direction) is scored by the projection on its unit directions x . c/|c|,
@@ -37,12 +37,13 @@ class ConceptActivations:
     def encode(self, x: Tensor) -> Tensor:
         return self.encode_fn(x.float())
 
-    def fires(self, z: Tensor, x: Tensor) -> Tensor:
-        """`(N, n)` bool."""
+    def fire_count(self, z: Tensor, x: Tensor) -> Tensor:
+        """`(n,)` int64: rows where each concept fires (> 0), or is assigned (dense sets)."""
         if self.assign_fn is None:
-            return z > 0
+            return torch.count_nonzero(z > 0, dim=0)
         assigned = self.assign_fn(z, x)
-        return torch.nn.functional.one_hot(assigned, z.shape[1]).bool()
+        return torch.zeros(z.shape[1], dtype=torch.long, device=z.device).index_add_(
+            0, assigned, torch.ones_like(assigned))
 
 
 def concept_activations(cs: ConceptSet) -> ConceptActivations:

@@ -12,26 +12,29 @@ one pass over both (top-N exactly; sums up to float64 rounding) and `state_dict`
 bit for bit. The update is tensor ops only: no host syncs.
 
 Histogram bins are fixed in advance and shared by every concept, so no first pass and no
-first batch decide them: signed quarter-octaves, edges +-2^(j/4) for j = -64..64 (|a| below
-2^-16 or above 2^16 falls in the end bins), zeros counted apart. `finish` regroups each
-concept's occupied range into `bins` display bins of whole fine bins (exact counts).
+first batch decide them: the float's own exponent and two mantissa bits (the order key
+shifted right by 21), i.e. four linear steps per octave, 2^e * (1, 1.25, 1.5, 1.75), on each
+sign, for |a| in [2^-16, 2^16) (smaller and larger values fall in the innermost / outermost
+bins); exact zeros are counted apart. `finish` regroups each concept's occupied range into
+`bins` display bins of whole fine bins (exact counts).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from conceptlens.concepts.base import ExtractorBase
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.describe.activations import concept_activations
-from conceptlens.describe.topn import TopN
+from conceptlens.describe.topn import TopN, order_key
 
-OCTAVE_STEPS = 4
-HALF_BINS = 128  # fine bins per sign
-FINE = 2 * HALF_BINS + 1  # ... plus one for zeros
+HALF_BINS = 128  # fine bins per sign: 32 octaves x 4
+FINE = 2 * HALF_BINS
+_LOWEST = (127 - 16) * 4  # order key >> 21 of 2^-16: the first positive fine bin
 
 
 @dataclass
@@ -42,7 +45,7 @@ class DescribeConfig:
     """Top activating tokens kept per concept."""
     window: tuple[int, int] = (8, 4)
     """Tokens kept left and right of each top token."""
-    coact_rows: int = 512
+    coact_rows: int = 128
     """Rows of each batch (evenly strided) that feed the co-activation moments (n x n per row)."""
     n_documents: int | None = None
     """Documents of the source that carry labels (sizes the per-document sums); None: no labels."""
@@ -56,24 +59,36 @@ class DescribeConfig:
             raise ValueError(f"n_documents must be a positive integer or None; got {self.n_documents}")
 
 
-def fine_bins(z: Tensor) -> Tensor:
-    """`(N, n)` activations -> fine histogram bin `(N, n)` in [0, FINE): negatives, positives, zero last."""
-    e = (OCTAVE_STEPS * torch.log2(z.abs())).floor().clamp(-HALF_BINS // 2, HALF_BINS // 2 - 1).long()
-    e = e + HALF_BINS // 2  # 0 .. HALF_BINS - 1
-    bins = torch.where(z > 0, HALF_BINS + e, HALF_BINS - 1 - e)
-    return torch.where(z == 0, torch.full_like(bins, FINE - 1), bins)
+def fine_bins(key32: Tensor) -> Tensor:
+    """`order_key` of activations `(N, n)` -> fine bin in [0, FINE) `(N, n)` int32: negatives
+    (most negative first) then positives; zeros land in bin HALF_BINS (subtract them)."""
+    q = key32 >> 21  # sign, exponent, two mantissa bits; monotonic in the value
+    pos = q.clamp(_LOWEST, _LOWEST + HALF_BINS - 1) - (_LOWEST - HALF_BINS)
+    neg = q.clamp(-_LOWEST - HALF_BINS, -_LOWEST - 1) + (_LOWEST + HALF_BINS)
+    return torch.where(q >= 0, pos, neg)
 
 
 def fine_edges() -> Tensor:
-    """`(FINE,)` edges of the 2 * HALF_BINS signed bins (the zero bin has none): -2^16 .. 2^16."""
-    j = torch.arange(-HALF_BINS // 2, HALF_BINS // 2 + 1, dtype=torch.float64)
-    pos = torch.exp2(j / OCTAVE_STEPS)  # 2^-16 .. 2^16
-    edges = torch.cat([-pos.flip(0), pos])  # (2 * (HALF_BINS + 1),); -2^-16 and 2^-16 around 0
-    return torch.cat([edges[:HALF_BINS], torch.zeros(1, dtype=torch.float64), edges[HALF_BINS + 2:]])
+    """`(FINE + 1,)` edges of the fine bins: -2^16 .. -2^-16, 0, 2^-16 .. 2^16 (float64)."""
+    p = torch.arange(_LOWEST, _LOWEST + HALF_BINS + 1, dtype=torch.float64)
+    pos = torch.exp2(torch.floor(p / 4) - 127) * (1 + (p % 4) / 4)  # 2^-16 .. 2^16, 129 values
+    return torch.cat([-pos.flip(0)[:HALF_BINS], torch.zeros(1, dtype=torch.float64), pos[1:]])
 
 
-class ConceptDescriber:
-    """Streaming description of one ConceptSet; see the module docstring."""
+class DescribeStats(NamedTuple):
+    rows: int
+    """Tokens described."""
+    documents: int
+    """Documents of this stream seen."""
+
+
+class ConceptDescriber(ExtractorBase):
+    """Streaming description of one ConceptSet; see the module docstring. An extractor in the
+    protocol's sense (update / flush / state_dict / load_state_dict / merge / stats), without
+    concepts of its own: the fit reports its stats and saves no ConceptSet for it."""
+
+    Config = DescribeConfig
+    method = "describe"
 
     def __init__(self, concepts: ConceptSet, config: DescribeConfig | None = None, *, first_document: int = 0,
                  **kwargs: Any) -> None:
@@ -94,10 +109,11 @@ class ConceptDescriber:
             "act_sum": torch.zeros(n, dtype=f64, device=device),
             "fire_count": torch.zeros(n, dtype=torch.long, device=device),
             "hist": torch.zeros(n, FINE, dtype=torch.long, device=device),
+            "zeros": torch.zeros(n, dtype=torch.long, device=device),
             "norm_sum": torch.zeros((), dtype=f64, device=device),
             "sub_rows": torch.zeros((), dtype=torch.long, device=device),
             "sub_sum": torch.zeros(n, dtype=f64, device=device),
-            "sub_outer": torch.zeros(n, n, dtype=f64, device=device),
+            "sub_outer": torch.zeros(n, n, device=device),  # float32: addmm in place, no (n, n) copy per batch
         }
         if self.config.n_documents is not None:
             self.sums["doc_sum"] = torch.zeros(self.config.n_documents, n, dtype=f64, device=device)
@@ -109,24 +125,21 @@ class ConceptDescriber:
         if self.sums is None:
             self._init(x.device)
         s, n_rows = self.sums, x.shape[0]
-        z = self.activations.encode(x)  # (N, n)
-        fires = self.activations.fires(z, x)
+        z = self.activations.encode(x).contiguous()  # (N, n)
         local, pos = tokens.doc.to(x.device), tokens.pos.to(x.device)  # documents of this stream
         ids = tokens.ids.to(x.device)
-        grid = torch.zeros(*ids.shape, self.n, device=x.device)  # (B, T, n)
-        grid[local - tokens.first_doc, pos] = z
-        first = tokens.first_doc + self.first_document
-        self.top.update(z, local + self.first_document, pos, ids, grid, first)
-        s["act_sum"] += z.sum(0, dtype=torch.float64)
-        s["fire_count"] += fires.sum(0)
-        index = fine_bins(z) + FINE * torch.arange(self.n, device=x.device)
-        s["hist"].view(-1).index_add_(0, index.view(-1), torch.ones(index.numel(), dtype=torch.long,
-                                                                    device=x.device))
+        key32 = order_key(z)  # shared by the top-N and the histogram
+        self.top.update(z, local + self.first_document, pos, ids, tokens.first_doc + self.first_document, key32)
+        s["act_sum"] += z.sum(0)  # float32 within a batch, float64 across batches
+        s["fire_count"] += self.activations.fire_count(z, x)
+        s["zeros"] += torch.count_nonzero(key32 == 0, dim=0)
+        _count_bins(s["hist"], fine_bins(key32))
         s["norm_sum"] += x.norm(dim=1).sum(dtype=torch.float64)
-        sub = (fires.float() if self.activations.sparse else z)[::max(1, -(-n_rows // self.config.coact_rows))]
+        sub = z[::max(1, -(-n_rows // self.config.coact_rows))]  # evenly strided rows
+        sub = (sub > 0).float() if self.activations.sparse else sub
         s["sub_rows"] += sub.shape[0]
-        s["sub_sum"] += sub.sum(0, dtype=torch.float64)
-        s["sub_outer"] += (sub.T @ sub).double()
+        s["sub_sum"] += sub.sum(0)
+        s["sub_outer"].addmm_(sub.T, sub)
         if "doc_sum" in s:
             last = tokens.first_doc + ids.shape[0]
             if last > self.config.n_documents:
@@ -140,27 +153,30 @@ class ConceptDescriber:
     def flush(self) -> None:
         """Nothing is held back."""
 
+    def stats(self) -> DescribeStats:
+        return DescribeStats(self.rows, self.documents)
+
     def state_dict(self) -> dict[str, Any]:
-        cfg = asdict(self.config)
-        cfg["window"] = list(cfg["window"])
-        return {"config": cfg, "n": self.n, "rows": self.rows, "documents": self.documents,
-                "sums": dict(self.sums or {}), "top": self.top.state_dict()}
+        return {"class": type(self).__name__, "config": self.config_dict(), "n": self.n, "rows": self.rows,
+                "documents": self.documents, "sums": dict(self.sums or {}), "top": self.top.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        mine = self.state_dict()["config"]
-        if state["config"] != mine or state["n"] != self.n:
-            raise ValueError(f"description state for {state['n']} concepts, {state['config']} does not fit this "
-                             f"describer ({self.n} concepts, {mine})")
+        self.check_state(state)
+        if state["n"] != self.n:
+            raise ValueError(f"description state for {state['n']} concepts does not fit this set of {self.n}")
         self.sums = {k: v.clone() for k, v in state["sums"].items()} or None
         self.rows, self.documents = state["rows"], state["documents"]
         self.top.load_state_dict(state["top"])
 
-    def merge(self, other: ConceptDescriber | dict[str, Any]) -> None:
+    def merge(self, other: ConceptDescriber | dict[str, Any]) -> None:  # a dict needs this set to rebuild
         """Absorb a shard described on other documents of the same source (same set, same config;
         each shard's `first_document` says where its documents start)."""
         if isinstance(other, dict):
             state, other = other, ConceptDescriber(self.concepts, self.config)  # documents numbered in the source
             other.load_state_dict(state)
+        super().merge(other)
+
+    def _merge(self, other: ConceptDescriber) -> None:
         if other.n != self.n or other.config != self.config:
             raise ValueError(f"cannot merge a description of {other.n} concepts ({other.config}) into one of "
                              f"{self.n} ({self.config})")
@@ -176,3 +192,13 @@ class ConceptDescriber:
         self.top.merge(other.top)
         self.rows += other.rows
         self.documents += other.documents
+
+
+def _count_bins(hist: Tensor, bins: Tensor) -> None:
+    """hist `(n, FINE)` += counts of bins `(N, n)` per column (bincount on CPU; index_add on a GPU: no sync)."""
+    n = hist.shape[0]
+    flat = (bins + FINE * torch.arange(n, device=bins.device, dtype=bins.dtype)).view(-1).long()
+    if flat.is_cuda:
+        hist.view(-1).index_add_(0, flat, torch.ones(1, dtype=torch.long, device=flat.device).expand(flat.numel()))
+    else:
+        hist.view(-1).add_(torch.bincount(flat, minlength=n * FINE))

@@ -13,16 +13,18 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from conceptlens.describe.describer import FINE, ConceptDescriber, fine_edges
+from conceptlens.describe.describer import FINE, HALF_BINS, ConceptDescriber, fine_edges
 from conceptlens.describe.description import Description
 
 
-def display_histogram(fine: Tensor, bins: int) -> tuple[Tensor, Tensor]:
-    """Fine counts `(n, FINE)` -> per-concept edges `(n, bins + 1)` and counts `(n, bins)`: each
-    concept's occupied range of signed bins cut into `bins` groups of whole fine bins (zeros left out)."""
-    signed = fine[:, : FINE - 1]
+def display_histogram(fine: Tensor, zeros: Tensor, bins: int) -> tuple[Tensor, Tensor]:
+    """Fine counts `(n, FINE)` (zeros, counted apart in `(n,)`, inside bin HALF_BINS) -> per-concept
+    edges `(n, bins + 1)` and counts `(n, bins)`: each concept's occupied range of fine bins cut
+    into `bins` groups of whole fine bins, zeros left out."""
+    signed = fine.clone()
+    signed[:, HALF_BINS] -= zeros
     occupied = signed > 0
-    cols = torch.arange(FINE - 1).expand_as(signed)
+    cols = torch.arange(FINE).expand_as(signed)
     lo = torch.where(occupied, cols, FINE).min(1).values
     hi = torch.where(occupied, cols, -1).max(1).values
     empty = hi < 0
@@ -48,7 +50,7 @@ def nearest(scores: Tensor, m: int) -> tuple[Tensor, Tensor]:
 
 def coactivation(sums: dict[str, Tensor], sparse: bool) -> Tensor:
     """Jaccard of firing (sparse sets) or Pearson correlation of activations (dense sets), `(n, n)`."""
-    outer, total, rows = sums["sub_outer"].cpu(), sums["sub_sum"].cpu(), float(sums["sub_rows"])
+    outer, total, rows = sums["sub_outer"].cpu().double(), sums["sub_sum"].cpu(), float(sums["sub_rows"])
     if sparse:
         count = outer.diagonal()
         union = count[:, None] + count[None, :] - outer
@@ -61,14 +63,19 @@ def coactivation(sums: dict[str, Tensor], sparse: bool) -> Tensor:
 
 
 def map_xy(directions: Tensor) -> Tensor:
-    """2-D PCA coordinates `(n, 2)` of the unit directions (zeros where there are too few)."""
+    """2-D PCA coordinates `(n, 2)` of the unit directions (eigenvectors of the smaller Gram matrix)."""
     unit = torch.nn.functional.normalize(directions.double(), dim=1)
     centred = unit - unit.mean(0)
     xy = torch.zeros(len(unit), 2, dtype=torch.float64)
-    if len(unit) > 1:
-        _, _, vh = torch.linalg.svd(centred, full_matrices=False)
-        k = min(2, vh.shape[0])
-        xy[:, :k] = centred @ vh[:k].T
+    if len(unit) < 2:
+        return xy.float()
+    if centred.shape[1] <= centred.shape[0]:
+        _, vectors = torch.linalg.eigh(centred.T @ centred)  # ascending: the last are the principal axes
+        scores = centred @ vectors[:, -2:].flip(1)
+    else:
+        values, vectors = torch.linalg.eigh(centred @ centred.T)
+        scores = vectors[:, -2:].flip(1) * values[-2:].flip(0).clamp(min=0).sqrt()
+    xy[:, : scores.shape[1]] = scores
     return xy.float()
 
 
@@ -112,24 +119,42 @@ def class_probes(doc_sum: Tensor, doc_rows: Tensor, labels: Sequence[int], n_cla
     return loss, entropy
 
 
-def decode_contexts(describer: ConceptDescriber, tokenizer: Any) -> list[dict[str, Any]]:
-    """contexts.jsonl lines: each concept's top windows, trimmed to their document, tokens decoded."""
+def used_slots(describer: ConceptDescriber) -> tuple[Tensor, Tensor, Tensor]:
+    """Top values, documents and positions `(n, k)` with unused slots -inf / -1; for sparse
+    (SAE) sets a zero activation is no context either."""
     top = describer.top
-    values, doc, pos = top.values.cpu(), top.doc.cpu(), top.pos.cpu()
-    ids, acts = top.window_ids.cpu(), top.window_acts.cpu()
+    values, doc, pos = top.values.cpu().float(), top.doc.cpu(), top.pos.cpu()
+    unused = doc < 0
+    if describer.activations.sparse:
+        unused |= values <= 0
+    return values.masked_fill(unused, -math.inf), doc.masked_fill(unused, -1), pos.masked_fill(unused, -1)
+
+
+def decode_contexts(describer: ConceptDescriber, tokenizer: Any) -> list[dict[str, Any]]:
+    """contexts.jsonl lines: each concept's top windows, trimmed to their document, tokens decoded,
+    activations to 5 significant digits."""
+    top = describer.top
+    values, doc, pos = used_slots(describer)
+    ids = top.window_ids.cpu()
+    acts = top.window_acts.cpu().double()
+    magnitude = torch.floor(torch.log10(acts.abs().clamp(min=1e-30)))
+    scale = torch.pow(10.0, 4 - magnitude)
+    acts = torch.where(acts == 0, 0.0, torch.round(acts * scale) / scale)
     vocab = decoder(tokenizer, ids[ids >= 0].unique().tolist())
     left = top.window[0]
     lines = []
+    all_ids, all_acts = ids.tolist(), acts.tolist()
+    all_values, all_doc, all_pos = values.tolist(), doc.tolist(), pos.tolist()
     for c in range(describer.n):
         contexts = []
         for j in range(top.k):
-            if doc[c, j] < 0:
+            if all_doc[c][j] < 0:
                 break
-            row, keep = ids[c, j].tolist(), (ids[c, j] >= 0).tolist()
-            first = keep.index(True)
-            contexts.append({"value": float(values[c, j]), "doc": int(doc[c, j]), "pos": int(pos[c, j]),
-                             "center": left - first, "tokens": [vocab[t] for t, k in zip(row, keep) if k],
-                             "acts": [float(f"{a:.5g}") for a, k in zip(acts[c, j].tolist(), keep) if k]})
+            row = all_ids[c][j]
+            keep = [t >= 0 for t in row]
+            contexts.append({"value": all_values[c][j], "doc": all_doc[c][j], "pos": all_pos[c][j],
+                             "center": left - keep.index(True), "tokens": [vocab[t] for t in row if t >= 0],
+                             "acts": [a for a, k in zip(all_acts[c][j], keep) if k]})
         lines.append({"concept": c, "contexts": contexts})
     return lines
 

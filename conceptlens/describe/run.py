@@ -36,7 +36,8 @@ class SteeringRequest:
     """Concept indices (for every set) or per set name."""
     prompt: str = "I went to the shop and"
     alphas: Sequence[float] = (0.0, 0.25, 0.5, 1.0)
-    """Multiples of the site's mean token norm added along the unit direction."""
+    """Multiples of the site's typical token norm (`steering.units.site_norm`, the unit of
+    `Add(..., scale="site_norm")`) added along the unit direction."""
     max_new_tokens: int = 24
 
 
@@ -75,6 +76,9 @@ def describe(lens: Lens, concept_sets: Mapping[str, ConceptSet], data: Any, *, t
     for name, d in describers.items():
         plan.setdefault(d.concepts.site, {})[name] = d
     texts = islice(datasets.iter_texts(data), skip_documents, None)
+    if out is not None:
+        _forget_other_pass(Path(out), {"skip_documents": skip_documents,
+                                       "data": data if isinstance(data, str) else getattr(data, "name", None)})
     run_fit(lens, plan, texts, tokenizer=tokenizer, config=FitConfig(
         batch_size=batch_size, max_length=max_length, max_tokens=max_tokens, checkpoint_dir=out,
         checkpoint_every=checkpoint_every, resume=resume, progress=progress, filters=filters or FilterConfig()))
@@ -89,6 +93,22 @@ def describe(lens: Lens, concept_sets: Mapping[str, ConceptSet], data: Any, *, t
         if out is not None:
             results[name].save(Path(out) / name)
     return results
+
+
+def _forget_other_pass(out: Path, source: dict[str, Any]) -> None:
+    """A checkpoint of a pass over other documents (e.g. before the fit ran longer) is dropped:
+    the fit's fingerprint cannot see which documents an iterator skipped."""
+    import json
+
+    from conceptlens._io import atomic_write
+    from conceptlens.fit import CHECKPOINT
+
+    marker = out / "source.json"
+    if marker.is_file() and json.loads(marker.read_text()) != source and (out / CHECKPOINT).is_file():
+        (out / CHECKPOINT).unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(source)
+    atomic_write(marker, lambda p: Path(p).write_text(text))
 
 
 def _checked(lens: Lens, concept_sets: Mapping[str, ConceptSet]) -> dict[str, ConceptSet]:
@@ -150,11 +170,11 @@ def finish(d: ConceptDescriber, *, name: str, lens: Lens, tokenizer: Any,
                          "skip_documents?)")
     s = {k: v.cpu() for k, v in d.sums.items()}
     rows = max(d.rows, 1)
-    edges, counts = fin.display_histogram(s["hist"], o.bins)
+    edges, counts = fin.display_histogram(s["hist"], s["zeros"], o.bins)
+    top_values, top_doc, top_pos = fin.used_slots(d)
     stats = {"frequency": (s["fire_count"].double() / rows).float(), "mean_activation": (s["act_sum"] / rows).float(),
              "max_activation": d.top.values[:, 0].cpu().float(), "hist_edges": edges, "hist_counts": counts,
-             "top_values": d.top.values.cpu().float(), "top_doc": d.top.doc.cpu(), "top_pos": d.top.pos.cpu(),
-             "map_xy": fin.map_xy(cs.directions)}
+             "top_values": top_values, "top_doc": top_doc, "top_pos": top_pos, "map_xy": fin.map_xy(cs.directions)}
     unit = torch.nn.functional.normalize(cs.directions.float(), dim=1)
     stats["nearest_direction"], stats["nearest_direction_cos"] = fin.nearest(unit @ unit.T, o.n_nearest)
     stats["nearest_coact"], stats["nearest_coact_score"] = fin.nearest(
@@ -174,7 +194,7 @@ def finish(d: ConceptDescriber, *, name: str, lens: Lens, tokenizer: Any,
             "tokens": d.rows, "documents": d.documents, "first_document": d.first_document, "top_n": d.top.k,
             "window": list(d.top.window), "hist_edges_kind": "per-concept", "activation": d.activations.kind,
             "coact_kind": "jaccard" if d.activations.sparse else "pearson",
-            "site_norm": float(s["norm_sum"]) / rows, "labels": None if classes is None else list(classes[1]),
+            "mean_token_norm": float(s["norm_sum"]) / rows, "labels": None if classes is None else list(classes[1]),
             "base_rate_entropy": entropy, "has_unembedding": w_u is not None, "steering": []}
     return Description(info, stats, contexts, tokens)
 
@@ -182,14 +202,16 @@ def finish(d: ConceptDescriber, *, name: str, lens: Lens, tokenizer: Any,
 @torch.no_grad()
 def steering_samples(lens: Lens, tokenizer: Any, d: ConceptDescriber, name: str,
                      request: SteeringRequest) -> list[dict[str, Any]]:
-    """For each requested concept: the prompt continued greedily with alpha * site_norm * unit direction added."""
+    """For each requested concept: the prompt continued greedily with alpha * site_norm * unit
+    direction added at every position (`Add(..., scale="site_norm")`)."""
     from conceptlens.steering import Add
+    from conceptlens.steering.units import site_norm as typical_norm
 
     model = lens.model
     if not getattr(model, "can_generate", lambda: False)():
         return []
     chosen = request.concepts.get(name, []) if isinstance(request.concepts, Mapping) else request.concepts
-    site_norm = float(d.sums["norm_sum"]) / max(d.rows, 1)
+    site_norm = typical_norm(lens, d.concepts.site)
     unit = torch.nn.functional.normalize(d.concepts.directions.float(), dim=1)
     device = next(model.parameters()).device
     prompt = {k: v.to(device) for k, v in tokenizer([request.prompt], return_tensors="pt").items()}
@@ -200,7 +222,8 @@ def steering_samples(lens: Lens, tokenizer: Any, d: ConceptDescriber, name: str,
             raise ValueError(f"steering concept {concept} is out of range for {name!r} ({d.n} concepts)")
         runs = []
         for alpha in request.alphas:
-            with lens.steer(Add(unit[int(concept)], alpha * site_norm, site=d.concepts.site)):
+            edit = Add(unit[int(concept)], alpha, scale="site_norm", norm=site_norm, site=d.concepts.site)
+            with lens.steer(edit):
                 out = model.generate(**prompt, max_new_tokens=request.max_new_tokens, do_sample=False,
                                      pad_token_id=pad if pad is not None else 0)
             text = tokenizer.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)

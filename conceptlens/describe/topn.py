@@ -1,7 +1,7 @@
 """Exact streaming top-N per concept: the same N entries as sorting every activation seen.
 
     top = TopN(n_concepts=64, k=16, window=(8, 4))
-    top.update(z, doc, pos, ids, z_grid, first_doc)    # z: (N, n) activations of N rows, in stream order
+    top.update(z, doc, pos, ids, first_doc)    # z: (N, n) activations of N rows, in stream order
     top.values, top.doc, top.pos, top.window_ids, top.window_acts
 
 Order: larger value first; equal values by (document, position), earlier first, so the
@@ -28,12 +28,14 @@ def order_key(values: Tensor) -> Tensor:
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
-def batch_top(z: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Per column of z `(N, n)`: the k largest values `(n, k)` and their rows `(n, k)`, ties to the earlier row."""
+def batch_top(z: Tensor, k: int, key32: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Per column of z `(N, n)`: the k largest values `(n, k)` and their rows `(n, k)`, ties to
+    the earlier row. `key32`: `order_key(z)` when the caller has it already."""
     rows = torch.arange(z.shape[0], device=z.device, dtype=torch.int64)
-    key = order_key(z.T).long() * (1 << 32) + (_LOW - rows)  # (n, N), unique per column
-    top = torch.topk(key, min(k, z.shape[0]), dim=1).indices
-    return z.T.gather(1, top), top
+    key = (order_key(z) if key32 is None else key32).long()
+    key.bitwise_left_shift_(32).bitwise_or_((_LOW - rows)[:, None])  # (N, n), unique per column
+    top = torch.topk(key, min(k, z.shape[0]), dim=0).indices.T  # (n, k)
+    return z.gather(0, top.T).T, top
 
 
 class TopN:
@@ -57,21 +59,25 @@ class TopN:
         self.window_ids = torch.full((n, k, w), -1, dtype=torch.long, device=device)
         self.window_acts = torch.zeros(n, k, w, device=device)
 
-    def update(self, z: Tensor, doc: Tensor, pos: Tensor, ids: Tensor, z_grid: Tensor, first_doc: int) -> None:
-        """z `(N, n)` rows in stream order with their doc/pos `(N,)`; ids `(B, T)` token ids of
-        the batch (-1 = padding) and z_grid `(B, T, n)` the activations laid out on it."""
+    def update(self, z: Tensor, doc: Tensor, pos: Tensor, ids: Tensor, first_doc: int,
+               key32: Tensor | None = None) -> None:
+        """z `(N, n)` rows in stream order with their doc/pos `(N,)` (doc counted in the source);
+        ids `(B, T)` token ids of the batch (-1 = padding; batch row b is document first_doc + b)."""
         if self.values is None:
             self._init(z.device)
         if z.shape[0] == 0:
             return
-        new_values, rows = batch_top(z, self.k)  # (n, k') each
+        new_values, rows = batch_top(z, self.k, key32)  # (n, k') each
         b, t = doc[rows] - first_doc, pos[rows]
+        row_of = torch.full(ids.shape, -1, dtype=torch.long, device=z.device)  # (B, T): row of x, -1 if none
+        row_of[doc - first_doc, pos] = torch.arange(z.shape[0], device=z.device)
         span = t[..., None] + torch.arange(-self.window[0], self.window[1] + 1, device=z.device)  # (n, k', W)
         inside = (span >= 0) & (span < ids.shape[1])
         span, b = span.clamp(0, ids.shape[1] - 1), b[..., None]
         concept = torch.arange(self.n, device=z.device)[:, None, None]
         window_ids = torch.where(inside, ids[b, span], -1)
-        window_acts = torch.where(inside, z_grid[b, span, concept], 0.0)
+        source = row_of[b, span]  # (n, k', W); filtered tokens (the first position, outliers) show 0
+        window_acts = torch.where(inside & (source >= 0), z[source.clamp(min=0), concept], 0.0)
         self._merge(new_values, doc[rows], t, window_ids, window_acts)
 
     def _merge(self, values: Tensor, doc: Tensor, pos: Tensor, window_ids: Tensor, window_acts: Tensor,

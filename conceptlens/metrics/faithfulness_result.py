@@ -80,8 +80,9 @@ class FaithfulnessResult(NamedTuple):
                        f"{self.baseline:.4f}): there is nothing for an ablation to remove")
         elif control_harm > 0.5 * self.margin:
             out.append(f"the controls alone remove {control_harm / self.margin:.0%} of the clean model's margin over "
-                       f"the {BASELINES[self.metric]}: this site cannot lose {self.n_directions} directions without "
-                       "breaking the task, so any concept looks harmful; ablate fewer directions")
+                       f"its baseline ({BASELINES[self.metric]} {self.baseline:.4f}): this site cannot lose "
+                       f"{self.n_directions} directions without breaking the task, so any concept looks harmful; "
+                       "ablate fewer directions")
         scale = max(abs(self.harm), self.margin if self.margin > 0 else 0.0)  # nan margin: the harm alone
         if std > 0.5 * control_harm > 0.05 * scale:  # a spread that matters: controls that really hurt, unevenly
             out.append(f"the controls disagree (harm {control_harm:+.4f} +- {std:.4f}, n={n}): their mean is no "

@@ -66,6 +66,7 @@ class QueryKeyMoments(ExtractorBase):
 
     Config = QKMomentsConfig
     method = "qk_moments"
+    distributed = "merge"
 
     def __init__(self, n_kv_heads: int | None = None, *, device: str | torch.device | None = None) -> None:
         self.config = QKMomentsConfig(n_kv_heads)

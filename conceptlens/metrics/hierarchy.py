@@ -64,6 +64,7 @@ class CoactivationStats(ExtractorBase):
 
     Config = CoactivationConfig
     method = "coactivation"
+    distributed = "merge"
 
     def __init__(self, width: int, top: int = 64, *, device: str | torch.device | None = None) -> None:
         self.config = CoactivationConfig(width, top)

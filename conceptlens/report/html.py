@@ -81,6 +81,6 @@ def context_html(tokens: Sequence[str], acts: Sequence[float], center: int, scal
         a = min(abs(float(act)) / scale, 1.0) if scale > 0 else 0.0
         cls = ("neg " if act < 0 else "") + ("c" if i == center else "")
         cls_attr = f' class="{cls.strip()}"' if cls.strip() else ""
-        style = f' style="--a:{a:.2f}"' if a >= 0.005 else ""
-        parts.append(f'<i{cls_attr}{style} title="{float(act):.3g}">{esc(token_text(tok))}</i>')
+        shaded = f' style="--a:{a:.2f}" title="{float(act):.3g}"' if a >= 0.005 else ""  # unshaded: no attributes
+        parts.append(f'<i{cls_attr}{shaded}>{esc(token_text(tok))}</i>')
     return "".join(parts)

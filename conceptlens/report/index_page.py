@@ -81,7 +81,7 @@ def _run_block(atlas: Atlas) -> str:
     parts = [f"model <code>{esc(meta.get('model') or atlas.config.get('model', '?'))}</code>"]
     if fr:
         parts.append(f"fit on {fr.get('tokens', 0):,} tokens in {fr.get('documents', 0):,} documents "
-                     f"({num(fr.get('seconds'), 3)} s)")
+                     f"({float(fr.get('seconds') or 0):.1f} s)")
     parts.append(f"described on {int(meta.get('tokens') or 0):,} tokens in {int(meta.get('documents') or 0):,} documents")
     return f'<p class="meta">{"; ".join(parts)}</p>'
 

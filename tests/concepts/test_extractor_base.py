@@ -120,3 +120,40 @@ def _tensors(obj):
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from _tensors(v)
+
+
+@pytest.mark.parametrize("sizes", [(1, 299), (150, 150), (37, 200, 63)])  # uneven shards, 2 or 3 workers
+def test_statistics_merged_from_disjoint_shards_equal_one_pass(sizes):
+    g = torch.Generator().manual_seed(2)
+    q, k, z = torch.randn(300, 4, 3, generator=g), torch.randn(300, 2, 3, generator=g), torch.randn(300, 9, generator=g)
+    whole_m, whole_c = QueryKeyMoments(), CoactivationStats(width=9, top=3)
+    whole_m.update(q, k)
+    whole_c.update(z)
+    merged_m, merged_c = QueryKeyMoments(), CoactivationStats(width=9, top=3)
+    for part in torch.arange(300).split(list(sizes)):
+        m, c = QueryKeyMoments(), CoactivationStats(width=9, top=3)
+        m.update(q[part], k[part])
+        c.update(z[part])
+        merged_m.merge(roundtrip(m.state_dict()))  # as a reduced state dict would arrive
+        merged_c.merge(c)
+    for name in ("sum_qq", "sum_kk", "sum_q", "sum_k"):
+        torch.testing.assert_close(getattr(merged_m, name), getattr(whole_m, name), rtol=1e-12, atol=1e-12)
+    assert (merged_m.n_q, merged_m.n_k) == (300, 300) and merged_c.n == 300
+    for name in ("count", "mass", "co_mass", "co_count"):
+        torch.testing.assert_close(getattr(merged_c, name), getattr(whole_c, name), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("sizes", [(0, 300), (1, 299), (120, 180)])
+def test_kmeans_step_statistics_of_shards_add_up_to_the_batch(sizes):
+    from conceptlens.concepts.kmeans import apply_step, squared_distances, step_statistics
+
+    g = torch.Generator().manual_seed(4)
+    x, centres = torch.randn(300, 5, generator=g), torch.randn(6, 5, generator=g)
+    mass = torch.rand(6, dtype=torch.float64, generator=g) * 10
+    w = torch.rand(300, generator=g)
+    labels = squared_distances(x, centres).argmin(1)
+    whole = apply_step(centres, mass, *step_statistics(centres, mass, x, w, labels))
+    parts = [step_statistics(centres, mass, x[i], w[i], labels[i]) for i in torch.arange(300).split(list(sizes))]
+    summed = apply_step(centres, mass, sum(p[0] for p in parts), sum(p[1] for p in parts))
+    for a, b in zip(summed, whole):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

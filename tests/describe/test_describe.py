@@ -30,6 +30,8 @@ class Tok(CharTokenizer):
 
     def __call__(self, texts, truncation=False, max_length=None, return_tensors=None, **kwargs):
         out = super().__call__(texts, truncation=truncation, max_length=max_length)
+        if isinstance(texts, str) and return_tensors is None:  # like HF: one text, one flat list
+            return {"input_ids": out["input_ids"][0]}
         if return_tensors == "pt":
             ids = torch.tensor(out["input_ids"])
             return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -115,19 +117,41 @@ def test_sae_set_fires_on_positive_latents_and_jaccard_neighbours(lens):
     jac.fill_diagonal_(-1)
     torch.testing.assert_close(d.stats["nearest_coact_score"][:, 0], jac.max(1).values.float())
     assert d.info["coact_kind"] == "jaccard" and d.info["activation"] == "topk_sae encoder"
+    top = d.stats["top_values"]
+    assert torch.all((top > 0) | ((top == -torch.inf) & (d.stats["top_doc"] == -1)))  # zero is no context
+    for c in range(16):
+        order = torch.sort(z[:, c], descending=True, stable=True).indices[:4]
+        fired_top = z[order, c][z[order, c] > 0]
+        torch.testing.assert_close(top[c, : len(fired_top)], fired_top)
+        assert len(d.contexts[c]["contexts"]) == len(fired_top)
 
 
 def test_histogram_bins_and_display_edges_hold_every_value():
-    z = torch.tensor([[-70000.0, -3.0, -1e-9, 0.0, 1e-9, 0.3, 1.0, 5.0, 70000.0]]).T  # (9, 1)
-    bins = fine_bins(z)[:, 0]
+    from conceptlens.describe.finish import display_histogram, map_xy
+    from conceptlens.describe.topn import order_key
+
+    z = torch.tensor([-70000.0, -3.0, -1.3, -1e-9, -0.0, 0.0, 1e-9, 2 ** -16, 0.3, 1.0, 1.24, 1.25, 5.0, 70000.0])
+    bins = fine_bins(order_key(z[:, None]))[:, 0]
     edges = fine_edges()
     assert edges.shape == (257,) and torch.all(edges[1:] > edges[:-1])
-    for value, b in zip(z[:, 0].tolist(), bins.tolist()):
+    for value, b in zip(z.tolist(), bins.tolist()):
         if value == 0:
-            assert b == 256
+            assert b == 128  # counted apart and subtracted
         elif 2 ** -16 <= abs(value) < 2 ** 16:
-            assert edges[b] <= value < edges[b + 1]
-    assert bins[0] == 0 and bins[-1] == 255  # beyond +-2^16: the end bins
+            inside = edges[b] <= value < edges[b + 1] if value > 0 else edges[b] < value <= edges[b + 1]
+            assert inside, (value, b)  # negative bins mirror the positive ones: (lower, upper]
+    assert bins[0] == 0 and bins[-1] == 255 and bins[3] == 127 and bins[6] == 128  # end bins
+    assert bins[10] == bins[9] and bins[11] == bins[9] + 1  # 1.24 and 1.0 share a bin; 1.25 starts the next
+    hist = torch.bincount(bins, minlength=256)[None]
+    e, c = display_histogram(hist, torch.tensor([2]), 8)
+    assert c.sum() == len(z) - 2 and torch.all(e[0, 1:] >= e[0, :-1])
+    assert e[0, 0] == -(2.0 ** 16) and e[0, -1] == 2.0 ** 16
+    g = torch.Generator().manual_seed(0)
+    for dirs in (torch.randn(20, 5, generator=g), torch.randn(5, 20, generator=g)):  # n > d and n < d
+        unit = torch.nn.functional.normalize(dirs.double(), dim=1)
+        _, _, vh = torch.linalg.svd(unit - unit.mean(0))
+        ref = (unit - unit.mean(0)) @ vh[:2].T
+        torch.testing.assert_close(map_xy(dirs).double().abs(), ref.abs(), rtol=1e-4, atol=1e-5)  # up to sign
 
 
 def test_batching_does_not_change_the_description(lens):
@@ -198,7 +222,9 @@ def test_steering_samples_start_from_the_unsteered_text(lens):
     plain = lens.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
                                 pad_token_id=0)
     assert entry["samples"][0]["text"] == lens.tokenizer.decode(plain[0, ids.shape[1]:])
-    assert entry["site_norm"] == pytest.approx(d.info["site_norm"]) and entry["site_norm"] > 0
+    from conceptlens.steering.units import site_norm
+
+    assert entry["site_norm"] == site_norm(lens, SITE) > 0
     assert entry["samples"][1]["text"] != entry["samples"][0]["text"]
 
 
@@ -209,3 +235,15 @@ def test_bad_sets_fail_before_any_forward(lens):
         run(lens, {"a": ConceptSet(torch.randn(3, 32), "blocks.9.resid_out")})
     with pytest.raises(ValueError, match="not among the label names"):
         run(lens, {"a": random_set()}, labels=["q"] * 36, label_names=["x"])
+
+
+def test_describer_refuses_states_and_shards_it_cannot_take():
+    cs = random_set()
+    a, b = ConceptDescriber(cs, top_n=4), ConceptDescriber(cs, top_n=3)
+    with pytest.raises(ValueError, match="different config"):
+        a.load_state_dict(b.state_dict())
+    with pytest.raises(ValueError, match="cannot merge a description of 6 concepts"):
+        a.merge(b)
+    with pytest.raises(ValueError, match="with labels keep per-document sums"):
+        ConceptDescriber(cs, n_documents=5).merge(ConceptDescriber(cs, n_documents=5))
+    assert a.stats() == (0, 0)

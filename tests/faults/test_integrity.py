@@ -234,3 +234,19 @@ def test_a_concept_config_without_a_key_names_the_key(tmp_path):
     config.update(encoder_keys=[], stats_keys=[])
     (folder / "config.json").write_text(json.dumps(config))
     _one_line_value_error(lambda: ConceptSet.load(folder), "lacks the key 'site'")
+
+
+def test_a_checkpoint_dir_that_cannot_be_written_fails_before_any_work(lens, tmp_path):
+    (tmp_path / "a_file").write_text("not a folder")
+    consumed = []
+
+    def texts():
+        for doc in DOCS:
+            consumed.append(doc)
+            yield doc
+
+    _one_line_value_error(lambda: _fit(lens, tmp_path / "a_file", texts()), "a_file", "cannot be written",
+                          "is a file")
+    _one_line_value_error(lambda: _fit(lens, tmp_path / "a_file" / "run", texts()), "cannot be written")
+    _one_line_value_error(lambda: _fit(lens, Path("/proc/conceptlens-run"), texts()), "cannot be written")
+    assert consumed == []

@@ -29,6 +29,7 @@ from torch import Tensor
 from conceptlens.concepts.base import ExtractorBase, NotFittedError
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.concepts.sae import ddp
 from conceptlens.concepts.sae.config import SAEConfig, build_config
 from conceptlens.concepts.sae.persist import load_training_state, merge_replicas, training_state
 from conceptlens.concepts.sae.stats import LatentTracker, RunningStats, SAEStats, StepStats, geometric_median
@@ -54,6 +55,7 @@ class SparseAutoencoder(ExtractorBase):
 
     Config: ClassVar[type[SAEConfig]] = SAEConfig
     method: ClassVar[str] = "sae"
+    distributed: ClassVar[str | None] = "step"
     unit_decoder: ClassVar[bool] = True
     folded_by_scale: ClassVar[tuple[str, ...]] = ("b_enc", "b_dec", "threshold")
 
@@ -88,6 +90,12 @@ class SparseAutoencoder(ExtractorBase):
         self._mixer.add(x)
         if self.scale is None:
             return
+        if self.comm is not None:  # every rank takes as many steps as the rank with the most rows
+            size = self.config.batch_size
+            for _ in range(self.comm.max_int(self._mixer.ready(size))):
+                batch = self._mixer.take(size)
+                self._step(batch if batch is not None else x[:0])
+            return
         while (batch := self._mixer.take(self.config.batch_size)) is not None:
             self._step(batch)
 
@@ -96,8 +104,10 @@ class SparseAutoencoder(ExtractorBase):
         if self.scale is None and self._warm[1] > 0:
             self._set_scale()
         rest = self._mixer.drain() if self.scale is not None else None
-        for batch in () if rest is None else rest.split(self.config.batch_size):
-            self._step(batch)
+        batches = [] if rest is None else list(rest.split(self.config.batch_size))
+        n = len(batches) if self.comm is None or self.d is None else self.comm.max_int(len(batches))
+        for i in range(n):
+            self._step(batches[i] if i < len(batches) else torch.zeros(0, self.d))
 
     def _check_input(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) or x.ndim != 2 or not x.is_floating_point():
@@ -118,8 +128,14 @@ class SparseAutoencoder(ExtractorBase):
 
     def _warm_up(self, x: Tensor) -> None:
         rows = x[: self.config.warmup_tokens - self._warm[1]]
-        self._warm[0] += float(rows.double().pow(2).sum())
-        self._warm[1] += rows.shape[0]
+        if self.comm is not None:  # the warm-up sums of every rank: one scale for all
+            total = self.comm.sum_(torch.stack([rows.double().pow(2).sum().cpu(), torch.tensor(rows.shape[0] * 1.0,
+                                                                                                 dtype=torch.float64)]))
+            self._warm[0] += float(total[0])
+            self._warm[1] += int(total[1])
+        else:
+            self._warm[0] += float(rows.double().pow(2).sum())
+            self._warm[1] += rows.shape[0]
         if self._warm[1] >= self.config.warmup_tokens:
             self._set_scale()
 
@@ -132,6 +148,9 @@ class SparseAutoencoder(ExtractorBase):
     # ---- one optimiser step ---------------------------------------------------------
     def _step(self, batch: Tensor) -> None:
         x = batch.to(self._device) * self.scale  # (B, d), normalised
+        if self.comm is not None:
+            ddp.step(self, x)
+            return
         if self._opt is None:
             self._start(x)
         w = self._weights()
@@ -142,14 +161,18 @@ class SparseAutoencoder(ExtractorBase):
         self._opt.zero_grad(set_to_none=True)
         loss.backward()
         with torch.no_grad():
-            if self.unit_decoder:
-                W, g = self.params["W_dec"], self.params["W_dec"].grad  # (width, d)
-                g -= (g * W).sum(1, keepdim=True) * W
-            self._opt.step()
-            if self.unit_decoder:
-                W /= W.norm(dim=1, keepdim=True).clamp(min=1e-12)
+            self._apply_gradients()
             self._record(x, x_hat, code, loss)
             self._after_step(code)
+
+    def _apply_gradients(self) -> None:
+        """The Adam step, with the decoder rows' radial gradient removed and the rows renormalised."""
+        if self.unit_decoder:
+            W, g = self.params["W_dec"], self.params["W_dec"].grad  # (width, d)
+            g -= (g * W).sum(1, keepdim=True) * W
+        self._opt.step()
+        if self.unit_decoder:
+            W /= W.norm(dim=1, keepdim=True).clamp(min=1e-12)
 
     def _start(self, x: Tensor) -> None:
         if not self.params:  # (a rebuilt SAE already has its parameters)

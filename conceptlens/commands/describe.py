@@ -1,0 +1,80 @@
+"""`conceptlens describe RUN`: the description pass over a fitted run folder.
+
+    conceptlens describe runs/x                       # RUN/describe/<NAME>/ for every RUN/concepts/<NAME>
+    conceptlens describe runs/x --describe-tokens 50000 --steer 3,17 --prompt "The weather"
+
+Reads RUN/run.toml for the model, data and defaults; the documents described are those after
+the ones the fit consumed (RUN/fit_report.json), or --describe-data. Labelled bundled sets
+(bbc-news, movie-polarity) add per-class probe losses. Checkpoints into RUN/describe/ and
+resumes like the fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+from conceptlens.commands import run_config as rc
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="a run folder written by conceptlens fit")
+    parser.add_argument("--concepts", action="append", help="describe only this concepts/<NAME> (repeatable)")
+    parser.add_argument("--describe-data", help="describe on this source instead of the documents after the fit's")
+    parser.add_argument("--describe-tokens", type=int, help="tokens of the description pass")
+    parser.add_argument("--top-n", type=int, help="top contexts kept per concept")
+    parser.add_argument("--window", help="tokens left,right of each top token, e.g. 8,4")
+    parser.add_argument("--steer", help="concept indices to record steering samples for, e.g. 3,17")
+    parser.add_argument("--prompt", help="prompt of the steering samples")
+
+
+def describe_run(lens: Any, cfg: rc.RunConfig, concept_sets: Mapping[str, Any], consumed: int, out: Path) -> dict:
+    """Describe `concept_sets` as `cfg.describe` says, into out/describe/<NAME>/."""
+    from conceptlens.commands.fit import source
+    from conceptlens.describe import SteeringRequest
+
+    d = cfg.describe
+    data = source(d.data or cfg.data, cfg.shuffle)
+    skip = 0 if d.data else consumed
+    steering = SteeringRequest(d.steer, prompt=d.prompt) if d.steer else None
+    print(f"\ndescribing {', '.join(concept_sets)} on {d.max_tokens or 'all'} tokens of "
+          f"{d.data or cfg.data} (documents from {skip})")
+    descriptions = lens.describe(dict(concept_sets), data, skip_documents=skip, max_tokens=d.max_tokens,
+                                 top_n=d.top_n, window=tuple(d.window), batch_size=cfg.fit.batch_size,
+                                 max_length=cfg.fit.max_length, out=str(out / "describe"), steering=steering,
+                                 checkpoint_every=cfg.fit.checkpoint_every, resume=cfg.fit.resume)
+    for name, desc in descriptions.items():
+        print(f"  {name}: {desc.info['tokens']:,} tokens, {desc.info['documents']:,} documents -> "
+              f"{out / 'describe' / name}")
+    return descriptions
+
+
+def run(args: argparse.Namespace) -> int:
+    import conceptlens
+    from conceptlens.commands._common import load_model
+    from conceptlens.commands.fit import _ints
+    from conceptlens.concepts.conceptset import CONFIG_FILE, ConceptSet
+
+    out = Path(args.run_dir)
+    if not (out / "run.toml").is_file():
+        raise FileNotFoundError(f"{out / 'run.toml'} not found: give a run folder written by conceptlens fit")
+    raw = rc.read_toml(out / "run.toml")
+    describe = raw.setdefault("describe", {})
+    flags = {"data": args.describe_data, "max_tokens": args.describe_tokens, "top_n": args.top_n,
+             "prompt": args.prompt, "window": _ints(args.window, "--window") if args.window else None,
+             "steer": _ints(args.steer, "--steer") if args.steer else None}
+    describe.update({k: v for k, v in flags.items() if v is not None})
+    cfg = rc.from_dict(raw)
+    found = sorted(p.name for p in (out / "concepts").glob("*") if (p / CONFIG_FILE).is_file())
+    chosen = args.concepts or found
+    missing = sorted(set(chosen) - set(found))
+    if not found or missing:
+        raise ValueError(f"no concept set {missing[0] if missing else ''!r} in {out / 'concepts'}; found {found}")
+    report_path = out / "fit_report.json"
+    consumed = json.loads(report_path.read_text())["documents"] if report_path.is_file() else 0
+    sets = {name: ConceptSet.load(out / "concepts" / name) for name in chosen}
+    model, tok = load_model(args, cfg.model)
+    describe_run(conceptlens.attach(model, tok), cfg, sets, consumed, out)
+    return 0

@@ -1,0 +1,186 @@
+"""`conceptlens fit [run.toml]`: stream-fit concept extractors into a run folder, then describe them.
+
+    conceptlens fit --model smollm2-135m --data bbc-news --site blocks.15.resid_out \\
+        --extractor "topk:width=4608,k=32" --extractor "kmeans:n_concepts=512" --max-tokens 50000 --out runs/x
+    conceptlens fit run.toml --max-tokens 100000          # flags override the file
+
+Writes RUN/run.toml (the resolved config), RUN/checkpoint.pt (every --checkpoint-every tokens),
+RUN/concepts/<NAME>/ (one ConceptSet per extractor), RUN/fit_report.json, and unless
+--no-describe the description pass into RUN/describe/<NAME>/. Interrupt it (Ctrl-C) and run the
+same command again: it resumes from the last checkpoint. Every option is checked before the
+model loads. Bundled sets are read in a seeded shuffled order (they are stored sorted by
+label); the description pass reads the documents after those the fit consumed, unless
+--describe-data names another source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from conceptlens._io import atomic_write
+from conceptlens.commands import run_config as rc
+
+DEFAULT_CHECKPOINT_EVERY = 20_000
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="a run.toml (flags override it)")
+    parser.add_argument("--model", help="registered name (smollm2-135m, minilm-l6), local folder or hub id")
+    parser.add_argument("--data", help="bundled set (bbc-news, movie-polarity, wsj-pos), .txt or .jsonl path")
+    parser.add_argument("--out", help="run folder (default runs/fit)")
+    parser.add_argument("--site", action="append", help="site to read (repeatable), e.g. blocks.15.resid_out")
+    parser.add_argument("--extractor", action="append", metavar="SPEC",
+                        help=f"METHOD:key=value,... (repeatable; name= and site= optional); methods: "
+                             f"{', '.join(rc.METHODS)}")
+    parser.add_argument("--batch-size", type=int, help="documents per forward (16)")
+    parser.add_argument("--max-length", type=int, help="tokens per document (128)")
+    parser.add_argument("--max-tokens", type=int, help="stop the fit after this many tokens (default: all)")
+    parser.add_argument("--checkpoint-every", type=int, help=f"tokens between checkpoints ({DEFAULT_CHECKPOINT_EVERY})")
+    parser.add_argument("--no-resume", action="store_true", help="start again even if RUN holds a checkpoint")
+    parser.add_argument("--shuffle", type=int, help="seed of the document order of bundled sets (0)")
+    parser.add_argument("--no-shuffle", action="store_true", help="read bundled sets in their stored order")
+    parser.add_argument("--no-describe", action="store_true", help="skip the description pass")
+    parser.add_argument("--describe-data", help="describe on this source instead of the documents after the fit's")
+    parser.add_argument("--describe-tokens", type=int, help="tokens of the description pass (20000)")
+    parser.add_argument("--top-n", type=int, help="top contexts kept per concept (16)")
+    parser.add_argument("--window", help="tokens left,right of each top token (8,4)")
+    parser.add_argument("--steer", help="concept indices to record steering samples for, e.g. 3,17")
+    parser.add_argument("--prompt", help="prompt of the steering samples")
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers; got {text!r}") from None
+
+
+def resolve(args: argparse.Namespace) -> rc.RunConfig:
+    """The file (if any) with the flags laid over it, checked."""
+    raw = rc.read_toml(args.config) if args.config else {}
+    for key in ("model", "data", "out"):
+        if getattr(args, key) is not None:
+            raw[key] = getattr(args, key)
+    if args.site:
+        raw["sites"] = args.site
+    if args.extractor:
+        raw["extractor"] = [rc.parse_extractor(spec) for spec in args.extractor]
+    if args.no_shuffle:
+        raw["shuffle"] = False
+    elif args.shuffle is not None:
+        raw["shuffle"] = args.shuffle
+    fit = raw.setdefault("fit", {})
+    for key in ("batch_size", "max_length", "max_tokens", "checkpoint_every"):
+        if getattr(args, key) is not None:
+            fit[key] = getattr(args, key)
+    if args.no_resume:
+        fit["resume"] = False
+    describe = raw.setdefault("describe", {})
+    flags = {"enabled": False if args.no_describe else None, "data": args.describe_data,
+             "max_tokens": args.describe_tokens, "top_n": args.top_n, "prompt": args.prompt,
+             "window": _ints(args.window, "--window") if args.window else None,
+             "steer": _ints(args.steer, "--steer") if args.steer else None}
+    describe.update({k: v for k, v in flags.items() if v is not None})
+    cfg = rc.from_dict(raw)
+    if cfg.fit.checkpoint_every is None:
+        cfg.fit.checkpoint_every = DEFAULT_CHECKPOINT_EVERY
+    return cfg
+
+
+def source(spec: str, shuffle: int | None) -> Any:
+    """A bundled set as a (shuffled) TextSet, else the path; checked without loading any model."""
+    from conceptlens import data
+
+    name, _, split = spec.partition(":")
+    if name in data.SET_NAMES and not Path(spec).exists():
+        texts = data.load(name, split or "train")
+        if shuffle is None:
+            return texts
+        import torch
+
+        order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(shuffle)).tolist()
+        return data.TextSet(texts.name, texts.split, [texts.texts[i] for i in order],
+                            [texts.labels[i] for i in order], texts.label_names)
+    path = Path(spec)
+    if not path.is_file():
+        raise FileNotFoundError(f"data {spec!r} is neither a file nor a bundled set; sets: {', '.join(data.SET_NAMES)}")
+    if path.suffix not in (".txt", ".jsonl"):
+        raise ValueError(f"data file {spec!r} has type {path.suffix!r}; use .txt (one document per line) or .jsonl")
+    return str(path)
+
+
+def _same_run(out: Path, cfg: rc.RunConfig) -> None:
+    """Refuse to resume a run folder written with another model, data, sites, extractors or batching."""
+    old_path = out / "run.toml"
+    if not cfg.fit.resume or not (out / "checkpoint.pt").is_file() or not old_path.is_file():
+        return
+    old, new = rc.to_dict(rc.from_dict(rc.read_toml(old_path))), rc.to_dict(cfg)
+    for key in ("model", "data", "sites", "shuffle", "extractor"):
+        if old[key] != new[key]:
+            raise ValueError(f"{out} holds a run with another {key} ({old[key]!r}, now {new[key]!r}); use another "
+                             "--out or --no-resume")
+    for key in ("batch_size", "max_length"):
+        if old["fit"][key] != new["fit"][key]:
+            raise ValueError(f"{out} holds a run with fit.{key} = {old['fit'][key]} (now {new['fit'][key]}); use "
+                             "another --out or --no-resume")
+
+
+def jsonable(value: Any) -> Any:
+    """Reports to JSON: dataclasses and named tuples as dicts, small tensors as lists, NaN as null."""
+    import torch
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if hasattr(value, "_asdict"):
+        return jsonable(value._asdict())
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return jsonable(value.item() if value.numel() == 1 else value.tolist()) if value.numel() <= 4096 else \
+            {"shape": list(value.shape), "mean": float(value.float().mean())}
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    import conceptlens
+    from conceptlens.commands._common import load_model
+    from conceptlens.commands.describe import describe_run
+    from conceptlens.models import check_name
+
+    cfg = resolve(args)
+    check_name(cfg.model)
+    plan = rc.build(cfg)
+    texts = source(cfg.data, cfg.shuffle)
+    if cfg.describe.enabled and cfg.describe.data:
+        source(cfg.describe.data, cfg.shuffle)
+    out = Path(cfg.out)
+    _same_run(out, cfg)
+    model, tok = load_model(args, cfg.model)
+    lens = conceptlens.attach(model, tok)
+    for site in cfg.sites:
+        lens.site(site)
+    out.mkdir(parents=True, exist_ok=True)
+    written = dataclasses.replace(cfg, fit=dataclasses.replace(cfg.fit, resume=True))  # a rerun of it resumes
+    atomic_write(out / "run.toml", lambda p: Path(p).write_text(rc.to_toml(written), encoding="utf-8"))
+    print(f"{lens}\nfitting {', '.join(e['name'] for e in cfg.extractors)} at {', '.join(cfg.sites)} -> {out}")
+    report = lens.fit(plan, texts, batch_size=cfg.fit.batch_size, max_length=cfg.fit.max_length,
+                      max_tokens=cfg.fit.max_tokens, checkpoint_dir=str(out),
+                      checkpoint_every=cfg.fit.checkpoint_every, resume=cfg.fit.resume)
+    fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(report) if f.name != "concepts"}
+    text = json.dumps(jsonable(fields) | {"concepts": sorted(report.concepts)}, indent=1)
+    atomic_write(out / "fit_report.json", lambda p: Path(p).write_text(text, encoding="utf-8"))
+    print(report.summary())
+    for name, cs in report.concepts.items():
+        print(f"  {name}: {cs} -> {out / 'concepts' / name}")
+    if cfg.describe.enabled:
+        describe_run(lens, cfg, report.concepts, report.documents, out)
+    return 0

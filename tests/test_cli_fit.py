@@ -190,3 +190,26 @@ def test_fit_and_describe_smollm2_on_bbc_news(tmp_path, capsys):
             found += "".join(ctx["tokens"]) in texts[ctx["doc"]]
             assert ctx["doc"] >= d.info["first_document"]
     assert total and found >= 0.9 * total  # decoded windows are spans of their documents
+
+
+def test_fit_command_under_torchrun_writes_one_run_folder_on_rank_0(files, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.distributed_workers import free_port
+
+    out = tmp_path / "run"
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "conceptlens.cli", *base(files, out, "--no-shuffle")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CONCEPTLENS_DIST_TIMEOUT": "60", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "fit_report.json").read_text())
+    assert report["concepts"] == ["km", "topk"] and report["tokens"] >= 600  # tokens: the global count
+    info = json.loads((out / "describe/km/description.json").read_text())
+    rank0 = report["documents"]  # rank 0's share; both shares together are the documents before the description
+    assert info["first_document"] in (2 * rank0 - 1, 2 * rank0)
+    assert done.stdout.count("fitting km, topk") == 1  # only rank 0 speaks and writes

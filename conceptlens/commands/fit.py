@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-resume", action="store_true", help="start again even if RUN holds a checkpoint")
     parser.add_argument("--shuffle", type=int, help="seed of the document order of bundled sets (0)")
     parser.add_argument("--no-shuffle", action="store_true", help="read bundled sets in their stored order")
+    parser.add_argument("--distributed", action="store_true",
+                        help="fit across the processes torchrun started (implied when WORLD_SIZE > 1): documents "
+                             "sharded by rank, --batch-size per rank, rank 0 writes the run folder and describes")
     parser.add_argument("--no-describe", action="store_true", help="skip the description pass")
     parser.add_argument("--describe-data", help="describe on this source instead of the documents after the fit's")
     parser.add_argument("--describe-tokens", type=int, help="tokens of the description pass (20000)")
@@ -168,13 +172,27 @@ def run(args: argparse.Namespace) -> int:
     lens = conceptlens.attach(model, tok)
     for site in cfg.sites:
         lens.site(site)
-    out.mkdir(parents=True, exist_ok=True)
-    written = dataclasses.replace(cfg, fit=dataclasses.replace(cfg.fit, resume=True))  # a rerun of it resumes
-    atomic_write(out / "run.toml", lambda p: Path(p).write_text(rc.to_toml(written), encoding="utf-8"))
-    print(f"{lens}\nfitting {', '.join(e['name'] for e in cfg.extractors)} at {', '.join(cfg.sites)} -> {out}")
+    distributed = args.distributed or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    writes = not distributed or int(os.environ.get("RANK", "0")) == 0  # torchrun: rank 0 writes the run folder
+    if writes:
+        out.mkdir(parents=True, exist_ok=True)
+        written = dataclasses.replace(cfg, fit=dataclasses.replace(cfg.fit, resume=True))  # a rerun of it resumes
+        atomic_write(out / "run.toml", lambda p: Path(p).write_text(rc.to_toml(written), encoding="utf-8"))
+        print(f"{lens}\nfitting {', '.join(e['name'] for e in cfg.extractors)} at {', '.join(cfg.sites)} -> {out}")
     report = lens.fit(plan, texts, batch_size=cfg.fit.batch_size, max_length=cfg.fit.max_length,
                       max_tokens=cfg.fit.max_tokens, checkpoint_dir=str(out),
-                      checkpoint_every=cfg.fit.checkpoint_every, resume=cfg.fit.resume)
+                      checkpoint_every=cfg.fit.checkpoint_every, resume=cfg.fit.resume,
+                      progress=writes, distributed=distributed)
+    documents = report.documents
+    if distributed:  # ranks read interleaved documents in lockstep: together, the stream's first ones
+        import torch
+        import torch.distributed as dist
+
+        total = torch.tensor([documents], dtype=torch.int64)
+        dist.all_reduce(total)
+        documents = int(total)
+    if not writes:
+        return 0
     fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(report) if f.name != "concepts"}
     text = json.dumps(jsonable(fields) | {"concepts": sorted(report.concepts)}, indent=1)
     atomic_write(out / "fit_report.json", lambda p: Path(p).write_text(text, encoding="utf-8"))
@@ -182,5 +200,5 @@ def run(args: argparse.Namespace) -> int:
     for name, cs in report.concepts.items():
         print(f"  {name}: {cs} -> {out / 'concepts' / name}")
     if cfg.describe.enabled:
-        describe_run(lens, cfg, report.concepts, report.documents, out)
+        describe_run(lens, cfg, report.concepts, documents, out)
     return 0

@@ -211,11 +211,13 @@ class VQCodebook(ExtractorBase):
         x, codes = self._prepare(x), fit.codes
         dist = torch.cdist(x, codes)                                   # (N, K) Euclidean
         code = sample_top_k(dist, cfg.top_k, cfg.temperature, self._gen)
-        onehot = F.one_hot(code, cfg.n_codes).to(x.dtype)              # (N, K)
-        fit.counts, fit.sums = ema_update(fit.counts, fit.sums, onehot.sum(0), onehot.T @ x, cfg.decay)
+        # per-code counts and sums by scatter-add: O(N d), where a one-hot matmul is O(N K d)
+        batch_counts = torch.zeros_like(fit.counts).index_add_(0, code, x.new_ones(len(x)))  # (K,)
+        batch_sums = torch.zeros_like(fit.sums).index_add_(0, code, x)                         # (K, d)
+        fit.counts, fit.sums = ema_update(fit.counts, fit.sums, batch_counts, batch_sums, cfg.decay)
         fit.codes = codes_from_ema(fit.counts, fit.sums, cfg.eps)
         nearest = dist.argmin(1)
-        fit.hits += torch.bincount(nearest, minlength=cfg.n_codes)
+        fit.hits.index_add_(0, nearest, torch.ones_like(nearest))  # bincount would read the max back
         fit.fvu = cfg.decay * fit.fvu + (1 - cfg.decay) * fvu_sums(x, codes[nearest])
         self.steps += 1
         self.tokens += len(x)

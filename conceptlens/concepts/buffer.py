@@ -29,11 +29,11 @@ class MixingBuffer:
     seeded with `seed`; `state_dict` holds the contents and the generator state.
     """
 
-    def __init__(self, size: int, device: str | torch.device = "cpu", seed: int = 0) -> None:
+    def __init__(self, size: int, device: str | torch.device | None = None, seed: int = 0) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"size must be a positive int; got {size!r}")
         self.size = size
-        self.device = torch.device(device)
+        self.device = None if device is None else torch.device(device)  # None: the first rows' device
         self.seed = seed
         self._gen = torch.Generator().manual_seed(seed)
         self._data: Tensor | None = None  # (capacity, d); rows [0, count) are live
@@ -47,6 +47,7 @@ class MixingBuffer:
         if x.ndim != 2:
             raise ValueError(f"MixingBuffer.add expects (N, d); got shape {tuple(x.shape)}")
         if self._data is None:
+            self.device = self.device or x.device  # on the extractor's device, not copied back to the host
             self._data = torch.empty(max(self.size, x.shape[0]), x.shape[1], dtype=x.dtype, device=self.device)
         elif x.shape[1] != self._data.shape[1]:
             raise ValueError(f"MixingBuffer holds rows of width {self._data.shape[1]}; got width {x.shape[1]}")
@@ -81,16 +82,19 @@ class MixingBuffer:
     def _remove(self, chosen: Tensor) -> Tensor:
         """Return rows `chosen` (indices into the live rows) and close the holes they leave."""
         assert self._data is not None
-        chosen = chosen.to(self._data.device)
-        out = self._data[chosen].clone()
         keep = self.count - chosen.shape[0]
         # Holes below `keep` are filled with the unchosen rows at or above `keep`; the two
         # sets have the same size, so after the copy rows [0, keep) are exactly the unchosen.
-        taken = torch.zeros(self.count, dtype=torch.bool, device=self._data.device)
+        # The indices are worked out on the host (`chosen` comes from the CPU generator), so a
+        # buffer on a GPU only receives index copies and never waits to read a count back.
+        chosen = chosen.cpu()
+        taken = torch.zeros(self.count, dtype=torch.bool)
         taken[chosen] = True
         holes = chosen[chosen < keep].sort().values
         movers = keep + torch.nonzero(~taken[keep:]).flatten()
-        self._data[holes] = self._data[movers]
+        device = self._data.device
+        out = self._data[chosen.to(device)].clone()
+        self._data[holes.to(device)] = self._data[movers.to(device)]
         self.count = keep
         return out
 
@@ -106,6 +110,7 @@ class MixingBuffer:
         self._data = None
         if state["data"] is not None:
             data = state["data"]
+            self.device = self.device or data.device
             self._data = torch.empty(max(self.size, data.shape[0]), data.shape[1], dtype=data.dtype, device=self.device)
             self._data[: data.shape[0]] = data.to(self.device)
             self.count = data.shape[0]

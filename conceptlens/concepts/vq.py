@@ -235,10 +235,12 @@ class VQCodebook(ExtractorBase):
                 start = sum(sizes[: self.comm.rank])
                 u = torch.rand(sum(sizes), 1, generator=self._gen)[start:start + len(x)]
         code = sample_top_k(dist, cfg.top_k, cfg.temperature, self._gen, u)
-        onehot = F.one_hot(code, cfg.n_codes).to(x.dtype)              # (N, K)
+        # per-code counts and sums by scatter-add: O(N d), where a one-hot matmul is O(N K d)
+        counts = torch.zeros_like(fit.counts).index_add_(0, code, x.new_ones(len(x)).to(fit.counts.dtype))  # (K,)
+        sums = torch.zeros_like(fit.sums).index_add_(0, code, x.to(fit.sums.dtype))                          # (K, d)
         nearest = dist.argmin(1)
-        counts, sums = onehot.sum(0), onehot.T @ x
-        hits, fvu = torch.bincount(nearest, minlength=cfg.n_codes), fvu_sums(x, codes[nearest])
+        hits = torch.zeros_like(fit.hits).index_add_(0, nearest, torch.ones_like(nearest).to(fit.hits.dtype))
+        fvu = fvu_sums(x, codes[nearest])
         n_rows = len(x)
         if synced:
             counts, sums, hits, fvu = self._all_reduce(counts, sums, hits, fvu)

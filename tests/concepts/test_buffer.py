@@ -83,3 +83,11 @@ def test_errors_name_the_bad_value():
         buf.take(0)
     with pytest.raises(ValueError, match="size 4"):
         MixingBuffer(5).load_state_dict(buf.state_dict())
+
+
+def test_buffer_lives_on_the_device_of_its_first_rows():
+    buf = MixingBuffer(size=4, seed=0)
+    buf.add(torch.zeros(6, 3, device="meta"))  # a stand-in for a GPU: no copy back to the host
+    out = buf.take(2)
+    assert buf.device.type == "meta" and out.device.type == "meta" and out.shape == (2, 3) and len(buf) == 4
+    assert MixingBuffer(size=4, device="cpu").device == torch.device("cpu")

@@ -188,9 +188,9 @@ class SparseAutoencoder(ExtractorBase):
         self._tracker.observe(counts.long(), x.shape[0])
         sse = (x - x_hat.detach()).pow(2).sum()
         var = (x - x.mean(0)).pow(2).sum().clamp(min=1e-12)
-        values = torch.stack([sse / var, counts.sum() / x.shape[0],
-                              self._tracker.dead().float().mean(), loss.detach()]).tolist()
-        self._running.observe(StepStats(*values), x.shape[0])
+        values = torch.stack([sse / var, counts.sum() / x.shape[0],  # (4,) StepStats, left on the device
+                              self._tracker.dead().float().mean(), loss.detach()])
+        self._running.observe(values, x.shape[0])
 
     def stats(self) -> SAEStats:
         """Steps, tokens, the last step's FVU / L0 / dead fraction / loss, and their running means."""

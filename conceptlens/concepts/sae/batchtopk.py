@@ -52,7 +52,7 @@ class BatchTopKSAE(TopKSAE):
     def _init_params(self, x: Tensor) -> dict[str, Tensor]:
         # the inference threshold (normalised units) and how many steps have moved it
         self.buffers = {"threshold": torch.zeros((), device=x.device),
-                        "threshold_steps": torch.zeros((), dtype=torch.int64)}
+                        "threshold_steps": torch.zeros((), dtype=torch.int64, device=x.device)}
         return super()._init_params(x)
 
     def _weights(self) -> dict[str, Tensor]:
@@ -66,11 +66,11 @@ class BatchTopKSAE(TopKSAE):
     def _after_step(self, code: Code) -> None:
         """Move the threshold toward the smallest positive activation this batch kept."""
         z = code.z.detach()
-        kept = z[z > 0]
-        if kept.numel() == 0:
-            return
-        steps = int(self.buffers["threshold_steps"])
-        # the first estimate is taken as is, rather than averaged with the initial zero
-        rate = 1.0 if steps == 0 else self.config.threshold_momentum
-        self.buffers["threshold"].lerp_(kept.min(), rate)
-        self.buffers["threshold_steps"] += 1
+        smallest = torch.where(z > 0, z, torch.inf).min()  # inf when nothing was kept
+        kept = torch.isfinite(smallest)
+        threshold, steps = self.buffers["threshold"], self.buffers["threshold_steps"].to(z.device)
+        # the first estimate is taken as is, rather than averaged with the initial zero; all on
+        # the device (no host read per step); a step that kept nothing leaves both unchanged
+        rate = torch.where(steps == 0, 1.0, self.config.threshold_momentum).to(threshold.dtype)
+        threshold.lerp_(torch.where(kept, smallest, threshold), rate)
+        self.buffers["threshold_steps"] = steps + kept.long()

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from conceptlens.concepts.sae.stats import StepStats
 
 if TYPE_CHECKING:
     from conceptlens.concepts.sae.base import SparseAutoencoder
@@ -60,8 +59,8 @@ def step(sae: SparseAutoencoder, x: Tensor) -> None:
     with torch.no_grad():
         sae._apply_gradients()
         sae._tracker.observe(counts, total)
-        values = StepStats(sse / max(var, 1e-12), float(counts.sum()) / total,
-                           sae._tracker.dead().float().mean().item(), loss_sum / total)
+        values = torch.tensor([sse / max(var, 1e-12), float(counts.sum()) / total,  # the 4 StepStats fields
+                               sae._tracker.dead().float().mean().item(), loss_sum / total], dtype=torch.float64)
         sae._running.observe(values, total)
         if code is not None:
             sae._after_step(code)

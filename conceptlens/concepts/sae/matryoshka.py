@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.nn.functional as F
 from torch import Tensor
 
 from conceptlens.concepts.sae.topk import TopKConfig, TopKSAE
@@ -57,8 +58,25 @@ class MatryoshkaSAE(TopKSAE):
     config: MatryoshkaConfig
 
     def _recon_loss(self, x: Tensor, z: Tensor, x_hat: Tensor, w: dict[str, Tensor]) -> Tensor:
+        if not self.at_most_k_in_training:
+            return self._dense_prefix_loss(x, z, w)
+        # Training codes have at most k nonzeros per row: each prefix decodes only its active
+        # latents (a gather of <= k decoder rows, O(B k d) per prefix instead of O(B m d)),
+        # and the full prefix is x_hat itself.
+        values, indices = z.topk(self.config.k, dim=-1, sorted=False)  # (B, k): every nonzero
+        loss = x.new_zeros(())
+        for stop, weight in zip(self.config.prefixes, self.config.prefix_weights):
+            if stop == self.config.width:
+                recon = x_hat
+            else:
+                inside = values * (indices < stop)  # latents past the prefix weigh 0
+                recon = F.embedding_bag(indices, w["W_dec"], per_sample_weights=inside, mode="sum") + w["b_dec"]
+            loss = loss + weight * (x - recon).pow(2).sum(-1).mean()
+        return loss
+
+    def _dense_prefix_loss(self, x: Tensor, z: Tensor, w: dict[str, Tensor]) -> Tensor:
         # Each prefix's reconstruction adds the next block of latents to the previous one,
-        # so all prefixes together cost one full decode.
+        # so all prefixes together cost one full dense decode.
         partial = w["b_dec"].expand_as(x)  # (B, d)
         loss, start = x.new_zeros(()), 0
         for stop, weight in zip(self.config.prefixes, self.config.prefix_weights):

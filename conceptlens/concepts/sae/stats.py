@@ -50,20 +50,28 @@ class RunningStats:
         self.decay = decay
         self.steps = 0
         self.tokens = 0
-        self.last: StepStats | None = None
-        self._ema = [0.0] * len(StepStats._fields)
+        self._last: Tensor | list[float] | None = None  # (4,) float64: on the device while training
+        self._ema: Tensor | list[float] = [0.0] * len(StepStats._fields)
 
-    def observe(self, step: StepStats, n_tokens: int) -> None:
+    def observe(self, step: Tensor, n_tokens: int) -> None:
+        """`step`: the 4 `StepStats` values as a tensor, kept on its device (no host read per step);
+        float64 arithmetic, so the averages equal Python-float ones bit for bit."""
+        step = step.detach().double()
+        ema = torch.as_tensor(self._ema, dtype=torch.float64, device=step.device)
         self.steps += 1
         self.tokens += n_tokens
-        self.last = step
-        self._ema = [self.decay * m + (1 - self.decay) * v for m, v in zip(self._ema, step)]
+        self._last = step
+        self._ema = self.decay * ema + (1 - self.decay) * step
+
+    @property
+    def last(self) -> StepStats | None:
+        return None if self._last is None else StepStats(*_floats(self._last))
 
     def summary(self) -> SAEStats:
         mean = None
         if self.steps:
             correction = 1 - self.decay**self.steps
-            mean = StepStats(*(m / correction for m in self._ema))
+            mean = StepStats(*(m / correction for m in _floats(self._ema)))
         return SAEStats(self.steps, self.tokens, self.last, mean)
 
     def merge(self, other: RunningStats) -> None:
@@ -72,19 +80,23 @@ class RunningStats:
         total = self.tokens + other.tokens
         if other.steps and total:
             a, b = self.tokens / total, other.tokens / total
-            self._ema = [a * m + b * o for m, o in zip(self._ema, other._ema)]
-            self.last = self.last if self.steps >= other.steps else other.last
+            self._ema = [a * m + b * o for m, o in zip(_floats(self._ema), _floats(other._ema))]
+            self._last = self._last if self.steps >= other.steps else other._last
         self.steps = max(self.steps, other.steps)
         self.tokens = total
 
     def state_dict(self) -> dict[str, Any]:
-        last = None if self.last is None else list(self.last)
-        return {"steps": self.steps, "tokens": self.tokens, "last": last, "ema": list(self._ema)}
+        last = None if self._last is None else _floats(self._last)
+        return {"steps": self.steps, "tokens": self.tokens, "last": last, "ema": _floats(self._ema)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps, self.tokens = state["steps"], state["tokens"]
-        self.last = None if state["last"] is None else StepStats(*state["last"])
+        self._last = None if state["last"] is None else list(state["last"])
         self._ema = list(state["ema"])
+
+
+def _floats(values: Tensor | list[float]) -> list[float]:
+    return values.tolist() if isinstance(values, Tensor) else list(values)
 
 
 class LatentTracker:
@@ -99,13 +111,23 @@ class LatentTracker:
         self.fired = torch.zeros(width, dtype=torch.int64, device=device)  # (width,)
         self.since_fired = torch.zeros(width, dtype=torch.int64, device=device)  # (width,)
         self.tokens = 0
+        self._bound = 0  # host-side upper bound on max(since_fired), so `none_dead` reads nothing back
 
     def observe(self, fired_counts: Tensor, n_tokens: int) -> None:
         """`fired_counts` `(width,)`: how many of the step's `n_tokens` tokens each latent fired on."""
         self.fired += fired_counts
         self.since_fired += n_tokens
-        self.since_fired[fired_counts > 0] = 0
+        self.since_fired.masked_fill_(fired_counts > 0, 0)  # not a boolean index: no host read
         self.tokens += n_tokens
+        self._bound += n_tokens
+
+    def none_dead(self) -> bool:
+        """True when no latent can be dead yet, decided on the host (no device read)."""
+        return self._bound < self.dead_after
+
+    def refresh(self) -> None:
+        """Tighten the host bound with one device read (call it now and then, not per step)."""
+        self._bound = int(self.since_fired.max()) if self.since_fired.numel() else 0
 
     def dead(self) -> Tensor:
         """`(width,)` bool."""
@@ -122,12 +144,14 @@ class LatentTracker:
         self.fired = state["fired"].to(self.fired.device).clone()
         self.since_fired = state["since_fired"].to(self.since_fired.device).clone()
         self.tokens = state["tokens"]
+        self.refresh()
 
     def merge(self, other: LatentTracker) -> None:
         """Combine the records of two replicas: counts add, the most recent firing wins."""
         self.fired += other.fired.to(self.fired.device)
         self.since_fired = torch.minimum(self.since_fired, other.since_fired.to(self.since_fired.device))
         self.tokens += other.tokens
+        self.refresh()
 
 
 def geometric_median(x: Tensor, iters: int = 30, eps: float = 1e-8) -> Tensor:

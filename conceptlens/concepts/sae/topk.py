@@ -82,14 +82,19 @@ class TopKSAE(SparseAutoencoder):
         As in Gao et al. the term is normalised by the residual's variance, so its weight
         does not fade as the main reconstruction improves.
         """
-        dead = self._tracker.dead()  # (width,)
-        n_dead = int(dead.sum())
-        if n_dead == 0 or self.config.aux_coef == 0:
+        tracker = self._tracker
+        if self.config.aux_coef == 0 or tracker.none_dead():  # decided on the host: no device read
             return x.new_zeros(())
-        k_aux = min(self.config.k_aux or max(x.shape[1] // 2, 1), n_dead)
+        if self._running.steps % 256 == 0:
+            tracker.refresh()  # one device read every 256 steps lets the fast path come back
+        dead = tracker.dead()  # (width,)
+        # k_aux fixed on the host; live latents enter as -inf and get weight relu(-inf) = 0, so
+        # fewer dead latents than k_aux give the same e_hat as a top-n_dead would
+        k_aux = min(self.config.k_aux or max(x.shape[1] // 2, 1), self.config.width)
         e = (x - x_hat).detach()  # (B, d): the residual the dead latents should explain
         values, indices = code.pre.masked_fill(~dead, float("-inf")).topk(k_aux, dim=-1, sorted=False)
         e_hat = F.embedding_bag(indices, w["W_dec"], per_sample_weights=values.relu(), mode="sum")  # (B, d)
         var_e = (e - e.mean(0)).pow(2).sum().clamp(min=1e-12)
         var_x = (x - x.mean(0)).pow(2).sum()
-        return self.config.aux_coef * (e - e_hat).pow(2).sum() / var_e * var_x / x.shape[0]
+        term = self.config.aux_coef * (e - e_hat).pow(2).sum() / var_e * var_x / x.shape[0]
+        return torch.where(dead.any(), term, term.new_zeros(()))  # exactly 0 when none is dead

@@ -134,6 +134,7 @@ def test_auxk_trains_only_dead_latents():
     dead = torch.zeros(16, dtype=torch.bool)
     dead[[1, 4, 9]] = True
     sae._tracker.since_fired[dead] = 10**9
+    sae._tracker.refresh()  # the host-side bound follows a direct edit of the counters
     code = sae._encode(x, w, train=True)
     penalty = sae._penalty(x, sae._decode(code.z, w).detach(), code, w)
     assert penalty.item() > 0

@@ -1,0 +1,232 @@
+"""run_all sections that run SmolLM2: capture, stop-early, fit overhead, steering, memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+
+from _suite import Context, sync, timed
+
+SITE = "blocks.15.resid_out"
+
+
+def _texts(n: int) -> list[str]:
+    from conceptlens import data
+
+    texts = data.load("bbc-news", split="all").texts
+    return (texts[::7] + texts)[:n]
+
+
+def _interleaved(fns: dict, rounds: int, device) -> dict[str, float]:
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(timed(fn, device))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def capture(ctx: Context) -> None:
+    """Full forward capturing all 30 resid_out: bare vs raw hooks vs lens.capture vs nnsight; stop-early."""
+    import conceptlens
+
+    model, tok = ctx.model()
+    batch = tok(_texts(8), return_tensors="pt", padding=True, truncation=True, max_length=128).to(ctx.device)
+    keep = batch["attention_mask"].bool()
+    layers = model.model.layers
+    lens = conceptlens.attach(model, tok)
+    sites = [f"blocks.{i}.resid_out" for i in range(len(layers))]
+    full = lens.capture(sites, on_batch=lambda acts, meta: None)
+    early = lens.capture("blocks.2.resid_out")
+
+    def raw_hooks():
+        got = []
+        handles = [layer.register_forward_hook(lambda m, a, out: got.append(out.detach()[keep].float()))
+                   for layer in layers]
+        try:
+            model(**batch)
+        finally:
+            for h in handles:
+                h.remove()
+
+    def with_capture():
+        with full:
+            model(**batch)
+
+    def stop_early():
+        with early:
+            early.forward(**batch)
+
+    fns = {"bare forward": lambda: model(**batch), "raw forward hooks (30 sites)": raw_hooks,
+           "lens.capture (30 resid_out)": with_capture}
+    try:
+        from nnsight import NNsight
+
+        wrapped = NNsight(model)
+
+        def nnsight_trace():
+            saved: list = []  # filled inside the trace (nnsight runs its body apart from this frame)
+            with wrapped.trace(**batch):
+                for i in range(len(layers)):
+                    saved.append(wrapped.model.layers[i].output.save())
+            return [s[keep].float() for s in saved]
+
+        fns["nnsight trace .save() (30 layers)"] = nnsight_trace
+    except ImportError:
+        print("  nnsight is not installed: its row is left out")
+    fns["capture-only blocks.2 (stops early)"] = stop_early
+    with torch.inference_mode():
+        seconds = _interleaved(fns, 3 if ctx.quick else 7, ctx.device)
+    tokens = int(keep.sum())
+    base = seconds["bare forward"]
+    for name, s in seconds.items():
+        ctx.add("capture", name, f"{s * 1e3:.0f} ms, {tokens / s:.0f} tok/s", s / base, "of bare forward",
+                "<= 1.05x" if name.startswith("lens") else "")
+
+
+def fit_overhead(ctx: Context) -> None:
+    """lens.fit at blocks.15 per extractor, as a ratio to bare full forwards over the same batches."""
+    import conceptlens
+    from conceptlens.batching import encode_batch
+    from conceptlens.concepts.deleuzian import Deleuzian
+    from conceptlens.concepts.kmeans import StreamingKMeans
+    from conceptlens.concepts.sae import MatryoshkaSAE, TopKSAE
+    from conceptlens.concepts.vq import VQCodebook
+
+    model, tok = ctx.model()
+    n_docs = 48 if ctx.quick else 256
+    docs = _texts(n_docs)
+    batches = [encode_batch(tok, docs[i:i + 8], 128) for i in range(0, n_docs, 8)]
+    tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+    d = model.config.hidden_size
+
+    class Nothing:
+        def update(self, x):
+            pass
+
+        def state_dict(self):
+            return {}
+
+    makers = {
+        "capture + row filter, no extractor": Nothing,
+        "StreamingKMeans k=4096": lambda: StreamingKMeans(n_concepts=4096, batch_size=4096),
+        "Deleuzian k=512": lambda: Deleuzian(n_concepts=512),
+        "TopKSAE width 16x, k=32": lambda: TopKSAE(width=16 * d, k=32),
+        "VQCodebook 512 codes": lambda: VQCodebook(n_codes=512),
+        "MatryoshkaSAE width 16x, k=32": lambda: MatryoshkaSAE(width=16 * d, k=32),
+    }
+
+    def bare():
+        with torch.inference_mode():
+            for b in batches:
+                model(**{k: v.to(ctx.device) for k, v in b.items()})
+
+    lens = conceptlens.attach(model, tok)
+    bare_times = [timed(bare, ctx.device)]
+    results = {}
+    for name, make in makers.items():
+        extractor = make()
+        results[name] = timed(lambda: lens.fit({SITE: extractor}, docs, batch_size=8, max_length=128,
+                                               progress=False), ctx.device)
+    bare_times.append(timed(bare, ctx.device))
+    base = statistics.mean(bare_times)
+    ctx.add("fit", f"bare forward ({tokens} tokens, full model)", f"{base:.1f} s, {tokens / base:.0f} tok/s", 1.0,
+            "of bare forward")
+    for name, s in results.items():
+        ctx.add("fit", f"lens.fit at {SITE}: {name}", f"{s:.1f} s, {tokens / s:.0f} tok/s", s / base,
+                "of bare forward", "<= 1.10x")
+
+
+def steer(ctx: Context) -> None:
+    """Greedy generation with one Add at blocks.15: bare vs lens.steer vs nnsight tracer.iter."""
+    import conceptlens
+    from conceptlens.steering import Add
+
+    model, tok = ctx.model()
+    tok.padding_side = "left"
+    inputs = tok(["I went to the shop and"], return_tensors="pt").to(ctx.device)
+    new = 16 if ctx.quick else 32
+    gen = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id)
+    vector = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(ctx.device)
+    vector = 8.0 * vector / vector.norm()
+    lens = conceptlens.attach(model, tok)
+
+    def steered():
+        with lens.steer(Add(vector, site=SITE)):
+            return model.generate(**inputs, **gen)
+
+    fns = {"bare generate": lambda: model.generate(**inputs, **gen), "lens.steer Add (all positions)": steered}
+    try:
+        from nnsight import TransformersModel
+
+        wrapped = TransformersModel(model, tokenizer=tok)
+
+        def nnsight_generate():
+            with wrapped.generate(dict(inputs), **gen) as tracer:
+                for _ in tracer.iter[:new]:
+                    wrapped.model.layers[15].output[:] += vector
+                out = tracer.result.save()
+            return out
+
+        fns["nnsight tracer.iter Add"] = nnsight_generate
+    except ImportError:
+        print("  nnsight is not installed: its row is left out")
+    with torch.inference_mode():
+        seconds = _interleaved(fns, 3 if ctx.quick else 9, ctx.device)
+    base = seconds["bare generate"]
+    for name, s in seconds.items():
+        ctx.add("steer", name, f"{s * 1e3:.0f} ms / {new} tokens", s / base, "of bare generate",
+                "<= 1.03x" if name.startswith("lens") else "")
+
+
+def memory(ctx: Context) -> None:
+    """Peak memory of a fit over 10x the tokens vs 1x (a child process per run: clean peaks)."""
+    small = 2048 if ctx.quick else 4096
+    peaks = {}
+    for n in (small, 10 * small):
+        out = subprocess.run([sys.executable, __file__, "--memory-child", str(n), str(ctx.device)],
+                             capture_output=True, text=True, check=True, env={**os.environ})
+        peaks[n] = json.loads(out.stdout.strip().splitlines()[-1])
+    a, b = peaks[small], peaks[10 * small]
+    for key, label in (("fit_peak_mb", "growth of peak RSS during the fit"), ("device_peak_mb", "device peak")):
+        if a.get(key) is None:
+            continue
+        ratio = b[key] / a[key] if a[key] else None
+        ctx.add("memory", f"{label}, {10 * small} vs {small} tokens", f"{b[key]:.0f} MB vs {a[key]:.0f} MB",
+                ratio, "of 1x", "~1x (streaming)")
+    ctx.add("memory", "process peak RSS (model included), 10x vs 1x",
+            f"{b['peak_mb']:.0f} MB vs {a['peak_mb']:.0f} MB", b["peak_mb"] / a["peak_mb"], "of 1x")
+
+
+def _memory_child(n_tokens: int, device: str) -> None:
+    import conceptlens
+    from conceptlens import models
+    from conceptlens.concepts.kmeans import StreamingKMeans
+    from conceptlens.concepts.sae import TopKSAE
+
+    def rss(field: str) -> float:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
+
+    model, tok = models.load("smollm2-135m")
+    model.to(device)
+    lens = conceptlens.attach(model, tok)
+    with torch.inference_mode():  # warm the allocator with one short forward first
+        model(**tok(["warm up"], return_tensors="pt").to(device))
+    before = rss("VmRSS")
+    extractors = {SITE: TopKSAE(width=4608, k=32, batch_size=1024), "blocks.5.resid_out": StreamingKMeans(256)}
+    lens.fit(extractors, _texts(4000), batch_size=8, max_length=128, max_tokens=n_tokens, progress=False)
+    sync(torch.device(device))
+    peak = rss("VmHWM")
+    gpu = torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda") else None
+    print(json.dumps({"fit_peak_mb": peak - before, "peak_mb": peak, "device_peak_mb": gpu}))
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--memory-child"]:
+    _memory_child(int(sys.argv[2]), sys.argv[3])

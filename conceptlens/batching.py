@@ -9,7 +9,10 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+POSITION_TABLES = ("wpe", "position_embeddings", "embed_positions")
+"""Names of the learned position-embedding tables (GPT-2; BERT family; OPT, BART)."""
 
 
 def pad_right(rows: Sequence[Sequence[int]]) -> dict[str, Tensor]:
@@ -35,3 +38,26 @@ def encode_batch(tokenizer: Any, texts: list[str], max_length: int, *, offsets: 
                 spans[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
         batch["offset_mapping"] = spans
     return batch
+
+
+def position_limit(model: nn.Module) -> int | None:
+    """Longest sequence a model with learned position embeddings can take (None: no hard
+    limit, e.g. rotary or relative positions, which run past their training length)."""
+    limits = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and name.rsplit(".", 1)[-1] in POSITION_TABLES:
+            n = module.num_embeddings - int(getattr(module, "offset", 0) or 0)  # OPT/BART keep 2 spare rows
+            if module.padding_idx is not None:  # RoBERTa counts positions from padding_idx + 1
+                n -= module.padding_idx + 1
+            limits.append(n)
+    return min(limits) if limits else None
+
+
+def check_max_length(model: nn.Module, max_length: Any, name: str = "max_length") -> None:
+    """ValueError unless `max_length` is a positive int (not a bool) within the model's position limit."""
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise ValueError(f"{name} must be a positive integer; got {max_length!r}")
+    limit = position_limit(model)
+    if limit is not None and max_length > limit:
+        raise ValueError(f"{name}={max_length} is beyond the position limit of {type(model).__name__}: "
+                         f"{limit} tokens (learned position embeddings); use {name} <= {limit}")

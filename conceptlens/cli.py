@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
+
+from conceptlens.commands._common import add_runtime_arguments, apply_runtime
 
 # subcommand -> module in conceptlens.commands exposing add_arguments(parser) and run(args) -> int
 COMMANDS = {
@@ -23,30 +26,48 @@ COMMANDS = {
     "eval": "Quality metrics of a fitted concept set on a labelled task (probe loss, rank, FVU, LDA, ...).",
     "fit": "Stream-fit named concept extractors at sites into a run folder (TOML config or flags), then describe them.",
     "describe": "Description pass of a run folder: top contexts, histograms, neighbours, tokens, probes per concept.",
+    "sweep": "Dose-response of steering: a target score and fluency (perplexity) for each alpha.",
+    "ablate": "Ablate chosen concepts on held-out text against matched controls, with the task's baseline.",
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (`conceptlens CMD: error: ...`, exit code 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="conceptlens", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser = _Parser(prog="conceptlens", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
     for name, help_text in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
         importlib.import_module(f"conceptlens.commands.{name}").add_arguments(command)
+        add_runtime_arguments(command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as done:  # --help (0) or a usage error, already reported in one line (2)
+        return done.code if isinstance(done.code, int) else 2
     module = importlib.import_module(f"conceptlens.commands.{args.command}")
     try:
+        apply_runtime(args)  # threads, logging, device and model names: checked before any loading
         return int(module.run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (KeyError, ValueError, FileNotFoundError, ModuleNotFoundError) as err:
+    except (KeyError, ValueError, OSError, ModuleNotFoundError) as err:  # user errors; bugs keep their traceback
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"conceptlens {args.command}: error: {message}", file=sys.stderr)
+        print(f"conceptlens {args.command}: error: {_one_line(str(message))}", file=sys.stderr)
         return 2
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())
 
 
 if __name__ == "__main__":

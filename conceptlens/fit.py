@@ -15,9 +15,9 @@ that was never interrupted.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
-import json
+import logging
+import math
 import re
 import time
 import warnings
@@ -29,17 +29,20 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple
 import torch
 from torch import Tensor
 
-from conceptlens._io import atomic_write
-from conceptlens.batching import encode_batch
+from conceptlens.batching import check_max_length, encode_batch
+from conceptlens.checkpoint import CHECKPOINT, FitState, fit_fingerprint
 from conceptlens.concepts.base import NotFittedError
 from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.devices import input_device
+from conceptlens.distributed import DistributedRun
 from conceptlens.filters import FilterConfig, RowFilter
 
 if TYPE_CHECKING:
     from conceptlens.lens import Lens
 
+log = logging.getLogger(__name__)
+
 Key = str | tuple[str, str]
-CHECKPOINT = "checkpoint.pt"
 SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
@@ -77,11 +80,16 @@ class FitConfig:
     """Show a tqdm bar of tokens and tokens/s."""
     filters: FilterConfig = field(default_factory=FilterConfig)
     """Token hygiene: attention sinks and non-finite rows never reach extractors."""
+    dtype: torch.dtype | str = torch.float32
+    """dtype of the rows extractors get: float32, or "model" for the model's own (e.g. bf16)."""
+    distributed: bool = False
+    """Fit across the processes of a torch.distributed group (see conceptlens/distributed.py):
+    documents sharded by rank, `batch_size` documents per rank per step, rank 0 writes."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_length", "max_tokens", "checkpoint_every"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every needs checkpoint_dir")
@@ -106,8 +114,11 @@ class FitReport:
     concepts: dict[str, ConceptSet] = field(repr=False, default_factory=dict)
 
     def summary(self) -> str:
-        rate = self.tokens / self.seconds if self.seconds else 0.0
-        lines = [f"{self.tokens:,} tokens in {self.documents:,} documents, {self.seconds:.1f} s ({rate:,.0f} tok/s)"]
+        new = self.tokens - self.resumed_from  # the rate of this call: time before a resume is not counted
+        rate = new / self.seconds if self.seconds else 0.0
+        resumed = f" ({new:,} after resuming at {self.resumed_from:,})" if self.resumed_from else ""
+        lines = [f"{self.tokens:,} tokens{resumed} in {self.documents:,} documents, {self.seconds:.1f} s "
+                 f"({rate:,.0f} tok/s)"]
         for site, c in self.rows.items():
             lines.append(f"  {site}: kept {c['kept']:,} of {c['seen']:,} rows (first position {c['first_position']:,}, "
                          f"norm outliers {c['norm_outlier']:,}, non-finite {c['nonfinite']:,})")
@@ -128,34 +139,44 @@ def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any 
     if tokenizer is None:
         raise ValueError("fit needs a tokenizer: conceptlens.attach(model, tokenizer) or fit(..., tokenizer=...)")
     plan = _plan(lens, extractors)
-    state = _State(RowFilter(config.filters))
+    batching = {"batch_size": config.batch_size, "max_length": config.max_length, "filters": asdict(config.filters)}
+    moved = {name: key_name(key) for name, key in plan.keys.items() if name != key_name(key)}
+    if moved:  # named extractors: which site each reads is part of what must not change
+        batching["sites"] = moved
+    check_max_length(lens.model, config.max_length)
+    state = FitState(RowFilter(config.filters), plan.extractors, fit_fingerprint(lens.model, plan.extractors, batching))
+    run = state.run = DistributedRun.start(plan.extractors) if config.distributed else None
     checkpoint = Path(config.checkpoint_dir) / CHECKPOINT if config.checkpoint_dir else None
-    fingerprint = _fingerprint(plan, config, lens.name, data)
-    if checkpoint is not None and config.resume and checkpoint.is_file():
-        state.load(checkpoint, plan, fingerprint)
+    texts = datasets.iter_texts(data) if run is None else run.shard(datasets.iter_texts(data))
+    if checkpoint is not None:
+        widths = {name: math.prod(int(s) for s in lens.site(k).shape[2:]) for name, k in plan.keys.items()
+                  if isinstance(k, str)}
+        texts = state.open(checkpoint, texts, resume=config.resume, widths=widths)
     resumed_from, start = state.tokens, time.perf_counter()
-    texts = islice(datasets.iter_texts(data), state.documents, None)
-    bar = _progress(config, resumed_from)
+    if resumed_from:
+        log.info("resuming %s at %d tokens (%d documents)", checkpoint, state.tokens, state.documents)
+    bar = _progress(config, resumed_from, run is None or run.writes)
     next_checkpoint = _next_mark(state.tokens, config.checkpoint_every)
-    with lens.capture(sorted(plan.sites)) as cap:
-        for docs in _batches(texts, config.batch_size):
+    batches = _batches(texts, config.batch_size)
+    with lens.capture(sorted(plan.sites), dtype=config.dtype) as cap:
+        for docs in batches if run is None else run.lockstep(batches):
             if config.max_tokens is not None and state.tokens >= config.max_tokens:
-                break
+                break  # (distributed: tokens are the global count, so every rank stops here)
             n_tokens = _step(cap, tokenizer, docs, config.max_length, plan, state, lens.model)
-            state.documents += len(docs)
-            state.batches += 1
-            state.tokens += n_tokens
+            state.advance(docs, n_tokens if run is None else run.total(n_tokens))
             bar.update(n_tokens)
             if next_checkpoint is not None and state.tokens >= next_checkpoint:
-                state.save(checkpoint, plan, fingerprint)
+                state.save(checkpoint)
                 next_checkpoint = _next_mark(state.tokens, config.checkpoint_every)
     bar.close()
     if checkpoint is not None:  # before flushing, so a longer resumed fit equals one long fit
-        state.save(checkpoint, plan, fingerprint)
+        state.save(checkpoint)
     for extractor in plan.extractors.values():  # train on rows still held in mixing buffers
         flush = getattr(extractor, "flush", None)
         if callable(flush):
             flush()
+    if run is not None:
+        run.finish(plan.extractors)
     return _report(lens, plan, state, resumed_from, time.perf_counter() - start, config)
 
 
@@ -212,36 +233,44 @@ def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
-def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: _State, model) -> int:
-    batch = encode_batch(tokenizer, docs, max_length)
-    n_tokens = int(batch["attention_mask"].sum())
-    if n_tokens == 0:
+def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: FitState, model) -> int:
+    run = state.run  # distributed: every rank updates every extractor each step, with empty rows if need be
+    batch = encode_batch(tokenizer, docs or ["."], max_length)  # a rank out of data forwards a stub
+    n_tokens = int(batch["attention_mask"].sum()) if docs else 0
+    if n_tokens == 0 and run is None:
         return 0  # empty documents only: nothing to forward
-    device = next(model.parameters()).device
+    device = input_device(model)  # with a device map: the input embeddings' device
     acts = cap.forward(**{k: v.to(device) for k, v in batch.items()})  # no_grad inside
     meta = cap.last[1]
-    keep = {site: state.rows(site, acts[site], meta.position) for site in plan.sites}
+    if n_tokens == 0:  # distributed, nothing real on this rank
+        keep = {site: torch.zeros(acts[site].shape[0], dtype=torch.bool, device=acts[site].device)
+                for site in plan.sites}
+    else:
+        keep = {site: state.rows(site, acts[site], meta.position) for site in plan.sites}
     ids = None
     for name, extractor in plan.extractors.items():
         key = plan.keys[name]
         if isinstance(key, str):
             rows = keep[key]
-            if not rows.any():
+            if not rows.any() and run is None:
                 continue
             extra = {}
             if name in plan.token_aware:
                 if ids is None:
-                    ids = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -1).to(device)
-                extra["tokens"] = TokenRows(meta.row[rows] + state.documents, meta.position[rows], ids,
+                    ids = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -1).to(rows.device)
+                where = rows.to(meta.row.device)
+                extra["tokens"] = TokenRows(meta.row[where] + state.documents, meta.position[where], ids,
                                             state.documents)
             extractor.update(_as_rows(acts[key][rows]), **extra)
         else:
-            rows = keep[key[0]] & keep[key[1]]
-            if not rows.any():
+            rows = keep[key[0]] & keep[key[1]].to(keep[key[0]].device)  # sites may sit on two devices
+            if not rows.any() and run is None:
                 continue
             # pair extractors get q/k/v per head, (N, H, d_head); sequence ids = document index
-            extra = {"sequence_ids": meta.row[rows] + state.documents} if name in plan.sequence_aware else {}
-            extractor.update(acts[key[0]][rows], acts[key[1]][rows], **extra)
+            extra = {"sequence_ids": meta.row[rows.to(meta.row.device)] + state.documents} \
+                if name in plan.sequence_aware else {}
+            target = acts[key[1]]
+            extractor.update(acts[key[0]][rows], target[rows.to(target.device)], **extra)
     return n_tokens
 
 
@@ -250,66 +279,18 @@ def _as_rows(x: Tensor) -> Tensor:
     return x if x.ndim == 2 else x.reshape(x.shape[0], -1)
 
 
-class _State:
-    """Everything a checkpoint holds besides the extractors."""
-
-    def __init__(self, rows: RowFilter) -> None:
-        self.rows = rows
-        self.tokens = self.documents = self.batches = 0
-
-    def save(self, path: Path, plan: _Plan, fingerprint: str) -> None:
-        state = {
-            "fingerprint": fingerprint,
-            "progress": {"tokens": self.tokens, "documents": self.documents, "batches": self.batches},
-            "rows": self.rows.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "extractors": {name: e.state_dict() for name, e in plan.extractors.items()},
-        }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, lambda tmp: torch.save(state, tmp))
-
-    def load(self, path: Path, plan: _Plan, fingerprint: str) -> None:
-        try:
-            state = torch.load(path, weights_only=True)
-        except Exception as err:  # noqa: BLE001 - any unreadable file gets the same advice
-            raise ValueError(f"cannot read checkpoint {path}: {err}; delete it or pass resume=False") from None
-        if state.get("fingerprint") != fingerprint:
-            raise ValueError(f"checkpoint {path} was written by a fit of another model, data, sites, extractors or "
-                             "batching; "
-                             "use another checkpoint_dir or resume=False")
-        for name, extractor in plan.extractors.items():
-            extractor.load_state_dict(state["extractors"][name])
-        self.rows.load_state_dict(state["rows"])
-        torch.set_rng_state(state["torch_rng"])
-        progress = state["progress"]
-        self.tokens, self.documents, self.batches = progress["tokens"], progress["documents"], progress["batches"]
-
-
-def _fingerprint(plan: _Plan, config: FitConfig, model: str, data: Any) -> str:
-    """What must not change between a checkpoint and its resume (data: its name or path when
-    it has one; an in-memory list or iterator cannot be recognised)."""
-    what = {
-        "model": model, "data": str(data) if isinstance(data, (str, Path)) else type(data).__name__,
-        "extractors": sorted((name, type(e).__qualname__) if name == key_name(plan.keys[name]) else
-                             (name, key_name(plan.keys[name]), type(e).__qualname__)
-                             for name, e in plan.extractors.items()),
-        "batch_size": config.batch_size, "max_length": config.max_length, "filters": asdict(config.filters),
-    }
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def _next_mark(tokens: int, every: int | None) -> int | None:
     return None if every is None else (tokens // every + 1) * every
 
 
-def _progress(config: FitConfig, initial: int):
+def _progress(config: FitConfig, initial: int, show: bool = True):
     from tqdm.auto import tqdm
 
     return tqdm(total=config.max_tokens, initial=initial, unit="tok", unit_scale=True,
-                disable=not config.progress, desc="fit", dynamic_ncols=True)
+                disable=not (config.progress and show), desc="fit", dynamic_ncols=True)
 
 
-def _report(lens: Lens, plan: _Plan, state: _State, resumed_from: int, seconds: float,
+def _report(lens: Lens, plan: _Plan, state: FitState, resumed_from: int, seconds: float,
             config: FitConfig) -> FitReport:
     concepts: dict[str, ConceptSet] = {}
     stats: dict[str, Any] = {}
@@ -326,10 +307,12 @@ def _report(lens: Lens, plan: _Plan, state: _State, resumed_from: int, seconds: 
             stats[name] = {"error": str(err), "stats": stats[name]}
             continue
         cs.site = key if isinstance(key, str) else key[0]
+        if cs.config.get("space") == "clvq_z_e":  # codes in an encoder space: a label, not a site
+            cs.site = f"{key[0]}->{key[1]}:z_e"
         cs.model = cs.model or lens.name
         cs.config.setdefault("fit", {"tokens": state.tokens, "target_site": None if isinstance(key, str) else key[1]})
         concepts[name] = cs
-        if config.checkpoint_dir:
+        if config.checkpoint_dir and (state.run is None or state.run.writes):
             cs.save(Path(config.checkpoint_dir) / "concepts" / name.replace("->", "__to__"))
     return FitReport(state.tokens, state.documents, state.batches, seconds, resumed_from,
                      {k: dict(v) for k, v in state.rows.counts.items()}, stats, concepts)

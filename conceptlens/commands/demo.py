@@ -16,19 +16,21 @@ from pathlib import Path
 
 import torch
 
+from conceptlens.commands._args import count, nonempty_text, out_dir, positive_int
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--site", default="blocks.15.resid_out")
-    parser.add_argument("--max-tokens", type=int, default=40_000, help="tokens of the fit pass")
-    parser.add_argument("--describe-tokens", type=int, default=30_000, help="tokens of the description pass")
-    parser.add_argument("--concepts", type=int, default=128, help="Deleuzian and k-means concepts")
-    parser.add_argument("--width", type=int, default=1024, help="TopK SAE latents")
-    parser.add_argument("--k", type=int, default=32, help="TopK SAE active latents per token")
+    parser.add_argument("--max-tokens", type=positive_int, default=40_000, help="tokens of the fit pass")
+    parser.add_argument("--describe-tokens", type=positive_int, default=30_000, help="tokens of the description pass")
+    parser.add_argument("--concepts", type=positive_int, default=128, help="Deleuzian and k-means concepts")
+    parser.add_argument("--width", type=positive_int, default=1024, help="TopK SAE latents")
+    parser.add_argument("--k", type=positive_int, default=32, help="TopK SAE active latents per token")
     parser.add_argument("--topic", default="sports", help="the topic whose best concept steers the prompt")
-    parser.add_argument("--prompt", default="My favourite recipe for a quick dinner is")
-    parser.add_argument("--out", default="runs/demo", help="run folder (concepts, descriptions, report)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt", type=nonempty_text, default="My favourite recipe for a quick dinner is")
+    parser.add_argument("--out", type=out_dir, default="runs/demo", help="run folder (concepts, descriptions, report)")
+    parser.add_argument("--seed", type=count, default=0)
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -71,7 +73,8 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import conceptlens
-    from conceptlens import data, models
+    from conceptlens import data
+    from conceptlens.commands._common import load_model
     from conceptlens.report import write_report
 
     _check(args)
@@ -80,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if args.topic not in topics:
         raise ValueError(f"--topic {args.topic!r} is not a bbc-news topic; choose one of {', '.join(topics)}")
     cfg = run_config(args)
-    model, tok = models.load(args.model)
+    model, tok = load_model(args)
     lens = conceptlens.attach(model, tok)
     site = lens.site(args.site)
     print(f"{lens}\n")

@@ -53,7 +53,7 @@ def describe_run(lens: Any, cfg: rc.RunConfig, concept_sets: Mapping[str, Any], 
 
 def run(args: argparse.Namespace) -> int:
     import conceptlens
-    from conceptlens import models
+    from conceptlens.commands._common import load_model
     from conceptlens.commands.fit import _ints
     from conceptlens.concepts.conceptset import CONFIG_FILE, ConceptSet
 
@@ -75,6 +75,6 @@ def run(args: argparse.Namespace) -> int:
     report_path = out / "fit_report.json"
     consumed = json.loads(report_path.read_text())["documents"] if report_path.is_file() else 0
     sets = {name: ConceptSet.load(out / "concepts" / name) for name in chosen}
-    model, tok = models.load(cfg.model)
+    model, tok = load_model(args, cfg.model)
     describe_run(conceptlens.attach(model, tok), cfg, sets, consumed, out)
     return 0

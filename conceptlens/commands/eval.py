@@ -11,7 +11,7 @@ sub-token (found through the tokenizer's character offsets); the other sub-token
 unlabelled, and only the `--max-classes` most frequent tags are probed. Each sequence's first
 token, the attention sink, is always left out (as fits leave it out).
 
-Rows (`eval_table.metric_rows`): probe loss (test log-loss of the best single concept per
+Rows (`eval_table.metric_rows`), each next to its baseline: probe loss (test log-loss of the best single concept per
 class, one-vs-rest, among `--probe-candidates` concepts per class screened by standardised
 mean difference), effective rank and max pairwise cosine of the directions, FVU / L0 / dead
 fraction on test tokens and CE-loss recovered (sets that reconstruct), and per class the
@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from conceptlens.batching import encode_batch
+from conceptlens.batching import check_max_length, encode_batch
+from conceptlens.commands._args import count, existing_dir, positive_int
 from conceptlens.commands.eval_table import Features, ReconStats, Row, format_rows, metric_rows
 from conceptlens.concepts.conceptset import CONFIG_FILE, ConceptSet
 
@@ -37,18 +38,21 @@ TASKS = ("bbc-news", "movie-polarity", "wsj-pos")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", help="a ConceptSet folder, or a fit checkpoint_dir holding concepts/<name>/")
+    parser.add_argument("run_dir", type=existing_dir,
+                        help="a ConceptSet folder, or a fit checkpoint_dir holding concepts/<name>/")
     parser.add_argument("--task", required=True, choices=TASKS, help="labelled set to probe with")
     parser.add_argument("--concepts", help="which concepts/<name> of a checkpoint_dir holding several")
     parser.add_argument("--model", help="model to load (default: the one the set names)")
-    parser.add_argument("--max-docs", type=int, default=400, help="documents (sentences) per split")
-    parser.add_argument("--max-length", type=int, default=128, help="tokens per document")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--max-classes", type=int, default=8, help="wsj-pos: probe the most frequent tags only")
-    parser.add_argument("--probe-candidates", type=int, default=16,
+    parser.add_argument("--max-docs", type=positive_int, default=400, help="documents (sentences) per split")
+    parser.add_argument("--max-length", type=positive_int, default=128, help="tokens per document")
+    parser.add_argument("--batch-size", type=positive_int, default=16)
+    parser.add_argument("--max-classes", type=positive_int, default=8,
+                        help="wsj-pos: probe the most frequent tags only")
+    parser.add_argument("--probe-candidates", type=count, default=16,
                         help="concepts per class screened for the logistic probe (0: probe every concept)")
-    parser.add_argument("--ce-docs", type=int, default=16, help="test documents for CE-loss recovered (0: skip)")
+    parser.add_argument("--ce-docs", type=count, default=16, help="test documents for CE-loss recovered (0: skip)")
     parser.add_argument("--seed", type=int, default=0, help="which documents are drawn")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 # ---- concept sets and their activations ----------------------------------------------------
@@ -195,7 +199,8 @@ def _label(task_set: Any, i: int, token_level: bool) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     import conceptlens
-    from conceptlens import data, models
+    from conceptlens import data
+    from conceptlens.commands._common import load_model
     from conceptlens.metrics.splice import splice_ce
 
     for name in ("max_docs", "max_length", "batch_size", "max_classes"):
@@ -209,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{cs} names no site; set cs.site and save it again")
     if not (args.model or cs.model):
         raise ValueError(f"{cs} names no model; pass --model")
-    model, tok = models.load(args.model or cs.model)
+    model, tok = load_model(args, args.model or cs.model)
+    check_max_length(model, args.max_length, "--max-length")
     lens = conceptlens.attach(model, tok)
     site = lens.site(cs.site)
     width = math.prod(int(s) for s in site.shape[2:])
@@ -221,8 +227,10 @@ def run(args: argparse.Namespace) -> int:
     texts = {s: [splits[s].texts[i] for i in picked[s]] for s in splits}
     tag_ids, class_names = _label_ids(splits["train"], token_level, args.max_classes)
     labels = {s: [_label(t, i, token_level) for i in picked[s]] for s, t in splits.items()}
-    batches = {s: task_batches(tok, texts[s], labels[s], token_level=token_level, tag_ids=tag_ids,
-                               batch_size=args.batch_size, max_length=args.max_length) for s in splits}
+    batches = {s: _bar(task_batches(tok, texts[s], labels[s], token_level=token_level, tag_ids=tag_ids,
+                                    batch_size=args.batch_size, max_length=args.max_length),
+                       math.ceil(len(texts[s]) / args.batch_size), f"{s} activations", args.no_progress)
+               for s in splits}
     recon = ReconStats() if encoder.decode is not None else None
     train = collect(lens, site.name, encoder, batches["train"])
     test = collect(lens, site.name, encoder, batches["test"], recon)
@@ -231,11 +239,42 @@ def run(args: argparse.Namespace) -> int:
         docs = texts["test"][:args.ce_docs]
         ce_batches = [encode_batch(tok, docs[i:i + args.batch_size], args.max_length)
                       for i in range(0, len(docs), args.batch_size)]
-        ce = splice_ce(lens, site.name, lambda x: encoder.decode(encoder.encode(x)), ce_batches)
+        ce = splice_ce(lens, site.name, lambda x: encoder.decode(encoder.encode(x)),
+                       _bar(ce_batches, len(ce_batches), "CE loss recovered", args.no_progress))
         rows.append(Row("CE loss recovered", ce.recovered, f"clean {ce.clean:.3f}, spliced {ce.spliced:.3f}, "
-                                                           f"zero {ce.zero_ablated:.3f} nats over {ce.tokens:,} tokens"))
+                                                           f"zero {ce.zero_ablated:.3f} nats over {ce.tokens:,} tokens",
+                        0.0, "site zeroed"))
     unit = "tokens (first sub-token of each word)" if token_level else "documents (mean over tokens)"
     print(f"{cs}\nconcept activations: {encoder.kind}\n{args.task}: {len(train.y):,} train / {len(test.y):,} test "
           f"{unit}, {len(class_names)} classes\n")
     print(format_rows(rows))
+    for warning in baseline_warnings(rows):
+        print(f"warning: {warning}")
     return 0
+
+
+def baseline_warnings(rows: list[Row]) -> list[str]:
+    """Figures that do no better than their baseline (lower is better for losses and FVU)."""
+    lower_better = ("probe loss", "FVU")
+    out, classes, worse = [], 0, 0
+    in_probe = False
+    for row in rows:
+        if row.metric.startswith("probe loss"):
+            in_probe = True
+            continue
+        if in_probe and row.metric.startswith("  "):
+            classes, worse = classes + 1, worse + (row.value >= row.baseline)
+            continue
+        in_probe = False
+        if row.metric.startswith(lower_better) and row.value >= row.baseline:
+            out.append(f"{row.metric} {row.value:.4f} is no better than the {row.baseline_name} ({row.baseline:.4f})")
+    if worse:
+        out.insert(0, f"{worse} of {classes} classes' probes do no better than their base-rate entropy: those "
+                      "concepts carry no information about the class")
+    return out
+
+
+def _bar(items: Iterable, total: int, desc: str, off: bool) -> Iterable:
+    from tqdm.auto import tqdm
+
+    return tqdm(items, total=total, desc=desc, unit="batch", disable=off, dynamic_ncols=True, leave=False)

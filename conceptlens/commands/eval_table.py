@@ -4,11 +4,15 @@
     print(format_rows(rows))
 
 Tensors in, rows out: no model, no files. `Features` are what the probe sees (documents or
-tokens), `ReconStats` streams FVU / L0 / dead fraction over token batches.
+tokens), `ReconStats` streams FVU / L0 / dead fraction over token batches. Every quality
+figure comes with its baseline, the value a predictor that knows nothing reaches: a probe's
+log-loss next to the base-rate entropy of its class, FVU next to the mean predictor's 1.0,
+an LDA cosine next to that of random directions, CE loss recovered next to zero-ablation's 0.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -16,6 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from conceptlens.metrics.quality import effective_rank, lda_directions, max_pairwise_cosine, probe_loss
+
+BASELINE_DRAWS = 64
+"""Random Gaussian directions drawn (seed 0) for the chance level of cosine rows."""
 
 
 class Features(NamedTuple):
@@ -60,6 +67,32 @@ class Row(NamedTuple):
     metric: str
     value: float
     note: str = ""
+    baseline: float = math.nan
+    """what a predictor that knows nothing scores on this row (nan: no meaningful baseline)"""
+    baseline_name: str = ""
+    """what the baseline is, in two or three words"""
+
+
+def probe_baselines(y_train: Tensor, y_test: Tensor, classes: Tensor) -> Tensor:
+    """`(n_classes,)` test log-loss (nats) of predicting each class's train rate, one-vs-rest: the
+    base-rate entropy a one-concept probe must beat."""
+    p_train = torch.stack([(y_train == c).double().mean() for c in classes]).clamp(1e-12, 1 - 1e-12)
+    p_test = torch.stack([(y_test == c).double().mean() for c in classes])
+    return -(p_test * p_train.log() + (1 - p_test) * (1 - p_train).log())
+
+
+def random_max_cosine(directions: Tensor, n_draws: int = BASELINE_DRAWS) -> float:
+    """Median over random Gaussian directions of their largest cosine with any of `directions` `(n, d)`:
+    the chance level of "best-aligned concept" cosines."""
+    g = torch.Generator().manual_seed(0)
+    draws = F.normalize(torch.randn(n_draws, directions.shape[1], generator=g, dtype=torch.float64), dim=1)
+    return float((draws @ F.normalize(directions.double(), dim=1).T).max(1).values.median())
+
+
+def random_pairwise_cosine(n: int, d: int) -> float:
+    """Largest pairwise cosine among n random Gaussian directions in d dimensions (seed 0)."""
+    g = torch.Generator().manual_seed(0)
+    return float(max_pairwise_cosine(torch.randn(n, d, generator=g, dtype=torch.float64)).max())
 
 
 def probe_candidates(z: Tensor, y: Tensor, per_class: int) -> Tensor:
@@ -80,29 +113,40 @@ def metric_rows(directions: Tensor, train: Features, test: Features, class_names
     """
     keep = torch.arange(train.z.shape[1]) if candidates is None else probe_candidates(train.z, train.y, candidates)
     probe = probe_loss(train.z[:, keep], train.y, test.z[:, keep], test.y)
+    bases = probe_baselines(train.y, test.y, probe.classes)
     screened = "" if candidates is None else f" (of {len(keep)} screened)"
-    rows = [Row("probe loss (median class)", probe.loss, f"test log-loss of the best single concept per class{screened}")]
-    rows += [Row(f"  {class_names[c]}", float(loss), f"concept {int(keep[j])}")
-             for c, loss, j in zip(probe.classes, probe.per_class, probe.best_concept)]
+    rows = [Row("probe loss (median class)", probe.loss, f"nats; test log-loss of the best single concept per class"
+                f"{screened}", float(bases.quantile(0.5)), "base-rate entropy")]
+    rows += [Row(f"  {class_names[c]}", float(loss), f"concept {int(keep[j])}", float(base), "base-rate entropy")
+             for c, loss, j, base in zip(probe.classes, probe.per_class, probe.best_concept, bases)]
     n, d = directions.shape
     rows.append(Row("effective rank", effective_rank(directions), f"of {n} directions in {d} dimensions"))
     if n > 1:
         mpc = max_pairwise_cosine(directions)
-        rows += [Row("max pairwise cosine", float(mpc.max()), "largest over all pairs"),
+        rows += [Row("max pairwise cosine", float(mpc.max()), "largest over all pairs", random_pairwise_cosine(n, d),
+                     "random directions"),
                  Row("mean max pairwise cosine", float(mpc.mean()), "each concept's closest other, averaged")]
     if recon is not None and recon.n:
-        rows += [Row("FVU", recon.fvu(), f"{recon.n:,} test tokens"), Row("L0", recon.l0(), "active concepts per token"),
+        rows += [Row("FVU", recon.fvu(), f"fraction of variance unexplained, {recon.n:,} test tokens", 1.0,
+                     "mean predictor"),
+                 Row("L0", recon.l0(), "active concepts per token"),
                  Row("dead fraction", recon.dead_fraction(), "concepts that never fired on the test tokens")]
     lda = lda_directions(train.x, train.y)
     cos = F.normalize(lda.directions, dim=1) @ F.normalize(directions.double(), dim=1).T  # (classes, n)
     best = cos.max(1)
+    chance = random_max_cosine(directions)
     rows.append(Row("LDA cosine (median class)", float(best.values.quantile(0.5)),
-                    "cosine of each class's LDA direction with its best-aligned concept"))
-    rows += [Row(f"  {class_names[c]}", float(v), f"concept {int(j)}")
+                    "cosine of each class's LDA direction with its best-aligned concept", chance, "random directions"))
+    rows += [Row(f"  {class_names[c]}", float(v), f"concept {int(j)}", chance, "random directions")
              for c, v, j in zip(lda.classes, best.values, best.indices)]
     return rows
 
 
 def format_rows(rows: list[Row]) -> str:
+    """metric, value, baseline (`vs NAME VALUE`, blank when none) and note, in aligned columns."""
     width = max(len(r.metric) for r in rows)
-    return "\n".join(f"{r.metric:<{width}}  {r.value:10.4f}  {r.note}".rstrip() for r in rows)
+    bases = [f"vs {r.baseline_name} {r.baseline:.4f}" if not math.isnan(r.baseline) else "" for r in rows]
+    base_width = max(len(b) for b in bases)
+    header = f"{'metric':<{width}}  {'value':>10}  {'baseline':<{base_width}}  note"
+    return "\n".join([header, *(f"{r.metric:<{width}}  {r.value:10.4f}  {b:<{base_width}}  {r.note}".rstrip()
+                                 for r, b in zip(rows, bases))])

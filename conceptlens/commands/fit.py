@@ -152,22 +152,25 @@ def jsonable(value: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     import conceptlens
-    from conceptlens import models
+    from conceptlens.commands._common import load_model
     from conceptlens.commands.describe import describe_run
+    from conceptlens.models import check_name
 
     cfg = resolve(args)
+    check_name(cfg.model)
     plan = rc.build(cfg)
     texts = source(cfg.data, cfg.shuffle)
     if cfg.describe.enabled and cfg.describe.data:
         source(cfg.describe.data, cfg.shuffle)
     out = Path(cfg.out)
     _same_run(out, cfg)
-    model, tok = models.load(cfg.model)
+    model, tok = load_model(args, cfg.model)
     lens = conceptlens.attach(model, tok)
     for site in cfg.sites:
         lens.site(site)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write(out / "run.toml", lambda p: Path(p).write_text(rc.to_toml(cfg), encoding="utf-8"))
+    written = dataclasses.replace(cfg, fit=dataclasses.replace(cfg.fit, resume=True))  # a rerun of it resumes
+    atomic_write(out / "run.toml", lambda p: Path(p).write_text(rc.to_toml(written), encoding="utf-8"))
     print(f"{lens}\nfitting {', '.join(e['name'] for e in cfg.extractors)} at {', '.join(cfg.sites)} -> {out}")
     report = lens.fit(plan, texts, batch_size=cfg.fit.batch_size, max_length=cfg.fit.max_length,
                       max_tokens=cfg.fit.max_tokens, checkpoint_dir=str(out),

@@ -17,17 +17,18 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from conceptlens.commands._args import data_source, positive_int
 from conceptlens.metrics.gauge import QueryKeyMoments, key_cosine, key_distance, qk_spectrum, score_cosine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="registered name, hub id or local folder")
     parser.add_argument("--layer", type=int, default=10, help="block index (negative counts from the end)")
-    parser.add_argument("--data", default="bbc-news", help="bundled set name, .txt or .jsonl path")
-    parser.add_argument("--max-tokens", type=int, default=20_000, help="tokens streamed into the q/k moments")
-    parser.add_argument("--max-length", type=int, default=128, help="tokens per document")
-    parser.add_argument("--pairs", type=int, default=4000, help="random key pairs for the distance statistics")
-    parser.add_argument("--sample-docs", type=int, default=8,
+    parser.add_argument("--data", type=data_source, default="bbc-news", help="bundled set name, .txt or .jsonl path")
+    parser.add_argument("--max-tokens", type=positive_int, default=20_000, help="tokens streamed into the q/k moments")
+    parser.add_argument("--max-length", type=positive_int, default=128, help="tokens per document")
+    parser.add_argument("--pairs", type=positive_int, default=4000, help="random key pairs for the distance statistics")
+    parser.add_argument("--sample-docs", type=positive_int, default=8,
                         help="documents whose keys are paired and on which the audit runs")
     parser.add_argument("--group", choices=("auto", "general", "rotary"), default="auto",
                         help="gauge group of the audit ('general' on a rotary model is a negative control)")
@@ -90,6 +91,33 @@ def format_table(table: HeadTable) -> str:
     return "\n".join([head, *rows])
 
 
+LEGEND = (
+    ("QK rank", "count, 1..d_head", "exp(entropy) of the normalised eigenvalues of S_q S_k: how many q/k "
+                                    "directions carry the scores"),
+    ("top eig", "fraction, 0..1", "largest eigenvalue of S_q S_k over their sum"),
+    ("rms score", "logits", "root mean square of q.k / sqrt(d_head) over (query, key) token pairs and the "
+                            "group's query heads"),
+    ("dist mean", "logits^2", "mean over key pairs of (k1 - k2)^T S_q (k1 - k2) / d_head: the mean squared "
+                              "score change when k1 replaces k2, summed over the group's query heads"),
+    ("dist med", "logits^2", "median of the same"),
+    ("scos mean", "cosine, -1..1", "mean over key pairs of the keys' cosine under S_q: how alike their score "
+                                   "profiles are"),
+    ("scos std", "cosine", "standard deviation of the same"),
+    ("raw cos", "cosine, -1..1", "plain cosine of the two keys; NOT gauge-invariant, shown for contrast"),
+)
+"""(column, unit, one-line definition) of `format_table`; S_q = E[q q^T] summed over the query heads of a
+key head, S_k = E[k k^T]."""
+
+
+def format_legend() -> str:
+    """The columns of `format_table`: unit and definition, one line each."""
+    width = max(len(name) for name, _, _ in LEGEND)
+    unit_width = max(len(unit) for _, unit, _ in LEGEND)
+    lines = ["columns (per key head; S_q = E[q q^T] summed over its query heads, S_k = E[k k^T]):"]
+    lines += [f"  {name:<{width}}  {unit:<{unit_width}}  {text}" for name, unit, text in LEGEND]
+    return "\n".join(lines)
+
+
 def sample_batch(tokenizer: Any, texts: list[str], max_length: int) -> dict[str, Tensor]:
     """Right-padded batch of `texts` (a pad token is borrowed from eos when the tokenizer has none)."""
     if getattr(tokenizer, "pad_token", None) is None and getattr(tokenizer, "eos_token", None) is not None:
@@ -108,14 +136,15 @@ def sample_keys(lens: Any, site: str, batch: dict[str, Tensor]) -> Tensor:
 
 def run(args: argparse.Namespace) -> int:
     import conceptlens
-    from conceptlens import data, models
+    from conceptlens import data
+    from conceptlens.commands._common import load_model
     from conceptlens.metrics.capture_qk import qk_capture
     from conceptlens.metrics.gauge_audit import gauge_audit
 
     for name in ("max_tokens", "pairs", "sample_docs", "max_length"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer; got {getattr(args, name)}")
-    model, tok = models.load(args.model)
+    model, tok = load_model(args)
     lens = conceptlens.attach(model, tok)
     q_site, k_site = lens.site(f"blocks.{args.layer}.attn.q").name, lens.site(f"blocks.{args.layer}.attn.k").name
     print(f"{lens}\n  {lens.site(q_site).describe()}\n  {lens.site(k_site).describe()}\n")
@@ -132,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nblock {q_site.split('.')[1]}: {moments.n_q:,} queries streamed; {args.pairs:,} random key pairs "
           f"from {len(texts)} documents (scos = score cosine; only 'raw cos' depends on the gauge)")
     print(format_table(table))
+    print(format_legend())
 
     layer = int(q_site.split(".")[1])
     audit = gauge_audit(model, batch, capture_qk=qk_capture(layers=[layer]), seed=args.seed, group=args.group)

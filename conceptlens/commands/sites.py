@@ -12,9 +12,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import conceptlens
-    from conceptlens import models
+    from conceptlens.commands._common import load_model
 
-    model, tokenizer = models.load(args.model)
+    model, tokenizer = load_model(args)
     lens = conceptlens.attach(model, tokenizer)
     print(lens)
     for site in lens.sites.values():

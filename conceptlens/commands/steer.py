@@ -1,12 +1,14 @@
 """`conceptlens steer`: a prompt's continuation without and with a steering edit, side by side.
 
-    conceptlens steer --concepts runs/demo/concepts --concept 12 --alpha 8 --prompt "I went to the shop and"
-    conceptlens steer --direction-word " wedding" --site blocks.15.resid_out --alpha 40 --prompt "..."
+    conceptlens steer --concepts runs/demo/concepts --concept 12 --alpha 0.5 --prompt "I went to the shop and"
+    conceptlens steer --direction-word " wedding" --site blocks.15.resid_out --alpha 0.5 --prompt "..."
 
-The direction is a concept of a saved ConceptSet (several indices are summed) or the
-unembedding row of a word's first token; it is scaled to unit norm unless `--raw`, so
-alpha is a distance in the site's activation space (SmolLM2's median token norm at block
-15 is ~175: useful alphas are tens).
+The direction is a concept of a saved ConceptSet (several indices are summed; sets that
+carry the fit's mean activation are centred first, unless `--no-centre`) or the unembedding
+row of a word's first token. `--scale` is `Add`'s: by default `site_norm`, so alpha is a
+multiple of the site's typical token norm (`conceptlens.steering.units`) and means the same
+on every model (0.25-1 is the useful range); `unit` makes it a distance, `raw` uses the
+direction as stored.
 """
 
 from __future__ import annotations
@@ -20,45 +22,61 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from conceptlens.commands._args import concept_dir, finite_float, nonempty_text, positive_int
+
 POSITIONS = ("all", "prompt", "generated")
+SCALES = ("site_norm", "unit", "raw")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="registered name, hub id or local folder")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--concepts", metavar="DIR", help="a saved ConceptSet folder")
-    source.add_argument("--direction-word", metavar="WORD", help="steer along the unembedding of this word")
+    source.add_argument("--concepts", metavar="DIR", type=concept_dir, help="a saved ConceptSet folder")
+    source.add_argument("--direction-word", metavar="WORD", type=nonempty_text,
+                        help="steer along the unembedding of this word")
     parser.add_argument("--concept", type=int, nargs="+", metavar="I",
                         help="concept index in DIR (several are summed); needed when DIR holds more than one")
     parser.add_argument("--site", help="where to steer (default: the concept set's site; with --direction-word "
                                        "the middle block's resid_out)")
-    parser.add_argument("--alpha", type=float, default=8.0, help="steering strength (default 8)")
-    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--alpha", type=finite_float, default=0.5,
+                        help="steering strength in --scale units (default 0.5: half a typical token norm)")
+    parser.add_argument("--scale", choices=SCALES, default="site_norm",
+                        help="unit of alpha: site_norm (default; multiples of the site's median token norm), "
+                             "unit (a distance), raw (the direction as stored)")
+    parser.add_argument("--no-centre", action="store_true",
+                        help="steer with the stored concept directions even when the set carries the fit's mean")
+    parser.add_argument("--prompt", required=True, type=nonempty_text)
     parser.add_argument("--positions", choices=POSITIONS, default="generated",
                         help="which tokens the edit touches (default: generated)")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32)
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    parser.add_argument("--raw", action="store_true", help="use the direction's own norm instead of unit norm")
 
 
 def run(args: argparse.Namespace) -> int:
     import conceptlens
-    from conceptlens import models
+    from conceptlens.commands._common import load_model
     from conceptlens.steering import Add
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
-    model, tokenizer = models.load(args.model)
+    model, tokenizer = load_model(args)
     lens = conceptlens.attach(model, tokenizer)
     direction, site, what = steering_direction(lens, args)
-    if not args.raw:
-        direction = direction / direction.norm().clamp_min(1e-12)
+    edit = Add(direction, args.alpha, scale=args.scale, site=site)
     prompt = chat_prompt(tokenizer, args.prompt) if args.chat else args.prompt
-    bare, steered = continuations(lens, Add(direction, args.alpha, site=site), prompt,
-                                  positions=args.positions, max_new_tokens=args.max_new_tokens)
-    print(f"prompt: {args.prompt!r}\nsteering: {what}, alpha {args.alpha:g} at {site}, positions={args.positions}\n")
+    bare, steered = continuations(lens, edit, prompt, positions=args.positions, max_new_tokens=args.max_new_tokens)
+    print(f"prompt: {args.prompt!r}\nsteering: {what}, alpha {args.alpha:g} at {site} ({strength(edit)}), "
+          f"positions={args.positions}\n")
     print(side_by_side("unsteered", bare, "steered", steered))
     return 0
+
+
+def strength(edit: Any) -> str:
+    """What alpha meant for a bound `Add`, in words: "x site norm 173.6 = |v| 86.8"."""
+    size = float(edit.vector.norm())
+    if edit.scale == "site_norm":
+        return f"x site norm {edit.norm:.4g}: |v| = {size:.4g}"
+    return f"{'unit direction' if edit.scale == 'unit' else 'raw direction'}: |v| = {size:.4g}"
 
 
 def steering_direction(lens: Any, args: argparse.Namespace) -> tuple[Tensor, str, str]:
@@ -79,9 +97,11 @@ def steering_direction(lens: Any, args: argparse.Namespace) -> tuple[Tensor, str
         raise ValueError(f"--concept {bad[0]} is out of range: {args.concepts} holds {n} concepts, "
                          f"valid indices are 0-{n - 1} (or -{n} to -1)")
     site = _concept_site(lens, concepts.site, args.site, args.concepts)
-    direction = concepts.directions[indices].sum(0)
+    centre = concepts.mean is not None and not getattr(args, "no_centre", False)
+    direction = (concepts.centred() if centre else concepts).directions[indices].sum(0)
     _check_width(lens, site, direction)
-    return direction, site, f"concept{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}"
+    what = f"concept{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}{' (centred)' if centre else ''}"
+    return direction, site, what
 
 
 def word_direction(lens: Any, word: str, site: str | None) -> tuple[Tensor, str, str]:

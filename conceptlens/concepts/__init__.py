@@ -3,14 +3,19 @@
     from conceptlens.concepts import StreamingKMeans, Deleuzian, TopKSAE, VQCodebook
 """
 
-from conceptlens.concepts.base import Extractor, NotFittedError
+from conceptlens.concepts.base import Extractor, ExtractorBase, NotFittedError
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.clvq import CLVQConfig, CLVQTranscoder
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.deleuzian import Deleuzian, DeleuzianConfig
 from conceptlens.concepts.kmeans import KMeansConfig, StreamingKMeans
 from conceptlens.concepts.sae import (
+    HSAE,
+    MPSAE,
+    ActMSAE,
+    ArchMSAE,
     BatchTopKSAE,
+    EWGSAE,
     JumpReLUSAE,
     MatryoshkaSAE,
     ReLUSAE,
@@ -24,9 +29,9 @@ from conceptlens.concepts.sae import (
 from conceptlens.concepts.vq import VQCodebook, VQConfig
 
 __all__ = [
-    "Extractor", "NotFittedError", "ConceptSet", "MixingBuffer",
+    "Extractor", "ExtractorBase", "NotFittedError", "ConceptSet", "MixingBuffer",
     "StreamingKMeans", "KMeansConfig", "Deleuzian", "DeleuzianConfig",
     "SparseAutoencoder", "SAEConfig", "ReLUSAE", "TopKSAE", "BatchTopKSAE", "JumpReLUSAE", "SpaDE",
-    "MatryoshkaSAE", "export_saelens", "import_saelens",
+    "MatryoshkaSAE", "ArchMSAE", "ActMSAE", "EWGSAE", "MPSAE", "HSAE", "export_saelens", "import_saelens",
     "VQCodebook", "VQConfig", "CLVQTranscoder", "CLVQConfig",
 ]

@@ -1,17 +1,27 @@
-"""The protocol every online concept extractor follows.
+"""The protocol every online concept extractor follows, and the base class that implements it.
 
     km = StreamingKMeans(n_concepts=64)
     for x in stream:            # x: (N, d) float32
         km.update(x)
+    km.flush()                  # end of stream
     cs = km.concept_set()
+    km.stats()                  # a NamedTuple of fit-report numbers
+    km.merge(other)             # another worker's extractor, or its (reduced) state_dict()
 
 Extractors are tensors in, tensors out: they import neither `hooks/` nor `transformers`.
+`ExtractorBase` owns what every extractor shares: the config dataclass, validation helpers,
+the config check of `load_state_dict`, the dispatch of `merge` (object or state dict),
+`stats()` and device placement (`device=`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
 from conceptlens.concepts.conceptset import ConceptSet
@@ -45,10 +55,178 @@ class Extractor(Protocol):
         """Restore from `state_dict()`."""
 
     def merge(self, other: Any) -> None:
-        """Combine sufficient statistics of another extractor fitted on other data."""
+        """Combine another extractor (or its state dict) fitted on other data."""
+
+    def stats(self) -> Any:
+        """Fit-report numbers (a NamedTuple)."""
 
     def encode(self, x: Tensor) -> Tensor:
         """`(N, d) -> (N, n_concepts)` concept activations."""
 
     def concept_set(self) -> ConceptSet:
         """The fitted concepts as directions in activation space, with metadata."""
+
+
+# ---- validation helpers: one-line errors that name the bad value -------------------------
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_int(name: str, value: Any, low: int = 1, *, optional: bool = False) -> None:
+    """Raise unless `value` is an int (not a bool) >= `low` (or None when `optional`)."""
+    if optional and value is None:
+        return
+    if not _is_int(value) or value < low:
+        extra = " or None" if optional else ""
+        raise ValueError(f"{name} must be an int >= {low}{extra}; got {value!r}")
+
+
+def check_float(name: str, value: Any, low: float = 0.0, *, strict: bool = False, optional: bool = False) -> None:
+    """Raise unless `value` is a finite real > `low` (strict) or >= `low` (or None when `optional`)."""
+    if optional and value is None:
+        return
+    if not _is_real(value) or (value <= low if strict else value < low):
+        extra = " or None" if optional else ""
+        raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {low}{extra}; got {value!r}")
+
+
+def check_fraction(name: str, value: Any, *, closed_high: bool = False) -> None:
+    """Raise unless `value` is a real in [0, 1) (or [0, 1] with `closed_high`)."""
+    ok = _is_real(value) and 0 <= value and (value <= 1 if closed_high else value < 1)
+    if not ok:
+        raise ValueError(f"{name} must be a number in [0, 1{']' if closed_high else ')'}; got {value!r}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False; got {value!r}")
+
+
+def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}; got {value!r}")
+
+
+def config_json(config: Any) -> dict[str, Any]:
+    """A config dataclass as plain JSON types (tuples become lists, nested dicts copied)."""
+    def plain(v: Any) -> Any:
+        if isinstance(v, (tuple, list)):
+            return [plain(e) for e in v]
+        if isinstance(v, dict):
+            return {k: plain(e) for k, e in v.items()}
+        return v
+    return {f.name: plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
+
+
+def config_differences(saved: dict[str, Any], mine: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, saved, this) for every key whose value differs."""
+    return [(k, saved.get(k), mine.get(k)) for k in sorted(saved.keys() | mine.keys()) if saved.get(k) != mine.get(k)]
+
+
+def map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """`fn` applied to every tensor of a nested state (dicts, lists, tuples); RNG states
+    (uint8 tensors) are left alone, since generators live on the CPU."""
+    if isinstance(obj, Tensor):
+        return obj if obj.dtype == torch.uint8 else fn(obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    return obj
+
+
+class ExtractorBase:
+    """What every extractor shares; a subclass sets `Config` and `method` and implements
+    `update`, `flush`, `state_dict`, `load_state_dict`, `_merge`, `stats`, `encode`,
+    `concept_set` (those it has).
+
+    - `self.config` is an instance of `Config` (a validated dataclass); `config_dict()` is
+      its JSON form, stored under `"config"` in every state dict and checked by
+      `check_state` before a state is loaded.
+    - `merge(other)` accepts another extractor of the same class or its `state_dict()` (for
+      instance one reduced across processes), rebuilds the object when given a dict and
+      calls `_merge(other)`.
+    - `device`: None follows the first input's device; a device puts the state there and
+      moves inputs to it. `to(device)` moves a fitted extractor.
+    """
+
+    Config: ClassVar[type]
+    method: ClassVar[str] = "custom"
+    distributed: ClassVar[str | None] = None
+    """How a distributed fit keeps the ranks in step: "step" (collectives inside every
+    update, through `comm`), "merge" (states summed once at the end), None (not supported)."""
+    config: Any
+    device: torch.device | None = None
+    comm: Any = None
+    """A `conceptlens.distributed.Comm` while a distributed fit runs, else None."""
+
+    def _set_device(self, device: str | torch.device | None) -> None:
+        self.device = None if device is None else torch.device(device)
+
+    def _place(self, x: Tensor) -> Tensor:
+        """`x` on this extractor's device (unchanged when it follows its inputs)."""
+        return x if self.device is None else x.to(self.device)
+
+    def _placed(self, state: dict[str, Any]) -> dict[str, Any]:
+        """`state` with its tensors on this extractor's device (unchanged when it has none)."""
+        return state if self.device is None else map_tensors(state, lambda t: t.to(self.device))
+
+    # ---- config -------------------------------------------------------------------------
+    def config_dict(self) -> dict[str, Any]:
+        return config_json(self.config)
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raise a one-line ValueError unless `state` was saved with this object's config."""
+        if not isinstance(state, dict) or "config" not in state:
+            raise ValueError(f"not a {type(self).__name__} state: expected a dict with a 'config' entry")
+        saved_class = state.get("class")
+        if saved_class is not None and saved_class != type(self).__name__:
+            raise ValueError(f"state is for a {saved_class!r}; this is a {type(self).__name__!r}")
+        differ = config_differences(state["config"], self.config_dict())
+        if differ:
+            raise ValueError(f"state was saved with a different config: {differ} (key, saved, this)")
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ExtractorBase:
+        """A fresh object from `config_dict()` output (subclasses with other constructors override)."""
+        names = {f.name for f in dataclasses.fields(cls.Config)}
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in names})
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> ExtractorBase:
+        """A fresh object that has loaded `state`."""
+        if not isinstance(state, dict) or "config" not in state:
+            raise ValueError(f"not a {cls.__name__} state: expected a dict with a 'config' entry")
+        obj = cls.from_config(state["config"])
+        obj.load_state_dict(state)
+        return obj
+
+    # ---- merging --------------------------------------------------------------------------
+    def merge(self, other: Any) -> None:
+        """Absorb another worker's extractor (same class and config) or its `state_dict()`."""
+        if isinstance(other, dict):
+            other = type(self).from_state(other)
+        if type(other) is not type(self):
+            raise TypeError(f"can only merge a {type(self).__name__} with another; got {type(other).__name__}")
+        self._merge(other)
+
+    def _merge(self, other: Any) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not merge")
+
+    # ---- reporting and placement ------------------------------------------------------------
+    def stats(self) -> NamedTuple:  # pragma: no cover - every extractor overrides
+        raise NotImplementedError(f"{type(self).__name__} must define stats()")
+
+    def to(self, device: str | torch.device) -> ExtractorBase:
+        """Move every tensor of the state to `device` (and place later inputs there); returns self."""
+        device = torch.device(device)
+        state = map_tensors(self.state_dict(), lambda t: t.to(device))
+        self._set_device(device)
+        self.load_state_dict(state)
+        return self

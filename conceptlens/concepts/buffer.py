@@ -30,7 +30,7 @@ class MixingBuffer:
     """
 
     def __init__(self, size: int, device: str | torch.device = "cpu", seed: int = 0) -> None:
-        if not isinstance(size, int) or size < 1:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"size must be a positive int; got {size!r}")
         self.size = size
         self.device = torch.device(device)
@@ -58,6 +58,11 @@ class MixingBuffer:
             self._data = grown
         self._data[self.count : need] = x.to(self._data.device, self._data.dtype)
         self.count = need
+
+    def ready(self, n: int) -> int:
+        """How many `take(n)` calls would return rows now."""
+        need = max(self.size, n)
+        return 0 if self.count < need else (self.count - need) // n + 1
 
     def take(self, n: int) -> Tensor | None:
         """`n` rows `(n, d)` drawn without replacement, or None until `size` (and n) rows are stored."""

@@ -23,15 +23,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from conceptlens.concepts.base import NotFittedError
+from conceptlens._checks import known_kwargs
+from conceptlens.concepts.base import ExtractorBase, NotFittedError, check_bool, check_choice, check_float, check_int
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.clvq_modules import MLPDecoder, ResidualEncoder, SequenceDecoder
 # re-exported, so that they stay importable from this module
 from conceptlens.concepts.clvq_modules import pad_sequences as pad_sequences, sinusoids as sinusoids
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.vq import VQCodebook, VQConfig
-from conceptlens.concepts.vq_math import fvu_from_sums, fvu_sums
+from conceptlens.concepts.vq_math import fvu_from_sums, fvu_sums, laplace_smooth
 
+SPACE = "clvq_z_e"
+"""`ConceptSet.config["space"]` of CLVQ codes: the encoder's z_e space, not an activation site."""
 DecoderKind = Literal["mlp", "transformer"]
 DECODERS = ("mlp", "transformer")
 
@@ -67,16 +70,19 @@ class CLVQConfig:
     """Seed of the parameter initialisation and of the codebook's generator."""
 
     def __post_init__(self) -> None:
-        if self.decoder not in DECODERS:
-            raise ValueError(f"decoder must be one of {DECODERS}; got {self.decoder!r}")
-        for name in ("n_codes", "hidden", "layers", "heads", "batch_size", "buffer_size"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        check_choice("decoder", self.decoder, DECODERS)
+        for name in ("n_codes", "hidden", "layers", "heads"):
+            check_int(name, getattr(self, name))
+        for name in ("batch_size", "buffer_size"):
+            check_int(name, getattr(self, name), optional=True)
         if self.decoder == "transformer" and self.hidden % self.heads:
             raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads}")
-        if self.commitment < 0 or not self.lr > 0:
-            raise ValueError(f"commitment must be >= 0 and lr > 0; got {self.commitment!r}, {self.lr!r}")
+        check_float("commitment", self.commitment)
+        check_float("lr", self.lr, strict=True)
+        check_bool("causal", self.causal)
+        check_int("seed", self.seed, 0)
+        if not isinstance(self.codebook, dict):
+            raise ValueError(f"codebook must be a dict of VQCodebook options; got {self.codebook!r}")
         allowed = set(VQConfig.__dataclass_fields__) - {"n_codes", "batch_size", "seed"}
         if set(self.codebook) - allowed:
             raise ValueError(f"unknown codebook options {sorted(set(self.codebook) - allowed)}; "
@@ -109,25 +115,31 @@ class TranscoderParts:
     scales: dict[str, Tensor] = field(default_factory=dict)   # decoder standardisation, from init
 
 
-class CLVQTranscoder:
+class CLVQTranscoder(ExtractorBase):
     """A cross-layer VQ transcoder fitted online; see the module docstring.
 
     Its codes live in the encoder space: z_e has the source site's width and, since
-    a <= 0.5, is at least half the source activation itself; `concept_set()` returns them
-    as directions (fit engines label them with the source site) and, in
+    a <= 0.5, is at least half the source activation itself, but it is not the source site.
+    `concept_set()` returns them as directions with `config["space"] = "clvq_z_e"` (a fit labels
+    the set `"<source>-><target>:z_e"`, which names no site, so steering or projecting them at
+    an activation site fails loudly instead of treating them as residual directions) and, in
     `stats["decoded"]` (K, d_tgt), what each code writes at the target site.
     """
 
+    Config = CLVQConfig
     method = "clvq"
 
+    @known_kwargs
     def __init__(self, n_codes: int, *, hidden: int = 1024, decoder: DecoderKind = "mlp",
                  commitment: float = 0.1, lr: float = 1e-3, batch_size: int | None = 1024,
                  buffer_size: int | None = None, layers: int = 2, heads: int = 4, causal: bool = True,
-                 codebook: dict[str, Any] | None = None, seed: int = 0) -> None:
+                 codebook: dict[str, Any] | None = None, seed: int = 0,
+                 device: str | torch.device | None = None) -> None:
         self.config = CLVQConfig(n_codes, hidden, decoder, commitment, lr, batch_size, buffer_size,
                                  layers, heads, causal, dict(codebook or {}), seed)
+        self._set_device(device)
         # The transcoder batches rows itself and calls train_step: no second mixing buffer.
-        self.vq = VQCodebook(n_codes, batch_size=None, seed=seed, **self.config.codebook)
+        self.vq = VQCodebook(n_codes, batch_size=None, seed=seed, device=device, **self.config.codebook)
         self.parts: TranscoderParts | None = None
         size = buffer_size or 4 * (batch_size or 1)
         self._mixer = MixingBuffer(size, seed=seed + 2) if decoder == "mlp" and batch_size else None
@@ -230,7 +242,9 @@ class CLVQTranscoder:
             raise ValueError(f"sequence_ids must have shape ({len(x_src)},); got {tuple(ids.shape)}")
         dims = (x_src.shape[1], x_tgt.shape[1])
         if self.parts is None:
-            self.parts = self._build(dims, x_src.device)
+            self.parts = self._build(dims, self.device or x_src.device)
+        device = self.parts.fvu.device
+        x_src, x_tgt, ids = x_src.to(device), x_tgt.to(device), ids.to(device)
         if dims != self.parts.dims:
             raise ValueError(f"expected widths (d_src, d_tgt)={self.parts.dims} (fixed by the first "
                              f"update); got {dims}")
@@ -258,13 +272,19 @@ class CLVQTranscoder:
                         "tgt_mean": tgt.mean(0), "tgt_scale": _rms(tgt - tgt.mean(0))}
         self.vq.update(z)
         self.vq.flush()     # initialises on fewer than init_size rows when called by flush()
+        # The paper's EMA codebook starts every count at 1 (sums = codes), so the first batches
+        # move the codes at once; the codebook's own init weighs the init_size rows as one step.
+        fit = self.vq.fitted
+        fit.counts = torch.ones_like(fit.counts)
+        fit.sums = fit.codes * laplace_smooth(fit.counts, self.vq.config.eps)[:, None]
 
     # ---- evaluation ------------------------------------------------------------------
 
     @torch.no_grad()
     def encode(self, x_src: Tensor) -> Tensor:
         """One-hot nearest code of each token: (N, d_src) -> (N, K) float."""
-        return self.vq.encode(self._ready().encoder(x_src.float()))
+        parts = self._ready()
+        return self.vq.encode(parts.encoder(x_src.float().to(parts.fvu.device)))
 
     @torch.no_grad()
     def decode(self, z: Tensor, sequence_ids: Tensor | None = None) -> Tensor:
@@ -295,7 +315,8 @@ class CLVQTranscoder:
         weights = parts.encoder.state_dict()        # linear.*, norm.*, alpha (as shape (1,))
         encoder = {"codebook": self.vq.codes.clone(),
                    **{k: (v.reshape(-1) if k == "alpha" else v).clone() for k, v in weights.items()}}
-        config = {**asdict(self.config), "d_target": parts.dims[1], "fit_stats": self.stats()._asdict()}
+        config = {**self.config_dict(), "d_target": parts.dims[1], "fit_stats": self.stats()._asdict(),
+                  "space": SPACE}
         return ConceptSet(codes.directions, method=self.method, config=config, encoder=encoder,
                           stats={**codes.stats, "decoded": decoded})
 
@@ -309,7 +330,7 @@ class CLVQTranscoder:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume bit for bit: parameters, Adam moments, the codebook."""
-        state: dict[str, Any] = {"config": asdict(self.config), "steps": self.steps,
+        state: dict[str, Any] = {"config": self.config_dict(), "steps": self.steps,
                                  "vq": self.vq.state_dict(), "parts": None,
                                  "mixer": None if self._mixer is None else self._mixer.state_dict()}
         if (parts := self.parts) is not None:
@@ -321,9 +342,8 @@ class CLVQTranscoder:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from `state_dict()`; the constructor arguments must match."""
-        if state["config"] != asdict(self.config):
-            raise ValueError(f"state was saved with settings {state['config']}; "
-                             f"this transcoder has {asdict(self.config)}")
+        self.check_state(state)
+        state = self._placed(state)
         self.vq.load_state_dict(state["vq"])
         self.steps = state["steps"]
         if self._mixer is not None:
@@ -340,11 +360,53 @@ class CLVQTranscoder:
         parts.fvu = saved["fvu"].clone()
         parts.scales = {k: v.clone() for k, v in saved["scales"].items()}
 
-    def merge(self, other: Any) -> None:
-        """Not supported: the encoder and decoder are trained by gradient steps, whose
-        parameters do not add across workers. Fit a transcoder on one worker."""
-        raise NotImplementedError("CLVQTranscoder cannot merge workers: its encoder and decoder are "
-                                  "trained by gradient descent; fit it on a single worker")
+    def mark_shared_start(self) -> None:
+        """Declare the current state the start of replicas (see `VQCodebook.mark_shared_start`)."""
+        self.vq.mark_shared_start()
+
+    @torch.no_grad()
+    def _merge(self, other: CLVQTranscoder) -> None:
+        """Combine with a data-parallel replica (`merge` also takes its state dict).
+
+        Replicas started from one initialised state (the same `state_dict`): encoder and
+        decoder parameters and Adam moments are averaged with equal weights, the codebooks
+        merge as `VQCodebook.merge` (the shared start counted once), the step count is the
+        larger one and buffered rows join. A transcoder that has not started takes the
+        other's state. Across processes the fit all-reduces gradients every step instead.
+        """
+        if other.parts is None:
+            return
+        if self.parts is None or not self.vq.is_initialised:
+            self.load_state_dict(other.state_dict())
+            return
+        mine, theirs = self.parts, other.parts
+        if not other.vq.is_initialised:
+            raise ValueError("cannot merge a transcoder that has not initialised into one that has")
+        if mine.dims != theirs.dims or any(not torch.equal(mine.scales[k], theirs.scales[k].to(mine.fvu.device))
+                                           for k in mine.scales):
+            raise ValueError("replicas must start from one initialised state (load the same state_dict); "
+                             f"got widths {mine.dims} and {theirs.dims} or different standardisations")
+        _average_modules(mine, theirs)
+        self.vq.merge(other.vq)
+        mine.fvu = (mine.fvu + theirs.fvu.to(mine.fvu.device)) / 2
+        self.steps = max(self.steps, other.steps)
+        mine.pending = [torch.cat([p, q.to(p.device)]) for p, q in zip(mine.pending, theirs.pending)]
+        rows = None if other._mixer is None else other._mixer.state_dict()["data"]
+        if rows is not None and len(rows) and self._mixer is not None:
+            self._mixer.add(rows)
+
+
+def _average_modules(mine: TranscoderParts, theirs: TranscoderParts) -> None:
+    """Equal-weight average of encoder and decoder parameters and their Adam moments, into `mine`."""
+    ps = [*mine.encoder.parameters(), *mine.decoder.parameters()]
+    qs = [*theirs.encoder.parameters(), *theirs.decoder.parameters()]
+    for p, q in zip(ps, qs):
+        p.add_(q.to(p.device)).mul_(0.5)
+        a, b = mine.optimizer.state.get(p), theirs.optimizer.state.get(q)
+        if a and b:
+            for key in ("exp_avg", "exp_avg_sq"):
+                a[key].add_(b[key].to(p.device)).mul_(0.5)
+            a["step"] = torch.maximum(a["step"], b["step"].to(a["step"].device))
 
 
 def _rms(x: Tensor) -> Tensor:

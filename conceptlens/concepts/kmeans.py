@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from conceptlens.concepts.base import NotFittedError
+from conceptlens._checks import known_kwargs
+from conceptlens.concepts.base import ExtractorBase, NotFittedError, check_bool, check_float, check_int
 from conceptlens.concepts.conceptset import ConceptSet
 
 
@@ -43,14 +44,12 @@ class KMeansConfig:
     """Seed of the private random generator (k-means++, batches, reseeding)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n_concepts, int) or self.n_concepts < 1:
-            raise ValueError(f"n_concepts must be a positive int; got {self.n_concepts!r}")
-        if self.batch_size is not None and (not isinstance(self.batch_size, int) or self.batch_size < 1):
-            raise ValueError(f"batch_size must be a positive int or None; got {self.batch_size!r}")
-        if self.init_size is not None and (not isinstance(self.init_size, int) or self.init_size < 1):
-            raise ValueError(f"init_size must be a positive int or None; got {self.init_size!r}")
-        if self.reseed_after is not None and not self.reseed_after > 0:
-            raise ValueError(f"reseed_after must be > 0 or None; got {self.reseed_after!r}")
+        check_int("n_concepts", self.n_concepts)
+        check_bool("spherical", self.spherical)
+        check_int("batch_size", self.batch_size, optional=True)
+        check_int("init_size", self.init_size, optional=True)
+        check_float("reseed_after", self.reseed_after, strict=True, optional=True)
+        check_int("seed", self.seed, 0)
 
     @property
     def rows_to_init(self) -> int:
@@ -66,6 +65,12 @@ def squared_distances(x: Tensor, c: Tensor, x_sq: Tensor | None = None, c_sq: Te
     x_sq = (x * x).sum(1) if x_sq is None else x_sq
     c_sq = (c * c).sum(1) if c_sq is None else c_sq
     return (x_sq[:, None] - 2.0 * (x @ c.T) + c_sq[None]).clamp_min_(0.0)
+
+
+def mass_weighted_mean(centres: Tensor, mass: Tensor) -> Tensor:
+    """(d,) mean of the rows clustered, from centres `(k, d)` that are running means and their
+    masses `(k,)` (exact until a centre is reseeded or merged; the fit's mean activation)."""
+    return (mass.double() @ centres.double() / mass.double().sum().clamp_min(1e-300)).float()
 
 
 def kmeans_plusplus(x: Tensor, k: int, generator: torch.Generator, weight: Tensor | None = None) -> Tensor:
@@ -101,9 +106,24 @@ def minibatch_step(centres: Tensor, mass: Tensor, x: Tensor, weight: Tensor, lab
     centres (k, d), mass (k,) float64, x (N, d), weight (N,), labels (N,) nearest-centre index.
     A centre that receives nothing is unchanged.
     """
-    k = centres.shape[0]
+    sums, received = step_statistics(centres, mass, x, weight, labels)
+    return apply_step(centres, mass, sums, received)
+
+
+def step_statistics(centres: Tensor, mass: Tensor, x: Tensor, weight: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """The additive statistics of one minibatch: per-centre weighted sums (k, d) and weights (k,).
+
+    Statistics of disjoint shards of a batch add up to those of the whole batch, which is
+    what a distributed fit all-reduces before `apply_step`.
+    """
     sums = torch.zeros_like(centres).index_add_(0, labels, x * weight[:, None].to(x.dtype))
     received = torch.zeros_like(mass).index_add_(0, labels, weight.to(mass.dtype))
+    return sums, received
+
+
+def apply_step(centres: Tensor, mass: Tensor, sums: Tensor, received: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Centres moved by a minibatch's `step_statistics`: (centres, mass, received)."""
+    k = centres.shape[0]
     new_mass = mass + received
     # c + (sum w x - W c) / (m + W): the increment form keeps float32 precision at large mass.
     rate = torch.where(new_mass > 0, 1.0 / new_mass.clamp_min(1e-300), 0.0).to(centres.dtype)
@@ -136,7 +156,21 @@ def _unit(x: Tensor) -> Tensor:
     return x / x.norm(dim=1, keepdim=True).clamp_min(1e-12)
 
 
-class StreamingKMeans:
+class KMeansStats(NamedTuple):
+    """Fit-report numbers of a k-means (also used by Deleuzian for its inner k-means)."""
+
+    steps: int
+    """Minibatch steps taken."""
+    rows: int
+    """Rows consumed (including those still waiting for the initialisation)."""
+    live_fraction: float
+    """Fraction of centres that have received mass (nan before the initialisation)."""
+    reseeded: int
+    """Centres moved by dead-centre reseeding so far."""
+
+
+class StreamingKMeans(ExtractorBase):
+    distributed = "step"
     """Weighted mini-batch k-means with k-means++ start, dead-centre reseeding and merging.
 
     `encode(x)` is the negative squared distance to each centre (spherical: the cosine
@@ -145,11 +179,15 @@ class StreamingKMeans:
     buffering initialises a copy on what it has, leaving the object itself unchanged.
     """
 
+    Config = KMeansConfig
     method = "kmeans"
 
+    @known_kwargs
     def __init__(self, n_concepts: int, *, spherical: bool = False, batch_size: int | None = None,
-                 init_size: int | None = None, reseed_after: float | None = 50.0, seed: int = 0) -> None:
+                 init_size: int | None = None, reseed_after: float | None = 50.0, seed: int = 0,
+                 device: str | torch.device | None = None) -> None:
         self.config = KMeansConfig(n_concepts, spherical, batch_size, init_size, reseed_after, seed)
+        self._set_device(device)
         self._gen = torch.Generator().manual_seed(seed)
         self.d: int | None = None
         self._centres: Tensor | None = None  # (k, d) weighted running means (not normalised)
@@ -158,6 +196,7 @@ class StreamingKMeans:
         self._pending: tuple[Tensor, Tensor] | None = None  # rows (M, d), weights (M,) before init
         self.n_seen = 0
         self.n_reseeded = 0
+        self.n_steps = 0
 
     @property
     def is_initialised(self) -> bool:
@@ -178,6 +217,8 @@ class StreamingKMeans:
     def update(self, x: Tensor, weight: Tensor | None = None) -> None:
         """Consume rows x `(N, d)` with optional non-negative weights `(N,)` (default 1)."""
         x, weight = self._check(x, weight)
+        if self.comm is not None and self._centres is None:  # every rank buffers the same rows
+            x, weight = self._gather(x, weight)
         self.n_seen += x.shape[0]
         if self._centres is None:
             px, pw = self._pending if self._pending is not None else (x[:0], weight[:0])
@@ -198,7 +239,7 @@ class StreamingKMeans:
         self._centres = x[kmeans_plusplus(x[:head], self.config.n_concepts, self._gen, w[:head])].clone()
         self._mass = self._mass.to(x.device)
         self._idle = self._idle.to(x.device)
-        self._steps(x, w)
+        self._steps(x, w, shared=True)  # distributed: these rows are the same on every rank
 
     def _check(self, x: Tensor, weight: Tensor | None) -> tuple[Tensor, Tensor]:
         if x.ndim != 2:
@@ -207,7 +248,7 @@ class StreamingKMeans:
             self.d = x.shape[1]
         elif x.shape[1] != self.d:
             raise ValueError(f"this StreamingKMeans was fitted on width d={self.d}; got width {x.shape[1]}")
-        x = x.detach().float()
+        x = self._place(x.detach().float())
         if weight is None:
             weight = torch.ones(x.shape[0], device=x.device)
         elif weight.shape != (x.shape[0],):
@@ -216,24 +257,47 @@ class StreamingKMeans:
             raise ValueError("weight must be finite and non-negative")
         return (_unit(x) if self.config.spherical else x), weight.detach().float().to(x.device)
 
-    def _steps(self, x: Tensor, w: Tensor) -> None:
+    def _steps(self, x: Tensor, w: Tensor, shared: bool = False) -> None:
+        """Steps of `batch_size` rows. Distributed (`comm` set, rows not `shared`): each rank
+        holds its part of every step, and the ranks take as many steps as the rank with the
+        most rows (the others contribute empty parts)."""
         size = self.config.batch_size or max(x.shape[0], 1)
-        for start in range(0, x.shape[0], size):
-            self._step(x[start:start + size], w[start:start + size])
+        n = -(-x.shape[0] // size)
+        synced = self.comm is not None and not shared
+        for i in range(self.comm.max_int(n) if synced else n):
+            self._step(x[i * size:(i + 1) * size], w[i * size:(i + 1) * size], synced)
 
-    def _step(self, x: Tensor, w: Tensor) -> None:
+    def _step(self, x: Tensor, w: Tensor, synced: bool = False) -> None:
         view = _unit(self._centres) if self.config.spherical else self._centres
         best, labels = squared_distances(x, view).min(1)
-        self._centres, self._mass, received = minibatch_step(self._centres, self._mass, x, w, labels)
-        self._idle = torch.where(received > 0, 0, self._idle + x.shape[0])
+        sums, received = step_statistics(self._centres, self._mass, x, w, labels)
+        rows = x.shape[0]
+        if synced:  # the statistics of the whole step, summed over the ranks, before the update
+            k, d = sums.shape
+            packed = self.comm.sum_(torch.cat([sums.flatten().double(), received.double(),
+                                               received.new_tensor([rows], dtype=torch.float64)]))
+            sums, received = packed[: k * d].view(k, d).to(sums.dtype), packed[k * d: k * d + k].to(received.dtype)
+            rows = int(packed[-1].item())
+        self._centres, self._mass, received = apply_step(self._centres, self._mass, sums, received)
+        self._idle = torch.where(received > 0, 0, self._idle + rows)
+        self.n_steps += 1
         if self.config.reseed_after is not None:
-            self._reseed(x, w, best)
+            self._reseed(x, w, best, synced)
 
-    def _reseed(self, x: Tensor, w: Tensor, best: Tensor) -> None:
-        """Move centres idle for too long onto rows drawn in proportion to w * distance^2."""
+    def _gather(self, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+        """Rows and weights of every rank, in rank order (distributed)."""
+        both = self.comm.gather_rows(torch.cat([x, w[:, None].to(x.dtype)], 1))
+        return both[:, :-1], both[:, -1].to(w.dtype)
+
+    def _reseed(self, x: Tensor, w: Tensor, best: Tensor, synced: bool = False) -> None:
+        """Move centres idle for too long onto rows drawn in proportion to w * distance^2
+        (distributed: drawn from every rank's rows, gathered in rank order)."""
         dead = torch.nonzero(self._idle >= self.config.reseed_after * self.config.n_concepts).flatten()
         if dead.numel() == 0:  # the common case: no copy of the scores
             return
+        if synced:
+            both = self.comm.gather_rows(torch.cat([x, w[:, None], best[:, None]], 1))
+            x, w, best = both[:, :-2], both[:, -2], both[:, -1]
         score = (w * best).double().cpu()
         n = min(dead.numel(), int((score > 0).sum()))
         if n == 0:
@@ -250,15 +314,14 @@ class StreamingKMeans:
             return self
         if self._pending is None:
             raise NotFittedError("StreamingKMeans has seen no data yet; call update(x) first")
-        twin = StreamingKMeans(**asdict(self.config))
-        twin.load_state_dict(self.state_dict())
+        twin = type(self).from_state(self.state_dict())
         twin.flush()
         return twin
 
     def encode(self, x: Tensor) -> Tensor:
         """Concept activations `(N, k)`: -|x - c|^2, or cos(x, c) when spherical."""
         c = self.centres
-        x = x.float()
+        x = x.float().to(c.device)
         return _unit(x) @ c.T if self.config.spherical else -squared_distances(x, c)
 
     def predict(self, x: Tensor) -> Tensor:
@@ -267,20 +330,25 @@ class StreamingKMeans:
 
     def inertia(self, x: Tensor, weight: Tensor | None = None) -> float:
         """Sum of (weighted) squared distances to the nearest centre (unit vectors when spherical)."""
-        x = _unit(x.float()) if self.config.spherical else x.float()
+        x = x.float().to(self.centres.device)
+        x = _unit(x) if self.config.spherical else x
         d2 = squared_distances(x, self.centres).min(1).values.double()
-        return float(d2.sum() if weight is None else (d2 * weight.double()).sum())
+        return float(d2.sum() if weight is None else (d2 * weight.double().to(d2.device)).sum())
 
-    def merge(self, other: StreamingKMeans | dict[str, Any]) -> None:
-        """Absorb another run's statistics (an object or its `state_dict()`).
+    def stats(self) -> KMeansStats:
+        live = float("nan") if self._centres is None else (self._mass > 0).float().mean().item()
+        return KMeansStats(self.n_steps, self.n_seen, live, self.n_reseeded)
 
-        Two runs' centres are not matched, so the 2k centres are clustered back to k by
-        weighted k-means (weights = masses); each merged centre is the mass-weighted mean of
-        its group and its mass the group's total, so total mass is conserved.
+    def _merge(self, other: StreamingKMeans) -> None:
+        """Absorb another run's statistics (`merge` takes an object or its `state_dict()`).
+
+        Two independent runs' centres are not matched, so the 2k centres are clustered back
+        to k by weighted k-means (weights = masses); each merged centre is the mass-weighted
+        mean of its group and its mass the group's total, so total mass is conserved. This is
+        not the same as one run over both streams (no online k-means merge can be); the exact
+        combination is per step: `step_statistics` of disjoint shards add up, which is what a
+        distributed fit all-reduces before every centre update.
         """
-        if isinstance(other, dict):
-            state, other = other, StreamingKMeans(**other["config"])
-            other.load_state_dict(state)
         if other.config.n_concepts != self.config.n_concepts or other.config.spherical != self.config.spherical:
             raise ValueError(f"cannot merge {other.config} into {self.config}: n_concepts and spherical must match")
         if other._centres is None:
@@ -293,30 +361,32 @@ class StreamingKMeans:
         else:
             if other.d != self.d:
                 raise ValueError(f"cannot merge centres of width {other.d} into width {self.d}")
-            points = torch.cat([self._centres, other._centres])
+            points = torch.cat([self._centres, other._centres.to(self._centres.device)])
             mass = torch.cat([self._mass, other._mass.to(self._mass.device)])
             self._centres, self._mass = weighted_lloyd(points, mass, self.config.n_concepts, self._gen,
                                                         spherical=self.config.spherical)
             self._idle = torch.zeros_like(self._idle)
         self.n_seen += other.n_seen
+        self.n_steps += other.n_steps
         if pending is not None:
             self._steps(*pending)
 
     def concept_set(self) -> ConceptSet:
         fitted = self._fitted()
         return ConceptSet(fitted.centres, method=self.method, config=asdict(self.config),
-                          stats={"mass": fitted._mass.float()})
+                          stats={"mass": fitted._mass.float()}, mean=mass_weighted_mean(fitted.centres, fitted._mass))
 
     def state_dict(self) -> dict[str, Any]:
         px, pw = self._pending if self._pending is not None else (None, None)
-        return {"config": asdict(self.config), "d": self.d, "centres": self._centres, "mass": self._mass,
+        return {"config": self.config_dict(), "d": self.d, "steps": self.n_steps, "centres": self._centres, "mass": self._mass,
                 "idle": self._idle, "pending_x": px, "pending_w": pw, "n_seen": self.n_seen,
                 "n_reseeded": self.n_reseeded, "generator": self._gen.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["config"] != asdict(self.config):
-            raise ValueError(f"state was saved with config {state['config']}; this object has {asdict(self.config)}")
+        self.check_state(state)
+        state = self._placed(state)
         self.d, self.n_seen, self.n_reseeded = state["d"], state["n_seen"], state["n_reseeded"]
+        self.n_steps = state.get("steps", 0)
         clone = (lambda t: None if t is None else t.clone())
         self._centres, self._mass, self._idle = clone(state["centres"]), clone(state["mass"]), clone(state["idle"])
         has_pending = state["pending_x"] is not None

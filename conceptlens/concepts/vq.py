@@ -22,11 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from conceptlens.concepts.base import NotFittedError
+from conceptlens._checks import known_kwargs
+from conceptlens.concepts.base import (ExtractorBase, NotFittedError, check_choice, check_float, check_fraction,
+                                      check_int)
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.vq_math import (INIT_METHODS, InitMethod, codes_from_ema, ema_update, fvu_from_sums,
-                                          fvu_sums, initial_codes, laplace_smooth, perplexity, sample_top_k)
+                                          fvu_sums, initial_codes, laplace_smooth, perplexity, sample_top_k,
+                                          samples_randomly)
 
 
 @dataclass
@@ -60,19 +63,15 @@ class VQConfig:
     """Seed of the private generator (k-means init, sampling, reseeding)."""
 
     def __post_init__(self) -> None:
-        positive = {"n_codes": self.n_codes, "top_k": self.top_k, "init_size": self.rows_to_init,
-                    "reseed_after": self.reseed_after or 1, "batch_size": self.batch_size or 1,
-                    "buffer_size": self.buffer_size or 1}
-        for name, value in positive.items():
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer; got {value!r}")
-        if not 0.0 <= self.decay < 1.0:
-            raise ValueError(f"decay must be in [0, 1); got {self.decay!r}")
-        if self.eps < 0 or self.temperature < 0 or self.reseed_threshold < 0:
-            raise ValueError(f"eps, temperature and reseed_threshold must be >= 0; got "
-                             f"{self.eps!r}, {self.temperature!r}, {self.reseed_threshold!r}")
-        if self.init not in INIT_METHODS:
-            raise ValueError(f"init must be one of {INIT_METHODS}; got {self.init!r}")
+        check_int("n_codes", self.n_codes)
+        check_int("top_k", self.top_k)
+        for name in ("init_size", "reseed_after", "batch_size", "buffer_size"):
+            check_int(name, getattr(self, name), optional=True)
+        check_fraction("decay", self.decay)
+        for name in ("eps", "temperature", "reseed_threshold"):
+            check_float(name, getattr(self, name))
+        check_choice("init", self.init, INIT_METHODS)
+        check_int("seed", self.seed, 0)
         if self.rows_to_init < self.n_codes:
             raise ValueError(f"init_size={self.rows_to_init} is smaller than n_codes={self.n_codes}: "
                              f"initialisation needs at least one token per code")
@@ -115,7 +114,7 @@ class CodebookState:
     fvu: Tensor         # (d + 3,) float64 EMA of fvu_sums
 
 
-class VQCodebook:
+class VQCodebook(ExtractorBase):
     """An EMA vector-quantisation codebook fitted online; see the module docstring.
 
     The first init_size tokens initialise the codes (k-means, spherical k-means or random
@@ -124,21 +123,29 @@ class VQCodebook:
     Every reseed_after steps, codes whose EMA count fell below reseed_threshold * N / K
     restart at random tokens of the latest batch.
 
-    `merge(other)` adds the other codebook's EMA counts, EMA sums, hit counts and FVU sums
-    code by code (rows still buffered there are left out), so each merged code is
-    e_i = (m_i + m'_i) / smooth(N + N')_i, the count-weighted mean of both workers' codes.
-    That presumes code i means the same on both sides: start the workers from one
-    initialised state (the same `state_dict`), then feed each its own shard.
+    `merge(other)` adds what the other codebook learnt since the state both started from
+    (their shared origin: the initialisation, the last merge, or the state on which
+    `mark_shared_start()` was called before its `state_dict` was handed to the replicas): EMA counts, EMA sums, FVU sums, hits and tokens of the other, minus its decayed
+    copy of the origin, are added to this one's, so the shared start is counted once. After
+    one step each, the merge equals one step on both batches (exact, tested); after more it
+    is the count-weighted mean of the workers' codes. Codebooks without a common origin are
+    added code by code (code i must mean the same on both sides, which only a shared start
+    guarantees). Rows still in the other's mixing buffer join this one's.
     """
 
+    Config = VQConfig
     method = "vq"
+    distributed = "step"
 
+    @known_kwargs
     def __init__(self, n_codes: int, *, decay: float = 0.99, eps: float = 1e-5, top_k: int = 5,
                  temperature: float = 1.0, init: InitMethod = "kmeans", init_size: int | None = None,
                  reseed_after: int | None = 100, reseed_threshold: float = 0.03,
-                 batch_size: int | None = None, buffer_size: int | None = None, seed: int = 0) -> None:
+                 batch_size: int | None = None, buffer_size: int | None = None, seed: int = 0,
+                 device: str | torch.device | None = None) -> None:
         self.config = VQConfig(n_codes, decay, eps, top_k, temperature, init, init_size,
                                reseed_after, reseed_threshold, batch_size, buffer_size, seed)
+        self._set_device(device)
         self.d: int | None = None
         self.fitted: CodebookState | None = None
         self._pending: Tensor | None = None   # rows collected for the initialisation
@@ -149,6 +156,7 @@ class VQCodebook:
         self._gen = torch.Generator().manual_seed(seed)
         size = self.config.buffer_size or 4 * (batch_size or 1)
         self._mixer = MixingBuffer(size, seed=seed + 1) if batch_size else None   # its own stream
+        self._origin: dict[str, Any] | None = None   # the state replicas share (see `merge`)
 
     @property
     def is_initialised(self) -> bool:
@@ -170,7 +178,10 @@ class VQCodebook:
         """Consume `x` (N, d): collect until init_size tokens, then one EMA step per call, or
         per batch_size rows drawn from the mixing buffer."""
         x = self._prepare(x)
+        shared = False  # distributed: rows gathered from every rank (the same everywhere)
         if self.fitted is None:
+            if self.comm is not None:
+                x, shared = self.comm.gather_rows(x), True
             self._init_calls += 1
             pending = self._pending = torch.cat([self._pending, x]) if self._pending is not None else x
             if len(pending) < self.config.rows_to_init:
@@ -179,10 +190,16 @@ class VQCodebook:
             self._initialise(pending[: self.config.rows_to_init])
         size = self.config.batch_size
         if self._mixer is None or size is None:
-            if len(x):
-                self.train_step(x)
+            if len(x) or (self.comm is not None and not shared):
+                self.train_step(x, shared=shared)
             return
-        self._mixer.add(x)
+        if not shared or self.comm.rank == 0:  # gathered leftover rows join one buffer only
+            self._mixer.add(x)
+        if self.comm is not None:  # as many steps on every rank; short ranks add empty batches
+            for _ in range(self.comm.max_int(self._mixer.ready(size))):
+                batch = self._mixer.take(size)
+                self.train_step(batch.to(x.device) if batch is not None else x[:0])
+            return
         while (batch := self._mixer.take(size)) is not None:
             self.train_step(batch.to(x.device))
 
@@ -195,27 +212,56 @@ class VQCodebook:
         if self.fitted is None or self._mixer is None or size is None:
             return
         rest = self._mixer.drain()
-        for batch in () if rest is None else rest.split(size):
-            self.train_step(batch.to(self.fitted.codes.device))
+        batches = [] if rest is None else list(rest.split(size))
+        n = len(batches) if self.comm is None else self.comm.max_int(len(batches))
+        device = self.fitted.codes.device
+        for i in range(n):
+            self.train_step(batches[i].to(device) if i < len(batches) else self.fitted.codes[:0])
 
-    def train_step(self, x: Tensor) -> VQStep:
+    def train_step(self, x: Tensor, shared: bool = False) -> VQStep:
         """One EMA step on the batch `x` (N, d): sample codes, update counts and sums,
-        track statistics, reseed dead codes every reseed_after steps."""
+        track statistics, reseed dead codes every reseed_after steps. Distributed (`comm`
+        set, rows not `shared`): x is this rank's part of the step; the uniforms are this
+        rank's slice of the whole step's, and the statistics are all-reduced before the EMA
+        update, so the step equals one on all ranks' rows in rank order."""
         cfg, fit = self.config, self._fitted()
         x, codes = self._prepare(x), fit.codes
+        synced = self.comm is not None and not shared
         dist = torch.cdist(x, codes)                                   # (N, K) Euclidean
-        code = sample_top_k(dist, cfg.top_k, cfg.temperature, self._gen)
+        u = None
+        if synced:
+            sizes = self.comm.sizes(len(x))
+            if samples_randomly(cfg.top_k, cfg.temperature, cfg.n_codes):
+                start = sum(sizes[: self.comm.rank])
+                u = torch.rand(sum(sizes), 1, generator=self._gen)[start:start + len(x)]
+        code = sample_top_k(dist, cfg.top_k, cfg.temperature, self._gen, u)
         onehot = F.one_hot(code, cfg.n_codes).to(x.dtype)              # (N, K)
-        fit.counts, fit.sums = ema_update(fit.counts, fit.sums, onehot.sum(0), onehot.T @ x, cfg.decay)
-        fit.codes = codes_from_ema(fit.counts, fit.sums, cfg.eps)
         nearest = dist.argmin(1)
-        fit.hits += torch.bincount(nearest, minlength=cfg.n_codes)
-        fit.fvu = cfg.decay * fit.fvu + (1 - cfg.decay) * fvu_sums(x, codes[nearest])
+        counts, sums = onehot.sum(0), onehot.T @ x
+        hits, fvu = torch.bincount(nearest, minlength=cfg.n_codes), fvu_sums(x, codes[nearest])
+        n_rows = len(x)
+        if synced:
+            counts, sums, hits, fvu = self._all_reduce(counts, sums, hits, fvu)
+            n_rows = sum(sizes)
+        fit.counts, fit.sums = ema_update(fit.counts, fit.sums, counts, sums, cfg.decay)
+        fit.codes = codes_from_ema(fit.counts, fit.sums, cfg.eps)
+        fit.hits += hits
+        fit.fvu = cfg.decay * fit.fvu + (1 - cfg.decay) * fvu
         self.steps += 1
-        self.tokens += len(x)
+        self.tokens += n_rows
         if cfg.reseed_after and self.steps % cfg.reseed_after == 0:
-            self._reseed(fit, x)
+            self._reseed(fit, x, synced)
         return VQStep(code, codes[code])
+
+    def _all_reduce(self, counts: Tensor, sums: Tensor, hits: Tensor, fvu: Tensor) -> tuple[Tensor, ...]:
+        """One step's statistics summed over the ranks (one all-reduce, float64)."""
+        parts = [counts, sums, hits, fvu]
+        flat = self.comm.sum_(torch.cat([p.flatten().double() for p in parts]))
+        out, offset = [], 0
+        for p in parts:
+            out.append(flat[offset:offset + p.numel()].view_as(p).to(p.dtype))
+            offset += p.numel()
+        return tuple(out)
 
     def _prepare(self, x: Tensor) -> Tensor:
         if x.ndim != 2:
@@ -224,7 +270,8 @@ class VQCodebook:
             self.d = x.shape[1]
         if x.shape[1] != self.d:
             raise ValueError(f"expected width d={self.d} (fixed by the first update); got {x.shape[1]}")
-        return x.float()
+        x = self._place(x.float())
+        return x if self.fitted is None else x.to(self.fitted.codes.device)
 
     def _initialise(self, x: Tensor) -> None:
         """Codes from the first init_size tokens x (M, d); EMA state consistent with them."""
@@ -239,13 +286,32 @@ class VQCodebook:
                                     torch.zeros(cfg.n_codes, dtype=torch.long, device=x.device),
                                     torch.zeros(x.shape[1] + 3, dtype=torch.float64, device=x.device))
         self._pending = None
+        self._mark_origin()
 
-    def _reseed(self, fit: CodebookState, x: Tensor) -> None:
-        """Replace dead codes by random tokens of the latest batch `x` (N, d)."""
+    def mark_shared_start(self) -> None:
+        """Declare the current state the start of replicas (call it before handing out its
+        `state_dict`), so that their later `merge` counts it once. Initialisation and merge
+        mark it by themselves."""
+        self._mark_origin()
+
+    def _mark_origin(self) -> None:
+        """Remember the current fitted state as the start replicas share."""
+        fit = self.fitted
+        self._origin = None if fit is None else {
+            "counts": fit.counts.clone(), "sums": fit.sums.clone(), "hits": fit.hits.clone(),
+            "fvu": fit.fvu.clone(), "steps": self.steps, "tokens": self.tokens}
+
+    def _reseed(self, fit: CodebookState, x: Tensor, synced: bool = False) -> None:
+        """Replace dead codes by random tokens of the latest batch `x` (N, d) (distributed:
+        of every rank's part of it, in rank order)."""
         cfg = self.config
         share = fit.counts.sum() / cfg.n_codes
         dead = torch.nonzero(fit.counts < cfg.reseed_threshold * share).squeeze(1)
         if dead.numel() == 0:
+            return
+        if synced:
+            x = self.comm.gather_rows(x)
+        if len(x) == 0:
             return
         if len(x) >= len(dead):
             pick = torch.randperm(len(x), generator=self._gen)[: len(dead)]
@@ -284,10 +350,11 @@ class VQCodebook:
     def concept_set(self) -> ConceptSet:
         """Directions = the codes (K, d) in the input's activation space."""
         fit = self._fitted()
-        config = {**asdict(self.config), "fit_stats": self.stats()._asdict()}
+        config = {**self.config_dict(), "fit_stats": self.stats()._asdict()}
         return ConceptSet(fit.codes.clone(), method=self.method, config=config,
                           encoder={"codebook": fit.codes.clone()},
-                          stats={"ema_count": fit.counts.clone(), "hits": fit.hits.clone()})
+                          stats={"ema_count": fit.counts.clone(), "hits": fit.hits.clone()},
+                          mean=fit.sums.sum(0) / fit.counts.sum())  # EMA mean of the activations
 
     def _fitted(self) -> CodebookState:
         if self.fitted is None:
@@ -302,17 +369,15 @@ class VQCodebook:
         """Everything needed to resume bit for bit (tensors, ints, the generator state)."""
         fitted = None if self.fitted is None else {k: v.clone() for k, v in asdict(self.fitted).items()}
         pending = None if self._pending is None else self._pending.clone()
-        return {"config": asdict(self.config), "d": self.d, "fitted": fitted, "pending": pending,
+        return {"config": self.config_dict(), "d": self.d, "fitted": fitted, "pending": pending,
                 "init_calls": self._init_calls, "steps": self.steps, "tokens": self.tokens,
-                "generator": self._gen.get_state(),
+                "generator": self._gen.get_state(), "origin": _copy(self._origin),
                 "mixer": None if self._mixer is None else self._mixer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from `state_dict()`; the constructor arguments must match."""
-        if state["config"] != asdict(self.config):
-            diff = {k: v for k, v in state["config"].items() if asdict(self.config).get(k) != v}
-            raise ValueError(f"state was saved with different settings {diff}; "
-                             f"this codebook has {asdict(self.config)}")
+        self.check_state(state)
+        state = self._placed(state)
         fitted = state["fitted"]
         self.fitted = None if fitted is None else CodebookState(**{k: v.clone() for k, v in fitted.items()})
         self._pending = None if state["pending"] is None else state["pending"].clone()
@@ -321,23 +386,46 @@ class VQCodebook:
         self._gen.set_state(state["generator"])
         if self._mixer is not None:
             self._mixer.load_state_dict(state["mixer"])
+        self._origin = _copy(state.get("origin"))
 
-    def merge(self, other: VQCodebook | dict[str, Any]) -> None:
+    def _merge(self, other: VQCodebook) -> None:
         """Add another worker's EMA statistics (see the class docstring)."""
-        if isinstance(other, dict):
-            state, other = other, VQCodebook(**other["config"])
-            other.load_state_dict(state)
         if other.config.n_codes != self.config.n_codes or (self.d and other.d and other.d != self.d):
             raise ValueError(f"cannot merge a codebook of {other.config.n_codes} codes of width "
                              f"{other.d} into one of {self.config.n_codes} codes of width {self.d}")
         if other.fitted is None:
             return
-        theirs = other.fitted
-        if self.fitted is None:
-            self.d, self._pending = other.d, None
-            self.fitted = CodebookState(**{k: torch.zeros_like(v) for k, v in asdict(theirs).items()})
-        mine = self.fitted
-        mine.counts, mine.sums = mine.counts + theirs.counts, mine.sums + theirs.sums
-        mine.hits, mine.fvu = mine.hits + theirs.hits, mine.fvu + theirs.fvu
+        if self.fitted is None:  # an empty codebook becomes a copy (keeping its own buffered rows)
+            self.load_state_dict({**other.state_dict(), "mixer": None if self._mixer is None else self._mixer.state_dict()})
+            self._join_buffer(other)
+            return
+        mine, theirs, decay = self.fitted, other.fitted, self.config.decay
+        origin = other._origin
+        shared = origin is not None and self._origin is not None and all(
+            torch.equal(origin[k], self._origin[k]) for k in ("counts", "sums", "hits"))
+        if shared:  # subtract the other's decayed copy of the start both share
+            w = decay ** (other.steps - origin["steps"])
+            dev = mine.counts.device
+            mine.counts = mine.counts + theirs.counts.to(dev) - w * origin["counts"].to(dev)
+            mine.sums = mine.sums + theirs.sums.to(dev) - w * origin["sums"].to(dev)
+            mine.fvu = mine.fvu + theirs.fvu.to(dev) - w * origin["fvu"].to(dev)
+            mine.hits = mine.hits + theirs.hits.to(dev) - origin["hits"].to(dev)
+            self.tokens += other.tokens - origin["tokens"]
+        else:
+            dev = mine.counts.device
+            mine.counts, mine.sums = mine.counts + theirs.counts.to(dev), mine.sums + theirs.sums.to(dev)
+            mine.hits, mine.fvu = mine.hits + theirs.hits.to(dev), mine.fvu + theirs.fvu.to(dev)
+            self.tokens += other.tokens
         mine.codes = codes_from_ema(mine.counts, mine.sums, self.config.eps)
-        self.tokens += other.tokens
+        self.steps = max(self.steps, other.steps)
+        self._mark_origin()
+        self._join_buffer(other)
+
+    def _join_buffer(self, other: VQCodebook) -> None:
+        rows = None if other._mixer is None else other._mixer.state_dict()["data"]
+        if rows is not None and len(rows) and self._mixer is not None:
+            self._mixer.add(rows)
+
+
+def _copy(origin: dict[str, Any] | None) -> dict[str, Any] | None:
+    return None if origin is None else {k: v.clone() if isinstance(v, Tensor) else v for k, v in origin.items()}

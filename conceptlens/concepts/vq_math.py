@@ -40,18 +40,26 @@ def codes_from_ema(counts: Tensor, sums: Tensor, eps: float) -> Tensor:
     return sums / laplace_smooth(counts, eps)[:, None]
 
 
+def samples_randomly(k: int, temperature: float, n_codes: int) -> bool:
+    """Whether `sample_top_k` draws uniforms (not when it takes the nearest code)."""
+    return temperature != 0 and min(k, n_codes) > 1
+
+
 def sample_top_k(dist: Tensor, k: int, temperature: float,
-                 generator: torch.Generator | None = None) -> Tensor:
+                 generator: torch.Generator | None = None, u: Tensor | None = None) -> Tensor:
     """Draw one code per row among its k nearest, p ∝ exp(-dist / temperature).
 
     dist: (N, K) distances -> (N,) long. temperature 0 or k 1 gives the nearest code. The
-    uniforms come from the CPU `generator`, whatever the device of dist.
+    uniforms come from the CPU `generator`, whatever the device of dist, unless given as
+    `u` `(N, 1)` (a distributed step's slice of the uniforms of the whole step).
     """
     neg, index = (-dist).topk(min(k, dist.shape[1]), dim=1)          # (N, k), nearest first
     if temperature == 0 or index.shape[1] == 1:
         return index[:, 0]
     cdf = torch.softmax(neg / temperature, dim=1).cumsum(1)         # (N, k)
-    u = torch.rand(len(dist), 1, generator=generator, dtype=cdf.dtype).to(dist.device)
+    if u is None:
+        u = torch.rand(len(dist), 1, generator=generator, dtype=cdf.dtype)
+    u = u.to(dist.device, cdf.dtype)
     choice = (cdf < u).sum(1).clamp(max=index.shape[1] - 1)         # inverse CDF
     return index.gather(1, choice[:, None]).squeeze(1)
 

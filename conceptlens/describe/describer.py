@@ -21,12 +21,13 @@ bins); exact zeros are counted apart. `finish` regroups each concept's occupied 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from conceptlens.concepts.base import ExtractorBase
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.describe.activations import concept_activations
 from conceptlens.describe.topn import TopN, order_key
@@ -74,8 +75,20 @@ def fine_edges() -> Tensor:
     return torch.cat([-pos.flip(0)[:HALF_BINS], torch.zeros(1, dtype=torch.float64), pos[1:]])
 
 
-class ConceptDescriber:
-    """Streaming description of one ConceptSet; see the module docstring."""
+class DescribeStats(NamedTuple):
+    rows: int
+    """Tokens described."""
+    documents: int
+    """Documents of this stream seen."""
+
+
+class ConceptDescriber(ExtractorBase):
+    """Streaming description of one ConceptSet; see the module docstring. An extractor in the
+    protocol's sense (update / flush / state_dict / load_state_dict / merge / stats), without
+    concepts of its own: the fit reports its stats and saves no ConceptSet for it."""
+
+    Config = DescribeConfig
+    method = "describe"
 
     def __init__(self, concepts: ConceptSet, config: DescribeConfig | None = None, *, first_document: int = 0,
                  **kwargs: Any) -> None:
@@ -140,27 +153,30 @@ class ConceptDescriber:
     def flush(self) -> None:
         """Nothing is held back."""
 
+    def stats(self) -> DescribeStats:
+        return DescribeStats(self.rows, self.documents)
+
     def state_dict(self) -> dict[str, Any]:
-        cfg = asdict(self.config)
-        cfg["window"] = list(cfg["window"])
-        return {"config": cfg, "n": self.n, "rows": self.rows, "documents": self.documents,
-                "sums": dict(self.sums or {}), "top": self.top.state_dict()}
+        return {"class": type(self).__name__, "config": self.config_dict(), "n": self.n, "rows": self.rows,
+                "documents": self.documents, "sums": dict(self.sums or {}), "top": self.top.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        mine = self.state_dict()["config"]
-        if state["config"] != mine or state["n"] != self.n:
-            raise ValueError(f"description state for {state['n']} concepts, {state['config']} does not fit this "
-                             f"describer ({self.n} concepts, {mine})")
+        self.check_state(state)
+        if state["n"] != self.n:
+            raise ValueError(f"description state for {state['n']} concepts does not fit this set of {self.n}")
         self.sums = {k: v.clone() for k, v in state["sums"].items()} or None
         self.rows, self.documents = state["rows"], state["documents"]
         self.top.load_state_dict(state["top"])
 
-    def merge(self, other: ConceptDescriber | dict[str, Any]) -> None:
+    def merge(self, other: ConceptDescriber | dict[str, Any]) -> None:  # a dict needs this set to rebuild
         """Absorb a shard described on other documents of the same source (same set, same config;
         each shard's `first_document` says where its documents start)."""
         if isinstance(other, dict):
             state, other = other, ConceptDescriber(self.concepts, self.config)  # documents numbered in the source
             other.load_state_dict(state)
+        super().merge(other)
+
+    def _merge(self, other: ConceptDescriber) -> None:
         if other.n != self.n or other.config != self.config:
             raise ValueError(f"cannot merge a description of {other.n} concepts ({other.config}) into one of "
                              f"{self.n} ({self.config})")

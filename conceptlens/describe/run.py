@@ -36,7 +36,8 @@ class SteeringRequest:
     """Concept indices (for every set) or per set name."""
     prompt: str = "I went to the shop and"
     alphas: Sequence[float] = (0.0, 0.25, 0.5, 1.0)
-    """Multiples of the site's mean token norm added along the unit direction."""
+    """Multiples of the site's typical token norm (`steering.units.site_norm`, the unit of
+    `Add(..., scale="site_norm")`) added along the unit direction."""
     max_new_tokens: int = 24
 
 
@@ -76,7 +77,7 @@ def describe(lens: Lens, concept_sets: Mapping[str, ConceptSet], data: Any, *, t
         plan.setdefault(d.concepts.site, {})[name] = d
     texts = islice(datasets.iter_texts(data), skip_documents, None)
     if out is not None:
-        _forget_other_pass(Path(out), {"skip_documents": skip_documents, "max_tokens": max_tokens,
+        _forget_other_pass(Path(out), {"skip_documents": skip_documents,
                                        "data": data if isinstance(data, str) else getattr(data, "name", None)})
     run_fit(lens, plan, texts, tokenizer=tokenizer, config=FitConfig(
         batch_size=batch_size, max_length=max_length, max_tokens=max_tokens, checkpoint_dir=out,
@@ -193,7 +194,7 @@ def finish(d: ConceptDescriber, *, name: str, lens: Lens, tokenizer: Any,
             "tokens": d.rows, "documents": d.documents, "first_document": d.first_document, "top_n": d.top.k,
             "window": list(d.top.window), "hist_edges_kind": "per-concept", "activation": d.activations.kind,
             "coact_kind": "jaccard" if d.activations.sparse else "pearson",
-            "site_norm": float(s["norm_sum"]) / rows, "labels": None if classes is None else list(classes[1]),
+            "mean_token_norm": float(s["norm_sum"]) / rows, "labels": None if classes is None else list(classes[1]),
             "base_rate_entropy": entropy, "has_unembedding": w_u is not None, "steering": []}
     return Description(info, stats, contexts, tokens)
 
@@ -201,14 +202,16 @@ def finish(d: ConceptDescriber, *, name: str, lens: Lens, tokenizer: Any,
 @torch.no_grad()
 def steering_samples(lens: Lens, tokenizer: Any, d: ConceptDescriber, name: str,
                      request: SteeringRequest) -> list[dict[str, Any]]:
-    """For each requested concept: the prompt continued greedily with alpha * site_norm * unit direction added."""
+    """For each requested concept: the prompt continued greedily with alpha * site_norm * unit
+    direction added at every position (`Add(..., scale="site_norm")`)."""
     from conceptlens.steering import Add
+    from conceptlens.steering.units import site_norm as typical_norm
 
     model = lens.model
     if not getattr(model, "can_generate", lambda: False)():
         return []
     chosen = request.concepts.get(name, []) if isinstance(request.concepts, Mapping) else request.concepts
-    site_norm = float(d.sums["norm_sum"]) / max(d.rows, 1)
+    site_norm = typical_norm(lens, d.concepts.site)
     unit = torch.nn.functional.normalize(d.concepts.directions.float(), dim=1)
     device = next(model.parameters()).device
     prompt = {k: v.to(device) for k, v in tokenizer([request.prompt], return_tensors="pt").items()}
@@ -219,7 +222,8 @@ def steering_samples(lens: Lens, tokenizer: Any, d: ConceptDescriber, name: str,
             raise ValueError(f"steering concept {concept} is out of range for {name!r} ({d.n} concepts)")
         runs = []
         for alpha in request.alphas:
-            with lens.steer(Add(unit[int(concept)], alpha * site_norm, site=d.concepts.site)):
+            edit = Add(unit[int(concept)], alpha, scale="site_norm", norm=site_norm, site=d.concepts.site)
+            with lens.steer(edit):
                 out = model.generate(**prompt, max_new_tokens=request.max_new_tokens, do_sample=False,
                                      pad_token_id=pad if pad is not None else 0)
             text = tokenizer.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)

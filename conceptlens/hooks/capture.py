@@ -41,7 +41,11 @@ class Capture:
 
     def __init__(self, model: nn.Module, sites: Sequence[Site], stacks: dict[str, nn.Module],
                  on_batch: OnBatch | None = None, *, keep_shape: bool = False,
-                 special_ids: Tensor | None = None) -> None:
+                 special_ids: Tensor | None = None, dtype: torch.dtype | str = torch.float32) -> None:
+        if not sites:
+            raise ValueError("capture needs at least one site")
+        if not (isinstance(dtype, torch.dtype) or dtype == "model"):
+            raise ValueError(f"capture dtype must be a torch.dtype or 'model' (keep the model's); got {dtype!r}")
         if not sites:
             raise ValueError("capture needs at least one site")
         self.sites = {site.name: site for site in sites}
@@ -57,6 +61,7 @@ class Capture:
         self.stacks = stacks
         self.on_batch = on_batch
         self.keep_shape = keep_shape
+        self.dtype = None if dtype == "model" else dtype  # None: each site's own dtype
         self.last: tuple[dict[str, Tensor], TokenMeta] | None = None
         self.tokens = TokenTracker(stacks, special_ids, on_start=self._on_stack_start)
         self._acts: dict[str, Tensor] = {}
@@ -106,10 +111,10 @@ class Capture:
             x = x.detach()
             self._shapes[stack] = (x.shape[0], x.shape[1])
             if self.keep_shape:
-                self._acts[name] = x.to(torch.float32, copy=True)
+                self._acts[name] = x.to(self.dtype or x.dtype, copy=True)
             else:
                 keep = self.tokens.meta(stack, x.shape[0], x.shape[1], x.device).keep
-                self._acts[name] = x[keep].float()  # boolean indexing copies
+                self._acts[name] = x[keep].to(self.dtype or x.dtype)  # boolean indexing copies
             if self._stopping and len(self._acts) == len(self.sites):
                 raise StopForward
 

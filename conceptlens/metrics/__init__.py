@@ -3,12 +3,14 @@
     from conceptlens.metrics import QueryKeyMoments, key_distance, gauge_audit, probe_loss, splice_ce, faithfulness
 
 Names load lazily from their modules (gauge, gauge_audit, capture_qk, quality, hierarchy,
-splice, faithfulness), so importing this package pulls in neither networkx nor a model.
+hierarchy_eval, splice, faithfulness), so importing this package pulls in neither networkx nor a model.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
@@ -18,9 +20,16 @@ _EXPORTS = {
     "capture_qk": ["qk_capture", "QKCapture"],
     "quality": ["probe_loss", "ProbeResult", "fit_logistic_1d", "mppc", "effective_rank", "max_pairwise_cosine",
                 "fvu", "l0", "dead_fraction", "ce_loss_recovered", "lda_directions", "LDADirections"],
-    "hierarchy": ["CoactivationStats", "build_dag", "hierarchy_scores", "HierarchyScores", "export_dag"],
+    "hierarchy": ["CoactivationStats", "build_dag", "dag_depth", "export_dag"],
+    "hierarchy_eval": ["hierarchy_scores", "HierarchyScores", "monosemanticity", "graph_activations"],
+    "similarity": ["similarity", "group_audit", "GroupAuditReport", "MEASURES", "SimilarityMeasure", "linear_cka",
+                   "cca", "svcca", "procrustes", "mutual_knn", "random_element"],
+    "duality": ["ProbeWeight", "Direction", "InnerProduct", "probe_to_direction", "direction_to_probe"],
+    "gauge_sites": ["GaugeWarning", "warn_if_qk", "is_qk_site"],
     "splice": ["splice_ce", "SpliceResult", "splice_mask"],
     "faithfulness": ["faithfulness", "FaithfulnessResult", "ProbeTask", "next_token_loss_sum"],
+    "controls": ["covariance_directions", "random_orthonormal", "base_rate_entropy", "majority_accuracy",
+                 "unigram_entropy"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)
@@ -31,13 +40,22 @@ if TYPE_CHECKING:
                                            key_norm, key_pca_explained, qk_singular_values, qk_spectrum, score_cosine)
     from conceptlens.metrics.gauge_audit import (AuditReport, GaugeTransform, apply_gauge, gauge_audit, gauged,
                                                  random_gauge)
-    from conceptlens.metrics.hierarchy import (CoactivationStats, HierarchyScores, build_dag, export_dag,
-                                               hierarchy_scores)
+    from conceptlens.metrics.hierarchy import CoactivationStats, build_dag, dag_depth, export_dag
+    from conceptlens.metrics.hierarchy_eval import (HierarchyScores, graph_activations, hierarchy_scores,
+                                                    monosemanticity)
     from conceptlens.metrics.quality import (LDADirections, ProbeResult, ce_loss_recovered, dead_fraction,
                                              effective_rank, fit_logistic_1d, fvu, l0, lda_directions,
                                              max_pairwise_cosine, mppc, probe_loss)
     from conceptlens.metrics.faithfulness import FaithfulnessResult, ProbeTask, faithfulness, next_token_loss_sum
+    from conceptlens.metrics.duality import (Direction, InnerProduct, ProbeWeight, direction_to_probe,
+                                             probe_to_direction)
+    from conceptlens.metrics.gauge_sites import GaugeWarning, is_qk_site, warn_if_qk
+    from conceptlens.metrics.similarity import (MEASURES, GroupAuditReport, SimilarityMeasure, cca, group_audit,
+                                                linear_cka, mutual_knn, procrustes, random_element, similarity,
+                                                svcca)
     from conceptlens.metrics.splice import SpliceResult, splice_ce, splice_mask
+    from conceptlens.metrics.controls import (base_rate_entropy, covariance_directions, majority_accuracy,
+                                              random_orthonormal, unigram_entropy)
 
 
 def __getattr__(name: str) -> Any:
@@ -48,3 +66,18 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """Keeps a function named like its module (`gauge_audit`, `faithfulness`) the package
+    attribute: importing the submodule would otherwise set `metrics.gauge_audit` to the module,
+    so `from conceptlens.metrics import gauge_audit` returned the module. Submodules stay
+    importable as `from conceptlens.metrics.gauge_audit import ...` (through sys.modules)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and name in _MODULE_OF and _MODULE_OF[name] == name:
+            return  # the import system registering the submodule: the function keeps the name
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

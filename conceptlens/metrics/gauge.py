@@ -20,10 +20,13 @@ the mean squared change of the scaled score q.k / sqrt(d_head).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor
+
+from conceptlens.concepts.base import ExtractorBase, NotFittedError, check_int
 
 
 def _as_heads(x: Tensor, name: str) -> Tensor:
@@ -33,19 +36,41 @@ def _as_heads(x: Tensor, name: str) -> Tensor:
     return x.reshape(-1, *x.shape[-2:]).double()
 
 
-class QueryKeyMoments:
+@dataclass
+class QKMomentsConfig:
+    """Settings of `QueryKeyMoments`."""
+
+    n_kv_heads: int | None = None
+    """If given, checked against the keys' head count."""
+
+    def __post_init__(self) -> None:
+        check_int("n_kv_heads", self.n_kv_heads, optional=True)
+
+
+class QKMomentsStats(NamedTuple):
+    n_q: int
+    """Query tokens summed."""
+    n_k: int
+    """Key tokens summed."""
+
+
+class QueryKeyMoments(ExtractorBase):
     """Streamed second moments of queries and keys, per head, for gauge-invariant metrics.
 
         m = QueryKeyMoments(); m.update(q, k); m.S_q   # (H_kv, d_head, d_head)
 
-    Holds sufficient statistics (float64 sums and counts), so `merge` of two workers equals one
-    run over the union of their data. q and k may have different token counts (cross-attention).
-    `n_kv_heads`, if given, is checked against the keys' head count.
+    Holds sufficient statistics (float64 sums and counts), so `merge` of two workers (objects
+    or state dicts) equals one run over the union of their data. q and k may have different
+    token counts (cross-attention). `n_kv_heads`, if given, is checked against the keys' head count.
     """
 
-    def __init__(self, n_kv_heads: int | None = None) -> None:
-        if n_kv_heads is not None and n_kv_heads < 1:
-            raise ValueError(f"n_kv_heads must be a positive integer or None; got {n_kv_heads}")
+    Config = QKMomentsConfig
+    method = "qk_moments"
+    distributed = "merge"
+
+    def __init__(self, n_kv_heads: int | None = None, *, device: str | torch.device | None = None) -> None:
+        self.config = QKMomentsConfig(n_kv_heads)
+        self._set_device(device)
         self.n_kv_heads = n_kv_heads
         self.n_q = 0
         self.n_k = 0
@@ -70,7 +95,7 @@ class QueryKeyMoments:
 
     def update(self, q: Tensor, k: Tensor) -> None:
         """Add queries `(..., H, d_head)` and keys `(..., H_kv, d_head)` (leading dims flattened)."""
-        q, k = _as_heads(q, "q"), _as_heads(k, "k")
+        q, k = self._place(_as_heads(q, "q")), self._place(_as_heads(k, "k"))
         self._check_shapes(q, k)
         qq = torch.einsum("nha,nhb->hab", q, q)
         kk = torch.einsum("nha,nhb->hab", k, k)
@@ -87,7 +112,7 @@ class QueryKeyMoments:
 
     def _fitted(self) -> None:
         if self.sum_qq is None:
-            raise RuntimeError("QueryKeyMoments has seen no data; call update(q, k) first")
+            raise NotFittedError("QueryKeyMoments has seen no data; call update(q, k) first")
 
     @property
     def d_head(self) -> int:
@@ -130,34 +155,48 @@ class QueryKeyMoments:
         self._fitted()
         return self.sum_k / self.n_k
 
+    def stats(self) -> QKMomentsStats:
+        return QKMomentsStats(self.n_q, self.n_k)
+
+    def flush(self) -> None:
+        """Nothing is held back."""
+
     def state_dict(self) -> dict[str, Any]:
-        return {"n_kv_heads": self.n_kv_heads, "n_q": self.n_q, "n_k": self.n_k,
+        return {"config": self.config_dict(), "n_q": self.n_q, "n_k": self.n_k,
                 "sum_qq": self.sum_qq, "sum_kk": self.sum_kk, "sum_q": self.sum_q, "sum_k": self.sum_k}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["n_kv_heads"] != self.n_kv_heads:
-            raise ValueError(f"state has n_kv_heads={state['n_kv_heads']}, this object {self.n_kv_heads}")
+        self.check_state(state)
+        state = self._placed(state)
         self.n_q, self.n_k = int(state["n_q"]), int(state["n_k"])
         for key in ("sum_qq", "sum_kk", "sum_q", "sum_k"):
             value = state[key]
             setattr(self, key, None if value is None else value.clone())
 
-    def merge(self, other: QueryKeyMoments) -> None:
-        """Add another worker's sums: the result equals one run over both streams."""
+    def merge(self, other: QueryKeyMoments | dict[str, Any]) -> None:
+        """Add another worker's sums (an object or its state dict, whatever its `n_kv_heads`):
+        the result equals one run over both streams."""
+        if isinstance(other, dict):
+            other = QueryKeyMoments.from_state(other)
+        if not isinstance(other, QueryKeyMoments):
+            raise TypeError(f"can only merge a QueryKeyMoments with another; got {type(other).__name__}")
+        self._merge(other)
+
+    def _merge(self, other: QueryKeyMoments) -> None:
         if other.sum_qq is None:
             return
         if self.sum_qq is None:
-            self.load_state_dict({**other.state_dict(), "n_kv_heads": self.n_kv_heads})
+            self.load_state_dict({**other.state_dict(), "config": self.config_dict()})
             return
         if other.sum_qq.shape != self.sum_qq.shape or other.sum_kk.shape != self.sum_kk.shape:
             raise ValueError(
                 f"cannot merge moments of shapes {tuple(other.sum_qq.shape)}/{tuple(other.sum_kk.shape)} "
                 f"into {tuple(self.sum_qq.shape)}/{tuple(self.sum_kk.shape)}"
             )
-        self.sum_qq += other.sum_qq
-        self.sum_kk += other.sum_kk
-        self.sum_q += other.sum_q
-        self.sum_k += other.sum_k
+        self.sum_qq += other.sum_qq.to(self.sum_qq.device)
+        self.sum_kk += other.sum_kk.to(self.sum_qq.device)
+        self.sum_q += other.sum_q.to(self.sum_qq.device)
+        self.sum_k += other.sum_k.to(self.sum_qq.device)
         self.n_q += other.n_q
         self.n_k += other.n_k
 

@@ -1,58 +1,87 @@
-"""Concept hierarchies from co-activation: which latents fire (almost) only inside others.
+"""Concept hierarchies from co-activation: the graph protocol of Grandien et al. (2026).
 
     stats = CoactivationStats(width=4608)
     for z in stream:                      # z: (N, width) latent activations
         stats.update(z)
     dag = build_dag(stats)                # networkx.DiGraph, edges parent -> child
-    hierarchy_scores(dag, stats)          # s_m, s_ha, s_ss, s_ai, s_ad, s_rf, s_cc
+    dag_depth(dag)                        # the paper's "max depth"
     export_dag(dag, "run/hierarchy")      # .json, .graphml, .png
 
-After the protocol of "Do Sparse Autoencoders Learn Meaningful Concept Hierarchies?"
-(Grandien et al., 2026): binarise (a <- max(a, 0), keep each sample's top `top` latents),
-stream the activation-weighted co-activation W_ij = sum a_i B_i B_j / sum a_i B_i (the share of
-i's activation mass that falls while j fires), and draw p -> c when the child's mass lies
-inside the parent (W_cp > threshold) but not the reverse (W_pc < threshold). The seven scores
-are defined in `hierarchy_scores`; the paper's own formulas were not available to us, so
-these are our definitions of the requirements it names, each documented below.
+The protocol of "Do Sparse Autoencoders Learn Meaningful Concept Hierarchies?" (SPECS.md, 002;
+checked against its released code, eval-HSAEs): binarise (a <- max(a, 0), keep each sample's top
+`top` latents: A_i = 1 iff i is among them and a_i > 0), stream the weighted conditional
+co-activation W[i, j] = sum_x a_i A_i A_j / sum_x a_i A_i (the paper's C_ji: the share of i's
+activation mass that falls while j fires) and draw p -> c when W[c, p] > threshold and not
+W[p, c] > threshold. The paper's scores (s_m, s_ha, s_ss, s_ai, s_ad, s_rf, s_cc) need the
+evaluation samples and an independent embedding of them: `conceptlens.metrics.hierarchy_eval`.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 import os
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import networkx as nx
 import torch
 from torch import Tensor
 
+from conceptlens.concepts.base import ExtractorBase, check_int
+
 _PAIR_CHUNK = 1 << 22  # (sample, latent, latent) triples scattered per step: bounds memory
 
 
-class CoactivationStats:
+@dataclass
+class CoactivationConfig:
+    """Settings of `CoactivationStats`."""
+
+    width: int
+    """Number of latents."""
+    top: int = 64
+    """Latents kept per sample (its top activations)."""
+
+    def __post_init__(self) -> None:
+        check_int("width", self.width)
+        check_int("top", self.top)
+
+
+class CoactivationSummary(NamedTuple):
+    rows: int
+    """Samples summed."""
+    alive_fraction: float
+    """Fraction of latents that fired at least once."""
+
+
+class CoactivationStats(ExtractorBase):
     """Streamed, mergeable co-activation sums of `width` latents (float64, exact to 2^53).
 
         stats = CoactivationStats(width=4608, top=64); stats.update(z); stats.W
 
-    Memory: two `(width, width)` float64 matrices (340 MB at width 4608).
+    `merge` takes another worker's object or state dict; the sums add, so the result equals
+    one run over both streams. Memory: two `(width, width)` float64 matrices (340 MB at width 4608).
     """
 
-    def __init__(self, width: int, top: int = 64) -> None:
-        if width < 1 or top < 1:
-            raise ValueError(f"width and top must be positive integers; got width={width}, top={top}")
+    Config = CoactivationConfig
+    method = "coactivation"
+    distributed = "merge"
+
+    def __init__(self, width: int, top: int = 64, *, device: str | torch.device | None = None) -> None:
+        self.config = CoactivationConfig(width, top)
+        self._set_device(device)
         self.width, self.top = width, top
         self.n = 0
-        self.count = torch.zeros(width, dtype=torch.float64)  # sum B_i: firings
-        self.mass = torch.zeros(width, dtype=torch.float64)  # sum a_i B_i
-        self.co_mass = torch.zeros(width, width, dtype=torch.float64)  # [i, j] = sum a_i B_i B_j
-        self.co_count = torch.zeros(width, width, dtype=torch.float64)  # [i, j] = sum B_i B_j
+        dev = self.device or "cpu"
+        self.count = torch.zeros(width, dtype=torch.float64, device=dev)  # sum B_i: firings
+        self.mass = torch.zeros(width, dtype=torch.float64, device=dev)  # sum a_i B_i
+        self.co_mass = torch.zeros(width, width, dtype=torch.float64, device=dev)  # [i, j] = sum a_i B_i B_j
+        self.co_count = torch.zeros(width, width, dtype=torch.float64, device=dev)  # [i, j] = sum B_i B_j
 
     def update(self, z: Tensor) -> None:
         """Add activations `(N, width)` (any sign; negatives count as silent)."""
         if z.ndim != 2 or z.shape[1] != self.width:
             raise ValueError(f"z must have shape (N, {self.width}); got {tuple(z.shape)}")
+        z = z.to(self.count.device)
         values, index = z.double().clamp_min(0).topk(min(self.top, self.width), dim=1)  # (N, k)
         values = values * (values > 0)  # B_i = 0 for silent latents among the top k
         fired = (values > 0).double()
@@ -76,25 +105,30 @@ class CoactivationStats:
         """`(width, width)`: W[i, j] = share of i's activation mass while j fires (0 if i never fires)."""
         return self.co_mass / torch.where(self.mass > 0, self.mass, torch.ones_like(self.mass))[:, None]
 
+    def flush(self) -> None:
+        """Nothing is held back."""
+
+    def stats(self) -> CoactivationSummary:
+        return CoactivationSummary(self.n, (self.count > 0).double().mean().item())
+
     def state_dict(self) -> dict[str, Any]:
-        return {"width": self.width, "top": self.top, "n": self.n, "count": self.count,
+        return {"config": self.config_dict(), "n": self.n, "count": self.count,
                 "mass": self.mass, "co_mass": self.co_mass, "co_count": self.co_count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if (state["width"], state["top"]) != (self.width, self.top):
-            raise ValueError(f"state has width={state['width']}, top={state['top']}; "
-                             f"this object width={self.width}, top={self.top}")
+        self.check_state(state)
+        state = self._placed(state)
         self.n = int(state["n"])
         for key in ("count", "mass", "co_mass", "co_count"):
             setattr(self, key, state[key].clone())
 
-    def merge(self, other: CoactivationStats) -> None:
+    def _merge(self, other: CoactivationStats) -> None:
         """Add another worker's sums: equals one run over both streams."""
         if (other.width, other.top) != (self.width, self.top):
             raise ValueError(f"cannot merge width={other.width}, top={other.top} into width={self.width}, top={self.top}")
         self.n += other.n
         for key in ("count", "mass", "co_mass", "co_count"):
-            getattr(self, key).add_(getattr(other, key))
+            getattr(self, key).add_(getattr(other, key).to(self.count.device))
 
 
 def _candidate_edges(W: Tensor, alive: Tensor, threshold: float) -> list[tuple[int, int]]:
@@ -107,6 +141,7 @@ def _candidate_edges(W: Tensor, alive: Tensor, threshold: float) -> list[tuple[i
 def build_dag(
     stats: CoactivationStats,
     min_rate: float = 40e-6,
+    min_count: int = 20,
     threshold: float = 0.9,
     max_out_frac: float = 0.05,
     min_descendants: int = 5,
@@ -115,14 +150,16 @@ def build_dag(
 
         dag = build_dag(stats)       # nodes carry rate and count; edges W_cp and W_pc
 
-    1. drop latents firing below `min_rate` (40 per million); 2. edge p -> c iff W[c, p] >
+    1. drop latents firing below `min_rate` (40 per million, the released code's filter) or on
+    fewer than `min_count` samples (20, the paper's text); 2. edge p -> c iff W[c, p] >
     threshold and W[p, c] < threshold; edges inside a directed cycle (possible, though rare,
     with weighted shares) are dropped; 3. transitive reduction; 4. delete nodes with more than
     `max_out_frac * width` children (hubs that contain everything); 5. keep roots with at least
     `min_descendants` descendants, and their descendants.
     """
-    alive = (stats.rate >= min_rate) & (stats.count > 0)
-    graph = nx.DiGraph(width=stats.width, n_alive=int(alive.sum()), threshold=threshold, min_rate=min_rate)
+    alive = (stats.rate >= min_rate) & (stats.count >= max(min_count, 1))
+    graph = nx.DiGraph(width=stats.width, n_alive=int(alive.sum()), threshold=threshold, min_rate=min_rate,
+                       min_count=min_count)
     for i in alive.nonzero().flatten().tolist():
         graph.add_node(i, rate=float(stats.rate[i]), count=float(stats.count[i]))
     W = stats.W
@@ -146,54 +183,13 @@ def build_dag(
     return dag
 
 
-class HierarchyScores(NamedTuple):
-    s_m: float
-    """monotone generality: share of edges whose parent fires more often than its child (high = good)"""
-    s_ha: float
-    """hard absorption: mean share of a child's firings with its parent silent (low = good)"""
-    s_ss: float
-    """sibling separation: mean over sibling pairs of 1 - co-firings / min(firings) (high = good)"""
-    s_ai: float
-    """ancestor inclusion: mean W[node, ancestor] over all node-ancestor pairs (high = good)"""
-    s_ad: float
-    """soft absorption degree: mean drop of the parent's activation when its child fires (low = good)"""
-    s_rf: float
-    """rate fraction: mean child/parent firing ratio (low = sharp specialisation, near 1 = redundant child)"""
-    s_cc: float
-    """concept coverage: share of latents above min_rate that sit in the hierarchy (high = good)"""
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else math.nan
-
-
-def soft_absorption(stats: CoactivationStats, parent: int, child: int) -> float:
-    """1 - (parent's mean activation when the child fires) / (when it fires without the child),
-    clipped to [0, 1]; nan when the parent never fires with, or never without, the child."""
-    both, co_mass = stats.co_count[parent, child], stats.co_mass[parent, child]
-    alone = stats.count[parent] - both
-    if both == 0 or alone == 0:
-        return math.nan
-    ratio = (co_mass / both) / ((stats.mass[parent] - co_mass) / alone)
-    return float((1 - ratio).clamp(0, 1))
-
-
-def hierarchy_scores(dag: nx.DiGraph, stats: CoactivationStats) -> HierarchyScores:
-    """The seven hierarchy scores of a DAG built from `stats` (see `HierarchyScores` fields);
-    a score with nothing to average over (no edges, no siblings) is nan."""
-    count, W, co_count = stats.count, stats.W, stats.co_count
-    edges = list(dag.edges)
-    siblings = {tuple(sorted(pair)) for p in dag for pair in itertools.combinations(dag.successors(p), 2)}
-    soft = [a for p, c in edges if not math.isnan(a := soft_absorption(stats, p, c))]
-    return HierarchyScores(
-        s_m=_mean([float(count[p] > count[c]) for p, c in edges]),
-        s_ha=_mean([float(1 - co_count[c, p] / count[c]) for p, c in edges]),
-        s_ss=_mean([float(1 - co_count[i, j] / min(count[i], count[j])) for i, j in siblings]),
-        s_ai=_mean([float(W[n, a]) for n in dag for a in nx.ancestors(dag, n)]),
-        s_ad=_mean(soft),
-        s_rf=_mean([float(count[c] / count[p]) for p, c in edges]),
-        s_cc=dag.number_of_nodes() / dag.graph["n_alive"] if dag.graph.get("n_alive") else math.nan,
-    )
+def dag_depth(dag: nx.DiGraph) -> int:
+    """Maximum depth of the DAG: the paper's protocol hangs every root under one virtual root
+    and takes shortest-path lengths from it, so roots sit at depth 1 (0 for an empty graph)."""
+    if dag.number_of_nodes() == 0:
+        return 0
+    roots = [n for n, d in dag.in_degree if d == 0]
+    return 1 + max(nx.multi_source_dijkstra_path_length(dag, roots, weight=lambda u, v, e: 1).values())
 
 
 def export_dag(dag: nx.DiGraph, stem: str | os.PathLike, labels: dict[int, str] | None = None) -> dict[str, Path]:

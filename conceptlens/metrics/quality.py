@@ -12,10 +12,12 @@ activations, directions `(n, d)`.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+
+from conceptlens.metrics.gauge_sites import warn_if_qk
 
 _CHUNK_ELEMENTS = 1 << 22  # float64 elements per chunk of concepts: bounds memory at ~32 MB
 
@@ -143,17 +145,20 @@ def mppc(z_a: Tensor, z_b: Tensor) -> float:
     return float(best.mean())
 
 
-def effective_rank(directions: Tensor) -> float:
+def effective_rank(directions: Tensor, site: Any = None) -> float:
     """exp(entropy of the normalised singular values) of `(n, d)`: how many directions the
-    concepts really span (Roy & Vetterli 2007); between 1 and min(n, d)."""
+    concepts really span (Roy & Vetterli 2007); between 1 and min(n, d). Gauge-dependent at a
+    q/k `site` (GaugeWarning)."""
+    warn_if_qk(site, "effective rank")
     s = torch.linalg.svdvals(directions.double())
     p = s[s > 0] / s.sum()
     return float(torch.exp(-(p * p.log()).sum()))
 
 
-def max_pairwise_cosine(directions: Tensor) -> Tensor:
+def max_pairwise_cosine(directions: Tensor, site: Any = None) -> Tensor:
     """For each direction `(n, d)`, the largest cosine with any OTHER direction: `(n,)`.
-    Near 1 flags duplicated concepts."""
+    Near 1 flags duplicated concepts. Gauge-dependent at a q/k `site` (GaugeWarning)."""
+    warn_if_qk(site, "cosine")
     unit = torch.nn.functional.normalize(directions.double(), dim=1)
     cos = unit @ unit.T
     cos.fill_diagonal_(-math.inf)

@@ -1,6 +1,7 @@
 """Edits: what steering does to a site's activations.
 
-    Add(cs[12], alpha=6.0)                 # x + alpha * c
+    Add(cs[12], alpha=6.0)                 # x + alpha * c  (the raw direction)
+    Add(cs[12], alpha=0.5, scale="site_norm")  # x + 0.5 * (typical token norm) * c / |c|
     ProjectOut(cs[[3, 7]])                 # remove the span of the directions
     Clamp(sae, latent=42, value=0.0)       # set one SAE latent, keep the SAE's error
     CodeAblate(codebook, codes=[5])        # remove the code vector from tokens assigned to it
@@ -12,14 +13,22 @@ bool, or None for all) is true.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import math
+import warnings
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 import torch
 from torch import Tensor
 
+from conceptlens._checks import known_kwargs
 from conceptlens.concepts.conceptset import ConceptSet
 
+if TYPE_CHECKING:
+    from conceptlens.lens import Lens
+
 Concepts = ConceptSet | Tensor
+Scale = Literal["raw", "unit", "site_norm"]
+SCALES = ("raw", "unit", "site_norm")
 
 
 def _directions(concepts: Concepts) -> Tensor:
@@ -28,7 +37,29 @@ def _directions(concepts: Concepts) -> Tensor:
         d = d[None]
     if d.ndim != 2:
         raise ValueError(f"directions must have shape (d,) or (n, d); got {tuple(d.shape)}")
-    return d.detach().float()
+    d = d.detach().float()
+    bad = (~torch.isfinite(d)).any(dim=1).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"direction{'s' if len(bad) > 1 else ''} {bad[:8]} of the {d.shape[0]} given hold NaN or "
+                         "inf values; an edit needs finite directions")
+    return d
+
+
+def _number(name: str, value: Any) -> float:
+    """A finite real number (not a bool), as float; ValueError naming the value otherwise."""
+    ok = isinstance(value, (int, float)) or (isinstance(value, Tensor) and value.numel() == 1)
+    number = float(value) if ok and not isinstance(value, bool) else math.nan
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number; got {value!r}")
+    return number
+
+
+def _indices(name: str, value: Any) -> Tensor:
+    """An int or a sequence of ints (no bools) as a long tensor."""
+    items = [value] if isinstance(value, int) else list(value) if isinstance(value, Sequence) else [value]
+    if not items or any(isinstance(i, bool) or not isinstance(i, int) for i in items):
+        raise ValueError(f"{name} must be an int or a list of ints; got {value!r}")
+    return torch.as_tensor(items, dtype=torch.long)
 
 
 def _site_of(concepts: Any, site: str | None) -> str:
@@ -43,6 +74,23 @@ class Edit:
     """Base: a change applied to one site's activations."""
 
     site: str
+    width: int | None = None
+    """Row width the edit works in (None: not known until it runs)."""
+    model: str | None = None
+    """Model the edit's concepts were recorded for, when they say."""
+
+    def check(self, site: str, width: int, model: str | None) -> None:
+        """Called when a scope is built on a model: ValueError if the edit's width is not the
+        site's, a warning if its concepts were recorded for another model."""
+        if self.width is not None and self.width != width:
+            raise ValueError(f"{type(self).__name__} at {site}: its direction has width {self.width}, but {site} "
+                             f"has width {width}")
+        if self.model and model and self.model != model:
+            warnings.warn(f"{type(self).__name__} at {site}: the concepts were recorded for model {self.model!r}; "
+                          f"this model is {model!r}", UserWarning, stacklevel=4)
+
+    def bind(self, lens: Lens) -> None:
+        """Called when a steering scope is built on `lens`: measure what the edit needs of it."""
 
     def apply(self, x: Tensor, mask: Tensor | None) -> Tensor:
         """(B, T, d) activations and an optional (B, T) mask -> edited activations."""
@@ -54,13 +102,56 @@ class Edit:
 
 
 class Add(Edit):
-    """x + alpha * (sum of the concepts). Adds at one site are summed into one vector first,
-    so Add(alpha) and Add(-alpha) together leave every activation bit-identical."""
+    """x + alpha * v, v the sum of the concepts' directions, scaled by `scale`:
 
-    def __init__(self, concepts: Concepts, alpha: float = 1.0, *, site: str | None = None) -> None:
+    - "raw": v as given (a k-means centroid's norm is about a token's norm);
+    - "unit": v / |v|, so alpha is a distance in the site's activation space;
+    - "site_norm": v / |v| times the site's typical token norm (`steering.units.site_norm`,
+      measured by the lens when the scope is built, or `norm=`), so alpha is a multiple of
+      it: 0.5 adds half a typical token whatever the model's activation scale.
+
+    Adds at one site are summed into one vector first, so Add(alpha) and Add(-alpha)
+    together leave every activation bit-identical.
+    """
+
+    @known_kwargs
+    def __init__(self, concepts: Concepts, alpha: float = 1.0, *, scale: Scale = "raw", norm: float | None = None,
+                 site: str | None = None) -> None:
+        if scale not in SCALES:
+            raise ValueError(f"scale must be one of {SCALES}; got {scale!r}")
+        if norm is not None and not _number("norm", norm) > 0:
+            raise ValueError(f"norm must be a positive number (a typical token norm); got {norm!r}")
         self.site = _site_of(concepts, site)
-        self.alpha = float(alpha)
-        self.vector = self.alpha * _directions(concepts).sum(0)  # (d,)
+        self.alpha, self.scale = _number("alpha", alpha), scale
+        direction = _directions(concepts).sum(0)  # (d,)
+        if scale != "raw":
+            length = direction.norm()
+            if not length > 0:
+                raise ValueError(f"scale={scale!r} needs a direction of nonzero norm; the concepts sum to zero")
+            direction = direction / length
+        self.direction = direction
+        self.width, self.model = direction.shape[0], getattr(concepts, "model", None)
+        self.norm = None if norm is None else float(norm)  # site_norm: the token norm alpha multiplies
+        self._fixed_norm = norm is not None
+        self._vector = None if scale == "site_norm" and norm is None else self._scaled()
+
+    def _scaled(self) -> Tensor:
+        return self.alpha * (self.norm if self.scale == "site_norm" else 1.0) * self.direction
+
+    def bind(self, lens: Lens) -> None:
+        if self.scale == "site_norm" and not self._fixed_norm:
+            from conceptlens.steering.units import site_norm
+
+            self.norm = site_norm(lens, self.site)
+            self._vector = self._scaled()
+
+    @property
+    def vector(self) -> Tensor:
+        """(d,) what is added to each edited token."""
+        if self._vector is None:
+            raise RuntimeError("Add(scale='site_norm') learns the site's token norm when a steering scope is built "
+                               "(lens.steer(add)); pass norm= to use it without a lens")
+        return self._vector
 
     def apply(self, x: Tensor, mask: Tensor | None) -> Tensor:
         return add_vector(x, self.vector, mask)
@@ -74,12 +165,14 @@ def add_vector(x: Tensor, vector: Tensor, mask: Tensor | None) -> Tensor:
 class ProjectOut(Edit):
     """Remove the span of the directions: x - Q^T Q x with Q an orthonormal basis of it."""
 
+    @known_kwargs
     def __init__(self, concepts: Concepts, *, site: str | None = None) -> None:
         self.site = _site_of(concepts, site)
         directions = _directions(concepts).double()
         # SVD, not QR: the span is right whichever directions are dependent or repeated.
         _, s, vh = torch.linalg.svd(directions, full_matrices=False)
         self.basis = vh[s > 1e-10 * s.max()].float().contiguous()  # (rank, d) orthonormal rows
+        self.width, self.model = directions.shape[1], getattr(concepts, "model", None)
 
     def apply(self, x: Tensor, mask: Tensor | None) -> Tensor:
         basis = self.basis.to(x.device)
@@ -92,13 +185,18 @@ class Clamp(Edit):
     """Set one SAE latent to `value`, keeping the SAE's reconstruction error:
     x' = x + decode(z') - decode(z), so a latent left at its value changes nothing."""
 
+    @known_kwargs
     def __init__(self, sae: Any, latent: int | Sequence[int], value: float, *, site: str | None = None) -> None:
         if not (callable(getattr(sae, "encode", None)) and callable(getattr(sae, "decode", None))):
             raise TypeError(f"Clamp needs an SAE with encode() and decode(); got {type(sae).__name__}")
         self.site = _site_of(sae, site)
         self.sae = sae
-        self.latents = torch.as_tensor([latent] if isinstance(latent, int) else list(latent), dtype=torch.long)
-        self.value = float(value)
+        self.latents = _indices("latent", latent)
+        self.value = _number("value", value)
+        self.width = getattr(sae, "d", None)
+        n = getattr(getattr(sae, "config", None), "width", None)
+        if isinstance(n, int) and not bool(((self.latents >= -n) & (self.latents < n)).all()):
+            raise ValueError(f"latent {latent!r} is out of range: the SAE has {n} latents (0-{n - 1})")
 
     @torch.no_grad()
     def apply(self, x: Tensor, mask: Tensor | None) -> Tensor:
@@ -114,12 +212,14 @@ class Clamp(Edit):
 class CodeAblate(Edit):
     """Subtract the assigned code's vector from tokens assigned to one of `codes`."""
 
+    @known_kwargs
     def __init__(self, codebook: Any, codes: int | Sequence[int], *, site: str | None = None) -> None:
         if not (callable(getattr(codebook, "assign", None)) and callable(getattr(codebook, "quantize", None))):
             raise TypeError(f"CodeAblate needs a codebook with assign() and quantize(); got {type(codebook).__name__}")
         self.site = _site_of(codebook, site)
         self.codebook = codebook
-        self.codes = torch.as_tensor([codes] if isinstance(codes, int) else list(codes), dtype=torch.long)
+        self.codes = _indices("codes", codes)
+        self.width = getattr(codebook, "d", None)
 
     @torch.no_grad()
     def apply(self, x: Tensor, mask: Tensor | None) -> Tensor:

@@ -13,6 +13,7 @@ padding and the KV cache — so an edit gives the same tokens with and without `
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Literal, Sequence
 
 import torch
@@ -46,6 +47,10 @@ class Steer:
             raise ValueError(f"positions must be one of {_NAMED} or a slice of absolute positions; got {positions!r}")
         self.lens = lens
         self.sites = [lens.site(edit.site) for edit in edits]  # fails before any hook is added
+        for edit, site in zip(edits, self.sites):
+            edit.check(site.name, math.prod(int(s) for s in site.shape[2:]), lens.name)
+        for edit in edits:
+            edit.bind(lens)  # e.g. Add(scale="site_norm") measures the site's token norm, before any hook
         self.edits = list(edits)
         self.positions = positions
         self.prompt_length: dict[str, Tensor] = {}  # stack -> (B,) real tokens in the first forward

@@ -3,12 +3,14 @@
     from conceptlens.steering import Add, sweep, token_logprob
     result = sweep(lens, lambda a: Add(cs[12], alpha=a), [0, 10, 20, 40], prompts,
                    token_logprob(tokenizer, " wedding"), max_new_tokens=16, plot="wedding.png")
-    print(result.table())                  # alpha, mean +- std over prompts, one text
+    print(result.table())                  # alpha, score mean +- std, perplexity, one text
 
 For every alpha, all prompts are generated in one greedy batch inside one
 `lens.steer(make_edit(alpha), positions=...)` scope; `score(generation)` turns each
 prompt's `Generation` (its new tokens, the raw logits of every step and the decoded text)
-into one float.
+into one float. Next to the score, `fluency=True` (default) measures each continuation's
+perplexity under the unsteered model (`sweep_scores.continuation_perplexity`): the alpha to
+pick is one that moves the score while the perplexity stays near the unsteered one.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import Tensor
 from conceptlens._io import atomic_write
 from conceptlens.steering.edits import Edit
 from conceptlens.steering.scope import Positions
+from conceptlens.steering.sweep_scores import continuation_perplexity
 
 if TYPE_CHECKING:
     from conceptlens.lens import Lens
@@ -51,6 +54,8 @@ class SweepResult(NamedTuple):
     """texts[a][p]: the continuation of prompt p at alpha a."""
     label: str
     """What the score measures (the y axis of the plot)."""
+    perplexity: Tensor | None = None
+    """(A, P) perplexity of each continuation under the unsteered model (None without fluency)."""
 
     @property
     def mean(self) -> Tensor:
@@ -62,11 +67,19 @@ class SweepResult(NamedTuple):
         """(A,) population standard deviation over prompts (0 for a single prompt)."""
         return self.scores.std(1, correction=0)
 
+    @property
+    def median_perplexity(self) -> Tensor | None:
+        """(A,) median perplexity over prompts (None without fluency)."""
+        return None if self.perplexity is None else self.perplexity.nanquantile(0.5, dim=1)
+
     def table(self) -> str:
-        """One line per alpha: mean +- std over prompts and the first prompt's continuation."""
-        lines = [f"{'alpha':>8}  {self.label:>16}  continuation of prompt 0"]
-        for alpha, mean, std, texts in zip(self.alphas, self.mean.tolist(), self.std.tolist(), self.texts):
-            lines.append(f"{alpha:8.2f}  {mean:9.3f} +- {std:<5.3f}  {texts[0]!r}")
+        """One line per alpha: score mean +- std over prompts, median perplexity, prompt 0's continuation."""
+        ppl = self.median_perplexity
+        lines = [f"{'alpha':>8}  {self.label:>16}{'  perplexity' if ppl is not None else ''}  continuation of prompt 0"]
+        for a, (alpha, mean, std, texts) in enumerate(zip(self.alphas, self.mean.tolist(), self.std.tolist(),
+                                                          self.texts)):
+            fluency = f"  {float(ppl[a]):10.2f}" if ppl is not None else ""
+            lines.append(f"{alpha:8.2f}  {mean:9.3f} +- {std:<5.3f}{fluency}  {texts[0]!r}")
         return "\n".join(lines)
 
 
@@ -98,7 +111,8 @@ def token_logprob(tokenizer: Any, word: str) -> TokenLogProb:
 
 def sweep(lens: Lens, make_edit: Callable[[float], Edit], alphas: Sequence[float], prompts: Sequence[str],
           score: Score, *, positions: Positions = "generated", max_new_tokens: int = 32,
-          tokenizer: Any = None, plot: str | None = None, **generate_kwargs: Any) -> SweepResult:
+          tokenizer: Any = None, plot: str | None = None, fluency: bool = True,
+          **generate_kwargs: Any) -> SweepResult:
     """Generate greedily from every prompt under `make_edit(alpha)` for each alpha and score it.
 
     `tokenizer` defaults to the lens's; `generate_kwargs` go to `model.generate` (greedy
@@ -113,14 +127,17 @@ def sweep(lens: Lens, make_edit: Callable[[float], Edit], alphas: Sequence[float
         raise ValueError("alphas is empty; give the steering strengths to try, e.g. [0, 4, 8, 16]")
     batch = _left_padded(tokenizer, list(prompts))
     generate_kwargs = {"do_sample": False, "max_new_tokens": max_new_tokens, **generate_kwargs}
-    scores, texts = [], []
+    scores, texts, perplexity = [], [], []
     for alpha in alphas:
         with lens.steer(make_edit(float(alpha)), positions=positions):
             generations = _generate(lens.model, tokenizer, batch, list(prompts), generate_kwargs)
-        scores.append([float(score(g)) for g in generations])
+        scores.append([float(score(g)) for g in generations])  # outside the scope: the unsteered model
         texts.append([g.text for g in generations])
+        if fluency:
+            perplexity.append(continuation_perplexity(lens.model, tokenizer, generations))
     label = getattr(score, "label", getattr(score, "__name__", "score"))
-    result = SweepResult([float(a) for a in alphas], torch.tensor(scores, dtype=torch.float64), texts, label)
+    result = SweepResult([float(a) for a in alphas], torch.tensor(scores, dtype=torch.float64), texts, label,
+                         torch.stack(perplexity) if fluency else None)
     if plot is not None:
         plot_sweep(result, plot)
     return result

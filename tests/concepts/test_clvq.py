@@ -172,5 +172,33 @@ def test_bad_settings_and_inputs_are_named():
         tc.update(torch.randn(4, 3), torch.randn(5, 2))
     with pytest.raises(RuntimeError, match="not initialised"):
         tc.encode(torch.randn(4, 3))
-    with pytest.raises(NotImplementedError, match="single worker"):
-        tc.merge(CLVQTranscoder(8))
+    tc.merge(CLVQTranscoder(8))  # an empty replica adds nothing
+    assert tc.parts is None
+
+
+def test_merge_averages_replicas_of_one_start():
+    draw = cross_site(seed=4)
+    start = fit(draw, 2, buffer_size=256)
+    start.mark_shared_start()  # replicas start here: its statistics count once in a merge
+    a, b = fit(draw, 0, buffer_size=256), fit(draw, 0, buffer_size=256)
+    a.load_state_dict(start.state_dict())
+    b.load_state_dict(start.state_dict())
+    for _ in range(3):
+        a.update(*draw(256)[:2])
+        b.update(*draw(300)[:2])
+    expected = [(p + q) / 2 for p, q in zip(a.parts.decoder.parameters(), b.parts.decoder.parameters())]
+    steps, tokens = max(a.steps, b.steps), a.vq.tokens + b.vq.tokens - start.vq.tokens
+    a.merge(b.state_dict())
+    for p, e in zip(a.parts.decoder.parameters(), expected):
+        torch.testing.assert_close(p.detach(), e)
+    assert a.steps == steps and a.vq.tokens == tokens  # the shared start counted once
+    other = fit(cross_site(seed=5), 2, buffer_size=256)  # another start: refused
+    with pytest.raises(ValueError, match="one initialised state"):
+        a.merge(other)
+
+
+def test_codebook_counts_start_at_one_as_in_the_paper():
+    tc = fit(cross_site(), 1, buffer_size=256)  # initialised on init_size rows, no EMA step yet
+    assert torch.equal(tc.vq.fitted.counts, torch.ones(16))
+    torch.testing.assert_close(tc.vq.fitted.sums, tc.vq.codes)  # smooth(1) = 1: sums = codes
+    assert tc.concept_set().config["space"] == "clvq_z_e"

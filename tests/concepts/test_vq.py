@@ -182,10 +182,11 @@ def test_batches_mix_the_buffer_and_flush_trains_on_the_rest():
     assert short.codes.shape == (4, 3) and short.steps == 0
 
 
-def test_merge_adds_ema_counts_and_sums():
+def test_merge_adds_what_replicas_learnt_since_their_shared_start():
     stream = _stream()
     a = VQCodebook(16, eps=0.0, init_size=64, batch_size=50, reseed_after=None)
-    a.update(stream[0][:64])
+    a.update(torch.cat(stream[:2])[:64])
+    start = a.fitted.counts.clone(), a.fitted.sums.clone(), a.fitted.hits.clone()
     b = VQCodebook(16, eps=0.0, init_size=64, batch_size=50, reseed_after=None)
     b.load_state_dict(a.state_dict())
     for x in stream[1:10]:
@@ -196,12 +197,33 @@ def test_merge_adds_ema_counts_and_sums():
     merged.merge(a)
     torch.testing.assert_close(merged.codes, a.codes)            # into an empty one: a copy
     merged.merge(b.state_dict())
-    torch.testing.assert_close(merged.counts, a.counts + b.counts)
-    weighted = (a.counts[:, None] * a.codes + b.counts[:, None] * b.codes) / (a.counts + b.counts)[:, None]
-    torch.testing.assert_close(merged.codes, weighted)           # count-weighted mean of codes
-    assert torch.equal(merged.fitted.hits, a.fitted.hits + b.fitted.hits)
+    w = 0.99 ** b.steps  # b's decayed copy of the shared start, counted once
+    torch.testing.assert_close(merged.counts, a.counts + b.counts - w * start[0])
+    torch.testing.assert_close(merged.fitted.sums, a.fitted.sums + b.fitted.sums - w * start[1])
+    assert torch.equal(merged.fitted.hits, a.fitted.hits + b.fitted.hits - start[2])
+    assert merged.steps == max(a.steps, b.steps) and merged.tokens == a.tokens + b.tokens
+    assert merged._mixer.count == a._mixer.count + b._mixer.count  # buffered rows join
     with pytest.raises(ValueError, match="cannot merge"):
         merged.merge(VQCodebook(8))
+
+
+@pytest.mark.parametrize("sizes", [(50, 20), (7, 64), (33, 33)])  # uneven shards
+def test_merge_after_one_step_each_equals_one_step_on_both(sizes):
+    draw = mixture(8, 6, seed=3)
+    init, (x1, x2) = draw(64)[0], (draw(n)[0] for n in sizes)
+    make = lambda: VQCodebook(8, top_k=1, init_size=64, reseed_after=None)  # noqa: E731 - nearest code
+    a = make()
+    a.update(init)
+    b, whole = make(), make()
+    b.load_state_dict(a.state_dict())
+    whole.load_state_dict(a.state_dict())
+    a.update(x1)
+    b.update(x2)
+    whole.update(torch.cat([x1, x2]))
+    a.merge(b)
+    for key in ("counts", "sums", "codes", "fvu"):
+        torch.testing.assert_close(getattr(a.fitted, key), getattr(whole.fitted, key), rtol=1e-5, atol=1e-6)
+    assert torch.equal(a.fitted.hits, whole.fitted.hits) and (a.steps, a.tokens) == (whole.steps, whole.tokens)
 
 
 def test_perplexity_and_pooled_fvu_by_hand():

@@ -11,6 +11,7 @@ import torch
 import conceptlens
 from conceptlens import ConceptSet
 from conceptlens.batching import encode_batch
+from conceptlens.checkpoint import read_checkpoint
 from conceptlens.describe import ConceptDescriber, Description, SteeringRequest
 from conceptlens.describe.describer import fine_bins, fine_edges
 from conceptlens.filters import FilterConfig
@@ -29,6 +30,8 @@ class Tok(CharTokenizer):
 
     def __call__(self, texts, truncation=False, max_length=None, return_tensors=None, **kwargs):
         out = super().__call__(texts, truncation=truncation, max_length=max_length)
+        if isinstance(texts, str) and return_tensors is None:  # like HF: one text, one flat list
+            return {"input_ids": out["input_ids"][0]}
         if return_tensors == "pt":
             ids = torch.tensor(out["input_ids"])
             return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -164,7 +167,7 @@ def test_resume_and_merge_equal_one_pass(lens, tmp_path):
     cs = {"a": random_set(seed=3)}
     whole = run(lens, cs, batch_size=4)["a"]
     run(lens, cs, batch_size=4, max_tokens=150, out=str(tmp_path))  # an interrupted pass ...
-    done = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["progress"]["documents"]
+    done = read_checkpoint(tmp_path / "checkpoint.pt")["progress"]["documents"]
     calls = []
     handle = lens.model.model.embed_tokens.register_forward_hook(lambda *a: calls.append(1))
     try:
@@ -219,7 +222,9 @@ def test_steering_samples_start_from_the_unsteered_text(lens):
     plain = lens.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
                                 pad_token_id=0)
     assert entry["samples"][0]["text"] == lens.tokenizer.decode(plain[0, ids.shape[1]:])
-    assert entry["site_norm"] == pytest.approx(d.info["site_norm"]) and entry["site_norm"] > 0
+    from conceptlens.steering.units import site_norm
+
+    assert entry["site_norm"] == site_norm(lens, SITE) > 0
     assert entry["samples"][1]["text"] != entry["samples"][0]["text"]
 
 
@@ -230,3 +235,15 @@ def test_bad_sets_fail_before_any_forward(lens):
         run(lens, {"a": ConceptSet(torch.randn(3, 32), "blocks.9.resid_out")})
     with pytest.raises(ValueError, match="not among the label names"):
         run(lens, {"a": random_set()}, labels=["q"] * 36, label_names=["x"])
+
+
+def test_describer_refuses_states_and_shards_it_cannot_take():
+    cs = random_set()
+    a, b = ConceptDescriber(cs, top_n=4), ConceptDescriber(cs, top_n=3)
+    with pytest.raises(ValueError, match="different config"):
+        a.load_state_dict(b.state_dict())
+    with pytest.raises(ValueError, match="cannot merge a description of 6 concepts"):
+        a.merge(b)
+    with pytest.raises(ValueError, match="with labels keep per-document sums"):
+        ConceptDescriber(cs, n_documents=5).merge(ConceptDescriber(cs, n_documents=5))
+    assert a.stats() == (0, 0)

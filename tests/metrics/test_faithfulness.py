@@ -73,7 +73,7 @@ def probe_setup():
 def test_ablating_the_probed_direction_hurts_more_than_random(probe_setup, metric):
     lens, texts, labels, u = probe_setup
     result = faithfulness(lens, ConceptSet(u, site=SITE), texts, task=ProbeTask(labels, metric=metric))
-    assert result.metric == metric and result.n_directions == 1 and len(result.controls) == 5
+    assert result.metric == metric and result.n_directions == 1 and len(result.controls) == 8
     if metric == "accuracy":
         assert result.clean > 0.85 and result.ablated < 0.65  # the probe is left guessing
     assert result.harm > 0.3 and result.z > 5
@@ -128,3 +128,9 @@ def test_errors_name_the_problem(probe_setup):
         ProbeTask([0, 1], metric="f1")
     with pytest.raises(ValueError, match="task"):
         faithfulness(lens, ConceptSet(u, site=SITE), texts, task="probe")
+    with pytest.raises(ValueError, match="mode must be 'projection' or 'mean'"):
+        faithfulness(lens, ConceptSet(u, site=SITE), texts, mode="zero")
+    with pytest.raises(ValueError, match="controls must be one of"):
+        faithfulness(lens, ConceptSet(u, site=SITE), texts, controls="gaussian")
+    with pytest.raises(ValueError, match="control_set="):
+        faithfulness(lens, ConceptSet(u, site=SITE), texts, controls="concepts")

@@ -1,13 +1,12 @@
 import io
 import json
-import math
 
 import networkx as nx
 import pytest
 import torch
 
 import conceptlens.metrics.hierarchy as hierarchy
-from conceptlens.metrics.hierarchy import CoactivationStats, build_dag, export_dag, hierarchy_scores
+from conceptlens.metrics.hierarchy import CoactivationStats, build_dag, dag_depth, export_dag
 
 # Toy SAE with 5 latents: 0 "animal", 1 "dog", 2 "cat", 3 "puppy" (inside dog), 4 unrelated.
 TOY = torch.tensor([
@@ -25,7 +24,7 @@ TOY = torch.tensor([
 def _toy_dag():
     stats = CoactivationStats(width=5)
     stats.update(TOY)
-    return build_dag(stats, min_rate=0.0, threshold=0.75, max_out_frac=1.0, min_descendants=3), stats
+    return build_dag(stats, min_rate=0.0, min_count=0, threshold=0.75, max_out_frac=1.0, min_descendants=3), stats
 
 
 def _dense_reference(z, top):
@@ -66,7 +65,7 @@ def test_state_dict_round_trip_and_errors():
     resumed.update(TOY[4:])
     stats.update(TOY[4:])
     assert torch.equal(resumed.co_mass, stats.co_mass) and torch.equal(resumed.count, stats.count)
-    with pytest.raises(ValueError, match="width=5, top=64"):
+    with pytest.raises(ValueError, match=r"\('top', 3, 64\)"):
         CoactivationStats(width=5).load_state_dict(stats.state_dict())
     with pytest.raises(ValueError, match=r"shape \(N, 5\)"):
         stats.update(torch.zeros(3, 4))
@@ -83,32 +82,31 @@ def test_toy_dag_structure():
     assert dag.edges[0, 2]["W_cp"] == pytest.approx(1.0) and dag.edges[0, 2]["W_pc"] == pytest.approx(3 / 14)
 
 
-def test_toy_hierarchy_scores_by_hand():
-    dag, stats = _toy_dag()
-    scores = hierarchy_scores(dag, stats)
-    # firings: animal 6, dog 5, cat 2, puppy 2; masses: animal 14, dog 5.5
-    assert scores.s_m == pytest.approx(1.0)  # 6 > 5, 6 > 2, 5 > 2
-    assert scores.s_ha == pytest.approx((1 / 5 + 0 + 0) / 3)  # dog fires once without animal
-    assert scores.s_ss == pytest.approx(1 - 1 / 2)  # dog and cat co-fire once; min firings 2
-    assert scores.s_ai == pytest.approx((9 / 11 + 1 + 1 + 1) / 4)  # (dog, animal), (cat, animal), (puppy, dog), (puppy, animal)
-    # animal's mean activation with dog 9/4 vs without (14-9)/(6-4): 1 - 2.25/2.5 = 0.1;
-    # with cat 3/2 vs without 11/4: 5/11; with puppy (dog is stronger then) clipped to 0
-    assert scores.s_ad == pytest.approx((0.1 + 5 / 11 + 0) / 3)
-    assert scores.s_rf == pytest.approx((5 / 6 + 2 / 6 + 2 / 5) / 3)
-    assert scores.s_cc == pytest.approx(4 / 5)
+def test_depth_counts_roots_as_one():
+    dag, _ = _toy_dag()
+    assert dag_depth(dag) == 3  # animal (1) -> dog (2) -> puppy (3)
+    assert dag_depth(nx.DiGraph()) == 0
+
+
+def test_min_count_is_the_papers_twenty_samples():
+    stats = CoactivationStats(width=5)
+    stats.update(TOY)
+    assert build_dag(stats, min_rate=0.0).number_of_nodes() == 0  # 8 samples: nobody fires 20 times
+    # a count floor of 3 removes cat and puppy (2 firings each) and with them every child but dog
+    dag = build_dag(stats, min_rate=0.0, min_count=3, threshold=0.75, max_out_frac=1.0, min_descendants=1)
+    assert sorted(dag.edges) == [(0, 1)]
 
 
 def test_dag_filters():
     stats = CoactivationStats(width=5)
     stats.update(TOY)
-    assert build_dag(stats, min_rate=0.0, threshold=0.75, max_out_frac=1.0, min_descendants=4).number_of_nodes() == 0
+    assert build_dag(stats, min_rate=0.0, min_count=0, threshold=0.75, max_out_frac=1.0, min_descendants=4).number_of_nodes() == 0
     # animal has 2 children: above 0.2 * 5 = 1 child it is deleted; dog -> puppy is then too small a tree
-    hubless = build_dag(stats, min_rate=0.0, threshold=0.75, max_out_frac=0.2, min_descendants=1)
+    hubless = build_dag(stats, min_rate=0.0, min_count=0, threshold=0.75, max_out_frac=0.2, min_descendants=1)
     assert sorted(hubless.edges) == [(1, 3)]
     # a rate floor above puppy's 2/8 removes it, and with it dog's only child
-    assert sorted(build_dag(stats, min_rate=0.3, threshold=0.75, max_out_frac=1.0, min_descendants=1).edges) == [(0, 1)]
-    empty = hierarchy_scores(build_dag(stats, min_rate=0.0, threshold=0.75, min_descendants=9), stats)
-    assert math.isnan(empty.s_m) and empty.s_cc == 0.0
+    assert sorted(build_dag(stats, min_rate=0.3, min_count=0, threshold=0.75, max_out_frac=1.0, min_descendants=1).edges) == [(0, 1)]
+    assert build_dag(stats, min_rate=0.0, min_count=0, threshold=0.75, min_descendants=9).number_of_nodes() == 0
 
 
 def test_export_writes_json_graphml_and_png(tmp_path):

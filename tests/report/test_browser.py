@@ -32,10 +32,11 @@ EXTRACTORS = [("topk", "topk-sae", 12), ("kmeans", "kmeans", 8)]
 
 
 @pytest.fixture(scope="module")
-def browser():
+def browser(tmp_path_factory):
     options = webdriver.ChromeOptions()
+    profile = tmp_path_factory.mktemp("chromium-profile")  # own profile: parallel runs do not collide
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1300,1400", "--disable-background-networking"):
+                "--window-size=1300,1400", "--disable-background-networking", f"--user-data-dir={profile}"):
         options.add_argument(arg)
     options.binary_location = CHROMIUM
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})

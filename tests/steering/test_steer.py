@@ -10,6 +10,7 @@ from conceptlens import ConceptSet
 from conceptlens.hooks import attention
 from conceptlens.concepts import TopKSAE, VQCodebook
 from conceptlens.steering import Add, Clamp, CodeAblate, ProjectOut
+from conceptlens.steering.edits import Edit
 from tests.conftest import hook_snapshot, tiny_inputs, tiny_model
 
 SITE = "blocks.0.resid_out"
@@ -112,9 +113,17 @@ def test_no_hook_remains_after_exceptions(llama):
         pass
     with pytest.raises(ValueError, match="positions"):
         lens.steer(Add(torch.randn(32), 1.0, site=SITE), positions="middle")
-    edit = Add(torch.randn(8), 1.0, site="blocks.0.attn.k")
-    with lens.steer(edit), torch.no_grad():  # q/k/v sites take concatenated heads: (2 * 8 = 16) != 8
-        with pytest.raises(RuntimeError):
+    with pytest.raises(ValueError, match="has width 16"):  # q/k/v sites take concatenated heads: 2 * 8
+        lens.steer(Add(torch.randn(8), 1.0, site="blocks.0.attn.k"))
+
+    class Broken(Edit):
+        site = "blocks.0.attn.k"
+
+        def apply(self, x, mask):
+            raise RuntimeError("boom")
+
+    with lens.steer(Broken()), torch.no_grad():
+        with pytest.raises(RuntimeError, match="boom"):
             model(**inputs)
     assert hook_snapshot(model) == snap and attention.active_hook_count() == 0
 

@@ -9,7 +9,10 @@ from conceptlens.concepts.sae.base import Code, SparseAutoencoder
 from conceptlens.concepts.sae.batchtopk import BatchTopKConfig, BatchTopKSAE
 from conceptlens.concepts.sae.config import SAEConfig
 from conceptlens.concepts.sae.jumprelu import JumpReLUConfig, JumpReLUSAE
-from conceptlens.concepts.sae.matryoshka import MatryoshkaConfig, MatryoshkaSAE
+from conceptlens.concepts.sae.hsae import HSAE, HSAEConfig
+from conceptlens.concepts.sae.matryoshka import ArchMSAE, MatryoshkaConfig, MatryoshkaSAE
+from conceptlens.concepts.sae.mpsae import MPConfig, MPSAE
+from conceptlens.concepts.sae.nested import ActMSAE, ActMSAEConfig, EWGConfig, EWGSAE
 from conceptlens.concepts.sae.relu import ReLUConfig, ReLUSAE
 from conceptlens.concepts.sae.restore import sae_from_concept_set
 from conceptlens.concepts.sae.saelens import export_saelens, import_saelens
@@ -21,6 +24,7 @@ from conceptlens.concepts.sae.topk import TopKConfig, TopKSAE
 __all__ = [
     "SparseAutoencoder", "SAEConfig", "Code", "SAEStats", "StepStats",
     "ReLUSAE", "ReLUConfig", "TopKSAE", "TopKConfig", "BatchTopKSAE", "BatchTopKConfig",
-    "JumpReLUSAE", "JumpReLUConfig", "SpaDE", "SpaDEConfig", "MatryoshkaSAE", "MatryoshkaConfig",
+    "JumpReLUSAE", "JumpReLUConfig", "SpaDE", "SpaDEConfig", "MatryoshkaSAE", "MatryoshkaConfig", "ArchMSAE",
+    "ActMSAE", "ActMSAEConfig", "EWGSAE", "EWGConfig", "MPSAE", "MPConfig", "HSAE", "HSAEConfig",
     "sparsemax", "export_saelens", "import_saelens", "sae_from_concept_set",
 ]

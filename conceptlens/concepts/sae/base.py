@@ -4,7 +4,7 @@
     for x in stream:                            # x: (N, d) float32 raw activations
         sae.update(x)
     sae.flush()                                 # end of stream: train on what is buffered
-    sae.stats                                   # FVU, L0, dead fraction (last step, running mean)
+    sae.stats()                                 # FVU, L0, dead fraction (last step, running mean)
     cs = sae.concept_set()                      # directions = decoder rows, in raw units
 
 Training happens in a normalised space: x_n = s x with one scalar s chosen over the first
@@ -20,16 +20,18 @@ optimiser, decoder constraint, statistics and checkpointing live here.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 
-from conceptlens.concepts.base import NotFittedError
+from conceptlens.concepts.base import ExtractorBase, NotFittedError
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.concepts.sae import ddp
 from conceptlens.concepts.sae.config import SAEConfig, build_config
-from conceptlens.concepts.sae.persist import average_replicas, load_training_state, training_state
+from conceptlens.concepts.sae.persist import load_training_state, merge_replicas, training_state
 from conceptlens.concepts.sae.stats import LatentTracker, RunningStats, SAEStats, StepStats, geometric_median
 
 
@@ -42,7 +44,7 @@ class Code(NamedTuple):
     """(N, width) pre-activations (for SpaDE: the scaled negative squared distances)."""
 
 
-class SparseAutoencoder:
+class SparseAutoencoder(ExtractorBase):
     """Base of the SAE variants: implements the Extractor protocol around `_activate`.
 
     Subclasses set `Config` and `method`, and override `_activate(pre, w, train)` and, if
@@ -53,11 +55,16 @@ class SparseAutoencoder:
 
     Config: ClassVar[type[SAEConfig]] = SAEConfig
     method: ClassVar[str] = "sae"
+    distributed: ClassVar[str | None] = "step"
     unit_decoder: ClassVar[bool] = True
     folded_by_scale: ClassVar[tuple[str, ...]] = ("b_enc", "b_dec", "threshold")
 
-    def __init__(self, config: SAEConfig | None = None, /, *, seed: int = 0, **kwargs: Any) -> None:
+    def __init__(self, config: SAEConfig | None = None, /, *, seed: int = 0,
+                 device: str | torch.device | None = None, **kwargs: Any) -> None:
         self.config = build_config(self.Config, config, kwargs)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0; got {seed!r}")
+        self._set_device(device)
         self.seed = seed
         self.d: int | None = None
         self.scale: float | None = None
@@ -66,7 +73,7 @@ class SparseAutoencoder:
         self._gen = torch.Generator().manual_seed(seed)
         self._mixer = MixingBuffer(size=self.config.mixing_size(), seed=seed)
         self._warm = [0.0, 0]  # sum of ||x||^2 (float64 accumulated) and rows, during warm-up
-        self._device = torch.device("cpu")
+        self._device = self.device or torch.device("cpu")
         self._opt: torch.optim.Adam | None = None
         self._tracker = LatentTracker(self.config.width, self.config.dead_after)
         self._running = RunningStats()
@@ -83,6 +90,12 @@ class SparseAutoencoder:
         self._mixer.add(x)
         if self.scale is None:
             return
+        if self.comm is not None:  # every rank takes as many steps as the rank with the most rows
+            size = self.config.batch_size
+            for _ in range(self.comm.max_int(self._mixer.ready(size))):
+                batch = self._mixer.take(size)
+                self._step(batch if batch is not None else x[:0])
+            return
         while (batch := self._mixer.take(self.config.batch_size)) is not None:
             self._step(batch)
 
@@ -91,20 +104,23 @@ class SparseAutoencoder:
         if self.scale is None and self._warm[1] > 0:
             self._set_scale()
         rest = self._mixer.drain() if self.scale is not None else None
-        for batch in () if rest is None else rest.split(self.config.batch_size):
-            self._step(batch)
+        batches = [] if rest is None else list(rest.split(self.config.batch_size))
+        n = len(batches) if self.comm is None or self.d is None else self.comm.max_int(len(batches))
+        for i in range(n):
+            self._step(batches[i] if i < len(batches) else torch.zeros(0, self.d))
 
     def _check_input(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) or x.ndim != 2 or not x.is_floating_point():
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"{type(self).__name__}.update expects a float tensor (N, d); got {got}")
+        device = self.device or x.device
         if self.d is None:
-            self.d, self._device = x.shape[1], x.device
-            self._tracker = LatentTracker(self.config.width, self.config.dead_after, x.device)
-        elif not self.params and self._device != x.device:  # resumed before the first step
-            self._device = x.device
+            self.d, self._device = x.shape[1], device
+            self._tracker = LatentTracker(self.config.width, self.config.dead_after, device)
+        elif not self.params and self._device != device:  # resumed before the first step
+            self._device = device
             state = self._tracker.state_dict()
-            self._tracker = LatentTracker(self.config.width, self.config.dead_after, x.device)
+            self._tracker = LatentTracker(self.config.width, self.config.dead_after, device)
             self._tracker.load_state_dict(state)
         elif x.shape[1] != self.d:
             raise ValueError(f"{type(self).__name__} was fitted on width d={self.d}; got width {x.shape[1]}")
@@ -112,8 +128,14 @@ class SparseAutoencoder:
 
     def _warm_up(self, x: Tensor) -> None:
         rows = x[: self.config.warmup_tokens - self._warm[1]]
-        self._warm[0] += float(rows.double().pow(2).sum())
-        self._warm[1] += rows.shape[0]
+        if self.comm is not None:  # the warm-up sums of every rank: one scale for all
+            total = self.comm.sum_(torch.stack([rows.double().pow(2).sum().cpu(), torch.tensor(rows.shape[0] * 1.0,
+                                                                                                 dtype=torch.float64)]))
+            self._warm[0] += float(total[0])
+            self._warm[1] += int(total[1])
+        else:
+            self._warm[0] += float(rows.double().pow(2).sum())
+            self._warm[1] += rows.shape[0]
         if self._warm[1] >= self.config.warmup_tokens:
             self._set_scale()
 
@@ -126,6 +148,9 @@ class SparseAutoencoder:
     # ---- one optimiser step ---------------------------------------------------------
     def _step(self, batch: Tensor) -> None:
         x = batch.to(self._device) * self.scale  # (B, d), normalised
+        if self.comm is not None:
+            ddp.step(self, x)
+            return
         if self._opt is None:
             self._start(x)
         w = self._weights()
@@ -136,14 +161,18 @@ class SparseAutoencoder:
         self._opt.zero_grad(set_to_none=True)
         loss.backward()
         with torch.no_grad():
-            if self.unit_decoder:
-                W, g = self.params["W_dec"], self.params["W_dec"].grad  # (width, d)
-                g -= (g * W).sum(1, keepdim=True) * W
-            self._opt.step()
-            if self.unit_decoder:
-                W /= W.norm(dim=1, keepdim=True).clamp(min=1e-12)
+            self._apply_gradients()
             self._record(x, x_hat, code, loss)
             self._after_step(code)
+
+    def _apply_gradients(self) -> None:
+        """The Adam step, with the decoder rows' radial gradient removed and the rows renormalised."""
+        if self.unit_decoder:
+            W, g = self.params["W_dec"], self.params["W_dec"].grad  # (width, d)
+            g -= (g * W).sum(1, keepdim=True) * W
+        self._opt.step()
+        if self.unit_decoder:
+            W /= W.norm(dim=1, keepdim=True).clamp(min=1e-12)
 
     def _start(self, x: Tensor) -> None:
         if not self.params:  # (a rebuilt SAE already has its parameters)
@@ -163,7 +192,6 @@ class SparseAutoencoder:
                               self._tracker.dead().float().mean(), loss.detach()]).tolist()
         self._running.observe(StepStats(*values), x.shape[0])
 
-    @property
     def stats(self) -> SAEStats:
         """Steps, tokens, the last step's FVU / L0 / dead fraction / loss, and their running means."""
         return self._running.summary()
@@ -249,14 +277,32 @@ class SparseAutoencoder:
         return training_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_training_state(self, state)
+        self.check_state(state)
+        load_training_state(self, self._placed(state))
 
-    def merge(self, other: SparseAutoencoder) -> None:
-        """Average parameters and Adam moments with a data-parallel replica (local SGD).
+    @classmethod
+    def from_config(cls, config: dict[str, Any], seed: int = 0) -> SparseAutoencoder:
+        names = {f.name for f in dataclasses.fields(cls.Config)}
+        return cls(seed=seed, **{k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in names})
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> SparseAutoencoder:
+        if not isinstance(state, dict) or "config" not in state:
+            raise ValueError(f"not a {cls.__name__} state: expected a dict with a 'config' entry")
+        obj = cls.from_config(state["config"], seed=state.get("seed", 0))
+        obj.load_state_dict(state)
+        return obj
+
+    def _merge(self, other: SparseAutoencoder) -> None:
+        """Combine with a data-parallel replica (local SGD); `merge` also takes its state dict.
 
         SAEs have no sufficient statistics to add up. Replicas that started from one state
         (load the same `state_dict` after warm-up, so they share the input scale and the
-        initialisation) and trained on different shards can be averaged with equal weights;
-        firing records combine and the other's buffered rows join this buffer.
+        initialisation) and trained on different shards are averaged with equal weights
+        (parameters, Adam moments); firing records and token counts add, the step count is
+        the larger one, and the other's buffered rows join this buffer (trained on at the
+        next `update` or `flush`). A replica that has not started yet takes the other's
+        state; two still warming up pool their warm-up sums. For training across processes
+        the fit all-reduces gradients every step instead (see conceptlens/distributed.py).
         """
-        average_replicas(self, other)
+        merge_replicas(self, other)

@@ -11,18 +11,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+# the shared validation helpers (re-exported here, where the variants import them from)
+from conceptlens.concepts.base import check_choice, check_float, check_int, config_json
 
-def check_int(name: str, value: Any, low: int = 1) -> None:
-    """Raise unless `value` is an int (not a bool) >= `low`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}; got {value!r}")
-
-
-def check_float(name: str, value: Any, low: float = 0.0, *, strict: bool = False) -> None:
-    """Raise unless `value` is a finite real > `low` (strict) or >= `low`."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or (value <= low if strict else value < low):
-        raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {low}; got {value!r}")
+__all__ = ["SAEConfig", "build_config", "check_int", "check_float"]
 
 
 @dataclass(kw_only=True)
@@ -59,8 +51,7 @@ class SAEConfig:
             check_int("buffer_size", self.buffer_size)
         check_int("warmup_tokens", self.warmup_tokens)
         check_int("dead_after", self.dead_after)
-        if self.b_dec_init not in ("geometric_median", "mean", "zeros"):
-            raise ValueError(f"b_dec_init must be 'geometric_median', 'mean' or 'zeros'; got {self.b_dec_init!r}")
+        check_choice("b_dec_init", self.b_dec_init, ("geometric_median", "mean", "zeros"))
 
     def learning_rate(self) -> float:
         return self.lr if self.lr is not None else 2e-4 * math.sqrt(16384 / self.width)
@@ -70,7 +61,7 @@ class SAEConfig:
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON types (tuples become lists)."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        return config_json(self)
 
 
 C = TypeVar("C", bound=SAEConfig)

@@ -2,6 +2,10 @@
 
     sae = MatryoshkaSAE(width=4608, k=32, prefixes=(576, 1152, 2304, 4608), seed=0)
 
+This is the dictionary-nested Matryoshka of the hierarchy comparison (Grandien et al. 2026
+call it ArchMSAE; `ArchMSAE` is an alias). The activation-nested one that builds deeper
+hierarchies there is `ActMSAE` (conceptlens.concepts.sae.nested).
+
 Latents are ordered: the first m of them must reconstruct x on their own for every prefix
 size m, so early latents learn general concepts and later ones refine them instead of
 absorbing them (Bussmann et al. 2025, Nabeshima 2024). Encoding is TopK on the full width;
@@ -62,3 +66,7 @@ class MatryoshkaSAE(TopKSAE):
             loss = loss + weight * (x - partial).pow(2).sum(-1).mean()
             start = stop
         return loss
+
+
+ArchMSAE = MatryoshkaSAE
+"""The name of the dictionary-nested Matryoshka in the hierarchy comparison (002)."""

@@ -42,11 +42,7 @@ def load_training_state(sae: SparseAutoencoder, state: dict[str, Any]) -> None:
     """Restore `training_state` into an SAE constructed with the same class and config."""
     if state.get("class") != type(sae).__name__:
         raise ValueError(f"state is for a {state.get('class')!r}; this is a {type(sae).__name__!r}")
-    mine = sae.config.to_json()
-    differ = sorted(k for k in mine.keys() | state["config"].keys() if mine.get(k) != state["config"].get(k))
-    if differ:
-        changes = [(k, state["config"].get(k), mine.get(k)) for k in differ]
-        raise ValueError(f"state was saved with a different config: {changes} (key, saved, this)")
+    sae.check_state(state)
     sae.seed, sae.d, sae.scale, sae._warm = state["seed"], state["d"], state["scale"], list(state["warm"])
     sae.params = {k: v.clone().requires_grad_(True) for k, v in state["params"].items()}
     sae.buffers = {k: v.clone() for k, v in state["buffers"].items()}
@@ -62,16 +58,47 @@ def load_training_state(sae: SparseAutoencoder, state: dict[str, Any]) -> None:
 
 
 @torch.no_grad()
+def merge_replicas(sae: SparseAutoencoder, other: SparseAutoencoder) -> None:
+    """What `sae.merge(other)` does; see `SparseAutoencoder._merge`."""
+    if other.config != sae.config:
+        raise ValueError(f"replicas need the same config; got {other.config} and {sae.config}")
+    if other.d is None:
+        return  # it has seen nothing
+    if sae.d is not None and other.d != sae.d:
+        raise ValueError(f"cannot merge an SAE of width d={other.d} into one of width d={sae.d}")
+    mine = sae._mixer.state_dict()["data"]
+    if not sae.params and other.params:  # this one has not started: take the other's state
+        load_training_state(sae, training_state(other))
+        if mine is not None and len(mine):
+            sae._mixer.add(mine.to(sae._mixer.device))
+        return
+    theirs = other._mixer.state_dict()["data"]
+    if sae.params and other.params:
+        average_replicas(sae, other)
+    elif not sae.params and not other.params and sae.scale is None:  # both warming up: pool the warm-up sums
+        sae.d = other.d
+        sae._warm = [sae._warm[0] + other._warm[0], sae._warm[1] + other._warm[1]]
+        if other.scale is not None or sae._warm[1] >= sae.config.warmup_tokens:
+            sae.scale = other.scale if other.scale is not None else None
+            if sae.scale is None:
+                sae._set_scale()
+    elif other.scale != sae.scale:
+        raise ValueError(f"replicas must share the input width and warm-up scale (start them from one state_dict); "
+                         f"got d={sae.d}, scale={sae.scale} and d={other.d}, scale={other.scale}")
+    if theirs is not None and len(theirs):  # the other's buffered rows join this buffer
+        sae._mixer.add(theirs.to(sae._mixer.device))
+
+
+@torch.no_grad()
 def average_replicas(sae: SparseAutoencoder, other: SparseAutoencoder) -> None:
     """Equal-weight average of parameters, buffers and Adam moments of two replicas, into `sae`.
 
-    Buffered rows stay with their replica. Firing counts add (after averaging, a replica
-    that reloads the merged state has both histories, so frequencies stay fractions).
+    Firing counts and trained tokens add (after averaging, a replica that reloads the merged
+    state has both histories, so frequencies stay fractions); the step count is the larger
+    one, the same as Adam's step, since replicas step in parallel.
     """
     if type(other) is not type(sae):
         raise TypeError(f"can only merge a {type(sae).__name__} with another; got {type(other).__name__}")
-    if other.config != sae.config:
-        raise ValueError(f"replicas need the same config; got {other.config} and {sae.config}")
     if not sae.params or not other.params:
         raise ValueError("both replicas must have taken an optimiser step before they can be averaged")
     if other.scale != sae.scale or other.d != sae.d:
@@ -91,3 +118,4 @@ def average_replicas(sae: SparseAutoencoder, other: SparseAutoencoder) -> None:
         W = sae.params["W_dec"]
         W /= W.norm(dim=1, keepdim=True).clamp(min=1e-12)
     sae._tracker.merge(other._tracker)
+    sae._running.merge(other._running)

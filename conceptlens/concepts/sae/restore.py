@@ -18,14 +18,18 @@ from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.sae.base import SparseAutoencoder
 from conceptlens.concepts.sae.batchtopk import BatchTopKSAE
 from conceptlens.concepts.sae.jumprelu import JumpReLUSAE
+from conceptlens.concepts.sae.hsae import HSAE
 from conceptlens.concepts.sae.matryoshka import MatryoshkaSAE
+from conceptlens.concepts.sae.mpsae import MPSAE
+from conceptlens.concepts.sae.nested import ActMSAE, EWGSAE
 from conceptlens.concepts.sae.relu import ReLUSAE
 from conceptlens.concepts.sae.spade import SpaDE
 from conceptlens.concepts.sae.stats import LatentTracker
 from conceptlens.concepts.sae.topk import TopKSAE
 
 CLASSES: dict[str, type[SparseAutoencoder]] = {
-    cls.method: cls for cls in (ReLUSAE, TopKSAE, BatchTopKSAE, JumpReLUSAE, SpaDE, MatryoshkaSAE)}
+    cls.method: cls for cls in (ReLUSAE, TopKSAE, BatchTopKSAE, JumpReLUSAE, SpaDE, MatryoshkaSAE, ActMSAE, EWGSAE,
+                                MPSAE, HSAE)}
 
 
 def sae_from_concept_set(cs: ConceptSet) -> SparseAutoencoder:
@@ -47,6 +51,9 @@ def sae_from_concept_set(cs: ConceptSet) -> SparseAutoencoder:
         lam = float(raw["lambda"])
         params = {"prototypes": raw["prototypes"].clone(), "W_dec": raw["W_dec"].clone(),
                   "lambda_pre": torch.tensor(math.log(math.expm1(lam)))}
+    elif cls is HSAE:
+        params = {k: raw[k].clone() for k in ("W_enc", "W_top", "W_down", "W_up", "E_child", "D_child", "b_dec")}
+        sae.buffers = {"offset": raw["offset"].clone().reshape(())}
     sae.params = {k: v.float().requires_grad_(True) for k, v in params.items()}
     sae.d, sae.scale = cs.hidden_size, 1.0
     sae._warm = [float(cs.hidden_size), 1]

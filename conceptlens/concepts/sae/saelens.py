@@ -60,7 +60,7 @@ def export_saelens(sae: SparseAutoencoder | ConceptSet, directory: str | os.Path
         "d_in": d, "d_sae": width, "dtype": "float32", "device": "cpu", "apply_b_dec_to_input": True,
         "normalize_activations": "none", "reshape_activations": "none", "architecture": arch,
         "metadata": {"sae_lens_version": LAYOUT_VERSION, "sae_lens_training_version": LAYOUT_VERSION,
-                     "model_name": cs.model, "hook_name": hook_name(cs.site),
+                     "model_name": _export_model_id(cs.model), "hook_name": hook_name(cs.site),
                      "conceptlens_site": cs.site, "conceptlens_method": cs.method, "conceptlens_config": cs.config},
     }
     if arch == "topk":
@@ -76,8 +76,20 @@ def export_saelens(sae: SparseAutoencoder | ConceptSet, directory: str | os.Path
     return directory
 
 
-def import_saelens(directory: str | os.PathLike) -> ConceptSet:
-    """Read a SAELens folder (standard, topk or jumprelu; unnormalised) as a ConceptSet."""
+def import_saelens(directory: str | os.PathLike, *, centre: bool | None = None) -> ConceptSet:
+    """Read a SAELens folder (standard, topk or jumprelu) as a ConceptSet in raw activation units.
+
+    Layouts that differ from ours only by a reparametrisation are folded exactly:
+    `apply_b_dec_to_input=False` (Gemma Scope: b_enc += b_dec W_enc),
+    `rescale_acts_by_decoder_norm=True` (SAELens's TopK training default: decoder rows to
+    unit norm, their norms into W_enc and b_enc, as SAELens's own `fold_W_dec_norm`), and
+    JumpReLU thresholds <= 0 (SAELens computes ReLU(pre) * [pre > theta], which equals
+    threshold 0 there). `centre=True` (default: when `model_from_pretrained_kwargs` says
+    `center_writing_weights`, i.e. TransformerLens-processed activations) folds the
+    per-token centring x - mean_d(x) into the encoder, so `encode` takes our raw `resid_out`
+    rows; the decoder then reconstructs the centred activation. The hook name becomes our
+    site name (`blocks.1.hook_resid_post` -> `blocks.1.resid_out`) and is kept in the config.
+    """
     directory = Path(directory)
     for name in (CFG_FILE, WEIGHTS_FILE):
         if not (directory / name).is_file():
@@ -87,12 +99,42 @@ def import_saelens(directory: str | os.PathLike) -> ConceptSet:
     arch = cfg.get("architecture", "standard")
     if arch not in METHOD:
         raise ValueError(f"architecture {arch!r} is not supported; supported: {sorted(METHOD)}")
-    if cfg.get("normalize_activations", "none") not in ("none", False):
-        raise ValueError(f"normalize_activations={cfg['normalize_activations']!r} is not supported; fold it first")
+    for key, ok in (("normalize_activations", ("none", False, None)), ("reshape_activations", ("none", None))):
+        if cfg.get(key, "none") not in ok:
+            raise ValueError(f"{key}={cfg[key]!r} is not supported (it is not a fixed linear map); "
+                             "fold it into the weights first")
+    w = _checked_weights(directory, cfg, arch)
+    meta = cfg.get("metadata") or {}
+    folded: list[str] = []
     if not cfg.get("apply_b_dec_to_input", True):
-        raise ValueError("apply_b_dec_to_input=False is not supported: our encoders subtract b_dec first")
-    if cfg.get("rescale_acts_by_decoder_norm"):
-        raise ValueError("rescale_acts_by_decoder_norm=True is not supported; fold the decoder norms first")
+        w["b_enc"] = w["b_enc"] + w["b_dec"] @ w["W_enc"]
+        folded.append("apply_b_dec_to_input")
+    if arch == "topk" and cfg.get("rescale_acts_by_decoder_norm"):
+        norms = w["W_dec"].norm(dim=-1).clamp(min=1e-8)  # (d_sae,)
+        w["W_dec"], w["W_enc"], w["b_enc"] = w["W_dec"] / norms[:, None], w["W_enc"] * norms, w["b_enc"] * norms
+        folded.append("rescale_acts_by_decoder_norm")
+    if arch == "jumprelu" and (w["threshold"] <= 0).any():
+        w["threshold"] = w["threshold"].clamp(min=0.0)
+        folded.append("non_positive_thresholds")
+    tl_kwargs = meta.get("model_from_pretrained_kwargs") or cfg.get("model_from_pretrained_kwargs") or {}
+    if centre is None:
+        centre = bool(tl_kwargs.get("center_writing_weights"))
+    if centre:
+        _fold_centring(w)
+        folded.append("centre_per_token")
+    hook = meta.get("hook_name") or cfg.get("hook_name")
+    config: dict[str, Any] = {"width": cfg["d_sae"], "source": "saelens", "hook_name": hook, "folded": folded,
+                              "input_centred_per_token": bool(centre), "tl_processing": tl_kwargs}
+    if arch == "topk":
+        config["k"] = cfg["k"]
+    expected_keys = ("W_enc", "b_enc", "b_dec", "threshold") if arch == "jumprelu" else ("W_enc", "b_enc", "b_dec")
+    encoder = {k: w[k] for k in expected_keys}
+    site = meta.get("conceptlens_site") or site_from_hook_name(hook)
+    return ConceptSet(w["W_dec"], site, method=METHOD[arch], config=config,
+                      model=_model_id(meta.get("model_name") or cfg.get("model_name")), encoder=encoder)
+
+
+def _checked_weights(directory: Path, cfg: dict[str, Any], arch: str) -> dict[str, torch.Tensor]:
     w = {k: v.float() for k, v in load_file(directory / WEIGHTS_FILE).items()}
     expected = {"W_enc": (cfg["d_in"], cfg["d_sae"]), "b_enc": (cfg["d_sae"],),
                 "W_dec": (cfg["d_sae"], cfg["d_in"]), "b_dec": (cfg["d_in"],)}
@@ -102,10 +144,58 @@ def import_saelens(directory: str | os.PathLike) -> ConceptSet:
         if key not in w or tuple(w[key].shape) != shape:
             got = tuple(w[key].shape) if key in w else None
             raise ValueError(f"{directory / WEIGHTS_FILE}: {key} has shape {got}; {CFG_FILE} implies {shape}")
-    meta = cfg.get("metadata") or {}
-    config: dict[str, Any] = {"width": cfg["d_sae"], "source": "saelens"}
-    if arch == "topk":
-        config["k"] = cfg["k"]
-    encoder = {k: w[k] for k in expected if k != "W_dec"}
-    return ConceptSet(w["W_dec"], meta.get("conceptlens_site") or meta.get("hook_name"), method=METHOD[arch],
-                      config=config, model=meta.get("model_name"), encoder=encoder)
+    return w
+
+
+def _fold_centring(w: dict[str, torch.Tensor]) -> None:
+    """(P x - b) W + c with P = I - 11^T/d  ==  (x - b) (P W) + c - mean(b) 1^T W: exact and linear."""
+    column_means = w["W_enc"].mean(0, keepdim=True)  # (1, d_sae)
+    w["b_enc"] = w["b_enc"] - w["b_dec"].sum() * column_means[0]
+    w["W_enc"] = w["W_enc"] - column_means
+
+
+_TL_SITE = {v: k for k, v in HOOKS.items()} | {"attn.hook_z": "attn.z", "mlp.hook_post": "mlp.post",
+                                                "attn.hook_q": "attn.q", "attn.hook_k": "attn.k",
+                                                "attn.hook_v": "attn.v", "attn.hook_pattern": "attn.pattern"}
+_HF_MODULE = re.compile(r"(?:model\.|transformer\.|gpt_neox\.|base_model\.|bert\.|roberta\.|encoder\.)*(?:layers|h|layer|blocks)\.(-?\d+)"
+                        r"(?:\.(self_attn|attn|attention|mlp))?")
+_HF_SUFFIX = {None: "resid_out", "self_attn": "attn_out", "attn": "attn_out", "attention": "attn_out",
+              "mlp": "mlp_out"}
+
+
+def site_from_hook_name(hook: str | None) -> str | None:
+    """A TransformerLens hook name or an HF module path -> our site name (unknown names are kept).
+
+    `blocks.5.hook_resid_post` -> `blocks.5.resid_out`; `blocks.5.attn.hook_z` -> `blocks.5.attn.z`;
+    `model.layers.5` (a decoder layer's output) -> `blocks.5.resid_out`; `model.layers.5.mlp` -> `mlp_out`.
+    """
+    if not hook:
+        return hook
+    if hook == "hook_embed" or hook == "blocks.0.hook_resid_pre":
+        return "embed" if hook == "hook_embed" else "blocks.0.resid_in"
+    if hook in ("ln_final.hook_normalized", "model.norm"):
+        return "final"
+    match = re.fullmatch(r"blocks\.(-?\d+)\.(.+)", hook)
+    if match and match.group(2) in _TL_SITE:
+        return f"blocks.{match.group(1)}.{_TL_SITE[match.group(2)]}"
+    match = _HF_MODULE.fullmatch(hook)
+    if match:
+        return f"blocks.{match.group(1)}.{_HF_SUFFIX[match.group(2)]}"
+    return hook
+
+
+def _model_id(name: str | None) -> str | None:
+    """A hub id of a registered model -> its registered name (so it matches the lens); others unchanged."""
+    from conceptlens.models import REGISTRY
+
+    for registered, entry in REGISTRY.items():
+        if name and name == entry.hub_id:
+            return registered
+    return name
+
+
+def _export_model_id(name: str | None) -> str | None:
+    from conceptlens.models import REGISTRY
+
+    entry = REGISTRY.get(name or "")
+    return entry.hub_id if entry is not None and entry.hub_id else name

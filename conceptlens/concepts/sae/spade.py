@@ -8,6 +8,12 @@ That is what lets SpaDE separate concepts that a linear-threshold encoder cannot
 concepts that differ only in magnitude along one direction. The decoder is x_hat = z A,
 with no biases; the loss adds gamma * sum_i z_i ||x - w_i||^2, which pulls every active
 prototype toward the tokens it encodes.
+
+gamma defaults to the paper's 0.1. On concepts that differ only in magnitude (4 concepts,
+width 16, inputs scaled to E||x||^2 = d) gamma = 1 separates them more reliably (best-latent F1
+0.99-1.0 vs 0.86-0.97 over seeds); see reproductions/spade_f1.py. Distinct data rows as
+initial prototypes do not guarantee one prototype per concept: at width = number of concepts
+the F1 stays near 0.5-0.67 whenever two prototypes start in the same concept.
 """
 
 from __future__ import annotations
@@ -46,8 +52,11 @@ class SpaDE(SparseAutoencoder):
     config: SpaDEConfig
 
     def _init_params(self, x: Tensor) -> dict[str, Tensor]:
-        """Prototypes and decoder rows start at random tokens of the first batch; lambda = 1 / (2d)."""
-        rows = torch.randint(x.shape[0], (self.config.width,), generator=self._gen)
+        """Prototypes and decoder rows start at distinct random tokens of the first batch (drawn
+        without replacement; a batch smaller than the width is reused whole, then again);
+        lambda = 1 / (2d)."""
+        n, width = x.shape[0], self.config.width
+        rows = torch.cat([torch.randperm(n, generator=self._gen) for _ in range(-(-width // n))])[:width]
         prototypes = x.cpu()[rows].clone()  # (width, d)
         lam = 1 / (2 * x.shape[1])
         return {"prototypes": prototypes, "lambda_pre": torch.tensor(math.log(math.expm1(lam))),

@@ -66,6 +66,17 @@ class RunningStats:
             mean = StepStats(*(m / correction for m in self._ema))
         return SAEStats(self.steps, self.tokens, self.last, mean)
 
+    def merge(self, other: RunningStats) -> None:
+        """A replica's record: tokens add, steps are the larger count (replicas step in
+        parallel), the averages are weighted by tokens."""
+        total = self.tokens + other.tokens
+        if other.steps and total:
+            a, b = self.tokens / total, other.tokens / total
+            self._ema = [a * m + b * o for m, o in zip(self._ema, other._ema)]
+            self.last = self.last if self.steps >= other.steps else other.last
+        self.steps = max(self.steps, other.steps)
+        self.tokens = total
+
     def state_dict(self) -> dict[str, Any]:
         last = None if self.last is None else list(self.last)
         return {"steps": self.steps, "tokens": self.tokens, "last": last, "ema": list(self._ema)}

@@ -31,7 +31,7 @@ def test_warmup_scale_makes_mean_squared_norm_d():
     x = data(300)
     sae = TopKSAE(width=16, k=2, batch_size=100, warmup_tokens=250)
     sae.update(x[:200])
-    assert sae.scale is None and sae.stats.steps == 0
+    assert sae.scale is None and sae.stats().steps == 0
     sae.update(x[200:])
     assert sae.scale == pytest.approx(math.sqrt(8 / x[:250].double().pow(2).sum(1).mean().item()), rel=1e-12)
     assert ((x[:250] * sae.scale).pow(2).sum(1).mean()).item() == pytest.approx(8, rel=1e-5)
@@ -117,7 +117,8 @@ def test_jumprelu_threshold_is_exp_log_threshold_and_l0_penalty():
 
 def test_relu_penalty_weights_latents_by_decoder_norms():
     sae = trained(ReLUSAE, l1=2.0)
-    w = {**sae._weights(), "W_dec": sae.params["W_dec"].detach() * torch.arange(1, 17.0)[:, None]}
+    unit = torch.nn.functional.normalize(sae.params["W_dec"].detach(), dim=1)  # rows of norm 1, 2, ..., 16
+    w = {**sae._weights(), "W_dec": unit * torch.arange(1, 17.0)[:, None]}
     x = data(20, seed=2) * sae.scale
     code = sae._encode(x, w, train=True)
     expected = 2.0 * (code.z * torch.arange(1, 17.0)).sum(1).mean()
@@ -197,7 +198,7 @@ def test_latent_tracker_marks_latents_dead_after_silence():
     (lambda: ReLUSAE(width=8, l1=-0.1), "l1 must be"),
     (lambda: ReLUSAE(width=8, betas=(0.9, 1.0)), "betas"),
     (lambda: ReLUSAE(width=8, batch_size=0), "batch_size"),
-    (lambda: ReLUSAE(width=8, b_dec_init="median"), "'geometric_median', 'mean' or 'zeros'"),
+    (lambda: ReLUSAE(width=8, b_dec_init="median"), "b_dec_init must be one of"),
     (lambda: JumpReLUSAE(width=8, bandwidth=0.0), "bandwidth"),
     (lambda: BatchTopKSAE(width=8, k=2, threshold_momentum=1.5), "threshold_momentum"),
     (lambda: MatryoshkaSAE(width=8, k=2, prefixes=(4, 2, 8)), "strictly increasing"),
@@ -219,3 +220,28 @@ def test_bad_arguments_raise_type_error():
         TopKSAE(TopKSAE.Config(width=8, k=2), k=3)
     assert TopKSAE(TopKSAE.Config(width=8, k=2)).config.k == 2
     assert MatryoshkaSAE(width=64, k=2).config.prefixes == (8, 16, 32, 64)
+
+
+def test_relu_decoder_norms_stay_free_through_training_and_export():
+    sae = trained(ReLUSAE, l1=2.0)
+    norms = sae.params["W_dec"].detach().norm(dim=1)
+    assert not torch.allclose(norms, torch.ones_like(norms), atol=0.05)  # not renormalised during training
+    x = data(20, seed=2)
+    cs = sae.concept_set()
+    torch.testing.assert_close(cs.directions, sae.params["W_dec"].detach())  # rows as trained
+    with torch.no_grad():
+        z_train = sae._encode(x * sae.scale, sae._weights(), train=False).z / sae.scale
+    torch.testing.assert_close(sae.encode(x), z_train, rtol=1e-4, atol=1e-5)
+    assert ReLUSAE(width=8).config.decoder_init_norm == 0.1
+
+
+def test_spade_prototypes_start_at_distinct_rows():
+    sae = SpaDE(width=16, batch_size=16, warmup_tokens=16)
+    x = torch.arange(16 * 3, dtype=torch.float32).reshape(16, 3) + 1  # 16 distinct rows
+    sae.update(x)
+    protos = sae.params["prototypes"].detach() / sae.scale
+    assert len({tuple(r) for r in protos.round(decimals=3).tolist()}) == 16  # every row once: no repeats
+    wide = SpaDE(width=40, batch_size=16, warmup_tokens=16)
+    wide.update(x)
+    rows = {tuple(r) for r in (wide.params["prototypes"].detach() / wide.scale).round(decimals=3).tolist()}
+    assert len(rows) == 16  # a batch smaller than the width is reused whole

@@ -1,0 +1,73 @@
+"""Options every command shares (threads, device, dtype, logging) and the one way commands load a model.
+
+    model, tok = load_model(args)          # args.model, with --device / --dtype applied
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from conceptlens.commands._args import positive_int
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--threads", type=positive_int, default=None,
+                       help="torch CPU threads (default: torch's choice; 1 is often fastest on a busy machine)")
+    group.add_argument("--device", default=None,
+                       help="where the model runs: cpu, cuda, cuda:1, mps, or 'auto' (accelerate device map)")
+    group.add_argument("--dtype", default=None, choices=DTYPES, help="model weights dtype (default: the loader's)")
+    group.add_argument("--log-level", default="warning", choices=LOG_LEVELS, help="messages of the conceptlens logger")
+
+
+def apply_runtime(args: argparse.Namespace) -> None:
+    """Check and apply the shared options before any work: threads, logging, device and model names."""
+    import torch
+
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    level = getattr(logging, (getattr(args, "log_level", None) or "warning").upper())
+    logger = logging.getLogger("conceptlens")
+    logger.setLevel(level)
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("conceptlens: %(message)s"))
+        logger.addHandler(handler)
+    device = getattr(args, "device", None)
+    if device and device != "auto":
+        try:
+            torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"--device {device!r} is not a device; use cpu, cuda, cuda:N, mps or auto") from None
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {device!r}: no CUDA device is available here; use cpu")
+    model = getattr(args, "model", None)
+    if isinstance(model, str):
+        from conceptlens.models import check_name
+
+        check_name(model)
+
+
+def load_model(args: argparse.Namespace, name: str | None = None) -> tuple[Any, Any]:
+    """`models.load(name or args.model)` with the command's --device and --dtype."""
+    import torch
+
+    from conceptlens import models
+
+    kwargs: dict[str, Any] = {}
+    dtype = getattr(args, "dtype", None)
+    if dtype and dtype != "auto":
+        kwargs["dtype"] = getattr(torch, dtype)
+    device = getattr(args, "device", None)
+    if device == "auto":
+        kwargs["device_map"] = "auto"
+    model, tokenizer = models.load(name or args.model, **kwargs)
+    if device and device != "auto":
+        model = model.to(device)
+    return model, tokenizer
+

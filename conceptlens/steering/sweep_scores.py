@@ -1,0 +1,80 @@
+"""What a sweep measures besides its target: fluency, and how much a concept the text expresses.
+
+    continuation_perplexity(model, tokenizer, generations)   # (P,) perplexity under the model as it is now
+    ConceptExpression(lens, direction, site)                  # score: the text's projection on a direction
+
+Both run the model on prompt + continuation outside any steering scope (`sweep` calls them
+after the scope closes), so they judge the steered text with the unsteered model.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+from torch import Tensor
+
+from conceptlens.batching import pad_right
+
+if TYPE_CHECKING:
+    from conceptlens.lens import Lens
+    from conceptlens.steering.sweep import Generation
+
+
+def _joined(tokenizer: Any, generations: Sequence[Generation]) -> tuple[dict[str, Tensor], list[int]]:
+    """Right-padded prompt + continuation rows, and each prompt's length in tokens."""
+    prompts = [tokenizer(g.prompt)["input_ids"] for g in generations]
+    rows = [p + g.tokens.tolist() for p, g in zip(prompts, generations)]
+    return pad_right(rows), [len(p) for p in prompts]
+
+
+@torch.no_grad()
+def continuation_perplexity(model: Any, tokenizer: Any, generations: Sequence[Generation]) -> Tensor:
+    """(P,) float64 exp(mean negative log-likelihood) of each continuation's tokens given its prompt
+    under `model` (nan for an empty continuation): the fluency of a steered text as the unsteered
+    model reads it. Greedy unsteered text scores low (~1-3); word salad scores hundreds."""
+    batch, starts = _joined(tokenizer, generations)
+    device = next(model.parameters()).device
+    logits = model(**{k: v.to(device) for k, v in batch.items()}).logits.double().cpu()  # (P, T, V)
+    logprobs = logits[:, :-1].log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]  # (P, T-1)
+    out = []
+    for row, (start, g) in enumerate(zip(starts, generations)):
+        n = len(g.tokens)
+        out.append(math.exp(-float(logprobs[row, start - 1:start - 1 + n].mean())) if n else math.nan)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+class ConceptExpression:
+    """Score: mean projection of the continuation's activations at `site` on a unit direction,
+    measured by the unsteered model reading prompt + continuation, in multiples of the site norm.
+
+        score = ConceptExpression(lens, cs.centred().directions[12], "blocks.15.resid_out", mean=cs.mean)
+
+    With `mean`, the projection of `x - mean` (how far above its typical value the text puts
+    the concept). On the same scale as `Add(..., scale="site_norm")`'s alpha.
+    """
+
+    label = "concept projection (site norms)"
+
+    def __init__(self, lens: Lens, direction: Tensor, site: str, mean: Tensor | None = None) -> None:
+        from conceptlens.steering.units import site_norm
+
+        direction = torch.as_tensor(direction).detach().double().reshape(-1)
+        if not direction.norm() > 0:
+            raise ValueError("ConceptExpression needs a direction of nonzero norm")
+        self.lens, self.site = lens, lens.site(site).name
+        self.unit = direction / direction.norm()
+        self.offset = 0.0 if mean is None else float(torch.as_tensor(mean).double() @ self.unit)
+        self.norm = site_norm(lens, self.site)
+
+    @torch.no_grad()
+    def __call__(self, generation: Generation) -> float:
+        if not len(generation.tokens):
+            return math.nan
+        batch, (start,) = _joined(self.lens.tokenizer, [generation])
+        device = next(self.lens.model.parameters()).device
+        with self.lens.capture(self.site) as capture:
+            acts = capture.forward(**{k: v.to(device) for k, v in batch.items()})[self.site]  # (T, d)
+        new = acts.flatten(1)[start:].double().cpu()  # the continuation's tokens
+        return float(((new @ self.unit) - self.offset).mean() / self.norm)

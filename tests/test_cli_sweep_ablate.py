@@ -1,0 +1,79 @@
+"""`conceptlens sweep` and `conceptlens ablate` on a saved tiny Llama with a word-level tokenizer."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from conceptlens import ConceptSet
+from conceptlens.cli import main
+from conceptlens.commands.sweep import pick_alpha
+from conceptlens.steering.sweep import SweepResult
+from tests.conftest import tiny_model
+from tests.steering.test_sweep import word_tokenizer
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A saved tiny model, a 6-concept set with a mean at blocks.0.resid_out, and a text file."""
+    root = tmp_path_factory.mktemp("sweep")
+    model, tok = tiny_model("llama"), word_tokenizer()
+    model.generation_config.eos_token_id = 1
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    g = torch.Generator().manual_seed(0)
+    ConceptSet(torch.randn(6, 32, generator=g), site="blocks.0.resid_out", method="kmeans",
+               mean=torch.randn(32, generator=g), model=str(root / "model")).save(root / "concepts")
+    lines = [" ".join(f"w{int(i)}" for i in torch.randint(3, 99, (12,), generator=g)) for _ in range(24)]
+    (root / "texts.txt").write_text("\n".join(lines) + "\n")
+    return str(root / "model"), str(root / "concepts"), str(root / "texts.txt")
+
+
+def test_sweep_prints_target_and_perplexity_per_alpha(folders, capsys):
+    model_dir, concepts_dir, _ = folders
+    code = main(["sweep", "--model", model_dir, "--concepts", concepts_dir, "--concept", "1", "--alphas", "0", "0.5",
+                 "4", "--prompts", "w5 w6", "w7 w8 w9", "--max-new-tokens", "3"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "concept 1 (centred) at blocks.0.resid_out; alpha in x the site's median token norm" in out
+    header = next(line for line in out.splitlines() if line.strip().startswith("alpha"))
+    assert "concept projection (site norms)" in header and "perplexity" in header
+    rows = [line for line in out.splitlines() if re.match(r"\s+\d+\.\d\d\s", line)]
+    assert [float(r.split()[0]) for r in rows] == [0.0, 0.5, 4.0]
+    projection = [float(r.split()[1]) for r in rows]
+    assert projection[2] > projection[0]  # steering along the concept puts the text further along it
+    assert "largest alpha whose median perplexity stays within 2x" in out
+
+
+def test_pick_alpha_keeps_the_fluent_ones():
+    scores = torch.zeros(4, 2, dtype=torch.float64)
+    ppl = torch.tensor([[3.0, 3.0], [4.0, 5.0], [7.0, 9.0], [5.0, 5.5]], dtype=torch.float64)
+    result = SweepResult([0.0, 0.5, 1.0, 2.0], scores, [["a", "b"]] * 4, "s", ppl)
+    assert pick_alpha(result) == 2.0  # alpha 1 is not fluent (8 > 6), alpha 2 is again (5.25)
+    assert pick_alpha(result._replace(perplexity=None)) is None
+
+
+def test_ablate_prints_baseline_controls_spread_and_the_zeroed_site(folders, capsys):
+    model_dir, concepts_dir, texts = folders
+    code = main(["ablate", "--concepts", concepts_dir, "--concept", "1", "3", "--data", texts, "--n-controls", "3",
+                 "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "ablating concepts 1, 3 (centred) at blocks.0.resid_out by projection, positions after-first" in out
+    assert re.search(r"next_token_loss \(nats\): clean \d+\.\d{4} \(unigram entropy \d+\.\d{4}\)", out)
+    assert re.search(r"controls: 3 x random directions with the activation covariance: \d+\.\d{4} \+- \d+\.\d{4}", out)
+    assert "site zeroed at the same positions" in out and "warning: only 3 controls" in out
+    code = main(["ablate", "--concepts", concepts_dir, "--concept", "1", "--data", texts, "--controls", "concepts",
+                 "--mode", "mean", "--n-controls", "2", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0 and "controls: 2 x random concepts of the same set" in out and "by mean" in out
+
+
+def test_ablate_argument_errors(folders, capsys):
+    model_dir, concepts_dir, texts = folders
+    assert main(["ablate", "--concepts", concepts_dir, "--concept", "9", "--data", texts]) == 2
+    assert "--concept 9 is out of range" in capsys.readouterr().err
+    assert main(["ablate", "--concepts", concepts_dir, "--concept", "1", "--data", texts, "--task", "probe"]) == 2
+    assert "needs a bundled set with one label per document" in capsys.readouterr().err

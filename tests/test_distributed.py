@@ -1,0 +1,181 @@
+"""Fitting across processes: gloo ranks spawned in-process, every run bounded by a timeout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conceptlens.concepts import TopKSAE
+from conceptlens.distributed import Comm, DistributedError
+from tests import distributed_workers as W
+from tests.conftest import assert_same_state
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is unavailable")
+
+
+def _ok(codes, results):
+    assert codes == [0] * len(codes), results
+    return results
+
+
+def test_step_statistics_are_all_reduced_so_two_ranks_equal_one_process(tmp_path):
+    """k-means and VQ: 2 ranks fed uneven parts (some empty) of each global batch give the
+    state of 1 process fed the global batches; SAE: per-rank batch B equals one process with 2B."""
+    codes, results, _ = W.spawn(W.exact_body, 2, tmp_path)
+    r0, r1 = _ok(codes, results)
+    for name, make in W.EXACT.items():
+        alone = make()
+        for x, _cut in W.global_batches():
+            alone.update(x)
+        alone.flush()
+        mine, ref = r0[name], alone.state_dict()
+        key = "centres" if name.startswith("kmeans") else "fitted"
+        a, b = (mine[key], ref[key]) if key == "centres" else (mine[key]["codes"], ref[key]["codes"])
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert_same_state(r0[name][key], r1[name][key])  # the ranks agree bit for bit
+        assert mine["steps"] == ref["steps"]
+    ref_sae = W.sae_for_ddp(batch_size=64)  # one process, batch = both ranks' rows
+    for x in W.sae_batches():
+        ref_sae.update(x)
+    assert r0["sae_steps"] == ref_sae.stats().steps == len(W.sae_batches())  # one step per update
+    for name, p in ref_sae.params.items():
+        torch.testing.assert_close(r0["sae"][name], p.detach(), rtol=1e-4, atol=1e-5)
+        assert torch.equal(r0["sae"][name], r1["sae"][name])
+
+
+def _planted(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    dirs = 4 * torch.nn.functional.normalize(torch.randn(6, 10, generator=torch.Generator().manual_seed(0)), dim=1)
+    return (torch.rand(n, 6, generator=g) < 0.15).float() @ dirs + 0.2 * torch.randn(n, 10, generator=g)
+
+
+def test_mixing_extractors_reach_the_same_quality_on_uneven_shards(tmp_path):
+    """Deleuzian pairs within each rank's blocks and the SAE mixes within each rank's buffer,
+    so 2 ranks cannot equal 1 process exactly; they must reach the same quality. One
+    process's held-out Deleuzian inertia and SAE FVU vary by more than 1% between seeds, so
+    the 2-rank values must lie within the spread of 3 single-process seeds, widened by 1%
+    (inertia) or 0.01 (FVU)."""
+    data = _planted(24000, 1)
+    shards = [data[:14000], data[14000:]]  # rank 0 has more batches than rank 1
+    codes, results, _ = W.spawn(W.quality_body, 2, tmp_path, shards)
+    r0, r1 = _ok(codes, results)
+    assert_same_state(r0["sae"]["params"], r1["sae"]["params"])
+    assert torch.equal(r0["deleuzian"]["kmeans"]["centres"], r1["deleuzian"]["kmeans"]["centres"])
+    held = _planted(3000, 2)
+    inertia, fvu = [], []
+    for seed in (4, 5, 6):
+        dz, sae = W.quality_extractors(ranks=1, seed=seed)  # SAE: one process with the global batch
+        for x in data.split(100):
+            sae.update(x)
+            dz.update(x)
+        sae.flush()
+        dz.flush()
+        inertia.append(_pair_inertia(dz, held))
+        fvu.append(_fvu(sae, held))
+    two_dz, two_sae = W.quality_extractors()
+    two_dz.load_state_dict(r0["deleuzian"])
+    two_sae.load_state_dict(r0["sae"])
+    two_inertia, two_fvu = _pair_inertia(two_dz, held), _fvu(two_sae, held)
+    assert 0.99 * min(inertia) <= two_inertia <= 1.01 * max(inertia), (two_inertia, inertia)
+    assert min(fvu) - 0.01 <= two_fvu <= max(fvu) + 0.01, (two_fvu, fvu)
+
+
+def _pair_inertia(dz, x: torch.Tensor) -> float:
+    """k-means inertia of held-out oriented differences against the concepts (the objective Deleuzian fits)."""
+    diff = x[1:] - x[:-1]
+    return dz._fitted().inertia(diff * torch.sign((diff @ dz.centroids.T).max(1).values)[:, None])
+
+
+def _fvu(sae: TopKSAE, x: torch.Tensor) -> float:
+    err = (sae.reconstruct(x) - x).pow(2).sum()
+    return float(err / (x - x.mean(0)).pow(2).sum())
+
+
+def test_fit_shards_documents_and_ranks_agree(tmp_path):
+    """41 documents on 2 ranks: rank 0 has 6 batches of 4, rank 1 has 5; the fit ends on both,
+    the ranks hold the same extractors, the q/k moments equal those of one process."""
+    codes, results, _ = W.spawn(W.fit_body, 2, tmp_path / "out", str(tmp_path / "run"))
+    r0, r1 = _ok(codes, results)
+    assert (r0["documents"], r1["documents"]) == (21, 20) and r0["batches"] == r1["batches"] == 6
+    assert r0["tokens"] == r1["tokens"] == sum(min(len(d), 24) for d in W.CORPUS)
+    for key in r0["states"]:
+        if "KillSwitch" in key or "resid" in key:
+            assert torch.equal(r0["states"][key]["centres"], r1["states"][key]["centres"])
+    sae0, sae1 = (r["states"]["blocks.0.mlp_out"] for r in (r0, r1))
+    assert_same_state(sae0["params"], sae1["params"])
+    assert_same_state(sae0["optimizer"], sae1["optimizer"])
+    moments = r0["states"][str(("blocks.1.attn.q", "blocks.1.attn.k"))]
+    single = _single_process_moments()
+    for name in ("sum_qq", "sum_kk", "sum_q", "sum_k"):
+        torch.testing.assert_close(moments[name], single[name], rtol=1e-10, atol=1e-9)
+    assert (moments["n_q"], moments["n_k"]) == (single["n_q"], single["n_k"])
+    run = tmp_path / "run"
+    assert (run / "checkpoint.pt").is_file() and (run / "concepts").is_dir()
+    saved = torch.load(run / "checkpoint.pt", weights_only=True)["state"]
+    assert saved["world_size"] == 2 and len(saved["ranks"]) == 2
+    codes, results, _ = W.spawn(W.fit_body, 1, tmp_path / "one", str(run))  # resumed on 1 process: refused
+    assert codes == [1] and "same world size" in results[0]
+
+
+def _single_process_moments() -> dict:
+    import conceptlens
+    from conceptlens.filters import FilterConfig
+    from conceptlens.metrics.gauge import QueryKeyMoments
+    from tests.conftest import CharTokenizer, tiny_model
+
+    lens = conceptlens.attach(tiny_model("llama"), CharTokenizer())
+    moments = QueryKeyMoments()
+    lens.fit({("blocks.1.attn.q", "blocks.1.attn.k"): moments}, W.CORPUS, batch_size=4, max_length=24,
+             progress=False, filters=FilterConfig(max_norm_ratio=None))
+    return moments.state_dict()
+
+
+def test_a_dead_rank_stops_the_others_with_a_clear_error_and_both_resume_bit_identical(tmp_path):
+    whole_codes, whole, _ = W.spawn(W.fit_body, 2, tmp_path / "whole", str(tmp_path / "run_whole"))
+    _ok(whole_codes, whole)
+    # rank 1 is SIGKILLed inside its 5th k-means update (of 6), after two checkpoints
+    codes, results, seconds = W.spawn(W.fit_body, 2, tmp_path / "killed", str(tmp_path / "run"), {1: 5},
+                                      collective_timeout=20.0)
+    assert codes[1] == -9 and codes[0] == 1, results
+    assert "DistributedError" in results[0] and "another rank died" in results[0], results[0]
+    assert seconds < 120  # the survivor gave up instead of hanging
+    assert (tmp_path / "run" / "checkpoint.pt").is_file()
+    codes, resumed, _ = W.spawn(W.fit_body, 2, tmp_path / "resumed", str(tmp_path / "run"))
+    _ok(codes, resumed)
+    for rank in (0, 1):
+        a, b = whole[rank], resumed[rank]
+        assert b["resumed_from"] > 0 and a["tokens"] == b["tokens"]
+        for key in a["states"]:
+            assert_same_state(a["states"][key], b["states"][key])
+
+
+def test_fit_distributed_without_a_process_group_names_the_fix():
+    with pytest.raises(DistributedError, match="torchrun"):
+        Comm()
+
+
+def test_torchrun_starts_a_distributed_fit_from_its_environment(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(W.free_port()), str(root / "tests" / "torchrun_fit.py"), str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CONCEPTLENS_DIST_TIMEOUT": "60"}
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert r0["tokens"] == r1["tokens"] == sum(min(len(d), 24) for d in W.CORPUS)
+    assert (r0["documents"], r1["documents"]) == (21, 20)
+    assert_same_state(r0["states"]["blocks.0.mlp_out"]["params"], r1["states"]["blocks.0.mlp_out"]["params"])
+    assert torch.equal(r0["states"]["blocks.1.resid_out"]["centres"], r1["states"]["blocks.1.resid_out"]["centres"])
+
+
+def test_an_extractor_that_cannot_be_synchronised_is_refused_by_name():
+    from conceptlens.concepts import CLVQTranscoder
+    from conceptlens.distributed import attach
+
+    with pytest.raises(ValueError, match=r"CLVQTranscoder\) cannot be fitted with distributed=True; supported"):
+        attach({("blocks.0.resid_out", "blocks.1.resid_out"): CLVQTranscoder(4)}, comm=None)

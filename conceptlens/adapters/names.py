@@ -1,0 +1,104 @@
+"""Site names: canonical names, negative indices, TransformerLens hook names, HF module paths.
+
+    resolver.resolve("blocks.-1.resid_out")          # canonical, negative index
+    resolver.resolve("blocks.5.hook_resid_post")     # TransformerLens -> blocks.5.resid_out
+    resolver.resolve("model.layers.5")               # HF module path  -> blocks.5.resid_out
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from conceptlens.adapters.adapter import Adapter
+    from conceptlens.adapters.site import Site
+
+_BLOCK_NAME = re.compile(r"^((?:encoder|decoder)\.)?blocks\.(-?\d+)\.(.+)$")
+
+TRANSFORMER_LENS = {
+    "hook_resid_pre": "resid_in", "hook_resid_post": "resid_out", "hook_attn_out": "attn_out",
+    "hook_mlp_out": "mlp_out", "attn.hook_q": "attn.q_pre", "attn.hook_k": "attn.k_pre", "attn.hook_v": "attn.v",
+    "attn.hook_rot_q": "attn.q", "attn.hook_rot_k": "attn.k", "attn.hook_z": "attn.z",
+    "attn.hook_pattern": "attn.pattern", "mlp.hook_post": "mlp.post",
+}
+"""TransformerLens hook (after `blocks.{i}.`) -> conceptlens site (after `blocks.{i}.`)."""
+_TL_GLOBAL = {"hook_embed_total": "embed", "ln_final.hook_normalized": "final"}
+
+
+class NameResolver:
+    """Turns any accepted spelling of a site into its canonical name."""
+
+    def __init__(self, adapter: Adapter) -> None:
+        self.adapter = adapter
+
+    @property
+    def sites(self) -> dict[str, Site]:
+        return self.adapter.sites
+
+    def resolve(self, name: str) -> Site:
+        if not isinstance(name, str):
+            raise TypeError(f"a site name must be a string, got {type(name).__name__}: {name!r}")
+        canonical = self.canonical(name)
+        if canonical in self.sites:
+            return self.sites[canonical]
+        raise KeyError(self._unknown(name, canonical))
+
+    def translate(self, name: str) -> str:
+        """What `name` maps to (a canonical site name), without checking it exists."""
+        return self.canonical(name)
+
+    def canonical(self, name: str) -> str:
+        name = _TL_GLOBAL.get(name, name)
+        match = _BLOCK_NAME.match(name)
+        if not match:
+            return self._module_path(name) or name
+        prefix, index, rest = match.group(1) or "", int(match.group(2)), match.group(3)
+        rest = TRANSFORMER_LENS.get(rest, rest)
+        n = self.adapter.n_blocks.get(prefix.rstrip("."))
+        if n is not None and -n <= index < 0:
+            index += n
+        name = f"{prefix}blocks.{index}.{rest}"
+        if rest.endswith(("q_pre", "k_pre")) and name not in self.sites:
+            plain = name[: -len("_pre")]  # attention read from its projections: q/k are already pre-rotary
+            if plain in self.sites and self.sites[plain].point == "output":
+                return plain
+        return name
+
+    def _module_path(self, name: str) -> str | None:
+        """An HF module path (from the model or its base model) -> the site that is its output."""
+        model = self.adapter.model
+        for root in (model, getattr(model, "base_model", model)):
+            try:
+                module = root.get_submodule(name)
+            except (AttributeError, ValueError):
+                continue
+            outputs = [s.name for s in self.sites.values() if s.module is module and s.point == "output"]
+            inputs = [s.name for s in self.sites.values() if s.module is module and s.point == "input"]
+            found = [n for n in outputs if ".resid_out" in n] or outputs or inputs
+            if found:
+                return found[0]
+        return None
+
+    def _unknown(self, name: str, canonical: str) -> str:
+        if canonical in self.adapter.problems:
+            return f"no site {name!r}: {self.adapter.problems[canonical]}"
+        match = _BLOCK_NAME.match(canonical)
+        if match:
+            prefix, index, rest = match.group(1) or "", int(match.group(2)), match.group(3)
+            n = self.adapter.n_blocks.get(prefix.rstrip("."))
+            if n is None:
+                stacks = [f"{s}." for s in self.adapter.n_blocks if s] or ["no prefix"]
+                return f"no site {name!r}; this model's stacks are {stacks}"
+            if not -n <= index < n:
+                return (f"no site {name!r}; the model has {prefix}blocks 0-{n - 1}, "
+                        f"e.g. {prefix + 'blocks.' + str(n - 1) + '.' + rest!r}")
+            if rest.split(".")[0] in ("attn", "cross_attn", "mlp") or rest.endswith("_out"):
+                kinds = sorted({s.name.split(".", 2 + bool(prefix))[-1] for s in self.sites.values()
+                                if s.name.startswith(f"{prefix}blocks.{index}.")})
+                return (f"no site {name!r}: block {index} of {self.adapter.family} has no {rest} "
+                        f"(its sites: {kinds})")
+        close = difflib.get_close_matches(name, list(self.sites), n=5, cutoff=0.5)
+        hint = f"; close valid names: {close}" if close else f"; valid names include {list(self.sites)[:8]}"
+        return f"no site {name!r}{hint}"

@@ -1,0 +1,136 @@
+"""One probe forward at attach: what each module of each block read and returned.
+
+The probe runs the model once on a few tokens with `output_hidden_states=True` and records,
+for every module inside the blocks, its first input and first output tensor, how often it
+ran, and which modules called the attention function (with their query / key lengths). The
+adapter uses it to finish the block layouts and to check them against HF's hidden states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from conceptlens.hooks.attention import observe_calls
+from conceptlens.hooks.handles import HandleGroup
+
+ENCODER_TOKENS, DECODER_TOKENS = 5, 3
+
+
+@dataclass(frozen=True)
+class Call:
+    module: nn.Module
+    q_len: int
+    k_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+
+
+@dataclass
+class Trace:
+    inputs: dict[nn.Module, Tensor] = field(default_factory=dict)
+    outputs: dict[nn.Module, Tensor] = field(default_factory=dict)
+    calls: dict[nn.Module, int] = field(default_factory=dict)
+    attention: list[Call] = field(default_factory=list)
+    """Each attention-function call, in order."""
+    hidden: dict[str, tuple[Tensor, ...]] = field(default_factory=dict)
+    """Stack prefix -> HF's hidden states."""
+
+
+def first_tensor(x) -> Tensor | None:
+    if isinstance(x, Tensor):
+        return x
+    if isinstance(x, (tuple, list)) and x:
+        return first_tensor(x[0])
+    if hasattr(x, "last_hidden_state"):
+        return x.last_hidden_state
+    if isinstance(x, dict) and x:
+        return first_tensor(next(iter(x.values())))
+    return None
+
+
+def _record(trace: Trace):
+    def hook(module, args, kwargs, output):
+        trace.calls[module] = trace.calls.get(module, 0) + 1
+        if module in trace.outputs:
+            return
+        x = first_tensor(args) if args else first_tensor(kwargs.get("hidden_states"))
+        if x is not None:
+            trace.inputs[module] = x.detach().clone()
+        y = first_tensor(output)
+        if y is not None:
+            trace.outputs[module] = y.detach().clone()
+
+    return hook
+
+
+def _implementations(model: nn.Module) -> set[str]:
+    names = {"eager"}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        name = getattr(config, "_attn_implementation", None)
+        if isinstance(name, str):
+            names.add(name)
+    return names
+
+
+def probe_inputs(model: nn.Module) -> dict[str, Tensor]:
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embeddings, "weight", None)
+    device = weight.device if isinstance(weight, Tensor) and weight.device.type != "meta" else \
+        next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    vocab = int(weight.shape[0]) if isinstance(weight, Tensor) else int(getattr(model.config, "vocab_size", 100))
+    ids = (torch.arange(ENCODER_TOKENS) * 7 + 5) % max(vocab - 5, 1) + 4
+    inputs = {"input_ids": ids[None].to(device)}
+    if getattr(model.config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = ids[None, :DECODER_TOKENS].flip(-1).to(device)
+    return inputs
+
+
+def run_probe(model: nn.Module, blocks: dict[str, list[nn.Module]], extra: list[nn.Module] = ()) -> Trace:
+    """Run the probe forward with every module inside the blocks (and `extra`) recorded."""
+    trace = Trace()
+    handles = HandleGroup()
+
+    def on_call(module, query, key, value, kwargs) -> None:
+        if query.ndim == 4 and key.ndim == 4:
+            trace.attention.append(Call(module, int(query.shape[2]), int(key.shape[2]), int(query.shape[1]),
+                                        int(key.shape[1]), int(query.shape[3]), int(value.shape[-1])))
+
+    training = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        handles.add(observe_calls(_implementations(model), on_call))
+        for stack_blocks in blocks.values():
+            for block in stack_blocks:
+                for module in block.modules():
+                    handles.add(module.register_forward_hook(_record(trace), with_kwargs=True))
+        for module in extra:
+            handles.add(module.register_forward_hook(_record(trace), with_kwargs=True))
+        inputs = probe_inputs(model)
+        with torch.no_grad():
+            out = model(**inputs, output_hidden_states=True, use_cache=False)
+    finally:
+        handles.remove()
+        for module, mode in training:
+            module.training = mode
+    for prefix in blocks:
+        name = {"encoder": "encoder_hidden_states", "decoder": "decoder_hidden_states"}.get(prefix, "hidden_states")
+        hidden = getattr(out, name, None)
+        if hidden is None and prefix == "":
+            hidden = getattr(out, "decoder_hidden_states", None)
+        if hidden is not None:
+            trace.hidden[prefix] = tuple(h for h in hidden)
+    return trace
+
+
+def close(a: Tensor | None, b: Tensor | None, tol: float = 1e-5) -> bool:
+    a, b = first_tensor(a), first_tensor(b)
+    if a is None or b is None or a.shape != b.shape:
+        return False
+    a, b = a.float(), b.float().to(a.device)
+    return bool(((a - b).abs().max() <= tol * (1 + b.abs().max())).item())

@@ -1,0 +1,36 @@
+"""Attention probabilities from the q/k an attention function receives, as eager attention computes them.
+
+`eager_pattern(module, query, key, args, kwargs)` -> (B, H, T, S): scores q.k^T times the
+module's scaling, soft-capped if the call asks for it, plus the mask / position bias the
+model passed (additive float, or boolean), then a float32 softmax; attention sinks (GPT-OSS)
+take part in the softmax and are dropped afterwards. Dropout is not applied.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+def eager_pattern(module: nn.Module, query: Tensor, key: Tensor, args: tuple, kwargs: dict) -> Tensor:
+    mask = args[0] if args else kwargs.get("attention_mask")
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1) if groups > 1 else key
+    scaling = kwargs.get("scaling", args[2] if len(args) > 2 else None)
+    if scaling is None:
+        scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+    scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling
+    softcap = kwargs.get("softcap")
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    bias = kwargs.get("position_bias")  # T5-style relative position bias
+    if isinstance(bias, Tensor):
+        scores = scores + bias.float()[..., : scores.shape[-2], : key.shape[-2]]
+    if isinstance(mask, Tensor):
+        mask = mask[..., : key.shape[-2]]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    sinks = kwargs.get("s_aux", getattr(module, "sinks", None))
+    if isinstance(sinks, Tensor) and sinks.numel() == query.shape[1]:
+        sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.softmax(scores, dim=-1)

@@ -1,0 +1,118 @@
+"""Checks shared by the coverage test: one tiny model of a type against HF's own outputs."""
+
+from __future__ import annotations
+
+import torch
+
+import conceptlens
+from tests.adapters.tiny_configs import build
+
+
+SUBLAYERS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out")
+
+
+class NotBuildable(Exception):
+    """transformers itself cannot build or run this type from a tiny text config."""
+
+
+def inputs_for(model, length: int = 6) -> dict:
+    g = torch.Generator().manual_seed(0)
+    vocab = int(getattr(model.config.get_text_config(), "vocab_size", 128) or 128)
+    ids = torch.randint(4, min(vocab, 100), (2, length), generator=g)
+    inputs = {"input_ids": ids}
+    if model.config.is_encoder_decoder:
+        inputs["decoder_input_ids"] = torch.randint(4, min(vocab, 100), (2, length - 1), generator=g)
+    return inputs
+
+
+def reference(model_type: str):
+    """(model, inputs, HF output with hidden states) or NotBuildable."""
+    try:
+        model = build(model_type)
+        inputs = inputs_for(model)
+        with torch.no_grad():
+            out = model(**inputs, output_hidden_states=True)
+    except Exception as err:  # transformers' own failure: not ours to count
+        raise NotBuildable(f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}") from err
+    return model, inputs, out
+
+
+def hidden(out, stack: str):
+    if stack == "encoder":
+        return out.encoder_hidden_states
+    if stack == "decoder":
+        return out.decoder_hidden_states
+    return out.hidden_states
+
+
+def capture_all(lens, model, inputs, names):
+    with lens.capture(names, keep_shape=True) as cap, torch.no_grad():
+        model(**inputs)
+    return cap.last[0]
+
+
+def close(a, b, tol=1e-5) -> bool:
+    b = b[0] if isinstance(b, (tuple, list)) else b  # PEGASUS-X lists (token, global) states
+    return a.shape == b.shape and bool(((a - b).abs().max() <= tol * (1 + b.abs().max())).item())
+
+
+def check_model(model, inputs, out, partial: bool = False) -> None:
+    lens = conceptlens.attach(model)
+    assert partial or not lens.adapter.problems, lens.adapter.problems
+    for stack, n in lens.adapter.n_blocks.items():
+        p = f"{stack}." if stack else ""
+        hs = hidden(out, stack)
+        names = [f"{p}embed"] + [f"{p}blocks.{i}.{k}" for i in range(n)
+                                 for k in ("resid_in", "resid_out") + SUBLAYERS
+                                 if f"{p}blocks.{i}.{k}" in lens.sites]
+        names += [f"{p}final"] if f"{p}final" in lens.sites else []
+        acts = capture_all(lens, model, inputs, names)
+        offset = lens.adapter.hidden_offset[stack]  # 0: the model lists block outputs only (Mamba)
+        assert offset in (0, 1)
+        if offset:
+            assert close(acts[f"{p}embed"], hs[0]), "embed != hidden_states[0]"
+        for i in range(n):
+            ref = hs[i + offset] if i + offset < n else hs[n]
+            got = acts[f"{p}blocks.{i}.resid_out"]
+            if i == n - 1 and f"{p}final" in lens.sites and not close(got, ref):
+                got = acts[f"{p}final"]
+            assert close(got, ref), f"{p}blocks.{i}.resid_out != hidden_states[{i + 1}]"
+            dropped = any(k.startswith(f"{p}blocks.{i}.") for k in lens.adapter.problems)
+            if lens.adapter.layout(stack, i).additive and not dropped:
+                total = acts[f"{p}blocks.{i}.resid_in"] + sum(acts[f"{p}blocks.{i}.{k}"] for k in SUBLAYERS
+                                                               if f"{p}blocks.{i}.{k}" in acts)
+                assert close(total, acts[f"{p}blocks.{i}.resid_out"], 1e-4), \
+                    f"{p}blocks.{i}: resid_in + attn_out + mlp_out != resid_out"
+
+
+def check_attention(model, inputs, sink_scaled: bool = False) -> None:
+    """Every block whose attention calls the attention function has q/k/v sites, and its
+    pattern (from the captured q/k and the model's mask) equals the eager attention weights."""
+    lens = conceptlens.attach(model)
+    for stack in lens.adapter.n_blocks:
+        p = f"{stack}." if stack else ""
+        names = [n for n in lens.sites if n.startswith(f"{p}blocks.") and n.endswith(".attn.pattern")]
+        for name in names:
+            base = name[: -len("pattern")]
+            assert all(f"{base}{w}" in lens.sites for w in "qkv"), name
+        if not names:
+            continue
+        with lens.capture(names, keep_shape=True) as cap, torch.no_grad():
+            out = model(**inputs, output_attentions=True)
+        attentions = {"encoder": getattr(out, "encoder_attentions", None),
+                      "decoder": getattr(out, "decoder_attentions", None)}.get(stack, getattr(out, "attentions", None))
+        if not attentions:
+            continue
+        attentions = [a for a in attentions if a is not None]
+        n = lens.adapter.n_blocks[stack]
+        for j, name in enumerate(names):
+            index = int(name.split(".")[len(p.split(".")) if p else 1])
+            ref = attentions[index] if len(attentions) == n else attentions[j] if len(attentions) == len(names) else None
+            if ref is None:
+                continue
+            got = cap.last[0][name].transpose(1, 2)
+            if sink_scaled:  # HF returns the weights before its post-softmax sink scaling; ours include the sink
+                assert bool((got.sum(-1) < 1).all())
+                got = got / got.sum(-1, keepdim=True)
+            assert got.shape == ref.shape and torch.allclose(got, ref.float(), atol=1e-5), \
+                f"{name} differs from the eager attention weights"

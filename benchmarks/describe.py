@@ -1,6 +1,6 @@
 """The description pass vs a bare forward over the same documents, side by side in one run.
 
-    python benchmarks/describe.py [--docs 48] [--batch 16] [--length 128] [--rounds 3] [--width 4608] [--device cpu]
+    python benchmarks/describe.py [--docs 160] [--batch 16] [--length 128] [--rounds 3] [--warmup 1] [--width 4608]
 
 SmolLM2-135M, BBC News articles spread over the five topics. Rows: the bare model forward
 (tokenising included, LM head included) over every batch; the capture-only forward to
@@ -35,10 +35,11 @@ SITE = "blocks.15.resid_out"
 CLOCKS = {"wall": time.perf_counter, "CPU": time.process_time}
 
 
-def interleaved(fns: dict, rounds: int) -> dict[str, dict[str, float]]:
-    """Median wall and CPU seconds of each function over interleaved rounds (one untimed warm-up each)."""
+def interleaved(fns: dict, rounds: int, warmup: int = 1) -> dict[str, dict[str, float]]:
+    """Median wall and CPU seconds of each function over interleaved rounds (after `warmup` untimed calls each)."""
     for fn in fns.values():
-        fn()
+        for _ in range(warmup):
+            fn()
     times: dict[str, dict[str, list[float]]] = {c: {name: [] for name in fns} for c in CLOCKS}
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -65,10 +66,11 @@ def concept_sets(d: int, width: int, device: str) -> dict[str, ConceptSet]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--docs", type=int, default=48)
+    parser.add_argument("--docs", type=int, default=160, help="about 20,000 tokens: the CLI's description budget")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed calls of each row first")
     parser.add_argument("--width", type=int, default=4608)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
@@ -118,7 +120,7 @@ def main() -> None:
           f"batch {args.batch}, {torch.get_num_threads()} threads; sets: TopK SAE {args.width}, k-means 512, "
           f"Deleuzian 512")
     with torch.inference_mode():
-        measured = interleaved(rows, args.rounds)
+        measured = interleaved(rows, args.rounds, args.warmup)
     for label, seconds in measured.items():
         n = len(sets)  # finishing steps come in groups of one per set, one group per pass
         finish_s = statistics.median(sum(f[label] for f in finishing[i:i + n]) for i in range(0, len(finishing), n))

@@ -98,8 +98,10 @@ def test_gauge_command_on_smollm2(capsys, tmp_path):
                  "--pairs", "100"])
     out = capsys.readouterr().out
     assert code == 0
-    table = out[out.index("key head"):out.index("columns (per")].strip().splitlines()
+    table = out[out.index("key head"):out.index("columns (per key head")].strip().splitlines()
     assert [row.split()[:2] for row in table[1:]] == [["0", "0-2"], ["1", "3-5"], ["2", "6-8"]]  # GQA: 9 q, 3 kv heads
+    legend = out[out.index("columns (per key head"):out.index("gauge audit")].strip().splitlines()
+    assert len(legend) == 9 and "logits^2" in out  # every column with its unit
     audit = {line.split()[0]: line.split()[-1] for line in out[out.index("gauge audit"):].splitlines()[1:]}
     assert audit == {"key_norm": "moved", "key_cosine": "moved", "key_pca": "moved",
                      "key_distance": "invariant", "score_cosine": "invariant", "qk_spectrum": "invariant"}

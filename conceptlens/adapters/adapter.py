@@ -82,7 +82,7 @@ class Adapter:
             self._find_blocks(prefix, stack)
         finals = {p: [get_path(s, c) for c in final_norm_candidates(s, self._block_paths[p])]
                   for p, s in self.stacks.items()}
-        trace = run_probe(model, self.blocks, [m for ms in finals.values() for m in ms])
+        trace = run_probe(model, self.blocks, [m for ms in finals.values() for m in ms], self.stacks)
         self.sites: dict[str, Site] = {}
         self.n_blocks = {p: len(b) for p, b in self.blocks.items()}
         self.names = NameResolver(self)

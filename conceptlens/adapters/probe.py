@@ -91,10 +91,28 @@ def probe_inputs(model: nn.Module) -> dict[str, Tensor]:
     return inputs
 
 
-def run_probe(model: nn.Module, blocks: dict[str, list[nn.Module]], extra: list[nn.Module] = ()) -> Trace:
-    """Run the probe forward with every module inside the blocks (and `extra`) recorded."""
+class _StopProbe(Exception):
+    """Raised after the last stack has returned its hidden states (the LM head is not needed)."""
+
+
+def _stack_hook(trace: Trace, prefix: str, last: bool):
+    def hook(module, args, output):
+        hidden = getattr(output, "hidden_states", None)
+        if hidden is not None:
+            trace.hidden[prefix] = tuple(hidden)
+            if last:
+                raise _StopProbe
+
+    return hook
+
+
+def run_probe(model: nn.Module, blocks: dict[str, list[nn.Module]], extra: list[nn.Module] = (),
+              stacks: dict[str, nn.Module] | None = None) -> Trace:
+    """Run the probe forward with every module inside the blocks (and `extra`) recorded; it
+    stops once the last stack has returned (so an offloaded LM head is never touched)."""
     trace = Trace()
     handles = HandleGroup()
+    out = None
 
     def on_call(module, query, key, value, kwargs) -> None:
         if query.ndim == 4 and key.ndim == 4:
@@ -102,6 +120,7 @@ def run_probe(model: nn.Module, blocks: dict[str, list[nn.Module]], extra: list[
                                         int(key.shape[1]), int(query.shape[3]), int(value.shape[-1])))
 
     training = [(m, m.training) for m in model.modules()]
+    saved = _hook_state(model)
     try:
         model.eval()
         handles.add(observe_calls(_implementations(model), on_call))
@@ -111,14 +130,21 @@ def run_probe(model: nn.Module, blocks: dict[str, list[nn.Module]], extra: list[
                     handles.add(module.register_forward_hook(_record(trace), with_kwargs=True))
         for module in extra:
             handles.add(module.register_forward_hook(_record(trace), with_kwargs=True))
+        for i, (prefix, stack) in enumerate((stacks or {}).items()):
+            handles.add(stack.register_forward_hook(_stack_hook(trace, prefix, i == len(stacks) - 1)))
         inputs = probe_inputs(model)
         with torch.no_grad():
             out = model(**inputs, output_hidden_states=True, use_cache=False)
+    except _StopProbe:
+        pass
     finally:
         handles.remove()
+        _restore_hook_state(saved)
         for module, mode in training:
             module.training = mode
     for prefix in blocks:
+        if prefix in trace.hidden or out is None:
+            continue
         name = {"encoder": "encoder_hidden_states", "decoder": "decoder_hidden_states"}.get(prefix, "hidden_states")
         hidden = getattr(out, name, None)
         if hidden is None and prefix == "":
@@ -126,6 +152,32 @@ def run_probe(model: nn.Module, blocks: dict[str, list[nn.Module]], extra: list[
         if hidden is not None:
             trace.hidden[prefix] = tuple(h for h in hidden)
     return trace
+
+
+_FLAG = "_output_capturing_hooks_installed"
+_MISSING = object()
+
+
+def _hook_state(model: nn.Module) -> list:
+    return [(m, set(m._forward_hooks), set(m._forward_pre_hooks), m.__dict__.get(_FLAG, _MISSING))
+            for m in model.modules()]
+
+
+def _restore_hook_state(saved: list) -> None:
+    """Remove hooks transformers installs on the first `output_hidden_states=True` forward (its
+    output-capturing hooks), so attaching leaves the model exactly as it was."""
+    for module, forward, pre, flag in saved:
+        for key in set(module._forward_hooks) - forward:
+            module._forward_hooks.pop(key, None)
+            module._forward_hooks_with_kwargs.pop(key, None)
+            module._forward_hooks_always_called.pop(key, None)
+        for key in set(module._forward_pre_hooks) - pre:
+            module._forward_pre_hooks.pop(key, None)
+            module._forward_pre_hooks_with_kwargs.pop(key, None)
+        if flag is _MISSING:
+            module.__dict__.pop(_FLAG, None)
+        else:
+            module.__dict__[_FLAG] = flag
 
 
 def close(a: Tensor | None, b: Tensor | None, tol: float = 1e-5) -> bool:

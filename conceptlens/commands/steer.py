@@ -7,8 +7,8 @@ The direction is a concept of a saved ConceptSet (several indices are summed; se
 carry the fit's mean activation are centred first, unless `--no-centre`) or the unembedding
 row of a word's first token. `--scale` is `Add`'s: by default `site_norm`, so alpha is a
 multiple of the site's typical token norm (`conceptlens.steering.units`) and means the same
-on every model (0.25-1 is the useful range); `unit` makes it a distance, `raw` uses the
-direction as stored.
+on every model (0.25-0.5 is typical; `conceptlens sweep` finds where fluency breaks); `unit`
+makes it a distance, `raw` uses the direction as stored.
 """
 
 from __future__ import annotations

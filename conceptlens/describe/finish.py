@@ -79,7 +79,7 @@ def map_xy(directions: Tensor) -> Tensor:
     return xy.float()
 
 
-def logit_tokens(directions: Tensor, unembedding: Tensor, p: int, chunk: int = 256) -> dict[str, Tensor]:
+def logit_tokens(directions: Tensor, unembedding: Tensor, p: int, chunk: int = 512) -> dict[str, Tensor]:
     """Each unit direction through the unembedding `(V, d)`: its p most promoted and suppressed token ids."""
     unit = torch.nn.functional.normalize(directions.float(), dim=1)
     w = unembedding.detach().float().cpu()
@@ -87,11 +87,11 @@ def logit_tokens(directions: Tensor, unembedding: Tensor, p: int, chunk: int = 2
                                                      "suppressed_logit")}
     for rows in unit.split(chunk):
         logits = rows @ w.T  # (chunk, V)
-        up, down = logits.topk(p, dim=1), (-logits).topk(p, dim=1)
+        up, down = logits.topk(p, dim=1), logits.topk(p, dim=1, largest=False)
         out["promoted_ids"].append(up.indices)
         out["promoted_logit"].append(up.values)
         out["suppressed_ids"].append(down.indices)
-        out["suppressed_logit"].append(-down.values)
+        out["suppressed_logit"].append(down.values)
     return {k: torch.cat(v) for k, v in out.items()}
 
 

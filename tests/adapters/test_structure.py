@@ -93,3 +93,15 @@ def test_z_post_and_pattern_sites(family):
     post = acts[f"{p}blocks.0.mlp.post"]
     assert post.shape[-1] == lens.site(f"{p}blocks.0.mlp.post").shape[-1] > model.config.get_text_config().to_dict().get(
         "hidden_size", 0) // 2
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_attach_probe_leaves_the_model_exactly_as_it_was(family):
+    from tests.conftest import hook_snapshot
+
+    model = tiny_model(family)
+    model.train()
+    before = hook_snapshot(model)
+    conceptlens.attach(model)
+    assert hook_snapshot(model) == before and model.training
+    assert not hasattr(model, "_output_capturing_hooks_installed")

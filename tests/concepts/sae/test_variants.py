@@ -239,9 +239,11 @@ def test_spade_prototypes_start_at_distinct_rows():
     sae = SpaDE(width=16, batch_size=16, warmup_tokens=16)
     x = torch.arange(16 * 3, dtype=torch.float32).reshape(16, 3) + 1  # 16 distinct rows
     sae.update(x)
+    sae.flush()  # the first (and only) step initialises the prototypes
     protos = sae.params["prototypes"].detach() / sae.scale
     assert len({tuple(r) for r in protos.round(decimals=3).tolist()}) == 16  # every row once: no repeats
     wide = SpaDE(width=40, batch_size=16, warmup_tokens=16)
     wide.update(x)
+    wide.flush()
     rows = {tuple(r) for r in (wide.params["prototypes"].detach() / wide.scale).round(decimals=3).tolist()}
     assert len(rows) == 16  # a batch smaller than the width is reused whole

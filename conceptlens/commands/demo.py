@@ -192,7 +192,7 @@ def _steer(lens, tok, descriptions, labels, args: argparse.Namespace, out: Path)
             ids = lens.model.generate(**prompt, max_new_tokens=24, do_sample=False, pad_token_id=tok.eos_token_id)
         text = tok.decode(ids[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
         samples.append({"alpha": alpha, "scale": "site_norm", "text": text})
-        label = "unsteered" if alpha == 0 else f"+{alpha:g} x {site_norm:.0f}"
+        label = "unsteered" if alpha == 0 else f"+{alpha:g} x {site_norm:.3g}"
         print(f"  {label:>12}: {args.prompt}{text!r}")
     path = out / "describe" / name / "description.json"
     info = json.loads(path.read_text())

@@ -22,6 +22,7 @@ from conceptlens.adapters.site_notes import attention_notes
 from conceptlens.adapters.structure import (BlockLayout, children_summary, expected_layers, final_norm_candidates,
                                             find_block_list, find_stacks, recognise)
 from conceptlens.adapters.verify import LayoutError, call_of, check_stack, refine, sum_problem
+from conceptlens.adapters.verify import submodule as _get
 
 _Q_NAMES = ("q_proj", "query", "q", "query_proj", "q_lin")
 _K_NAMES = ("k_proj", "key", "k", "key_proj", "k_lin")
@@ -228,14 +229,6 @@ class Adapter:
     def canonical(self, name: str) -> str:
         return self.names.canonical(name)
 
-
-def _get(block: nn.Module, path: str | None) -> nn.Module | None:
-    if not path:
-        return None
-    try:
-        return block.get_submodule(path)
-    except AttributeError:
-        return None
 
 
 def _in_width(module: nn.Module) -> int:

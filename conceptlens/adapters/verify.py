@@ -61,7 +61,7 @@ def refine(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
     pre = any(m in trace.inputs and x is not None and trace.inputs[m].shape == x.shape and
               torch.equal(trace.inputs[m], x) for m in norms)
     lay.additive = pre or not norms
-    mlp = _get(block, lay.mlp_out)
+    mlp = submodule(block, lay.mlp_out)
     if mlp is not None and x is not None and mlp in trace.outputs and trace.outputs[mlp].ndim == x.ndim - 1:
         lay.flat_mlp = True
     if not lay.additive:
@@ -70,7 +70,8 @@ def refine(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
             lay.notes.setdefault(key, "post-LN: the sublayer output before the residual add and norm")
 
 
-def _get(block: nn.Module, path: str | None) -> nn.Module | None:
+def submodule(block: nn.Module, path: str | None) -> nn.Module | None:
+    """`block.get_submodule(path)`, or None when the path is empty or names no module."""
     if not path:
         return None
     try:
@@ -122,7 +123,7 @@ def sum_problem(block: nn.Module, lay: BlockLayout, trace: Trace) -> str | None:
         return None
     total = x.float()
     for key in ("attn_out", "cross_attn_out", "mixer_out", "mlp_out"):
-        module = _get(block, getattr(lay, key))
+        module = submodule(block, getattr(lay, key))
         if module is None:
             continue
         out = trace.outputs.get(module)

@@ -14,6 +14,8 @@ from conceptlens.concepts.hub import model_card
 from conceptlens.concepts.sae import TopKSAE, export_saelens
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
+# repo ids that resolve from the hand-made Hub cache below (HF_HUB_OFFLINE): nothing is downloaded
+CONCEPTS_REPO, SAES_REPO, MISSING_REPO = "someone/concepts", "someone/saes", "someone/missing"
 
 
 def _cs(site="blocks.3.resid_out") -> ConceptSet:
@@ -48,17 +50,17 @@ def test_hub_cache_offline_ours_and_saelens(tmp_path, monkeypatch):
     sae_cs.site = "blocks.1.resid_out"
     export_saelens(sae_cs, tmp_path / "src" / "sae")
     cache = tmp_path / "hub"
-    _hub_cache(cache, "someone/concepts", tmp_path / "src" / "ours", "blocks.3.resid_out")
-    _hub_cache(cache, "someone/saes", tmp_path / "src" / "sae", "layer_1")
+    _hub_cache(cache, CONCEPTS_REPO, tmp_path / "src" / "ours", "blocks.3.resid_out")
+    _hub_cache(cache, SAES_REPO, tmp_path / "src" / "sae", "layer_1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    ours = ConceptSet.from_pretrained("someone/concepts", subfolder="blocks.3.resid_out", cache_dir=cache)
+    ours = ConceptSet.from_pretrained(CONCEPTS_REPO, subfolder="blocks.3.resid_out", cache_dir=cache)
     assert torch.equal(ours.directions, cs.directions)
-    theirs = ConceptSet.from_pretrained("someone/saes", subfolder="layer_1", cache_dir=cache,
+    theirs = ConceptSet.from_pretrained(SAES_REPO, subfolder="layer_1", cache_dir=cache,
                                         local_files_only=True)
     assert theirs.method == "topk_sae" and theirs.site == "blocks.1.resid_out"
     assert torch.equal(theirs.directions, sae_cs.directions)
     with pytest.raises(FileNotFoundError, match="not in the Hub cache"):
-        ConceptSet.from_pretrained("someone/missing", cache_dir=cache, local_files_only=True)
+        ConceptSet.from_pretrained(MISSING_REPO, cache_dir=cache, local_files_only=True)
     with pytest.raises(FileNotFoundError, match="neither a local folder nor a Hub repo id"):
         ConceptSet.from_pretrained("no such folder//x", cache_dir=cache, local_files_only=True)
 

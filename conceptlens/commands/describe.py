@@ -22,10 +22,15 @@ from conceptlens.commands import run_config as rc
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="a run folder written by conceptlens fit")
     parser.add_argument("--concepts", action="append", help="describe only this concepts/<NAME> (repeatable)")
+    add_describe_options(parser)
+
+
+def add_describe_options(parser: argparse.ArgumentParser) -> None:
+    """The description pass's options, shared by `describe` and `fit`."""
     parser.add_argument("--describe-data", help="describe on this source instead of the documents after the fit's")
-    parser.add_argument("--describe-tokens", type=int, help="tokens of the description pass")
-    parser.add_argument("--top-n", type=int, help="top contexts kept per concept")
-    parser.add_argument("--window", help="tokens left,right of each top token, e.g. 8,4")
+    parser.add_argument("--describe-tokens", type=int, help="tokens of the description pass (20000)")
+    parser.add_argument("--top-n", type=int, help="top contexts kept per concept (16)")
+    parser.add_argument("--window", help="tokens left,right of each top token (8,4)")
     parser.add_argument("--steer", help="concept indices to record steering samples for, e.g. 3,17")
     parser.add_argument("--prompt", help="prompt of the steering samples")
 

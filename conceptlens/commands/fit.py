@@ -25,6 +25,7 @@ from typing import Any
 
 from conceptlens._io import atomic_write
 from conceptlens.commands import run_config as rc
+from conceptlens.commands.describe import add_describe_options
 
 DEFAULT_CHECKPOINT_EVERY = 20_000
 
@@ -49,12 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fit across the processes torchrun started (implied when WORLD_SIZE > 1): documents "
                              "sharded by rank, --batch-size per rank, rank 0 writes the run folder and describes")
     parser.add_argument("--no-describe", action="store_true", help="skip the description pass")
-    parser.add_argument("--describe-data", help="describe on this source instead of the documents after the fit's")
-    parser.add_argument("--describe-tokens", type=int, help="tokens of the description pass (20000)")
-    parser.add_argument("--top-n", type=int, help="top contexts kept per concept (16)")
-    parser.add_argument("--window", help="tokens left,right of each top token (8,4)")
-    parser.add_argument("--steer", help="concept indices to record steering samples for, e.g. 3,17")
-    parser.add_argument("--prompt", help="prompt of the steering samples")
+    add_describe_options(parser)
 
 
 def _ints(text: str, flag: str) -> list[int]:

@@ -28,7 +28,9 @@ POSITIONS = ("all", "prompt", "generated")
 SCALES = ("site_norm", "unit", "raw")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_direction_arguments(parser: argparse.ArgumentParser) -> None:
+    """What to steer along and where (shared by `steer` and `sweep`): --model, --concepts DIR or
+    --direction-word WORD, --concept, --site."""
     parser.add_argument("--model", default="smollm2-135m", help="registered name, hub id or local folder")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--concepts", metavar="DIR", type=concept_dir, help="a saved ConceptSet folder")
@@ -38,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="concept index in DIR (several are summed); needed when DIR holds more than one")
     parser.add_argument("--site", help="where to steer (default: the concept set's site; with --direction-word "
                                        "the middle block's resid_out)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_direction_arguments(parser)
     parser.add_argument("--alpha", type=finite_float, default=0.5,
                         help="steering strength in --scale units (default 0.5: half a typical token norm)")
     parser.add_argument("--scale", choices=SCALES, default="site_norm",

@@ -15,21 +15,15 @@ from __future__ import annotations
 
 import argparse
 
-from conceptlens.commands._args import concept_dir, finite_float, nonempty_text, out_file, positive_int
-from conceptlens.commands.steer import POSITIONS, SCALES, chat_prompt, steering_direction
+from conceptlens.commands._args import finite_float, nonempty_text, out_file, positive_int
+from conceptlens.commands.steer import POSITIONS, SCALES, add_direction_arguments, chat_prompt, steering_direction
 
 PROMPTS = ("I went to the shop and", "The weather today is", "My favourite thing about the city is",
            "Yesterday the committee decided to")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m", help="registered name, hub id or local folder")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--concepts", metavar="DIR", type=concept_dir, help="a saved ConceptSet folder")
-    source.add_argument("--direction-word", metavar="WORD", type=nonempty_text,
-                        help="steer along the unembedding of this word")
-    parser.add_argument("--concept", type=int, nargs="+", metavar="I", help="concept index in DIR (several are summed)")
-    parser.add_argument("--site", help="where to steer (default: the set's site; with --direction-word the middle block)")
+    add_direction_arguments(parser)
     parser.add_argument("--alphas", type=finite_float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0, 1.5],
                         help="strengths to try, in --scale units (default 0 0.25 0.5 0.75 1 1.5)")
     parser.add_argument("--scale", choices=SCALES, default="site_norm", help="unit of alpha (see `steer --help`)")

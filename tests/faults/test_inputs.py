@@ -14,6 +14,7 @@ from conceptlens.concepts import TopKSAE, VQCodebook
 from conceptlens.concepts.kmeans import StreamingKMeans
 from conceptlens.steering import Add, Clamp, CodeAblate, ProjectOut
 from tests.conftest import CharTokenizer, hook_snapshot, tiny_inputs, tiny_model
+from tests.faults import one_line_error
 
 SITE = "blocks.0.resid_out"
 DOCS = [f"text {i} " + "qrstuvw"[i % 5:] * (1 + i % 3) for i in range(12)]
@@ -33,14 +34,7 @@ def sae():
     return sae
 
 
-def _error(kind, fn, *names: str) -> str:
-    with pytest.raises(kind) as info:
-        fn()
-    message = str(info.value)
-    assert "\n" not in message, message
-    for name in names:
-        assert name in message, message
-    return message
+_error = one_line_error
 
 
 @pytest.mark.parametrize("alpha", [math.nan, math.inf, -math.inf, True])

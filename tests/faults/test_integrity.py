@@ -15,6 +15,7 @@ import conceptlens
 from conceptlens import ConceptSet
 from conceptlens.concepts.kmeans import StreamingKMeans
 from tests.conftest import CharTokenizer, assert_same_state, tiny_model
+from tests.faults import one_line_error
 
 DOCS = [f"text {i} " + "qrstuvw"[i % 5:] * (1 + i % 3) for i in range(24)]
 SITE = "blocks.1.resid_out"
@@ -50,13 +51,7 @@ def reference(lens, tmp_path_factory):
 
 
 def _one_line_value_error(fn, *names: str) -> str:
-    with pytest.raises(ValueError) as info:
-        fn()
-    message = str(info.value)
-    assert "\n" not in message, message
-    for name in names:
-        assert name in message, message
-    return message
+    return one_line_error(ValueError, fn, *names)
 
 
 def _flips(size: int, n: int = 40) -> list[tuple[int, int]]:

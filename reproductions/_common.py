@@ -182,3 +182,21 @@ def sae_pre_activations(sae: Any, x: Tensor) -> Tensor:
     """(x - b_dec) W_enc + b_enc in raw units: the dense codes the Deleuzian paper probes for SAEs."""
     raw = sae._raw()
     return (x.float() - raw["b_dec"]) @ raw["W_enc"] + raw["b_enc"]
+
+
+# (name, model, task, site, documents per split, Deleuzian concepts): the probe and MPPC tables
+DELEUZIAN_TASKS = [
+    ("SmolLM2 bbc-news (doc means)", "smollm2-135m", "bbc-news", "blocks.15.resid_out", 300, 256),
+    ("MiniLM bbc-news (doc means)", "minilm-l6", "bbc-news", "blocks.5.resid_out", 300, 256),
+    ("SmolLM2 wsj-pos (tokens)", "smollm2-135m", "wsj-pos", "blocks.15.resid_out", 200, 512),
+]
+
+
+def deleuzian_tasks(only: list[str]):
+    """(name, train, test, k) for each task whose name contains a word of `only` (all when empty)."""
+    for name, model, task, site, docs, k in DELEUZIAN_TASKS:
+        if only and not any(word in name for word in only):
+            continue
+        train = activations(model, task, "train", site, max_docs=docs)
+        test = activations(model, task, "test", site, max_docs=docs // 2)
+        yield name, train, test, k

@@ -14,26 +14,16 @@ from __future__ import annotations
 
 import sys
 
-from _common import Clock, activations, fit_deleuzian, fit_topk, report, threads
+from _common import Clock, deleuzian_tasks, fit_deleuzian, fit_topk, report, threads
 
 from conceptlens.metrics.quality import mppc
-
-TASKS = [
-    ("MiniLM bbc-news (doc means)", "minilm-l6", "bbc-news", "blocks.5.resid_out", 300, 256),
-    ("SmolLM2 bbc-news (doc means)", "smollm2-135m", "bbc-news", "blocks.15.resid_out", 300, 256),
-    ("SmolLM2 wsj-pos (tokens)", "smollm2-135m", "wsj-pos", "blocks.15.resid_out", 200, 512),
-]
 
 
 def main() -> None:
     threads(2)
     clock, rows = Clock(), []
     only = sys.argv[1:]  # e.g. "MiniLM": run the tasks whose name contains one of these words
-    for name, model, task, site, docs, k in TASKS:
-        if only and not any(word in name for word in only):
-            continue
-        train = activations(model, task, "train", site, max_docs=docs)
-        test = activations(model, task, "test", site, max_docs=docs // 2)
+    for name, train, test, k in deleuzian_tasks(only):
         d = train.x.shape[1]
         Ca, Cb = (fit_deleuzian(train.x, k, seed=s) for s in (0, 1))
         dz = mppc(test.x @ Ca.T, test.x @ Cb.T)

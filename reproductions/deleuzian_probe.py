@@ -21,26 +21,16 @@ import sys
 
 import torch
 
-from _common import Clock, activations, fit_deleuzian, fit_topk, report, sae_pre_activations, threads
+from _common import Clock, deleuzian_tasks, fit_deleuzian, fit_topk, report, sae_pre_activations, threads
 
 from conceptlens.metrics.quality import lda_directions, probe_loss
-
-TASKS = [  # (name, model, task, site, docs per split, Deleuzian concepts)
-    ("SmolLM2 bbc-news (doc means)", "smollm2-135m", "bbc-news", "blocks.15.resid_out", 300, 256),
-    ("MiniLM bbc-news (doc means)", "minilm-l6", "bbc-news", "blocks.5.resid_out", 300, 256),
-    ("SmolLM2 wsj-pos (tokens)", "smollm2-135m", "wsj-pos", "blocks.15.resid_out", 200, 512),
-]
 
 
 def main() -> None:
     threads(2)
     clock, rows = Clock(), []
     only = sys.argv[1:]  # e.g. "MiniLM": run the tasks whose name contains one of these words
-    for name, model, task, site, docs, k in TASKS:
-        if only and not any(word in name for word in only):
-            continue
-        train = activations(model, task, "train", site, max_docs=docs)
-        test = activations(model, task, "test", site, max_docs=docs // 2)
+    for name, train, test, k in deleuzian_tasks(only):
         d = train.x.shape[1]
         print(f"[{clock}] {name}: {len(train.y)} train / {len(test.y)} test units, d = {d}", flush=True)
         C = fit_deleuzian(train.x, k)

@@ -97,3 +97,33 @@ def sae(ctx: Context) -> None:
         rate = tokens / seconds[name]
         ctx.add("sae", f"{name}, width {width}", f"{rate:.0f} tok/s, FVU {fvu(held_out, impl.reconstruct(held_out)):.3f}",
                 rate / ours, "of ours' speed")
+
+
+def deleuzian(ctx: Context) -> None:
+    """Deleuzian's skewness of one block (m 2048, d 576) vs the k-means step of the block at k 512."""
+    from conceptlens.concepts.deleuzian import DeleuzianConfig, skewness
+    from conceptlens.concepts.kmeans import step_statistics
+    from conceptlens.concepts.kmeans_math import nearest
+
+    k, m = 512, 2048
+    x = block15_rows(14 * 4096)[: m + 4096].to(ctx.device)
+    block, ref = x[:m], x[m:]
+    diff = block - block.roll(1, 0)
+    centres = ref[:k].clone()
+    mass, w = torch.zeros(k, dtype=torch.float64, device=ctx.device), torch.ones(m, device=ctx.device)
+
+    def kmeans_step():
+        labels, _ = nearest(diff, centres)
+        step_statistics(centres, mass, diff, w, labels)
+
+    def best(fn, rounds=3 if ctx.quick else 7):
+        fn()
+        return min(timed(fn, ctx.device) for _ in range(rounds))
+
+    t_km = best(kmeans_step)
+    ctx.add("deleuzian", f"k-means step of one block, k={k}", f"{t_km * 1e3:.1f} ms", 1.0, "of the k-means step")
+    default = DeleuzianConfig(k).rows_for_skewness
+    for rows, label in ((4096, "whole reservoir (skew_rows=4096)"), (default, f"default skew_rows={default}")):
+        t = best(lambda: skewness(ref[:rows], diff))
+        ctx.add("deleuzian", f"skewness of one block, {label}", f"{t * 1e3:.1f} ms", t / t_km, "of the k-means step",
+                "<= 1.00x" if rows == default else "")

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from conceptlens.concepts.deleuzian_math import reservoir_update
 from conceptlens.concepts.kmeans import weighted_lloyd
 
 
@@ -81,8 +82,6 @@ class DifferenceReservoir:
         return min(self.n_seen, self.size)
 
     def add(self, diff: Tensor, p_a: Tensor, p_b: Tensor) -> None:
-        from conceptlens.concepts.deleuzian import reservoir_update
-
         rows = torch.cat([diff.float(), p_a.float()[:, None], p_b.float()[:, None]], dim=1)
         if self.rows is None:
             self.rows = rows.new_zeros(self.size, rows.shape[1])

@@ -195,3 +195,26 @@ def test_float32_states_saved_before_the_dtype_field_still_load():
     state = km.state_dict()
     del state["config"]["dtype"]
     assert torch.equal(StreamingKMeans.from_state(state).centres, km.centres)
+
+
+def test_clvq_bf16_resume_is_bit_identical_and_merge_works():
+    g = torch.Generator().manual_seed(1)
+    src = clusters(3000, d=16)
+    tgt = src @ torch.randn(16, 8, generator=g) / 4
+    make = lambda: CLVQTranscoder(8, hidden=32, batch_size=256, seed=0, dtype="bfloat16")  # noqa: E731
+    full, first = make(), make()
+    for a, b in zip(src.split(500), tgt.split(500)):
+        full.update(a, b)
+    for a, b in zip(src[:1500].split(500), tgt[:1500].split(500)):
+        first.update(a, b)
+    state = roundtrip(first.state_dict())
+    assert state["config"]["dtype"] == "bfloat16"
+    resumed = CLVQTranscoder.from_state(state)
+    replica = CLVQTranscoder.from_state(state)
+    for a, b in zip(src[1500:].split(500), tgt[1500:].split(500)):
+        resumed.update(a, b)
+    assert torch.equal(full.concept_set().directions, resumed.concept_set().directions)
+    replica.update(src[:500], tgt[:500])
+    resumed.merge(replica.state_dict())
+    assert all(p.dtype == torch.float32 for p in resumed.parts.encoder.parameters())
+    assert torch.isfinite(resumed.concept_set().directions).all()

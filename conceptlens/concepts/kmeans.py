@@ -331,7 +331,7 @@ class StreamingKMeans(ExtractorBase):
             return
         rows = torch.multinomial(score, n, replacement=False, generator=self._gen).to(x.device)
         dead = dead[:n]
-        self._centres[dead] = x[rows]
+        self._centres[dead] = x[rows].to(self._centres.dtype)
         self._mass[dead] = 0.0
         self._idle[dead] = 0
         self.n_reseeded += n

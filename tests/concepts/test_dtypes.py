@@ -218,3 +218,13 @@ def test_clvq_bf16_resume_is_bit_identical_and_merge_works():
     resumed.merge(replica.state_dict())
     assert all(p.dtype == torch.float32 for p in resumed.parts.encoder.parameters())
     assert torch.isfinite(resumed.concept_set().directions).all()
+
+
+def test_bf16_kmeans_and_vq_reseed_dead_centres_into_float32():
+    x = clusters(6000, k=4)  # 16 centres on 4 clusters: some starve and are reseeded
+    km = StreamingKMeans(16, batch_size=256, reseed_after=1.0, seed=0, dtype="bfloat16")
+    feed(km, x)
+    assert km.n_reseeded > 0 and km._centres.dtype == torch.float32
+    vq = VQCodebook(16, batch_size=128, reseed_after=2, reseed_threshold=0.5, top_k=1, seed=0, dtype="bfloat16")
+    feed(vq, x)
+    assert vq.fitted.codes.dtype == vq.fitted.sums.dtype == torch.float32 and torch.isfinite(vq.fitted.codes).all()

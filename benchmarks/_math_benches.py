@@ -167,7 +167,7 @@ def dtypes(ctx: Context) -> None:
         (t32, label, q32), (t16, _, q16) = out["float32"], out["bfloat16"]
         ctx.add("dtypes", f"{name}: bfloat16 vs float32 speed", f"{t16:.1f} s vs {t32:.1f} s", t32 / t16,
                 "float32's speed")
-        ctx.add("dtypes", f"{name}: bfloat16 vs float32 {label}", f"{q16:.4g} vs {q32:.4g}", q16 / q32, f"float32's {label}")
+        ctx.add("dtypes", f"{name}: bfloat16 vs float32 {label}", f"{q16:.5g} vs {q32:.5g}", q16 / q32, f"float32's {label}")
 
 
 def _fvu(x: torch.Tensor, x_hat: torch.Tensor) -> float:

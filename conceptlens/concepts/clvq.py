@@ -89,7 +89,7 @@ class CLVQConfig:
         check_int("seed", self.seed, 0)
         if not isinstance(self.codebook, dict):
             raise ValueError(f"codebook must be a dict of VQCodebook options; got {self.codebook!r}")
-        allowed = set(VQConfig.__dataclass_fields__) - {"n_codes", "batch_size", "seed"}
+        allowed = set(VQConfig.__dataclass_fields__) - {"n_codes", "batch_size", "seed", "dtype"}  # dtype: ours
         if set(self.codebook) - allowed:
             raise ValueError(f"unknown codebook options {sorted(set(self.codebook) - allowed)}; "
                              f"valid: {sorted(allowed)}")

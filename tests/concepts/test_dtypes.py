@@ -228,3 +228,9 @@ def test_bf16_kmeans_and_vq_reseed_dead_centres_into_float32():
     vq = VQCodebook(16, batch_size=128, reseed_after=2, reseed_threshold=0.5, top_k=1, seed=0, dtype="bfloat16")
     feed(vq, x)
     assert vq.fitted.codes.dtype == vq.fitted.sums.dtype == torch.float32 and torch.isfinite(vq.fitted.codes).all()
+
+
+def test_clvq_codebook_takes_the_transcoders_dtype_not_its_own():
+    assert CLVQTranscoder(8, dtype="bfloat16").vq.config.dtype == "bfloat16"
+    with pytest.raises(ValueError, match="unknown codebook options \\['dtype'\\]"):
+        CLVQTranscoder(8, codebook={"dtype": "bfloat16"})

@@ -45,7 +45,15 @@ def skewness(x: Tensor, directions: Tensor) -> Tensor:
     # mean is taken off the projections, not the rows (no (R, d) copy), and the second and
     # third moments are summed per chunk of rows, so no (R, M) cube is ever materialised.
     # In bfloat16 (x's dtype) the matmul runs in it; the mean and the moments stay float32.
+    # There the rows are centred first (in float32, an (R, d) copy: 1/M of the matmul), so the
+    # projections, and the small mean rounding leaves, are rounded on the scale of their spread:
+    # a large mean rounded to 8 bits before it is taken off shifts every p, biasing m3 by
+    # 3 * shift * m2 (g off by 1.0 on symmetric rows whose mean is 300x their spread).
+    low = x.dtype not in (torch.float32, torch.float64)
     directions = directions.to(x.dtype)
+    if low:
+        xf = x.float()
+        x = (xf - xf.mean(0)).to(directions.dtype)
     mean = x.float().mean(0) @ directions.float().T  # (M,)
     m2 = mean.new_zeros(directions.shape[0])
     m3 = mean.new_zeros(directions.shape[0])

@@ -234,3 +234,19 @@ def test_clvq_codebook_takes_the_transcoders_dtype_not_its_own():
     assert CLVQTranscoder(8, dtype="bfloat16").vq.config.dtype == "bfloat16"
     with pytest.raises(ValueError, match="unknown codebook options \\['dtype'\\]"):
         CLVQTranscoder(8, codebook={"dtype": "bfloat16"})
+
+
+def test_bf16_skewness_centres_in_float32_so_a_large_mean_does_not_bias_it():
+    # Rows with a mean far above their spread (a residual stream's massive dimension): in
+    # bfloat16 the projections' mean must not be rounded before it is taken off, or the third
+    # moment picks up 3 * rounding * variance, a bias of order 1 on symmetric data.
+    from conceptlens.concepts.deleuzian_math import skewness
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 64, generator=g)
+    x[:, 0] += 300.3
+    x[:, 1:] += torch.distributions.Exponential(1.0).sample((63,))  # a mixed, non-uniform offset
+    directions = torch.randn(32, 64, generator=g) + torch.eye(64)[0] * 3
+    rows, directions = x.bfloat16(), directions.bfloat16()
+    exact = skewness(rows.double(), directions.double())  # the same rounded rows, in float64
+    assert (skewness(rows, directions).double() - exact).abs().max() < 0.01

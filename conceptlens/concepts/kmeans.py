@@ -77,8 +77,12 @@ def squared_distances(x: Tensor, c: Tensor, x_sq: Tensor | None = None, c_sq: Te
 
     |x|^2 - 2 x.c + |c|^2 as one matmul (row norms may be passed in when already known);
     clamped at 0 against rounding. Low-precision (bfloat16) x and c: the matmul runs in their
-    dtype, the norms and the sum in float32 (the result is float32).
+    dtype, the norms and the sum in float32 (the result is float32); without given norms both
+    are first shifted by the mean of c, in float32, as in `kmeans_math.nearest`.
     """
+    if x.dtype not in (torch.float32, torch.float64) and x_sq is None and c_sq is None:
+        shift = c.detach().float().mean(0)  # (d,)
+        x, c = (x.float() - shift).to(x.dtype), (c.float() - shift).to(c.dtype)
     xf, cf = x.float(), c.float()
     x_sq = (xf * xf).sum(1) if x_sq is None else x_sq
     c_sq = (cf * cf).sum(1) if c_sq is None else c_sq
@@ -99,6 +103,8 @@ def kmeans_plusplus(x: Tensor, k: int, generator: torch.Generator, weight: Tenso
     """
     n = x.shape[0]
     w = torch.ones(n, dtype=torch.float64) if weight is None else weight.detach().double().cpu()
+    if x.dtype not in (torch.float32, torch.float64):  # centred, as in `squared_distances` (indices do not change)
+        x = (x.float() - x.float().mean(0)).to(x.dtype)
     x_sq = (x.float() * x.float()).sum(1)
     trials = 2 + int(math.log(k))
 

@@ -221,7 +221,9 @@ def test_clvq_bf16_resume_is_bit_identical_and_merge_works():
 
 
 def test_bf16_kmeans_and_vq_reseed_dead_centres_into_float32():
-    x = clusters(6000, k=4)  # 16 centres on 4 clusters: some starve and are reseeded
+    x = clusters(6000, k=4)  # 16 centres on 4 clusters
+    # outliers among the first rows seed centres that no later row reaches: they starve and are reseeded
+    x[:8] += 100 * torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     km = StreamingKMeans(16, batch_size=256, reseed_after=1.0, seed=0, dtype="bfloat16")
     feed(km, x)
     assert km.n_reseeded > 0 and km._centres.dtype == torch.float32
@@ -250,3 +252,22 @@ def test_bf16_skewness_centres_in_float32_so_a_large_mean_does_not_bias_it():
     rows, directions = x.bfloat16(), directions.bfloat16()
     exact = skewness(rows.double(), directions.double())  # the same rounded rows, in float64
     assert (skewness(rows, directions).double() - exact).abs().max() < 0.01
+
+
+@pytest.mark.parametrize("name", ["kmeans", "kmeans_batched_init", "vq"])
+def test_bf16_distances_do_not_depend_on_a_large_common_offset(name):
+    # Squared distances are translation invariant; in bfloat16 the product x.c is rounded on
+    # the scale of |x||c|, so a mean far above the clusters' spread (300 on one coordinate,
+    # |x|^2 ~ 9e4 against centre gaps ~ 1e3) must be taken off before the matmul.
+    g = torch.Generator().manual_seed(0)
+    centres = 3 * torch.randn(16, 64, generator=g)
+    x = centres[torch.randint(16, (16000,), generator=g)] + torch.randn(16000, 64, generator=g)
+    x[:, 0] += 300.0
+    make = {"kmeans": lambda dt: StreamingKMeans(16, batch_size=512, seed=0, dtype=dt),
+            "kmeans_batched_init": lambda dt: StreamingKMeans(16, batch_size=512, seed=0, init="batched", dtype=dt),
+            "vq": lambda dt: VQCodebook(16, batch_size=512, top_k=1, seed=0, dtype=dt)}[name]
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        ex = feed(make(dtype), x, 2000)
+        out[dtype] = ex.inertia(x) if name.startswith("kmeans") else fvu(x, ex.quantize(x))
+    assert out["bfloat16"] <= 1.01 * out["float32"], out

@@ -82,7 +82,7 @@ def squared_distances(x: Tensor, c: Tensor, x_sq: Tensor | None = None, c_sq: Te
     """
     if x.dtype not in (torch.float32, torch.float64) and x_sq is None and c_sq is None:
         shift = c.detach().float().mean(0)  # (d,)
-        x, c = (x.float() - shift).to(x.dtype), (c.float() - shift).to(c.dtype)
+        x, c = (x.float() - shift).to(x.dtype), (c.float() - shift).to(x.dtype)  # c rounded after the shift
     xf, cf = x.float(), c.float()
     x_sq = (xf * xf).sum(1) if x_sq is None else x_sq
     c_sq = (cf * cf).sum(1) if c_sq is None else c_sq
@@ -296,7 +296,7 @@ class StreamingKMeans(ExtractorBase):
 
     def _step(self, x: Tensor, w: Tensor, synced: bool = False) -> None:
         view = _unit(self._centres) if self.config.spherical else self._centres
-        labels, best = nearest(x, view.to(x.dtype))  # chunked fused matmul + argmin, no (N, k) temporaries
+        labels, best = nearest(x, view)  # chunked fused matmul + argmin, no (N, k) temporaries
         sums, received = step_statistics(self._centres, self._mass, x, w, labels)
         rows = x.shape[0]
         if synced:  # the statistics of the whole step, summed over the ranks, before the update

@@ -31,7 +31,7 @@ def nearest(x: Tensor, c: Tensor, c_sq: Tensor | None = None) -> tuple[Tensor, T
     shift = None
     if low and c_sq is None:
         shift = c.float().mean(0)  # (d,)
-        c = (c.float() - shift).to(c.dtype)
+        c = (c.float() - shift).to(x.dtype)  # (float32 centres are rounded after the shift)
     cf = c.float()
     c_sq = (cf * cf).sum(1) if c_sq is None else c_sq  # (k,) float32
     rows = max(1, _BLOCK // max(c.shape[0], 1))

@@ -237,7 +237,7 @@ class VQCodebook(ExtractorBase):
         if x.dtype == torch.float32:
             dist = torch.cdist(x, codes)                               # (N, K) Euclidean
         else:  # the matmul in the compute dtype, norms and distances in float32
-            dist = squared_distances(x, codes.to(x.dtype)).sqrt_()
+            dist = squared_distances(x, codes).sqrt_()
         u = None
         if synced:
             sizes = self.comm.sizes(len(x))

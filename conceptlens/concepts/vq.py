@@ -275,14 +275,15 @@ class VQCodebook(ExtractorBase):
             offset += p.numel()
         return tuple(out)
 
-    def _prepare(self, x: Tensor) -> Tensor:
+    def _prepare(self, x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """`x` checked, placed and in `dtype` (None: the compute dtype)."""
         if x.ndim != 2:
             raise ValueError(f"expected activations of shape (N, d); got {tuple(x.shape)}")
         if self.d is None:
             self.d = x.shape[1]
         if x.shape[1] != self.d:
             raise ValueError(f"expected width d={self.d} (fixed by the first update); got {x.shape[1]}")
-        x = self._place(x).to(self.compute_dtype)
+        x = self._place(x).to(dtype or self.compute_dtype)
         return x if self.fitted is None else x.to(self.fitted.codes.device)
 
     def _initialise(self, x: Tensor) -> None:
@@ -340,7 +341,7 @@ class VQCodebook(ExtractorBase):
     def assign(self, x: Tensor) -> Tensor:
         """Nearest code per token: (N, d) -> (N,) long."""
         codes = self._fitted().codes
-        return torch.cdist(self._prepare(x).float(), codes).argmin(1)
+        return torch.cdist(self._prepare(x, torch.float32), codes).argmin(1)
 
     def encode(self, x: Tensor) -> Tensor:
         """One-hot nearest-code assignment (N, d) -> (N, K) float, the concept activations."""

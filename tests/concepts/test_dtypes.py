@@ -271,3 +271,15 @@ def test_bf16_distances_do_not_depend_on_a_large_common_offset(name):
         ex = feed(make(dtype), x, 2000)
         out[dtype] = ex.inertia(x) if name.startswith("kmeans") else fvu(x, ex.quantize(x))
     assert out["bfloat16"] <= 1.01 * out["float32"], out
+
+
+def test_bf16_vq_assigns_float32_rows_without_rounding_them():
+    # Inference reads the float32 codes and the rows as given: a bf16 codebook's assign is
+    # the float32 nearest code, not the nearest code of the rows rounded to bfloat16.
+    g = torch.Generator().manual_seed(0)
+    centres = 3 * torch.randn(16, 64, generator=g)
+    x = centres[torch.randint(16, (4000,), generator=g)] + 2 * torch.randn(4000, 64, generator=g)
+    x[:, 0] += 300.0  # bf16 rows are 2 apart here: enough to move near ties
+    vq = feed(VQCodebook(16, batch_size=512, top_k=1, seed=0, dtype="bfloat16"), x, 1000)
+    assert torch.equal(vq.assign(x), torch.cdist(x, vq.codes).argmin(1))
+    assert torch.equal(vq.quantize(x), vq.codes[torch.cdist(x, vq.codes).argmin(1)])

@@ -1,12 +1,16 @@
-"""Fast k-means kernels: nearest centre by chunked fused matmul, and batched D^2 seeding.
+"""The math of k-means, pure functions on tensors (`StreamingKMeans` in kmeans.py strings them into a fit).
 
     labels, d2 = nearest(x, centres)                 # (N,), (N,): like squared_distances(x, c).min(1)
     idx = batched_seeds(x, k, generator)             # (k,) row indices, D^2 sampling in rounds
+    idx = kmeans_plusplus(x, k, generator)           # (k,) greedy k-means++
+    sums, received = step_statistics(centres, mass, x, weight, labels)   # additive over shards
+    centres, mass, received = apply_step(centres, mass, sums, received)  # one weighted mini-batch step
+    centres, mass = weighted_lloyd(points, weight, k, generator)         # full weighted k-means (merges)
 
-Both are written so that a large k runs at matmul speed on any device: the (N, k) score
-block is one `addmm` per chunk of rows (|c|^2 - 2 x.c; |x|^2 is added back only to the
-minimum), and seeding draws many centres per round, so its cost is a few large matmuls
-instead of k small sequential ones, with one host read per round.
+The fast kernels are written so that a large k runs at matmul speed on any device: the (N, k)
+score block is one `addmm` per chunk of rows (|c|^2 - 2 x.c; |x|^2 is added back only to the
+minimum), and batched seeding draws many centres per round, so its cost is a few large
+matmuls instead of k small sequential ones, with one host read per round.
 """
 
 from __future__ import annotations
@@ -86,3 +90,111 @@ def batched_seeds(x: Tensor, k: int, generator: torch.Generator, weight: Tensor 
         _, d2 = nearest(x, x[pick.to(x.device)])
         closest = torch.minimum(closest, d2)
     return torch.cat(chosen).to(x.device)
+
+
+def squared_distances(x: Tensor, c: Tensor, x_sq: Tensor | None = None, c_sq: Tensor | None = None) -> Tensor:
+    """Squared Euclidean distances `(N, k)` between rows of x `(N, d)` and c `(k, d)`.
+
+    |x|^2 - 2 x.c + |c|^2 as one matmul (row norms may be passed in when already known);
+    clamped at 0 against rounding. Low-precision (bfloat16) x and c: the matmul runs in their
+    dtype, the norms and the sum in float32 (the result is float32); without given norms both
+    are first shifted by the mean of c, in float32, as in `nearest`.
+    """
+    if x.dtype not in (torch.float32, torch.float64) and x_sq is None and c_sq is None:
+        shift = c.detach().float().mean(0)  # (d,)
+        x, c = (x.float() - shift).to(x.dtype), (c.float() - shift).to(x.dtype)  # c rounded after the shift
+    xf, cf = x.float(), c.float()
+    x_sq = (xf * xf).sum(1) if x_sq is None else x_sq
+    c_sq = (cf * cf).sum(1) if c_sq is None else c_sq
+    return (x_sq[:, None] - 2.0 * (x @ c.T).float() + c_sq[None]).clamp_min_(0.0)
+
+
+def mass_weighted_mean(centres: Tensor, mass: Tensor) -> Tensor:
+    """(d,) mean of the rows clustered, from centres `(k, d)` that are running means and their
+    masses `(k,)` (exact until a centre is reseeded or merged; the fit's mean activation)."""
+    return (mass.double() @ centres.double() / mass.double().sum().clamp_min(1e-300)).float()
+
+
+def kmeans_plusplus(x: Tensor, k: int, generator: torch.Generator, weight: Tensor | None = None) -> Tensor:
+    """Indices `(k,)` of rows of x `(N, d)` chosen as initial centres by greedy k-means++.
+
+    Each new centre is the best (lowest weighted potential) of 2 + ln k candidates drawn with
+    probability proportional to weight * squared distance to the nearest chosen centre.
+    """
+    n = x.shape[0]
+    w = torch.ones(n, dtype=torch.float64) if weight is None else weight.detach().double().cpu()
+    if x.dtype not in (torch.float32, torch.float64):  # centred, as in `squared_distances` (indices do not change)
+        x = (x.float() - x.float().mean(0)).to(x.dtype)
+    x_sq = (x.float() * x.float()).sum(1)
+    trials = 2 + int(math.log(k))
+
+    def draw(p: Tensor, m: int) -> Tensor:
+        if not p.sum() > 0:  # every row already is a centre (or has weight 0): pick uniformly
+            return torch.randint(n, (m,), generator=generator)
+        return torch.multinomial(p, m, replacement=True, generator=generator)
+
+    chosen = [int(draw(w, 1))]
+    closest = squared_distances(x[chosen], x, x_sq[chosen], x_sq)[0]  # (N,)
+    for _ in range(1, k):
+        cand = draw(w * closest.double().cpu(), trials).to(x.device)
+        d2 = torch.minimum(closest[None], squared_distances(x[cand], x, x_sq[cand], x_sq))  # (trials, N)
+        best = int((d2.double().cpu() * w).sum(1).argmin())
+        chosen.append(int(cand[best]))
+        closest = d2[best]
+    return torch.tensor(chosen, device=x.device)
+
+
+def minibatch_step(centres: Tensor, mass: Tensor, x: Tensor, weight: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One weighted mini-batch update; returns (centres (k, d), mass (k,), received (k,)).
+
+    centres (k, d), mass (k,) float64, x (N, d), weight (N,), labels (N,) nearest-centre index.
+    A centre that receives nothing is unchanged.
+    """
+    sums, received = step_statistics(centres, mass, x, weight, labels)
+    return apply_step(centres, mass, sums, received)
+
+
+def step_statistics(centres: Tensor, mass: Tensor, x: Tensor, weight: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """The additive statistics of one minibatch: per-centre weighted sums (k, d) and weights (k,).
+
+    Statistics of disjoint shards of a batch add up to those of the whole batch, which is
+    what a distributed fit all-reduces before `apply_step`.
+    """
+    sums = torch.zeros_like(centres).index_add_(0, labels, x.to(centres.dtype) * weight[:, None].to(centres.dtype))
+    received = torch.zeros_like(mass).index_add_(0, labels, weight.to(mass.dtype))
+    return sums, received
+
+
+def apply_step(centres: Tensor, mass: Tensor, sums: Tensor, received: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Centres moved by a minibatch's `step_statistics`: (centres, mass, received)."""
+    k = centres.shape[0]
+    new_mass = mass + received
+    # c + (sum w x - W c) / (m + W): the increment form keeps float32 precision at large mass.
+    rate = torch.where(new_mass > 0, 1.0 / new_mass.clamp_min(1e-300), 0.0).to(centres.dtype)
+    centres = centres + (sums - received.to(centres.dtype)[:, None] * centres) * rate[:, None]
+    return centres, new_mass, received.reshape(k)
+
+
+def weighted_lloyd(points: Tensor, weight: Tensor, k: int, generator: torch.Generator, *,
+                   spherical: bool = False, max_iter: int = 100) -> tuple[Tensor, Tensor]:
+    """Weighted k-means of points `(M, d)` with weights `(M,)` to k centres: (centres, mass).
+
+    Centres are weighted means of their points; with `spherical`, assignment uses directions.
+    """
+    view = _unit(points) if spherical else points
+    centres = points[kmeans_plusplus(view, k, generator, weight)]
+    labels = None
+    for _ in range(max_iter):
+        new = squared_distances(view, _unit(centres) if spherical else centres).argmin(1)
+        if labels is not None and torch.equal(new, labels):
+            break
+        labels = new
+        mass = torch.zeros(k, dtype=torch.float64, device=points.device).index_add_(0, labels, weight.double())
+        sums = torch.zeros_like(centres).index_add_(0, labels, points * weight[:, None].to(points.dtype))
+        centres = torch.where(mass[:, None] > 0, sums / mass.clamp_min(1e-300)[:, None].to(points.dtype), centres)
+    mass = torch.zeros(k, dtype=torch.float64, device=points.device).index_add_(0, labels, weight.double())
+    return centres, mass
+
+
+def _unit(x: Tensor) -> Tensor:
+    return x / x.norm(dim=1, keepdim=True).clamp_min(1e-12)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from conceptlens.concepts.kmeans import squared_distances, weighted_lloyd
+from conceptlens.concepts.kmeans_math import squared_distances, weighted_lloyd
 
 InitMethod = Literal["kmeans", "spherical_kmeans", "random"]
 INIT_METHODS = ("kmeans", "spherical_kmeans", "random")

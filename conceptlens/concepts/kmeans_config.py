@@ -1,0 +1,70 @@
+"""The configuration and fit-report numbers of `StreamingKMeans` (kmeans.py).
+
+    KMeansConfig(n_concepts=512, batch_size=4096, dtype="bfloat16")   # validated on construction
+    km.stats()                                                       # a KMeansStats
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from conceptlens.concepts.base import check_bool, check_choice, check_dtype, check_float, check_int
+
+
+@dataclass
+class KMeansConfig:
+    """Hyper-parameters of `StreamingKMeans`."""
+
+    n_concepts: int
+    """Number of centres k."""
+    spherical: bool = False
+    """Cluster directions: rows and centres are normalised, assignment by cosine similarity."""
+    batch_size: int | None = None
+    """Rows per minibatch step; None takes each `update` call as one step."""
+    init_size: int | None = None
+    """Rows buffered before k-means++ initialisation; None means max(3 k, 1024)."""
+    reseed_after: float | None = 50.0
+    """A centre that received no mass while `reseed_after * k` rows went by (a typical centre
+    would have received ~reseed_after rows) is moved to a row far from its centre; None never."""
+    seed: int = 0
+    """Seed of the private random generator (k-means++, batches, reseeding)."""
+    init: str = "auto"
+    """Seeding: "k-means++" (greedy, 2 + ln k trials per centre, k sequential steps), "batched"
+    (D^2 sampling in 32 rounds of k/32 rows, see `kmeans_math.batched_seeds`: the same matmul
+    work in 32 large products, ~10x cheaper at k 4096), or "auto" (k-means++ up to k = 256)."""
+    dtype: str = "float32"
+    """Compute dtype ("float32" or "bfloat16"): rows are stored (initialisation buffer) and
+    assigned (the distance matmul) in it; centres stay float32 and masses float64, and each
+    step's per-centre sums are accumulated in float32, so a long stream loses no precision."""
+
+    def __post_init__(self) -> None:
+        check_int("n_concepts", self.n_concepts)
+        check_choice("init", self.init, ("auto", "k-means++", "batched"))
+        check_bool("spherical", self.spherical)
+        check_int("batch_size", self.batch_size, optional=True)
+        check_int("init_size", self.init_size, optional=True)
+        check_float("reseed_after", self.reseed_after, strict=True, optional=True)
+        check_int("seed", self.seed, 0)
+        self.dtype = check_dtype("dtype", self.dtype)
+
+    @property
+    def rows_to_init(self) -> int:
+        return self.init_size if self.init_size is not None else max(3 * self.n_concepts, 1024)
+
+    @property
+    def batched_init(self) -> bool:
+        return self.init == "batched" or (self.init == "auto" and self.n_concepts > 256)
+
+
+class KMeansStats(NamedTuple):
+    """Fit-report numbers of a k-means (also used by Deleuzian for its inner k-means)."""
+
+    steps: int
+    """Minibatch steps taken."""
+    rows: int
+    """Rows consumed (including those still waiting for the initialisation)."""
+    live_fraction: float
+    """Fraction of centres that have received mass (nan before the initialisation)."""
+    reseeded: int
+    """Centres moved by dead-centre reseeding so far."""

@@ -15,110 +15,28 @@ units); evaluation (`assign`, `encode`, `quantize`) always takes the nearest cod
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from conceptlens._checks import known_kwargs
-from conceptlens.concepts.base import (ExtractorBase, NotFittedError, check_choice, check_dtype, check_float,
-                                      check_fraction, check_int)
+from conceptlens.concepts.base import ExtractorBase, NotFittedError
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.kmeans import squared_distances
+# the config and result types, the math and the persistence live in vq_config.py, vq_math.py and
+# vq_persist.py; the public names are re-exported here
+from conceptlens.concepts.vq_config import CodebookState, VQConfig, VQStats, VQStep
 from conceptlens.concepts.vq_math import (INIT_METHODS, InitMethod, codes_from_ema, ema_update, fvu_from_sums,
                                           fvu_sums, initial_codes, laplace_smooth, perplexity, sample_top_k,
                                           samples_randomly)
+from conceptlens.concepts.vq_persist import codebook_state, load_codebook_state, merge_codebooks
 
-
-@dataclass
-class VQConfig:
-    """Hyper-parameters of a `VQCodebook`."""
-
-    n_codes: int
-    """Number of codes K."""
-    decay: float = 0.99
-    """EMA decay of the assignment counts and sums, per step."""
-    eps: float = 1e-5
-    """Laplace smoothing of the counts: n_i = (N_i + eps) / (N + K eps) * N."""
-    top_k: int = 5
-    """Training draws each token's code among its top_k nearest (1 = nearest only)."""
-    temperature: float = 1.0
-    """Sampling temperature T of softmax(-distance / T); 0 = nearest."""
-    init: InitMethod = "kmeans"
-    """Codebook initialisation on the first init_size tokens."""
-    init_size: int | None = None
-    """Tokens collected before initialising; None = 16 * n_codes."""
-    reseed_after: int | None = 100
-    """Every this many steps, dead codes are replaced by random recent tokens; None = never."""
-    reseed_threshold: float = 0.03
-    """A code is dead (and unused in `usage`) when its EMA count is below this fraction of
-    the uniform share N / K."""
-    batch_size: int | None = None
-    """Rows per EMA step, drawn at random from a mixing buffer; None = one step per call."""
-    buffer_size: int | None = None
-    """Rows the mixing buffer holds before drawing a batch; None = 4 * batch_size."""
-    seed: int = 0
-    """Seed of the private generator (k-means init, sampling, reseeding)."""
-    dtype: str = "float32"
-    """Compute dtype ("float32" or "bfloat16"): rows are buffered and the training step's
-    distances computed in it; the EMA counts and sums, the codes derived from them and the
-    initialising k-means stay float32, hits int64 and FVU sums float64. `assign` / `encode`
-    measure distances in float32."""
-
-    def __post_init__(self) -> None:
-        check_int("n_codes", self.n_codes)
-        self.dtype = check_dtype("dtype", self.dtype)
-        check_int("top_k", self.top_k)
-        for name in ("init_size", "reseed_after", "batch_size", "buffer_size"):
-            check_int(name, getattr(self, name), optional=True)
-        check_fraction("decay", self.decay)
-        for name in ("eps", "temperature", "reseed_threshold"):
-            check_float(name, getattr(self, name))
-        check_choice("init", self.init, INIT_METHODS)
-        check_int("seed", self.seed, 0)
-        if self.rows_to_init < self.n_codes:
-            raise ValueError(f"init_size={self.rows_to_init} is smaller than n_codes={self.n_codes}: "
-                             f"initialisation needs at least one token per code")
-
-    @property
-    def rows_to_init(self) -> int:
-        """Tokens collected before initialising (init_size, or 16 * n_codes if None)."""
-        return self.init_size if self.init_size is not None else 16 * self.n_codes
-
-
-class VQStats(NamedTuple):
-    """Fit-report numbers of a codebook (EMA over recent steps)."""
-
-    usage: float
-    """Fraction of codes whose EMA count is at least reseed_threshold * N / K."""
-    perplexity: float
-    """exp(entropy) of the EMA assignment distribution: K when uniform, 1 when collapsed."""
-    fvu: float
-    """Fraction of variance unexplained by the nearest code, EMA over recent steps."""
-    steps: int
-    tokens: int
-
-
-class VQStep(NamedTuple):
-    """What one training step did: the sampled code per token and that code's vector
-    before the step's EMA update (what a straight-through estimator passes on)."""
-
-    code: Tensor        # (N,) long
-    quantized: Tensor   # (N, d)
-
-
-@dataclass
-class CodebookState:
-    """The fitted part of a `VQCodebook`; it exists once the codebook is initialised."""
-
-    codes: Tensor       # (K, d) = sums / smooth(counts)
-    counts: Tensor      # (K,) EMA of sampled-assignment counts
-    sums: Tensor        # (K, d) EMA of the sums of assigned tokens
-    hits: Tensor        # (K,) int64 nearest-code assignments over all steps
-    fvu: Tensor         # (d + 3,) float64 EMA of fvu_sums
+__all__ = ["CodebookState", "INIT_METHODS", "InitMethod", "VQCodebook", "VQConfig", "VQStats", "VQStep", "codes_from_ema",
+           "ema_update", "fvu_from_sums", "fvu_sums", "initial_codes", "laplace_smooth", "perplexity", "sample_top_k",
+           "samples_randomly"]
 
 
 class VQCodebook(ExtractorBase):
@@ -377,69 +295,17 @@ class VQCodebook(ExtractorBase):
                                f"initialises after init_size={self.config.rows_to_init} (or at flush())")
         return self.fitted
 
-    # ---- persistence -----------------------------------------------------------------
+    # ---- persistence (vq_persist.py) -------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume bit for bit (tensors, ints, the generator state)."""
-        fitted = None if self.fitted is None else {k: v.clone() for k, v in asdict(self.fitted).items()}
-        pending = None if self._pending is None else self._pending.clone()
-        return {"config": self.config_dict(), "d": self.d, "fitted": fitted, "pending": pending,
-                "init_calls": self._init_calls, "steps": self.steps, "tokens": self.tokens,
-                "generator": self._gen.get_state(), "origin": _copy(self._origin),
-                "mixer": None if self._mixer is None else self._mixer.state_dict()}
+        return codebook_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from `state_dict()`; the constructor arguments must match."""
         self.check_state(state)
-        state = self._placed(state)
-        fitted = state["fitted"]
-        self.fitted = None if fitted is None else CodebookState(**{k: v.clone() for k, v in fitted.items()})
-        self._pending = None if state["pending"] is None else state["pending"].clone()
-        self.d, self._init_calls = state["d"], state["init_calls"]
-        self.steps, self.tokens = state["steps"], state["tokens"]
-        self._gen.set_state(state["generator"])
-        if self._mixer is not None:
-            self._mixer.load_state_dict(state["mixer"])
-        self._origin = _copy(state.get("origin"))
+        load_codebook_state(self, self._placed(state))
 
     def _merge(self, other: VQCodebook) -> None:
         """Add another worker's EMA statistics (see the class docstring)."""
-        if other.config.n_codes != self.config.n_codes or (self.d and other.d and other.d != self.d):
-            raise ValueError(f"cannot merge a codebook of {other.config.n_codes} codes of width "
-                             f"{other.d} into one of {self.config.n_codes} codes of width {self.d}")
-        if other.fitted is None:
-            return
-        if self.fitted is None:  # an empty codebook becomes a copy (keeping its own buffered rows)
-            self.load_state_dict({**other.state_dict(), "mixer": None if self._mixer is None else self._mixer.state_dict()})
-            self._join_buffer(other)
-            return
-        mine, theirs, decay = self.fitted, other.fitted, self.config.decay
-        origin = other._origin
-        shared = origin is not None and self._origin is not None and all(
-            torch.equal(origin[k], self._origin[k]) for k in ("counts", "sums", "hits"))
-        if shared:  # subtract the other's decayed copy of the start both share
-            w = decay ** (other.steps - origin["steps"])
-            dev = mine.counts.device
-            mine.counts = mine.counts + theirs.counts.to(dev) - w * origin["counts"].to(dev)
-            mine.sums = mine.sums + theirs.sums.to(dev) - w * origin["sums"].to(dev)
-            mine.fvu = mine.fvu + theirs.fvu.to(dev) - w * origin["fvu"].to(dev)
-            mine.hits = mine.hits + theirs.hits.to(dev) - origin["hits"].to(dev)
-            self.tokens += other.tokens - origin["tokens"]
-        else:
-            dev = mine.counts.device
-            mine.counts, mine.sums = mine.counts + theirs.counts.to(dev), mine.sums + theirs.sums.to(dev)
-            mine.hits, mine.fvu = mine.hits + theirs.hits.to(dev), mine.fvu + theirs.fvu.to(dev)
-            self.tokens += other.tokens
-        mine.codes = codes_from_ema(mine.counts, mine.sums, self.config.eps)
-        self.steps = max(self.steps, other.steps)
-        self._mark_origin()
-        self._join_buffer(other)
-
-    def _join_buffer(self, other: VQCodebook) -> None:
-        rows = None if other._mixer is None else other._mixer.state_dict()["data"]
-        if rows is not None and len(rows) and self._mixer is not None:
-            self._mixer.add(rows)
-
-
-def _copy(origin: dict[str, Any] | None) -> dict[str, Any] | None:
-    return None if origin is None else {k: v.clone() if isinstance(v, Tensor) else v for k, v in origin.items()}
+        merge_codebooks(self, other)

@@ -15,110 +15,30 @@ commitment * MSE(z_e, sg(q)), minimised by Adam; the codebook itself moves only 
 
 from __future__ import annotations
 
-import copy
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from conceptlens._checks import known_kwargs
-from conceptlens.concepts.base import (ExtractorBase, NotFittedError, check_bool, check_choice, check_dtype, check_float,
-                                      check_int)
+from conceptlens.concepts.base import ExtractorBase, NotFittedError
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.clvq_modules import MLPDecoder, ResidualEncoder, SequenceDecoder
 # re-exported, so that they stay importable from this module
 from conceptlens.concepts.clvq_modules import pad_sequences as pad_sequences, sinusoids as sinusoids
 from conceptlens.concepts.conceptset import ConceptSet
-from conceptlens.concepts.vq import VQCodebook, VQConfig
+# the config and result types, and the persistence, live in clvq_config.py and clvq_persist.py;
+# re-exported here
+from conceptlens.concepts.clvq_config import DECODERS, CLVQConfig, CLVQStats, DecoderKind, TranscoderParts
+from conceptlens.concepts.clvq_persist import load_transcoder_state, merge_transcoders, transcoder_state
+from conceptlens.concepts.vq import VQCodebook
 from conceptlens.concepts.vq_math import fvu_from_sums, fvu_sums, laplace_smooth
 
 SPACE = "clvq_z_e"
 """`ConceptSet.config["space"]` of CLVQ codes: the encoder's z_e space, not an activation site."""
-DecoderKind = Literal["mlp", "transformer"]
-DECODERS = ("mlp", "transformer")
-
-
-@dataclass
-class CLVQConfig:
-    """Hyper-parameters of a `CLVQTranscoder`."""
-
-    n_codes: int
-    """Number of codes K."""
-    hidden: int = 1024
-    """Hidden width of the MLP decoder / model width of the transformer decoder."""
-    decoder: DecoderKind = "mlp"
-    """"mlp": per token. "transformer": attends over each sequence's codes (needs sequence_ids)."""
-    commitment: float = 0.1
-    """Weight of MSE(z_e, sg(q)), which keeps the encoder near its codes."""
-    lr: float = 1e-3
-    """Adam learning rate of the encoder and decoder."""
-    batch_size: int | None = 1024
-    """Rows per optimiser (and EMA) step; None = one step per call."""
-    buffer_size: int | None = None
-    """Rows the mixing buffer (MLP decoder) holds before drawing a batch; None = 4 * batch_size."""
-    layers: int = 2
-    """Transformer decoder layers."""
-    heads: int = 4
-    """Attention heads of the transformer decoder (must divide hidden)."""
-    causal: bool = True
-    """The transformer decoder sees only earlier tokens of a sequence (as in a causal LM)."""
-    codebook: dict[str, Any] = field(default_factory=dict)
-    """Options of the inner `VQCodebook` (decay, eps, top_k, temperature, init, init_size,
-    reseed_after, reseed_threshold)."""
-    seed: int = 0
-    """Seed of the parameter initialisation and of the codebook's generator."""
-    dtype: str = "float32"
-    """Compute dtype ("float32" or "bfloat16"): encoder and decoder run under `torch.autocast`
-    in it (float32 master parameters, gradients and Adam moments; the losses in float32), and
-    the codebook computes its distances in it (its EMA statistics stay float32)."""
-
-    def __post_init__(self) -> None:
-        self.dtype = check_dtype("dtype", self.dtype)
-        check_choice("decoder", self.decoder, DECODERS)
-        for name in ("n_codes", "hidden", "layers", "heads"):
-            check_int(name, getattr(self, name))
-        for name in ("batch_size", "buffer_size"):
-            check_int(name, getattr(self, name), optional=True)
-        if self.decoder == "transformer" and self.hidden % self.heads:
-            raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads}")
-        check_float("commitment", self.commitment)
-        check_float("lr", self.lr, strict=True)
-        check_bool("causal", self.causal)
-        check_int("seed", self.seed, 0)
-        if not isinstance(self.codebook, dict):
-            raise ValueError(f"codebook must be a dict of VQCodebook options; got {self.codebook!r}")
-        allowed = set(VQConfig.__dataclass_fields__) - {"n_codes", "batch_size", "seed", "dtype"}  # dtype: ours
-        if set(self.codebook) - allowed:
-            raise ValueError(f"unknown codebook options {sorted(set(self.codebook) - allowed)}; "
-                             f"valid: {sorted(allowed)}")
-
-
-class CLVQStats(NamedTuple):
-    """Fit-report numbers of a transcoder (EMA over recent steps)."""
-
-    fvu: float
-    """FVU of the target by the training reconstructions (sampled codes, before each step)."""
-    usage: float
-    perplexity: float
-    mix: float
-    """The encoder's residual mix a = 0.5 sigmoid(alpha)."""
-    steps: int
-    tokens: int
-
-
-@dataclass
-class TranscoderParts:
-    """What a `CLVQTranscoder` builds on its first update, once the widths are known."""
-
-    dims: tuple[int, int]           # (d_src, d_tgt)
-    encoder: ResidualEncoder
-    decoder: nn.Module
-    optimizer: torch.optim.Adam
-    pending: list[Tensor]           # rows not yet stepped on: src (M, d_src), tgt (M, d_tgt), ids (M,)
-    fvu: Tensor                     # (d_tgt + 3,) float64 EMA of fvu_sums
-    scales: dict[str, Tensor] = field(default_factory=dict)   # decoder standardisation, from init
+__all__ = ["CLVQConfig", "CLVQStats", "CLVQTranscoder", "DECODERS", "DecoderKind", "SPACE", "TranscoderParts",
+           "pad_sequences", "sinusoids"]
 
 
 class CLVQTranscoder(ExtractorBase):
@@ -338,45 +258,21 @@ class CLVQTranscoder(ExtractorBase):
                                f"init_size={self.vq.config.rows_to_init} tokens (or at flush())")
         return self.parts
 
-    # ---- persistence -----------------------------------------------------------------
+    # ---- persistence (clvq_persist.py) -------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume bit for bit: parameters, Adam moments, the codebook."""
-        state: dict[str, Any] = {"config": self.config_dict(), "steps": self.steps,
-                                 "vq": self.vq.state_dict(), "parts": None,
-                                 "mixer": None if self._mixer is None else self._mixer.state_dict()}
-        if (parts := self.parts) is not None:
-            state["parts"] = {"dims": parts.dims, "encoder": parts.encoder.state_dict(),
-                              "decoder": parts.decoder.state_dict(),
-                              "optimizer": parts.optimizer.state_dict(),
-                              "pending": parts.pending, "fvu": parts.fvu, "scales": parts.scales}
-        return copy.deepcopy(state)
+        return transcoder_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from `state_dict()`; the constructor arguments must match."""
         self.check_state(state)
-        state = self._placed(state)
-        self.vq.load_state_dict(state["vq"])
-        self.steps = state["steps"]
-        if self._mixer is not None:
-            self._mixer.load_state_dict(state["mixer"])
-        saved = state["parts"]
-        if saved is None:
-            self.parts = None
-            return
-        parts = self.parts = self._build(tuple(saved["dims"]), saved["fvu"].device)
-        parts.encoder.load_state_dict(saved["encoder"])
-        parts.decoder.load_state_dict(saved["decoder"])
-        parts.optimizer.load_state_dict(saved["optimizer"])
-        parts.pending = [p.clone() for p in saved["pending"]]
-        parts.fvu = saved["fvu"].clone()
-        parts.scales = {k: v.clone() for k, v in saved["scales"].items()}
+        load_transcoder_state(self, self._placed(state))
 
     def mark_shared_start(self) -> None:
         """Declare the current state the start of replicas (see `VQCodebook.mark_shared_start`)."""
         self.vq.mark_shared_start()
 
-    @torch.no_grad()
     def _merge(self, other: CLVQTranscoder) -> None:
         """Combine with a data-parallel replica (`merge` also takes its state dict).
 
@@ -386,39 +282,7 @@ class CLVQTranscoder(ExtractorBase):
         larger one and buffered rows join. A transcoder that has not started takes the
         other's state. Across processes the fit all-reduces gradients every step instead.
         """
-        if other.parts is None:
-            return
-        if self.parts is None or not self.vq.is_initialised:
-            self.load_state_dict(other.state_dict())
-            return
-        mine, theirs = self.parts, other.parts
-        if not other.vq.is_initialised:
-            raise ValueError("cannot merge a transcoder that has not initialised into one that has")
-        if mine.dims != theirs.dims or any(not torch.equal(mine.scales[k], theirs.scales[k].to(mine.fvu.device))
-                                           for k in mine.scales):
-            raise ValueError("replicas must start from one initialised state (load the same state_dict); "
-                             f"got widths {mine.dims} and {theirs.dims} or different standardisations")
-        _average_modules(mine, theirs)
-        self.vq.merge(other.vq)
-        mine.fvu = (mine.fvu + theirs.fvu.to(mine.fvu.device)) / 2
-        self.steps = max(self.steps, other.steps)
-        mine.pending = [torch.cat([p, q.to(p.device)]) for p, q in zip(mine.pending, theirs.pending)]
-        rows = None if other._mixer is None else other._mixer.state_dict()["data"]
-        if rows is not None and len(rows) and self._mixer is not None:
-            self._mixer.add(rows)
-
-
-def _average_modules(mine: TranscoderParts, theirs: TranscoderParts) -> None:
-    """Equal-weight average of encoder and decoder parameters and their Adam moments, into `mine`."""
-    ps = [*mine.encoder.parameters(), *mine.decoder.parameters()]
-    qs = [*theirs.encoder.parameters(), *theirs.decoder.parameters()]
-    for p, q in zip(ps, qs):
-        p.add_(q.to(p.device)).mul_(0.5)
-        a, b = mine.optimizer.state.get(p), theirs.optimizer.state.get(q)
-        if a and b:
-            for key in ("exp_avg", "exp_avg_sq"):
-                a[key].add_(b[key].to(p.device)).mul_(0.5)
-            a["step"] = torch.maximum(a["step"], b["step"].to(a["step"].device))
+        merge_transcoders(self, other)
 
 
 def _rms(x: Tensor) -> Tensor:

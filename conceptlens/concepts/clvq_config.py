@@ -1,0 +1,102 @@
+"""The configuration and result types of `CLVQTranscoder` (clvq.py).
+
+    CLVQConfig(n_codes=512, decoder="mlp", dtype="bfloat16")   # validated on construction
+    tc.stats()                                                 # a CLVQStats
+    tc.parts                                                   # a TranscoderParts, once widths are known
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from conceptlens.concepts.base import check_bool, check_choice, check_dtype, check_float, check_int
+from conceptlens.concepts.clvq_modules import ResidualEncoder
+from conceptlens.concepts.vq_config import VQConfig
+
+DecoderKind = Literal["mlp", "transformer"]
+DECODERS = ("mlp", "transformer")
+
+
+@dataclass
+class CLVQConfig:
+    """Hyper-parameters of a `CLVQTranscoder`."""
+
+    n_codes: int
+    """Number of codes K."""
+    hidden: int = 1024
+    """Hidden width of the MLP decoder / model width of the transformer decoder."""
+    decoder: DecoderKind = "mlp"
+    """"mlp": per token. "transformer": attends over each sequence's codes (needs sequence_ids)."""
+    commitment: float = 0.1
+    """Weight of MSE(z_e, sg(q)), which keeps the encoder near its codes."""
+    lr: float = 1e-3
+    """Adam learning rate of the encoder and decoder."""
+    batch_size: int | None = 1024
+    """Rows per optimiser (and EMA) step; None = one step per call."""
+    buffer_size: int | None = None
+    """Rows the mixing buffer (MLP decoder) holds before drawing a batch; None = 4 * batch_size."""
+    layers: int = 2
+    """Transformer decoder layers."""
+    heads: int = 4
+    """Attention heads of the transformer decoder (must divide hidden)."""
+    causal: bool = True
+    """The transformer decoder sees only earlier tokens of a sequence (as in a causal LM)."""
+    codebook: dict[str, Any] = field(default_factory=dict)
+    """Options of the inner `VQCodebook` (decay, eps, top_k, temperature, init, init_size,
+    reseed_after, reseed_threshold)."""
+    seed: int = 0
+    """Seed of the parameter initialisation and of the codebook's generator."""
+    dtype: str = "float32"
+    """Compute dtype ("float32" or "bfloat16"): encoder and decoder run under `torch.autocast`
+    in it (float32 master parameters, gradients and Adam moments; the losses in float32), and
+    the codebook computes its distances in it (its EMA statistics stay float32)."""
+
+    def __post_init__(self) -> None:
+        self.dtype = check_dtype("dtype", self.dtype)
+        check_choice("decoder", self.decoder, DECODERS)
+        for name in ("n_codes", "hidden", "layers", "heads"):
+            check_int(name, getattr(self, name))
+        for name in ("batch_size", "buffer_size"):
+            check_int(name, getattr(self, name), optional=True)
+        if self.decoder == "transformer" and self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads}")
+        check_float("commitment", self.commitment)
+        check_float("lr", self.lr, strict=True)
+        check_bool("causal", self.causal)
+        check_int("seed", self.seed, 0)
+        if not isinstance(self.codebook, dict):
+            raise ValueError(f"codebook must be a dict of VQCodebook options; got {self.codebook!r}")
+        allowed = set(VQConfig.__dataclass_fields__) - {"n_codes", "batch_size", "seed", "dtype"}  # dtype: ours
+        if set(self.codebook) - allowed:
+            raise ValueError(f"unknown codebook options {sorted(set(self.codebook) - allowed)}; "
+                             f"valid: {sorted(allowed)}")
+
+
+class CLVQStats(NamedTuple):
+    """Fit-report numbers of a transcoder (EMA over recent steps)."""
+
+    fvu: float
+    """FVU of the target by the training reconstructions (sampled codes, before each step)."""
+    usage: float
+    perplexity: float
+    mix: float
+    """The encoder's residual mix a = 0.5 sigmoid(alpha)."""
+    steps: int
+    tokens: int
+
+
+@dataclass
+class TranscoderParts:
+    """What a `CLVQTranscoder` builds on its first update, once the widths are known."""
+
+    dims: tuple[int, int]           # (d_src, d_tgt)
+    encoder: ResidualEncoder
+    decoder: nn.Module
+    optimizer: torch.optim.Adam
+    pending: list[Tensor]           # rows not yet stepped on: src (M, d_src), tgt (M, d_tgt), ids (M,)
+    fvu: Tensor                     # (d_tgt + 3,) float64 EMA of fvu_sums
+    scales: dict[str, Tensor] = field(default_factory=dict)   # decoder standardisation, from init

@@ -218,7 +218,7 @@ class Deleuzian(ExtractorBase):
             return
         diff, weight = oriented_differences(block.to(self._reference.device), self._skew_reference(),
                                             self.config.skew_weighting)
-        self.kmeans.update(diff, weight)
+        self.kmeans._update(*self.kmeans._check(diff, weight, validate=False))  # weights finite, >= 0: no host read
 
     @property
     def _storage(self) -> torch.dtype:

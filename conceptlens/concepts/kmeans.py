@@ -79,7 +79,11 @@ class StreamingKMeans(ExtractorBase):
 
     def update(self, x: Tensor, weight: Tensor | None = None) -> None:
         """Consume rows x `(N, d)` with optional non-negative weights `(N,)` (default 1)."""
-        x, weight = self._check(x, weight)
+        self._update(*self._check(x, weight))
+
+    def _update(self, x: Tensor, weight: Tensor) -> None:
+        """`update` on rows and weights already through `_check` (Deleuzian's weights are valid
+        by construction: it skips their check, a host read of the device every block)."""
         if self.comm is not None and self._centres is None:  # every rank buffers the same rows
             x, weight = self._gather(x, weight)
         self.n_seen += x.shape[0]
@@ -105,7 +109,7 @@ class StreamingKMeans(ExtractorBase):
         self._idle = self._idle.to(x.device)
         self._steps(x, w, shared=True)  # distributed: these rows are the same on every rank
 
-    def _check(self, x: Tensor, weight: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _check(self, x: Tensor, weight: Tensor | None, validate: bool = True) -> tuple[Tensor, Tensor]:
         if x.ndim != 2:
             raise ValueError(f"update expects x of shape (N, d); got {tuple(x.shape)}")
         if self.d is None:
@@ -118,7 +122,7 @@ class StreamingKMeans(ExtractorBase):
             weight = torch.ones(x.shape[0], device=x.device)
         elif weight.shape != (x.shape[0],):
             raise ValueError(f"weight must have shape ({x.shape[0]},); got {tuple(weight.shape)}")
-        elif not bool(torch.isfinite(weight).all() and (weight >= 0).all()):
+        elif validate and not bool(torch.isfinite(weight).all() and (weight >= 0).all()):
             raise ValueError("weight must be finite and non-negative")
         return x, weight.detach().float().to(x.device)
 

@@ -205,3 +205,27 @@ def test_bf16_skewness_close_to_float32():
     full, low = skewness(ref, dirs), skewness(ref.bfloat16(), dirs)
     assert low.dtype == torch.float32
     assert (full - low).abs().max() < 0.05, (full - low).abs().max()
+
+
+def test_streaming_blocks_read_nothing_back_from_the_device(monkeypatch):
+    # The weights Deleuzian hands its k-means are finite and >= 0 by construction: checking
+    # them would be a host read (bool of a device tensor) every block, which stalls a GPU.
+    reads = []
+
+    def counted(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            reads.append(name)
+            return original(self, *args, **kwargs)
+        return read
+
+    for name in ("__bool__", "item", "tolist", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name))
+    dz = Deleuzian(8, reference_size=256, buffer_size=512, batch_size=256, reseed_after=None)
+    x = torch.randn(6000, 16, generator=torch.Generator().manual_seed(0))
+    dz.update(x[:2000])  # the k-means initialises here (a one-off, allowed to read)
+    reads.clear()
+    steps = dz.kmeans.n_steps
+    dz.update(x[2000:])
+    assert dz.kmeans.n_steps > steps + 10 and reads == []

@@ -34,15 +34,15 @@ def nearest(x: Tensor, c: Tensor, c_sq: Tensor | None = None) -> tuple[Tensor, T
     low = x.dtype != torch.float32
     shift = None
     if low and c_sq is None:
-        shift = c.float().mean(0)  # (d,)
-        c = (c.float() - shift).to(x.dtype)  # (float32 centres are rounded after the shift)
+        shift = c.float().mean(0).to(x.dtype)  # (d,) any common shift will do: one in x's dtype
+        c = (c.float() - shift.float()).to(x.dtype)  # (float32 centres are rounded after the shift)
     cf = c.float()
     c_sq = (cf * cf).sum(1) if c_sq is None else c_sq  # (k,) float32
     rows = max(1, _BLOCK // max(c.shape[0], 1))
     labels, best = [], []
     for part in x.split(rows):
         if shift is not None:
-            part = (part.float() - shift).to(x.dtype)
+            part = part - shift  # rounded once, on the scale of the difference
         if low:
             scores = torch.mm(part, c.T).float().mul_(-2.0).add_(c_sq)  # (n, k) = |c|^2 - 2 x.c
         else:

@@ -101,8 +101,8 @@ def squared_distances(x: Tensor, c: Tensor, x_sq: Tensor | None = None, c_sq: Te
     are first shifted by the mean of c, in float32, as in `nearest`.
     """
     if x.dtype not in (torch.float32, torch.float64) and x_sq is None and c_sq is None:
-        shift = c.detach().float().mean(0)  # (d,)
-        x, c = (x.float() - shift).to(x.dtype), (c.float() - shift).to(x.dtype)  # c rounded after the shift
+        shift = c.detach().float().mean(0).to(x.dtype)  # (d,)
+        x, c = x - shift, (c.float() - shift.float()).to(x.dtype)  # c rounded after the shift
     xf, cf = x.float(), c.float()
     x_sq = (xf * xf).sum(1) if x_sq is None else x_sq
     c_sq = (cf * cf).sum(1) if c_sq is None else c_sq

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from conceptlens.hooks import kv_cache
 from conceptlens.hooks.handles import Handle
 from conceptlens.hooks.pattern import eager_pattern
 
@@ -29,6 +30,7 @@ _hooks: dict[nn.Module, list[tuple[int, QKVHook, bool]]] = {}
 _installed: dict[str, object] = {}  # implementation name -> previous local entry (or _MISSING)
 _edits: set = set()  # entries registered by steering (run before reads)
 _observers: list[Callable] = []  # fn(module, query, key, value, kwargs) for every call (attach-time probe)
+_watchers: dict[nn.Module, Handle] = {}  # modules with k/v hooks: their cache updates run the hooks
 
 
 def _registry():
@@ -64,7 +66,15 @@ def _wrap(name: str, previous: object) -> Callable:
 
 def _run_hooks(hooks: list, qkv: list[Tensor], args: tuple, kwargs: dict, module: nn.Module) -> list[Tensor]:
     length = qkv[0].shape[2]
-    for index, fn, current in sorted(hooks, key=lambda h: h[0] == 3):  # patterns after every q/k edit
+    state = kv_cache.call_state(module)
+    for entry in sorted(hooks, key=lambda h: h[0] == 3):  # patterns after every q/k edit
+        index, fn, current = entry
+        if index in (1, 2) and state is not None and state.cached:
+            if state.updated:
+                state.check(module, qkv[1], qkv[2], "kv"[index - 1])
+                continue  # ran on this call's new keys/values at the cache update
+            if not current and entry in _edits:
+                continue  # cross-attention reading the cache it filled (and edited) in an earlier step
         if index == 3:
             pattern = eager_pattern(module, qkv[0], qkv[1], args, kwargs)  # (B, H, T, S)
             fn(pattern.transpose(1, 2))  # (B, T, H, S): one row per query token; read only
@@ -77,10 +87,22 @@ def _run_hooks(hooks: list, qkv: list[Tensor], args: tuple, kwargs: dict, module
     return qkv
 
 
+def _kv_at_update(module: nn.Module) -> Callable:
+    """The k/v hooks of `module`, run on the keys/values a cache `update` is about to store."""
+    def run(key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        kv = [None, key, value]
+        for index, fn, _ in [h for h in _hooks.get(module, ()) if h[0] in (1, 2)]:  # edits first
+            new = fn(kv[index].transpose(1, 2))  # (B, T, H, d): exactly this call's tokens
+            if new is not None:
+                kv[index] = new.transpose(1, 2).to(kv[index].dtype)
+        return kv[1], kv[2]
+
+    return run
+
+
 def _replace(x: Tensor, new: Tensor, past: int, index: int) -> Tensor:
-    """Put the edited tokens back. Keys and values are written in place: a dynamic KV cache
-    returns its own storage (or a view of it, for sliding windows), so the cache keeps the
-    edited k/v and a cached forward sees what an uncached one recomputes."""
+    """Put the edited tokens back. Keys and values are written in place (a module that attends
+    over a dynamic cache it did not update through `update` then still keeps the edit)."""
     if index in (1, 2) and not torch.is_grad_enabled():
         x[:, :, past:] = new
         return x
@@ -106,6 +128,8 @@ def add_qkv_hook(module: nn.Module, which: str, fn: QKVHook, *, current: bool = 
     _install(implementation or implementation_of(module))
     entry = (_INDEX[which], fn, current)
     hooks = _hooks.setdefault(module, [])
+    if which in ("k", "v") and module not in _watchers:
+        _watchers[module] = kv_cache.watch(module, _kv_at_update(module))
     if edit:  # edits before reads; among edits, registration order
         hooks.insert(sum(1 for h in hooks if h in _edits), entry)
         _edits.add(entry)
@@ -117,6 +141,8 @@ def add_qkv_hook(module: nn.Module, which: str, fn: QKVHook, *, current: bool = 
         if entry in hooks:
             hooks.remove(entry)
         _edits.discard(entry)
+        if module in _watchers and not any(h[0] in (1, 2) for h in hooks):
+            _watchers.pop(module).remove()
         if not hooks:
             _hooks.pop(module, None)
         if not _hooks and not _observers:

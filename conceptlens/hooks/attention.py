@@ -31,6 +31,7 @@ _installed: dict[str, object] = {}  # implementation name -> previous local entr
 _edits: set = set()  # entries registered by steering (run before reads)
 _observers: list[Callable] = []  # fn(module, query, key, value, kwargs) for every call (attach-time probe)
 _watchers: dict[nn.Module, Handle] = {}  # modules with k/v hooks: their cache updates run the hooks
+_kv_shape: dict[tuple[nn.Module, int], tuple[int, int]] = {}  # (module, 1 | 2) -> the site's (heads, head dim)
 
 
 def _registry():
@@ -89,8 +90,12 @@ def _run_hooks(hooks: list, qkv: list[Tensor], args: tuple, kwargs: dict, module
 
 def _kv_at_update(module: nn.Module) -> Callable:
     """The k/v hooks of `module`, run on the keys/values a cache `update` is about to store."""
-    def run(key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+    def run(key: Tensor, value: Tensor, cache_class: str) -> tuple[Tensor, Tensor]:
         kv = [None, key, value]
+        for index in (1, 2):
+            shape = _kv_shape.get((module, index))
+            if shape is not None and kv[index].ndim == 4 and (kv[index].shape[1], kv[index].shape[3]) != shape:
+                raise kv_cache.changed(module, cache_class, "kv"[index - 1])
         for index, fn, _ in [h for h in _hooks.get(module, ()) if h[0] in (1, 2)]:  # edits first
             new = fn(kv[index].transpose(1, 2))  # (B, T, H, d): exactly this call's tokens
             if new is not None:
@@ -116,12 +121,15 @@ def implementation_of(module: nn.Module) -> str:
 
 
 def add_qkv_hook(module: nn.Module, which: str, fn: QKVHook, *, current: bool = True,
-                 implementation: str | None = None, edit: bool = False) -> Handle:
+                 implementation: str | None = None, edit: bool = False,
+                 shape: tuple[int, int] | None = None) -> Handle:
     """Run `fn` on `which` ("q", "k" or "v") each time `module` calls its attention function.
 
     With `current=True` (self-attention) `fn` sees only the keys/values of this forward's
     tokens, not those read back from a KV cache (the cache is assumed to append at the end,
     as dynamic caches do). Cross-attention passes `current=False`: its keys are the encoder's.
+    `shape` (heads, head dim) of a k/v site: a cache update of another shape (a latent the
+    module expands afterwards) is refused instead of handed to `fn`.
     """
     if which not in _INDEX:
         raise ValueError(f"which must be one of 'q', 'k', 'v', 'pattern'; got {which!r}")
@@ -130,6 +138,8 @@ def add_qkv_hook(module: nn.Module, which: str, fn: QKVHook, *, current: bool = 
     hooks = _hooks.setdefault(module, [])
     if which in ("k", "v") and module not in _watchers:
         _watchers[module] = kv_cache.watch(module, _kv_at_update(module))
+    if which in ("k", "v") and shape is not None:
+        _kv_shape[(module, _INDEX[which])] = shape
     if edit:  # edits before reads; among edits, registration order
         hooks.insert(sum(1 for h in hooks if h in _edits), entry)
         _edits.add(entry)
@@ -143,6 +153,8 @@ def add_qkv_hook(module: nn.Module, which: str, fn: QKVHook, *, current: bool = 
         _edits.discard(entry)
         if module in _watchers and not any(h[0] in (1, 2) for h in hooks):
             _watchers.pop(module).remove()
+            _kv_shape.pop((module, 1), None)
+            _kv_shape.pop((module, 2), None)
         if not hooks:
             _hooks.pop(module, None)
         if not _hooks and not _observers:

@@ -8,7 +8,7 @@ only in the first case (and only outside autograd). So while a module has k/v ho
 its calls that carries a cache routes that cache's `update` through the hooks: they see
 exactly this call's new keys/values (before storage), and the cache stores the edited ones.
 
-    handle = watch(attention_module, run_kv)   # run_kv(key, value) -> (key, value), (B, H, T, d)
+    handle = watch(attention_module, run_kv)   # run_kv(key, value, cache_class) -> (key, value), (B, H, T, d)
     state = call_state(attention_module)       # during the call: did it carry a cache / update it?
 """
 
@@ -39,9 +39,13 @@ class CallState:
         """ValueError unless the attention function got the keys/values the cache returned: a
         module that changes them in between (splits, repeats) attends to k/v the hooks never saw."""
         if self.returned and (key is not self.returned[0] or value is not self.returned[1]):
-            raise ValueError(f"{type(module).__name__} attends to other keys/values than it stores in its "
-                             f"{self.cache_class}, so attn.{which} hooks cannot follow the cache; run with "
-                             "use_cache=False, or use the attn.q, attn_out or resid sites")
+            raise changed(module, self.cache_class, which)
+
+
+def changed(module: nn.Module, cache_class: str, which: str) -> ValueError:
+    return ValueError(f"{type(module).__name__} attends to other keys/values than it stores in its {cache_class} "
+                      f"(e.g. a latent it expands), so attn.{which} hooks cannot follow the cache; run with "
+                      "use_cache=False, or use the attn.q, attn_out or resid sites")
 
 
 _state: dict[nn.Module, CallState] = {}
@@ -64,7 +68,7 @@ def _caches(args: tuple, kwargs: dict) -> list:
     return found
 
 
-def watch(module: nn.Module, run_kv: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]) -> Handle:
+def watch(module: nn.Module, run_kv: Callable[[Tensor, Tensor, str], tuple[Tensor, Tensor]]) -> Handle:
     """While `module` runs with a cache among its arguments, that cache's `update` first
     passes the new keys and values through `run_kv`; restored when the call ends."""
     patched: list[tuple[object, object]] = []  # (cache, its own previous `update` attribute)
@@ -103,7 +107,7 @@ def watch(module: nn.Module, run_kv: Callable[[Tensor, Tensor], tuple[Tensor, Te
 
 def _routed(original: Callable, run_kv: Callable, state: CallState, cache_class: str) -> Callable:
     def update(key_states: Tensor, value_states: Tensor, *args, **kwargs):
-        key_states, value_states = run_kv(key_states, value_states)
+        key_states, value_states = run_kv(key_states, value_states, cache_class)
         out = original(key_states, value_states, *args, **kwargs)
         state.updated, state.cache_class = True, cache_class
         state.returned = tuple(out) if isinstance(out, (tuple, list)) and len(out) == 2 else ()

@@ -31,7 +31,8 @@ def hook_site(site: Site, fn: SiteFn, *, edit: bool = False) -> Handle:
         return add_qkv_hook(site.module, "pattern", fn)
     if site.point in ("q", "k", "v"):
         # "T" in the sequence dimension: aligned with this forward's queries (self-attention)
-        return add_qkv_hook(site.module, site.point, fn, current=site.shape[1] == "T", edit=edit)
+        shape = tuple(site.shape[2:4]) if all(isinstance(s, int) for s in site.shape[2:4]) else None
+        return add_qkv_hook(site.module, site.point, fn, current=site.shape[1] == "T", edit=edit, shape=shape)
     if site.point == "input":
         return Handle(site.module.register_forward_pre_hook(_input_hook(fn, site.heads), with_kwargs=True,
                                                             prepend=edit).remove)

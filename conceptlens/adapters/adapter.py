@@ -21,7 +21,7 @@ from conceptlens.adapters.site import Site
 from conceptlens.adapters.site_notes import attention_notes
 from conceptlens.adapters.structure import (BlockLayout, children_summary, expected_layers, final_norm_candidates,
                                             find_block_list, find_stacks, recognise)
-from conceptlens.adapters.verify import LayoutError, call_of, check_stack, refine, sum_problem
+from conceptlens.adapters.verify import LayoutError, call_of, check_stack, refine, repair
 from conceptlens.adapters.verify import submodule as _get
 
 _Q_NAMES = ("q_proj", "query", "q", "query_proj", "q_lin")
@@ -139,7 +139,7 @@ class Adapter:
                 self._add(f"{p}embed", block, "input", resid, prefix, f"input to {cls} 0")
             self._add(f"{b}.resid_in", block, "input", resid, prefix, f"input of {cls} {i} ({lay.style})")
             self._add(f"{b}.resid_out", block, "output", resid, prefix, f"output of {cls} {i}")
-            problem = sum_problem(block, lay, trace) if lay.additive else None
+            problem, scales = repair(block, lay, trace) if lay.additive else (None, None)
             for kind in _OUT_KINDS:
                 path = getattr(lay, kind)
                 if path is None:
@@ -148,10 +148,14 @@ class Adapter:
                     self.problems[f"{b}.{kind}"] = f"{self._what()} block {i}: {problem}"
                     continue
                 module = block.get_submodule(path)
+                scale = scales.get(kind, 1.0) if scales else 1.0
                 note = lay.notes.get(kind) or ("what it adds to the residual" if lay.additive else "")
+                if scales:
+                    note = (lay.notes.get(kind, "") + "; " if kind in lay.notes else "") + \
+                        f"times {scale:.6g}, the block's scaling of it: what it adds to the residual"
                 self._add(f"{b}.{kind}", module, "output", resid, prefix,
                           f"output of {path} ({type(module).__name__})" + (f"; {note}" if note else ""),
-                          flat_in=block if kind == "mlp_out" and lay.flat_mlp else None)
+                          flat_in=block if kind == "mlp_out" and lay.flat_mlp else None, scale=scale)
             notes = attention_notes(self.config, i, _get(block, lay.attn))
             self._add_attention(f"{b}.attn", block, lay.attn, lay.attn_z, prefix, prefix, trace, notes)
             if lay.cross_attn and prefix == "decoder":
@@ -167,8 +171,8 @@ class Adapter:
         return int(getattr(text, "hidden_size", None) or getattr(text, "d_model"))
 
     def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
-             flat_in=None) -> None:
-        self.sites[name] = Site(name, module, point, shape, stack, source, heads, flat_in)
+             flat_in=None, scale: float = 1.0) -> None:
+        self.sites[name] = Site(name, module, point, shape, stack, source, heads, flat_in, scale)
 
     def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,
                        kv_stack: str, trace: Trace, notes: str) -> None:

@@ -35,6 +35,9 @@ class Site:
     """For a projection read as q/k/v: number of heads to split the last dimension into."""
     flat_in: nn.Module | None = None
     """Set when `module` sees `(B * T, d)` rows: the block whose input gives (B, T)."""
+    scale: float = 1.0
+    """The site is `scale` times the module's output: what a block that scales its sublayers'
+    outputs (a residual multiplier) adds to the residual. Edits are mapped back exactly."""
 
     @property
     def width(self) -> int:

@@ -43,6 +43,8 @@ def refine(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
         path = _path_in(block, cross_calls[0].module)
         lay.cross_attn = path
         lay.cross_attn_out = lay.cross_attn_out or _top(path, block)
+    if lay.mixer_out is not None and lay.mixer_out == lay.attn_out:
+        lay.mixer_out = None  # a hybrid's temporal block that is attention in this layer: counted once
     children = dict(block.named_children())
     for key in ("attn_out", "cross_attn_out", "mixer_out", "mlp_out"):
         path = getattr(lay, key)
@@ -116,12 +118,11 @@ def check_stack(prefix: str, blocks: list[nn.Module], final: nn.Module | None, t
     return offset
 
 
-def sum_problem(block: nn.Module, lay: BlockLayout, trace: Trace) -> str | None:
-    """Why resid_in + sublayer outputs != resid_out for an additive block (None if it holds)."""
-    x, y = trace.inputs.get(block), trace.outputs.get(block)
-    if x is None or y is None:
-        return None
-    total = x.float()
+def _contributions(block: nn.Module, lay: BlockLayout, trace: Trace) -> dict[str, torch.Tensor] | str:
+    """The probe's output of each sublayer site of an additive block (float, residual-shaped),
+    or why one cannot be used."""
+    x = trace.inputs.get(block)
+    outs: dict[str, torch.Tensor] = {}
     for key in ("attn_out", "cross_attn_out", "mixer_out", "mlp_out"):
         module = submodule(block, getattr(lay, key))
         if module is None:
@@ -135,7 +136,80 @@ def sum_problem(block: nn.Module, lay: BlockLayout, trace: Trace) -> str | None:
             out = out.view(*x.shape[:-1], -1)
         if out.shape != x.shape:
             return f"{key} ({getattr(lay, key)}) has shape {tuple(out.shape)}, not the residual's {tuple(x.shape)}"
-        total = total + out.float()
-    if not close(total, y.float(), 1e-4):
+        outs[key] = out.float()
+    return outs
+
+
+def sum_problem(block: nn.Module, lay: BlockLayout, trace: Trace) -> str | None:
+    """Why resid_in + sublayer outputs != resid_out for an additive block (None if it holds)."""
+    x, y = trace.inputs.get(block), trace.outputs.get(block)
+    if x is None or y is None:
+        return None
+    outs = _contributions(block, lay, trace)
+    if isinstance(outs, str):
+        return outs
+    if not close(x.float() + sum(outs.values()), y.float(), 1e-4):
         return "resid_in + attn_out + mlp_out differs from resid_out"
     return None
+
+
+def residual_scales(block: nn.Module, lay: BlockLayout, trace: Trace) -> dict[str, float] | None:
+    """For a block that adds each sublayer's output times a constant (Granite's
+    `residual_multiplier`, MiniCPM's depth scaling): the constants, fitted on the probe by least
+    squares and kept only if `resid_in + sum(c_k * out_k)` then equals resid_out (1e-4, the
+    tolerance of the plain sum). None when no such constants reproduce the block."""
+    x, y = trace.inputs.get(block), trace.outputs.get(block)
+    outs = _contributions(block, lay, trace) if x is not None and y is not None else "no probe"
+    if isinstance(outs, str) or not outs:
+        return None
+    a = torch.stack([o.reshape(-1) for o in outs.values()], dim=1).double()
+    b = (y.float() - x.float()).reshape(-1).double()
+    if a.shape[0] <= 4 * a.shape[1] or torch.linalg.matrix_rank(a) < a.shape[1]:
+        return None
+    c = torch.linalg.lstsq(a, b[:, None]).solution[:, 0]
+    if not bool(torch.isfinite(c).all()) or bool((c.abs() < 1e-6).any()):
+        return None
+    scales = {key: float(v) for key, v in zip(outs, c)}
+    total = x.float() + sum(scales[k] * o for k, o in outs.items())
+    return scales if close(total, y.float(), 1e-4) else None
+
+
+def _last_projection(block: nn.Module, path: str, trace: Trace) -> str | None:
+    """Path (from the block) of the last linear layer to finish inside the sublayer at `path`:
+    its output projection, the contribution when the sublayer adds the residual itself."""
+    sub = submodule(block, path)
+    if sub is None:
+        return None
+    names = {m: n for n, m in sub.named_modules() if n and (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")}
+    done = [m for m in trace.outputs if m in names]  # the trace keeps the order modules finished in
+    return f"{path}.{names[done[-1]]}" if done else None
+
+
+def repair(block: nn.Module, lay: BlockLayout, trace: Trace) -> tuple[str | None, dict[str, float] | None]:
+    """For an additive block whose sum fails: (None, scales) if reading some sublayers at their
+    output projection (a sublayer that adds the residual inside itself) and/or constant
+    residual multipliers make it exact (`lay` is changed to match), else (the problem, None)."""
+    problem = sum_problem(block, lay, trace)
+    if problem is None:
+        return None, None
+    kinds = [k for k in ("attn_out", "cross_attn_out", "mixer_out", "mlp_out") if getattr(lay, k)]
+    inner = {k: _last_projection(block, getattr(lay, k), trace) for k in kinds}
+    options = [k for k in kinds if inner[k] is not None]
+    original = {k: getattr(lay, k) for k in kinds}
+    for mask in range(1 << len(options)):
+        for i, k in enumerate(options):
+            setattr(lay, k, inner[k] if mask >> i & 1 else original[k])
+        if mask and sum_problem(block, lay, trace) is None:
+            for k in options:
+                if getattr(lay, k) != original[k]:
+                    lay.notes[k] = f"output of {getattr(lay, k)}: {original[k]} adds the residual inside itself"
+            return None, None
+        scales = residual_scales(block, lay, trace)
+        if scales:
+            for k in options:
+                if getattr(lay, k) != original[k]:
+                    lay.notes[k] = f"output of {getattr(lay, k)}: {original[k]} adds the residual inside itself"
+            return None, scales
+    for k in kinds:
+        setattr(lay, k, original[k])
+    return problem, None

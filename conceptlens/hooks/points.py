@@ -25,6 +25,8 @@ def hook_site(site: Site, fn: SiteFn, *, edit: bool = False) -> Handle:
     `edit=True` (steering) puts the hook before every other hook at the site, so edits at a
     site always run before reads there, whatever order the scopes were opened in.
     """
+    if site.scale != 1.0:
+        fn = _scaled(fn, site.scale)
     if site.point == "pattern":
         if edit:
             raise ValueError(f"{site.name} is read only (attention probabilities); edit q or k instead")
@@ -39,6 +41,17 @@ def hook_site(site: Site, fn: SiteFn, *, edit: bool = False) -> Handle:
     if site.flat_in is not None:
         return _flat_output_hook(site, fn, edit)
     return Handle(site.module.register_forward_hook(_output_hook(fn, site.heads), prepend=edit).remove)
+
+
+def _scaled(fn: SiteFn, scale: float) -> SiteFn:
+    """`fn` sees `scale * x`; an edit comes back as x + (edited - scale * x) / scale, so an edit
+    that changes nothing returns x bit for bit."""
+    def call(x: Tensor) -> Tensor | None:
+        scaled = x * scale
+        new = fn(scaled)
+        return None if new is None else x + (new - scaled) / scale
+
+    return call
 
 
 def _input_hook(fn: SiteFn, heads: int | None = None):

@@ -139,7 +139,7 @@ class Adapter:
                 self._add(f"{p}embed", block, "input", resid, prefix, f"input to {cls} 0")
             self._add(f"{b}.resid_in", block, "input", resid, prefix, f"input of {cls} {i} ({lay.style})")
             self._add(f"{b}.resid_out", block, "output", resid, prefix, f"output of {cls} {i}")
-            problem, scales = repair(block, lay, trace) if lay.additive else (None, None)
+            problem, scales, plus = repair(block, lay, trace) if lay.additive else (None, None, None)
             for kind in _OUT_KINDS:
                 path = getattr(lay, kind)
                 if path is None:
@@ -155,7 +155,8 @@ class Adapter:
                         f"times {scale:.6g}, the block's scaling of it: what it adds to the residual"
                 self._add(f"{b}.{kind}", module, "output", resid, prefix,
                           f"output of {path} ({type(module).__name__})" + (f"; {note}" if note else ""),
-                          flat_in=block if kind == "mlp_out" and lay.flat_mlp else None, scale=scale)
+                          flat_in=block if kind == "mlp_out" and lay.flat_mlp else None, scale=scale,
+                          plus=block.get_submodule(plus[kind]) if plus and kind in plus else None)
             notes = attention_notes(self.config, i, _get(block, lay.attn))
             self._add_attention(f"{b}.attn", block, lay.attn, lay.attn_z, prefix, prefix, trace, notes)
             if lay.cross_attn and prefix == "decoder":
@@ -171,8 +172,8 @@ class Adapter:
         return int(getattr(text, "hidden_size", None) or getattr(text, "d_model"))
 
     def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
-             flat_in=None, scale: float = 1.0) -> None:
-        self.sites[name] = Site(name, module, point, shape, stack, source, heads, flat_in, scale)
+             flat_in=None, scale: float = 1.0, plus: nn.Module | None = None) -> None:
+        self.sites[name] = Site(name, module, point, shape, stack, source, heads, flat_in, scale, plus)
 
     def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,
                        kv_stack: str, trace: Trace, notes: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -153,25 +155,22 @@ def sum_problem(block: nn.Module, lay: BlockLayout, trace: Trace) -> str | None:
     return None
 
 
-def residual_scales(block: nn.Module, lay: BlockLayout, trace: Trace) -> dict[str, float] | None:
-    """For a block that adds each sublayer's output times a constant (Granite's
-    `residual_multiplier`, MiniCPM's depth scaling): the constants, fitted on the probe by least
-    squares and kept only if `resid_in + sum(c_k * out_k)` then equals resid_out (1e-4, the
-    tolerance of the plain sum). None when no such constants reproduce the block."""
-    x, y = trace.inputs.get(block), trace.outputs.get(block)
-    outs = _contributions(block, lay, trace) if x is not None and y is not None else "no probe"
-    if isinstance(outs, str) or not outs:
-        return None
+_KINDS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out")
+
+
+def _scales(x: torch.Tensor, y: torch.Tensor, outs: dict[str, torch.Tensor]) -> dict[str, float] | None:
+    """Constants c_k with resid_in + sum(c_k * out_k) == resid_out (1e-4, the tolerance of the
+    plain sum), fitted on the probe by least squares; None when no constants reproduce it."""
     a = torch.stack([o.reshape(-1) for o in outs.values()], dim=1).double()
-    b = (y.float() - x.float()).reshape(-1).double()
+    b = (y - x).reshape(-1).double()
     if a.shape[0] <= 4 * a.shape[1] or torch.linalg.matrix_rank(a) < a.shape[1]:
         return None
     c = torch.linalg.lstsq(a, b[:, None]).solution[:, 0]
-    if not bool(torch.isfinite(c).all()) or bool((c.abs() < 1e-6).any()):
-        return None
+    if not bool(torch.isfinite(c).all()) or bool((c.abs() < 1e-3).any()):
+        return None  # a sublayer fitted away: not a multiplier
+    c = torch.where((c - 1).abs() < 1e-3, torch.ones_like(c), c)
     scales = {key: float(v) for key, v in zip(outs, c)}
-    total = x.float() + sum(scales[k] * o for k, o in outs.items())
-    return scales if close(total, y.float(), 1e-4) else None
+    return scales if close(x + sum(scales[k] * o for k, o in outs.items()), y, 1e-4) else None
 
 
 def _last_projection(block: nn.Module, path: str, trace: Trace) -> str | None:
@@ -185,31 +184,84 @@ def _last_projection(block: nn.Module, path: str, trace: Trace) -> str | None:
     return f"{path}.{names[done[-1]]}" if done else None
 
 
-def repair(block: nn.Module, lay: BlockLayout, trace: Trace) -> tuple[str | None, dict[str, float] | None]:
-    """For an additive block whose sum fails: (None, scales) if reading some sublayers at their
-    output projection (a sublayer that adds the residual inside itself) and/or constant
-    residual multipliers make it exact (`lay` is changed to match), else (the problem, None)."""
+def _same(a, b) -> bool:
+    return a is not None and b is not None and a.shape == b.shape and torch.equal(a, b)
+
+
+def _alternatives(block: nn.Module, path: str, trace: Trace, shape) -> list[tuple[str, str | None, str]]:
+    """Exact readings of one sublayer's contribution: (module path, path of a module whose
+    output is added to it or None, note)."""
+    alts: list[tuple[str, str | None, str]] = [(path, None, "")]
+    inner = _last_projection(block, path, trace)
+    if inner:
+        alts.append((inner, None, f"{path} adds the residual inside itself"))
+    module = submodule(block, path)
+    out, inp = trace.outputs.get(module), trace.inputs.get(module)
+    for name, child in block.named_children():
+        cin, cout = trace.inputs.get(child), trace.outputs.get(child)
+        if child is module or cout is None or cout.shape != shape:
+            continue
+        if _same(cin, out):
+            alts.append((name, None, f"{name} is applied to the output of {path}"))
+        elif _same(cin, inp):  # the site hooks whichever of the two finishes last
+            order = list(trace.outputs)
+            later = module in order and order.index(child) > order.index(module)
+            first, second = (path, name) if later else (name, path)
+            alts.append((second, first, f"plus the output of {first}, which runs beside it on the same input"))
+    return alts
+
+
+def _contribution(block, trace, x, path, plus, flat) -> torch.Tensor | None:
+    total = None
+    for p in (path, plus):
+        if p is None:
+            continue
+        out = trace.outputs.get(submodule(block, p))
+        if out is not None and flat and out.ndim == x.ndim - 1:
+            out = out.view(*x.shape[:-1], -1)
+        if out is None or out.shape != x.shape:
+            return None
+        total = out.float() if total is None else total + out.float()
+    return total
+
+
+def repair(block: nn.Module, lay: BlockLayout, trace: Trace):
+    """For an additive block whose sum fails, try exact readings of its sublayers: a sublayer
+    that adds the residual inside itself is read at its output projection; a module applied to
+    a sublayer's output (Inkling's short convolutions) or run beside it on the same input
+    (Granite's shared MLP, summed) joins it; constant residual multipliers are fitted. Returns
+    (problem or None, {kind: scale} or None, {kind: path of the module added to it}); on
+    success `lay` and its notes describe the reading."""
     problem = sum_problem(block, lay, trace)
-    if problem is None:
-        return None, None
-    kinds = [k for k in ("attn_out", "cross_attn_out", "mixer_out", "mlp_out") if getattr(lay, k)]
-    inner = {k: _last_projection(block, getattr(lay, k), trace) for k in kinds}
-    options = [k for k in kinds if inner[k] is not None]
-    original = {k: getattr(lay, k) for k in kinds}
-    for mask in range(1 << len(options)):
-        for i, k in enumerate(options):
-            setattr(lay, k, inner[k] if mask >> i & 1 else original[k])
-        if mask and sum_problem(block, lay, trace) is None:
-            for k in options:
-                if getattr(lay, k) != original[k]:
-                    lay.notes[k] = f"output of {getattr(lay, k)}: {original[k]} adds the residual inside itself"
-            return None, None
-        scales = residual_scales(block, lay, trace)
-        if scales:
-            for k in options:
-                if getattr(lay, k) != original[k]:
-                    lay.notes[k] = f"output of {getattr(lay, k)}: {original[k]} adds the residual inside itself"
-            return None, scales
+    x, y = trace.inputs.get(block), trace.outputs.get(block)
+    kinds = [k for k in _KINDS if getattr(lay, k)]
+    if problem is None or x is None or y is None or not kinds:
+        return problem, None, None
+    x, y = x.float(), y.float()
+    options = [_alternatives(block, getattr(lay, k), trace, x.shape) for k in kinds]
+    combos = list(itertools.islice(itertools.product(*options), 256))
+    for scaled in (False, True):  # every exact plain reading before any fitted multiplier
+        for combo in combos:
+            chosen = {k: c for k, c in zip(kinds, combo)}
+            taken = {c[0] for c in combo if c[2]} | {c[1] for c in combo if c[1]}
+            chosen = {k: c for k, c in chosen.items() if c[2] or getattr(lay, k) not in taken}  # a follower counts once
+            outs = {k: _contribution(block, trace, x, c[0], c[1], lay.flat_mlp and k == "mlp_out")
+                    for k, c in chosen.items()}
+            if not outs or any(o is None for o in outs.values()):
+                continue
+            scales = _scales(x, y, outs) if scaled else None
+            if scales or (not scaled and close(x + sum(outs.values()), y, 1e-4)):
+                _apply(lay, kinds, chosen)
+                return None, scales, {k: c[1] for k, c in chosen.items() if c[1]}
+    return problem, None, None
+
+
+def _apply(lay: BlockLayout, kinds: list[str], chosen: dict) -> None:
     for k in kinds:
-        setattr(lay, k, original[k])
-    return problem, None
+        if k not in chosen:
+            setattr(lay, k, None)
+            continue
+        path, _, note = chosen[k]
+        setattr(lay, k, path)
+        if note:
+            lay.notes[k] = note

@@ -40,6 +40,8 @@ def hook_site(site: Site, fn: SiteFn, *, edit: bool = False) -> Handle:
                                                             prepend=edit).remove)
     if site.flat_in is not None:
         return _flat_output_hook(site, fn, edit)
+    if site.plus is not None:
+        return _sum_output_hook(site, fn, edit)
     return Handle(site.module.register_forward_hook(_output_hook(fn, site.heads), prepend=edit).remove)
 
 
@@ -105,6 +107,31 @@ def _flat_output_hook(site: Site, fn: SiteFn, edit: bool = False) -> Handle:
     try:
         group.add(site.flat_in.register_forward_pre_hook(remember, with_kwargs=True, prepend=True))
         group.add(site.module.register_forward_hook(hook, prepend=edit))
+    except BaseException:
+        group.remove()
+        raise
+    return group
+
+
+def _sum_output_hook(site: Site, fn: SiteFn, edit: bool = False) -> Handle:
+    """For a site that is `module`'s output plus `site.plus`'s (two modules on the same input):
+    `fn` sees the sum; an edit's change is added to `module`'s output (a null edit changes nothing)."""
+    other: list[Tensor] = []
+
+    def remember(module, args, output):
+        other[:] = [output[0] if isinstance(output, (tuple, list)) else output]
+
+    def call(x: Tensor) -> Tensor | None:
+        if not other:  # `plus` finishes after `module`: the sum is formed at its output instead
+            raise RuntimeError(f"{site.name}: {type(site.plus).__name__} did not run before {type(site.module).__name__}")
+        total = x + other.pop()
+        new = fn(total)
+        return None if new is None else x + (new - total)
+
+    group = HandleGroup()
+    try:
+        group.add(site.plus.register_forward_hook(remember, prepend=True))
+        group.add(site.module.register_forward_hook(_output_hook(call, site.heads), prepend=edit))
     except BaseException:
         group.remove()
         raise

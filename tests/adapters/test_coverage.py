@@ -46,8 +46,7 @@ EXCEPTIONS = {
 # Pre-norm blocks whose sublayer outputs do not add up to the block output (residual scaling,
 # sublayers that add the residual themselves, ...): attach drops their attn_out / mlp_out sites
 # and names the reason instead of giving wrong activations; every other site is checked.
-PARTIAL = {"beam", "gemma4", "gemma4_text", "granitemoehybrid", "granitemoe_swa", "granitemoeshared",
-           "inkling_text", "longcat_flash", "minimax", "mra", "reformer", "rwkv"}
+PARTIAL = {"beam", "gemma4", "gemma4_text", "longcat_flash", "minimax", "mra", "reformer", "rwkv"}
 # Not working yet (reported as such in DESIGN.md); strict, so a fix shows up.
 # Attention sinks applied after the softmax: HF's eager weights leave them out, the pattern site includes them.
 SINK_SCALED = {"granite_swa", "granitemoe_swa"}

@@ -15,16 +15,19 @@ from tests.adapters.tiny_configs import build, tiny_config
 
 
 def _model(model_type):
-    if model_type != "granite":
+    if not model_type.startswith("granite"):
         return build(model_type)
-    config = tiny_config("granite")
+    config = tiny_config(model_type)
     config.residual_multiplier = 0.25  # the default, 1.0, would not scale
+    cls = {"granite": tf.GraniteForCausalLM, "granitemoeshared": tf.GraniteMoeSharedForCausalLM}[model_type]
     torch.manual_seed(0)
-    return tf.GraniteForCausalLM._from_config(config, attn_implementation="eager").eval()
+    return cls._from_config(config, attn_implementation="eager").eval()
 
 
 @pytest.mark.parametrize("model_type, note", [("minicpm3", "times 0.989949"), ("granite", "times 0.25,"),
-                                              ("mpt", "ffn adds the residual inside itself")])
+                                              ("mpt", "ffn adds the residual inside itself"),
+                                              ("granitemoeshared", "plus the output of block_sparse_moe"),
+                                              ("inkling_text", "mlp_sconv is applied to the output of mlp")])
 def test_an_add_at_the_last_mlp_out_moves_resid_out_by_exactly_the_vector(model_type, note):
     model = _model(model_type)
     lens = conceptlens.attach(model)

@@ -48,14 +48,18 @@ def _first_attr(obj: object, names: tuple[str, ...]) -> object | None:
     return next((getattr(obj, n) for n in names if getattr(obj, n, None) is not None), None)
 
 
-def head_layout(attn: nn.Module, config) -> tuple[int, int, int]:
-    """(query heads, key/value heads, head dim) of an attention module with projections."""
+def head_layout(attn: nn.Module, config) -> tuple[int, int, int] | None:
+    """(query heads, key/value heads, head dim) of an attention module with projections, or
+    None when neither the module nor the config tells (no q/k/v sites then)."""
     head_dim = _first_attr(attn, ("head_dim", "attention_head_size", "key_value_proj_dim", "d_kv", "dim_per_head"))
     heads = _first_attr(attn, ("num_heads", "num_attention_heads", "n_heads", "n_head"))
     q, k = _first_attr(attn, _Q_NAMES), _first_attr(attn, _K_NAMES)
     heads = heads or getattr(config, "num_attention_heads", 1)
+    width = getattr(q, "out_features", None) or getattr(config, "hidden_size", None)
+    if not (head_dim or width):
+        return None
+    head_dim = int(head_dim or width // heads)
     width = getattr(q, "out_features", None)
-    head_dim = int(head_dim or (width // heads if width else config.hidden_size // heads))
     if width:
         heads = width // head_dim
     kv_heads = k.out_features // head_dim if hasattr(k, "out_features") else heads
@@ -204,7 +208,10 @@ class Adapter:
                       "from the q/k passed to the attention function (equal to eager attention weights; read only)")
             heads, v_dim = call.heads, call.v_head_dim
         else:
-            heads, kv_heads, head_dim = head_layout(attn, self.config)
+            layout = head_layout(attn, self.config)
+            if layout is None:
+                return
+            heads, kv_heads, head_dim = layout
             for which, names in zip("qkv", (_Q_NAMES, _K_NAMES, _V_NAMES)):
                 proj_name = next((n for n in names if hasattr(getattr(attn, n, None), "weight")), None)
                 if proj_name is None:

@@ -60,6 +60,8 @@ class BlockLayout:
     """resid_out == resid_in + attn_out (+ cross_attn_out) (+ mixer_out) + mlp_out."""
     flat_mlp: bool = False
     notes: dict[str, str] = field(default_factory=dict)
+    replaced: dict[str, str] = field(default_factory=dict)
+    """Kind -> the sublayer path a post-sublayer norm replaced (tried again if the sum fails)."""
 
 
 def _get(root: nn.Module, path: str | None) -> nn.Module | None:

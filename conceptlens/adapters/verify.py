@@ -57,6 +57,7 @@ def refine(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
         for name, child in children.items():
             if is_norm(name, child) and child in trace.inputs and trace.inputs[child].shape == out.shape \
                     and torch.equal(trace.inputs[child], out):
+                lay.replaced[key] = path
                 setattr(lay, key, name)
                 lay.notes[key] = f"after the post-sublayer norm {name} ({type(child).__name__}), as added to the residual"
                 break
@@ -238,7 +239,8 @@ def repair(block: nn.Module, lay: BlockLayout, trace: Trace):
     if problem is None or x is None or y is None or not kinds:
         return problem, None, None
     x, y = x.float(), y.float()
-    options = [_alternatives(block, getattr(lay, k), trace, x.shape) for k in kinds]
+    options = [_alternatives(block, getattr(lay, k), trace, x.shape) +
+               (_alternatives(block, lay.replaced[k], trace, x.shape) if k in lay.replaced else []) for k in kinds]
     combos = list(itertools.islice(itertools.product(*options), 256))
     for scaled in (False, True):  # every exact plain reading before any fitted multiplier
         for combo in combos:
@@ -262,6 +264,8 @@ def _apply(lay: BlockLayout, kinds: list[str], chosen: dict) -> None:
             setattr(lay, k, None)
             continue
         path, _, note = chosen[k]
+        if path != getattr(lay, k):
+            lay.notes.pop(k, None)  # no longer after a post-sublayer norm
         setattr(lay, k, path)
         if note:
             lay.notes[k] = note

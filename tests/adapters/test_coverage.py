@@ -28,6 +28,7 @@ EXCEPTIONS = {
     "xlm": "cannot recognise",
     "fnet": "cannot recognise",
     "fsmt": "hidden_states",
+    "funnel": "pools the sequence",
     "hy_v4": "hidden_states",
     "inkling2_loop_text": "hidden_states",
     "inkling2_text": "hidden_states",
@@ -50,8 +51,7 @@ PARTIAL = {"beam", "gemma4", "gemma4_text", "longcat_flash", "minimax", "mra", "
 # Not working yet (reported as such in DESIGN.md); strict, so a fix shows up.
 # Attention sinks applied after the softmax: HF's eager weights leave them out, the pattern site includes them.
 SINK_SCALED = {"granite_swa", "granitemoe_swa"}
-KNOWN_FAILING = {"perceiver": "attach fails with AttributeError (no hidden_size on its config), not a clear error",
-                 "funnel": "attach accepts it but embed differs from the model's hidden_states[0] (pooling blocks)"}
+KNOWN_FAILING: dict[str, str] = {}
 # Attention modules that change k/v between the cache and the attention function (DiffLlama splits
 # v in two halves, JetMoE repeats k/v per expert, multi-head latent attention caches the latent and
 # expands it): k/v hooks refuse a cached forward.

@@ -17,10 +17,10 @@ LAYERS = 2
 
 _SIZES = (
     (LAYERS, ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
-             "num_decoder_layers", "num_encoder_layers", "num_hidden_groups")),
+             "num_decoder_layers", "num_encoder_layers", "num_hidden_groups", "num_self_attends_per_block")),
     (HIDDEN, ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "word_embed_proj_dim", "embedding_size",
              "emb_dim", "n_embed", "attention_hidden_size", "lru_width", "pooler_hidden_size", "true_hidden_size",
-             "intra_bottleneck_size", "embedding_dim", "input_embedding_size", "output_embedding_size")),
+             "intra_bottleneck_size", "embedding_dim", "input_embedding_size", "output_embedding_size", "d_latents")),
     (HEADS, ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
             "decoder_attention_heads", "swa_num_attention_heads", "num_encoder_attention_heads",
             "num_decoder_attention_heads")),

@@ -160,9 +160,11 @@ def _generic_layout(block: nn.Module) -> BlockLayout | None:
     if lay.mlp_out is None and "fc1" in names and "fc2" in names:  # BART-style: fc1 / fc2 in the block
         lay.mlp_out = lay.mlp_post = "fc2"
         lay.style = "BART-style (self_attn / encoder_attn / fc1 / fc2)"
-    if lay.attn is None and lay.mixer_out is None:
+    if lay.attn is None and lay.mixer_out is None and lay.mlp_out is None:
         return None
-    if lay.mixer_out is not None and lay.attn is None:
+    if lay.attn is None and lay.mixer_out is None:  # attention nested deeper (DBRX): found by the probe's caller
+        lay.style = "sequential (attention inside a wrapper)"
+    elif lay.mixer_out is not None and lay.attn is None:
         lay.style = "state-space / mixer block"
     return lay
 

@@ -21,7 +21,6 @@ from tests.adapters.tiny_configs import model_types
 EXCEPTIONS = {
     "albert": "runs one shared layer",
     "cpmant": "hidden_states",
-    "dbrx": "cannot recognise",
     "dory": "ran 2 times",
     "deepseek_v4": "hidden_states",
     "flaubert": "cannot recognise",

@@ -106,7 +106,8 @@ def _shrink(d: dict) -> dict:
     vocab = VOCAB if "vocab_size" in d else None
     out = {}
     for key, value in d.items():
-        if isinstance(value, dict) and key.endswith("_config") and key != "per_layer_config":
+        if isinstance(value, dict) and (key.endswith("_config") or key in ("encoder", "decoder")) and \
+                key != "per_layer_config":  # sub-configs (T5Gemma keeps its two under encoder / decoder)
             out[key] = _shrink(value)
         elif key == "per_layer_config" and isinstance(value, dict) and value:
             out[key] = _per_layer(value, d)
@@ -139,6 +140,9 @@ def _per_layer(overrides: dict, top: dict) -> dict:
     for name, v in value.items():
         if name in _SIZE_OF and isinstance(v, int) and v != top.get(name):
             small[name] = 2 * _SIZE_OF[name]
+    for name in _KV_KEYS:  # as many k/v heads as query heads stays so
+        if name in value and value[name] == value.get("num_attention_heads"):
+            small[name] = small["num_attention_heads"]
     return {type(key)(LAYERS - 1) if isinstance(key, (int, str)) else LAYERS - 1: small}
 
 

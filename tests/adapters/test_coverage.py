@@ -47,9 +47,9 @@ EXCEPTIONS = {
 # sublayers that add the residual themselves, ...): attach drops their attn_out / mlp_out sites
 # and names the reason instead of giving wrong activations; every other site is checked.
 PARTIAL = {"beam", "gemma4", "gemma4_text", "longcat_flash", "minimax", "mra", "reformer", "rwkv"}
-# Not working yet (reported as such in DESIGN.md); strict, so a fix shows up.
 # Attention sinks applied after the softmax: HF's eager weights leave them out, the pattern site includes them.
 SINK_SCALED = {"granite_swa", "granitemoe_swa"}
+# Not working yet (reported as such in DESIGN.md); strict, so a fix shows up.
 KNOWN_FAILING = {"t5gemma2": "its decoder's merged self- and cross-attention passes [decoder; encoder] keys to one "
                              "attention call: the decoder's attn.k/v/pattern sites mix both (HF reports them split)"}
 # Attention modules that change k/v between the cache and the attention function (DiffLlama splits

@@ -97,3 +97,84 @@ def sae(ctx: Context) -> None:
         rate = tokens / seconds[name]
         ctx.add("sae", f"{name}, width {width}", f"{rate:.0f} tok/s, FVU {fvu(held_out, impl.reconstruct(held_out)):.3f}",
                 rate / ours, "of ours' speed")
+
+
+def deleuzian(ctx: Context) -> None:
+    """Deleuzian's skewness of one block (m 2048, d 576) vs the k-means step of the block at k 512."""
+    from conceptlens.concepts.deleuzian import DeleuzianConfig, skewness
+    from conceptlens.concepts.kmeans import step_statistics
+    from conceptlens.concepts.kmeans_math import nearest
+
+    k, m = 512, 2048
+    x = block15_rows(14 * 4096)[: m + 4096].to(ctx.device)
+    block, ref = x[:m], x[m:]
+    diff = block - block.roll(1, 0)
+    centres = ref[:k].clone()
+    mass, w = torch.zeros(k, dtype=torch.float64, device=ctx.device), torch.ones(m, device=ctx.device)
+
+    def kmeans_step():
+        labels, _ = nearest(diff, centres)
+        step_statistics(centres, mass, diff, w, labels)
+
+    def best(fn, rounds=3 if ctx.quick else 7):
+        fn()
+        return min(timed(fn, ctx.device) for _ in range(rounds))
+
+    t_km = best(kmeans_step)
+    ctx.add("deleuzian", f"k-means step of one block, k={k}", f"{t_km * 1e3:.1f} ms", 1.0, "of the k-means step")
+    default = DeleuzianConfig(k).rows_for_skewness
+    for rows, label in ((4096, "whole reservoir (skew_rows=4096)"), (default, f"default skew_rows={default}")):
+        t = best(lambda: skewness(ref[:rows], diff))
+        ctx.add("deleuzian", f"skewness of one block, {label}", f"{t * 1e3:.1f} ms", t / t_km, "of the k-means step",
+                "<= 1.00x" if rows == default else "")
+
+
+def dtypes(ctx: Context) -> None:
+    """Extractors in bfloat16 vs float32 on the same rows: speed and quality (inertia / FVU)."""
+    from conceptlens.concepts.deleuzian import Deleuzian
+    from conceptlens.concepts.kmeans import StreamingKMeans
+    from conceptlens.concepts.sae import TopKSAE
+    from conceptlens.concepts.vq import VQCodebook
+
+    x = block15_rows(14 * 4096)
+    train, held = x[: 12 * 4096].to(ctx.device), x[12 * 4096:].to(ctx.device)
+    steps = 4 if ctx.quick else 12
+    makers = {  # (make, rows fed, quality of the fitted extractor on held-out rows)
+        "StreamingKMeans k=4096": (lambda dt: StreamingKMeans(4096, batch_size=4096, dtype=dt), train,
+                                   lambda e: ("inertia", e.inertia(held) / len(held))),
+        "Deleuzian k=512": (lambda dt: Deleuzian(512, dtype=dt), train,
+                            lambda e: ("effective rank", _effective_rank(e.centroids))),
+        "VQCodebook 512": (lambda dt: VQCodebook(512, batch_size=4096, dtype=dt), train,
+                           lambda e: ("FVU", _fvu(held, e.quantize(held)))),
+        "TopKSAE 16x, k=32": (lambda dt: TopKSAE(width=16 * x.shape[1], k=32, dtype=dt), train[: (steps + 1) * 4096],
+                              lambda e: ("FVU", _fvu(held, e.reconstruct(held)))),
+    }
+    for name, (make, rows, quality) in makers.items():
+        out = {}
+        for dt in ("float32", "bfloat16"):  # warm-up: first calls of each dtype's kernels are slow
+            warm = make(dt)
+            for part in rows[: 5 * 4096].split(4096):
+                warm.update(part)
+        for dt in ("bfloat16", "float32"):
+            ex = make(dt)
+            sync(ctx.device)
+            start = time.perf_counter()
+            for part in rows.split(4096):
+                ex.update(part)
+            ex.flush()
+            sync(ctx.device)
+            out[dt] = (time.perf_counter() - start, *quality(ex))
+        (t32, label, q32), (t16, _, q16) = out["float32"], out["bfloat16"]
+        ctx.add("dtypes", f"{name}: bfloat16 vs float32 speed", f"{t16:.1f} s vs {t32:.1f} s", t32 / t16,
+                "float32's speed")
+        ctx.add("dtypes", f"{name}: bfloat16 vs float32 {label}", f"{q16:.5g} vs {q32:.5g}", q16 / q32, f"float32's {label}")
+
+
+def _fvu(x: torch.Tensor, x_hat: torch.Tensor) -> float:
+    return float((x - x_hat).pow(2).sum() / (x - x.mean(0)).pow(2).sum())
+
+
+def _effective_rank(c: torch.Tensor) -> float:
+    s = torch.linalg.svdvals(c.double())
+    q = s / s.sum()
+    return float(torch.exp(-(q * q.clamp_min(1e-300).log()).sum()))

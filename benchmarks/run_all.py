@@ -8,7 +8,9 @@
 Sections: capture (bare forward vs raw hooks vs lens.capture vs nnsight, and stop-early);
 fit (lens.fit per extractor vs bare full forwards over the same batches); kmeans
 (StreamingKMeans vs scikit-learn MiniBatchKMeans at k 4096, one pass, and how close it runs
-to this machine's GEMM peak); sae (TopK step vs a minimal step vs SAELens); steer (steered
+to this machine's GEMM peak); deleuzian (one block's skewness at the default skew_rows and over
+the whole reservoir vs the block's k-means step); dtypes (k-means, Deleuzian, VQ and TopK SAE in
+bfloat16 vs float32: speed and inertia / FVU); sae (TopK step vs a minimal step vs SAELens); steer (steered
 generation vs nnsight); memory (peak memory of a fit at 10x the tokens vs 1x). Captured
 rows are cached under $CONCEPTLENS_BENCH_CACHE (default ~/.cache/conceptlens-bench).
 """
@@ -33,6 +35,8 @@ SECTIONS = {
     "capture": _model_benches.capture,
     "fit": _model_benches.fit_overhead,
     "kmeans": _math_benches.kmeans,
+    "deleuzian": _math_benches.deleuzian,
+    "dtypes": _math_benches.dtypes,
     "sae": _math_benches.sae,
     "steer": _model_benches.steer,
     "memory": _model_benches.memory,

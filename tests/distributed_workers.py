@@ -97,6 +97,10 @@ EXACT = {
     "kmeans": lambda: StreamingKMeans(6, init_size=150, reseed_after=0.5, seed=3),
     "kmeans-spherical": lambda: StreamingKMeans(6, spherical=True, init_size=100, seed=1),
     "vq": lambda: VQCodebook(8, init_size=128, top_k=3, temperature=1.0, reseed_after=4, seed=2),
+    # bfloat16 compute: per-rank float32 sums, all-reduced, equal one process's
+    "kmeans-bf16": lambda: StreamingKMeans(6, init_size=150, reseed_after=0.5, seed=3, dtype="bfloat16"),
+    "vq-bf16": lambda: VQCodebook(8, init_size=128, top_k=3, temperature=1.0, reseed_after=4, seed=2,
+                                  dtype="bfloat16"),
 }
 
 
@@ -118,13 +122,19 @@ def exact_body(comm: Comm, out: Path) -> dict:
         sae.update(x[:half] if comm.rank == 0 else x[half:])
     results["sae"] = {k: v.detach() for k, v in sae.params.items()}
     results["sae_steps"] = sae.stats().steps
+    sae = sae_for_ddp(dtype="bfloat16")
+    sae.comm = comm
+    for x in sae_batches():
+        half = x.shape[0] // 2
+        sae.update(x[:half] if comm.rank == 0 else x[half:])
+    results["sae_bf16"] = {k: v.detach() for k, v in sae.params.items()}
     return results
 
 
-def sae_for_ddp(batch_size: int = 32) -> TopKSAE:
+def sae_for_ddp(batch_size: int = 32, dtype: str = "float32") -> TopKSAE:
     # buffer = batch: each step takes exactly the rows of one update (mixing made deterministic)
     return TopKSAE(width=16, k=4, batch_size=batch_size, buffer_size=batch_size, warmup_tokens=64,
-                   b_dec_init="zeros", seed=5)
+                   b_dec_init="zeros", seed=5, dtype=dtype)
 
 
 def sae_batches(n: int = 15) -> list[torch.Tensor]:

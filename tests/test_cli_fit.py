@@ -213,3 +213,14 @@ def test_fit_command_under_torchrun_writes_one_run_folder_on_rank_0(files, tmp_p
     rank0 = report["documents"]  # rank 0's share; both shares together are the documents before the description
     assert info["first_document"] in (2 * rank0 - 1, 2 * rank0)
     assert done.stdout.count("fitting km, topk") == 1  # only rank 0 speaks and writes
+
+
+def test_extractor_dtype_from_flags_and_a_bad_one_in_one_line():
+    raw = {"model": "m", "data": "d", "sites": ["blocks.1.resid_out"],
+           "extractor": [rc.parse_extractor("kmeans:n_concepts=8,dtype=bfloat16"),
+                         rc.parse_extractor("topk:width=64,k=4,dtype=bfloat16")]}
+    plan = rc.build(rc.from_dict(raw))["blocks.1.resid_out"]
+    assert [e.config.dtype for e in plan.values()] == ["bfloat16", "bfloat16"]
+    raw["extractor"] = [rc.parse_extractor("vq:n_codes=8,dtype=float16")]
+    with pytest.raises(ValueError, match=r"^dtype must be one of \('float32', 'bfloat16'\); got 'float16'$"):
+        rc.build(rc.from_dict(raw))

@@ -41,6 +41,13 @@ def test_step_statistics_are_all_reduced_so_two_ranks_equal_one_process(tmp_path
     for name, p in ref_sae.params.items():
         torch.testing.assert_close(r0["sae"][name], p.detach(), rtol=1e-4, atol=1e-5)
         assert torch.equal(r0["sae"][name], r1["sae"][name])
+    ref_sae = W.sae_for_ddp(batch_size=64, dtype="bfloat16")  # bf16 compute: each rank's half-batch
+    for x in W.sae_batches():                                   # gradient is rounded apart, so close,
+        ref_sae.update(x)                                       # not equal, to one process
+    for name, p in ref_sae.params.items():
+        assert p.dtype == r0["sae_bf16"][name].dtype == torch.float32
+        torch.testing.assert_close(r0["sae_bf16"][name], p.detach(), rtol=1e-2, atol=2e-3)
+        assert torch.equal(r0["sae_bf16"][name], r1["sae_bf16"][name])
 
 
 def _planted(n: int, seed: int) -> torch.Tensor:

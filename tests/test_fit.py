@@ -192,3 +192,31 @@ def test_clvq_codes_are_labelled_with_their_encoder_space_not_the_source_site(le
     with pytest.raises(KeyError):
         lens.site(cs.site)  # names no activation site: steering or projecting it fails loudly
 
+
+
+def test_bf16_model_rows_into_bf16_extractors_and_a_rerun_gives_the_same_concepts(tmp_path):
+    from conceptlens.concepts.deleuzian import Deleuzian
+    from conceptlens.concepts.sae import TopKSAE
+
+    lens = conceptlens.attach(tiny_model("llama").to(torch.bfloat16), CharTokenizer())
+    rec = Recorder()
+    lens.fit({"blocks.1.resid_out": rec}, DOCS[:8], max_length=16, progress=False, dtype="model")
+    assert rec.batches[0][0].dtype == torch.bfloat16  # what the extractors below are fed
+
+    def make():
+        return {"blocks.1.resid_out": {
+            "km": StreamingKMeans(n_concepts=4, init_size=32, dtype="bfloat16"),
+            "dz": Deleuzian(4, buffer_size=64, batch_size=32, reference_size=64, dtype="bfloat16"),
+            "sae": TopKSAE(width=32, k=4, batch_size=64, warmup_tokens=64, dtype="bfloat16"),
+            "km32": StreamingKMeans(n_concepts=4, init_size=32)}}  # a float32 extractor fed the same bf16 rows
+
+    kw = dict(max_length=16, checkpoint_dir=str(tmp_path), progress=False, dtype="model")
+    extractors = make()
+    first = lens.fit(extractors, DOCS, **kw)
+    site = extractors["blocks.1.resid_out"]
+    assert site["km"]._centres.dtype == torch.float32 and site["sae"].params["W_dec"].dtype == torch.float32
+    again = lens.fit(make(), DOCS, **kw)  # the finished run, from its checkpoint
+    assert first.concepts.keys() == again.concepts.keys() and len(first.concepts) == 4
+    for name, cs in first.concepts.items():
+        assert cs.directions.dtype == torch.float32 and torch.isfinite(cs.directions).all()
+        assert torch.equal(cs.directions, again.concepts[name].directions), name

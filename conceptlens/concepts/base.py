@@ -113,6 +113,22 @@ def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
         raise ValueError(f"{name} must be one of {choices}; got {value!r}")
 
 
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""Compute dtypes an extractor accepts (`dtype=` in its config). float16 is left out: its range
+(65504) does not hold squared distances of residual rows (|x|^2 ~ 3e4 at SmolLM2's median norm)
+and SAE gradients in it need loss scaling."""
+
+
+def check_dtype(name: str, value: Any) -> str:
+    """The dtype's name (`"bfloat16"` for `torch.bfloat16` or `"bfloat16"`); raise a one-line
+    ValueError naming the valid choices otherwise."""
+    if isinstance(value, torch.dtype):
+        value = str(value).removeprefix("torch.")
+    if value not in DTYPES:
+        raise ValueError(f"{name} must be one of {tuple(DTYPES)}; got {value!r}")
+    return value
+
+
 def config_json(config: Any) -> dict[str, Any]:
     """A config dataclass as plain JSON types (tuples become lists, nested dicts copied)."""
     def plain(v: Any) -> Any:
@@ -169,6 +185,12 @@ class ExtractorBase:
     def _set_device(self, device: str | torch.device | None) -> None:
         self.device = None if device is None else torch.device(device)
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of this extractor's compute (its config's `dtype`; float32 without one).
+        Accumulated statistics and master parameters stay float32 (or wider) whatever it is."""
+        return DTYPES[getattr(self.config, "dtype", "float32")]
+
     def _place(self, x: Tensor) -> Tensor:
         """`x` on this extractor's device (unchanged when it follows its inputs)."""
         return x if self.device is None else x.to(self.device)
@@ -188,7 +210,9 @@ class ExtractorBase:
         saved_class = state.get("class")
         if saved_class is not None and saved_class != type(self).__name__:
             raise ValueError(f"state is for a {saved_class!r}; this is a {type(self).__name__!r}")
-        differ = config_differences(state["config"], self.config_dict())
+        mine = self.config_dict()
+        saved = {"dtype": "float32", **state["config"]} if "dtype" in mine else state["config"]  # older states: float32
+        differ = config_differences(saved, mine)
         if differ:
             raise ValueError(f"state was saved with a different config: {differ} (key, saved, this)")
 

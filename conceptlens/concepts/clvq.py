@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from conceptlens._checks import known_kwargs
-from conceptlens.concepts.base import ExtractorBase, NotFittedError, check_bool, check_choice, check_float, check_int
+from conceptlens.concepts.base import (ExtractorBase, NotFittedError, check_bool, check_choice, check_dtype, check_float,
+                                      check_int)
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.clvq_modules import MLPDecoder, ResidualEncoder, SequenceDecoder
 # re-exported, so that they stay importable from this module
@@ -68,8 +69,13 @@ class CLVQConfig:
     reseed_after, reseed_threshold)."""
     seed: int = 0
     """Seed of the parameter initialisation and of the codebook's generator."""
+    dtype: str = "float32"
+    """Compute dtype ("float32" or "bfloat16"): encoder and decoder run under `torch.autocast`
+    in it (float32 master parameters, gradients and Adam moments; the losses in float32), and
+    the codebook computes its distances in it (its EMA statistics stay float32)."""
 
     def __post_init__(self) -> None:
+        self.dtype = check_dtype("dtype", self.dtype)
         check_choice("decoder", self.decoder, DECODERS)
         for name in ("n_codes", "hidden", "layers", "heads"):
             check_int(name, getattr(self, name))
@@ -83,7 +89,7 @@ class CLVQConfig:
         check_int("seed", self.seed, 0)
         if not isinstance(self.codebook, dict):
             raise ValueError(f"codebook must be a dict of VQCodebook options; got {self.codebook!r}")
-        allowed = set(VQConfig.__dataclass_fields__) - {"n_codes", "batch_size", "seed"}
+        allowed = set(VQConfig.__dataclass_fields__) - {"n_codes", "batch_size", "seed", "dtype"}  # dtype: ours
         if set(self.codebook) - allowed:
             raise ValueError(f"unknown codebook options {sorted(set(self.codebook) - allowed)}; "
                              f"valid: {sorted(allowed)}")
@@ -133,13 +139,14 @@ class CLVQTranscoder(ExtractorBase):
     def __init__(self, n_codes: int, *, hidden: int = 1024, decoder: DecoderKind = "mlp",
                  commitment: float = 0.1, lr: float = 1e-3, batch_size: int | None = 1024,
                  buffer_size: int | None = None, layers: int = 2, heads: int = 4, causal: bool = True,
-                 codebook: dict[str, Any] | None = None, seed: int = 0,
+                 codebook: dict[str, Any] | None = None, seed: int = 0, dtype: str = "float32",
                  device: str | torch.device | None = None) -> None:
         self.config = CLVQConfig(n_codes, hidden, decoder, commitment, lr, batch_size, buffer_size,
-                                 layers, heads, causal, dict(codebook or {}), seed)
+                                 layers, heads, causal, dict(codebook or {}), seed, dtype)
         self._set_device(device)
         # The transcoder batches rows itself and calls train_step: no second mixing buffer.
-        self.vq = VQCodebook(n_codes, batch_size=None, seed=seed, device=device, **self.config.codebook)
+        self.vq = VQCodebook(n_codes, batch_size=None, seed=seed, device=device, dtype=self.config.dtype,
+                             **self.config.codebook)
         self.parts: TranscoderParts | None = None
         size = buffer_size or 4 * (batch_size or 1)
         self._mixer = MixingBuffer(size, seed=seed + 2) if decoder == "mlp" and batch_size else None
@@ -209,10 +216,15 @@ class CLVQTranscoder(ExtractorBase):
         return rows[:, : parts.dims[0]], rows[:, parts.dims[0]:], None
 
     def _train_step(self, parts: TranscoderParts, src: Tensor, tgt: Tensor, ids: Tensor | None) -> None:
-        z_e = parts.encoder(src)                                       # (N, d_src)
+        dtype = self.compute_dtype
+        mixed = torch.autocast(src.device.type, dtype=dtype, enabled=dtype != torch.float32)
+        with mixed:
+            z_e = parts.encoder(src)                                   # (N, d_src)
         step = self.vq.train_step(z_e.detach())
-        z_q = z_e + (step.quantized - z_e).detach()                    # straight-through
-        x_hat = self._decode(parts, z_q, ids)                          # (N, d_tgt)
+        with mixed:
+            z_q = z_e + (step.quantized.to(z_e.dtype) - z_e).detach()  # straight-through
+            x_hat = self._decode(parts, z_q, ids)                      # (N, d_tgt)
+        x_hat, z_e = x_hat.float(), z_e.float()                        # the losses in float32
         loss = F.mse_loss(x_hat, tgt) + self.config.commitment * F.mse_loss(z_e, step.quantized)
         parts.optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from conceptlens.concepts.deleuzian_math import reservoir_update
 from conceptlens.concepts.kmeans import weighted_lloyd
 
 
@@ -37,15 +38,27 @@ class PaperFit(NamedTuple):
 
 
 def skewness_with_endpoints(reference: Tensor, diff: Tensor, p_a: Tensor, p_b: Tensor, n_total: int,
-                            exact: bool = False) -> Tensor:
+                            exact: bool = False, chunk_elements: int = 1 << 25) -> Tensor:
     """Skewness `(M,)` of p_j = d . x_j over n_total samples, as the released code computes it:
     mean(((p - mean p) / (std_pop p + 1e-20))^3).
 
     `reference` `(R, d)` stands for the n_total - 2 samples other than each difference's
     endpoints, whose projections `p_a`, `p_b` `(M,)` enter exactly; with `exact` (the reference
-    IS every sample, endpoints included) the reference alone is used.
+    IS every sample, endpoints included) the reference alone is used. The `(R, M)` projections
+    are formed in column chunks of about `chunk_elements` entries, so memory stays bounded
+    when every sample is kept (R = M = 65536 would otherwise need 34 GB in float64).
     """
-    P = (reference.double() @ diff.double().T)  # (R, M)
+    step = max(1, chunk_elements // max(reference.shape[0], 1))
+    ref = reference.double()
+    cut = (lambda p, i: None if p is None else p[i:i + step])
+    parts = [_skewness_chunk(ref, diff[i:i + step], cut(p_a, i), cut(p_b, i), n_total, exact)
+             for i in range(0, diff.shape[0], step)]
+    return torch.cat(parts) if parts else diff.new_zeros(0, dtype=torch.float64)
+
+
+def _skewness_chunk(ref: Tensor, diff: Tensor, p_a: Tensor | None, p_b: Tensor | None, n_total: int,
+                    exact: bool) -> Tensor:
+    P = ref @ diff.double().T  # (R, m)
     if exact:
         mean = P.mean(0)
         c = P - mean
@@ -53,7 +66,7 @@ def skewness_with_endpoints(reference: Tensor, diff: Tensor, p_a: Tensor, p_b: T
         return (c / std).pow(3).mean(0)
     R = P.shape[0]
     w = (n_total - 2) / R  # each reference row stands for this many samples
-    ends = torch.stack([p_a.double(), p_b.double()])  # (2, M)
+    ends = torch.stack([p_a.double(), p_b.double()])  # (2, m)
     mean = (w * P.sum(0) + ends.sum(0)) / n_total
     c, ce = P - mean, ends - mean
     std = ((w * c.pow(2).sum(0) + ce.pow(2).sum(0)) / n_total).sqrt() + 1e-20
@@ -81,8 +94,6 @@ class DifferenceReservoir:
         return min(self.n_seen, self.size)
 
     def add(self, diff: Tensor, p_a: Tensor, p_b: Tensor) -> None:
-        from conceptlens.concepts.deleuzian import reservoir_update
-
         rows = torch.cat([diff.float(), p_a.float()[:, None], p_b.float()[:, None]], dim=1)
         if self.rows is None:
             self.rows = rows.new_zeros(self.size, rows.shape[1])

@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from conceptlens._checks import known_kwargs
-from conceptlens.concepts.base import ExtractorBase, NotFittedError, check_bool, check_choice, check_float, check_int
+from conceptlens.concepts.base import (ExtractorBase, NotFittedError, check_bool, check_choice, check_dtype, check_float,
+                                      check_int)
 from conceptlens.concepts.kmeans_math import batched_seeds, nearest
 from conceptlens.concepts.conceptset import ConceptSet
 
@@ -47,6 +48,10 @@ class KMeansConfig:
     """Seeding: "k-means++" (greedy, 2 + ln k trials per centre, k sequential steps), "batched"
     (D^2 sampling in 32 rounds of k/32 rows, see `kmeans_math.batched_seeds`: the same matmul
     work in 32 large products, ~10x cheaper at k 4096), or "auto" (k-means++ up to k = 256)."""
+    dtype: str = "float32"
+    """Compute dtype ("float32" or "bfloat16"): rows are stored (initialisation buffer) and
+    assigned (the distance matmul) in it; centres stay float32 and masses float64, and each
+    step's per-centre sums are accumulated in float32, so a long stream loses no precision."""
 
     def __post_init__(self) -> None:
         check_int("n_concepts", self.n_concepts)
@@ -56,6 +61,7 @@ class KMeansConfig:
         check_int("init_size", self.init_size, optional=True)
         check_float("reseed_after", self.reseed_after, strict=True, optional=True)
         check_int("seed", self.seed, 0)
+        self.dtype = check_dtype("dtype", self.dtype)
 
     @property
     def rows_to_init(self) -> int:
@@ -70,11 +76,13 @@ def squared_distances(x: Tensor, c: Tensor, x_sq: Tensor | None = None, c_sq: Te
     """Squared Euclidean distances `(N, k)` between rows of x `(N, d)` and c `(k, d)`.
 
     |x|^2 - 2 x.c + |c|^2 as one matmul (row norms may be passed in when already known);
-    clamped at 0 against rounding.
+    clamped at 0 against rounding. Low-precision (bfloat16) x and c: the matmul runs in their
+    dtype, the norms and the sum in float32 (the result is float32).
     """
-    x_sq = (x * x).sum(1) if x_sq is None else x_sq
-    c_sq = (c * c).sum(1) if c_sq is None else c_sq
-    return (x_sq[:, None] - 2.0 * (x @ c.T) + c_sq[None]).clamp_min_(0.0)
+    xf, cf = x.float(), c.float()
+    x_sq = (xf * xf).sum(1) if x_sq is None else x_sq
+    c_sq = (cf * cf).sum(1) if c_sq is None else c_sq
+    return (x_sq[:, None] - 2.0 * (x @ c.T).float() + c_sq[None]).clamp_min_(0.0)
 
 
 def mass_weighted_mean(centres: Tensor, mass: Tensor) -> Tensor:
@@ -91,7 +99,7 @@ def kmeans_plusplus(x: Tensor, k: int, generator: torch.Generator, weight: Tenso
     """
     n = x.shape[0]
     w = torch.ones(n, dtype=torch.float64) if weight is None else weight.detach().double().cpu()
-    x_sq = (x * x).sum(1)
+    x_sq = (x.float() * x.float()).sum(1)
     trials = 2 + int(math.log(k))
 
     def draw(p: Tensor, m: int) -> Tensor:
@@ -126,7 +134,7 @@ def step_statistics(centres: Tensor, mass: Tensor, x: Tensor, weight: Tensor, la
     Statistics of disjoint shards of a batch add up to those of the whole batch, which is
     what a distributed fit all-reduces before `apply_step`.
     """
-    sums = torch.zeros_like(centres).index_add_(0, labels, x * weight[:, None].to(x.dtype))
+    sums = torch.zeros_like(centres).index_add_(0, labels, x.to(centres.dtype) * weight[:, None].to(centres.dtype))
     received = torch.zeros_like(mass).index_add_(0, labels, weight.to(mass.dtype))
     return sums, received
 
@@ -195,8 +203,8 @@ class StreamingKMeans(ExtractorBase):
     @known_kwargs
     def __init__(self, n_concepts: int, *, spherical: bool = False, batch_size: int | None = None,
                  init_size: int | None = None, reseed_after: float | None = 50.0, seed: int = 0,
-                 init: str = "auto", device: str | torch.device | None = None) -> None:
-        self.config = KMeansConfig(n_concepts, spherical, batch_size, init_size, reseed_after, seed, init)
+                 init: str = "auto", dtype: str = "float32", device: str | torch.device | None = None) -> None:
+        self.config = KMeansConfig(n_concepts, spherical, batch_size, init_size, reseed_after, seed, init, dtype)
         self._set_device(device)
         self._gen = torch.Generator().manual_seed(seed)
         self.d: int | None = None
@@ -248,7 +256,7 @@ class StreamingKMeans(ExtractorBase):
         # k-means++ costs O(k N d): seed on the first init_size rows even if more arrived at once.
         head, k = self.config.rows_to_init, self.config.n_concepts
         seeds = batched_seeds if self.config.batched_init and min(head, x.shape[0]) >= k else kmeans_plusplus
-        self._centres = x[seeds(x[:head], k, self._gen, w[:head])].clone()
+        self._centres = x[seeds(x[:head], k, self._gen, w[:head])].float().clone()  # float32 whatever the rows
         self._mass = self._mass.to(x.device)
         self._idle = self._idle.to(x.device)
         self._steps(x, w, shared=True)  # distributed: these rows are the same on every rank
@@ -260,14 +268,15 @@ class StreamingKMeans(ExtractorBase):
             self.d = x.shape[1]
         elif x.shape[1] != self.d:
             raise ValueError(f"this StreamingKMeans was fitted on width d={self.d}; got width {x.shape[1]}")
-        x = self._place(x.detach().float())
+        x = self._place(x.detach())
+        x = (_unit(x.float()) if self.config.spherical else x).to(self.compute_dtype)  # rows in the compute dtype
         if weight is None:
             weight = torch.ones(x.shape[0], device=x.device)
         elif weight.shape != (x.shape[0],):
             raise ValueError(f"weight must have shape ({x.shape[0]},); got {tuple(weight.shape)}")
         elif not bool(torch.isfinite(weight).all() and (weight >= 0).all()):
             raise ValueError("weight must be finite and non-negative")
-        return (_unit(x) if self.config.spherical else x), weight.detach().float().to(x.device)
+        return x, weight.detach().float().to(x.device)
 
     def _steps(self, x: Tensor, w: Tensor, shared: bool = False) -> None:
         """Steps of `batch_size` rows. Distributed (`comm` set, rows not `shared`): each rank
@@ -281,7 +290,7 @@ class StreamingKMeans(ExtractorBase):
 
     def _step(self, x: Tensor, w: Tensor, synced: bool = False) -> None:
         view = _unit(self._centres) if self.config.spherical else self._centres
-        labels, best = nearest(x, view)  # chunked fused matmul + argmin, no (N, k) temporaries
+        labels, best = nearest(x, view.to(x.dtype))  # chunked fused matmul + argmin, no (N, k) temporaries
         sums, received = step_statistics(self._centres, self._mass, x, w, labels)
         rows = x.shape[0]
         if synced:  # the statistics of the whole step, summed over the ranks, before the update
@@ -298,8 +307,8 @@ class StreamingKMeans(ExtractorBase):
 
     def _gather(self, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
         """Rows and weights of every rank, in rank order (distributed)."""
-        both = self.comm.gather_rows(torch.cat([x, w[:, None].to(x.dtype)], 1))
-        return both[:, :-1], both[:, -1].to(w.dtype)
+        both = self.comm.gather_rows(torch.cat([x.float(), w[:, None].float()], 1))
+        return both[:, :-1].to(x.dtype), both[:, -1].to(w.dtype)
 
     def _reseed(self, x: Tensor, w: Tensor, best: Tensor, synced: bool = False, rows: int | None = None) -> None:
         """Move centres idle for too long onto rows drawn in proportion to w * distance^2
@@ -314,7 +323,7 @@ class StreamingKMeans(ExtractorBase):
             return
         dead = torch.nonzero(self._idle >= limit).flatten()
         if synced:
-            both = self.comm.gather_rows(torch.cat([x, w[:, None], best[:, None]], 1))
+            both = self.comm.gather_rows(torch.cat([x.float(), w[:, None], best[:, None]], 1))
             x, w, best = both[:, :-2], both[:, -2], both[:, -1]
         score = (w * best).double().cpu()
         n = min(dead.numel(), int((score > 0).sum()))
@@ -322,7 +331,7 @@ class StreamingKMeans(ExtractorBase):
             return
         rows = torch.multinomial(score, n, replacement=False, generator=self._gen).to(x.device)
         dead = dead[:n]
-        self._centres[dead] = x[rows]
+        self._centres[dead] = x[rows].to(self._centres.dtype)
         self._mass[dead] = 0.0
         self._idle[dead] = 0
         self.n_reseeded += n

@@ -20,15 +20,24 @@ _BLOCK = 1 << 22  # score entries per chunk (16 MB in float32)
 
 
 def nearest(x: Tensor, c: Tensor, c_sq: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(labels (N,), squared distance to the nearest centre (N,)) for x (N, d), c (k, d)."""
-    c_sq = (c * c).sum(1) if c_sq is None else c_sq  # (k,)
+    """(labels (N,), squared distance to the nearest centre (N,)) for x (N, d), c (k, d).
+
+    Low-precision (bfloat16) x and c: the matmul runs in their dtype (accumulating in float32
+    inside), |c|^2, |x|^2 and the scores are float32, so only the product x.c is rounded."""
+    low = x.dtype != torch.float32
+    cf = c.float()
+    c_sq = (cf * cf).sum(1) if c_sq is None else c_sq  # (k,) float32
     rows = max(1, _BLOCK // max(c.shape[0], 1))
     labels, best = [], []
     for part in x.split(rows):
-        scores = torch.addmm(c_sq, part, c.T, alpha=-2.0)  # (n, k) = |c|^2 - 2 x.c
+        if low:
+            scores = torch.mm(part, c.T).float().mul_(-2.0).add_(c_sq)  # (n, k) = |c|^2 - 2 x.c
+        else:
+            scores = torch.addmm(c_sq, part, c.T, alpha=-2.0)  # (n, k) = |c|^2 - 2 x.c
         value, index = scores.min(1)
         labels.append(index)
-        best.append((value + (part * part).sum(1)).clamp_min_(0.0))
+        pf = part.float()
+        best.append((value + (pf * pf).sum(1)).clamp_min_(0.0))
     if len(labels) == 1:
         return labels[0], best[0]
     return torch.cat(labels), torch.cat(best)

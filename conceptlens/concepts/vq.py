@@ -23,10 +23,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from conceptlens._checks import known_kwargs
-from conceptlens.concepts.base import (ExtractorBase, NotFittedError, check_choice, check_float, check_fraction,
-                                      check_int)
+from conceptlens.concepts.base import (ExtractorBase, NotFittedError, check_choice, check_dtype, check_float,
+                                      check_fraction, check_int)
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.concepts.kmeans import squared_distances
 from conceptlens.concepts.vq_math import (INIT_METHODS, InitMethod, codes_from_ema, ema_update, fvu_from_sums,
                                           fvu_sums, initial_codes, laplace_smooth, perplexity, sample_top_k,
                                           samples_randomly)
@@ -61,9 +62,15 @@ class VQConfig:
     """Rows the mixing buffer holds before drawing a batch; None = 4 * batch_size."""
     seed: int = 0
     """Seed of the private generator (k-means init, sampling, reseeding)."""
+    dtype: str = "float32"
+    """Compute dtype ("float32" or "bfloat16"): rows are buffered and the training step's
+    distances computed in it; the EMA counts and sums, the codes derived from them and the
+    initialising k-means stay float32, hits int64 and FVU sums float64. `assign` / `encode`
+    measure distances in float32."""
 
     def __post_init__(self) -> None:
         check_int("n_codes", self.n_codes)
+        self.dtype = check_dtype("dtype", self.dtype)
         check_int("top_k", self.top_k)
         for name in ("init_size", "reseed_after", "batch_size", "buffer_size"):
             check_int(name, getattr(self, name), optional=True)
@@ -142,9 +149,9 @@ class VQCodebook(ExtractorBase):
                  temperature: float = 1.0, init: InitMethod = "kmeans", init_size: int | None = None,
                  reseed_after: int | None = 100, reseed_threshold: float = 0.03,
                  batch_size: int | None = None, buffer_size: int | None = None, seed: int = 0,
-                 device: str | torch.device | None = None) -> None:
+                 dtype: str = "float32", device: str | torch.device | None = None) -> None:
         self.config = VQConfig(n_codes, decay, eps, top_k, temperature, init, init_size,
-                               reseed_after, reseed_threshold, batch_size, buffer_size, seed)
+                               reseed_after, reseed_threshold, batch_size, buffer_size, seed, dtype)
         self._set_device(device)
         self.d: int | None = None
         self.fitted: CodebookState | None = None
@@ -227,7 +234,10 @@ class VQCodebook(ExtractorBase):
         cfg, fit = self.config, self._fitted()
         x, codes = self._prepare(x), fit.codes
         synced = self.comm is not None and not shared
-        dist = torch.cdist(x, codes)                                   # (N, K) Euclidean
+        if x.dtype == torch.float32:
+            dist = torch.cdist(x, codes)                               # (N, K) Euclidean
+        else:  # the matmul in the compute dtype, norms and distances in float32
+            dist = squared_distances(x, codes.to(x.dtype)).sqrt_()
         u = None
         if synced:
             sizes = self.comm.sizes(len(x))
@@ -272,12 +282,13 @@ class VQCodebook(ExtractorBase):
             self.d = x.shape[1]
         if x.shape[1] != self.d:
             raise ValueError(f"expected width d={self.d} (fixed by the first update); got {x.shape[1]}")
-        x = self._place(x.float())
+        x = self._place(x).to(self.compute_dtype)
         return x if self.fitted is None else x.to(self.fitted.codes.device)
 
     def _initialise(self, x: Tensor) -> None:
         """Codes from the first init_size tokens x (M, d); EMA state consistent with them."""
         cfg = self.config
+        x = x.float()  # the initial k-means and the EMA state are float32 whatever the compute dtype
         centres, labels = initial_codes(x, cfg.n_codes, cfg.init, self._gen)
         # EMA counts live on the scale of tokens per step, so the initial clusters weigh
         # like one batch.
@@ -329,7 +340,7 @@ class VQCodebook(ExtractorBase):
     def assign(self, x: Tensor) -> Tensor:
         """Nearest code per token: (N, d) -> (N,) long."""
         codes = self._fitted().codes
-        return torch.cdist(self._prepare(x), codes).argmin(1)
+        return torch.cdist(self._prepare(x).float(), codes).argmin(1)
 
     def encode(self, x: Tensor) -> Tensor:
         """One-hot nearest-code assignment (N, d) -> (N, K) float, the concept activations."""

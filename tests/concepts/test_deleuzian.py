@@ -147,3 +147,61 @@ def test_bad_arguments_raise():
     dz.update(torch.randn(10, 3))
     with pytest.raises(ValueError, match="width d=3"):
         dz.update(torch.randn(10, 4))
+
+
+def test_streaming_skewness_is_over_a_fresh_uniform_subsample_of_the_reservoir(monkeypatch):
+    """Each block's weights are the population skewness (scipy's) of the differences'
+    projections over `rows_for_skewness` distinct reservoir rows, drawn afresh per block."""
+    import conceptlens.concepts.deleuzian as module
+
+    calls, holder = [], []
+    real = module.oriented_differences
+
+    def spy(block, reference, skew_weighting=True):
+        out = real(block, reference, skew_weighting)
+        calls.append((block.clone(), reference.clone(), *out, holder[0].reference.clone()))
+        return out
+
+    monkeypatch.setattr(module, "oriented_differences", spy)
+    x, _ = planted(6000, d=8, k=3)
+    dz = Deleuzian(4, reference_size=1024, buffer_size=512, batch_size=256, skew_rows=300, seed=0)
+    holder.append(dz)
+    assert dz.config.rows_for_skewness == 300
+    for part in x.split(500):
+        dz.update(part)
+    assert len(calls) > 10
+    for block, ref, diff, w, reservoir in calls[-10:]:  # the reservoir is full: 300 of its 1024 rows each time
+        assert ref.shape == (300, 8) and torch.unique(ref, dim=0).shape[0] == 300
+        match = (ref[:, None, :] == reservoir[None]).all(-1)  # (300, 1024): rows of the reservoir then
+        assert (match.sum(1) >= 1).all()
+        raw = (block - block.roll(1, 0)).double()
+        g = scipy.stats.skew((ref.double() @ raw.T).numpy(), axis=0)  # the reference estimator
+        g = torch.from_numpy(g) * torch.sign((diff.double() * raw).sum(1))  # oriented: flipped rows flip g
+        assert torch.allclose(1 / w.double(), g.abs(), rtol=1e-4, atol=1e-5)  # |g| (w = 1/|g| near g = 0 is ill-posed)
+        assert (g > 0).all()
+    assert len({tuple(r[1][0].tolist()) for r in calls[-10:]}) == 10  # a fresh draw for every block
+    small = Deleuzian(4, reference_size=1024)
+    assert small.config.rows_for_skewness == 256  # the floor below k = 256
+    assert Deleuzian(512).config.rows_for_skewness == 512  # k rows: the k-means step's cost
+    assert Deleuzian(512, skew_rows=10_000, reference_size=4096).config.rows_for_skewness == 4096
+
+
+def test_whole_reservoir_when_skew_rows_is_reference_size():
+    x, _ = planted(4000, d=8, k=3)
+    a = Deleuzian(4, reference_size=512, buffer_size=512, batch_size=256, skew_rows=512, seed=0)
+    for part in x.split(500):
+        a.update(part)
+    block = x[:256]
+    diff, w = oriented_differences(block, a.reference)
+    assert torch.allclose(w, 1 / skewness(a.reference, diff).abs())
+    assert a._skew_reference() is not None and torch.equal(a._skew_reference(), a.reference)
+
+
+def test_bf16_skewness_close_to_float32():
+    g = torch.Generator().manual_seed(0)
+    # rows whose mean is of the order of their spread, as residual streams' coordinates (bf16 keeps
+    # 8 bits: rows far from the origin relative to their spread lose more of their shape)
+    ref, dirs = 2 + torch.randn(2048, 16, generator=g).exp(), torch.randn(64, 16, generator=g)
+    full, low = skewness(ref, dirs), skewness(ref.bfloat16(), dirs)
+    assert low.dtype == torch.float32
+    assert (full - low).abs().max() < 0.05, (full - low).abs().max()

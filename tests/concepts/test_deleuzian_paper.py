@@ -52,6 +52,19 @@ def test_skewness_with_endpoints_is_the_skewness_over_all_samples():
                                over_all)
 
 
+def test_skewness_in_column_chunks_equals_one_block():
+    x = _data()
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randint(len(x), (50,), generator=g), torch.randint(len(x), (50,), generator=g)
+    diff = x[a] - x[b]
+    p_a, p_b = (x[a] * diff).sum(1), (x[b] * diff).sum(1)
+    for exact, args in ((True, (None, None)), (False, (p_a, p_b))):
+        whole = skewness_with_endpoints(x, diff, *args, len(x) + 2, exact=exact)
+        chunked = skewness_with_endpoints(x, diff, *args, len(x) + 2, exact=exact, chunk_elements=7 * len(x))
+        torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-12)  # float64 GEMM blocking
+        assert whole.shape == (50,)
+
+
 def test_orientation_and_weights_follow_the_released_code():
     diff = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 3.0]])
     g = torch.tensor([-2.0, 0.5, float("nan")])

@@ -124,7 +124,7 @@ class SparseAutoencoder(ExtractorBase):
             self._tracker.load_state_dict(state)
         elif x.shape[1] != self.d:
             raise ValueError(f"{type(self).__name__} was fitted on width d={self.d}; got width {x.shape[1]}")
-        return x.float()
+        return x.to(self.compute_dtype)  # buffered in the compute dtype
 
     def _warm_up(self, x: Tensor) -> None:
         rows = x[: self.config.warmup_tokens - self._warm[1]]
@@ -147,14 +147,14 @@ class SparseAutoencoder(ExtractorBase):
 
     # ---- one optimiser step ---------------------------------------------------------
     def _step(self, batch: Tensor) -> None:
-        x = batch.to(self._device) * self.scale  # (B, d), normalised
+        x = batch.to(self._device).float() * self.scale  # (B, d), normalised, float32 (the loss's target)
         if self.comm is not None:
             ddp.step(self, x)
             return
         if self._opt is None:
             self._start(x)
-        w = self._weights()
-        code = self._encode(x, w, train=True)
+        w = self._compute_weights()
+        code = self._encode(x.to(self.compute_dtype), w, train=True)
         x_hat = self._decode(code.z, w, train=True)  # (B, d)
         recon = self._recon_loss(x, code.z, x_hat, w)
         loss = recon + self._penalty(x, x_hat, code, w)
@@ -210,6 +210,14 @@ class SparseAutoencoder(ExtractorBase):
     def _weights(self) -> dict[str, Tensor]:
         """The weights the encoding uses, derived from `params` and `buffers` (differentiable)."""
         return {**self.params, **self.buffers}
+
+    def _compute_weights(self) -> dict[str, Tensor]:
+        """`_weights()` cast to the compute dtype (differentiable casts of the float32 masters,
+        so the gradients reach the masters in float32); the weights themselves in float32."""
+        w, dtype = self._weights(), self.compute_dtype
+        if dtype == torch.float32:
+            return w
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in w.items()}
 
     def _encode(self, x: Tensor, w: dict[str, Tensor], train: bool) -> Code:
         pre = (x - w["b_dec"]) @ w["W_enc"] + w["b_enc"]  # (N, width)

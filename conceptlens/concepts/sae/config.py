@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 # the shared validation helpers (re-exported here, where the variants import them from)
-from conceptlens.concepts.base import check_choice, check_float, check_int, config_json
+from conceptlens.concepts.base import check_choice, check_dtype, check_float, check_int, config_json
 
 __all__ = ["SAEConfig", "build_config", "check_int", "check_float"]
 
@@ -37,6 +37,11 @@ class SAEConfig:
     """A latent is dead when it has not fired in this many tokens."""
     b_dec_init: Literal["geometric_median", "mean", "zeros"] = "geometric_median"
     """Where the pre-encoder bias starts, computed on the first batch."""
+    dtype: str = "float32"
+    """Compute dtype ("float32" or "bfloat16"), in the standard mixed-precision pattern: the
+    forward and backward matmuls run in it on cast copies of the parameters, while the master
+    parameters, their gradients, Adam's moments, the reconstruction loss and every statistic
+    stay float32 (firing counts int64, running means float64). Buffered rows are stored in it."""
 
     def __post_init__(self) -> None:
         check_int("width", self.width)
@@ -52,6 +57,7 @@ class SAEConfig:
         check_int("warmup_tokens", self.warmup_tokens)
         check_int("dead_after", self.dead_after)
         check_choice("b_dec_init", self.b_dec_init, ("geometric_median", "mean", "zeros"))
+        self.dtype = check_dtype("dtype", self.dtype)
 
     def learning_rate(self) -> float:
         return self.lr if self.lr is not None else 2e-4 * math.sqrt(16384 / self.width)

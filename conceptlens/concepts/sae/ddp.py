@@ -30,13 +30,13 @@ def step(sae: SparseAutoencoder, x: Tensor) -> None:
     comm, n = sae.comm, x.shape[0]
     if sae._opt is None:
         _start(sae, x)
-    w = sae._weights()
+    w = sae._compute_weights()
     sae._opt.zero_grad(set_to_none=True)
     code = None
     counts = x.new_zeros(sae.config.width)
     numbers = x.new_zeros(3, dtype=torch.float64)
     if n:
-        code = sae._encode(x, w, train=True)
+        code = sae._encode(x.to(sae.compute_dtype), w, train=True)
         x_hat = sae._decode(code.z, w, train=True)
         loss = sae._recon_loss(x, code.z, x_hat, w) + sae._penalty(x, x_hat, code, w)
         loss.backward()

@@ -87,7 +87,7 @@ class ActMSAE(TopKSAE):
 
     def _recon_loss(self, x: Tensor, z: Tensor, x_hat: Tensor, w: dict[str, Tensor]) -> Tensor:
         # One sort of the pre-activations; level m adds the latents ranked k_{m-1} .. k_m.
-        pre = (x - w["b_dec"]) @ w["W_enc"] + w["b_enc"]  # (B, width)
+        pre = (x.to(w["W_enc"].dtype) - w["b_dec"]) @ w["W_enc"] + w["b_enc"]  # (B, width), as in _encode
         values, indices = pre.topk(self.config.ks[-1], dim=-1, sorted=True)  # (B, k_m)
         values = values.relu()
         partial, start = w["b_dec"].expand_as(x), 0

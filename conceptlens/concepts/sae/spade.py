@@ -71,7 +71,7 @@ class SpaDE(SparseAutoencoder):
         return Code(sparsemax(pre), pre)
 
     def _decode(self, z: Tensor, w: dict[str, Tensor], train: bool = False) -> Tensor:
-        return z @ w["W_dec"]  # (N, d)
+        return z.to(w["W_dec"].dtype) @ w["W_dec"]  # (N, d)
 
     def _penalty(self, x: Tensor, x_hat: Tensor, code: Code, w: dict[str, Tensor]) -> Tensor:
         distances = -code.pre / w["lambda"]  # (B, width)

@@ -189,7 +189,7 @@ def _same(a, b) -> bool:
     return a is not None and b is not None and a.shape == b.shape and torch.equal(a, b)
 
 
-def _alternatives(block: nn.Module, path: str, trace: Trace, shape) -> list[tuple[str, str | None, str]]:
+def _alternatives(block: nn.Module, path: str, trace: Trace, shape, assigned=()) -> list[tuple[str, str | None, str]]:
     """Exact readings of one sublayer's contribution: (module path, path of a module whose
     output is added to it or None, note)."""
     alts: list[tuple[str, str | None, str]] = [(path, None, "")]
@@ -204,7 +204,7 @@ def _alternatives(block: nn.Module, path: str, trace: Trace, shape) -> list[tupl
             continue
         if _same(cin, out):
             alts.append((name, None, f"{name} is applied to the output of {path}"))
-        elif _same(cin, inp):  # the site hooks whichever of the two finishes last
+        elif _same(cin, inp) and name not in assigned:  # hooked at whichever of the two finishes last
             order = list(trace.outputs)
             later = module in order and order.index(child) > order.index(module)
             first, second = (path, name) if later else (name, path)
@@ -239,8 +239,10 @@ def repair(block: nn.Module, lay: BlockLayout, trace: Trace):
     if problem is None or x is None or y is None or not kinds:
         return problem, None, None
     x, y = x.float(), y.float()
-    options = [_alternatives(block, getattr(lay, k), trace, x.shape) +
-               (_alternatives(block, lay.replaced[k], trace, x.shape) if k in lay.replaced else []) for k in kinds]
+    assigned = {getattr(lay, k) for k in kinds}  # another sublayer is never summed into this one
+    options = [_alternatives(block, getattr(lay, k), trace, x.shape, assigned) +
+               (_alternatives(block, lay.replaced[k], trace, x.shape, assigned) if k in lay.replaced else [])
+               for k in kinds]
     combos = list(itertools.islice(itertools.product(*options), 256))
     for scaled in (False, True):  # every exact plain reading before any fitted multiplier
         for combo in combos:

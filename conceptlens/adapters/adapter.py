@@ -187,6 +187,12 @@ class Adapter:
         call = call_of(trace, attn)
         seq_kv = "T" if kv_stack == q_stack else "S"
         suffix = f"; {notes}" if notes else ""
+        if call is not None and seq_kv == "T" and call.k_len != call.q_len:  # no cache in the probe
+            for which in ("q", "k", "v", "pattern"):  # e.g. T5Gemma2's merged self- and cross-attention
+                self.problems[f"{name}.{which}"] = (f"{self._what()}: {type(attn).__name__} attends {call.q_len} "
+                                                    f"queries to {call.k_len} keys in a forward without cache, so "
+                                                    "its keys are not this stack's tokens (merged attention)")
+            return
         if call is not None:
             shapes = {"q": ("B", "T", call.heads, call.head_dim), "k": ("B", seq_kv, call.kv_heads, call.head_dim),
                       "v": ("B", seq_kv, call.kv_heads, call.v_head_dim)}

@@ -100,18 +100,23 @@ def test_the_quantised_cache_stores_the_edited_keys_and_values(which):
 
 
 @pytest.mark.parametrize("which", ["k", "v"])
-def test_edits_reach_the_cache_with_gradients_enabled(which):
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_edits_reach_the_cache_with_gradients_enabled(which, kind):
     model = tiny_model("llama")
     lens = conceptlens.attach(model)
     edit = _edit(lens, f"blocks.0.attn.{which}")
     ids = torch.randint(3, 99, (1, 6), generator=torch.Generator().manual_seed(6))
     with torch.enable_grad(), lens.steer(edit):
         full = model(input_ids=ids).logits[:, -1]
-        cache = DynamicCache(config=model.config)
+        cache = DynamicCache(config=model.config) if kind == "dynamic" else \
+            StaticCache(config=model.config, max_cache_len=8)
         model(input_ids=ids[:, :-1], cache=cache, use_cache=True)
         step = model(input_ids=ids[:, -1:], cache=cache, use_cache=True).logits[:, -1]
         assert step.requires_grad
     torch.testing.assert_close(step, full, rtol=0, atol=1e-5)
+    if kind == "dynamic":  # (a static cache's in-place writes break backward in transformers itself)
+        step.sum().backward()  # the edited keys/values stored in the cache are part of the graph
+        assert model.model.layers[0].self_attn.k_proj.weight.grad is not None
 
 
 @pytest.mark.parametrize("site", ["decoder.blocks.0.cross_attn.k", "decoder.blocks.0.cross_attn.v",

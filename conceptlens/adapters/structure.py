@@ -23,7 +23,7 @@ _CROSS_NAME = re.compile(r"(encoder_attn|cross_?attn|crossattention|cross_attent
 _MLP_NAME = re.compile(r"^(mlp|ffn|feed_forward|feedforward|block_sparse_moe|moe|ff|mlp_block|ffn_layer|"
                        r"sparse_moe_block|DenseReluDense)$")
 _MIXER_NAME = re.compile(r"^(mixer|linear_attn|mamba|ssm|conv|temporal_block|short_conv|token_mixer|recurrent|"
-                         r"mamba_mixer|linear_attention)$")
+                         r"mamba_mixer|linear_attention|mlstm_layer|slstm_layer)$")
 _ATTN_CLASS = re.compile(r"Attention|Attn")
 _MLP_CLASS = re.compile(r"MLP|Mlp|FeedForward|FFN|Ffn|MoE|Moe|SparseBlock|Experts|DenseActDense|DenseGatedActDense")
 _MIXER_CLASS = re.compile(r"Mamba|Mixer|DeltaNet|LinearAttention|ShortConv|Recurrent|RgLru|SSM|Ssm|Conv(?!ert)")

@@ -31,8 +31,14 @@ def reference(model_type: str):
     try:
         model = build(model_type)
         inputs = inputs_for(model)
-        with torch.no_grad():
-            out = model(**inputs, output_hidden_states=True)
+        with torch.no_grad():  # without a cache, as the sites are checked (check_kv_cache tries one)
+            try:
+                out = model(**inputs, output_hidden_states=True, use_cache=False)
+                inputs["use_cache"] = False  # every later forward of the checks too
+            except TypeError as err:
+                if "use_cache" not in str(err):
+                    raise
+                out = model(**inputs, output_hidden_states=True)
     except Exception as err:  # transformers' own failure: not ours to count
         raise NotBuildable(f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}") from err
     return model, inputs, out
@@ -91,6 +97,7 @@ def check_kv_cache(model, inputs, refused: bool = False) -> None:
     attention function (no cache): the keys a cache stores are the keys the scores use. Where
     the module attends to other k/v than it stores (`refused`), a cached forward must refuse."""
     lens = conceptlens.attach(model)
+    inputs = {k: v for k, v in inputs.items() if k != "use_cache"}
     names = [n for n in lens.sites if ".attn." in n and n.endswith((".attn.k", ".attn.v"))]
     if not names or not getattr(model.config.get_text_config(decoder=True), "use_cache", False):
         return

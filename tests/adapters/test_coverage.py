@@ -27,6 +27,7 @@ EXCEPTIONS = {
     "xlm": "cannot recognise",
     "fnet": "cannot recognise",
     "fsmt": "hidden_states",
+    "hrm_text": "ran 6 times",
     "funnel": "pools the sequence",
     "hy_v4": "hidden_states",
     "inkling2_loop_text": "hidden_states",

@@ -34,7 +34,7 @@ _SIZES = (
          "kv_lora_rank", "index_head_dim")),
     (8, ("qk_rope_head_dim", "qk_nope_head_dim", "mamba_d_state", "state_size", "ssm_state_size",
         "linear_key_head_dim", "linear_value_head_dim", "rotary_dim", "linear_head_dim")),
-    (16, ("mamba_d_head", "mamba_head_dim")),
+    (16, ("mamba_d_head", "mamba_head_dim", "mamba_headdim")),
     (128, ("mamba_d_ssm",)),  # heads (8) x head dim = the mixer's width (2 x 64)
     (4, ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts", "index_n_heads")),
     (VOCAB, ("vocab_size", "src_vocab_size", "tgt_vocab_size", "decoder_vocab_size")),

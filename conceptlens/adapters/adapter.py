@@ -21,7 +21,7 @@ from conceptlens.adapters.site import Site
 from conceptlens.adapters.site_notes import attention_notes
 from conceptlens.adapters.structure import (BlockLayout, children_summary, expected_layers, final_norm_candidates,
                                             find_block_list, find_stacks, recognise)
-from conceptlens.adapters.verify import LayoutError, call_of, check_stack, refine, sum_problem
+from conceptlens.adapters.verify import LayoutError, call_of, check_stack, refine, repair
 from conceptlens.adapters.verify import submodule as _get
 
 _Q_NAMES = ("q_proj", "query", "q", "query_proj", "q_lin")
@@ -48,14 +48,18 @@ def _first_attr(obj: object, names: tuple[str, ...]) -> object | None:
     return next((getattr(obj, n) for n in names if getattr(obj, n, None) is not None), None)
 
 
-def head_layout(attn: nn.Module, config) -> tuple[int, int, int]:
-    """(query heads, key/value heads, head dim) of an attention module with projections."""
+def head_layout(attn: nn.Module, config) -> tuple[int, int, int] | None:
+    """(query heads, key/value heads, head dim) of an attention module with projections, or
+    None when neither the module nor the config tells (no q/k/v sites then)."""
     head_dim = _first_attr(attn, ("head_dim", "attention_head_size", "key_value_proj_dim", "d_kv", "dim_per_head"))
     heads = _first_attr(attn, ("num_heads", "num_attention_heads", "n_heads", "n_head"))
     q, k = _first_attr(attn, _Q_NAMES), _first_attr(attn, _K_NAMES)
     heads = heads or getattr(config, "num_attention_heads", 1)
+    width = getattr(q, "out_features", None) or getattr(config, "hidden_size", None)
+    if not (head_dim or width):
+        return None
+    head_dim = int(head_dim or width // heads)
     width = getattr(q, "out_features", None)
-    head_dim = int(head_dim or (width // heads if width else config.hidden_size // heads))
     if width:
         heads = width // head_dim
     kv_heads = k.out_features // head_dim if hasattr(k, "out_features") else heads
@@ -139,7 +143,7 @@ class Adapter:
                 self._add(f"{p}embed", block, "input", resid, prefix, f"input to {cls} 0")
             self._add(f"{b}.resid_in", block, "input", resid, prefix, f"input of {cls} {i} ({lay.style})")
             self._add(f"{b}.resid_out", block, "output", resid, prefix, f"output of {cls} {i}")
-            problem = sum_problem(block, lay, trace) if lay.additive else None
+            problem, scales, plus = repair(block, lay, trace) if lay.additive else (None, None, None)
             for kind in _OUT_KINDS:
                 path = getattr(lay, kind)
                 if path is None:
@@ -148,10 +152,15 @@ class Adapter:
                     self.problems[f"{b}.{kind}"] = f"{self._what()} block {i}: {problem}"
                     continue
                 module = block.get_submodule(path)
+                scale = scales.get(kind, 1.0) if scales else 1.0
                 note = lay.notes.get(kind) or ("what it adds to the residual" if lay.additive else "")
+                if scales:
+                    note = (lay.notes.get(kind, "") + "; " if kind in lay.notes else "") + \
+                        f"times {scale:.6g}, the block's scaling of it: what it adds to the residual"
                 self._add(f"{b}.{kind}", module, "output", resid, prefix,
                           f"output of {path} ({type(module).__name__})" + (f"; {note}" if note else ""),
-                          flat_in=block if kind == "mlp_out" and lay.flat_mlp else None)
+                          flat_in=block if kind == "mlp_out" and lay.flat_mlp else None, scale=scale,
+                          plus=block.get_submodule(plus[kind]) if plus and kind in plus else None)
             notes = attention_notes(self.config, i, _get(block, lay.attn))
             self._add_attention(f"{b}.attn", block, lay.attn, lay.attn_z, prefix, prefix, trace, notes)
             if lay.cross_attn and prefix == "decoder":
@@ -167,8 +176,8 @@ class Adapter:
         return int(getattr(text, "hidden_size", None) or getattr(text, "d_model"))
 
     def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
-             flat_in=None) -> None:
-        self.sites[name] = Site(name, module, point, shape, stack, source, heads, flat_in)
+             flat_in=None, scale: float = 1.0, plus: nn.Module | None = None) -> None:
+        self.sites[name] = Site(name, module, point, shape, stack, source, heads, flat_in, scale, plus)
 
     def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,
                        kv_stack: str, trace: Trace, notes: str) -> None:
@@ -178,6 +187,12 @@ class Adapter:
         call = call_of(trace, attn)
         seq_kv = "T" if kv_stack == q_stack else "S"
         suffix = f"; {notes}" if notes else ""
+        if call is not None and seq_kv == "T" and call.k_len != call.q_len:  # no cache in the probe
+            for which in ("q", "k", "v", "pattern"):  # e.g. T5Gemma2's merged self- and cross-attention
+                self.problems[f"{name}.{which}"] = (f"{self._what()}: {type(attn).__name__} attends {call.q_len} "
+                                                    f"queries to {call.k_len} keys in a forward without cache, so "
+                                                    "its keys are not this stack's tokens (merged attention)")
+            return
         if call is not None:
             shapes = {"q": ("B", "T", call.heads, call.head_dim), "k": ("B", seq_kv, call.kv_heads, call.head_dim),
                       "v": ("B", seq_kv, call.kv_heads, call.v_head_dim)}
@@ -199,7 +214,10 @@ class Adapter:
                       "from the q/k passed to the attention function (equal to eager attention weights; read only)")
             heads, v_dim = call.heads, call.v_head_dim
         else:
-            heads, kv_heads, head_dim = head_layout(attn, self.config)
+            layout = head_layout(attn, self.config)
+            if layout is None:
+                return
+            heads, kv_heads, head_dim = layout
             for which, names in zip("qkv", (_Q_NAMES, _K_NAMES, _V_NAMES)):
                 proj_name = next((n for n in names if hasattr(getattr(attn, n, None), "weight")), None)
                 if proj_name is None:

@@ -7,11 +7,7 @@ architectures whose blocks are not one layer each and says why.
 
 from __future__ import annotations
 
-LAYOUT: dict[str, dict[str, str]] = {
-    # Bloom's attention and MLP add the residual inside themselves: their contributions are the
-    # projections before that add.
-    "bloom": {"attn_out": "self_attention.dense", "mlp_out": "mlp.dense_4h_to_h"},
-}
+LAYOUT: dict[str, dict[str, str]] = {}
 
 NOTES: dict[str, dict[str, str]] = {
     "deberta-v2": {"q": "content query from query_proj (DeBERTa's attention does not go through the "
@@ -22,4 +18,6 @@ NOTES["deberta"] = NOTES["deberta_v2"] = NOTES["deberta-v2"]
 
 REFUSED: dict[str, str] = {
     "albert": "ALBERT runs one shared layer num_hidden_layers times, so a module hook cannot tell its layers apart",
+    "funnel": "Funnel Transformer pools the sequence between its encoder blocks and upsamples it in its decoder, so "
+              "its hidden states are not one stack of same-length block outputs",
 }

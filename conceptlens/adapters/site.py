@@ -35,6 +35,12 @@ class Site:
     """For a projection read as q/k/v: number of heads to split the last dimension into."""
     flat_in: nn.Module | None = None
     """Set when `module` sees `(B * T, d)` rows: the block whose input gives (B, T)."""
+    scale: float = 1.0
+    """The site is `scale` times the module's output: what a block that scales its sublayers'
+    outputs (a residual multiplier) adds to the residual. Edits are mapped back exactly."""
+    plus: nn.Module | None = None
+    """The site is `module`'s output plus this module's (run beside it on the same input, e.g.
+    a shared expert next to the routed ones); edits change `module`'s output by their change."""
 
     @property
     def width(self) -> int:

@@ -23,7 +23,7 @@ _CROSS_NAME = re.compile(r"(encoder_attn|cross_?attn|crossattention|cross_attent
 _MLP_NAME = re.compile(r"^(mlp|ffn|feed_forward|feedforward|block_sparse_moe|moe|ff|mlp_block|ffn_layer|"
                        r"sparse_moe_block|DenseReluDense)$")
 _MIXER_NAME = re.compile(r"^(mixer|linear_attn|mamba|ssm|conv|temporal_block|short_conv|token_mixer|recurrent|"
-                         r"mamba_mixer|linear_attention)$")
+                         r"mamba_mixer|linear_attention|mlstm_layer|slstm_layer)$")
 _ATTN_CLASS = re.compile(r"Attention|Attn")
 _MLP_CLASS = re.compile(r"MLP|Mlp|FeedForward|FFN|Ffn|MoE|Moe|SparseBlock|Experts|DenseActDense|DenseGatedActDense")
 _MIXER_CLASS = re.compile(r"Mamba|Mixer|DeltaNet|LinearAttention|ShortConv|Recurrent|RgLru|SSM|Ssm|Conv(?!ert)")
@@ -60,6 +60,8 @@ class BlockLayout:
     """resid_out == resid_in + attn_out (+ cross_attn_out) (+ mixer_out) + mlp_out."""
     flat_mlp: bool = False
     notes: dict[str, str] = field(default_factory=dict)
+    replaced: dict[str, str] = field(default_factory=dict)
+    """Kind -> the sublayer path a post-sublayer norm replaced (tried again if the sum fails)."""
 
 
 def _get(root: nn.Module, path: str | None) -> nn.Module | None:
@@ -158,9 +160,11 @@ def _generic_layout(block: nn.Module) -> BlockLayout | None:
     if lay.mlp_out is None and "fc1" in names and "fc2" in names:  # BART-style: fc1 / fc2 in the block
         lay.mlp_out = lay.mlp_post = "fc2"
         lay.style = "BART-style (self_attn / encoder_attn / fc1 / fc2)"
-    if lay.attn is None and lay.mixer_out is None:
+    if lay.attn is None and lay.mixer_out is None and lay.mlp_out is None:
         return None
-    if lay.mixer_out is not None and lay.attn is None:
+    if lay.attn is None and lay.mixer_out is None:  # attention nested deeper (DBRX): found by the probe's caller
+        lay.style = "sequential (attention inside a wrapper)"
+    elif lay.mixer_out is not None and lay.attn is None:
         lay.style = "state-space / mixer block"
     return lay
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -43,6 +45,8 @@ def refine(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
         path = _path_in(block, cross_calls[0].module)
         lay.cross_attn = path
         lay.cross_attn_out = lay.cross_attn_out or _top(path, block)
+    if lay.mixer_out is not None and lay.mixer_out == lay.attn_out:
+        lay.mixer_out = None  # a hybrid's temporal block that is attention in this layer: counted once
     children = dict(block.named_children())
     for key in ("attn_out", "cross_attn_out", "mixer_out", "mlp_out"):
         path = getattr(lay, key)
@@ -53,6 +57,7 @@ def refine(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
         for name, child in children.items():
             if is_norm(name, child) and child in trace.inputs and trace.inputs[child].shape == out.shape \
                     and torch.equal(trace.inputs[child], out):
+                lay.replaced[key] = path
                 setattr(lay, key, name)
                 lay.notes[key] = f"after the post-sublayer norm {name} ({type(child).__name__}), as added to the residual"
                 break
@@ -116,12 +121,11 @@ def check_stack(prefix: str, blocks: list[nn.Module], final: nn.Module | None, t
     return offset
 
 
-def sum_problem(block: nn.Module, lay: BlockLayout, trace: Trace) -> str | None:
-    """Why resid_in + sublayer outputs != resid_out for an additive block (None if it holds)."""
-    x, y = trace.inputs.get(block), trace.outputs.get(block)
-    if x is None or y is None:
-        return None
-    total = x.float()
+def _contributions(block: nn.Module, lay: BlockLayout, trace: Trace) -> dict[str, torch.Tensor] | str:
+    """The probe's output of each sublayer site of an additive block (float, residual-shaped),
+    or why one cannot be used."""
+    x = trace.inputs.get(block)
+    outs: dict[str, torch.Tensor] = {}
     for key in ("attn_out", "cross_attn_out", "mixer_out", "mlp_out"):
         module = submodule(block, getattr(lay, key))
         if module is None:
@@ -135,7 +139,135 @@ def sum_problem(block: nn.Module, lay: BlockLayout, trace: Trace) -> str | None:
             out = out.view(*x.shape[:-1], -1)
         if out.shape != x.shape:
             return f"{key} ({getattr(lay, key)}) has shape {tuple(out.shape)}, not the residual's {tuple(x.shape)}"
-        total = total + out.float()
-    if not close(total, y.float(), 1e-4):
+        outs[key] = out.float()
+    return outs
+
+
+def sum_problem(block: nn.Module, lay: BlockLayout, trace: Trace) -> str | None:
+    """Why resid_in + sublayer outputs != resid_out for an additive block (None if it holds)."""
+    x, y = trace.inputs.get(block), trace.outputs.get(block)
+    if x is None or y is None:
+        return None
+    outs = _contributions(block, lay, trace)
+    if isinstance(outs, str):
+        return outs
+    if not close(x.float() + sum(outs.values()), y.float(), 1e-4):
         return "resid_in + attn_out + mlp_out differs from resid_out"
     return None
+
+
+_KINDS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out")
+
+
+def _scales(x: torch.Tensor, y: torch.Tensor, outs: dict[str, torch.Tensor]) -> dict[str, float] | None:
+    """Constants c_k with resid_in + sum(c_k * out_k) == resid_out (1e-4, the tolerance of the
+    plain sum), fitted on the probe by least squares; None when no constants reproduce it."""
+    a = torch.stack([o.reshape(-1) for o in outs.values()], dim=1).double()
+    b = (y - x).reshape(-1).double()
+    if a.shape[0] <= 4 * a.shape[1] or torch.linalg.matrix_rank(a) < a.shape[1]:
+        return None
+    c = torch.linalg.lstsq(a, b[:, None]).solution[:, 0]
+    if not bool(torch.isfinite(c).all()) or bool((c.abs() < 1e-3).any()):
+        return None  # a sublayer fitted away: not a multiplier
+    c = torch.where((c - 1).abs() < 1e-3, torch.ones_like(c), c)
+    scales = {key: float(v) for key, v in zip(outs, c)}
+    return scales if close(x + sum(scales[k] * o for k, o in outs.items()), y, 1e-4) else None
+
+
+def _last_projection(block: nn.Module, path: str, trace: Trace) -> str | None:
+    """Path (from the block) of the last linear layer to finish inside the sublayer at `path`:
+    its output projection, the contribution when the sublayer adds the residual itself."""
+    sub = submodule(block, path)
+    if sub is None:
+        return None
+    names = {m: n for n, m in sub.named_modules() if n and (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")}
+    done = [m for m in trace.outputs if m in names]  # the trace keeps the order modules finished in
+    return f"{path}.{names[done[-1]]}" if done else None
+
+
+def _same(a, b) -> bool:
+    return a is not None and b is not None and a.shape == b.shape and torch.equal(a, b)
+
+
+def _alternatives(block: nn.Module, path: str, trace: Trace, shape, assigned=()) -> list[tuple[str, str | None, str]]:
+    """Exact readings of one sublayer's contribution: (module path, path of a module whose
+    output is added to it or None, note)."""
+    alts: list[tuple[str, str | None, str]] = [(path, None, "")]
+    inner = _last_projection(block, path, trace)
+    if inner:
+        alts.append((inner, None, f"{path} adds the residual inside itself"))
+    module = submodule(block, path)
+    out, inp = trace.outputs.get(module), trace.inputs.get(module)
+    for name, child in block.named_children():
+        cin, cout = trace.inputs.get(child), trace.outputs.get(child)
+        if child is module or cout is None or cout.shape != shape:
+            continue
+        if _same(cin, out):
+            alts.append((name, None, f"{name} is applied to the output of {path}"))
+        elif _same(cin, inp) and name not in assigned:  # hooked at whichever of the two finishes last
+            order = list(trace.outputs)
+            later = module in order and order.index(child) > order.index(module)
+            first, second = (path, name) if later else (name, path)
+            alts.append((second, first, f"plus the output of {first}, which runs beside it on the same input"))
+    return alts
+
+
+def _contribution(block, trace, x, path, plus, flat) -> torch.Tensor | None:
+    total = None
+    for p in (path, plus):
+        if p is None:
+            continue
+        out = trace.outputs.get(submodule(block, p))
+        if out is not None and flat and out.ndim == x.ndim - 1:
+            out = out.view(*x.shape[:-1], -1)
+        if out is None or out.shape != x.shape:
+            return None
+        total = out.float() if total is None else total + out.float()
+    return total
+
+
+def repair(block: nn.Module, lay: BlockLayout, trace: Trace):
+    """For an additive block whose sum fails, try exact readings of its sublayers: a sublayer
+    that adds the residual inside itself is read at its output projection; a module applied to
+    a sublayer's output (Inkling's short convolutions) or run beside it on the same input
+    (Granite's shared MLP, summed) joins it; constant residual multipliers are fitted. Returns
+    (problem or None, {kind: scale} or None, {kind: path of the module added to it}); on
+    success `lay` and its notes describe the reading."""
+    problem = sum_problem(block, lay, trace)
+    x, y = trace.inputs.get(block), trace.outputs.get(block)
+    kinds = [k for k in _KINDS if getattr(lay, k)]
+    if problem is None or x is None or y is None or not kinds:
+        return problem, None, None
+    x, y = x.float(), y.float()
+    assigned = {getattr(lay, k) for k in kinds}  # another sublayer is never summed into this one
+    options = [_alternatives(block, getattr(lay, k), trace, x.shape, assigned) +
+               (_alternatives(block, lay.replaced[k], trace, x.shape, assigned) if k in lay.replaced else [])
+               for k in kinds]
+    combos = list(itertools.islice(itertools.product(*options), 256))
+    for scaled in (False, True):  # every exact plain reading before any fitted multiplier
+        for combo in combos:
+            chosen = {k: c for k, c in zip(kinds, combo)}
+            taken = {c[0] for c in combo if c[2]} | {c[1] for c in combo if c[1]}
+            chosen = {k: c for k, c in chosen.items() if c[2] or getattr(lay, k) not in taken}  # a follower counts once
+            outs = {k: _contribution(block, trace, x, c[0], c[1], lay.flat_mlp and k == "mlp_out")
+                    for k, c in chosen.items()}
+            if not outs or any(o is None for o in outs.values()):
+                continue
+            scales = _scales(x, y, outs) if scaled else None
+            if scales or (not scaled and close(x + sum(outs.values()), y, 1e-4)):
+                _apply(lay, kinds, chosen)
+                return None, scales, {k: c[1] for k, c in chosen.items() if c[1]}
+    return problem, None, None
+
+
+def _apply(lay: BlockLayout, kinds: list[str], chosen: dict) -> None:
+    for k in kinds:
+        if k not in chosen:
+            setattr(lay, k, None)
+            continue
+        path, _, note = chosen[k]
+        if path != getattr(lay, k):
+            lay.notes.pop(k, None)  # no longer after a post-sublayer norm
+        setattr(lay, k, path)
+        if note:
+            lay.notes[k] = note

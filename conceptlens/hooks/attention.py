@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from conceptlens.hooks import kv_cache
 from conceptlens.hooks.handles import Handle
 from conceptlens.hooks.pattern import eager_pattern
 
@@ -29,6 +30,8 @@ _hooks: dict[nn.Module, list[tuple[int, QKVHook, bool]]] = {}
 _installed: dict[str, object] = {}  # implementation name -> previous local entry (or _MISSING)
 _edits: set = set()  # entries registered by steering (run before reads)
 _observers: list[Callable] = []  # fn(module, query, key, value, kwargs) for every call (attach-time probe)
+_watchers: dict[nn.Module, Handle] = {}  # modules with k/v hooks: their cache updates run the hooks
+_kv_shape: dict[tuple[nn.Module, int], tuple[int, int]] = {}  # (module, 1 | 2) -> the site's (heads, head dim)
 
 
 def _registry():
@@ -64,7 +67,15 @@ def _wrap(name: str, previous: object) -> Callable:
 
 def _run_hooks(hooks: list, qkv: list[Tensor], args: tuple, kwargs: dict, module: nn.Module) -> list[Tensor]:
     length = qkv[0].shape[2]
-    for index, fn, current in sorted(hooks, key=lambda h: h[0] == 3):  # patterns after every q/k edit
+    state = kv_cache.call_state(module)
+    for entry in sorted(hooks, key=lambda h: h[0] == 3):  # patterns after every q/k edit
+        index, fn, current = entry
+        if index in (1, 2) and state is not None and state.cached:
+            if state.updated:
+                state.check(module, qkv[1], qkv[2], "kv"[index - 1])
+                continue  # ran on this call's new keys/values at the cache update
+            if not current and entry in _edits:
+                continue  # cross-attention reading the cache it filled (and edited) in an earlier step
         if index == 3:
             pattern = eager_pattern(module, qkv[0], qkv[1], args, kwargs)  # (B, H, T, S)
             fn(pattern.transpose(1, 2))  # (B, T, H, S): one row per query token; read only
@@ -77,10 +88,26 @@ def _run_hooks(hooks: list, qkv: list[Tensor], args: tuple, kwargs: dict, module
     return qkv
 
 
+def _kv_at_update(module: nn.Module) -> Callable:
+    """The k/v hooks of `module`, run on the keys/values a cache `update` is about to store."""
+    def run(key: Tensor, value: Tensor, cache_class: str) -> tuple[Tensor, Tensor]:
+        kv = [None, key, value]
+        for index in (1, 2):
+            shape = _kv_shape.get((module, index))
+            if shape is not None and kv[index].ndim == 4 and (kv[index].shape[1], kv[index].shape[3]) != shape:
+                raise kv_cache.changed(module, cache_class, "kv"[index - 1])
+        for index, fn, _ in [h for h in _hooks.get(module, ()) if h[0] in (1, 2)]:  # edits first
+            new = fn(kv[index].transpose(1, 2))  # (B, T, H, d): exactly this call's tokens
+            if new is not None:
+                kv[index] = new.transpose(1, 2).to(kv[index].dtype)
+        return kv[1], kv[2]
+
+    return run
+
+
 def _replace(x: Tensor, new: Tensor, past: int, index: int) -> Tensor:
-    """Put the edited tokens back. Keys and values are written in place: a dynamic KV cache
-    returns its own storage (or a view of it, for sliding windows), so the cache keeps the
-    edited k/v and a cached forward sees what an uncached one recomputes."""
+    """Put the edited tokens back. Keys and values are written in place (a module that attends
+    over a dynamic cache it did not update through `update` then still keeps the edit)."""
     if index in (1, 2) and not torch.is_grad_enabled():
         x[:, :, past:] = new
         return x
@@ -94,18 +121,25 @@ def implementation_of(module: nn.Module) -> str:
 
 
 def add_qkv_hook(module: nn.Module, which: str, fn: QKVHook, *, current: bool = True,
-                 implementation: str | None = None, edit: bool = False) -> Handle:
+                 implementation: str | None = None, edit: bool = False,
+                 shape: tuple[int, int] | None = None) -> Handle:
     """Run `fn` on `which` ("q", "k" or "v") each time `module` calls its attention function.
 
     With `current=True` (self-attention) `fn` sees only the keys/values of this forward's
     tokens, not those read back from a KV cache (the cache is assumed to append at the end,
     as dynamic caches do). Cross-attention passes `current=False`: its keys are the encoder's.
+    `shape` (heads, head dim) of a k/v site: a cache update of another shape (a latent the
+    module expands afterwards) is refused instead of handed to `fn`.
     """
     if which not in _INDEX:
         raise ValueError(f"which must be one of 'q', 'k', 'v', 'pattern'; got {which!r}")
     _install(implementation or implementation_of(module))
     entry = (_INDEX[which], fn, current)
     hooks = _hooks.setdefault(module, [])
+    if which in ("k", "v") and module not in _watchers:
+        _watchers[module] = kv_cache.watch(module, _kv_at_update(module))
+    if which in ("k", "v") and shape is not None:
+        _kv_shape[(module, _INDEX[which])] = shape
     if edit:  # edits before reads; among edits, registration order
         hooks.insert(sum(1 for h in hooks if h in _edits), entry)
         _edits.add(entry)
@@ -117,6 +151,10 @@ def add_qkv_hook(module: nn.Module, which: str, fn: QKVHook, *, current: bool = 
         if entry in hooks:
             hooks.remove(entry)
         _edits.discard(entry)
+        if module in _watchers and not any(h[0] in (1, 2) for h in hooks):
+            _watchers.pop(module).remove()
+            _kv_shape.pop((module, 1), None)
+            _kv_shape.pop((module, 2), None)
         if not hooks:
             _hooks.pop(module, None)
         if not _hooks and not _observers:

@@ -25,19 +25,35 @@ def hook_site(site: Site, fn: SiteFn, *, edit: bool = False) -> Handle:
     `edit=True` (steering) puts the hook before every other hook at the site, so edits at a
     site always run before reads there, whatever order the scopes were opened in.
     """
+    if site.scale != 1.0:
+        fn = _scaled(fn, site.scale)
     if site.point == "pattern":
         if edit:
             raise ValueError(f"{site.name} is read only (attention probabilities); edit q or k instead")
         return add_qkv_hook(site.module, "pattern", fn)
     if site.point in ("q", "k", "v"):
         # "T" in the sequence dimension: aligned with this forward's queries (self-attention)
-        return add_qkv_hook(site.module, site.point, fn, current=site.shape[1] == "T", edit=edit)
+        shape = tuple(site.shape[2:4]) if all(isinstance(s, int) for s in site.shape[2:4]) else None
+        return add_qkv_hook(site.module, site.point, fn, current=site.shape[1] == "T", edit=edit, shape=shape)
     if site.point == "input":
         return Handle(site.module.register_forward_pre_hook(_input_hook(fn, site.heads), with_kwargs=True,
                                                             prepend=edit).remove)
     if site.flat_in is not None:
         return _flat_output_hook(site, fn, edit)
+    if site.plus is not None:
+        return _sum_output_hook(site, fn, edit)
     return Handle(site.module.register_forward_hook(_output_hook(fn, site.heads), prepend=edit).remove)
+
+
+def _scaled(fn: SiteFn, scale: float) -> SiteFn:
+    """`fn` sees `scale * x`; an edit comes back as x + (edited - scale * x) / scale, so an edit
+    that changes nothing returns x bit for bit."""
+    def call(x: Tensor) -> Tensor | None:
+        scaled = x * scale
+        new = fn(scaled)
+        return None if new is None else x + (new - scaled) / scale
+
+    return call
 
 
 def _input_hook(fn: SiteFn, heads: int | None = None):
@@ -91,6 +107,31 @@ def _flat_output_hook(site: Site, fn: SiteFn, edit: bool = False) -> Handle:
     try:
         group.add(site.flat_in.register_forward_pre_hook(remember, with_kwargs=True, prepend=True))
         group.add(site.module.register_forward_hook(hook, prepend=edit))
+    except BaseException:
+        group.remove()
+        raise
+    return group
+
+
+def _sum_output_hook(site: Site, fn: SiteFn, edit: bool = False) -> Handle:
+    """For a site that is `module`'s output plus `site.plus`'s (two modules on the same input):
+    `fn` sees the sum; an edit's change is added to `module`'s output (a null edit changes nothing)."""
+    other: list[Tensor] = []
+
+    def remember(module, args, output):
+        other[:] = [output[0] if isinstance(output, (tuple, list)) else output]
+
+    def call(x: Tensor) -> Tensor | None:
+        if not other:  # `plus` finishes after `module`: the sum is formed at its output instead
+            raise RuntimeError(f"{site.name}: {type(site.plus).__name__} did not run before {type(site.module).__name__}")
+        total = x + other.pop()
+        new = fn(total)
+        return None if new is None else x + (new - total)
+
+    group = HandleGroup()
+    try:
+        group.add(site.plus.register_forward_hook(remember, prepend=True))
+        group.add(site.module.register_forward_hook(_output_hook(call, site.heads), prepend=edit))
     except BaseException:
         group.remove()
         raise

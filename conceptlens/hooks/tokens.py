@@ -42,10 +42,27 @@ class StackInputs:
     past: Tensor | int = 0
     """Cached length before this forward: an int, or `cache_position` (T,)."""
 
+    def key_mask(self) -> Tensor | None:
+        """(B, S) mask of real tokens, cached ones included, or None where it cannot be told.
+
+        A 2-D mask is taken as given. transformers' own 4-D masks (or its mapping of them per
+        layer type, which `generate` passes with a static cache) give it as the keys the last
+        query may attend among the first `past + T`: left padding is the only masked key there.
+        """
+        mask = self.attention_mask
+        if isinstance(mask, dict):
+            mask = mask.get("full_attention", next(iter(mask.values()), None))
+        if isinstance(mask, Tensor) and mask.ndim == 4:
+            past = self.past
+            total = int(past[-1]) + 1 if isinstance(past, Tensor) else past + mask.shape[2]
+            row = mask[:, 0, -1, :total]
+            mask = row if row.dtype == torch.bool else row == 0  # additive masks: 0 where attended
+        return mask if isinstance(mask, Tensor) and mask.ndim == 2 else None
+
     def meta(self, batch: int, length: int, device: torch.device, special_ids: Tensor | None = None) -> TokenMeta:
         """Bookkeeping for a `(batch, length, ...)` tensor of this stack."""
-        mask = self.attention_mask if isinstance(self.attention_mask, Tensor) else None  # not a mask mapping
-        if mask is not None and (mask.ndim != 2 or mask.shape[0] != batch or mask.shape[1] < length):
+        mask = self.key_mask()
+        if mask is not None and (mask.shape[0] != batch or mask.shape[1] < length):
             mask = None  # 4-D or unrelated mask: every row counts
         if mask is not None:
             mask = mask.to(device)

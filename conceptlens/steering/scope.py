@@ -77,8 +77,9 @@ class Steer:
         if stack in self.prompt_length:
             return
         inputs = meta_source.inputs[stack]
-        if inputs.attention_mask is not None and inputs.attention_mask.ndim == 2:
-            self.prompt_length[stack] = inputs.attention_mask.sum(-1)
+        mask = inputs.key_mask()
+        if mask is not None:
+            self.prompt_length[stack] = mask.sum(-1)
         elif inputs.input_ids is not None:
             ids = inputs.input_ids
             self.prompt_length[stack] = torch.full((ids.shape[0],), ids.shape[-1], device=ids.device)

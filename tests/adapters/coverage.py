@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import conceptlens
@@ -30,8 +31,14 @@ def reference(model_type: str):
     try:
         model = build(model_type)
         inputs = inputs_for(model)
-        with torch.no_grad():
-            out = model(**inputs, output_hidden_states=True)
+        with torch.no_grad():  # without a cache, as the sites are checked (check_kv_cache tries one)
+            try:
+                out = model(**inputs, output_hidden_states=True, use_cache=False)
+                inputs["use_cache"] = False  # every later forward of the checks too
+            except TypeError as err:
+                if "use_cache" not in str(err):
+                    raise
+                out = model(**inputs, output_hidden_states=True)
     except Exception as err:  # transformers' own failure: not ours to count
         raise NotBuildable(f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}") from err
     return model, inputs, out
@@ -83,6 +90,35 @@ def check_model(model, inputs, out, partial: bool = False) -> None:
                                                                if f"{p}blocks.{i}.{k}" in acts)
                 assert close(total, acts[f"{p}blocks.{i}.resid_out"], 1e-4), \
                     f"{p}blocks.{i}: resid_in + attn_out + mlp_out != resid_out"
+
+
+def check_kv_cache(model, inputs, refused: bool = False) -> None:
+    """k/v sites read at the KV cache's update (a forward with a cache) equal those read at the
+    attention function (no cache): the keys a cache stores are the keys the scores use. Where
+    the module attends to other k/v than it stores (`refused`), a cached forward must refuse."""
+    lens = conceptlens.attach(model)
+    inputs = {k: v for k, v in inputs.items() if k != "use_cache"}
+    names = [n for n in lens.sites if ".attn." in n and n.endswith((".attn.k", ".attn.v"))]
+    if not names or not getattr(model.config.get_text_config(decoder=True), "use_cache", False):
+        return
+    try:
+        with torch.no_grad():
+            out = model(**inputs, use_cache=True)
+    except Exception:  # transformers itself refuses a cache here (Switch's encoder)
+        return
+    if getattr(out, "cache", getattr(out, "past_key_values", None)) is None:
+        return
+    with lens.capture(names, keep_shape=True) as fresh, torch.no_grad():
+        model(**inputs, use_cache=False)
+    if refused:
+        with pytest.raises(ValueError, match="attends to other keys/values than it stores"), torch.no_grad(), \
+                lens.capture(names, keep_shape=True):
+            model(**inputs, use_cache=True)
+        return
+    with lens.capture(names, keep_shape=True) as cached, torch.no_grad():
+        model(**inputs, use_cache=True)
+    for name in names:
+        assert close(cached.last[0][name], fresh.last[0][name], 1e-6), f"{name} differs with a KV cache"
 
 
 def check_attention(model, inputs, sink_scaled: bool = False) -> None:

@@ -1,0 +1,116 @@
+"""k/v hooks at the KV cache: edits reach the cache whatever its class.
+
+An attention module stores its new keys and values with `cache.update(key, value, layer, ...)`
+and attends over what the cache returns: for a dynamic cache, its storage with the new
+tokens at the end; for a static cache, the whole preallocated buffer; for a quantised cache,
+a dequantised copy. Editing what the attention function receives therefore reaches the cache
+only in the first case (and only outside autograd). So while a module has k/v hooks, each of
+its calls that carries a cache routes that cache's `update` through the hooks: they see
+exactly this call's new keys/values (before storage), and the cache stores the edited ones.
+
+    handle = watch(attention_module, run_kv)   # run_kv(key, value, cache_class) -> (key, value), (B, H, T, d)
+    state = call_state(attention_module)       # during the call: did it carry a cache / update it?
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import Tensor, nn
+
+from conceptlens.hooks.handles import Handle
+
+_MISSING = object()
+
+
+class CallState:
+    """One call of a watched module: did it carry a cache, did it call `update`, and what did
+    the update return (the module must attend to exactly those tensors)."""
+
+    __slots__ = ("cached", "updated", "returned", "cache_class")
+
+    def __init__(self, cached: bool) -> None:
+        self.cached = cached
+        self.updated = False
+        self.returned: tuple = ()
+        self.cache_class = ""
+
+    def check(self, module: nn.Module, key: Tensor, value: Tensor, which: str) -> None:
+        """ValueError unless the attention function got the keys/values the cache returned: a
+        module that changes them in between (splits, repeats) attends to k/v the hooks never saw."""
+        if self.returned and (key is not self.returned[0] or value is not self.returned[1]):
+            raise changed(module, self.cache_class, which)
+
+
+def changed(module: nn.Module, cache_class: str, which: str) -> ValueError:
+    return ValueError(f"{type(module).__name__} attends to other keys/values than it stores in its {cache_class} "
+                      f"(e.g. a latent it expands), so attn.{which} hooks cannot follow the cache; run with "
+                      "use_cache=False, or use the attn.q, attn_out or resid sites")
+
+
+_state: dict[nn.Module, CallState] = {}
+
+
+def call_state(module: nn.Module) -> CallState | None:
+    """The running call's state of a watched module (None outside its forward, or unwatched)."""
+    return _state.get(module)
+
+
+def _caches(args: tuple, kwargs: dict) -> list:
+    from transformers.cache_utils import Cache, EncoderDecoderCache
+
+    found = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, EncoderDecoderCache):  # the module updates one of its two caches
+            found += [value.self_attention_cache, value.cross_attention_cache]
+        elif isinstance(value, Cache):
+            found.append(value)
+    return found
+
+
+def watch(module: nn.Module, run_kv: Callable[[Tensor, Tensor, str], tuple[Tensor, Tensor]]) -> Handle:
+    """While `module` runs with a cache among its arguments, that cache's `update` first
+    passes the new keys and values through `run_kv`; restored when the call ends."""
+    patched: list[tuple[object, object]] = []  # (cache, its own previous `update` attribute)
+
+    def restore() -> None:
+        while patched:
+            cache, previous = patched.pop()
+            if previous is _MISSING:
+                vars(cache).pop("update", None)
+            else:
+                cache.update = previous
+
+    def pre(mod, args, kwargs):
+        restore()
+        caches = _caches(args, kwargs)
+        state = _state[mod] = CallState(bool(caches))
+        for cache in caches:
+            patched.append((cache, vars(cache).get("update", _MISSING)))
+            cache.update = _routed(cache.update, run_kv, state, type(cache).__name__)
+
+    def post(mod, args, kwargs, output):
+        restore()
+        _state.pop(mod, None)
+
+    pre_handle = module.register_forward_pre_hook(pre, with_kwargs=True)
+    post_handle = module.register_forward_hook(post, with_kwargs=True, always_call=True)
+
+    def remove() -> None:
+        pre_handle.remove()
+        post_handle.remove()
+        restore()
+        _state.pop(module, None)
+
+    return Handle(remove)
+
+
+def _routed(original: Callable, run_kv: Callable, state: CallState, cache_class: str) -> Callable:
+    def update(key_states: Tensor, value_states: Tensor, *args, **kwargs):
+        key_states, value_states = run_kv(key_states, value_states, cache_class)
+        out = original(key_states, value_states, *args, **kwargs)
+        state.updated, state.cache_class = True, cache_class
+        state.returned = tuple(out) if isinstance(out, (tuple, list)) and len(out) == 2 else ()
+        return out
+
+    return update

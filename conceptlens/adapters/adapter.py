@@ -69,6 +69,9 @@ def head_layout(attn: nn.Module, config) -> tuple[int, int, int] | None:
 class Adapter:
     """Every site of a model, found from its own modules (nothing is reimplemented)."""
 
+    _current: tuple[nn.Module, int, nn.Module] | None = None
+    _final_call: dict[str, int]
+
     def __init__(self, model: nn.Module, *, verify: bool = True) -> None:
         self.model = model
         self.config = model.config
@@ -88,6 +91,9 @@ class Adapter:
         finals = {p: [get_path(s, c) for c in final_norm_candidates(s, self._block_paths[p])]
                   for p, s in self.stacks.items()}
         trace = run_probe(model, self.blocks, [m for ms in finals.values() for m in ms], self.stacks)
+        self._final_call = {}
+        self.calls: dict[str, list[int] | None] = {p: self._unroll(p, trace) for p in self.stacks}
+        """Stack -> for each block, which call of its module it is (None: every block is its own module)."""
         self.sites: dict[str, Site] = {}
         self.n_blocks = {p: len(b) for p, b in self.blocks.items()}
         self.names = NameResolver(self)
@@ -99,7 +105,8 @@ class Adapter:
                 refine(block, lay, trace)
                 for key, path in families.LAYOUT.get(self.family, {}).items():
                     setattr(lay, key, path)
-            self.hidden_offset[prefix] = check_stack(prefix, self.blocks[prefix], final, trace, self._what()) \
+            self.hidden_offset[prefix] = check_stack(prefix, self.blocks[prefix], final, trace, self._what(),
+                                                     self.calls[prefix], self._final_call.get(prefix)) \
                 if verify else 1
             self._add_stack(prefix, final, trace)
 
@@ -113,6 +120,10 @@ class Adapter:
             raise ValueError(f"cannot find the list of blocks in {type(stack).__name__} ({self._what()}): "
                              "no ModuleList of layers")
         blocks = list(get_path(stack, path))
+        if all(recognise(b) is None for b in blocks):  # groups of layers (ALBERT's layer groups)
+            inner = [_only_list(b) for b in blocks]
+            if all(inner):
+                blocks = [m for group in inner for m in group]
         layouts = []
         for i, block in enumerate(blocks):
             lay = recognise(block)
@@ -124,12 +135,37 @@ class Adapter:
         self._block_paths[prefix] = path
         self.blocks[prefix], self.layouts[prefix] = blocks, layouts
 
+    def _unroll(self, prefix: str, trace: Trace) -> list[int] | None:
+        """Where a layer module runs several times in one forward (ALBERT's shared layer, looped
+        layers), the stack's blocks become its calls in the order they ran, when that gives one
+        block per hidden state; block i is then the i-th call (site.call)."""
+        blocks = self.blocks[prefix]
+        if all(trace.calls.get(b, 0) == 1 for b in blocks):
+            return None
+        own = set(blocks)
+        sequence = [m for m in trace.sequence if m in own]
+        hidden = trace.hidden.get(prefix)
+        if not sequence or hidden is None or len(sequence) + 1 != len(hidden):
+            return None  # check_stack names the block that did not run once
+        calls, seen = [], {}
+        for m in sequence:
+            calls.append(seen.get(m, 0))
+            seen[m] = calls[-1] + 1
+        self.blocks[prefix] = sequence
+        self.layouts[prefix] = [recognise(m) for m in sequence]
+        return calls
+
     def _final(self, prefix: str, candidates: list[nn.Module], trace: Trace) -> nn.Module | None:
-        last = trace.outputs.get(self.blocks[prefix][-1])
+        calls = self.calls.get(prefix)
+        last = trace.io(self.blocks[prefix][-1], calls[-1] if calls else None)[1]
         for module in candidates:
-            x = trace.inputs.get(module)
-            if x is not None and last is not None and x.shape == last.shape and bool((x == last).all()):
-                return module
+            n_calls = trace.calls.get(module, 0)
+            for k in range(n_calls):  # a norm run inside the stack too (Dory): the call reading the last block
+                x = trace.io(module, k)[0]
+                if x is not None and last is not None and x.shape == last.shape and bool((x == last).all()):
+                    if n_calls > 1:
+                        self._final_call[prefix] = k
+                    return module
         return None
 
     def _add_stack(self, prefix: str, final: nn.Module | None, trace: Trace) -> None:
@@ -137,8 +173,10 @@ class Adapter:
         blocks = self.blocks[prefix]
         width = trace.inputs[blocks[0]].shape[-1] if blocks[0] in trace.inputs else self._hidden_size()
         resid = ("B", "T", int(width))
+        calls = self.calls.get(prefix)
         for i, (block, lay) in enumerate(zip(blocks, self.layouts[prefix])):
             b, cls = f"{p}blocks.{i}", type(block).__name__
+            self._current = (block, calls[i], self.stacks[prefix]) if calls else None
             if i == 0:
                 self._add(f"{p}embed", block, "input", resid, prefix, f"input to {cls} 0")
             self._add(f"{b}.resid_in", block, "input", resid, prefix, f"input of {cls} {i} ({lay.style})")
@@ -168,8 +206,11 @@ class Adapter:
             if lay.mlp_post and not lay.flat_mlp and (module := _get(block, lay.mlp_post)) is not None:
                 self._add(f"{b}.mlp.post", module, "input", ("B", "T", _in_width(module)), prefix,
                           f"input of {lay.mlp_post} ({type(module).__name__}): the MLP's hidden activations")
+        k = self._final_call.get(prefix)
+        self._current = (final, k, self.stacks[prefix]) if k is not None else None
         if final is not None:
             self._add(f"{p}final", final, "output", resid, prefix, f"output of the final norm ({type(final).__name__})")
+        self._current = None
 
     def _hidden_size(self) -> int:
         text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
@@ -177,6 +218,13 @@ class Adapter:
 
     def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
              flat_in=None, scale: float = 1.0, plus: nn.Module | None = None) -> None:
+        shared = self._current
+        if shared is not None:
+            block, call, stack_module = shared
+            source += f" (call {call} of this shared {type(block).__name__} in each forward)"
+            self.sites[name] = Site(name, module, point, shape, stack, source, heads, flat_in, scale, plus,
+                                    call, block, stack_module)
+            return
         self.sites[name] = Site(name, module, point, shape, stack, source, heads, flat_in, scale, plus)
 
     def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,
@@ -247,6 +295,15 @@ class Adapter:
     def canonical(self, name: str) -> str:
         return self.names.canonical(name)
 
+
+
+def _only_list(module: nn.Module) -> list[nn.Module] | None:
+    """The layers of a module whose only child is a ModuleList of recognisable layers."""
+    children = list(module.children())
+    if len(children) == 1 and isinstance(children[0], nn.ModuleList) and len(children[0]) and \
+            all(recognise(m) is not None for m in children[0]):
+        return list(children[0])
+    return None
 
 
 def _in_width(module: nn.Module) -> int:

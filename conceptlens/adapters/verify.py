@@ -89,15 +89,17 @@ def call_of(trace: Trace, module: nn.Module | None) -> Call | None:
     return next((c for c in trace.attention if c.module is module), None)
 
 
-def check_stack(prefix: str, blocks: list[nn.Module], final: nn.Module | None, trace: Trace, what: str) -> int:
+def check_stack(prefix: str, blocks: list[nn.Module], final: nn.Module | None, trace: Trace, what: str,
+                calls: list[int] | None = None, final_call: int | None = None) -> int:
     """resid_out of every block (and embed, final) against HF's hidden states; raise LayoutError.
 
     Returns the offset of block i's output in the hidden states: 1 when hidden_states[0] is
     the embedding (most models), 0 when the model lists only block outputs (Mamba).
     """
     p = f"{prefix}." if prefix else ""
+    virtual, calls = calls is not None, calls or [0] * len(blocks)
     for i, block in enumerate(blocks):
-        if trace.calls.get(block, 0) != 1:
+        if not virtual and trace.calls.get(block, 0) != 1:
             raise LayoutError(f"{what}: {p}blocks.{i} ({type(block).__name__}) ran {trace.calls.get(block, 0)} times "
                               "in one forward (shared or skipped blocks), so its sites are not one layer's")
     hidden = trace.hidden.get(prefix)
@@ -110,13 +112,13 @@ def check_stack(prefix: str, blocks: list[nn.Module], final: nn.Module | None, t
     if not offset and not close(trace.outputs.get(blocks[0]), hidden[0]):
         raise LayoutError(f"{what}: neither the input nor the output of {p}blocks.0 is the model's hidden_states[0]")
     for i, block in enumerate(blocks):
-        out = trace.outputs.get(block)
+        out = trace.io(block, calls[i])[1]
         if i + offset == n and not close(out, hidden[n]):
-            out = trace.outputs.get(final) if final is not None else None
+            out = trace.io(final, final_call)[1] if final is not None else None
         if not close(out, hidden[i + offset]):
             raise LayoutError(f"{what}: the output of {p}blocks.{i} ({type(block).__name__}) is not the model's "
                               f"hidden_states[{i + offset}]")
-    if not offset and not close(trace.outputs.get(final) if final is not None else None, hidden[n]):
+    if not offset and not close(trace.io(final, final_call)[1] if final is not None else None, hidden[n]):
         raise LayoutError(f"{what}: hidden_states[{n}] is not the output of a final norm")
     return offset
 

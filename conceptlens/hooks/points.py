@@ -14,6 +14,7 @@ from torch import Tensor
 
 from conceptlens.adapters.site import Site
 from conceptlens.hooks.attention import add_qkv_hook
+from conceptlens.hooks.calls import gated_hook
 from conceptlens.hooks.handles import Handle, HandleGroup
 
 SiteFn = Callable[[Tensor], Tensor | None]
@@ -23,8 +24,15 @@ def hook_site(site: Site, fn: SiteFn, *, edit: bool = False) -> Handle:
     """Register `fn` at `site`; the returned handle removes it.
 
     `edit=True` (steering) puts the hook before every other hook at the site, so edits at a
-    site always run before reads there, whatever order the scopes were opened in.
+    site always run before reads there, whatever order the scopes were opened in. A site of
+    one call of a shared layer (`site.call`) acts only during that call of each forward.
     """
+    if site.call is not None and site.block is not None and site.stack_module is not None:
+        return gated_hook(site.block, site.stack_module, site.call, fn, lambda gated: _hook(site, gated, edit))
+    return _hook(site, fn, edit)
+
+
+def _hook(site: Site, fn: SiteFn, edit: bool) -> Handle:
     if site.scale != 1.0:
         fn = _scaled(fn, site.scale)
     if site.point == "pattern":

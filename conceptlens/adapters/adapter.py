@@ -20,7 +20,7 @@ from conceptlens.adapters.probe import Trace, run_probe
 from conceptlens.adapters.site import Site
 from conceptlens.adapters.site_notes import attention_notes
 from conceptlens.adapters.structure import (BlockLayout, children_summary, expected_layers, final_norm_candidates,
-                                            find_block_list, find_stacks, recognise)
+                                            find_block_list, find_stacks, parallel_blocks, recognise)
 from conceptlens.adapters.verify import LayoutError, call_of, check_stack, refine, repair
 from conceptlens.adapters.verify import submodule as _get
 
@@ -86,12 +86,19 @@ class Adapter:
         self.problems: dict[str, str] = {}
         """Site name -> why it is missing (an additive block whose outputs did not add up)."""
         self.generic = self.family not in families.LAYOUT
+        self._io: dict[nn.Module, tuple[nn.Module, nn.Module]] = {}
+        """Block made of parallel lists -> (module reading its input, module giving its output)."""
         for prefix, stack in self.stacks.items():
             self._find_blocks(prefix, stack)
         finals = {p: [get_path(s, c) for c in final_norm_candidates(s, self._block_paths[p])]
                   for p, s in self.stacks.items()}
         trace = run_probe(model, self.blocks, [m for ms in finals.values() for m in ms], self.stacks)
         self._final_call = {}
+        for block, (first, last) in self._io.items():  # a block made of parallel lists: its first and last module
+            for record, module in ((trace.inputs, first), (trace.outputs, last)):
+                if module in record:
+                    record[block] = record[module]
+            trace.calls[block] = trace.calls.get(first, 0)
         self.calls: dict[str, list[int] | None] = {p: self._unroll(p, trace) for p in self.stacks}
         """Stack -> for each block, which call of its module it is (None: every block is its own module)."""
         self.sites: dict[str, Site] = {}
@@ -124,6 +131,9 @@ class Adapter:
             inner = [_only_list(b) for b in blocks]
             if all(inner):
                 blocks = [m for group in inner for m in group]
+            elif (synth := parallel_blocks(stack, path)) is not None:  # XLM: one ModuleList per sublayer
+                blocks = [b for b, _, _ in synth]
+                self._io.update({b: (first, last) for b, first, last in synth})
         layouts = []
         for i, block in enumerate(blocks):
             lay = recognise(block)
@@ -178,9 +188,10 @@ class Adapter:
             b, cls = f"{p}blocks.{i}", type(block).__name__
             self._current = (block, calls[i], self.stacks[prefix]) if calls else None
             if i == 0:
-                self._add(f"{p}embed", block, "input", resid, prefix, f"input to {cls} 0")
-            self._add(f"{b}.resid_in", block, "input", resid, prefix, f"input of {cls} {i} ({lay.style})")
-            self._add(f"{b}.resid_out", block, "output", resid, prefix, f"output of {cls} {i}")
+                self._add(f"{p}embed", self._io.get(block, (block,))[0], "input", resid, prefix, f"input to {cls} 0")
+            first, last = self._io.get(block, (block, block))
+            self._add(f"{b}.resid_in", first, "input", resid, prefix, f"input of {type(first).__name__} {i} ({lay.style})")
+            self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}")
             problem, scales, plus = repair(block, lay, trace) if lay.additive else (None, None, None)
             for kind in _OUT_KINDS:
                 path = getattr(lay, kind)

@@ -236,3 +236,31 @@ def final_norm_candidates(stack: nn.Module, blocks_path: str) -> list[str]:
             if is_norm(name, module):
                 out.append(f"{parent_path}.{name}" if parent_path else name)
     return out
+
+
+class ParallelBlock(nn.Module):
+    """Layer i of a stack that keeps each sublayer in its own ModuleList (XLM, FlauBERT): a
+    container of the real modules `lists[name][i]`, never called and never attached to the model;
+    its sites hook those modules (its input is the first's, its output the last's)."""
+
+    def __init__(self, parts: dict[str, nn.Module]) -> None:
+        super().__init__()
+        for name, module in parts.items():
+            self.add_module(name, module)
+
+
+def parallel_blocks(stack: nn.Module, path: str) -> list[tuple[nn.Module, nn.Module, nn.Module]] | None:
+    """(block, first module, last module) per layer when the stack keeps attention, norms and
+    FFN in sibling ModuleLists of one length, in the order they are registered (the probe then
+    checks the blocks against the hidden states); None when it does not look like that."""
+    parent_path = path.rpartition(".")[0]
+    parent = stack.get_submodule(parent_path) if parent_path else stack
+    n = len(stack.get_submodule(path))
+    lists = {name: m for name, m in parent.named_children() if isinstance(m, nn.ModuleList) and len(m) == n}
+    kinds = [_kind(name, m[0]) for name, m in lists.items()]
+    if "attn" not in kinds or "mlp" not in kinds:
+        return None
+    names = list(lists)
+    first = next(name for name, kind in zip(names, kinds) if kind == "attn")
+    return [(ParallelBlock({name: lists[name][i] for name in names}), lists[first][i], lists[names[-1]][i])
+            for i in range(n)]

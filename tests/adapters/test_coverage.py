@@ -21,8 +21,6 @@ from tests.adapters.tiny_configs import model_types
 EXCEPTIONS = {
     "cpmant": "hidden_states",
     "deepseek_v4": "hidden_states",
-    "flaubert": "cannot recognise",
-    "xlm": "cannot recognise",
     "fnet": "cannot recognise",
     "fsmt": "hidden_states",
     "hrm_text": "ran 6 times",

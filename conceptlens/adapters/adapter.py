@@ -21,7 +21,7 @@ from conceptlens.adapters.site import Site
 from conceptlens.adapters.site_notes import attention_notes
 from conceptlens.adapters.structure import (BlockLayout, children_summary, expected_layers, final_norm_candidates,
                                             find_block_list, find_stacks, parallel_blocks, recognise)
-from conceptlens.adapters.verify import LayoutError, call_of, check_stack, refine, repair
+from conceptlens.adapters.verify import LayoutError, call_of, check_stack, is_time_major, refine, repair
 from conceptlens.adapters.verify import submodule as _get
 
 _Q_NAMES = ("q_proj", "query", "q", "query_proj", "q_lin")
@@ -71,6 +71,7 @@ class Adapter:
 
     _current: tuple[nn.Module, int, nn.Module] | None = None
     _final_call: dict[str, int]
+    _time_major = False
 
     def __init__(self, model: nn.Module, *, verify: bool = True) -> None:
         self.model = model
@@ -112,9 +113,10 @@ class Adapter:
                 refine(block, lay, trace)
                 for key, path in families.LAYOUT.get(self.family, {}).items():
                     setattr(lay, key, path)
+            self._time_major = is_time_major(self.blocks[prefix][0], trace, trace.hidden.get(prefix))
             self.hidden_offset[prefix] = check_stack(prefix, self.blocks[prefix], final, trace, self._what(),
-                                                     self.calls[prefix], self._final_call.get(prefix)) \
-                if verify else 1
+                                                     self.calls[prefix], self._final_call.get(prefix),
+                                                     self._time_major) if verify else 1
             self._add_stack(prefix, final, trace)
 
     def _what(self) -> str:
@@ -197,8 +199,8 @@ class Adapter:
                 path = getattr(lay, kind)
                 if path is None:
                     continue
-                if problem:
-                    self.problems[f"{b}.{kind}"] = f"{self._what()} block {i}: {problem}"
+                if problem or kind in lay.dropped:
+                    self.problems[f"{b}.{kind}"] = f"{self._what()} block {i}: {problem or lay.dropped[kind]}"
                     continue
                 module = block.get_submodule(path)
                 scale = scales.get(kind, 1.0) if scales else 1.0
@@ -229,14 +231,14 @@ class Adapter:
 
     def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
              flat_in=None, scale: float = 1.0, plus: nn.Module | None = None) -> None:
-        shared = self._current
-        if shared is not None:
-            block, call, stack_module = shared
+        block, call, stack_module = self._current or (None, None, None)
+        if block is not None:
             source += f" (call {call} of this shared {type(block).__name__} in each forward)"
-            self.sites[name] = Site(name, module, point, shape, stack, source, heads, flat_in, scale, plus,
-                                    call, block, stack_module)
-            return
-        self.sites[name] = Site(name, module, point, shape, stack, source, heads, flat_in, scale, plus)
+        time_major = self._time_major
+        if time_major:
+            source += "; the module's tensor is time-major (T, B, ...), the site is its (B, T, ...) transpose"
+        self.sites[name] = Site(name, module, point, shape, stack, source, heads, flat_in, scale, plus,
+                                call, block, stack_module, time_major)
 
     def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,
                        kv_stack: str, trace: Trace, notes: str) -> None:

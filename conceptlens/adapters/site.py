@@ -48,6 +48,8 @@ class Site:
     `call`-th call (from 0) of `block` in each forward of `stack_module`."""
     block: nn.Module | None = None
     stack_module: nn.Module | None = None
+    time_major: bool = False
+    """The module's tensor is `(T, B, ...)` (FSMT's blocks); the site is its `(B, T, ...)` transpose."""
 
     @property
     def width(self) -> int:

@@ -60,6 +60,8 @@ class BlockLayout:
     """resid_out == resid_in + attn_out (+ cross_attn_out) (+ mixer_out) + mlp_out."""
     flat_mlp: bool = False
     notes: dict[str, str] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)
+    """Kind -> why that site is left out (a post-LN sublayer that norms inside itself, unreadable)."""
     replaced: dict[str, str] = field(default_factory=dict)
     """Kind -> the sublayer path a post-sublayer norm replaced (tried again if the sum fails)."""
 
@@ -127,8 +129,15 @@ def _t5_layout(block: nn.Module) -> BlockLayout | None:
 def _bert_layout(block: nn.Module) -> BlockLayout | None:
     children = dict(block.named_children())
     attention, output = children.get("attention"), children.get("output")
-    if attention is None or output is None or "intermediate" not in children:
+    if output is None or "intermediate" not in children or not hasattr(output, "dense"):
         return None
+    if attention is None:  # FNet: a token mixer in the attention's place (`fourier.self` / `fourier.output`)
+        mixer = next((n for n, m in children.items() if n not in ("intermediate", "output") and
+                      isinstance(getattr(m, "self", None), nn.Module) and hasattr(m, "output")), None)
+        if mixer is None:
+            return None
+        return BlockLayout(f"BERT-style with a token mixer ({mixer}.self / {mixer}.output / intermediate / output)",
+                           mixer_out=f"{mixer}.self", mlp_out="output.dense", mlp_post="output.dense")
     att_out = getattr(attention, "output", None)
     if att_out is None or not hasattr(att_out, "dense") or not hasattr(output, "dense"):
         return None

@@ -70,9 +70,32 @@ def refine(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
     if mlp is not None and x is not None and mlp in trace.outputs and trace.outputs[mlp].ndim == x.ndim - 1:
         lay.flat_mlp = True
     if not lay.additive:
+        _norm_inside(block, lay, trace)
         lay.style += ", post-LN (the norm follows the residual add)"
-        for key in ("attn_out", "mlp_out", "cross_attn_out"):
+        for key in ("attn_out", "mlp_out", "cross_attn_out", "mixer_out"):
             lay.notes.setdefault(key, "post-LN: the sublayer output before the residual add and norm")
+
+
+def _norm_inside(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
+    """A post-LN sublayer whose output is a norm's inside it (XLNet's, ALBERT's attention) has
+    added the residual itself: read its output projection where sublayer input + projection
+    output is exactly that norm's input, else leave the site out (`lay.dropped`)."""
+    for key in ("attn_out", "cross_attn_out", "mixer_out", "mlp_out"):
+        path = getattr(lay, key)
+        module = submodule(block, path)
+        out, inp = trace.outputs.get(module), trace.inputs.get(module)
+        norm = next((m for n, m in module.named_modules() if n and is_norm(n.rpartition(".")[2], m) and
+                     _same(trace.outputs.get(m), out)), None) if module is not None else None
+        if norm is None or inp is None:
+            continue
+        inner = _last_projection(block, path, trace)
+        proj = trace.outputs.get(submodule(block, inner)) if inner else None
+        if proj is not None and proj.shape == inp.shape and close(inp + proj, trace.inputs.get(norm)):
+            setattr(lay, key, inner)
+            lay.notes[key] = f"{path} adds and norms the residual inside itself: its output projection, before that"
+        else:
+            lay.dropped[key] = f"{path} ({type(module).__name__}) adds and norms the residual inside itself, and " \
+                               "no module gives what it adds"
 
 
 def submodule(block: nn.Module, path: str | None) -> nn.Module | None:
@@ -90,7 +113,7 @@ def call_of(trace: Trace, module: nn.Module | None) -> Call | None:
 
 
 def check_stack(prefix: str, blocks: list[nn.Module], final: nn.Module | None, trace: Trace, what: str,
-                calls: list[int] | None = None, final_call: int | None = None) -> int:
+                calls: list[int] | None = None, final_call: int | None = None, time_major: bool = False) -> int:
     """resid_out of every block (and embed, final) against HF's hidden states; raise LayoutError.
 
     Returns the offset of block i's output in the hidden states: 1 when hidden_states[0] is
@@ -108,11 +131,13 @@ def check_stack(prefix: str, blocks: list[nn.Module], final: nn.Module | None, t
     n = len(blocks)
     if len(hidden) != n + 1:
         raise LayoutError(f"{what}: found {n} {p}blocks but the model returns {len(hidden)} hidden states")
-    offset = 1 if close(trace.inputs.get(blocks[0]), hidden[0]) else 0
+    first = trace.inputs.get(blocks[0])
+    offset = 1 if close(first.transpose(0, 1) if time_major and first is not None else first, hidden[0]) else 0
     if not offset and not close(trace.outputs.get(blocks[0]), hidden[0]):
         raise LayoutError(f"{what}: neither the input nor the output of {p}blocks.0 is the model's hidden_states[0]")
     for i, block in enumerate(blocks):
         out = trace.io(block, calls[i])[1]
+        out = out.transpose(0, 1) if time_major and out is not None else out
         if i + offset == n and not close(out, hidden[n]):
             out = trace.io(final, final_call)[1] if final is not None else None
         if not close(out, hidden[i + offset]):
@@ -273,3 +298,11 @@ def _apply(lay: BlockLayout, kinds: list[str], chosen: dict) -> None:
         setattr(lay, k, path)
         if note:
             lay.notes[k] = note
+
+
+def is_time_major(block: nn.Module, trace: Trace, hidden: tuple | None) -> bool:
+    """Block 0 reads the `(T, B, d)` transpose of HF's hidden_states[0] (FSMT)."""
+    x = trace.inputs.get(block)
+    if x is None or not hidden or x.ndim != 3 or x.shape[0] == x.shape[1]:
+        return False
+    return close(x.transpose(0, 1), hidden[0])

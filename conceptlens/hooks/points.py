@@ -27,6 +27,8 @@ def hook_site(site: Site, fn: SiteFn, *, edit: bool = False) -> Handle:
     site always run before reads there, whatever order the scopes were opened in. A site of
     one call of a shared layer (`site.call`) acts only during that call of each forward.
     """
+    if site.time_major:
+        fn = _transposed(fn)
     if site.call is not None and site.block is not None and site.stack_module is not None:
         return gated_hook(site.block, site.stack_module, site.call, fn, lambda gated: _hook(site, gated, edit))
     return _hook(site, fn, edit)
@@ -51,6 +53,15 @@ def _hook(site: Site, fn: SiteFn, edit: bool) -> Handle:
     if site.plus is not None:
         return _sum_output_hook(site, fn, edit)
     return Handle(site.module.register_forward_hook(_output_hook(fn, site.heads), prepend=edit).remove)
+
+
+def _transposed(fn: SiteFn) -> SiteFn:
+    """`fn` sees the `(B, T, ...)` transpose of a time-major `(T, B, ...)` tensor; edits go back."""
+    def call(x: Tensor) -> Tensor | None:
+        new = fn(x.transpose(0, 1))
+        return None if new is None else new.transpose(0, 1)
+
+    return call
 
 
 def _scaled(fn: SiteFn, scale: float) -> SiteFn:

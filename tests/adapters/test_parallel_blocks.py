@@ -30,3 +30,23 @@ def test_xlm_blocks_are_list_indices_and_edits_stay_local():
     assert torch.equal(edited["blocks.1.resid_in"], acts["blocks.1.resid_in"])
     assert not torch.equal(edited["blocks.1.resid_out"][keep], acts["blocks.1.resid_out"][keep])
 
+
+
+def test_time_major_blocks_fsmt():
+    model = build("fsmt")
+    lens = conceptlens.attach(model)
+    inputs = coverage.inputs_for(model)
+    with torch.no_grad():
+        out = model(**inputs, output_hidden_states=True, use_cache=False)
+    names = ["encoder.blocks.0.resid_out", "encoder.blocks.1.resid_in", "encoder.blocks.1.resid_out"]
+    acts = coverage.capture_all(lens, model, {**inputs, "use_cache": False}, names)
+    assert acts["encoder.blocks.0.resid_out"].shape == (2, 6, 64)  # (B, T, d), not the modules' (T, B, d)
+    assert torch.equal(acts["encoder.blocks.1.resid_out"], out.encoder_hidden_states[2])
+    vector = torch.arange(64.0)
+    with lens.steer(Add(vector, 1.0, site="encoder.blocks.0.resid_out"), positions=slice(2, 3)):
+        edited = coverage.capture_all(lens, model, {**inputs, "use_cache": False}, names)
+    change = edited["encoder.blocks.1.resid_in"] - acts["encoder.blocks.1.resid_in"]
+    assert torch.allclose(change[:, 2], vector.expand(2, 64), atol=1e-5)  # only position 2 of each row
+    assert torch.equal(change[:, :2], torch.zeros_like(change[:, :2])) and not change[:, 3:].any()
+    decoder_k = [n for n in lens.sites if n.startswith("decoder.") and n.endswith(".attn.k")]
+    assert decoder_k and lens.site(decoder_k[0]).time_major

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from conceptlens.adapters import families
 from conceptlens.adapters.names import NameResolver
-from conceptlens.adapters.probe import Trace, run_probe
+from conceptlens.adapters.probe import Trace, close, run_probe
 from conceptlens.adapters.site import Site
 from conceptlens.adapters.site_notes import attention_notes
-from conceptlens.adapters.structure import (BlockLayout, children_summary, expected_layers, final_norm_candidates,
-                                            find_block_list, find_stacks, parallel_blocks, recognise)
+from conceptlens.adapters.structure import (BlockLayout, after_candidates, children_summary, expected_layers,
+                                            final_norm_candidates, find_block_list, find_stacks, parallel_blocks,
+                                            recognise)
 from conceptlens.adapters.verify import LayoutError, call_of, check_stack, is_time_major, refine, repair
 from conceptlens.adapters.verify import submodule as _get
 
@@ -71,6 +73,7 @@ class Adapter:
 
     _current: tuple[nn.Module, int, nn.Module] | None = None
     _final_call: dict[str, int]
+    _final_note: dict[str, str]
     _time_major = False
 
     def __init__(self, model: nn.Module, *, verify: bool = True) -> None:
@@ -93,8 +96,11 @@ class Adapter:
             self._find_blocks(prefix, stack)
         finals = {p: [get_path(s, c) for c in final_norm_candidates(s, self._block_paths[p])]
                   for p, s in self.stacks.items()}
-        trace = run_probe(model, self.blocks, [m for ms in finals.values() for m in ms], self.stacks)
-        self._final_call = {}
+        afters = {p: [get_path(s, c) for c in after_candidates(s, self._block_paths[p])]
+                  for p, s in self.stacks.items()}
+        trace = run_probe(model, self.blocks, [m for ms in (*finals.values(), *afters.values()) for m in ms],
+                          self.stacks)
+        self._final_call, self._final_note = {}, {}
         for block, (first, last) in self._io.items():  # a block made of parallel lists: its first and last module
             for record, module in ((trace.inputs, first), (trace.outputs, last)):
                 if module in record:
@@ -108,7 +114,8 @@ class Adapter:
         self.hidden_offset: dict[str, int] = {}
         """Stack -> index of block 0's output in HF's hidden states (1, or 0 for Mamba-style)."""
         for prefix in self.stacks:
-            final = self._final(prefix, finals[prefix], trace)
+            final = self._final(prefix, finals[prefix], trace) or self._final_after(prefix, finals[prefix] +
+                                                                                  afters[prefix], trace)
             for block, lay in zip(self.blocks[prefix], self.layouts[prefix]):
                 refine(block, lay, trace)
                 for key, path in families.LAYOUT.get(self.family, {}).items():
@@ -180,6 +187,28 @@ class Adapter:
                     return module
         return None
 
+    def _final_after(self, prefix: str, pool: list[nn.Module], trace: Trace) -> nn.Module | None:
+        """The module giving HF's last hidden state where one more module runs between the last
+        block and it (DeepSeek-V4's hyper-connection head before the norm, Qwen4-exp's stream mixer):
+        a chain of at most two stack-level modules, the first reading the last block's output."""
+        calls, hidden = self.calls.get(prefix), trace.hidden.get(prefix)
+        last = trace.io(self.blocks[prefix][-1], calls[-1] if calls else None)[1]
+        if hidden is None or last is None:
+            return None
+        target = hidden[-1][0] if isinstance(hidden[-1], (tuple, list)) else hidden[-1]
+        same = lambda a, b: a is not None and b is not None and a.shape == b.shape and torch.equal(a, b)  # noqa: E731
+        for first in [m for m in pool if same(trace.inputs.get(m), last)]:
+            if close(trace.outputs.get(first), target):
+                self._final_note[prefix] = "it reads the last block's output"
+                return first
+            for second in pool:
+                if second is not first and same(trace.inputs.get(second), trace.outputs.get(first)) and \
+                        close(trace.outputs.get(second), target):
+                    self._final_note[prefix] = f"it reads the output of {type(first).__name__}, which reads the " \
+                                               "last block's output"
+                    return second
+        return None
+
     def _add_stack(self, prefix: str, final: nn.Module | None, trace: Trace) -> None:
         p = f"{prefix}." if prefix else ""
         blocks = self.blocks[prefix]
@@ -192,7 +221,8 @@ class Adapter:
             if i == 0:
                 self._add(f"{p}embed", self._io.get(block, (block,))[0], "input", resid, prefix, f"input to {cls} 0")
             first, last = self._io.get(block, (block, block))
-            self._add(f"{b}.resid_in", first, "input", resid, prefix, f"input of {type(first).__name__} {i} ({lay.style})")
+            self._add(f"{b}.resid_in", first, "input", resid, prefix,
+                      f"input of {type(first).__name__} {i} ({lay.style})")
             self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}")
             problem, scales, plus = repair(block, lay, trace) if lay.additive else (None, None, None)
             for kind in _OUT_KINDS:
@@ -222,7 +252,9 @@ class Adapter:
         k = self._final_call.get(prefix)
         self._current = (final, k, self.stacks[prefix]) if k is not None else None
         if final is not None:
-            self._add(f"{p}final", final, "output", resid, prefix, f"output of the final norm ({type(final).__name__})")
+            note = self._final_note.get(prefix)
+            self._add(f"{p}final", final, "output", resid, prefix, f"output of the final norm ({type(final).__name__})"
+                      if note is None else f"output of {type(final).__name__}, the stack's last hidden state; {note}")
         self._current = None
 
     def _hidden_size(self) -> int:

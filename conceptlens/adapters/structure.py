@@ -273,3 +273,19 @@ def parallel_blocks(stack: nn.Module, path: str) -> list[tuple[nn.Module, nn.Mod
     first = next(name for name, kind in zip(names, kinds) if kind == "attn")
     return [(ParallelBlock({name: lists[name][i] for name in names}), lists[first][i], lists[names[-1]][i])
             for i in range(n)]
+
+
+def after_candidates(stack: nn.Module, blocks_path: str) -> list[str]:
+    """Other modules beside the block list (or above it) that may run after the last block: a
+    hyper-connection head, a stream mixer (not norms, lists, embeddings or rotary tables)."""
+    out = []
+    parts = blocks_path.split(".")
+    for depth in range(len(parts) - 1, -1, -1):
+        parent_path = ".".join(parts[:depth])
+        parent = stack.get_submodule(parent_path) if parent_path else stack
+        for name, module in parent.named_children():
+            if is_norm(name, module) or isinstance(module, (nn.ModuleList, nn.Embedding)) or \
+                    re.search(r"embed|rotary|rope|pos", name, re.I) or not list(module.parameters()):
+                continue
+            out.append(f"{parent_path}.{name}" if parent_path else name)
+    return out

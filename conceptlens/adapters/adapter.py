@@ -23,7 +23,7 @@ from conceptlens.adapters.site_notes import attention_notes
 from conceptlens.adapters.structure import (BlockLayout, after_candidates, children_summary, expected_layers,
                                             final_norm_candidates, find_block_list, find_stacks, parallel_blocks,
                                             recognise)
-from conceptlens.adapters.verify import LayoutError, call_of, check_stack, is_time_major, refine, repair
+from conceptlens.adapters.verify import LayoutError, call_of, block_view, check_stack, refine, repair
 from conceptlens.adapters.verify import submodule as _get
 
 _Q_NAMES = ("q_proj", "query", "q", "query_proj", "q_lin")
@@ -74,7 +74,7 @@ class Adapter:
     _current: tuple[nn.Module, int, nn.Module] | None = None
     _final_call: dict[str, int]
     _final_note: dict[str, str]
-    _time_major = False
+    _view = ""
 
     def __init__(self, model: nn.Module, *, verify: bool = True) -> None:
         self.model = model
@@ -120,10 +120,10 @@ class Adapter:
                 refine(block, lay, trace)
                 for key, path in families.LAYOUT.get(self.family, {}).items():
                     setattr(lay, key, path)
-            self._time_major = is_time_major(self.blocks[prefix][0], trace, trace.hidden.get(prefix))
+            self._view = block_view(self.blocks[prefix][0], trace, trace.hidden.get(prefix))
             self.hidden_offset[prefix] = check_stack(prefix, self.blocks[prefix], final, trace, self._what(),
                                                      self.calls[prefix], self._final_call.get(prefix),
-                                                     self._time_major) if verify else 1
+                                                     self._view) if verify else 1
             self._add_stack(prefix, final, trace)
 
     def _what(self) -> str:
@@ -262,15 +262,19 @@ class Adapter:
         return int(getattr(text, "hidden_size", None) or getattr(text, "d_model"))
 
     def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
-             flat_in=None, scale: float = 1.0, plus: nn.Module | None = None) -> None:
+             flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: str | None = None) -> None:
         block, call, stack_module = self._current or (None, None, None)
         if block is not None:
             source += f" (call {call} of this shared {type(block).__name__} in each forward)"
-        time_major = self._time_major
-        if time_major:
+        view = self._view if view is None else view
+        if "time_major" in view:
             source += "; the module's tensor is time-major (T, B, ...), the site is its (B, T, ...) transpose"
+        if "trim" in view:
+            source += "; the module runs on more positions than this forward's tokens (padding to an attention " \
+                      "window, or n-gram streams after the main one): the site is the first T, edits leave the rest"
+            stack_module = self.stacks[stack] if stack in self.stacks else self.stacks[self._stack_of(name)]
         self.sites[name] = Site(name, module, point, shape, stack, source, heads, flat_in, scale, plus,
-                                call, block, stack_module, time_major)
+                                call, block, stack_module, "time_major" in view, "trim" in view)
 
     def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,
                        kv_stack: str, trace: Trace, notes: str) -> None:
@@ -320,14 +324,22 @@ class Adapter:
                     f"output of the {proj_name} projection (this attention does not use the attention-function " \
                     "interface, so no rotary embedding is applied here)"
                 stack = q_stack if which == "q" else kv_stack
+                view = _projection_view(self._view, block, getattr(attn, proj_name), trace)
+                if view is None:
+                    continue
                 self._add(f"{name}.{which}", getattr(attn, proj_name), "output",
-                          ("B", "T" if which == "q" else seq_kv, count, head_dim), stack, note + suffix, heads=count)
+                          ("B", "T" if which == "q" else seq_kv, count, head_dim), stack, note + suffix, heads=count,
+                          view=view)
             v_dim = head_dim
         z = _get(block, z_path)
         if z is not None and _in_width(z) == heads * v_dim:
             self._add(f"{name}.z", z, "input", ("B", "T", heads, v_dim), q_stack,
                       f"input of {z_path} ({type(z).__name__}): each head's attention output before the "
                       "output projection", heads=heads)
+
+    def _stack_of(self, name: str) -> str:
+        head = name.split(".", 1)[0]
+        return head if head in self.stacks else ""
 
     def layout(self, stack: str, index: int) -> BlockLayout:
         """The recognised layout of block `index` of `stack` ("" for single-stack models)."""
@@ -340,6 +352,19 @@ class Adapter:
     def canonical(self, name: str) -> str:
         return self.names.canonical(name)
 
+
+
+def _projection_view(view: str, block: nn.Module, proj: nn.Module, trace: Trace) -> str | None:
+    """The block's view, with time-major toggled where the projection runs on the transpose of
+    the block's tokens (Longformer's attention); None when its rows are neither."""
+    x, y = trace.inputs.get(block), trace.outputs.get(proj)
+    if x is None or y is None or y.ndim != 3 or x.shape[0] == x.shape[1]:
+        return view
+    if y.shape[:2] == x.shape[:2]:
+        return view
+    if y.shape[:2] == (x.shape[1], x.shape[0]):
+        return " ".join(sorted(set(view.split()) ^ {"time_major"}))
+    return None
 
 
 def _only_list(module: nn.Module) -> list[nn.Module] | None:

@@ -192,9 +192,10 @@ def find_stacks(model: nn.Module) -> dict[str, str]:
     base = getattr(model, "base_model", model)
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
-        enc, dec = _get(base, "encoder"), _get(base, "decoder")
-        if enc is not None and dec is not None:
-            return {"encoder": "encoder", "decoder": "decoder"}
+        for enc_path, dec_path in (("encoder", "decoder"), ("text_encoder", "text_decoder")):  # SeamlessM4T
+            enc, dec = _get(base, enc_path), _get(base, dec_path)
+            if enc is not None and dec is not None:
+                return {"encoder": enc_path, "decoder": dec_path}
     for path in ("language_model", "model.language_model", "text_model", "decoder", "transformer"):
         stack = _get(base, path)
         if stack is not None and find_block_list(stack) is not None and not _has_blocks_outside(base, stack):

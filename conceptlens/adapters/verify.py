@@ -113,7 +113,7 @@ def call_of(trace: Trace, module: nn.Module | None) -> Call | None:
 
 
 def check_stack(prefix: str, blocks: list[nn.Module], final: nn.Module | None, trace: Trace, what: str,
-                calls: list[int] | None = None, final_call: int | None = None, time_major: bool = False) -> int:
+                calls: list[int] | None = None, final_call: int | None = None, view: str = "") -> int:
     """resid_out of every block (and embed, final) against HF's hidden states; raise LayoutError.
 
     Returns the offset of block i's output in the hidden states: 1 when hidden_states[0] is
@@ -132,12 +132,13 @@ def check_stack(prefix: str, blocks: list[nn.Module], final: nn.Module | None, t
     if len(hidden) != n + 1:
         raise LayoutError(f"{what}: found {n} {p}blocks but the model returns {len(hidden)} hidden states")
     first = trace.inputs.get(blocks[0])
-    offset = 1 if close(first.transpose(0, 1) if time_major and first is not None else first, hidden[0]) else 0
+    length = hidden[0].shape[1] if hidden[0] is not None and hidden[0].ndim >= 2 else 0
+    offset = 1 if close(as_hidden(first, view, length), hidden[0]) else 0
     if not offset and not close(trace.outputs.get(blocks[0]), hidden[0]):
         raise LayoutError(f"{what}: neither the input nor the output of {p}blocks.0 is the model's hidden_states[0]")
     for i, block in enumerate(blocks):
         out = trace.io(block, calls[i])[1]
-        out = out.transpose(0, 1) if time_major and out is not None else out
+        out = as_hidden(out, view, length)
         if i + offset == n and not close(out, hidden[n]):
             out = trace.io(final, final_call)[1] if final is not None else None
         if not close(out, hidden[i + offset]):
@@ -300,9 +301,24 @@ def _apply(lay: BlockLayout, kinds: list[str], chosen: dict) -> None:
             lay.notes[k] = note
 
 
-def is_time_major(block: nn.Module, trace: Trace, hidden: tuple | None) -> bool:
-    """Block 0 reads the `(T, B, d)` transpose of HF's hidden_states[0] (FSMT)."""
+def as_hidden(x, view: str, length: int):
+    """A block tensor in HF's hidden-state layout: transposed (time-major blocks) or cut to the
+    stack's input length (blocks that run on tokens padded inside the model)."""
+    if x is None or not view:
+        return x
+    return x.transpose(0, 1) if view == "time_major" else x[:, :length]
+
+
+def block_view(block: nn.Module, trace: Trace, hidden: tuple | None) -> str:
+    """"time_major": block 0 reads the `(T, B, d)` transpose of HF's hidden_states[0] (FSMT,
+    XLNet); "trim": it reads hidden_states[0] followed by positions the model added (Longformer and
+    LED pad to their attention window, ProphetNet's decoder appends its n-gram streams); "" otherwise."""
     x = trace.inputs.get(block)
-    if x is None or not hidden or x.ndim != 3 or x.shape[0] == x.shape[1]:
-        return False
-    return close(x.transpose(0, 1), hidden[0])
+    h = hidden[0] if hidden else None
+    if x is None or h is None or x.ndim != 3 or h.ndim != 3:
+        return ""
+    if x.shape[0] != x.shape[1] and close(x.transpose(0, 1), h):
+        return "time_major"
+    if x.shape[0] == h.shape[0] and x.shape[1] > h.shape[1] and close(x[:, : h.shape[1]], h):
+        return "trim"
+    return ""

@@ -24,12 +24,7 @@ EXCEPTIONS = {
     "funnel": "pools the sequence",
     "inkling2_loop_text": "hidden_states",
     "inkling2_text": "hidden_states",
-    "led": "hidden_states",
-    "longformer": "hidden_states",
     "pegasus_x": "hidden_states",
-    "prophetnet": "hidden_states",
-    "seamless_m4t": "hidden_states",
-    "seamless_m4t_v2": "hidden_states",
     "squeezebert": "ran 0 times",
 }
 # Pre-norm blocks whose sublayer outputs do not add up to the block output (the residual itself

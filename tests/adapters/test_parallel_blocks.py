@@ -50,3 +50,28 @@ def test_time_major_blocks_fsmt():
     assert torch.equal(change[:, :2], torch.zeros_like(change[:, :2])) and not change[:, 3:].any()
     decoder_k = [n for n in lens.sites if n.startswith("decoder.") and n.endswith(".attn.k")]
     assert decoder_k and lens.site(decoder_k[0]).time_major
+
+
+def test_longformer_sites_are_the_tokens_before_its_window_padding():
+    model = build("longformer")
+    lens = conceptlens.attach(model)
+    inputs = coverage.inputs_for(model)
+    inputs["attention_mask"] = torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6])
+    with torch.no_grad():
+        out = model(**inputs, output_hidden_states=True)
+    names = ["blocks.0.resid_in", "blocks.0.resid_out", "blocks.1.resid_out", "blocks.0.attn.q", "blocks.0.attn_out"]
+    acts = coverage.capture_all(lens, model, inputs, names)
+    assert acts["blocks.0.resid_out"].shape == (2, 6, 64)  # this forward's 6 tokens, not the window's 512
+    assert torch.equal(acts["blocks.1.resid_out"], out.hidden_states[2])
+    attention = model.longformer.encoder.layer[0].attention.self
+    with torch.no_grad():
+        q = attention.query(out.hidden_states[0])
+    assert torch.allclose(acts["blocks.0.attn.q"], q.view(2, 6, *acts["blocks.0.attn.q"].shape[2:]), atol=1e-6)
+    flat = {}
+    with lens.capture(["blocks.0.attn_out"], on_batch=lambda a, m: flat.update(a, meta=m)), torch.no_grad():
+        model(**inputs)
+    assert flat["blocks.0.attn_out"].shape[0] == 10  # padding of the batch dropped, the model's own never read
+    with lens.steer(Add(torch.ones(64), 1.0, site="blocks.0.resid_out"), positions=slice(0, 2)):
+        edited = coverage.capture_all(lens, model, inputs, names)
+    change = edited["blocks.0.resid_out"] - acts["blocks.0.resid_out"]
+    assert torch.allclose(change[:, :2], torch.ones(2, 2, 64)) and not change[:, 2:].any()

@@ -98,8 +98,16 @@ class Adapter:
                   for p, s in self.stacks.items()}
         afters = {p: [get_path(s, c) for c in after_candidates(s, self._block_paths[p])]
                   for p, s in self.stacks.items()}
-        trace = run_probe(model, self.blocks, [m for ms in (*finals.values(), *afters.values()) for m in ms],
-                          self.stacks)
+        extra = [m for ms in (*finals.values(), *afters.values()) for m in ms]
+        trace = run_probe(model, self.blocks, extra, self.stacks)
+        if self._add_same_class(trace):  # looped stacks of one layer class (HRM's two modules): probe again
+            for p, stack in self.stacks.items():
+                names = {m: n for n, m in stack.named_modules()}
+                for path in dict.fromkeys(names[b].rpartition(".")[0] for b in self.blocks[p] if b in names):
+                    finals[p] += [m for c in final_norm_candidates(stack, path) if (m := get_path(stack, c))
+                                  not in finals[p]]
+            extra = [m for ms in (*finals.values(), *afters.values()) for m in ms]
+            trace = run_probe(model, self.blocks, extra, self.stacks)
         self._final_call, self._final_note = {}, {}
         for block, (first, last) in self._io.items():  # a block made of parallel lists: its first and last module
             for record, module in ((trace.inputs, first), (trace.outputs, last)):
@@ -153,6 +161,23 @@ class Adapter:
             layouts.append(lay)
         self._block_paths[prefix] = path
         self.blocks[prefix], self.layouts[prefix] = blocks, layouts
+
+    def _add_same_class(self, trace: Trace) -> bool:
+        """Where blocks run several times but their calls do not match the hidden states, take
+        every module of the block class in the stack (HRM keeps its L and H layers in two lists)."""
+        changed = False
+        for prefix, blocks in self.blocks.items():
+            hidden = trace.hidden.get(prefix)
+            if all(trace.calls.get(b, 0) == 1 for b in blocks) or hidden is None or \
+                    sum(trace.calls.get(b, 0) for b in set(blocks)) + 1 == len(hidden):
+                continue
+            cls = type(blocks[0])
+            more = [m for m in self.stacks[prefix].modules() if type(m) is cls and m not in set(blocks)]
+            if more:
+                self.blocks[prefix] = blocks + more
+                self.layouts[prefix] = self.layouts[prefix] + [recognise(m) for m in more]
+                changed = True
+        return changed
 
     def _unroll(self, prefix: str, trace: Trace) -> list[int] | None:
         """Where a layer module runs several times in one forward (ALBERT's shared layer, looped

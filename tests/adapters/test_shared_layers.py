@@ -10,7 +10,7 @@ import conceptlens
 from conceptlens.hooks import calls
 from conceptlens.steering import Add
 from tests.adapters import coverage
-from tests.adapters.tiny_configs import tiny_config
+from tests.adapters.tiny_configs import build, tiny_config
 
 N = 5
 
@@ -93,3 +93,32 @@ def test_module_path_of_a_shared_layer_is_ambiguous(albert):
     with pytest.raises(KeyError):
         lens.site("albert.encoder.albert_layer_groups.0.albert_layers.0")
     assert lens.site_name("blocks.2.hook_resid_post") == "blocks.2.resid_out"
+
+
+def test_looped_layers_under_generate():
+    """HRM runs its L and H layers in cycles: each generate step restarts the call count, so a
+    read at one virtual block gives that block's hidden state at every step, and an edit there
+    changes the logits. (transformers' own cached generate fails on a tiny HRM: no cache here.)"""
+    model = build("hrm_text")
+    lens = conceptlens.attach(model)
+    n = lens.adapter.n_blocks[""]
+    with torch.no_grad():
+        assert n + 1 == len(model(torch.tensor([[5, 6]]), output_hidden_states=True, use_cache=False).hidden_states)
+    assert len(set(map(id, lens.adapter.blocks[""]))) < n  # fewer layer modules than blocks
+    ids = torch.randint(4, 100, (1, 5), generator=torch.Generator().manual_seed(0))
+    site, steps = f"blocks.{n // 2}.resid_out", []
+    kwargs = dict(max_new_tokens=3, do_sample=False, use_cache=False, pad_token_id=0)
+    with torch.no_grad(), lens.capture(site, on_batch=lambda a, m: steps.append(a[site])):
+        tokens = model.generate(ids, **kwargs)
+    assert len(steps) == 3
+    for s, got in enumerate(steps):
+        with torch.no_grad():
+            ref = model(tokens[:, : 5 + s], output_hidden_states=True, use_cache=False).hidden_states[n // 2 + 1]
+        assert torch.allclose(got, ref[0], atol=1e-6), s
+    vector = torch.randn(64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        bare = model(tokens, use_cache=False).logits
+        with lens.steer(Add(vector, 20.0, site=site)):
+            edited = model(tokens, use_cache=False).logits
+            again = model(tokens, use_cache=False).logits  # the count restarted: the same edit again
+    assert not torch.allclose(edited, bare) and torch.equal(edited, again) and not calls._counters

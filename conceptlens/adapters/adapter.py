@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from conceptlens.adapters import families
 from conceptlens.adapters.names import NameResolver
-from conceptlens.adapters.probe import Trace, close, run_probe
+from conceptlens.adapters.probe import Trace, run_probe
+from conceptlens.adapters.repeated import final_after, final_by_input, only_list, projection_view, same_class, unroll
 from conceptlens.adapters.site import Site
 from conceptlens.adapters.site_notes import attention_notes
 from conceptlens.adapters.structure import (BlockLayout, after_candidates, children_summary, expected_layers,
@@ -145,7 +145,7 @@ class Adapter:
                              "no ModuleList of layers")
         blocks = list(get_path(stack, path))
         if all(recognise(b) is None for b in blocks):  # groups of layers (ALBERT's layer groups)
-            inner = [_only_list(b) for b in blocks]
+            inner = [only_list(b) for b in blocks]
             if all(inner):
                 blocks = [m for group in inner for m in group]
             elif (synth := parallel_blocks(stack, path)) is not None:  # XLM: one ModuleList per sublayer
@@ -163,16 +163,9 @@ class Adapter:
         self.blocks[prefix], self.layouts[prefix] = blocks, layouts
 
     def _add_same_class(self, trace: Trace) -> bool:
-        """Where blocks run several times but their calls do not match the hidden states, take
-        every module of the block class in the stack (HRM keeps its L and H layers in two lists)."""
         changed = False
         for prefix, blocks in self.blocks.items():
-            hidden = trace.hidden.get(prefix)
-            if all(trace.calls.get(b, 0) == 1 for b in blocks) or hidden is None or \
-                    sum(trace.calls.get(b, 0) for b in set(blocks)) + 1 == len(hidden):
-                continue
-            cls = type(blocks[0])
-            more = [m for m in self.stacks[prefix].modules() if type(m) is cls and m not in set(blocks)]
+            more = same_class(blocks, self.stacks[prefix], trace, trace.hidden.get(prefix))
             if more:
                 self.blocks[prefix] = blocks + more
                 self.layouts[prefix] = self.layouts[prefix] + [recognise(m) for m in more]
@@ -180,59 +173,29 @@ class Adapter:
         return changed
 
     def _unroll(self, prefix: str, trace: Trace) -> list[int] | None:
-        """Where a layer module runs several times in one forward (ALBERT's shared layer, looped
-        layers), the stack's blocks become its calls in the order they ran, when that gives one
-        block per hidden state; block i is then the i-th call (site.call)."""
-        blocks = self.blocks[prefix]
-        if all(trace.calls.get(b, 0) == 1 for b in blocks):
+        """Block i becomes the i-th call of a layer run several times per forward (site.call)."""
+        found = unroll(self.blocks[prefix], trace, trace.hidden.get(prefix))
+        if found is None:
             return None
-        own = set(blocks)
-        sequence = [m for m in trace.sequence if m in own]
-        hidden = trace.hidden.get(prefix)
-        if not sequence or hidden is None or len(sequence) + 1 != len(hidden):
-            return None  # check_stack names the block that did not run once
-        calls, seen = [], {}
-        for m in sequence:
-            calls.append(seen.get(m, 0))
-            seen[m] = calls[-1] + 1
-        self.blocks[prefix] = sequence
-        self.layouts[prefix] = [recognise(m) for m in sequence]
+        self.blocks[prefix], calls = found
+        self.layouts[prefix] = [recognise(m) for m in self.blocks[prefix]]
         return calls
 
-    def _final(self, prefix: str, candidates: list[nn.Module], trace: Trace) -> nn.Module | None:
+    def _last_output(self, prefix: str, trace: Trace):
         calls = self.calls.get(prefix)
-        last = trace.io(self.blocks[prefix][-1], calls[-1] if calls else None)[1]
-        for module in candidates:
-            n_calls = trace.calls.get(module, 0)
-            for k in range(n_calls):  # a norm run inside the stack too (Dory): the call reading the last block
-                x = trace.io(module, k)[0]
-                if x is not None and last is not None and x.shape == last.shape and bool((x == last).all()):
-                    if n_calls > 1:
-                        self._final_call[prefix] = k
-                    return module
-        return None
+        return trace.io(self.blocks[prefix][-1], calls[-1] if calls else None)[1]
+
+    def _final(self, prefix: str, candidates: list[nn.Module], trace: Trace) -> nn.Module | None:
+        module, call = final_by_input(self._last_output(prefix, trace), candidates, trace)
+        if call is not None:
+            self._final_call[prefix] = call
+        return module
 
     def _final_after(self, prefix: str, pool: list[nn.Module], trace: Trace) -> nn.Module | None:
-        """The module giving HF's last hidden state where one more module runs between the last
-        block and it (DeepSeek-V4's hyper-connection head before the norm, Qwen4-exp's stream mixer):
-        a chain of at most two stack-level modules, the first reading the last block's output."""
-        calls, hidden = self.calls.get(prefix), trace.hidden.get(prefix)
-        last = trace.io(self.blocks[prefix][-1], calls[-1] if calls else None)[1]
-        if hidden is None or last is None:
-            return None
-        target = hidden[-1][0] if isinstance(hidden[-1], (tuple, list)) else hidden[-1]
-        same = lambda a, b: a is not None and b is not None and a.shape == b.shape and torch.equal(a, b)  # noqa: E731
-        for first in [m for m in pool if same(trace.inputs.get(m), last)]:
-            if close(trace.outputs.get(first), target):
-                self._final_note[prefix] = "it reads the last block's output"
-                return first
-            for second in pool:
-                if second is not first and same(trace.inputs.get(second), trace.outputs.get(first)) and \
-                        close(trace.outputs.get(second), target):
-                    self._final_note[prefix] = f"it reads the output of {type(first).__name__}, which reads the " \
-                                               "last block's output"
-                    return second
-        return None
+        module, note = final_after(self._last_output(prefix, trace), trace.hidden.get(prefix), pool, trace)
+        if module is not None:
+            self._final_note[prefix] = note
+        return module
 
     def _add_stack(self, prefix: str, final: nn.Module | None, trace: Trace) -> None:
         p = f"{prefix}." if prefix else ""
@@ -349,7 +312,7 @@ class Adapter:
                     f"output of the {proj_name} projection (this attention does not use the attention-function " \
                     "interface, so no rotary embedding is applied here)"
                 stack = q_stack if which == "q" else kv_stack
-                view = _projection_view(self._view, block, getattr(attn, proj_name), trace)
+                view = projection_view(self._view, block, getattr(attn, proj_name), trace)
                 if view is None:
                     continue
                 self._add(f"{name}.{which}", getattr(attn, proj_name), "output",
@@ -377,28 +340,6 @@ class Adapter:
     def canonical(self, name: str) -> str:
         return self.names.canonical(name)
 
-
-
-def _projection_view(view: str, block: nn.Module, proj: nn.Module, trace: Trace) -> str | None:
-    """The block's view, with time-major toggled where the projection runs on the transpose of
-    the block's tokens (Longformer's attention); None when its rows are neither."""
-    x, y = trace.inputs.get(block), trace.outputs.get(proj)
-    if x is None or y is None or y.ndim != 3 or x.shape[0] == x.shape[1]:
-        return view
-    if y.shape[:2] == x.shape[:2]:
-        return view
-    if y.shape[:2] == (x.shape[1], x.shape[0]):
-        return " ".join(sorted(set(view.split()) ^ {"time_major"}))
-    return None
-
-
-def _only_list(module: nn.Module) -> list[nn.Module] | None:
-    """The layers of a module whose only child is a ModuleList of recognisable layers."""
-    children = list(module.children())
-    if len(children) == 1 and isinstance(children[0], nn.ModuleList) and len(children[0]) and \
-            all(recognise(m) is not None for m in children[0]):
-        return list(children[0])
-    return None
 
 
 def _in_width(module: nn.Module) -> int:

@@ -17,11 +17,13 @@ from torch import nn
 from conceptlens.adapters import families
 from conceptlens.adapters.names import NameResolver
 from conceptlens.adapters.probe import Trace, run_probe
+from conceptlens.adapters.repeated import final_after, final_by_input, only_list, projection_view, same_class, unroll
 from conceptlens.adapters.site import Site
 from conceptlens.adapters.site_notes import attention_notes
-from conceptlens.adapters.structure import (BlockLayout, children_summary, expected_layers, final_norm_candidates,
-                                            find_block_list, find_stacks, recognise)
-from conceptlens.adapters.verify import LayoutError, call_of, check_stack, refine, repair
+from conceptlens.adapters.structure import (BlockLayout, after_candidates, children_summary, expected_layers,
+                                            final_norm_candidates, find_block_list, find_stacks, parallel_blocks,
+                                            recognise)
+from conceptlens.adapters.verify import LayoutError, call_of, block_view, check_stack, refine, repair
 from conceptlens.adapters.verify import submodule as _get
 
 _Q_NAMES = ("q_proj", "query", "q", "query_proj", "q_lin")
@@ -69,6 +71,11 @@ def head_layout(attn: nn.Module, config) -> tuple[int, int, int] | None:
 class Adapter:
     """Every site of a model, found from its own modules (nothing is reimplemented)."""
 
+    _current: tuple[nn.Module, int, nn.Module] | None = None
+    _final_call: dict[str, int]
+    _final_note: dict[str, str]
+    _view = ""
+
     def __init__(self, model: nn.Module, *, verify: bool = True) -> None:
         self.model = model
         self.config = model.config
@@ -83,24 +90,48 @@ class Adapter:
         self.problems: dict[str, str] = {}
         """Site name -> why it is missing (an additive block whose outputs did not add up)."""
         self.generic = self.family not in families.LAYOUT
+        self._io: dict[nn.Module, tuple[nn.Module, nn.Module]] = {}
+        """Block made of parallel lists -> (module reading its input, module giving its output)."""
         for prefix, stack in self.stacks.items():
             self._find_blocks(prefix, stack)
         finals = {p: [get_path(s, c) for c in final_norm_candidates(s, self._block_paths[p])]
                   for p, s in self.stacks.items()}
-        trace = run_probe(model, self.blocks, [m for ms in finals.values() for m in ms], self.stacks)
+        afters = {p: [get_path(s, c) for c in after_candidates(s, self._block_paths[p])]
+                  for p, s in self.stacks.items()}
+        extra = [m for ms in (*finals.values(), *afters.values()) for m in ms]
+        trace = run_probe(model, self.blocks, extra, self.stacks)
+        if self._add_same_class(trace):  # looped stacks of one layer class (HRM's two modules): probe again
+            for p, stack in self.stacks.items():
+                names = {m: n for n, m in stack.named_modules()}
+                for path in dict.fromkeys(names[b].rpartition(".")[0] for b in self.blocks[p] if b in names):
+                    finals[p] += [m for c in final_norm_candidates(stack, path) if (m := get_path(stack, c))
+                                  not in finals[p]]
+            extra = [m for ms in (*finals.values(), *afters.values()) for m in ms]
+            trace = run_probe(model, self.blocks, extra, self.stacks)
+        self._final_call, self._final_note = {}, {}
+        for block, (first, last) in self._io.items():  # a block made of parallel lists: its first and last module
+            for record, module in ((trace.inputs, first), (trace.outputs, last)):
+                if module in record:
+                    record[block] = record[module]
+            trace.calls[block] = trace.calls.get(first, 0)
+        self.calls: dict[str, list[int] | None] = {p: self._unroll(p, trace) for p in self.stacks}
+        """Stack -> for each block, which call of its module it is (None: every block is its own module)."""
         self.sites: dict[str, Site] = {}
         self.n_blocks = {p: len(b) for p, b in self.blocks.items()}
         self.names = NameResolver(self)
         self.hidden_offset: dict[str, int] = {}
         """Stack -> index of block 0's output in HF's hidden states (1, or 0 for Mamba-style)."""
         for prefix in self.stacks:
-            final = self._final(prefix, finals[prefix], trace)
+            final = self._final(prefix, finals[prefix], trace) or self._final_after(prefix, finals[prefix] +
+                                                                                  afters[prefix], trace)
             for block, lay in zip(self.blocks[prefix], self.layouts[prefix]):
                 refine(block, lay, trace)
                 for key, path in families.LAYOUT.get(self.family, {}).items():
                     setattr(lay, key, path)
-            self.hidden_offset[prefix] = check_stack(prefix, self.blocks[prefix], final, trace, self._what()) \
-                if verify else 1
+            self._view = block_view(self.blocks[prefix][0], trace, trace.hidden.get(prefix))
+            self.hidden_offset[prefix] = check_stack(prefix, self.blocks[prefix], final, trace, self._what(),
+                                                     self.calls[prefix], self._final_call.get(prefix),
+                                                     self._view) if verify else 1
             self._add_stack(prefix, final, trace)
 
     def _what(self) -> str:
@@ -113,6 +144,13 @@ class Adapter:
             raise ValueError(f"cannot find the list of blocks in {type(stack).__name__} ({self._what()}): "
                              "no ModuleList of layers")
         blocks = list(get_path(stack, path))
+        if all(recognise(b) is None for b in blocks):  # groups of layers (ALBERT's layer groups)
+            inner = [only_list(b) for b in blocks]
+            if all(inner):
+                blocks = [m for group in inner for m in group]
+            elif (synth := parallel_blocks(stack, path)) is not None:  # XLM: one ModuleList per sublayer
+                blocks = [b for b, _, _ in synth]
+                self._io.update({b: (first, last) for b, first, last in synth})
         layouts = []
         for i, block in enumerate(blocks):
             lay = recognise(block)
@@ -124,32 +162,63 @@ class Adapter:
         self._block_paths[prefix] = path
         self.blocks[prefix], self.layouts[prefix] = blocks, layouts
 
+    def _add_same_class(self, trace: Trace) -> bool:
+        changed = False
+        for prefix, blocks in self.blocks.items():
+            more = same_class(blocks, self.stacks[prefix], trace, trace.hidden.get(prefix))
+            if more:
+                self.blocks[prefix] = blocks + more
+                self.layouts[prefix] = self.layouts[prefix] + [recognise(m) for m in more]
+                changed = True
+        return changed
+
+    def _unroll(self, prefix: str, trace: Trace) -> list[int] | None:
+        """Block i becomes the i-th call of a layer run several times per forward (site.call)."""
+        found = unroll(self.blocks[prefix], trace, trace.hidden.get(prefix))
+        if found is None:
+            return None
+        self.blocks[prefix], calls = found
+        self.layouts[prefix] = [recognise(m) for m in self.blocks[prefix]]
+        return calls
+
+    def _last_output(self, prefix: str, trace: Trace):
+        calls = self.calls.get(prefix)
+        return trace.io(self.blocks[prefix][-1], calls[-1] if calls else None)[1]
+
     def _final(self, prefix: str, candidates: list[nn.Module], trace: Trace) -> nn.Module | None:
-        last = trace.outputs.get(self.blocks[prefix][-1])
-        for module in candidates:
-            x = trace.inputs.get(module)
-            if x is not None and last is not None and x.shape == last.shape and bool((x == last).all()):
-                return module
-        return None
+        module, call = final_by_input(self._last_output(prefix, trace), candidates, trace)
+        if call is not None:
+            self._final_call[prefix] = call
+        return module
+
+    def _final_after(self, prefix: str, pool: list[nn.Module], trace: Trace) -> nn.Module | None:
+        module, note = final_after(self._last_output(prefix, trace), trace.hidden.get(prefix), pool, trace)
+        if module is not None:
+            self._final_note[prefix] = note
+        return module
 
     def _add_stack(self, prefix: str, final: nn.Module | None, trace: Trace) -> None:
         p = f"{prefix}." if prefix else ""
         blocks = self.blocks[prefix]
         width = trace.inputs[blocks[0]].shape[-1] if blocks[0] in trace.inputs else self._hidden_size()
         resid = ("B", "T", int(width))
+        calls = self.calls.get(prefix)
         for i, (block, lay) in enumerate(zip(blocks, self.layouts[prefix])):
             b, cls = f"{p}blocks.{i}", type(block).__name__
+            self._current = (block, calls[i], self.stacks[prefix]) if calls else None
             if i == 0:
-                self._add(f"{p}embed", block, "input", resid, prefix, f"input to {cls} 0")
-            self._add(f"{b}.resid_in", block, "input", resid, prefix, f"input of {cls} {i} ({lay.style})")
-            self._add(f"{b}.resid_out", block, "output", resid, prefix, f"output of {cls} {i}")
+                self._add(f"{p}embed", self._io.get(block, (block,))[0], "input", resid, prefix, f"input to {cls} 0")
+            first, last = self._io.get(block, (block, block))
+            self._add(f"{b}.resid_in", first, "input", resid, prefix,
+                      f"input of {type(first).__name__} {i} ({lay.style})")
+            self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}")
             problem, scales, plus = repair(block, lay, trace) if lay.additive else (None, None, None)
             for kind in _OUT_KINDS:
                 path = getattr(lay, kind)
                 if path is None:
                     continue
-                if problem:
-                    self.problems[f"{b}.{kind}"] = f"{self._what()} block {i}: {problem}"
+                if problem or kind in lay.dropped:
+                    self.problems[f"{b}.{kind}"] = f"{self._what()} block {i}: {problem or lay.dropped[kind]}"
                     continue
                 module = block.get_submodule(path)
                 scale = scales.get(kind, 1.0) if scales else 1.0
@@ -168,16 +237,32 @@ class Adapter:
             if lay.mlp_post and not lay.flat_mlp and (module := _get(block, lay.mlp_post)) is not None:
                 self._add(f"{b}.mlp.post", module, "input", ("B", "T", _in_width(module)), prefix,
                           f"input of {lay.mlp_post} ({type(module).__name__}): the MLP's hidden activations")
+        k = self._final_call.get(prefix)
+        self._current = (final, k, self.stacks[prefix]) if k is not None else None
         if final is not None:
-            self._add(f"{p}final", final, "output", resid, prefix, f"output of the final norm ({type(final).__name__})")
+            note = self._final_note.get(prefix)
+            self._add(f"{p}final", final, "output", resid, prefix, f"output of the final norm ({type(final).__name__})"
+                      if note is None else f"output of {type(final).__name__}, the stack's last hidden state; {note}")
+        self._current = None
 
     def _hidden_size(self) -> int:
         text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         return int(getattr(text, "hidden_size", None) or getattr(text, "d_model"))
 
     def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
-             flat_in=None, scale: float = 1.0, plus: nn.Module | None = None) -> None:
-        self.sites[name] = Site(name, module, point, shape, stack, source, heads, flat_in, scale, plus)
+             flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: str | None = None) -> None:
+        block, call, stack_module = self._current or (None, None, None)
+        if block is not None:
+            source += f" (call {call} of this shared {type(block).__name__} in each forward)"
+        view = self._view if view is None else view
+        if "time_major" in view:
+            source += "; the module's tensor is time-major (T, B, ...), the site is its (B, T, ...) transpose"
+        if "trim" in view:
+            source += "; the module runs on more positions than this forward's tokens (padding to an attention " \
+                      "window, or n-gram streams after the main one): the site is the first T, edits leave the rest"
+            stack_module = self.stacks[stack] if stack in self.stacks else self.stacks[self._stack_of(name)]
+        self.sites[name] = Site(name, module, point, shape, stack, source, heads, flat_in, scale, plus,
+                                call, block, stack_module, "time_major" in view, "trim" in view)
 
     def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,
                        kv_stack: str, trace: Trace, notes: str) -> None:
@@ -227,14 +312,22 @@ class Adapter:
                     f"output of the {proj_name} projection (this attention does not use the attention-function " \
                     "interface, so no rotary embedding is applied here)"
                 stack = q_stack if which == "q" else kv_stack
+                view = projection_view(self._view, block, getattr(attn, proj_name), trace)
+                if view is None:
+                    continue
                 self._add(f"{name}.{which}", getattr(attn, proj_name), "output",
-                          ("B", "T" if which == "q" else seq_kv, count, head_dim), stack, note + suffix, heads=count)
+                          ("B", "T" if which == "q" else seq_kv, count, head_dim), stack, note + suffix, heads=count,
+                          view=view)
             v_dim = head_dim
         z = _get(block, z_path)
         if z is not None and _in_width(z) == heads * v_dim:
             self._add(f"{name}.z", z, "input", ("B", "T", heads, v_dim), q_stack,
                       f"input of {z_path} ({type(z).__name__}): each head's attention output before the "
                       "output projection", heads=heads)
+
+    def _stack_of(self, name: str) -> str:
+        head = name.split(".", 1)[0]
+        return head if head in self.stacks else ""
 
     def layout(self, stack: str, index: int) -> BlockLayout:
         """The recognised layout of block `index` of `stack` ("" for single-stack models)."""

@@ -7,7 +7,11 @@ architectures whose blocks are not one layer each and says why.
 
 from __future__ import annotations
 
-LAYOUT: dict[str, dict[str, str]] = {}
+LAYOUT: dict[str, dict[str, str]] = {
+    # ALBERT's attention adds and norms its own residual, and its FFN is two bare Linear children.
+    "albert": {"attn_out": "attention.dense", "attn_z": "attention.dense", "mlp_out": "ffn_output",
+               "mlp_post": "ffn_output"},
+}
 
 NOTES: dict[str, dict[str, str]] = {
     "deberta-v2": {"q": "content query from query_proj (DeBERTa's attention does not go through the "
@@ -17,7 +21,6 @@ NOTES: dict[str, dict[str, str]] = {
 NOTES["deberta"] = NOTES["deberta_v2"] = NOTES["deberta-v2"]
 
 REFUSED: dict[str, str] = {
-    "albert": "ALBERT runs one shared layer num_hidden_layers times, so a module hook cannot tell its layers apart",
     "funnel": "Funnel Transformer pools the sequence between its encoder blocks and upsamples it in its decoder, so "
               "its hidden states are not one stack of same-length block outputs",
 }

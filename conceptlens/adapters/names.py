@@ -77,6 +77,8 @@ class NameResolver:
             outputs = [s.name for s in self.sites.values() if s.module is module and s.point == "output"]
             inputs = [s.name for s in self.sites.values() if s.module is module and s.point == "input"]
             found = [n for n in outputs if ".resid_out" in n] or outputs or inputs
+            if any(self.sites[n].call is not None for n in found):
+                return None  # one shared layer is several blocks: the module path names none of them
             if found:
                 return found[0]
         return None

@@ -39,6 +39,16 @@ class Trace:
     """Each attention-function call, in order."""
     hidden: dict[str, tuple[Tensor, ...]] = field(default_factory=dict)
     """Stack prefix -> HF's hidden states."""
+    sequence: list[nn.Module] = field(default_factory=list)
+    """Block modules in the order their calls finished (a shared layer appears once per call)."""
+    per_call: dict[tuple[nn.Module, int], tuple[Tensor | None, Tensor | None]] = field(default_factory=dict)
+    """(block module, k) -> (input, output) of its k-th call."""
+
+    def io(self, block: nn.Module, call: int | None) -> tuple[Tensor | None, Tensor | None]:
+        """(input, output) of a block's `call`-th call (None: its first, as `inputs` / `outputs`)."""
+        if not call:
+            return self.inputs.get(block), self.outputs.get(block)
+        return self.per_call.get((block, call), (None, None))
 
 
 def first_tensor(x) -> Tensor | None:
@@ -64,6 +74,18 @@ def _record(trace: Trace):
         y = first_tensor(output)
         if y is not None:
             trace.outputs[module] = y.detach().clone()
+
+    return hook
+
+
+def _record_calls(trace: Trace):
+    def hook(module, args, kwargs, output):
+        k = sum(1 for m in trace.sequence if m is module)
+        trace.sequence.append(module)
+        x = first_tensor(args) if args else first_tensor(kwargs.get("hidden_states"))
+        y = first_tensor(output)
+        trace.per_call[(module, k)] = (None if x is None else x.detach().clone(),
+                                       None if y is None else y.detach().clone())
 
     return hook
 
@@ -125,11 +147,13 @@ def run_probe(model: nn.Module, blocks: dict[str, list[nn.Module]], extra: list[
         model.eval()
         handles.add(observe_calls(_implementations(model), on_call))
         for stack_blocks in blocks.values():
-            for block in stack_blocks:
+            for block in dict.fromkeys(stack_blocks):
+                handles.add(block.register_forward_hook(_record_calls(trace), with_kwargs=True))
                 for module in block.modules():
                     handles.add(module.register_forward_hook(_record(trace), with_kwargs=True))
         for module in extra:
             handles.add(module.register_forward_hook(_record(trace), with_kwargs=True))
+            handles.add(module.register_forward_hook(_record_calls(trace), with_kwargs=True))
         for i, (prefix, stack) in enumerate((stacks or {}).items()):
             handles.add(stack.register_forward_hook(_stack_hook(trace, prefix, i == len(stacks) - 1)))
         inputs = probe_inputs(model)

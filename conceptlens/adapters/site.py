@@ -42,6 +42,18 @@ class Site:
     """The site is `module`'s output plus this module's (run beside it on the same input, e.g.
     a shared expert next to the routed ones); edits change `module`'s output by their change."""
 
+    call: int | None = None
+    """Set when the block is one call of a layer module the stack runs several times in one
+    forward (ALBERT's shared layer, a looped layer): the site is read and edited only during the
+    `call`-th call (from 0) of `block` in each forward of `stack_module`."""
+    block: nn.Module | None = None
+    stack_module: nn.Module | None = None
+    time_major: bool = False
+    """The module's tensor is `(T, B, ...)` (FSMT's blocks); the site is its `(B, T, ...)` transpose."""
+    trimmed: bool = False
+    """The module sees the tokens padded inside the model (Longformer): the site is the first T,
+    T = the length of this forward's input to `stack_module`."""
+
     @property
     def width(self) -> int:
         """Size of the last dimension (hidden size, or head dimension for q/k/v)."""

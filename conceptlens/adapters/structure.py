@@ -60,6 +60,8 @@ class BlockLayout:
     """resid_out == resid_in + attn_out (+ cross_attn_out) (+ mixer_out) + mlp_out."""
     flat_mlp: bool = False
     notes: dict[str, str] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)
+    """Kind -> why that site is left out (a post-LN sublayer that norms inside itself, unreadable)."""
     replaced: dict[str, str] = field(default_factory=dict)
     """Kind -> the sublayer path a post-sublayer norm replaced (tried again if the sum fails)."""
 
@@ -127,8 +129,15 @@ def _t5_layout(block: nn.Module) -> BlockLayout | None:
 def _bert_layout(block: nn.Module) -> BlockLayout | None:
     children = dict(block.named_children())
     attention, output = children.get("attention"), children.get("output")
-    if attention is None or output is None or "intermediate" not in children:
+    if output is None or "intermediate" not in children or not hasattr(output, "dense"):
         return None
+    if attention is None:  # FNet: a token mixer in the attention's place (`fourier.self` / `fourier.output`)
+        mixer = next((n for n, m in children.items() if n not in ("intermediate", "output") and
+                      isinstance(getattr(m, "self", None), nn.Module) and hasattr(m, "output")), None)
+        if mixer is None:
+            return None
+        return BlockLayout(f"BERT-style with a token mixer ({mixer}.self / {mixer}.output / intermediate / output)",
+                           mixer_out=f"{mixer}.self", mlp_out="output.dense", mlp_post="output.dense")
     att_out = getattr(attention, "output", None)
     if att_out is None or not hasattr(att_out, "dense") or not hasattr(output, "dense"):
         return None
@@ -183,9 +192,10 @@ def find_stacks(model: nn.Module) -> dict[str, str]:
     base = getattr(model, "base_model", model)
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
-        enc, dec = _get(base, "encoder"), _get(base, "decoder")
-        if enc is not None and dec is not None:
-            return {"encoder": "encoder", "decoder": "decoder"}
+        for enc_path, dec_path in (("encoder", "decoder"), ("text_encoder", "text_decoder")):  # SeamlessM4T
+            enc, dec = _get(base, enc_path), _get(base, dec_path)
+            if enc is not None and dec is not None:
+                return {"encoder": enc_path, "decoder": dec_path}
     for path in ("language_model", "model.language_model", "text_model", "decoder", "transformer"):
         stack = _get(base, path)
         if stack is not None and find_block_list(stack) is not None and not _has_blocks_outside(base, stack):
@@ -235,4 +245,48 @@ def final_norm_candidates(stack: nn.Module, blocks_path: str) -> list[str]:
         for name, module in parent.named_children():
             if is_norm(name, module):
                 out.append(f"{parent_path}.{name}" if parent_path else name)
+    return out
+
+
+class ParallelBlock(nn.Module):
+    """Layer i of a stack that keeps each sublayer in its own ModuleList (XLM, FlauBERT): a
+    container of the real modules `lists[name][i]`, never called and never attached to the model;
+    its sites hook those modules (its input is the first's, its output the last's)."""
+
+    def __init__(self, parts: dict[str, nn.Module]) -> None:
+        super().__init__()
+        for name, module in parts.items():
+            self.add_module(name, module)
+
+
+def parallel_blocks(stack: nn.Module, path: str) -> list[tuple[nn.Module, nn.Module, nn.Module]] | None:
+    """(block, first module, last module) per layer when the stack keeps attention, norms and
+    FFN in sibling ModuleLists of one length, in the order they are registered (the probe then
+    checks the blocks against the hidden states); None when it does not look like that."""
+    parent_path = path.rpartition(".")[0]
+    parent = stack.get_submodule(parent_path) if parent_path else stack
+    n = len(stack.get_submodule(path))
+    lists = {name: m for name, m in parent.named_children() if isinstance(m, nn.ModuleList) and len(m) == n}
+    kinds = [_kind(name, m[0]) for name, m in lists.items()]
+    if "attn" not in kinds or "mlp" not in kinds:
+        return None
+    names = list(lists)
+    first = next(name for name, kind in zip(names, kinds) if kind == "attn")
+    return [(ParallelBlock({name: lists[name][i] for name in names}), lists[first][i], lists[names[-1]][i])
+            for i in range(n)]
+
+
+def after_candidates(stack: nn.Module, blocks_path: str) -> list[str]:
+    """Other modules beside the block list (or above it) that may run after the last block: a
+    hyper-connection head, a stream mixer (not norms, lists, embeddings or rotary tables)."""
+    out = []
+    parts = blocks_path.split(".")
+    for depth in range(len(parts) - 1, -1, -1):
+        parent_path = ".".join(parts[:depth])
+        parent = stack.get_submodule(parent_path) if parent_path else stack
+        for name, module in parent.named_children():
+            if is_norm(name, module) or isinstance(module, (nn.ModuleList, nn.Embedding)) or \
+                    re.search(r"embed|rotary|rope|pos", name, re.I) or not list(module.parameters()):
+                continue
+            out.append(f"{parent_path}.{name}" if parent_path else name)
     return out

@@ -70,9 +70,32 @@ def refine(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
     if mlp is not None and x is not None and mlp in trace.outputs and trace.outputs[mlp].ndim == x.ndim - 1:
         lay.flat_mlp = True
     if not lay.additive:
+        _norm_inside(block, lay, trace)
         lay.style += ", post-LN (the norm follows the residual add)"
-        for key in ("attn_out", "mlp_out", "cross_attn_out"):
+        for key in ("attn_out", "mlp_out", "cross_attn_out", "mixer_out"):
             lay.notes.setdefault(key, "post-LN: the sublayer output before the residual add and norm")
+
+
+def _norm_inside(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
+    """A post-LN sublayer whose output is a norm's inside it (XLNet's, ALBERT's attention) has
+    added the residual itself: read its output projection where sublayer input + projection
+    output is exactly that norm's input, else leave the site out (`lay.dropped`)."""
+    for key in ("attn_out", "cross_attn_out", "mixer_out", "mlp_out"):
+        path = getattr(lay, key)
+        module = submodule(block, path)
+        out, inp = trace.outputs.get(module), trace.inputs.get(module)
+        norm = next((m for n, m in module.named_modules() if n and is_norm(n.rpartition(".")[2], m) and
+                     _same(trace.outputs.get(m), out)), None) if module is not None else None
+        if norm is None or inp is None:
+            continue
+        inner = _last_projection(block, path, trace)
+        proj = trace.outputs.get(submodule(block, inner)) if inner else None
+        if proj is not None and proj.shape == inp.shape and close(inp + proj, trace.inputs.get(norm)):
+            setattr(lay, key, inner)
+            lay.notes[key] = f"{path} adds and norms the residual inside itself: its output projection, before that"
+        else:
+            lay.dropped[key] = f"{path} ({type(module).__name__}) adds and norms the residual inside itself, and " \
+                               "no module gives what it adds"
 
 
 def submodule(block: nn.Module, path: str | None) -> nn.Module | None:
@@ -89,15 +112,17 @@ def call_of(trace: Trace, module: nn.Module | None) -> Call | None:
     return next((c for c in trace.attention if c.module is module), None)
 
 
-def check_stack(prefix: str, blocks: list[nn.Module], final: nn.Module | None, trace: Trace, what: str) -> int:
+def check_stack(prefix: str, blocks: list[nn.Module], final: nn.Module | None, trace: Trace, what: str,
+                calls: list[int] | None = None, final_call: int | None = None, view: str = "") -> int:
     """resid_out of every block (and embed, final) against HF's hidden states; raise LayoutError.
 
     Returns the offset of block i's output in the hidden states: 1 when hidden_states[0] is
     the embedding (most models), 0 when the model lists only block outputs (Mamba).
     """
     p = f"{prefix}." if prefix else ""
+    virtual, calls = calls is not None, calls or [0] * len(blocks)
     for i, block in enumerate(blocks):
-        if trace.calls.get(block, 0) != 1:
+        if not virtual and trace.calls.get(block, 0) != 1:
             raise LayoutError(f"{what}: {p}blocks.{i} ({type(block).__name__}) ran {trace.calls.get(block, 0)} times "
                               "in one forward (shared or skipped blocks), so its sites are not one layer's")
     hidden = trace.hidden.get(prefix)
@@ -106,17 +131,20 @@ def check_stack(prefix: str, blocks: list[nn.Module], final: nn.Module | None, t
     n = len(blocks)
     if len(hidden) != n + 1:
         raise LayoutError(f"{what}: found {n} {p}blocks but the model returns {len(hidden)} hidden states")
-    offset = 1 if close(trace.inputs.get(blocks[0]), hidden[0]) else 0
+    first = trace.inputs.get(blocks[0])
+    length = hidden[0].shape[1] if hidden[0] is not None and hidden[0].ndim >= 2 else 0
+    offset = 1 if close(as_hidden(first, view, length), hidden[0]) else 0
     if not offset and not close(trace.outputs.get(blocks[0]), hidden[0]):
         raise LayoutError(f"{what}: neither the input nor the output of {p}blocks.0 is the model's hidden_states[0]")
     for i, block in enumerate(blocks):
-        out = trace.outputs.get(block)
+        out = trace.io(block, calls[i])[1]
+        out = as_hidden(out, view, length)
         if i + offset == n and not close(out, hidden[n]):
-            out = trace.outputs.get(final) if final is not None else None
+            out = trace.io(final, final_call)[1] if final is not None else None
         if not close(out, hidden[i + offset]):
             raise LayoutError(f"{what}: the output of {p}blocks.{i} ({type(block).__name__}) is not the model's "
                               f"hidden_states[{i + offset}]")
-    if not offset and not close(trace.outputs.get(final) if final is not None else None, hidden[n]):
+    if not offset and not close(trace.io(final, final_call)[1] if final is not None else None, hidden[n]):
         raise LayoutError(f"{what}: hidden_states[{n}] is not the output of a final norm")
     return offset
 
@@ -271,3 +299,26 @@ def _apply(lay: BlockLayout, kinds: list[str], chosen: dict) -> None:
         setattr(lay, k, path)
         if note:
             lay.notes[k] = note
+
+
+def as_hidden(x, view: str, length: int):
+    """A block tensor in HF's hidden-state layout: transposed (time-major blocks) or cut to the
+    stack's input length (blocks that run on tokens padded inside the model)."""
+    if x is None or not view:
+        return x
+    return x.transpose(0, 1) if view == "time_major" else x[:, :length]
+
+
+def block_view(block: nn.Module, trace: Trace, hidden: tuple | None) -> str:
+    """"time_major": block 0 reads the `(T, B, d)` transpose of HF's hidden_states[0] (FSMT,
+    XLNet); "trim": it reads hidden_states[0] followed by positions the model added (Longformer and
+    LED pad to their attention window, ProphetNet's decoder appends its n-gram streams); "" otherwise."""
+    x = trace.inputs.get(block)
+    h = hidden[0] if hidden else None
+    if x is None or h is None or x.ndim != 3 or h.ndim != 3:
+        return ""
+    if x.shape[0] != x.shape[1] and close(x.transpose(0, 1), h):
+        return "time_major"
+    if x.shape[0] == h.shape[0] and x.shape[1] > h.shape[1] and close(x[:, : h.shape[1]], h):
+        return "trim"
+    return ""

@@ -7,6 +7,7 @@ replaces it in the forward. Capture and steering are both built on this.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -14,6 +15,7 @@ from torch import Tensor
 
 from conceptlens.adapters.site import Site
 from conceptlens.hooks.attention import add_qkv_hook
+from conceptlens.hooks.calls import gated_hook
 from conceptlens.hooks.handles import Handle, HandleGroup
 
 SiteFn = Callable[[Tensor], Tensor | None]
@@ -23,8 +25,27 @@ def hook_site(site: Site, fn: SiteFn, *, edit: bool = False) -> Handle:
     """Register `fn` at `site`; the returned handle removes it.
 
     `edit=True` (steering) puts the hook before every other hook at the site, so edits at a
-    site always run before reads there, whatever order the scopes were opened in.
+    site always run before reads there, whatever order the scopes were opened in. A site of
+    one call of a shared layer (`site.call`) acts only during that call of each forward.
     """
+    if site.trimmed and site.stack_module is not None:
+        lengths: list[int] = []
+        group = HandleGroup()
+        group.add(site.stack_module.register_forward_pre_hook(_record_length(lengths), with_kwargs=True))
+        try:
+            group.add(hook_site(replace(site, trimmed=False), _trimmed(fn, lengths), edit=edit))
+        except BaseException:
+            group.remove()
+            raise
+        return group
+    if site.time_major:
+        fn = _transposed(fn)
+    if site.call is not None and site.block is not None and site.stack_module is not None:
+        return gated_hook(site.block, site.stack_module, site.call, fn, lambda gated: _hook(site, gated, edit))
+    return _hook(site, fn, edit)
+
+
+def _hook(site: Site, fn: SiteFn, edit: bool) -> Handle:
     if site.scale != 1.0:
         fn = _scaled(fn, site.scale)
     if site.point == "pattern":
@@ -43,6 +64,38 @@ def hook_site(site: Site, fn: SiteFn, *, edit: bool = False) -> Handle:
     if site.plus is not None:
         return _sum_output_hook(site, fn, edit)
     return Handle(site.module.register_forward_hook(_output_hook(fn, site.heads), prepend=edit).remove)
+
+
+def _record_length(lengths: list[int]):
+    def hook(module, args, kwargs):
+        x = kwargs.get("input_ids")
+        x = x if x is not None else kwargs.get("inputs_embeds")
+        x = x if x is not None or not args else args[0]
+        lengths[:] = [int(x.shape[1])] if isinstance(x, Tensor) and x.ndim >= 2 else []
+
+    return hook
+
+
+def _trimmed(fn: SiteFn, lengths: list[int]) -> SiteFn:
+    """`fn` sees the first T tokens (T: this forward's input length) of a tensor the model padded;
+    an edit leaves the padding as it was."""
+    def call(x: Tensor) -> Tensor | None:
+        length = lengths[0] if lengths else x.shape[1]
+        if x.shape[1] <= length:
+            return fn(x)
+        new = fn(x[:, :length])
+        return None if new is None else torch.cat([new.to(x.dtype), x[:, length:]], dim=1)
+
+    return call
+
+
+def _transposed(fn: SiteFn) -> SiteFn:
+    """`fn` sees the `(B, T, ...)` transpose of a time-major `(T, B, ...)` tensor; edits go back."""
+    def call(x: Tensor) -> Tensor | None:
+        new = fn(x.transpose(0, 1))
+        return None if new is None else new.transpose(0, 1)
+
+    return call
 
 
 def _scaled(fn: SiteFn, scale: float) -> SiteFn:

@@ -92,12 +92,16 @@ def check_model(model, inputs, out, partial: bool = False) -> None:
                     f"{p}blocks.{i}: resid_in + attn_out + mlp_out != resid_out"
 
 
-def check_kv_cache(model, inputs, refused: bool = False) -> None:
+def check_kv_cache(model, inputs, refused: bool = False, one_decoder_token: bool = False) -> None:
     """k/v sites read at the KV cache's update (a forward with a cache) equal those read at the
     attention function (no cache): the keys a cache stores are the keys the scores use. Where
-    the module attends to other k/v than it stores (`refused`), a cached forward must refuse."""
+    the module attends to other k/v than it stores (`refused`), a cached forward must refuse.
+    `one_decoder_token`: the model computes another function with a cache on several decoder
+    tokens (FSMT drops its causal mask then), so both forwards get one decoder token."""
     lens = conceptlens.attach(model)
     inputs = {k: v for k, v in inputs.items() if k != "use_cache"}
+    if one_decoder_token:
+        inputs["decoder_input_ids"] = inputs["decoder_input_ids"][:, :1]
     names = [n for n in lens.sites if ".attn." in n and n.endswith((".attn.k", ".attn.v"))]
     if not names or not getattr(model.config.get_text_config(decoder=True), "use_cache", False):
         return

@@ -78,6 +78,7 @@ _EXTRA: dict[str, dict] = {
     "qwen4_exp": {"text_config": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM,
                                   "indexer_budget": 16, "indexer_compress_ratio": 4}},
     "dory": {"n_input_layers": 0, "n_recurrent_layers": 2, "n_output_layers": 0},
+    "albert": {"num_hidden_groups": 1},  # one shared layer run num_hidden_layers times, as in real ALBERT
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
 }
 

@@ -62,7 +62,7 @@ def skewness(x: Tensor, directions: Tensor) -> Tensor:
         p = torch.addmm(mean.to(x.dtype), part, directions.T, beta=-1.0).float()  # (r, M) centred projections
         p2 = p * p
         m2 += p2.sum(0)
-        m3 += (p2 * p).sum(0)
+        m3 += p2.mul_(p).sum(0)  # in place: one (r, M) buffer fewer
     var = m2 / x.shape[0]
     return (m3 / x.shape[0]) / var.pow(1.5)
 

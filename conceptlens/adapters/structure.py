@@ -237,15 +237,18 @@ def find_block_list(stack: nn.Module, expected: int | None = None) -> str | None
 
 def final_norm_candidates(stack: nn.Module, blocks_path: str) -> list[str]:
     """Norms that are children of the block list's parent or of any module above it in the stack."""
-    out = []
+    return [path for path, name, module in _children_above(stack, blocks_path) if is_norm(name, module)]
+
+
+def _children_above(stack: nn.Module, blocks_path: str):
+    """(path, name, module) of the children of the block list's parent and of every module above
+    it in the stack, innermost first."""
     parts = blocks_path.split(".")
     for depth in range(len(parts) - 1, -1, -1):
         parent_path = ".".join(parts[:depth])
         parent = stack.get_submodule(parent_path) if parent_path else stack
         for name, module in parent.named_children():
-            if is_norm(name, module):
-                out.append(f"{parent_path}.{name}" if parent_path else name)
-    return out
+            yield (f"{parent_path}.{name}" if parent_path else name), name, module
 
 
 class ParallelBlock(nn.Module):
@@ -279,14 +282,6 @@ def parallel_blocks(stack: nn.Module, path: str) -> list[tuple[nn.Module, nn.Mod
 def after_candidates(stack: nn.Module, blocks_path: str) -> list[str]:
     """Other modules beside the block list (or above it) that may run after the last block: a
     hyper-connection head, a stream mixer (not norms, lists, embeddings or rotary tables)."""
-    out = []
-    parts = blocks_path.split(".")
-    for depth in range(len(parts) - 1, -1, -1):
-        parent_path = ".".join(parts[:depth])
-        parent = stack.get_submodule(parent_path) if parent_path else stack
-        for name, module in parent.named_children():
-            if is_norm(name, module) or isinstance(module, (nn.ModuleList, nn.Embedding)) or \
-                    re.search(r"embed|rotary|rope|pos", name, re.I) or not list(module.parameters()):
-                continue
-            out.append(f"{parent_path}.{name}" if parent_path else name)
-    return out
+    return [path for path, name, module in _children_above(stack, blocks_path)
+            if not (is_norm(name, module) or isinstance(module, (nn.ModuleList, nn.Embedding))
+                    or re.search(r"embed|rotary|rope|pos", name, re.I) or not list(module.parameters()))]

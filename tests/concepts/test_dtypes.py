@@ -2,8 +2,6 @@
 accumulators stay float32 (or wider), bf16 and fp32 rows both work, resume is bit-identical in
 bfloat16, merges keep working, and a bad dtype name gives a one-line error."""
 
-import io
-
 import pytest
 import torch
 
@@ -11,6 +9,7 @@ from conceptlens.concepts import Deleuzian, StreamingKMeans, VQCodebook
 from conceptlens.concepts.clvq import CLVQTranscoder
 from conceptlens.concepts.sae import (ActMSAE, BatchTopKSAE, EWGSAE, HSAE, JumpReLUSAE, MatryoshkaSAE, MPSAE, ReLUSAE,
                                       SpaDE, TopKSAE)
+from tests.concepts.test_protocol import roundtrip
 
 SAE = dict(width=64, batch_size=256, warmup_tokens=256, dead_after=5000)
 SAES = {
@@ -57,13 +56,6 @@ def feed(ex, x, chunk=500):
         ex.update(part.bfloat16() if i % 2 else part)  # bf16 and fp32 rows alike
     ex.flush()
     return ex
-
-
-def roundtrip(state):
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 def fvu(x: torch.Tensor, x_hat: torch.Tensor) -> float:

@@ -6,19 +6,12 @@ import pytest
 import torch
 
 import conceptlens
+from tests.adapters.coverage import hidden as _hidden_states
 from tests.conftest import ENCODER_DECODERS, tiny_inputs, tiny_model
 
 # Pre-LN families return the *final norm's output* as their last hidden state; their last
 # block's resid_out is the input of that norm. Post-LN families have no final norm.
 FINAL_IN_LAST_HIDDEN = {"gpt2", "llama", "mistral", "qwen2", "gemma2", "gpt_neox", "opt", "phi", "t5"}
-
-
-def _hidden_states(out, stack: str):
-    if stack == "encoder":
-        return out.encoder_hidden_states
-    if stack == "decoder":
-        return out.decoder_hidden_states
-    return out.hidden_states
 
 
 def test_resid_out_and_embed_match_hidden_states(family):

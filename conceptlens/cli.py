@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"conceptlens {args.command}: error: {_one_line(str(message))}", file=sys.stderr)
         return 2
+    finally:
+        if "conceptlens.distributed" in sys.modules:  # a distributed fit ran in this process
+            sys.modules["conceptlens.distributed"].shutdown()
 
 
 def _one_line(message: str) -> str:

@@ -131,7 +131,24 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Co
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        global _OWNED
+        _OWNED = True
     return Comm(timeout_s=timeout_s)
+
+
+_OWNED = False
+"""Whether `init` created the default process group (then `shutdown` may destroy it)."""
+
+
+def shutdown() -> None:
+    """Destroy the default process group if `init` created it. A process that exits with a live
+    gloo group can abort in the group's destructor ("terminate called without an active
+    exception", SIGABRT), which turns a finished fit into a failed rank; the CLI calls this
+    before it exits. A group the caller initialised is left alone."""
+    global _OWNED
+    if _OWNED and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _OWNED = False
 
 
 def attach(extractors: dict[Any, Any], comm: Comm) -> None:

@@ -186,3 +186,25 @@ def test_an_extractor_that_cannot_be_synchronised_is_refused_by_name():
 
     with pytest.raises(ValueError, match=r"CLVQTranscoder\) cannot be fitted with distributed=True; supported"):
         attach({("blocks.0.resid_out", "blocks.1.resid_out"): CLVQTranscoder(4)}, comm=None)
+
+
+def test_shutdown_destroys_only_the_group_init_created(monkeypatch):
+    import torch.distributed as dist
+
+    from conceptlens import distributed
+    from tests.distributed_workers import free_port
+
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    distributed.init(timeout_s=30)
+    assert dist.is_initialized()
+    distributed.shutdown()  # init created it: destroyed, so the process can exit cleanly
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        distributed.init(timeout_s=30)  # reuses the caller's group
+        distributed.shutdown()
+        assert dist.is_initialized()  # the caller's group is the caller's to destroy
+    finally:
+        dist.destroy_process_group()

@@ -22,6 +22,7 @@ import torch
 from _common import Clock, report, threads
 
 from conceptlens.concepts.sae import JumpReLUSAE, ReLUSAE, SpaDE, TopKSAE
+from conceptlens.metrics.quality import best_latent_f1
 
 
 def linear_concepts(n: int, g: torch.Generator, d: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,17 +37,6 @@ def magnitude_concepts(n: int, g: torch.Generator, d: int = 16) -> tuple[torch.T
     x = 0.05 * torch.randn(n, d, generator=g)
     x[:, 0] += labels.float() + 1
     return x, labels
-
-
-def best_latent_f1(z: torch.Tensor, labels: torch.Tensor) -> float:
-    fired = (z > 0).float()
-    scores = []
-    for c in range(int(labels.max()) + 1):
-        y = (labels == c).float()[:, None]
-        tp = (fired * y).sum(0)
-        precision, recall = tp / fired.sum(0).clamp(min=1), tp / y.sum()
-        scores.append((2 * precision * recall / (precision + recall).clamp(min=1e-12)).max())
-    return float(torch.stack(scores).mean())
 
 
 def models(width: int, seed: int) -> dict:
@@ -77,7 +67,7 @@ def main() -> None:
                     for chunk in x.split(2000):
                         sae.update(chunk)
                     sae.flush()
-                    scores.append(best_latent_f1(sae.encode(x_test), y_test))
+                    scores.append(float(best_latent_f1(sae.encode(x_test), y_test).mean()))
                 cells.append(sum(scores) / len(scores))
             rows.append((width, name, cells[0], cells[1]))
             print(f"  [{clock}] width {width} {name}: linear {cells[0]:.3f}, nonlinear {cells[1]:.3f}", flush=True)

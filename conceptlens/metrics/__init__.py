@@ -19,7 +19,8 @@ _EXPORTS = {
     "gauge_audit": ["gauge_audit", "AuditReport", "GaugeTransform", "random_gauge", "apply_gauge", "gauged"],
     "capture_qk": ["qk_capture", "QKCapture"],
     "quality": ["probe_loss", "ProbeResult", "fit_logistic_1d", "mppc", "effective_rank", "max_pairwise_cosine",
-                "fvu", "l0", "dead_fraction", "ce_loss_recovered", "lda_directions", "LDADirections"],
+                "fvu", "l0", "dead_fraction", "ce_loss_recovered", "lda_directions", "LDADirections",
+                "best_latent_f1"],
     "hierarchy": ["CoactivationStats", "build_dag", "dag_depth", "export_dag"],
     "hierarchy_eval": ["hierarchy_scores", "HierarchyScores", "monosemanticity", "graph_activations"],
     "similarity": ["similarity", "group_audit", "GroupAuditReport", "MEASURES", "SimilarityMeasure", "linear_cka",
@@ -43,8 +44,8 @@ if TYPE_CHECKING:
     from conceptlens.metrics.hierarchy import CoactivationStats, build_dag, dag_depth, export_dag
     from conceptlens.metrics.hierarchy_eval import (HierarchyScores, graph_activations, hierarchy_scores,
                                                     monosemanticity)
-    from conceptlens.metrics.quality import (LDADirections, ProbeResult, ce_loss_recovered, dead_fraction,
-                                             effective_rank, fit_logistic_1d, fvu, l0, lda_directions,
+    from conceptlens.metrics.quality import (LDADirections, ProbeResult, best_latent_f1, ce_loss_recovered,
+                                             dead_fraction, effective_rank, fit_logistic_1d, fvu, l0, lda_directions,
                                              max_pairwise_cosine, mppc, probe_loss)
     from conceptlens.metrics.faithfulness import FaithfulnessResult, ProbeTask, faithfulness, next_token_loss_sum
     from conceptlens.metrics.duality import (Direction, InnerProduct, ProbeWeight, direction_to_probe,

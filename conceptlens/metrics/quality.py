@@ -181,6 +181,19 @@ def dead_fraction(z: Tensor) -> float:
     return float((~(z != 0).any(0)).double().mean())
 
 
+def best_latent_f1(z: Tensor, labels: Tensor) -> Tensor:
+    """Per concept c, the best F1 over latents j of "latent j fires (z_j > 0)" as a detector of
+    label == c (SpaDE, 001): `(n_concepts,)` for z `(N, width)`, labels `(N,)` in 0..n_concepts-1."""
+    fired = (z > 0).float()
+    scores = []
+    for c in range(int(labels.max()) + 1):
+        y = (labels == c).float()[:, None]
+        tp = (fired * y).sum(0)
+        precision, recall = tp / fired.sum(0).clamp(min=1), tp / y.sum()
+        scores.append((2 * precision * recall / (precision + recall).clamp(min=1e-12)).max())
+    return torch.stack(scores)
+
+
 def ce_loss_recovered(clean: float, spliced: float, zero_ablated: float) -> float:
     """(L_zero - L_spliced) / (L_zero - L_clean): 1 = splicing in the reconstruction costs
     nothing, 0 = as bad as zeroing the site."""

@@ -8,6 +8,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import log_loss
 
 from conceptlens.metrics.quality import (
+    best_latent_f1,
     ce_loss_recovered,
     dead_fraction,
     effective_rank,
@@ -135,3 +136,12 @@ def test_lda_directions_match_sklearn_one_vs_rest(shrinkage):
         np.testing.assert_allclose(got.directions[c].numpy(), ref, rtol=1e-6, atol=1e-9)
     with pytest.raises(ValueError, match="shrinkage must be"):
         lda_directions(x, y, shrinkage=2.0)
+
+
+def test_best_latent_f1_by_hand():
+    # 6 tokens, 2 concepts, 3 latents. Concept 0 = tokens 0-2, concept 1 = tokens 3-5.
+    labels = torch.tensor([0, 0, 0, 1, 1, 1])
+    z = torch.tensor([[1.0, 0, 0], [1, 0, 0], [0, 0, 2], [1, 3, 0], [0, 3, 0], [0, 0, 0]])
+    # concept 0: latent 0 fires on 0, 1, 3 -> P 2/3, R 2/3, F1 2/3; latent 2 on 2 -> P 1, R 1/3, F1 1/2
+    # concept 1: latent 1 fires on 3, 4 -> P 1, R 2/3, F1 0.8; latent 0 -> P 1/3, R 1/3
+    torch.testing.assert_close(best_latent_f1(z, labels), torch.tensor([2 / 3, 0.8]))

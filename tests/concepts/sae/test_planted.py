@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conceptlens.concepts.sae import BatchTopKSAE, JumpReLUSAE, MatryoshkaSAE, ReLUSAE, SpaDE, TopKSAE
+from conceptlens.metrics.quality import best_latent_f1
 
 D, N_ATOMS, ACTIVE = 32, 64, 3
 COMMON = dict(width=128, batch_size=512, warmup_tokens=512, dead_after=20_000)  # default lr
@@ -59,18 +60,6 @@ def magnitude_concepts(n: int, g: torch.Generator, d: int = 16) -> tuple[torch.T
     x = 0.05 * torch.randn(n, d, generator=g)
     x[:, 0] += labels.float() + 1
     return x, labels
-
-
-def best_latent_f1(z: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per concept, the best F1 of 'latent j fires' as a detector of the concept: (n_concepts,)."""
-    fired = (z > 0).float()  # (N, width)
-    scores = []
-    for c in range(int(labels.max()) + 1):
-        y = (labels == c).float()[:, None]
-        tp = (fired * y).sum(0)
-        precision, recall = tp / fired.sum(0).clamp(min=1), tp / y.sum()
-        scores.append((2 * precision * recall / (precision + recall).clamp(min=1e-12)).max())
-    return torch.stack(scores)
 
 
 def test_spade_separates_concepts_that_differ_only_in_magnitude():

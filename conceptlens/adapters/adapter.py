@@ -20,6 +20,7 @@ from conceptlens.adapters.probe import Trace, run_probe
 from conceptlens.adapters.repeated import final_after, final_by_input, only_list, projection_view, same_class, unroll
 from conceptlens.adapters.site import Site
 from conceptlens.adapters.site_notes import attention_notes
+from conceptlens.adapters.streams import stream_writes
 from conceptlens.adapters.structure import (BlockLayout, after_candidates, children_summary, expected_layers,
                                             final_norm_candidates, find_block_list, find_stacks, parallel_blocks,
                                             recognise)
@@ -213,6 +214,8 @@ class Adapter:
                       f"input of {type(first).__name__} {i} ({lay.style})")
             self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}")
             problem, scales, plus = repair(block, lay, trace) if lay.additive else (None, None, None)
+            spread = stream_writes(block, lay, trace) if problem else None  # hyper-connection streams
+            problem = None if spread else problem
             for kind in _OUT_KINDS:
                 path = getattr(lay, kind)
                 if path is None:
@@ -229,7 +232,8 @@ class Adapter:
                 self._add(f"{b}.{kind}", module, "output", resid, prefix,
                           f"output of {path} ({type(module).__name__})" + (f"; {note}" if note else ""),
                           flat_in=block if kind == "mlp_out" and lay.flat_mlp else None, scale=scale,
-                          plus=block.get_submodule(plus[kind]) if plus and kind in plus else None)
+                          plus=block.get_submodule(plus[kind]) if plus and kind in plus else None,
+                          expand=spread.get(kind) if spread else None)
             notes = attention_notes(self.config, i, _get(block, lay.attn))
             self._add_attention(f"{b}.attn", block, lay.attn, lay.attn_z, prefix, prefix, trace, notes)
             if lay.cross_attn and prefix == "decoder":
@@ -240,8 +244,9 @@ class Adapter:
         k = self._final_call.get(prefix)
         self._current = (final, k, self.stacks[prefix]) if k is not None else None
         if final is not None:
-            note = self._final_note.get(prefix)
-            self._add(f"{p}final", final, "output", resid, prefix, f"output of the final norm ({type(final).__name__})"
+            note, out = self._final_note.get(prefix), trace.io(final, k)[1]
+            shape = ("B", "T", int(out.shape[-1])) if out is not None and out.ndim == 3 else resid  # streams merged
+            self._add(f"{p}final", final, "output", shape, prefix, f"output of the final norm ({type(final).__name__})"
                       if note is None else f"output of {type(final).__name__}, the stack's last hidden state; {note}")
         self._current = None
 
@@ -250,7 +255,8 @@ class Adapter:
         return int(getattr(text, "hidden_size", None) or getattr(text, "d_model"))
 
     def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
-             flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: str | None = None) -> None:
+             flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: str | None = None,
+             expand=None) -> None:
         block, call, stack_module = self._current or (None, None, None)
         if block is not None:
             source += f" (call {call} of this shared {type(block).__name__} in each forward)"
@@ -262,7 +268,7 @@ class Adapter:
                       "window, or n-gram streams after the main one): the site is the first T, edits leave the rest"
             stack_module = self.stacks[stack] if stack in self.stacks else self.stacks[self._stack_of(name)]
         self.sites[name] = Site(name, module, point, shape, stack, source, heads, flat_in, scale, plus,
-                                call, block, stack_module, "time_major" in view, "trim" in view)
+                                call, block, stack_module, "time_major" in view, "trim" in view, expand)
 
     def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,
                        kv_stack: str, trace: Trace, notes: str) -> None:

@@ -43,6 +43,10 @@ class Trace:
     """Block modules in the order their calls finished (a shared layer appears once per call)."""
     per_call: dict[tuple[nn.Module, int], tuple[Tensor | None, Tensor | None]] = field(default_factory=dict)
     """(block module, k) -> (input, output) of its k-th call."""
+    parts: dict[nn.Module, tuple[Tensor | None, ...]] = field(default_factory=dict)
+    """Module returning a tuple of several tensors -> each of them (first call; None: not a tensor)."""
+    args: dict[nn.Module, tuple[Tensor | None, ...]] = field(default_factory=dict)
+    """Module called with several positional tensors -> each of them (first call)."""
 
     def io(self, block: nn.Module, call: int | None) -> tuple[Tensor | None, Tensor | None]:
         """(input, output) of a block's `call`-th call (None: its first, as `inputs` / `outputs`)."""
@@ -74,6 +78,9 @@ def _record(trace: Trace):
         y = first_tensor(output)
         if y is not None:
             trace.outputs[module] = y.detach().clone()
+        for record, values in ((trace.parts, output), (trace.args, args)):
+            if isinstance(values, (tuple, list)) and sum(isinstance(v, Tensor) for v in values) > 1:
+                record[module] = tuple(v.detach().clone() if isinstance(v, Tensor) else None for v in values)
 
     return hook
 

@@ -17,6 +17,7 @@ from conceptlens.adapters.site import Site
 from conceptlens.hooks.attention import add_qkv_hook
 from conceptlens.hooks.calls import gated_hook
 from conceptlens.hooks.handles import Handle, HandleGroup
+from conceptlens.hooks.streams import stream_hook
 
 SiteFn = Callable[[Tensor], Tensor | None]
 
@@ -59,6 +60,8 @@ def _hook(site: Site, fn: SiteFn, edit: bool) -> Handle:
     if site.point == "input":
         return Handle(site.module.register_forward_pre_hook(_input_hook(fn, site.heads), with_kwargs=True,
                                                             prepend=edit).remove)
+    if site.expand is not None:
+        return stream_hook(site, fn, edit)
     if site.flat_in is not None:
         return _flat_output_hook(site, fn, edit)
     if site.plus is not None:

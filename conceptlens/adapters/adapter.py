@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from conceptlens.adapters import families
+from conceptlens.adapters.depth import again_note, later_reads
 from conceptlens.adapters.names import NameResolver
 from conceptlens.adapters.probe import Trace, run_probe
 from conceptlens.adapters.repeated import final_after, final_by_input, only_list, projection_view, same_class, unroll
@@ -203,7 +204,7 @@ class Adapter:
         blocks = self.blocks[prefix]
         width = trace.inputs[blocks[0]].shape[-1] if blocks[0] in trace.inputs else self._hidden_size()
         resid = ("B", "T", int(width))
-        calls = self.calls.get(prefix)
+        calls, again = self.calls.get(prefix), later_reads(blocks, trace)
         for i, (block, lay) in enumerate(zip(blocks, self.layouts[prefix])):
             b, cls = f"{p}blocks.{i}", type(block).__name__
             self._current = (block, calls[i], self.stacks[prefix]) if calls else None
@@ -211,9 +212,11 @@ class Adapter:
                 self._add(f"{p}embed", self._io.get(block, (block,))[0], "input", resid, prefix, f"input to {cls} 0")
             first, last = self._io.get(block, (block, block))
             self._add(f"{b}.resid_in", first, "input", resid, prefix,
-                      f"input of {type(first).__name__} {i} ({lay.style})")
-            self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}")
+                      f"input of {type(first).__name__} {i} ({lay.style})" + again_note(i, again, p))
             problem, scales, plus = repair(block, lay, trace) if lay.additive else (None, None, None)
+            self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}" +
+                      ("" if lay.carry else "; the block does not add its input: resid_out is the sum of its "
+                       "sublayer outputs (checked at attach)"))
             spread = stream_writes(block, lay, trace) if problem else None  # hyper-connection streams
             problem = None if spread else problem
             for kind in _OUT_KINDS:
@@ -226,6 +229,7 @@ class Adapter:
                 module = block.get_submodule(path)
                 scale = scales.get(kind, 1.0) if scales else 1.0
                 note = lay.notes.get(kind) or ("what it adds to the residual" if lay.additive else "")
+                note += "" if lay.carry else "; the block does not add its input: resid_out is the sum of its sublayers"
                 if scales:
                     note = (lay.notes.get(kind, "") + "; " if kind in lay.notes else "") + \
                         f"times {scale:.6g}, the block's scaling of it: what it adds to the residual"

@@ -58,6 +58,9 @@ class BlockLayout:
     """Module whose *input* is the per-head attention output (the output projection)."""
     additive: bool = True
     """resid_out == resid_in + attn_out (+ cross_attn_out) (+ mixer_out) + mlp_out."""
+    carry: bool = True
+    """False: the block does not add its input, resid_out == the sum of its sublayer outputs
+    (Inkling 2's block boundary, where the stack keeps the input as a state of its own)."""
     flat_mlp: bool = False
     notes: dict[str, str] = field(default_factory=dict)
     dropped: dict[str, str] = field(default_factory=dict)

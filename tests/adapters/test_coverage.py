@@ -21,8 +21,6 @@ from tests.adapters.tiny_configs import model_types
 EXCEPTIONS = {
     "cpmant": "hidden_states",
     "funnel": "pools the sequence",
-    "inkling2_loop_text": "hidden_states",
-    "inkling2_text": "hidden_states",
     "pegasus_x": "hidden_states",
     "squeezebert": "ran 0 times",
 }

@@ -4,9 +4,10 @@ Inkling 2's blocks do not read the residual directly: before each sublayer a sma
 attends, at every position, over the states of earlier layers (the block states the stack keeps)
 and the residual, with learned queries, and the sublayer reads that mix. Such a module calls the
 attention function with the positions in the heads' place (heads == T) and a few queries (not
-T): it is no sublayer of the block and its calls are no attention over tokens. The block itself
-still adds its sublayers' outputs to its input, or, at a block boundary, starts a new sum from
-them (the stack keeps its input as a block state): `verify.repair` checks which.
+T), and it has no projections (its queries are parameters): it is no sublayer of the block and
+its calls are no attention over tokens. The block itself still adds its sublayers' outputs to
+its input, or, at a block boundary, starts a new sum from them (the stack keeps its input as a
+block state): `verify.repair` checks which.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def depth_mixers(block: nn.Module, lay: BlockLayout, trace: Trace) -> set[nn.Mod
     if x is None or x.ndim != 3:
         return set()
     inside = {m: n for n, m in block.named_modules() if n}
-    found = {c.module for c in trace.attention if c.module in inside and c.heads == x.shape[1] != c.q_len}
+    found = {c.module for c in trace.attention if c.module in inside and c.heads == x.shape[1] != c.q_len
+             and not any(isinstance(m, nn.Linear) for m in c.module.modules())}  # learned queries, no projections
     if not found:
         return found
     paths = {inside[m] for m in found}

@@ -56,6 +56,9 @@ _KV_KEYS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_shared_exper
 _DOTS3_TEXT = {"num_key_value_heads": HEADS, "per_layer_config": {"1": {
     "num_attention_heads": HEADS, "num_key_value_heads": HEADS, "qk_nope_head_dim": 8, "head_dim": HEAD_DIM}}}
 
+_GEMMA4_ASSISTANT = {"num_hidden_layers": LAYERS, "num_kv_shared_layers": LAYERS, "hidden_size_per_layer_input": 0,
+                     "vocab_size_per_layer_input": 0, "enable_moe_block": False, "use_double_wide_mlp": False}
+
 # Keys one model type needs on top of the generic shrinking.
 _EXTRA: dict[str, dict] = {
     "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 1, "expand": 2},
@@ -94,6 +97,9 @@ _EXTRA: dict[str, dict] = {
     "dots3_note_text": _DOTS3_TEXT,
     "dots3_note": {"text_config": _DOTS3_TEXT, "vision_config": {"adapter_in_dim": HIDDEN, "adapter_out_dim": HIDDEN},
                    "audio_config": {"adapter_input_size": HIDDEN, "adapter_out_dim": HIDDEN}},
+    # a draft model: its own defaults fail validation; it then needs the main model's shared k/v to run
+    "gemma4_assistant": {"text_config": _GEMMA4_ASSISTANT},
+    "gemma4_unified_assistant": {"text_config": _GEMMA4_ASSISTANT},
     "blt": {"encoder_config": {"hidden_size_global": HIDDEN}, "decoder_config": {"hidden_size_global": HIDDEN},
             "global_config": {"encoder_cross_output_size": HIDDEN}, "encoder_hash_byte_group_vocab": 1000},
 }
@@ -175,7 +181,7 @@ def tiny_config(model_type: str):
     cls = CONFIG_MAPPING[model_type]
     try:
         d = cls().to_dict()
-    except Exception:  # defaults that fail the type's own validation (Gemma 4 assistant): start from the extra keys
+    except Exception:  # defaults that fail the type's own validation: start from the extra keys
         d = cls(**_EXTRA.get(model_type, {})).to_dict()
     for key in ("architectures", "transformers_version", "model_type", "_name_or_path", "dtype", "torch_dtype"):
         d.pop(key, None)

@@ -122,3 +122,28 @@ def test_looped_layers_under_generate():
             edited = model(tokens, use_cache=False).logits
             again = model(tokens, use_cache=False).logits  # the count restarted: the same edit again
     assert not torch.allclose(edited, bare) and torch.equal(edited, again) and not calls._counters
+
+
+@pytest.mark.parametrize("groups,inner,layers", [(1, 2, 3), (2, 2, 4), (2, 1, 4)])
+def test_albert_groups_of_several_layers(groups, inner, layers):
+    """Several layers per group, several groups: block i is the i-th layer call, in HF's order."""
+    config = tiny_config("albert")
+    config.num_hidden_groups, config.inner_group_num, config.num_hidden_layers = groups, inner, layers
+    torch.manual_seed(0)
+    model = tf.AlbertForMaskedLM._from_config(config, attn_implementation="eager").eval()
+    inputs = coverage.inputs_for(model)
+    with torch.no_grad():
+        out = model(**inputs, output_hidden_states=True)
+    lens = conceptlens.attach(model)
+    n = layers * inner
+    assert lens.adapter.n_blocks[""] == n == len(out.hidden_states) - 1
+    coverage.check_model(model, inputs, out)
+    coverage.check_attention(model, inputs)
+    # an edit at the last block's first call of a layer changes that call's output and nothing before it
+    site = f"blocks.{n - 2}.mlp_out"
+    names = [f"blocks.{i}.resid_out" for i in range(n)]
+    before = coverage.capture_all(lens, model, inputs, names)
+    with lens.steer(Add(torch.ones(lens.site(site).shape[-1]), 2.0, site=site)):
+        after = coverage.capture_all(lens, model, inputs, names)
+    assert [torch.equal(before[k], after[k]) for k in names] == [True] * (n - 2) + [False, False]
+    assert not calls._counters

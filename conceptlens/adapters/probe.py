@@ -43,6 +43,8 @@ class Trace:
     """Block modules in the order their calls finished (a shared layer appears once per call)."""
     per_call: dict[tuple[nn.Module, int], tuple[Tensor | None, Tensor | None]] = field(default_factory=dict)
     """(block module, k) -> (input, output) of its k-th call."""
+    later: dict[tuple[nn.Module, int], tuple[Tensor | None, Tensor | None]] = field(default_factory=dict)
+    """(module inside a block, k >= 1) -> (input, output) of its k-th call (`inputs` / `outputs` hold the first)."""
 
     def io(self, block: nn.Module, call: int | None) -> tuple[Tensor | None, Tensor | None]:
         """(input, output) of a block's `call`-th call (None: its first, as `inputs` / `outputs`)."""
@@ -66,12 +68,14 @@ def first_tensor(x) -> Tensor | None:
 def _record(trace: Trace):
     def hook(module, args, kwargs, output):
         trace.calls[module] = trace.calls.get(module, 0) + 1
-        if module in trace.outputs:
-            return
         x = first_tensor(args) if args else first_tensor(kwargs.get("hidden_states"))
+        y = first_tensor(output)
+        if module in trace.outputs:
+            trace.later[(module, trace.calls[module] - 1)] = (None if x is None else x.detach().clone(),
+                                                              None if y is None else y.detach().clone())
+            return
         if x is not None:
             trace.inputs[module] = x.detach().clone()
-        y = first_tensor(output)
         if y is not None:
             trace.outputs[module] = y.detach().clone()
 

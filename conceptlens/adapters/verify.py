@@ -7,6 +7,7 @@ import itertools
 import torch
 from torch import nn
 
+from conceptlens.adapters.inner import inner_call
 from conceptlens.adapters.probe import Call, Trace, close
 from conceptlens.adapters.structure import BlockLayout, is_norm
 
@@ -103,6 +104,11 @@ def _norm_inside(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
         if proj is not None and proj.shape == inp.shape and close(inp + proj, trace.inputs.get(norm)):
             setattr(lay, key, inner)
             lay.notes[key] = f"{path} adds and norms the residual inside itself: its output projection, before that"
+        elif (found := inner_call(module, norm, trace)) is not None:
+            setattr(lay, key, f"{path}.{found[0]}")
+            lay.inner_calls[key] = (found[1], path)
+            lay.notes[key] = f"{path} adds and norms the residual inside itself: what it adds is call {found[1]} " \
+                             f"(from 0) of {found[0]} in each forward of {path}"
         else:
             lay.dropped[key] = f"{path} ({type(module).__name__}) adds and norms the residual inside itself, and " \
                                "no module gives what it adds"

@@ -58,3 +58,33 @@ def test_mra_is_post_ln_and_its_sublayer_sites_are_the_dense_outputs():
         torch.testing.assert_close(cap.last[0][site], seen[0], rtol=0, atol=0)
         with torch.no_grad(), lens.steer(Add(vector, site=site)):
             assert torch.equal(_logits(model, inputs), expected)
+
+
+def test_xlnet_attn_out_is_the_second_dropout_call_of_its_relative_attention():
+    model, inputs, _ = coverage.reference("xlnet")
+    lens = conceptlens.attach(model)
+    assert not lens.adapter.problems
+    attn = model.transformer.layer[1].rel_attn
+    site = lens.site("blocks.1.attn_out")
+    assert site.module is attn.dropout and site.call == 1 and "adds and norms the residual inside itself" in site.source
+    vector = _vector(site.width)
+    handle, seen = _manual(attn.dropout, lambda x: x + vector, call=1)  # call 0 drops attention probabilities
+    try:
+        expected = _logits(model, inputs)
+    finally:
+        handle.remove()
+    norm_in = []
+    handle = attn.layer_norm.register_forward_pre_hook(lambda m, args: norm_in.append(args[0]))
+    try:
+        with lens.capture(["blocks.1.attn_out", "blocks.1.resid_in"], keep_shape=True) as cap, torch.no_grad():
+            logits = model(**inputs).logits
+    finally:
+        handle.remove()
+    got = cap.last[0]["blocks.1.attn_out"]
+    assert torch.equal(got, seen[1].transpose(0, 1))  # (T, B, d) inside the model
+    assert torch.equal(got + cap.last[0]["blocks.1.resid_in"], norm_in[0].transpose(0, 1))  # what the norm adds to
+    with torch.no_grad(), lens.steer(Add(vector, site="blocks.1.attn_out")):
+        assert torch.equal(_logits(model, inputs), expected)
+    with torch.no_grad(), lens.steer(Add(vector, 0.0, site="blocks.1.attn_out")):
+        assert torch.equal(_logits(model, inputs), logits)
+

@@ -9,6 +9,7 @@ from torch import nn
 
 from conceptlens.adapters.inner import inner_call
 from conceptlens.adapters.probe import Call, Trace, close
+from conceptlens.adapters.streams import other_stream
 from conceptlens.adapters.structure import BlockLayout, is_norm
 
 
@@ -301,6 +302,9 @@ def repair(block: nn.Module, lay: BlockLayout, trace: Trace):
             if scales or (not scaled and close(x + sum(outs.values()), y, 1e-4)):
                 _apply(lay, kinds, chosen)
                 return None, scales, {k: c[1] for k, c in chosen.items() if c[1]}
+    outs = _contributions(block, lay, trace)
+    if isinstance(outs, dict) and other_stream(block, lay, outs, trace):  # a reversible block (Reformer)
+        return None, None, None
     return problem, None, None
 
 

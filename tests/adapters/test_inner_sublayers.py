@@ -88,3 +88,49 @@ def test_xlnet_attn_out_is_the_second_dropout_call_of_its_relative_attention():
     with torch.no_grad(), lens.steer(Add(vector, 0.0, site="blocks.1.attn_out")):
         assert torch.equal(_logits(model, inputs), logits)
 
+
+def _reformer_streams(layer):
+    """Manual hooks on a ReformerLayer: its two input streams and its two output streams."""
+    seen = {}
+
+    def pre(module, args, kwargs):
+        seen["x1"], seen["x2"] = kwargs["prev_attn_output"], kwargs["hidden_states"]
+
+    def post(module, args, kwargs, output):
+        seen["y2"], seen["y1"] = output.hidden_states, output.attn_output
+
+    return [layer.register_forward_pre_hook(pre, with_kwargs=True),
+            layer.register_forward_hook(post, with_kwargs=True)], seen
+
+
+def test_reformer_attention_adds_to_the_other_stream_of_its_reversible_block():
+    model, inputs, _ = coverage.reference("reformer")
+    lens = conceptlens.attach(model)
+    assert not lens.adapter.problems
+    names = [f"blocks.1.{k}" for k in ("resid_in", "attn_out", "mlp_out", "resid_out")]
+    layer = model.reformer.encoder.layers[1]
+    assert lens.adapter.layout("", 1).other_stream == ("attn_out",)
+    assert "other residual stream" in lens.site("blocks.1.attn_out").source
+    handles, seen = _reformer_streams(layer)
+    try:
+        with lens.capture(names, keep_shape=True) as cap, torch.no_grad():
+            logits = model(**inputs).logits
+    finally:
+        for h in handles:
+            h.remove()
+    acts = {n.rpartition(".")[2]: cap.last[0][n] for n in names}
+    assert torch.equal(acts["resid_in"], seen["x2"]) and torch.equal(acts["resid_out"], seen["y2"])
+    assert torch.equal(seen["x1"] + acts["attn_out"], seen["y1"])  # Y1 = X1 + attn(X2)
+    assert torch.equal(acts["resid_in"] + acts["mlp_out"], acts["resid_out"])  # Y2 = X2 + ffn(Y1)
+    vector = _vector(64)
+    for site, module in (("blocks.1.attn_out", layer.attention), ("blocks.0.resid_out", model.reformer.encoder.layers[0])):
+        handle, _ = _manual(module, lambda x: x + vector)  # a namedtuple output: its first field edited
+        try:
+            expected = _logits(model, inputs)
+        finally:
+            handle.remove()
+        assert not torch.equal(expected, logits)
+        with torch.no_grad(), lens.steer(Add(vector, site=site)):
+            assert torch.equal(_logits(model, inputs), expected)
+        with torch.no_grad(), lens.steer(Add(vector, 0.0, site=site)):
+            assert torch.equal(_logits(model, inputs), logits)

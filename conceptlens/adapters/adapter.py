@@ -209,10 +209,10 @@ class Adapter:
             if i == 0:
                 self._add(f"{p}embed", self._io.get(block, (block,))[0], "input", resid, prefix, f"input to {cls} 0")
             first, last = self._io.get(block, (block, block))
+            problem, scales, plus = repair(block, lay, trace) if lay.additive else (None, None, None)
             self._add(f"{b}.resid_in", first, "input", resid, prefix,
                       f"input of {type(first).__name__} {i} ({lay.style})")
             self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}")
-            problem, scales, plus = repair(block, lay, trace) if lay.additive else (None, None, None)
             for kind in _OUT_KINDS:
                 path = getattr(lay, kind)
                 if path is None:

@@ -45,7 +45,8 @@ def other_stream(block: nn.Module, lay: BlockLayout, outs: dict[str, torch.Tenso
             if pair is None:
                 continue
             lay.other_stream = tuple(other)
-            lay.style += f", reversible two-stream (the other stream: argument {pair[0]} -> output[{pair[1]}])"
+            lay.style += f", reversible two-stream: resid_in / resid_out are its {first} stream (HF's hidden " \
+                         f"states), the other is its argument {pair[0]} -> output[{pair[1]}]"
             for k in other:
                 lay.notes[k] = (f"adds to the block's other residual stream (its argument {pair[0]} -> "
                                 f"output[{pair[1]}]; a reversible block), not to resid_in / resid_out, which are "

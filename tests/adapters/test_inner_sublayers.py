@@ -134,3 +134,24 @@ def test_reformer_attention_adds_to_the_other_stream_of_its_reversible_block():
             assert torch.equal(_logits(model, inputs), expected)
         with torch.no_grad(), lens.steer(Add(vector, 0.0, site=site)):
             assert torch.equal(_logits(model, inputs), logits)
+
+
+def test_xlnet_attn_out_stays_the_content_stream_when_the_query_stream_runs():
+    model, inputs, _ = coverage.reference("xlnet")
+    lens = conceptlens.attach(model)
+    ids = inputs["input_ids"]
+    perm = torch.zeros(ids.shape[0], ids.shape[1], ids.shape[1])
+    perm[:, :, -1] = 1.0  # nobody sees the last token: it is predicted by the query stream
+    target = torch.zeros(ids.shape[0], 1, ids.shape[1])
+    target[:, 0, -1] = 1.0
+    attn = model.transformer.layer[1].rel_attn
+    norm_in = []
+    handle = attn.layer_norm.register_forward_pre_hook(lambda m, args: norm_in.append(args[0]))
+    try:
+        with lens.capture(["blocks.1.attn_out", "blocks.1.resid_in"], keep_shape=True) as cap, torch.no_grad():
+            model(input_ids=ids, perm_mask=perm, target_mapping=target)
+    finally:
+        handle.remove()
+    assert len(norm_in) == 2  # the content stream h, then the query stream g (dropout runs four times)
+    acts = cap.last[0]
+    assert torch.equal(acts["blocks.1.attn_out"] + acts["blocks.1.resid_in"], norm_in[0].transpose(0, 1))

@@ -10,7 +10,7 @@ probe forward on a few tokens against the model's own `output_hidden_states` (`v
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -218,10 +218,10 @@ class Adapter:
             if i == 0:
                 self._add(f"{p}embed", self._io.get(block, (block,))[0], "input", resid, prefix, f"input to {cls} 0")
             first, last = self._io.get(block, (block, block))
+            problem, scales, plus = repair(block, lay, trace) if lay.additive else (None, None, None)
             self._add(f"{b}.resid_in", first, "input", resid, prefix,
                       f"input of {type(first).__name__} {i} ({lay.style})")
             self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}")
-            problem, scales, plus = repair(block, lay, trace) if lay.additive else (None, None, None)
             for kind in _OUT_KINDS:
                 path = getattr(lay, kind)
                 if path is None:
@@ -239,6 +239,8 @@ class Adapter:
                           f"output of {path} ({type(module).__name__})" + (f"; {note}" if note else ""),
                           flat_in=block if kind == "mlp_out" and lay.flat_mlp else None, scale=scale,
                           plus=block.get_submodule(plus[kind]) if plus and kind in plus else None)
+                if kind in lay.inner_calls:  # one call of a module inside the sublayer (inner.py)
+                    self._inner_call(f"{b}.{kind}", block, *lay.inner_calls[kind])
             notes = attention_notes(self.config, i, _get(block, lay.attn))
             self._add_attention(f"{b}.attn", block, lay.attn, lay.attn_z, prefix, prefix, trace, notes)
             if lay.cross_attn and prefix == "decoder":
@@ -253,6 +255,13 @@ class Adapter:
             self._add(f"{p}final", final, "output", resid, prefix, f"output of the final norm ({type(final).__name__})"
                       if note is None else f"output of {type(final).__name__}, the stack's last hidden state; {note}")
         self._current = None
+
+    def _inner_call(self, name: str, block: nn.Module, call: int, sublayer: str) -> None:
+        site = self.sites.pop(name)
+        if site.call is None:  # (a shared layer's site is already gated on the layer's calls)
+            self.sites[name] = replace(site, call=call, block=site.module, stack_module=block.get_submodule(sublayer))
+        else:
+            self.problems[name] = f"{self._what()}: {name} is one call of a module inside a shared layer's sublayer"
 
     def _hidden_size(self) -> int:
         text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config

@@ -147,7 +147,8 @@ def _output_hook(fn: SiteFn, heads: int | None):
         if heads:
             new = new.flatten(-2)
         if isinstance(output, (tuple, list)):
-            return type(output)([new, *output[1:]])
+            rest = [new, *output[1:]]
+            return output._make(rest) if hasattr(output, "_make") else type(output)(rest)  # a namedtuple
         return new
 
     return hook

@@ -86,9 +86,11 @@ def check_model(model, inputs, out, partial: bool = False) -> None:
                 got = acts[f"{p}final"]
             assert close(got, ref), f"{p}blocks.{i}.resid_out != hidden_states[{i + 1}]"
             dropped = any(k.startswith(f"{p}blocks.{i}.") for k in lens.adapter.problems)
-            if lens.adapter.layout(stack, i).additive and not dropped:
+            lay = lens.adapter.layout(stack, i)
+            if lay.additive and not dropped:  # the sublayers a reversible block adds to its other stream left out
                 total = acts[f"{p}blocks.{i}.resid_in"] + sum(acts[f"{p}blocks.{i}.{k}"] for k in SUBLAYERS
-                                                               if f"{p}blocks.{i}.{k}" in acts)
+                                                               if f"{p}blocks.{i}.{k}" in acts and
+                                                               k not in lay.other_stream)
                 assert close(total, acts[f"{p}blocks.{i}.resid_out"], 1e-4), \
                     f"{p}blocks.{i}: resid_in + attn_out + mlp_out != resid_out"
 

@@ -10,18 +10,19 @@ probe forward on a few tokens against the model's own `output_hidden_states` (`v
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
 from conceptlens.adapters import families
 from conceptlens.adapters.depth import again_note, later_reads
+from conceptlens.adapters.fused import describe, fused_layout
 from conceptlens.adapters.names import NameResolver
 from conceptlens.adapters.probe import Trace, run_probe
 from conceptlens.adapters.repeated import final_after, final_by_input, only_list, projection_view, same_class, unroll
 from conceptlens.adapters.site import Site
 from conceptlens.adapters.site_notes import attention_notes
-from conceptlens.adapters.streams import stream_writes
+from conceptlens.adapters.hyper import stream_writes
 from conceptlens.adapters.structure import (BlockLayout, after_candidates, children_summary, expected_layers,
                                             final_norm_candidates, find_block_list, find_stacks, parallel_blocks,
                                             recognise)
@@ -50,6 +51,14 @@ class StackPaths:
 
 def _first_attr(obj: object, names: tuple[str, ...]) -> object | None:
     return next((getattr(obj, n) for n in names if getattr(obj, n, None) is not None), None)
+
+
+def projection_owner(attn: nn.Module, names: tuple[str, ...]) -> nn.Module:
+    """`attn`, or its one child that owns the q projection (a wrapper around the attention)."""
+    if any(hasattr(getattr(attn, n, None), "weight") for n in names):
+        return attn
+    owners = [c for c in attn.children() if any(hasattr(getattr(c, n, None), "weight") for n in names)]
+    return owners[0] if len(owners) == 1 else attn
 
 
 def head_layout(attn: nn.Module, config) -> tuple[int, int, int] | None:
@@ -211,6 +220,7 @@ class Adapter:
             if i == 0:
                 self._add(f"{p}embed", self._io.get(block, (block,))[0], "input", resid, prefix, f"input to {cls} 0")
             first, last = self._io.get(block, (block, block))
+            problem, scales, plus = repair(block, lay, trace) if lay.additive else (None, None, None)
             self._add(f"{b}.resid_in", first, "input", resid, prefix,
                       f"input of {type(first).__name__} {i} ({lay.style})" + again_note(i, again, p))
             problem, scales, plus = repair(block, lay, trace) if lay.additive else (None, None, None)
@@ -238,6 +248,8 @@ class Adapter:
                           flat_in=block if kind == "mlp_out" and lay.flat_mlp else None, scale=scale,
                           plus=block.get_submodule(plus[kind]) if plus and kind in plus else None,
                           expand=spread.get(kind) if spread else None)
+                if kind in lay.inner_calls:  # one call of a module inside the sublayer (inner.py)
+                    self._inner_call(f"{b}.{kind}", block, *lay.inner_calls[kind])
             notes = attention_notes(self.config, i, _get(block, lay.attn))
             self._add_attention(f"{b}.attn", block, lay.attn, lay.attn_z, prefix, prefix, trace, notes)
             if lay.cross_attn and prefix == "decoder":
@@ -254,13 +266,20 @@ class Adapter:
                       if note is None else f"output of {type(final).__name__}, the stack's last hidden state; {note}")
         self._current = None
 
+    def _inner_call(self, name: str, block: nn.Module, call: int, sublayer: str) -> None:
+        site = self.sites.pop(name)
+        if site.call is None:  # (a shared layer's site is already gated on the layer's calls)
+            self.sites[name] = replace(site, call=call, block=site.module, stack_module=block.get_submodule(sublayer))
+        else:
+            self.problems[name] = f"{self._what()}: {name} is one call of a module inside a shared layer's sublayer"
+
     def _hidden_size(self) -> int:
         text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         return int(getattr(text, "hidden_size", None) or getattr(text, "d_model"))
 
     def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
              flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: str | None = None,
-             expand=None) -> None:
+             part=None, expand=None) -> None:
         block, call, stack_module = self._current or (None, None, None)
         if block is not None:
             source += f" (call {call} of this shared {type(block).__name__} in each forward)"
@@ -272,7 +291,8 @@ class Adapter:
                       "window, or n-gram streams after the main one): the site is the first T, edits leave the rest"
             stack_module = self.stacks[stack] if stack in self.stacks else self.stacks[self._stack_of(name)]
         self.sites[name] = Site(name, module, point, shape, stack, source, heads, flat_in, scale, plus,
-                                call, block, stack_module, "time_major" in view, "trim" in view, expand)
+                                call, block, stack_module, "time_major" in view, part, "trim" in view,
+                                expand=expand)
 
     def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,
                        kv_stack: str, trace: Trace, notes: str) -> None:
@@ -308,7 +328,15 @@ class Adapter:
                       q_stack, "attention probabilities softmax(q.k^T * scaling + the model's mask/bias), computed "
                       "from the q/k passed to the attention function (equal to eager attention weights; read only)")
             heads, v_dim = call.heads, call.v_head_dim
+        elif (fused := fused_layout(attn)) is not None:  # Bloom, Falcon, MPT, GPT-1: one q/k/v projection
+            proj = getattr(attn, fused.projection)
+            for which in "qkv":
+                self._add(f"{name}.{which}", proj, "output", ("B", "T" if which == "q" else seq_kv, fused.heads[which],
+                                                               fused.head_dim), q_stack if which == "q" else kv_stack,
+                          describe(fused, which) + suffix, heads=fused.heads[which], part=fused.parts[which])
+            heads, v_dim = fused.heads["q"], fused.head_dim
         else:
+            attn = projection_owner(attn, _Q_NAMES)  # GPT-Neo, MPNet: the projections sit one module down
             layout = head_layout(attn, self.config)
             if layout is None:
                 return

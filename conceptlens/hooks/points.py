@@ -17,7 +17,7 @@ from conceptlens.adapters.site import Site
 from conceptlens.hooks.attention import add_qkv_hook
 from conceptlens.hooks.calls import gated_hook
 from conceptlens.hooks.handles import Handle, HandleGroup
-from conceptlens.hooks.streams import stream_hook
+from conceptlens.hooks.hyper import stream_hook
 
 SiteFn = Callable[[Tensor], Tensor | None]
 
@@ -62,6 +62,9 @@ def _hook(site: Site, fn: SiteFn, edit: bool) -> Handle:
                                                             prepend=edit).remove)
     if site.expand is not None:
         return stream_hook(site, fn, edit)
+    if site.part is not None:
+        return Handle(site.module.register_forward_hook(_output_hook(_parted(fn, site.part, site.heads), None),
+                                                        prepend=edit).remove)
     if site.flat_in is not None:
         return _flat_output_hook(site, fn, edit)
     if site.plus is not None:
@@ -112,6 +115,16 @@ def _scaled(fn: SiteFn, scale: float) -> SiteFn:
     return call
 
 
+def _parted(fn: SiteFn, part, heads: int | None) -> SiteFn:
+    """`fn` sees one part of a fused projection's output, split into heads; an edit goes back into
+    that part and leaves the others as they were."""
+    def call(x: Tensor) -> Tensor | None:
+        new = fn(part.take(x).unflatten(-1, (heads, -1)))
+        return None if new is None else part.put(x, new.flatten(-2))
+
+    return call
+
+
 def _input_hook(fn: SiteFn, heads: int | None = None):
     def call(x: Tensor) -> Tensor | None:
         new = fn(x.unflatten(-1, (heads, -1)) if heads else x)  # (B, T, H * d) -> (B, T, H, d)
@@ -137,7 +150,8 @@ def _output_hook(fn: SiteFn, heads: int | None):
         if heads:
             new = new.flatten(-2)
         if isinstance(output, (tuple, list)):
-            return type(output)([new, *output[1:]])
+            rest = [new, *output[1:]]
+            return output._make(rest) if hasattr(output, "_make") else type(output)(rest)  # a namedtuple
         return new
 
     return hook

@@ -86,10 +86,11 @@ def check_model(model, inputs, out, partial: bool = False) -> None:
                 got = acts[f"{p}final"]
             assert close(got, ref), f"{p}blocks.{i}.resid_out != hidden_states[{i + 1}]"
             dropped = any(k.startswith(f"{p}blocks.{i}.") for k in lens.adapter.problems)
-            layout = lens.adapter.layout(stack, i)
-            if layout.additive and not dropped:  # the block's equation as detected at attach (carry: + resid_in)
-                carried = acts[f"{p}blocks.{i}.resid_in"] if layout.carry else 0
-                total = carried + sum(acts[f"{p}blocks.{i}.{k}"] for k in SUBLAYERS if f"{p}blocks.{i}.{k}" in acts)
+            lay = lens.adapter.layout(stack, i)
+            if lay.additive and not dropped:  # the block's equation as detected at attach (carry: + resid_in;
+                carried = acts[f"{p}blocks.{i}.resid_in"] if lay.carry else 0  # other_stream: to its other stream)
+                total = carried + sum(acts[f"{p}blocks.{i}.{k}"] for k in SUBLAYERS
+                                      if f"{p}blocks.{i}.{k}" in acts and k not in lay.other_stream)
                 assert close(total, acts[f"{p}blocks.{i}.resid_out"], 1e-4), \
                     f"{p}blocks.{i}: resid_in + attn_out + mlp_out != resid_out"
 

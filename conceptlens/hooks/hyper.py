@@ -16,7 +16,7 @@ from typing import Callable
 from torch import Tensor, nn
 
 from conceptlens.adapters.site import Expansion, Site
-from conceptlens.adapters.streams import spread
+from conceptlens.adapters.hyper import spread
 from conceptlens.hooks.handles import Handle, HandleGroup
 
 SiteFn = Callable[[Tensor], Tensor | None]

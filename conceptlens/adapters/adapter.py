@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from conceptlens.adapters import families
+from conceptlens.adapters import families, residual
 from conceptlens.adapters.names import NameResolver
 from conceptlens.adapters.probe import Trace, run_probe
 from conceptlens.adapters.repeated import final_after, final_by_input, only_list, projection_view, same_class, unroll
@@ -209,10 +209,13 @@ class Adapter:
             if i == 0:
                 self._add(f"{p}embed", self._io.get(block, (block,))[0], "input", resid, prefix, f"input to {cls} 0")
             first, last = self._io.get(block, (block, block))
-            self._add(f"{b}.resid_in", first, "input", resid, prefix,
-                      f"input of {type(first).__name__} {i} ({lay.style})")
-            self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}")
             problem, scales, plus = repair(block, lay, trace) if lay.additive else (None, None, None)
+            if problem and (fitted := residual.refit(block, lay, trace)) is not None:
+                problem, scales = None, fitted
+            rin, point = (block.get_submodule(lay.resid_in), "output") if lay.resid_in else (first, "input")
+            eq = f"; {e}" if (e := residual.equation(lay)) else ""
+            self._add(f"{b}.resid_in", rin, point, resid, prefix, f"{point} of {type(rin).__name__} {i} ({lay.style})")
+            self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}{eq}")
             for kind in _OUT_KINDS:
                 path = getattr(lay, kind)
                 if path is None:
@@ -221,11 +224,11 @@ class Adapter:
                     self.problems[f"{b}.{kind}"] = f"{self._what()} block {i}: {problem or lay.dropped[kind]}"
                     continue
                 module = block.get_submodule(path)
-                scale = scales.get(kind, 1.0) if scales else 1.0
+                scale = scales.get(kind, 1.0) if scales is not None else 1.0
                 note = lay.notes.get(kind) or ("what it adds to the residual" if lay.additive else "")
                 if scales:
                     note = (lay.notes.get(kind, "") + "; " if kind in lay.notes else "") + \
-                        f"times {scale:.6g}, the block's scaling of it: what it adds to the residual"
+                        f"times {residual.fmt(scale)}, the block's scaling of it: {residual.added(lay, kind)}"
                 self._add(f"{b}.{kind}", module, "output", resid, prefix,
                           f"output of {path} ({type(module).__name__})" + (f"; {note}" if note else ""),
                           flat_in=block if kind == "mlp_out" and lay.flat_mlp else None, scale=scale,

@@ -64,6 +64,12 @@ class BlockLayout:
     """Kind -> why that site is left out (a post-LN sublayer that norms inside itself, unreadable)."""
     replaced: dict[str, str] = field(default_factory=dict)
     """Kind -> the sublayer path a post-sublayer norm replaced (tried again if the sum fails)."""
+    resid_coef: float = 1.0
+    """The block's constant coefficient on resid_in: resid_out == resid_coef * resid_in + the sublayer sites."""
+    resid_in: str | None = None
+    """Module whose *output* is resid_in (a block that normalises its input before its residual), or None."""
+    adds: list = field(default_factory=list)
+    """`residual.ResidualAdd`s, where the block is a chain of scaled residual adds instead (not additive)."""
 
 
 def _get(root: nn.Module, path: str | None) -> nn.Module | None:

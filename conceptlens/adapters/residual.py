@@ -68,6 +68,10 @@ def _tensor(block: nn.Module, trace: Trace, point: Point) -> Tensor | None:
     return None if out is None else out.float()
 
 
+def _same(a: Tensor | None, b: Tensor) -> bool:
+    return a is not None and a.shape == b.shape and torch.equal(a, b)
+
+
 def _snap(c: float) -> float:
     return 1.0 if abs(c - 1.0) < 1e-5 else c
 
@@ -75,7 +79,7 @@ def _snap(c: float) -> float:
 def _linear(block, lay, trace, outs) -> dict[str, float] | None:
     x, y = _tensor(block, trace, ("", "input")), _tensor(block, trace, ("", "output"))
     sources = [("", "input")] + [(n, "output") for n in _norms(block, trace)
-                                 if torch.equal(trace.inputs[submodule(block, n)].float(), x)]
+                                 if _same(_tensor(block, trace, (n, "input")), x)]
     for source in sources:
         r = _tensor(block, trace, source)
         if r is None or r.shape != x.shape:

@@ -206,15 +206,16 @@ class Adapter:
         for i, (block, lay) in enumerate(zip(blocks, self.layouts[prefix])):
             b, cls = f"{p}blocks.{i}", type(block).__name__
             self._current = (block, calls[i], self.stacks[prefix]) if calls else None
-            if i == 0:
-                self._add(f"{p}embed", self._io.get(block, (block,))[0], "input", resid, prefix, f"input to {cls} 0")
             first, last = self._io.get(block, (block, block))
             problem, scales, plus = repair(block, lay, trace) if lay.additive else (None, None, None)
             if problem and (fitted := residual.refit(block, lay, trace)) is not None:
                 problem, scales = None, fitted
+            if i == 0:
+                self._add(f"{p}embed", first, "input", resid, prefix, f"input to {cls} 0" + residual.before(lay, p))
             rin, point = (block.get_submodule(lay.resid_in), "output") if lay.resid_in else (first, "input")
             eq = f"; {e}" if (e := residual.equation(lay)) else ""
-            self._add(f"{b}.resid_in", rin, point, resid, prefix, f"{point} of {type(rin).__name__} {i} ({lay.style})")
+            where = f"{lay.resid_in} ({type(rin).__name__}) in {cls}" if lay.resid_in else type(rin).__name__
+            self._add(f"{b}.resid_in", rin, point, resid, prefix, f"{point} of {where} {i} ({lay.style})")
             self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}{eq}")
             for kind in _OUT_KINDS:
                 path = getattr(lay, kind)

@@ -95,7 +95,7 @@ def _linear(block, lay, trace, outs) -> dict[str, float] | None:
         if close(c0 * r + sum(scales[k] * o for k, o in outs.items()), y, 1e-4):
             lay.resid_coef, lay.resid_in = c0, source[0] or None
             if source[0]:
-                lay.style += f", its input normalised by {source[0]} before the residual (resid_in is that output)"
+                lay.style += f", its input normalised by {source[0]} before its residual: resid_in is that output"
             return {} if c0 == 1.0 and all(c == 1.0 for c in cs) else scales
     return None
 
@@ -199,6 +199,11 @@ def equation(lay: BlockLayout) -> str:
         kinds = [k for k in ("attn_out", "cross_attn_out", "mixer_out", "mlp_out") if getattr(lay, k)]
         return f"resid_out = {fmt(lay.resid_coef)} * resid_in + {' + '.join(kinds)}"
     return ""
+
+
+def before(lay: BlockLayout, prefix: str = "") -> str:
+    """For `embed` where block 0 normalises its input before its residual (`prefix`: "decoder.", ...)."""
+    return f" (before its {lay.resid_in}; {prefix}blocks.0.resid_in is that norm's output)" if lay.resid_in else ""
 
 
 def added(lay: BlockLayout, kind: str) -> str:

@@ -149,3 +149,4 @@ def test_rwkv_block_0_resid_in_is_its_pre_ln_output():
     torch.testing.assert_close(got["blocks.0.resid_in"] + got["blocks.0.attn_out"] + got["blocks.0.mlp_out"],
                                got["blocks.0.resid_out"], rtol=0, atol=1e-5)
     assert "normalised by pre_ln" in lens.site("blocks.0.resid_in").source
+    assert "before its pre_ln" in lens.site("embed").source

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from conceptlens.adapters import families
+from conceptlens.adapters import families, residual
 from conceptlens.adapters.fused import describe, fused_layout
 from conceptlens.adapters.names import NameResolver
 from conceptlens.adapters.probe import Trace, run_probe
@@ -215,13 +215,17 @@ class Adapter:
         for i, (block, lay) in enumerate(zip(blocks, self.layouts[prefix])):
             b, cls = f"{p}blocks.{i}", type(block).__name__
             self._current = (block, calls[i], self.stacks[prefix]) if calls else None
-            if i == 0:
-                self._add(f"{p}embed", self._io.get(block, (block,))[0], "input", resid, prefix, f"input to {cls} 0")
             first, last = self._io.get(block, (block, block))
             problem, scales, plus = repair(block, lay, trace) if lay.additive else (None, None, None)
-            self._add(f"{b}.resid_in", first, "input", resid, prefix,
-                      f"input of {type(first).__name__} {i} ({lay.style})")
-            self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}")
+            if problem and (fitted := residual.refit(block, lay, trace)) is not None:
+                problem, scales = None, fitted
+            if i == 0:
+                self._add(f"{p}embed", first, "input", resid, prefix, f"input to {cls} 0" + residual.before(lay, p))
+            rin, point = (block.get_submodule(lay.resid_in), "output") if lay.resid_in else (first, "input")
+            eq = f"; {e}" if (e := residual.equation(lay)) else ""
+            where = f"{lay.resid_in} ({type(rin).__name__}) in {cls}" if lay.resid_in else type(rin).__name__
+            self._add(f"{b}.resid_in", rin, point, resid, prefix, f"{point} of {where} {i} ({lay.style})")
+            self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}{eq}")
             for kind in _OUT_KINDS:
                 path = getattr(lay, kind)
                 if path is None:
@@ -230,11 +234,11 @@ class Adapter:
                     self.problems[f"{b}.{kind}"] = f"{self._what()} block {i}: {problem or lay.dropped[kind]}"
                     continue
                 module = block.get_submodule(path)
-                scale = scales.get(kind, 1.0) if scales else 1.0
+                scale = scales.get(kind, 1.0) if scales is not None else 1.0
                 note = lay.notes.get(kind) or ("what it adds to the residual" if lay.additive else "")
                 if scales:
                     note = (lay.notes.get(kind, "") + "; " if kind in lay.notes else "") + \
-                        f"times {scale:.6g}, the block's scaling of it: what it adds to the residual"
+                        f"times {residual.fmt(scale)}, the block's scaling of it: {residual.added(lay, kind)}"
                 self._add(f"{b}.{kind}", module, "output", resid, prefix,
                           f"output of {path} ({type(module).__name__})" + (f"; {note}" if note else ""),
                           flat_in=block if kind == "mlp_out" and lay.flat_mlp else None, scale=scale,

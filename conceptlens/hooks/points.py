@@ -46,7 +46,7 @@ def hook_site(site: Site, fn: SiteFn, *, edit: bool = False) -> Handle:
 
 
 def _hook(site: Site, fn: SiteFn, edit: bool) -> Handle:
-    if site.scale != 1.0:
+    if isinstance(site.scale, Tensor) or site.scale != 1.0:
         fn = _scaled(fn, site.scale)
     if site.point == "pattern":
         if edit:
@@ -101,13 +101,14 @@ def _transposed(fn: SiteFn) -> SiteFn:
     return call
 
 
-def _scaled(fn: SiteFn, scale: float) -> SiteFn:
+def _scaled(fn: SiteFn, scale: float | Tensor) -> SiteFn:
     """`fn` sees `scale * x`; an edit comes back as x + (edited - scale * x) / scale, so an edit
     that changes nothing returns x bit for bit."""
     def call(x: Tensor) -> Tensor | None:
-        scaled = x * scale
+        factor = scale.to(x) if isinstance(scale, Tensor) else scale  # a per-channel factor: (d,)
+        scaled = x * factor
         new = fn(scaled)
-        return None if new is None else x + (new - scaled) / scale
+        return None if new is None else x + (new - scaled) / factor
 
     return call
 

@@ -177,3 +177,22 @@ def test_longcat_second_attention_kv_refuses_a_cache(longcat):
     with pytest.raises(ValueError, match="attends to other keys/values than it stores"), torch.no_grad(), \
             lens.capture(["blocks.0.attn_1.k"], keep_shape=True):
         model(input_ids=IDS, use_cache=True)
+
+
+def test_a_shared_mlp_beside_the_experts_is_read_once_in_the_summed_mlp_out():
+    config = tiny_config("granitemoeshared")
+    config.residual_multiplier = 0.25
+    torch.manual_seed(0)
+    model = tf.GraniteMoeSharedForCausalLM._from_config(config, attn_implementation="eager").eval()
+    lens = conceptlens.attach(model)
+    layer = model.model.layers[1]
+    assert "blocks.1.branch_out" not in lens.sites
+    store, handles = _outputs({"moe": layer.block_sparse_moe, "shared": layer.shared_mlp})
+    try:
+        with torch.no_grad(), lens.capture(["blocks.1.mlp_out"], keep_shape=True) as cap:
+            model(input_ids=IDS)
+    finally:
+        for h in handles:
+            h.remove()
+    torch.testing.assert_close(cap.last[0]["blocks.1.mlp_out"], 0.25 * (store["moe"] + store["shared"]),
+                               rtol=0, atol=1e-6)

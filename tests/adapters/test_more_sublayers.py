@@ -107,6 +107,21 @@ def test_gemma4_moe_layers_read_mlp_out_after_the_norm_of_dense_mlp_and_experts(
     _edit_matches_manual_hook(model, lens, "blocks.1.mlp_out", layer.post_feedforward_layernorm)
 
 
+def test_gemma4_with_shared_kv_layers_passes_every_check():
+    config = tiny_config("gemma4_text").to_dict()
+    config.update(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                  num_kv_shared_layers=2, per_layer_config={"1": {"head_dim": 32}, "3": {"head_dim": 32}})
+    torch.manual_seed(0)
+    model = tf.Gemma4ForCausalLM._from_config(tf.Gemma4TextConfig(**config), attn_implementation="eager").eval()
+    assert [layer.self_attn.is_kv_shared_layer for layer in model.model.layers] == [False, False, True, True]
+    inputs = {**coverage.inputs_for(model), "use_cache": False}
+    with torch.no_grad():
+        out = model(**inputs, output_hidden_states=True)
+    coverage.check_model(model, inputs, out)
+    coverage.check_attention(model, inputs)
+    coverage.check_kv_cache(model, inputs)
+
+
 def test_gemma4_a_layer_scalar_other_than_one_gives_no_wrong_sublayer_sites():
     model = build("gemma4_text")
     for layer in model.model.layers:

@@ -24,13 +24,14 @@ from conceptlens.adapters.site_notes import attention_notes
 from conceptlens.adapters.structure import (BlockLayout, after_candidates, children_summary, expected_layers,
                                             final_norm_candidates, find_block_list, find_stacks, parallel_blocks,
                                             recognise)
+from conceptlens.adapters.sublayers import extend, more_attention, plus_modules
 from conceptlens.adapters.verify import LayoutError, call_of, block_view, check_stack, refine, repair
 from conceptlens.adapters.verify import submodule as _get
 
 _Q_NAMES = ("q_proj", "query", "q", "query_proj", "q_lin")
 _K_NAMES = ("k_proj", "key", "k", "key_proj", "k_lin")
 _V_NAMES = ("v_proj", "value", "v", "value_proj", "v_lin")
-_OUT_KINDS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out")
+_OUT_KINDS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out", "branch_out")
 
 
 def get_path(root: nn.Module, path: str) -> nn.Module:
@@ -216,6 +217,8 @@ class Adapter:
             b, cls = f"{p}blocks.{i}", type(block).__name__
             self._current = (block, calls[i], self.stacks[prefix]) if calls else None
             first, last = self._io.get(block, (block, block))
+            if lay.additive:
+                extend(block, lay, trace)  # several sublayers of one kind, a further branch
             problem, scales, plus = repair(block, lay, trace) if lay.additive else (None, None, None)
             if problem and (fitted := residual.refit(block, lay, trace)) is not None:
                 problem, scales = None, fitted
@@ -242,11 +245,15 @@ class Adapter:
                 self._add(f"{b}.{kind}", module, "output", resid, prefix,
                           f"output of {path} ({type(module).__name__})" + (f"; {note}" if note else ""),
                           flat_in=block if kind == "mlp_out" and lay.flat_mlp else None, scale=scale,
-                          plus=block.get_submodule(plus[kind]) if plus and kind in plus else None)
+                          plus=plus_modules(block, lay, kind, plus))
                 if kind in lay.inner_calls:  # one call of a module inside the sublayer (inner.py)
                     self._inner_call(f"{b}.{kind}", block, *lay.inner_calls[kind])
-            notes = attention_notes(self.config, i, _get(block, lay.attn))
-            self._add_attention(f"{b}.attn", block, lay.attn, lay.attn_z, prefix, prefix, trace, notes)
+            notes, more = attention_notes(self.config, i, _get(block, lay.attn)), more_attention(block, lay, trace)
+            self._add_attention(f"{b}.attn", block, lay.attn, lay.attn_z, prefix, prefix, trace,
+                                "; ".join(filter(None, (notes, more and f"the block's attention sublayer {lay.attn}"))))
+            for j, path in enumerate(more, 1):  # further attention sublayers: attn_1, ...
+                self._add_attention(f"{b}.attn_{j}", block, path, None, prefix, prefix, trace,
+                                    "; ".join(filter(None, (notes, f"the block's attention sublayer {path}"))))
             if lay.cross_attn and prefix == "decoder":
                 self._add_attention(f"{b}.cross_attn", block, lay.cross_attn, None, prefix, "encoder", trace, "")
             if lay.mlp_post and not lay.flat_mlp and (module := _get(block, lay.mlp_post)) is not None:

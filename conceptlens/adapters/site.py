@@ -39,9 +39,10 @@ class Site:
     """The site is `scale` times the module's output: what a block that scales its sublayers'
     outputs (a residual multiplier; a per-channel `(d,)` rate) adds to the residual. Edits are
     mapped back exactly."""
-    plus: nn.Module | None = None
+    plus: nn.Module | tuple[nn.Module, ...] | None = None
     """The site is `module`'s output plus this module's (run beside it on the same input, e.g.
-    a shared expert next to the routed ones); edits change `module`'s output by their change."""
+    a shared expert next to the routed ones), or these modules' (the block's other sublayers of
+    that kind, run before it); edits change `module`'s output by their change."""
 
     call: int | None = None
     """Set when the block is one call of a layer module the stack runs several times in one

@@ -52,6 +52,8 @@ class BlockLayout:
     cross_attn_out: str | None = None
     mixer_out: str | None = None
     mlp_out: str | None = None
+    branch_out: str | None = None
+    """A further branch the block adds beside attention and MLP (Gemma 4's per-layer input)."""
     mlp_post: str | None = None
     """Module whose *input* is the MLP's hidden activation (the down projection)."""
     attn_z: str | None = None
@@ -62,6 +64,8 @@ class BlockLayout:
     notes: dict[str, str] = field(default_factory=dict)
     dropped: dict[str, str] = field(default_factory=dict)
     """Kind -> why that site is left out (a post-LN sublayer that norms inside itself, unreadable)."""
+    parts: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Kind -> further sublayers of that kind whose outputs its site adds (LongCat-Flash's pairs)."""
     replaced: dict[str, str] = field(default_factory=dict)
     """Kind -> the sublayer path a post-sublayer norm replaced (tried again if the sum fails)."""
     other_stream: tuple[str, ...] = ()

@@ -182,23 +182,32 @@ def _flat_output_hook(site: Site, fn: SiteFn, edit: bool = False) -> Handle:
 
 
 def _sum_output_hook(site: Site, fn: SiteFn, edit: bool = False) -> Handle:
-    """For a site that is `module`'s output plus `site.plus`'s (two modules on the same input):
-    `fn` sees the sum; an edit's change is added to `module`'s output (a null edit changes nothing)."""
-    other: list[Tensor] = []
+    """For a site that is `module`'s output plus `site.plus`'s (a module on the same input, or a
+    tuple of modules that finish before it: the other sublayers of its kind): `fn` sees the sum;
+    an edit's change is added to `module`'s output (a null edit changes nothing)."""
+    others = site.plus if isinstance(site.plus, tuple) else (site.plus,)
+    seen: dict[int, Tensor] = {}
 
-    def remember(module, args, output):
-        other[:] = [output[0] if isinstance(output, (tuple, list)) else output]
+    def remember(index: int):
+        def hook(module, args, output):
+            seen[index] = output[0] if isinstance(output, (tuple, list)) else output
+
+        return hook
 
     def call(x: Tensor) -> Tensor | None:
-        if not other:  # `plus` finishes after `module`: the sum is formed at its output instead
-            raise RuntimeError(f"{site.name}: {type(site.plus).__name__} did not run before {type(site.module).__name__}")
-        total = x + other.pop()
+        missing = [m for i, m in enumerate(others) if i not in seen]
+        if missing:  # `plus` finishes after `module`: the sum is formed at its output instead
+            raise RuntimeError(f"{site.name}: {type(missing[0]).__name__} did not run before {type(site.module).__name__}")
+        total = x
+        for i in range(len(others)):
+            total = total + seen.pop(i)
         new = fn(total)
         return None if new is None else x + (new - total)
 
     group = HandleGroup()
     try:
-        group.add(site.plus.register_forward_hook(remember, prepend=True))
+        for i, other in enumerate(others):
+            group.add(other.register_forward_hook(remember(i), prepend=True))
         group.add(site.module.register_forward_hook(_output_hook(call, site.heads), prepend=edit))
     except BaseException:
         group.remove()

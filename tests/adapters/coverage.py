@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 
 import pytest
@@ -12,7 +13,9 @@ from conceptlens.adapters.probe import first_tensor
 from tests.adapters.tiny_configs import build
 
 
-SUBLAYERS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out")
+# a block's self-attention sites: `attn.*`, and `attn_1.*`, ... for its further attention sublayers
+_SELF_ATTN = re.compile(r"\.attn(_\d+)?\.[a-z_]+$")
+SUBLAYERS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out", "branch_out")
 
 
 class NotBuildable(Exception):
@@ -150,7 +153,7 @@ def check_kv_cache(model, inputs, refused: bool = False, one_decoder_token: bool
     inputs = {k: v for k, v in inputs.items() if k != "use_cache"}
     if one_decoder_token:
         inputs["decoder_input_ids"] = inputs["decoder_input_ids"][:, :1]
-    names = [n for n in lens.sites if ".attn." in n and n.endswith((".attn.k", ".attn.v"))]
+    names = [n for n in lens.sites if _SELF_ATTN.search(n) and n.endswith((".k", ".v"))]
     if not names or not getattr(model.config.get_text_config(decoder=True), "use_cache", False):
         return
     try:
@@ -179,7 +182,8 @@ def check_attention(model, inputs, sink_scaled: bool = False) -> None:
     lens = conceptlens.attach(model)
     for stack in lens.adapter.n_blocks:
         p = f"{stack}." if stack else ""
-        names = [n for n in lens.sites if n.startswith(f"{p}blocks.") and n.endswith(".attn.pattern")]
+        names = [n for n in lens.sites if n.startswith(f"{p}blocks.") and _SELF_ATTN.search(n) and
+                 n.endswith(".pattern")]
         for name in names:
             base = name[: -len("pattern")]
             assert all(f"{base}{w}" in lens.sites for w in "qkv"), name

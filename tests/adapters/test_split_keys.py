@@ -96,22 +96,32 @@ def test_t5gemma2_an_edit_equals_the_same_change_at_v_proj(t5gemma2, site_name, 
             assert torch.equal(model(**_t5_inputs()).logits, bare)  # a null edit is bit-identical
 
 
-def _generate(model, lens, edit, **kwargs):
-    with torch.no_grad(), lens.steer(edit):
-        out = model.generate(input_ids=_ids(6), max_new_tokens=4, do_sample=False, output_scores=True,
-                             return_dict_in_generate=True, **kwargs)
+def _generate(model, lens, edit, positions="all", **kwargs):
+    ids = _ids(6)
+    mask = torch.ones_like(ids)
+    mask[0, :1] = 0  # left padding on one row
+    with torch.no_grad(), lens.steer(edit, positions=positions):
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True, **kwargs)
     return out.sequences, torch.stack(out.scores)
 
 
+@pytest.mark.parametrize("positions", ["all", "generated", slice(1, 3)], ids=str)
 @pytest.mark.parametrize("site_name", ["decoder.blocks.0.attn.k", "decoder.blocks.1.attn.v",
                                        "decoder.blocks.0.cross_attn.k", "decoder.blocks.1.cross_attn.v"])
-def test_t5gemma2_edits_give_the_same_generation_with_and_without_a_cache(t5gemma2, site_name):
+def test_t5gemma2_edits_give_the_same_generation_with_and_without_a_cache(t5gemma2, site_name, positions):
     model, lens = t5gemma2
-    edit = Add(_vector(lens.site(site_name), 3) * 3, site=site_name)
-    fresh, fresh_scores = _generate(model, lens, edit, use_cache=False)
-    cached, cached_scores = _generate(model, lens, edit, use_cache=True)
-    assert torch.equal(cached, fresh)
+    vector = _vector(lens.site(site_name), 3) * 3
+    fresh, fresh_scores = _generate(model, lens, Add(vector, site=site_name), positions, use_cache=False)
+    cached, cached_scores = _generate(model, lens, Add(vector, site=site_name), positions, use_cache=True)
+    static, static_scores = _generate(model, lens, Add(vector, site=site_name), positions,
+                                      cache_implementation="static")
+    _, bare_scores = _generate(model, lens, Add(vector, 0.0, site=site_name), positions, use_cache=True)
+    assert torch.equal(cached, fresh) and torch.equal(static, fresh)
     torch.testing.assert_close(cached_scores, fresh_scores, rtol=0, atol=1e-5)
+    torch.testing.assert_close(static_scores, fresh_scores, rtol=0, atol=1e-5)
+    changed = bool((bare_scores - fresh_scores).abs().max() > 1e-3)
+    assert changed != (positions == "generated" and "cross_attn" in site_name)  # the encoder's tokens: all prompt
 
 
 def test_t5gemma2_reads_with_a_cache_equal_reads_without(t5gemma2):
@@ -166,10 +176,11 @@ def test_deepseek_v4_an_edit_at_k_or_v_leaves_the_other_and_the_compressed_entri
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 
-def test_deepseek_v4_reads_are_the_tokens_keys_and_the_full_pattern(deepseek_v4, monkeypatch):
+@pytest.mark.parametrize("layer, length, entries", [(1, 9, 2), (0, 130, 1)])  # CSA: 1 per 4 tokens; HCA: per 128
+def test_deepseek_v4_reads_are_the_tokens_keys_and_the_full_pattern(deepseek_v4, monkeypatch, layer, length, entries):
     model, lens = deepseek_v4
     assert not lens.adapter.problems
-    attn = model.model.layers[1].self_attn
+    attn = model.model.layers[layer].self_attn
     seen, original = {}, ds.eager_attention_forward
 
     def recording(module, query, key, value, *args, **kwargs):
@@ -179,20 +190,20 @@ def test_deepseek_v4_reads_are_the_tokens_keys_and_the_full_pattern(deepseek_v4,
 
     monkeypatch.setattr(ds, "eager_attention_forward", recording)
     handle = attn.compressor.register_forward_hook(lambda m, a, out: seen.update(entries=out[0]))
-    names = ["blocks.1.attn.k", "blocks.1.attn.v", "blocks.1.attn.pattern"]
+    names = [f"blocks.{layer}.attn.{w}" for w in ("k", "v", "pattern")]
     try:
         with torch.no_grad(), lens.capture(names, keep_shape=True) as cap:
-            out = model(input_ids=_ids(9), use_cache=False, output_attentions=True)
+            out = model(input_ids=_ids(length), use_cache=False, output_attentions=True)
     finally:
         handle.remove()
     acts = cap.last[0]
-    assert seen["entries"].shape[2] == 2 and seen["key"].shape[2] == 11  # 9 tokens' keys, then 2 entries
-    torch.testing.assert_close(seen["key"][:, :, 9:], seen["entries"], rtol=0, atol=0)
-    for which in "kv":  # the tokens' rows (K = V), not the last 9 keys
-        torch.testing.assert_close(acts[f"blocks.1.attn.{which}"], seen["key"][:, :, :9].transpose(1, 2),
+    assert seen["entries"].shape[2] == entries and seen["key"].shape[2] == length + entries  # tokens, then entries
+    torch.testing.assert_close(seen["key"][:, :, length:], seen["entries"], rtol=0, atol=0)
+    for which in "kv":  # the tokens' rows (K = V), not the last T keys
+        torch.testing.assert_close(acts[names["kv".index(which)]], seen["key"][:, :, :length].transpose(1, 2),
                                    rtol=0, atol=0)
-    pattern = acts["blocks.1.attn.pattern"].transpose(1, 2)
-    assert pattern.shape == out.attentions[1].shape == (2, 4, 9, 11)  # 9 tokens, then 2 compressed entries
-    torch.testing.assert_close(pattern, out.attentions[1], rtol=0, atol=1e-5)
-    assert "compressor (DeepseekV4CSACompressor)" in lens.site("blocks.1.attn.k").source
-    assert "rotary base 160000" in lens.site("blocks.1.attn.q").source  # the layer's "compress" rope
+    pattern = acts[names[2]].transpose(1, 2)
+    assert pattern.shape == out.attentions[layer].shape == (2, 4, length, length + entries)
+    torch.testing.assert_close(pattern, out.attentions[layer], rtol=0, atol=1e-5)
+    assert f"compressor ({type(attn.compressor).__name__})" in lens.site(names[0]).source
+    assert "rotary base 160000" in lens.site(f"blocks.{layer}.attn.q").source  # the layer's "compress" rope

@@ -102,6 +102,9 @@ def add_split_attention(adapter, name: str, attn: nn.Module, call: Call, layout:
             (" (after rotary embedding and any q/k norm, as the scores use it)" if which in "qk" else "")
         if which != "q":
             source += f"; this forward's tokens: {where}"
+        if which != "q" and call.shared_kv:
+            source += "; the call passes one tensor as keys and values: an edit here changes only the " + \
+                ("keys" if which == "k" else "values")
         heads = call.heads if which == "q" else call.kv_heads
         dim = call.v_head_dim if which == "v" else call.head_dim
         adapter._add(f"{name}.{which}", attn, which, ("B", "T", heads, dim), stack, source + suffix)

@@ -206,4 +206,5 @@ def test_deepseek_v4_reads_are_the_tokens_keys_and_the_full_pattern(deepseek_v4,
     assert pattern.shape == out.attentions[layer].shape == (2, 4, length, length + entries)
     torch.testing.assert_close(pattern, out.attentions[layer], rtol=0, atol=1e-5)
     assert f"compressor ({type(attn.compressor).__name__})" in lens.site(names[0]).source
+    assert "an edit here changes only the keys" in lens.site(names[0]).source
     assert "rotary base 160000" in lens.site(f"blocks.{layer}.attn.q").source  # the layer's "compress" rope

@@ -40,7 +40,8 @@ def reference(model_type: str):
                     raise
                 out = model(**inputs, output_hidden_states=True)
     except Exception as err:  # transformers' own failure: not ours to count
-        raise NotBuildable(f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}") from err
+        first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+        raise NotBuildable(f"{type(err).__name__}: {first[:160]}") from err
     return model, inputs, out
 
 

@@ -75,7 +75,8 @@ def relayout(block: nn.Module, lay: BlockLayout, trace: Trace, stack: str) -> No
     """A self-attention with more keys than queries is not cross-attention: its output is
     attn_out, once (the probe's key count made it look like cross-attention)."""
     attn = submodule(block, lay.cross_attn)
-    if attn is None or lay.cross_attn != lay.attn or key_layout(attn, call_of(trace, attn), trace, stack) is None:
+    layout = key_layout(attn, call_of(trace, attn), trace, stack) if attn is not None else None
+    if layout is None or lay.cross_attn != lay.attn:
         return
     lay.cross_attn = None
     if lay.cross_attn_out is not None:
@@ -88,6 +89,9 @@ def relayout(block: nn.Module, lay: BlockLayout, trace: Trace, stack: str) -> No
             lay.cross_attn_out = None
             lay.notes.pop("cross_attn_out", None)
             lay.replaced.pop("cross_attn_out", None)
+    if layout[0] == "stack" and lay.attn_out is not None:
+        note = f"self- and cross-attention in one call of {type(attn).__name__}"
+        lay.notes["attn_out"] = f"{lay.notes['attn_out']}; {note}" if lay.notes.get("attn_out") else note
 
 
 def add_split_attention(adapter, name: str, attn: nn.Module, call: Call, layout: tuple[str, str], stack: str,

@@ -66,6 +66,8 @@ def test_t5gemma2_merged_attention_sites_are_its_two_parts(t5gemma2):
                                rtol=0, atol=1e-6)
     assert "merged" in lens.site("decoder.blocks.1.cross_attn.k").source
     assert "decoder.blocks.1.cross_attn.k_pre" not in lens.sites  # k_proj runs on both stacks' tokens
+    assert "decoder.blocks.1.cross_attn_out" not in lens.sites  # one call: attn_out holds both
+    assert "self- and cross-attention in one call" in lens.site("decoder.blocks.1.attn_out").source
 
 
 @pytest.mark.parametrize("site_name, call", [("decoder.blocks.0.attn.v", 0), ("decoder.blocks.0.cross_attn.v", 1)])
@@ -207,4 +209,5 @@ def test_deepseek_v4_reads_are_the_tokens_keys_and_the_full_pattern(deepseek_v4,
     torch.testing.assert_close(pattern, out.attentions[layer], rtol=0, atol=1e-5)
     assert f"compressor ({type(attn.compressor).__name__})" in lens.site(names[0]).source
     assert "an edit here changes only the keys" in lens.site(names[0]).source
+    assert f"blocks.{layer}.cross_attn_out" not in lens.sites  # more keys than queries, but self-attention
     assert "rotary base 160000" in lens.site(f"blocks.{layer}.attn.q").source  # the layer's "compress" rope

@@ -15,6 +15,7 @@ import torch
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as ds
 
 import conceptlens
+from conceptlens.hooks.attention import active_hook_count
 from conceptlens.steering import Add
 from tests.adapters.tiny_configs import build
 
@@ -211,3 +212,29 @@ def test_deepseek_v4_reads_are_the_tokens_keys_and_the_full_pattern(deepseek_v4,
     assert "an edit here changes only the keys" in lens.site(names[0]).source
     assert f"blocks.{layer}.cross_attn_out" not in lens.sites  # more keys than queries, but self-attention
     assert "rotary base 160000" in lens.site(f"blocks.{layer}.attn.q").source  # the layer's "compress" rope
+
+
+def test_deepseek_v4_q_edits_and_patterns_follow_a_cache_and_k_v_refuse_it(deepseek_v4):
+    """Its cache stores the tokens' keys twice and the module reads the keys back as values,
+    then appends the compressor's entries: k/v hooks cannot follow that, q and pattern can."""
+    model, lens = deepseek_v4
+    ids, vector = _ids(9), _vector(lens.site("blocks.1.attn.q"), 3) * 3
+
+    def generate(**kwargs):
+        with torch.no_grad(), lens.steer(Add(vector, site="blocks.1.attn.q")):
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                                 do_sample=False, output_scores=True, return_dict_in_generate=True, **kwargs)
+        return out.sequences, torch.stack(out.scores)
+
+    fresh, fresh_scores = generate(use_cache=False)
+    cached, cached_scores = generate()
+    assert torch.equal(cached, fresh)
+    torch.testing.assert_close(cached_scores, fresh_scores, rtol=0, atol=1e-5)
+    with torch.no_grad(), lens.capture("blocks.1.attn.pattern", keep_shape=True) as cap:
+        out = model(input_ids=ids, use_cache=True, output_attentions=True)
+    torch.testing.assert_close(cap.last[0]["blocks.1.attn.pattern"].transpose(1, 2), out.attentions[1],
+                               rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="attends to other keys/values than it stores"), torch.no_grad(), \
+            lens.capture("blocks.1.attn.v", keep_shape=True):
+        model(input_ids=ids, use_cache=True)
+    assert active_hook_count() == 0  # nothing stays attached after the refusal

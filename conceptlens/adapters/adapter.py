@@ -16,6 +16,7 @@ from torch import nn
 
 from conceptlens.adapters import families, residual
 from conceptlens.adapters.fused import describe, fused_layout
+from conceptlens.adapters.keys import add_split_attention, key_layout, relayout
 from conceptlens.adapters.names import NameResolver
 from conceptlens.adapters.probe import Trace, run_probe
 from conceptlens.adapters.repeated import final_after, final_by_input, only_list, projection_view, same_class, unroll
@@ -136,6 +137,7 @@ class Adapter:
                                                                                   afters[prefix], trace)
             for block, lay in zip(self.blocks[prefix], self.layouts[prefix]):
                 refine(block, lay, trace)
+                relayout(block, lay, trace, prefix)
                 for key, path in families.LAYOUT.get(self.family, {}).items():
                     setattr(lay, key, path)
             self._view = block_view(self.blocks[prefix][0], trace, trace.hidden.get(prefix))
@@ -302,13 +304,16 @@ class Adapter:
         call = call_of(trace, attn)
         seq_kv = "T" if kv_stack == q_stack else "S"
         suffix = f"; {notes}" if notes else ""
-        if call is not None and seq_kv == "T" and call.k_len != call.q_len:  # no cache in the probe
+        split = key_layout(attn, call, trace, q_stack) if seq_kv == "T" else None  # T5Gemma2, DeepSeek V4
+        if split is None and call is not None and seq_kv == "T" and call.k_len != call.q_len:  # no cache here
             for which in ("q", "k", "v", "pattern"):  # e.g. T5Gemma2's merged self- and cross-attention
                 self.problems[f"{name}.{which}"] = (f"{self._what()}: {type(attn).__name__} attends {call.q_len} "
                                                     f"queries to {call.k_len} keys in a forward without cache, so "
                                                     "its keys are not this stack's tokens (merged attention)")
             return
-        if call is not None:
+        if split is not None:
+            heads, v_dim = add_split_attention(self, name, attn, call, split, q_stack, suffix)
+        elif call is not None:
             shapes = {"q": ("B", "T", call.heads, call.head_dim), "k": ("B", seq_kv, call.kv_heads, call.head_dim),
                       "v": ("B", seq_kv, call.kv_heads, call.v_head_dim)}
             for which in "qkv":

@@ -57,6 +57,10 @@ class Site:
     trimmed: bool = False
     """The module sees the tokens padded inside the model (Longformer): the site is the first T,
     T = the length of this forward's input to `stack_module`."""
+    key_layout: str = ""
+    """For q/k/v/pattern sites of a call whose keys are this forward's tokens followed by others
+    (adapters/keys.py): "stack" (then the other stack's tokens: T5Gemma2's merged attention; a
+    k/v site whose shape[1] is "S" is that part) or "appended" (entries a submodule returns)."""
 
     @property
     def width(self) -> int:

@@ -51,11 +51,12 @@ def _hook(site: Site, fn: SiteFn, edit: bool) -> Handle:
     if site.point == "pattern":
         if edit:
             raise ValueError(f"{site.name} is read only (attention probabilities); edit q or k instead")
-        return add_qkv_hook(site.module, "pattern", fn)
+        return add_qkv_hook(site.module, "pattern", fn, current=site.shape[3] != "S", key_layout=site.key_layout)
     if site.point in ("q", "k", "v"):
         # "T" in the sequence dimension: aligned with this forward's queries (self-attention)
         shape = tuple(site.shape[2:4]) if all(isinstance(s, int) for s in site.shape[2:4]) else None
-        return add_qkv_hook(site.module, site.point, fn, current=site.shape[1] == "T", edit=edit, shape=shape)
+        return add_qkv_hook(site.module, site.point, fn, current=site.shape[1] == "T", edit=edit, shape=shape,
+                            key_layout=site.key_layout)
     if site.point == "input":
         return Handle(site.module.register_forward_pre_hook(_input_hook(fn, site.heads), with_kwargs=True,
                                                             prepend=edit).remove)

@@ -173,11 +173,14 @@ def _contributions(block: nn.Module, lay: BlockLayout, trace: Trace) -> dict[str
     or why one cannot be used."""
     x = trace.inputs.get(block)
     outs: dict[str, torch.Tensor] = {}
-    for key in ("attn_out", "cross_attn_out", "mixer_out", "mlp_out"):
+    for key in ("attn_out", "cross_attn_out", "mixer_out", "mlp_out", "branch_out"):
         module = submodule(block, getattr(lay, key))
         if module is None:
             continue
         out = trace.outputs.get(module)
+        for part in lay.parts.get(key, ()):  # several sublayers of one kind: their outputs summed
+            more = trace.outputs.get(submodule(block, part))
+            out = out + more if out is not None and more is not None and more.shape == out.shape else None
         if out is None and key == "cross_attn_out":
             continue  # a decoder run without an encoder (e.g. WhisperForCausalLM) skips cross-attention
         if out is None:
@@ -203,7 +206,7 @@ def sum_problem(block: nn.Module, lay: BlockLayout, trace: Trace) -> str | None:
     return None
 
 
-_KINDS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out")
+_KINDS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out", "branch_out")
 
 
 def _scales(x: torch.Tensor, y: torch.Tensor, outs: dict[str, torch.Tensor]) -> dict[str, float] | None:
@@ -302,7 +305,7 @@ def repair(block: nn.Module, lay: BlockLayout, trace: Trace):
                 continue
             scales = _scales(x, y, outs) if scaled else None
             if scales or (not scaled and close((0 if scaled is None else x) + sum(outs.values()), y, 1e-4)):
-                lay.carry = scaled is not None
+                lay.resid_coef = 1.0 if scaled is not None else 0.0
                 _apply(lay, kinds, chosen)
                 return None, scales, {k: c[1] for k, c in chosen.items() if c[1]}
     outs = _contributions(block, lay, trace)

@@ -28,7 +28,7 @@ def _ids():
 def test_a_boundary_block_restarts_its_sum_and_final_is_the_last_hidden_state(inkling2):
     model, lens = inkling2
     assert not lens.adapter.problems
-    assert [lens.adapter.layout("", i).carry for i in range(2)] == [False, True]  # layer 0 is a block boundary
+    assert [lens.adapter.layout("", i).resid_coef for i in range(2)] == [0.0, 1.0]  # layer 0 is a block boundary
     names = [f"blocks.{i}.{k}" for i in range(2) for k in ("resid_in", "attn_out", "mlp_out", "resid_out")]
     with torch.no_grad(), lens.capture(names + ["final"], keep_shape=True) as cap:
         out = model(input_ids=_ids(), output_hidden_states=True)
@@ -103,7 +103,7 @@ def test_looped_layers_with_messages_give_every_site_exactly():
         out = model(**inputs, output_hidden_states=True, use_cache=False)
     lens = conceptlens.attach(model)
     assert lens.adapter.n_blocks[""] == 6  # layers 1-2 run twice: blocks 0, 1, 2, 1', 2', 3
-    assert [lens.adapter.layout("", i).carry for i in range(6)] == [False, True, False, True, False, True]
+    assert [lens.adapter.layout("", i).resid_coef for i in range(6)] == [0.0, 1.0] * 3
     coverage.check_model(model, {**inputs, "use_cache": False}, out)
     coverage.check_attention(model, inputs)
     coverage.check_kv_cache(model, inputs)

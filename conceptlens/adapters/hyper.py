@@ -21,15 +21,19 @@ from torch import Tensor, nn
 
 from conceptlens.adapters.probe import Trace, close
 from conceptlens.adapters.site import Expansion
-from conceptlens.adapters.structure import BlockLayout
+from conceptlens.adapters.structure import BlockLayout, is_norm
 from conceptlens.adapters.verify import submodule
 
-_KINDS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out")
+_KINDS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out", "branch_out")
 
 
 def spread(out: Tensor, weights: Tensor) -> Tensor:
     """A sublayer output (..., d) written to n streams with weights (..., n): (..., n * d)."""
     return (out.unsqueeze(-2) * weights.unsqueeze(-1)).flatten(-2)
+
+
+def _same(a: Tensor | None, b: Tensor) -> bool:
+    return a is not None and a.shape == b.shape and torch.equal(a, b)
 
 
 def _inside(module: nn.Module, other: nn.Module) -> bool:
@@ -71,9 +75,31 @@ def _receiver(block: nn.Module, sub: nn.Module, streams: Tensor, trace: Trace,
 
 def stream_writes(block: nn.Module, lay: BlockLayout, trace: Trace) -> dict[str, Expansion] | None:
     """Kind -> how that sublayer's output is spread over the residual streams, for a block whose
-    outputs add up that way (every other sublayer adds its own output); None if it does not."""
+    outputs add up that way (every other sublayer adds its own output); None if it does not.
+    Where they do not, a further child that adds its full-width output to the streams is tried
+    as `branch_out` (Qwen4-exp's per-layer n-gram embedding, `ple`, at some layers)."""
+    found = _writes(block, lay, trace)
+    if found is not None or lay.branch_out is not None or trace.inputs.get(block) is None:
+        return found
+    x = trace.inputs[block]
+    taken = {getattr(lay, k) for k in _KINDS}
+    for name, child in block.named_children():
+        out = trace.outputs.get(child)
+        if name in taken or out is None or out.shape != x.shape or _same(trace.inputs.get(child), x) and \
+                is_norm(name, child):
+            continue
+        lay.branch_out = name
+        found = _writes(block, lay, trace)
+        if found is not None:
+            lay.notes["branch_out"] = "a further branch whose output the block adds to the residual streams"
+            return found
+    lay.branch_out = None
+    return None
+
+
+def _writes(block: nn.Module, lay: BlockLayout, trace: Trace) -> dict[str, Expansion] | None:
     x, y = trace.inputs.get(block), trace.outputs.get(block)
-    subs = {k: submodule(block, getattr(lay, k)) for k in _KINDS if getattr(lay, k)}
+    subs = {k: submodule(block, getattr(lay, k)) for k in _KINDS if getattr(lay, k, None)}
     if x is None or y is None or any(m not in trace.outputs for m in subs.values()):
         return None
     order = list(trace.outputs)

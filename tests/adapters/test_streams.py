@@ -9,9 +9,12 @@ import contextlib
 import pytest
 import torch
 
+import transformers as tf
+
 import conceptlens
 from conceptlens.steering import Add
-from tests.adapters.tiny_configs import build
+from tests.adapters import coverage
+from tests.adapters.tiny_configs import build, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +97,28 @@ def test_an_add_at_a_spread_site_equals_adding_it_to_the_streams_by_hand(qwen4, 
     with torch.no_grad(), lens.steer(Add(vector, 0.0, site=site)):
         assert torch.equal(model(input_ids=ids).logits, bare)  # a null edit is bit-identical
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules())  # none left behind
+
+
+def test_per_layer_ngram_embeddings_are_a_further_branch_into_the_streams():
+    config = tiny_config("qwen4_exp_text")
+    # on layer 0 (linear attention) only: with a cache, transformers cannot run one on an attention layer
+    config.ple_layer_ids, config.ngram_vocab_size_base, config.ple_embed_dim, config.eos_token_id = [1], 1000, 32, 1
+    config.number_of_conv_states = 3  # what the config derives from ple_layer_ids when it is built with them
+    torch.manual_seed(0)
+    model = tf.Qwen4ExpForCausalLM._from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        model.model.layers[0].ple.conv1d.weight.normal_()  # zero at init: let the short convolution count
+    inputs = coverage.inputs_for(model)
+    with torch.no_grad():
+        out = model(**inputs, output_hidden_states=True, use_cache=False)
+    coverage.check_model(model, {**inputs, "use_cache": False}, out)  # resid_in + branch + spread sublayers
+    coverage.check_attention(model, inputs)
+    coverage.check_kv_cache(model, inputs)
+    lens = conceptlens.attach(model)
+    ids, vector = _ids(), torch.randn(256, generator=torch.Generator().manual_seed(4))
+    for site, module in (("blocks.0.branch_out", model.model.layers[0].ple),
+                         ("blocks.0.mixer_out", model.model.layers[0].mlp_hyper_connection)):
+        point = "output" if site.endswith("branch_out") else "input"
+        expected = _manual(model, ids, module, vector, point)
+        with torch.no_grad(), lens.steer(Add(vector, site=site)):
+            torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=0, atol=1e-5)

@@ -23,7 +23,7 @@ from conceptlens.adapters.probe import Trace, run_probe
 from conceptlens.adapters.repeated import final_after, final_by_input, only_list, projection_view, same_class, unroll
 from conceptlens.adapters.site import Site
 from conceptlens.adapters.site_notes import attention_notes
-from conceptlens.adapters.hyper import stream_writes
+from conceptlens.adapters.hyper import site_shape, stream_writes
 from conceptlens.adapters.structure import (BlockLayout, after_candidates, children_summary, expected_layers,
                                             final_norm_candidates, find_block_list, find_stacks, parallel_blocks,
                                             recognise)
@@ -214,8 +214,9 @@ class Adapter:
     def _add_stack(self, prefix: str, final: nn.Module | None, trace: Trace) -> None:
         p = f"{prefix}." if prefix else ""
         blocks = self.blocks[prefix]
-        width = trace.inputs[blocks[0]].shape[-1] if blocks[0] in trace.inputs else self._hidden_size()
-        resid = ("B", "T", int(width))
+        x0 = trace.inputs.get(blocks[0])
+        resid = ("B", "T", *(int(s) for s in x0.shape[2:])) if x0 is not None and x0.ndim > 2 else \
+            ("B", "T", int(x0.shape[-1]) if x0 is not None else self._hidden_size())  # 4-D: streams (HY-V4)
         calls, again = self.calls.get(prefix), later_reads(blocks, trace)
         for i, (block, lay) in enumerate(zip(blocks, self.layouts[prefix])):
             b, cls = f"{p}blocks.{i}", type(block).__name__
@@ -251,7 +252,8 @@ class Adapter:
                 if scales:
                     note = (lay.notes.get(kind, "") + "; " if kind in lay.notes else "") + \
                         f"times {residual.fmt(scale)}, the block's scaling of it: {residual.added(lay, kind)}"
-                self._add(f"{b}.{kind}", module, "output", resid, prefix,
+                self._add(f"{b}.{kind}", module, "output", site_shape(resid, module, trace, spread and kind in spread),
+                          prefix,
                           f"output of {path} ({type(module).__name__})" + (f"; {note}" if note else ""),
                           flat_in=block if kind == "mlp_out" and lay.flat_mlp else None, scale=scale,
                           plus=plus_modules(block, lay, kind, plus), expand=spread.get(kind) if spread else None)

@@ -22,14 +22,31 @@ from torch import Tensor, nn
 from conceptlens.adapters.probe import Trace, close
 from conceptlens.adapters.site import Expansion
 from conceptlens.adapters.structure import BlockLayout, is_norm
-from conceptlens.adapters.verify import submodule
 
 _KINDS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out", "branch_out")
 
 
-def spread(out: Tensor, weights: Tensor) -> Tensor:
-    """A sublayer output (..., d) written to n streams with weights (..., n): (..., n * d)."""
-    return (out.unsqueeze(-2) * weights.unsqueeze(-1)).flatten(-2)
+def spread(out: Tensor, weights: Tensor, flat: bool = True) -> Tensor:
+    """A sublayer output (..., d) written to n streams with weights (..., n): (..., n * d), or
+    (..., n, d) where the residual keeps its streams in a dimension of their own (HY-V4)."""
+    both = out.unsqueeze(-2) * weights.unsqueeze(-1)
+    return both.flatten(-2) if flat else both
+
+
+def site_shape(resid: tuple, module: nn.Module, trace: Trace, spread: bool) -> tuple:
+    """A sublayer site's symbolic shape: the residual's, but a module's own (B, T, d) where the
+    residual keeps its streams in a dimension of their own and the site is not spread over them."""
+    out = trace.outputs.get(module)
+    if spread or out is None or len(resid) < 4 or out.ndim != 3:
+        return resid
+    return ("B", "T", int(out.shape[-1]))
+
+
+def _get(block: nn.Module, path: str | None) -> nn.Module | None:
+    try:
+        return block.get_submodule(path) if path else None
+    except AttributeError:
+        return None
 
 
 def _same(a: Tensor | None, b: Tensor) -> bool:
@@ -40,13 +57,22 @@ def _inside(module: nn.Module, other: nn.Module) -> bool:
     return any(m is other for m in module.modules())
 
 
-def _gate(block: nn.Module, sub: nn.Module, out: Tensor, width: int, trace: Trace,
-          order: list[nn.Module]) -> tuple[nn.Module, int, Tensor] | None:
-    """(gate module, element of its output, weights) for a sublayer output narrower than the residual."""
+def _streams(x: Tensor, out: Tensor) -> tuple[int, bool] | None:
+    """(n, flat) when a sublayer output (B, T, d) is narrower than a residual of n streams:
+    (B, T, n * d) flat, or (B, T, n, d); None otherwise."""
     d = out.shape[-1]
-    if width % d or width == d:
-        return None
-    shape = (*out.shape[:-1], width // d)
+    if x.ndim == out.ndim + 1 and x.shape[-1] == d and x.shape[:-2] == out.shape[:-1] and x.shape[-2] > 1:
+        return int(x.shape[-2]), False
+    if x.ndim == out.ndim and x.shape[:-1] == out.shape[:-1] and x.shape[-1] % d == 0 and x.shape[-1] > d:
+        return int(x.shape[-1] // d), True
+    return None
+
+
+def _gate(block: nn.Module, sub: nn.Module, out: Tensor, n: int, trace: Trace,
+          order: list[nn.Module]) -> tuple[nn.Module, int, Tensor] | None:
+    """(gate module, element of its output, weights): the last module before the sublayer to
+    return a (B, T, n) tensor."""
+    shape = (*out.shape[:-1], n)
     before = order.index(sub)
     found = None
     for module in block.modules():
@@ -60,16 +86,15 @@ def _gate(block: nn.Module, sub: nn.Module, out: Tensor, width: int, trace: Trac
 
 
 def _receiver(block: nn.Module, sub: nn.Module, streams: Tensor, trace: Trace,
-              order: list[nn.Module]) -> nn.Module | None:
-    """The block's child that reads the streams after `sub` and passes them on unchanged."""
+              order: list[nn.Module]) -> tuple[nn.Module, bool] | None:
+    """(the block's child that reads the streams after `sub`, whether it passes them on); where
+    it does not, the block adds them to its output itself (checked by the caller's sum)."""
     for module in block.children():
         if module not in trace.outputs or order.index(module) < order.index(sub):
             continue
         x = trace.inputs.get(module)
-        passes_on = any(p is not None and p.shape == streams.shape and torch.equal(p, x)
-                        for p in trace.parts.get(module, ()))
-        if x is not None and close(x, streams) and passes_on:
-            return module
+        if x is not None and close(x, streams):
+            return module, any(p is not None and _same(p, x) for p in trace.parts.get(module, ()))
     return None
 
 
@@ -99,12 +124,11 @@ def stream_writes(block: nn.Module, lay: BlockLayout, trace: Trace) -> dict[str,
 
 def _writes(block: nn.Module, lay: BlockLayout, trace: Trace) -> dict[str, Expansion] | None:
     x, y = trace.inputs.get(block), trace.outputs.get(block)
-    subs = {k: submodule(block, getattr(lay, k)) for k in _KINDS if getattr(lay, k, None)}
-    if x is None or y is None or any(m not in trace.outputs for m in subs.values()):
+    subs = {k: _get(block, getattr(lay, k, None)) for k in _KINDS if getattr(lay, k, None)}
+    if x is None or y is None or x.shape != y.shape or any(m not in trace.outputs for m in subs.values()):
         return None
     order = list(trace.outputs)
     found: dict[str, Expansion] = {}
-    gates: dict[str, nn.Module] = {}
     streams = x
     kinds = sorted(subs, key=lambda k: order.index(subs[k]))
     for j, kind in enumerate(kinds):
@@ -112,23 +136,30 @@ def _writes(block: nn.Module, lay: BlockLayout, trace: Trace) -> dict[str, Expan
         if out.shape == x.shape:
             streams = streams + out
             continue
-        gate = _gate(block, sub, out, x.shape[-1], trace, order)
-        if gate is None or out.shape[:-1] != x.shape[:-1]:
+        layout = _streams(x, out)
+        gate = _gate(block, sub, out, layout[0], trace, order) if layout else None
+        if gate is None:
             return None
-        streams = streams + spread(out, gate[2]).to(streams.dtype)
+        streams = streams + spread(out, gate[2], layout[1]).to(streams.dtype)
         last = j == len(kinds) - 1
-        receiver = block if last else _receiver(block, sub, streams, trace, order)
+        receiver = (block, True) if last else _receiver(block, sub, streams, trace, order)
         if receiver is None:
             return None
-        found[kind] = Expansion(gate[0], gate[1], receiver, "output" if last else "input")
-        gates[kind] = gate[0]
+        point = "output" if last else "input" if receiver[1] else "both"
+        found[kind] = Expansion(gate[0], gate[1], receiver[0], point, layout[1], block)
     if not found or not close(streams, y, 1e-4):
         return None
-    names = {m: n for n, m in block.named_modules()}
-    for kind, exp in found.items():
-        n = x.shape[-1] // trace.outputs[subs[kind]].shape[-1]
-        then = "the block's output" if exp.receiver is block else f"the input of {names[exp.receiver]}"
-        lay.notes[kind] = (f"spread over the residual's {n} streams: the output times the per-stream weights "
-                           f"{names[gates[kind]]} returns, as (out[..., None, :] * w[..., :, None]).flatten(-2) "
-                           f"(hyper-connections): what it adds to the residual; an edit's change is added to {then}")
+    _describe(block, lay, trace, found)
     return found
+
+
+def _describe(block: nn.Module, lay: BlockLayout, trace: Trace, found: dict[str, Expansion]) -> None:
+    names = {m: n for n, m in block.named_modules()}
+    n = trace.parts[next(iter(found.values())).gate][next(iter(found.values())).index].shape[-1]
+    for kind, exp in found.items():
+        form = "(out[..., None, :] * w[..., :, None])" + (".flatten(-2)" if exp.flat else "")
+        then = {"output": "the block's output", "input": f"the input of {names[exp.receiver]}",
+                "both": f"the input of {names[exp.receiver]} and the block's output"}[exp.point]
+        lay.notes[kind] = (f"spread over the residual's {n} streams: the output times the per-stream weights "
+                           f"{names[exp.gate]} returns, as {form} (hyper-connections): what it adds to the "
+                           f"residual; an edit's change is added to {then}")

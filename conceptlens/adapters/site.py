@@ -15,13 +15,17 @@ class Expansion:
     """How a sublayer's output of width d enters a residual of n streams (width n * d), as in
     hyper-connections: the site is `(out[..., None, :] * w[..., :, None]).flatten(-2)`, w the
     (B, T, n) per-stream weights a gate module of the block returns (element `index` of its
-    output). The residual with it added is read first by `receiver` (its input), or is the block's
-    output (`receiver` is the block): an edit's change is added there."""
+    output); without the flatten where the residual is (B, T, n, d) (`flat` False). The residual
+    with it added is read by `receiver`: at its input, which it passes on ("input"), at its input
+    and again by the block, which adds it to its output ("both"), or it is the block's output
+    ("output", `receiver` is the block). An edit's change is added there."""
 
     gate: nn.Module
     index: int
     receiver: nn.Module
-    point: Literal["input", "output"]
+    point: Literal["input", "output", "both"]
+    flat: bool = True
+    block: nn.Module | None = None
 
 
 @dataclass(frozen=True, eq=False)

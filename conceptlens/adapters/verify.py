@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from conceptlens.adapters.depth import depth_mixers
+from conceptlens.adapters.hyper import stream_writes
 from conceptlens.adapters.inner import inner_call
 from conceptlens.adapters.probe import Call, Trace, close
 from conceptlens.adapters.streams import other_stream
@@ -70,6 +71,8 @@ def refine(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
     pre = any(m in trace.inputs and x is not None and trace.inputs[m].shape == x.shape and
               torch.equal(trace.inputs[m], x) and _before_sublayers(m, block, lay, trace) for m in norms)
     lay.additive = pre or not norms or bool(depth)  # sublayers reading a depth mix: the sum is checked
+    if not lay.additive and stream_writes(block, lay, trace) is not None:
+        lay.additive = True  # residual streams (HY-V4): its norms read a gate's output, the block still adds
     mlp = submodule(block, lay.mlp_out)
     if mlp is not None and x is not None and mlp in trace.outputs and trace.outputs[mlp].ndim == x.ndim - 1:
         lay.flat_mlp = True

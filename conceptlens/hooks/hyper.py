@@ -4,8 +4,9 @@ The site's tensor, `(out[..., None, :] * w[..., :, None]).flatten(-2)`, is forme
 sublayer's output and the weights its gate returned earlier in the same call, with the same
 operations the model uses (so a read is the model's own tensor, bit for bit). An edit cannot be
 written back into the narrower output, so its change is added where the residual is next read:
-the receiver's input, or the block's output (a hook kept in front of the block's other output
-hooks, so `resid_out` sees it). All hooks at one such site share one state per call: a later
+the receiver's input, the block's output (a hook kept in front of the block's other output
+hooks, so `resid_out` sees it), or both where the block adds the residual the receiver read to
+its output itself (HY-V4). All hooks at one such site share one state per call: a later
 hook there sees what earlier edits made of it, and a null edit changes nothing.
 """
 
@@ -32,15 +33,15 @@ class _Writes:
     def __init__(self, module: nn.Module, exp: Expansion) -> None:
         self.exp, self.weights, self.pending, self.refs = exp, None, None, 0
         self.handles = HandleGroup()
+        self.front, self.block = None, exp.block if exp.block is not None else exp.receiver
         try:
             self.handles.add(exp.gate.register_forward_hook(self._gate, prepend=True))
             self.handles.add(module.register_forward_pre_hook(self._start))
-            if exp.point == "input":
+            if exp.point in ("input", "both"):
                 self.handles.add(exp.receiver.register_forward_pre_hook(self._to_input, with_kwargs=True,
                                                                         prepend=True))
-                self.front = None
-            else:
-                handle = exp.receiver.register_forward_hook(self._to_output, prepend=True)
+            if exp.point in ("output", "both"):
+                handle = self.block.register_forward_hook(self._to_output, prepend=True)
                 self.handles.add(handle)
                 self.front = handle.id
         except BaseException:
@@ -52,11 +53,11 @@ class _Writes:
 
     def _start(self, module, args) -> None:
         self.pending = None
-        if self.front is not None and self.front in self.exp.receiver._forward_hooks:
-            self.exp.receiver._forward_hooks.move_to_end(self.front, last=False)  # before resid_out's hooks
+        if self.front is not None and self.front in self.block._forward_hooks:
+            self.block._forward_hooks.move_to_end(self.front, last=False)  # before resid_out's hooks
 
     def site_tensor(self, out: Tensor) -> Tensor:
-        seen = spread(out, self.weights)
+        seen = spread(out, self.weights, self.exp.flat)
         return seen if self.pending is None else seen + self.pending
 
     def add(self, change: Tensor) -> None:
@@ -67,7 +68,7 @@ class _Writes:
         return change
 
     def _to_input(self, module, args, kwargs):
-        change = self._take()
+        change = self._take() if self.exp.point == "input" else self.pending  # "both": the block adds it again
         if change is None:
             return None
         if args:

@@ -1,6 +1,7 @@
-"""Qwen4-exp keeps 4 residual streams (hyper-connections) and its sublayers work on one: their
-sites are what each writes back to the streams (the output times the gate's per-stream weights),
-read bit for bit and edited exactly as a hook adding the same change to the residual would."""
+"""Qwen4-exp keeps 4 residual streams side by side (hyper-connections), HY-V4 in a dimension of
+their own, and their sublayers work on one: their sites are what each writes back to the streams
+(the output times the gate's per-stream weights), read bit for bit and edited exactly as a hook
+adding the same change to the residual would."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import transformers as tf
 
 import conceptlens
+from conceptlens.hooks.points import hook_site
 from conceptlens.steering import Add
 from tests.adapters import coverage
 from tests.adapters.tiny_configs import build, tiny_config
@@ -122,3 +124,37 @@ def test_per_layer_ngram_embeddings_are_a_further_branch_into_the_streams():
         expected = _manual(model, ids, module, vector, point)
         with torch.no_grad(), lens.steer(Add(vector, site=site)):
             torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=0, atol=1e-5)
+
+
+def test_hy_v4_streams_in_their_own_dimension_and_a_residual_the_block_adds_itself():
+    """HY-V4 keeps (B, T, 4, d) streams; its ffn_hc reads the residual after attention and the block
+    adds that residual to its output itself: an edit at attn_out moves both, as recomputed by hand."""
+    model = build("hy_v4")
+    lens = conceptlens.attach(model)
+    assert not lens.adapter.problems and lens.adapter.layout("", 0).additive
+    layer, ids = model.model.layers[0], _ids()
+    seen = {}
+    handles = [layer.self_attn.register_forward_hook(lambda m, a, o: seen.update(a=o[0])),
+               layer.attn_hc.register_forward_hook(lambda m, a, o: seen.update(post=o[0])),
+               layer.ffn_hc.register_forward_hook(lambda m, a, o: seen.update(r2=a[0]))]
+    try:
+        with torch.no_grad(), lens.capture(["blocks.0.attn_out", "blocks.0.resid_out"], keep_shape=True) as cap:
+            model(input_ids=ids)
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.equal(cap.last[0]["blocks.0.attn_out"], seen["post"].unsqueeze(-1) * seen["a"].unsqueeze(-2))
+    vector = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))  # one direction per stream
+    with torch.no_grad():  # the block's second half by hand, from the residual after attention moved by vector
+        r2 = seen["r2"] + vector
+        post, collapsed = layer.ffn_hc(r2)
+        f = layer.mlp(layer.post_attention_layernorm(collapsed))
+        by_hand = post.unsqueeze(-1) * f.unsqueeze(-2) + r2
+    handle = hook_site(lens.site("blocks.0.attn_out"), lambda x: x + vector, edit=True)  # steering's primitive
+    try:
+        with torch.no_grad(), lens.capture(["blocks.0.resid_out"], keep_shape=True) as edited:
+            model(input_ids=ids)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(edited.last[0]["blocks.0.resid_out"], by_hand, rtol=0, atol=1e-5)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules())

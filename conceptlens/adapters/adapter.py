@@ -215,8 +215,9 @@ class Adapter:
         p = f"{prefix}." if prefix else ""
         blocks = self.blocks[prefix]
         x0 = trace.inputs.get(blocks[0])
-        resid = ("B", "T", *(int(s) for s in x0.shape[2:])) if x0 is not None and x0.ndim > 2 else \
-            ("B", "T", int(x0.shape[-1]) if x0 is not None else self._hidden_size())  # 4-D: streams (HY-V4)
+        streams = x0 is not None and x0.ndim == 4 and x0.shape[0] == 1  # (B, T, n, d) on the probe's one row (HY-V4)
+        resid = ("B", "T", *(int(s) for s in x0.shape[2:])) if streams else \
+            ("B", "T", int(x0.shape[-1]) if x0 is not None else self._hidden_size())
         calls, again = self.calls.get(prefix), later_reads(blocks, trace)
         for i, (block, lay) in enumerate(zip(blocks, self.layouts[prefix])):
             b, cls = f"{p}blocks.{i}", type(block).__name__

@@ -261,8 +261,12 @@ class Adapter:
             source += "; the module runs on more positions than this forward's tokens (padding to an attention " \
                       "window, or n-gram streams after the main one): the site is the first T, edits leave the rest"
             stack_module = self.stacks[stack] if stack in self.stacks else self.stacks[self._stack_of(name)]
+        if "prefixed" in view:
+            source += "; the module also runs on positions the model prepends (prompt tokens): the site is the " \
+                      "last T, edits leave the rest"
+            stack_module = self.stacks[stack] if stack in self.stacks else self.stacks[self._stack_of(name)]
         self.sites[name] = Site(name, module, point, shape, stack, source, heads, flat_in, scale, plus,
-                                call, block, stack_module, "time_major" in view, "trim" in view)
+                                call, block, stack_module, "time_major" in view, "trim" in view, "prefixed" in view)
 
     def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,
                        kv_stack: str, trace: Trace, notes: str) -> None:

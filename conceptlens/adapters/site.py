@@ -53,6 +53,9 @@ class Site:
     trimmed: bool = False
     """The module sees the tokens padded inside the model (Longformer): the site is the first T,
     T = the length of this forward's input to `stack_module`."""
+    prefixed: bool = False
+    """The module sees positions the model prepends to the tokens (CPM-Ant's prompt): the site is
+    the last T, T as for `trimmed`."""
 
     @property
     def width(self) -> int:

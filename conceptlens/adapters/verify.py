@@ -140,7 +140,7 @@ def check_stack(prefix: str, blocks: list[nn.Module], final: nn.Module | None, t
         out = trace.io(block, calls[i])[1]
         out = as_hidden(out, view, length)
         if i + offset == n and not close(out, hidden[n]):
-            out = trace.io(final, final_call)[1] if final is not None else None
+            out = as_hidden(trace.io(final, final_call)[1], view, length) if final is not None else None
         if not close(out, hidden[i + offset]):
             raise LayoutError(f"{what}: the output of {p}blocks.{i} ({type(block).__name__}) is not the model's "
                               f"hidden_states[{i + offset}]")
@@ -306,13 +306,16 @@ def as_hidden(x, view: str, length: int):
     stack's input length (blocks that run on tokens padded inside the model)."""
     if x is None or not view:
         return x
+    if view == "prefixed":
+        return x[:, -length:]
     return x.transpose(0, 1) if view == "time_major" else x[:, :length]
 
 
 def block_view(block: nn.Module, trace: Trace, hidden: tuple | None) -> str:
     """"time_major": block 0 reads the `(T, B, d)` transpose of HF's hidden_states[0] (FSMT,
     XLNet); "trim": it reads hidden_states[0] followed by positions the model added (Longformer and
-    LED pad to their attention window, ProphetNet's decoder appends its n-gram streams); "" otherwise."""
+    LED pad to their attention window, ProphetNet's decoder appends its n-gram streams); "prefixed": it
+    reads positions the model prepends followed by hidden_states[0] (CPM-Ant's prompt tokens); "" otherwise."""
     x = trace.inputs.get(block)
     h = hidden[0] if hidden else None
     if x is None or h is None or x.ndim != 3 or h.ndim != 3:
@@ -321,4 +324,6 @@ def block_view(block: nn.Module, trace: Trace, hidden: tuple | None) -> str:
         return "time_major"
     if x.shape[0] == h.shape[0] and x.shape[1] > h.shape[1] and close(x[:, : h.shape[1]], h):
         return "trim"
+    if x.shape[0] == h.shape[0] and x.shape[1] > h.shape[1] and close(x[:, -h.shape[1]:], h):
+        return "prefixed"
     return ""

@@ -28,12 +28,13 @@ def hook_site(site: Site, fn: SiteFn, *, edit: bool = False) -> Handle:
     site always run before reads there, whatever order the scopes were opened in. A site of
     one call of a shared layer (`site.call`) acts only during that call of each forward.
     """
-    if site.trimmed and site.stack_module is not None:
+    if (site.trimmed or site.prefixed) and site.stack_module is not None:
         lengths: list[int] = []
         group = HandleGroup()
         group.add(site.stack_module.register_forward_pre_hook(_record_length(lengths), with_kwargs=True))
         try:
-            group.add(hook_site(replace(site, trimmed=False), _trimmed(fn, lengths), edit=edit))
+            group.add(hook_site(replace(site, trimmed=False, prefixed=False), _trimmed(fn, lengths, site.prefixed),
+                                edit=edit))
         except BaseException:
             group.remove()
             raise
@@ -76,13 +77,16 @@ def _record_length(lengths: list[int]):
     return hook
 
 
-def _trimmed(fn: SiteFn, lengths: list[int]) -> SiteFn:
-    """`fn` sees the first T tokens (T: this forward's input length) of a tensor the model padded;
-    an edit leaves the padding as it was."""
+def _trimmed(fn: SiteFn, lengths: list[int], last: bool = False) -> SiteFn:
+    """`fn` sees the first T tokens (T: this forward's input length) of a tensor the model padded,
+    or the last T of one it prepended positions to (`last`); an edit leaves the rest as it was."""
     def call(x: Tensor) -> Tensor | None:
         length = lengths[0] if lengths else x.shape[1]
         if x.shape[1] <= length:
             return fn(x)
+        if last:
+            new = fn(x[:, -length:])
+            return None if new is None else torch.cat([x[:, :-length], new.to(x.dtype)], dim=1)
         new = fn(x[:, :length])
         return None if new is None else torch.cat([new.to(x.dtype), x[:, length:]], dim=1)
 

@@ -19,7 +19,6 @@ from tests.adapters.tiny_configs import model_types
 
 # Exceptions: attach refuses with a clear error (each is explained in DESIGN.md).
 EXCEPTIONS = {
-    "cpmant": "hidden_states",
     "funnel": "pools the sequence",
     "inkling2_loop_text": "hidden_states",
     "inkling2_text": "hidden_states",

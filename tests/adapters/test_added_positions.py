@@ -1,0 +1,57 @@
+"""Stacks whose blocks run on positions the model adds to the tokens (CPM-Ant's prompt prefix):
+sites are this forward's tokens, read exactly and edited exactly as a hook on HF's module would."""
+
+from __future__ import annotations
+
+import torch
+
+import conceptlens
+from conceptlens.steering import Add
+from tests.adapters import coverage
+from tests.adapters.tiny_configs import build
+
+
+def _logits(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+def test_cpmant_sites_are_the_tokens_after_its_prompt():
+    model = build("cpmant")
+    lens = conceptlens.attach(model)
+    inputs = {**coverage.inputs_for(model), "use_cache": False}
+    prompt = model.config.prompt_length
+    layer = model.cpmant.encoder.layers[0]
+    seen = {}
+    handle = layer.self_att.self_attention.attention_out.register_forward_hook(
+        lambda m, a, out: seen.update(attn=out.detach().clone()))
+    try:
+        with torch.no_grad():
+            out = model(**inputs, output_hidden_states=True)
+    finally:
+        handle.remove()
+    acts = coverage.capture_all(lens, model, inputs, ["embed", "blocks.0.attn_out", "blocks.1.resid_out", "final"])
+    assert lens.site("blocks.0.resid_out").prefixed
+    assert seen["attn"].shape[1] == prompt + 6 and acts["blocks.0.attn_out"].shape == (2, 6, 64)
+    assert torch.equal(acts["blocks.0.attn_out"], seen["attn"][:, prompt:])  # the tokens, not the prompt
+    assert torch.equal(acts["embed"], out.hidden_states[0])
+    assert torch.equal(acts["final"], out.hidden_states[2])
+
+    vector = torch.linspace(-1, 1, 64)
+    with lens.steer(Add(vector, 2.0, site="blocks.0.resid_out"), positions=slice(1, 3)):
+        steered = _logits(model, inputs)
+
+    def manual(module, args, output):  # the same edit by hand: tokens 1 and 2 sit after the prompt
+        hidden = output[0].clone()
+        hidden[:, prompt + 1: prompt + 3] += 2.0 * vector
+        return (hidden, *output[1:])
+
+    handle = layer.register_forward_hook(manual)
+    try:
+        expected = _logits(model, inputs)
+    finally:
+        handle.remove()
+    assert torch.allclose(steered, expected, atol=1e-6) and not torch.allclose(steered, _logits(model, inputs))
+    base = _logits(model, inputs)
+    with lens.steer(Add(vector, 1.0, site="blocks.1.mlp_out"), Add(vector, -1.0, site="blocks.1.mlp_out")):
+        assert torch.equal(_logits(model, inputs), base)  # a null edit is bit-identical

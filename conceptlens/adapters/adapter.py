@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from conceptlens.adapters import families
+from conceptlens.adapters.direct import direct_blocks, routed
 from conceptlens.adapters.names import NameResolver
 from conceptlens.adapters.probe import Trace, run_probe
 from conceptlens.adapters.repeated import final_after, final_by_input, only_list, projection_view, same_class, unroll
@@ -23,7 +24,7 @@ from conceptlens.adapters.site_notes import attention_notes
 from conceptlens.adapters.structure import (BlockLayout, after_candidates, children_summary, expected_layers,
                                             final_norm_candidates, find_block_list, find_stacks, parallel_blocks,
                                             recognise)
-from conceptlens.adapters.verify import LayoutError, call_of, block_view, check_stack, refine, repair
+from conceptlens.adapters.verify import LayoutError, as_hidden, call_of, block_view, check_stack, refine, repair
 from conceptlens.adapters.verify import submodule as _get
 
 _Q_NAMES = ("q_proj", "query", "q", "query_proj", "q_lin")
@@ -100,6 +101,11 @@ class Adapter:
                   for p, s in self.stacks.items()}
         extra = [m for ms in (*finals.values(), *afters.values()) for m in ms]
         trace = run_probe(model, self.blocks, extra, self.stacks)
+        self.direct = direct_blocks(self.blocks, trace)
+        """Blocks the stack calls through `forward` directly (their sites route such calls through hooks)."""
+        if self.direct:
+            with routed(self.direct):
+                trace = run_probe(model, self.blocks, extra, self.stacks)
         if self._add_same_class(trace):  # looped stacks of one layer class (HRM's two modules): probe again
             for p, stack in self.stacks.items():
                 names = {m: n for n, m in stack.named_modules()}
@@ -200,7 +206,8 @@ class Adapter:
     def _add_stack(self, prefix: str, final: nn.Module | None, trace: Trace) -> None:
         p = f"{prefix}." if prefix else ""
         blocks = self.blocks[prefix]
-        width = trace.inputs[blocks[0]].shape[-1] if blocks[0] in trace.inputs else self._hidden_size()
+        width = as_hidden(trace.inputs[blocks[0]], self._view, 1).shape[-1] if blocks[0] in trace.inputs \
+            else self._hidden_size()
         resid = ("B", "T", int(width))
         calls = self.calls.get(prefix)
         for i, (block, lay) in enumerate(zip(blocks, self.layouts[prefix])):
@@ -265,8 +272,15 @@ class Adapter:
             source += "; the module also runs on positions the model prepends (prompt tokens): the site is the " \
                       "last T, edits leave the rest"
             stack_module = self.stacks[stack] if stack in self.stacks else self.stacks[self._stack_of(name)]
+        if "channels_first" in view and point in ("input", "output"):
+            source += "; the module's tensor is channels-first (B, C, T), the site is its (B, T, C) transpose"
+        route = module in self.direct and point in ("input", "output")
+        if route:
+            source += f"; the stack calls {type(module).__name__}.forward directly, so while hooked such calls go " \
+                      "through its hooks"
         self.sites[name] = Site(name, module, point, shape, stack, source, heads, flat_in, scale, plus,
-                                call, block, stack_module, "time_major" in view, "trim" in view, "prefixed" in view)
+                                call, block, stack_module, "time_major" in view, "trim" in view, "prefixed" in view,
+                                "channels_first" in view and point in ("input", "output"), route)
 
     def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,
                        kv_stack: str, trace: Trace, notes: str) -> None:
@@ -348,6 +362,8 @@ class Adapter:
 
 def _in_width(module: nn.Module) -> int:
     weight = getattr(module, "weight", None)
+    if hasattr(module, "in_channels"):  # a 1x1 Conv1d projection (SqueezeBERT)
+        return int(module.in_channels)
     if hasattr(module, "in_features"):
         return int(module.in_features)
     if weight is not None and weight.ndim == 2:

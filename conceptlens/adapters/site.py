@@ -56,6 +56,10 @@ class Site:
     prefixed: bool = False
     """The module sees positions the model prepends to the tokens (CPM-Ant's prompt): the site is
     the last T, T as for `trimmed`."""
+    channels_first: bool = False
+    """The module's tensor is `(B, C, T)` (SqueezeBERT's 1x1 convolutions); the site is its `(B, T, C)` transpose."""
+    routed: bool = False
+    """The stack calls the module's `forward` directly (SqueezeBERT): while hooked, such calls go through its hooks."""
 
     @property
     def width(self) -> int:

@@ -308,6 +308,8 @@ def as_hidden(x, view: str, length: int):
         return x
     if view == "prefixed":
         return x[:, -length:]
+    if view == "channels_first":
+        return x.transpose(1, 2)
     return x.transpose(0, 1) if view == "time_major" else x[:, :length]
 
 
@@ -322,6 +324,8 @@ def block_view(block: nn.Module, trace: Trace, hidden: tuple | None) -> str:
         return ""
     if x.shape[0] != x.shape[1] and close(x.transpose(0, 1), h):
         return "time_major"
+    if x.shape[1] != x.shape[2] and close(x.transpose(1, 2), h):
+        return "channels_first"  # SqueezeBERT's (B, C, T) blocks
     if x.shape[0] == h.shape[0] and x.shape[1] > h.shape[1] and close(x[:, : h.shape[1]], h):
         return "trim"
     if x.shape[0] == h.shape[0] and x.shape[1] > h.shape[1] and close(x[:, -h.shape[1]:], h):

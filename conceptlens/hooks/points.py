@@ -16,6 +16,7 @@ from torch import Tensor
 from conceptlens.adapters.site import Site
 from conceptlens.hooks.attention import add_qkv_hook
 from conceptlens.hooks.calls import gated_hook
+from conceptlens.hooks.direct import channels_last, route_through_call
 from conceptlens.hooks.handles import Handle, HandleGroup
 
 SiteFn = Callable[[Tensor], Tensor | None]
@@ -39,6 +40,17 @@ def hook_site(site: Site, fn: SiteFn, *, edit: bool = False) -> Handle:
             group.remove()
             raise
         return group
+    if site.routed:  # the stack calls the module's forward directly: route those calls through its hooks
+        group = HandleGroup()
+        group.add(route_through_call(site.module))
+        try:
+            group.add(hook_site(replace(site, routed=False), fn, edit=edit))
+        except BaseException:
+            group.remove()
+            raise
+        return group
+    if site.channels_first:
+        return hook_site(replace(site, channels_first=False, heads=None), channels_last(fn, site.heads), edit=edit)
     if site.time_major:
         fn = _transposed(fn)
     if site.call is not None and site.block is not None and site.stack_module is not None:
@@ -130,13 +142,16 @@ def _input_hook(fn: SiteFn, heads: int | None = None):
 
 def _output_hook(fn: SiteFn, heads: int | None):
     def hook(module, args, output):
-        x = output[0] if isinstance(output, (tuple, list)) else output
+        key = next(iter(output)) if type(output) is dict else None  # SqueezeBERT's {"feature_map": ...}
+        x = output[0] if isinstance(output, (tuple, list)) else output if key is None else output[key]
         shaped = x.unflatten(-1, (heads, -1)) if heads else x  # projection -> (B, T, H, d_head)
         new = fn(shaped)
         if new is None:
             return None
         if heads:
             new = new.flatten(-2)
+        if key is not None:
+            return {**output, key: new}
         if isinstance(output, (tuple, list)):
             return type(output)([new, *output[1:]])
         return new

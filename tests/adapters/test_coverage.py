@@ -23,7 +23,6 @@ EXCEPTIONS = {
     "inkling2_loop_text": "hidden_states",
     "inkling2_text": "hidden_states",
     "pegasus_x": "hidden_states",
-    "squeezebert": "ran 0 times",
 }
 # Pre-norm blocks whose sublayer outputs do not add up to the block output (the residual itself
 # scaled, extra branches, ...): attach drops their attn_out / mlp_out sites and names the reason

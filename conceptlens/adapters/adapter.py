@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from conceptlens.adapters import families
-from conceptlens.adapters.direct import direct_blocks, routed
+from conceptlens.adapters.direct import reprobe_direct
 from conceptlens.adapters.names import NameResolver
+from conceptlens.adapters.padded import centre_offset, cut_padded, site_extras
 from conceptlens.adapters.probe import Trace, run_probe
 from conceptlens.adapters.repeated import final_after, final_by_input, only_list, projection_view, same_class, unroll
 from conceptlens.adapters.site import Site
@@ -73,6 +74,8 @@ class Adapter:
     """Every site of a model, found from its own modules (nothing is reimplemented)."""
 
     _current: tuple[nn.Module, int, nn.Module] | None = None
+    _block: nn.Module | None = None
+    _trace: Trace | None = None
     _final_call: dict[str, int]
     _final_note: dict[str, str]
     _view = ""
@@ -101,11 +104,8 @@ class Adapter:
                   for p, s in self.stacks.items()}
         extra = [m for ms in (*finals.values(), *afters.values()) for m in ms]
         trace = run_probe(model, self.blocks, extra, self.stacks)
-        self.direct = direct_blocks(self.blocks, trace)
-        """Blocks the stack calls through `forward` directly (their sites route such calls through hooks)."""
-        if self.direct:
-            with routed(self.direct):
-                trace = run_probe(model, self.blocks, extra, self.stacks)
+        self.direct, trace = reprobe_direct(self.blocks, trace,  # blocks whose forward the stack calls directly
+                                            lambda: run_probe(model, self.blocks, extra, self.stacks))
         if self._add_same_class(trace):  # looped stacks of one layer class (HRM's two modules): probe again
             for p, stack in self.stacks.items():
                 names = {m: n for n, m in stack.named_modules()}
@@ -127,6 +127,8 @@ class Adapter:
         self.names = NameResolver(self)
         self.hidden_offset: dict[str, int] = {}
         """Stack -> index of block 0's output in HF's hidden states (1, or 0 for Mamba-style)."""
+        self.padded_hidden = cut_padded(trace)
+        """Stacks whose HF hidden states keep padding the model adds (PEGASUS-X): sites are their first T."""
         for prefix in self.stacks:
             final = self._final(prefix, finals[prefix], trace) or self._final_after(prefix, finals[prefix] +
                                                                                   afters[prefix], trace)
@@ -189,7 +191,8 @@ class Adapter:
 
     def _last_output(self, prefix: str, trace: Trace):
         calls = self.calls.get(prefix)
-        return trace.io(self.blocks[prefix][-1], calls[-1] if calls else None)[1]
+        last = trace.io(self.blocks[prefix][-1], calls[-1] if calls else None)[1]
+        return last[:, :trace.lengths[prefix]] if prefix in self.padded_hidden and last is not None else last
 
     def _final(self, prefix: str, candidates: list[nn.Module], trace: Trace) -> nn.Module | None:
         module, call = final_by_input(self._last_output(prefix, trace), candidates, trace)
@@ -210,9 +213,10 @@ class Adapter:
             else self._hidden_size()
         resid = ("B", "T", int(width))
         calls = self.calls.get(prefix)
+        self._trace = trace
         for i, (block, lay) in enumerate(zip(blocks, self.layouts[prefix])):
             b, cls = f"{p}blocks.{i}", type(block).__name__
-            self._current = (block, calls[i], self.stacks[prefix]) if calls else None
+            self._current, self._block = (block, calls[i], self.stacks[prefix]) if calls else None, block
             if i == 0:
                 self._add(f"{p}embed", self._io.get(block, (block,))[0], "input", resid, prefix, f"input to {cls} 0")
             first, last = self._io.get(block, (block, block))
@@ -236,7 +240,8 @@ class Adapter:
                 self._add(f"{b}.{kind}", module, "output", resid, prefix,
                           f"output of {path} ({type(module).__name__})" + (f"; {note}" if note else ""),
                           flat_in=block if kind == "mlp_out" and lay.flat_mlp else None, scale=scale,
-                          plus=block.get_submodule(plus[kind]) if plus and kind in plus else None)
+                          plus=block.get_submodule(plus[kind]) if plus and kind in plus else None,
+                          row_offset=centre_offset(trace.outputs.get(module), trace.inputs.get(block)))
             notes = attention_notes(self.config, i, _get(block, lay.attn))
             self._add_attention(f"{b}.attn", block, lay.attn, lay.attn_z, prefix, prefix, trace, notes)
             if lay.cross_attn and prefix == "decoder":
@@ -245,7 +250,7 @@ class Adapter:
                 self._add(f"{b}.mlp.post", module, "input", ("B", "T", _in_width(module)), prefix,
                           f"input of {lay.mlp_post} ({type(module).__name__}): the MLP's hidden activations")
         k = self._final_call.get(prefix)
-        self._current = (final, k, self.stacks[prefix]) if k is not None else None
+        self._current, self._block = (final, k, self.stacks[prefix]) if k is not None else None, None
         if final is not None:
             note = self._final_note.get(prefix)
             self._add(f"{p}final", final, "output", resid, prefix, f"output of the final norm ({type(final).__name__})"
@@ -257,7 +262,8 @@ class Adapter:
         return int(getattr(text, "hidden_size", None) or getattr(text, "d_model"))
 
     def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
-             flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: str | None = None) -> None:
+             flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: str | None = None,
+             row_offset: int = 0) -> None:
         block, call, stack_module = self._current or (None, None, None)
         if block is not None:
             source += f" (call {call} of this shared {type(block).__name__} in each forward)"
@@ -269,18 +275,13 @@ class Adapter:
                       "window, or n-gram streams after the main one): the site is the first T, edits leave the rest"
             stack_module = self.stacks[stack] if stack in self.stacks else self.stacks[self._stack_of(name)]
         if "prefixed" in view:
-            source += "; the module also runs on positions the model prepends (prompt tokens): the site is the " \
-                      "last T, edits leave the rest"
             stack_module = self.stacks[stack] if stack in self.stacks else self.stacks[self._stack_of(name)]
-        if "channels_first" in view and point in ("input", "output"):
-            source += "; the module's tensor is channels-first (B, C, T), the site is its (B, T, C) transpose"
-        route = module in self.direct and point in ("input", "output")
-        if route:
-            source += f"; the stack calls {type(module).__name__}.forward directly, so while hooked such calls go " \
-                      "through its hooks"
-        self.sites[name] = Site(name, module, point, shape, stack, source, heads, flat_in, scale, plus,
-                                call, block, stack_module, "time_major" in view, "trim" in view, "prefixed" in view,
-                                "channels_first" in view and point in ("input", "output"), route)
+        extras = site_extras(module, point, view, self.direct, self._block, self._trace, row_offset, shape[1] == "T")
+        if extras is None:  # a module the block runs more than once, first on other rows: left out
+            return
+        note, fields = extras
+        self.sites[name] = Site(name, module, point, shape, stack, source + note, heads, flat_in, scale, plus,
+                                call, block, stack_module, "time_major" in view, "trim" in view, **fields)
 
     def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,
                        kv_stack: str, trace: Trace, notes: str) -> None:

@@ -61,3 +61,13 @@ def routed(modules: list[nn.Module]):
         yield
     finally:
         group.remove()
+
+
+def reprobe_direct(blocks: dict[str, list[nn.Module]], trace: Trace, probe) -> tuple[list[nn.Module], Trace]:
+    """(directly called blocks, the trace): where there are any, `probe()` runs again with their
+    direct calls routed through their hooks."""
+    direct = direct_blocks(blocks, trace)
+    if direct:
+        with routed(direct):
+            trace = probe()
+    return direct, trace

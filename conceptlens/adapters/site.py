@@ -58,6 +58,12 @@ class Site:
     the last T, T as for `trimmed`."""
     channels_first: bool = False
     """The module's tensor is `(B, C, T)` (SqueezeBERT's 1x1 convolutions); the site is its `(B, T, C)` transpose."""
+    row_offset: int = 0
+    """The module runs on the block's rows padded by this many on both sides (PEGASUS-X's staggered
+    attention): the site starts there."""
+    first_call_in: nn.Module | None = None
+    """The module runs more than once per call of this block (PEGASUS-X's FFN: on the tokens, then on
+    its global tokens): the site is its first call in each call of the block."""
     routed: bool = False
     """The stack calls the module's `forward` directly (SqueezeBERT): while hooked, such calls go through its hooks."""
 

@@ -7,6 +7,7 @@ import itertools
 import torch
 from torch import nn
 
+from conceptlens.adapters.padded import centre_offset
 from conceptlens.adapters.probe import Call, Trace, close
 from conceptlens.adapters.structure import BlockLayout, is_norm
 
@@ -248,6 +249,8 @@ def _contribution(block, trace, x, path, plus, flat) -> torch.Tensor | None:
         out = trace.outputs.get(submodule(block, p))
         if out is not None and flat and out.ndim == x.ndim - 1:
             out = out.view(*x.shape[:-1], -1)
+        if out is not None and (offset := centre_offset(out, x)):  # run on the rows padded both sides
+            out = out[:, offset:offset + x.shape[1]]
         if out is None or out.shape != x.shape:
             return None
         total = out.float() if total is None else total + out.float()

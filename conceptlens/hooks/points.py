@@ -29,13 +29,17 @@ def hook_site(site: Site, fn: SiteFn, *, edit: bool = False) -> Handle:
     site always run before reads there, whatever order the scopes were opened in. A site of
     one call of a shared layer (`site.call`) acts only during that call of each forward.
     """
-    if (site.trimmed or site.prefixed) and site.stack_module is not None:
+    if site.first_call_in is not None:  # a module the block runs more than once: its first call only
+        return gated_hook(site.module, site.first_call_in, 0, fn,
+                          lambda gated: hook_site(replace(site, first_call_in=None), gated, edit=edit))
+    if (site.trimmed or site.prefixed) and site.stack_module is not None or site.row_offset:
         lengths: list[int] = []
         group = HandleGroup()
-        group.add(site.stack_module.register_forward_pre_hook(_record_length(lengths), with_kwargs=True))
+        if (site.trimmed or site.prefixed) and site.stack_module is not None:
+            group.add(site.stack_module.register_forward_pre_hook(_record_length(lengths), with_kwargs=True))
         try:
-            group.add(hook_site(replace(site, trimmed=False, prefixed=False), _trimmed(fn, lengths, site.prefixed),
-                                edit=edit))
+            group.add(hook_site(replace(site, trimmed=False, prefixed=False, row_offset=0),
+                                _trimmed(fn, lengths, site.prefixed, site.row_offset), edit=edit))
         except BaseException:
             group.remove()
             raise
@@ -89,18 +93,20 @@ def _record_length(lengths: list[int]):
     return hook
 
 
-def _trimmed(fn: SiteFn, lengths: list[int], last: bool = False) -> SiteFn:
+def _trimmed(fn: SiteFn, lengths: list[int], last: bool = False, offset: int = 0) -> SiteFn:
     """`fn` sees the first T tokens (T: this forward's input length) of a tensor the model padded,
-    or the last T of one it prepended positions to (`last`); an edit leaves the rest as it was."""
+    the last T of one it prepended positions to (`last`), or the T after `offset` rows of padding
+    (T: the rest less as much padding behind, where no length is recorded); an edit leaves the
+    rest as it was."""
     def call(x: Tensor) -> Tensor | None:
-        length = lengths[0] if lengths else x.shape[1]
-        if x.shape[1] <= length:
+        length = lengths[0] if lengths else x.shape[1] - 2 * offset
+        if x.shape[1] <= length and not offset:
             return fn(x)
-        if last:
-            new = fn(x[:, -length:])
-            return None if new is None else torch.cat([x[:, :-length], new.to(x.dtype)], dim=1)
-        new = fn(x[:, :length])
-        return None if new is None else torch.cat([new.to(x.dtype), x[:, length:]], dim=1)
+        start = x.shape[1] - length if last else offset
+        new = fn(x[:, start:start + length])
+        if new is None:
+            return None
+        return torch.cat([x[:, :start], new.to(x.dtype), x[:, start + length:]], dim=1)
 
     return call
 

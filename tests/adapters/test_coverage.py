@@ -22,7 +22,6 @@ EXCEPTIONS = {
     "funnel": "pools the sequence",
     "inkling2_loop_text": "hidden_states",
     "inkling2_text": "hidden_states",
-    "pegasus_x": "hidden_states",
 }
 # Pre-norm blocks whose sublayer outputs do not add up to the block output (the residual itself
 # scaled, extra branches, ...): attach drops their attn_out / mlp_out sites and names the reason

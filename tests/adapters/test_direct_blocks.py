@@ -100,3 +100,14 @@ def test_null_edits_are_bit_identical_and_hooks_go_after_an_error(squeezebert):
         assert "forward" in layer.__dict__  # routed while hooked
         raise RuntimeError("boom")
     assert "forward" not in layer.__dict__ and not layer._forward_hooks and not layer._forward_pre_hooks
+
+
+def test_a_stopped_forward_leaves_the_route_working(squeezebert):
+    model, lens, inputs = squeezebert
+    other = {"input_ids": inputs["input_ids"].flip(-1)}
+    with torch.no_grad():
+        out = model(**other, output_hidden_states=True)
+    with lens.capture(["blocks.0.resid_out"], keep_shape=True) as cap, torch.no_grad():
+        cap.forward(**inputs)  # stops inside block 0's routed call
+        model(**other)  # the next forward still runs block 0's hooks
+        assert torch.equal(cap.last[0]["blocks.0.resid_out"], out.hidden_states[1])

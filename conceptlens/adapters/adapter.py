@@ -10,12 +10,14 @@ probe forward on a few tokens against the model's own `output_hidden_states` (`v
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
-from conceptlens.adapters import families
+from conceptlens.adapters import families, residual
 from conceptlens.adapters.direct import reprobe_direct
+from conceptlens.adapters.fused import describe, fused_layout
+from conceptlens.adapters.keys import add_split_attention, key_layout, relayout
 from conceptlens.adapters.names import NameResolver
 from conceptlens.adapters.padded import centre_offset, cut_padded, site_extras
 from conceptlens.adapters.probe import Trace, run_probe
@@ -25,13 +27,14 @@ from conceptlens.adapters.site_notes import attention_notes
 from conceptlens.adapters.structure import (BlockLayout, after_candidates, children_summary, expected_layers,
                                             final_norm_candidates, find_block_list, find_stacks, parallel_blocks,
                                             recognise)
+from conceptlens.adapters.sublayers import extend, more_attention, plus_modules
 from conceptlens.adapters.verify import LayoutError, as_hidden, call_of, block_view, check_stack, refine, repair
 from conceptlens.adapters.verify import submodule as _get
 
 _Q_NAMES = ("q_proj", "query", "q", "query_proj", "q_lin")
 _K_NAMES = ("k_proj", "key", "k", "key_proj", "k_lin")
 _V_NAMES = ("v_proj", "value", "v", "value_proj", "v_lin")
-_OUT_KINDS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out")
+_OUT_KINDS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out", "branch_out")
 
 
 def get_path(root: nn.Module, path: str) -> nn.Module:
@@ -50,6 +53,14 @@ class StackPaths:
 
 def _first_attr(obj: object, names: tuple[str, ...]) -> object | None:
     return next((getattr(obj, n) for n in names if getattr(obj, n, None) is not None), None)
+
+
+def projection_owner(attn: nn.Module, names: tuple[str, ...]) -> nn.Module:
+    """`attn`, or its one child that owns the q projection (a wrapper around the attention)."""
+    if any(hasattr(getattr(attn, n, None), "weight") for n in names):
+        return attn
+    owners = [c for c in attn.children() if any(hasattr(getattr(c, n, None), "weight") for n in names)]
+    return owners[0] if len(owners) == 1 else attn
 
 
 def head_layout(attn: nn.Module, config) -> tuple[int, int, int] | None:
@@ -134,6 +145,7 @@ class Adapter:
                                                                                   afters[prefix], trace)
             for block, lay in zip(self.blocks[prefix], self.layouts[prefix]):
                 refine(block, lay, trace)
+                relayout(block, lay, trace, prefix)
                 for key, path in families.LAYOUT.get(self.family, {}).items():
                     setattr(lay, key, path)
             self._view = block_view(self.blocks[prefix][0], trace, trace.hidden.get(prefix))
@@ -217,13 +229,19 @@ class Adapter:
         for i, (block, lay) in enumerate(zip(blocks, self.layouts[prefix])):
             b, cls = f"{p}blocks.{i}", type(block).__name__
             self._current, self._block = (block, calls[i], self.stacks[prefix]) if calls else None, block
-            if i == 0:
-                self._add(f"{p}embed", self._io.get(block, (block,))[0], "input", resid, prefix, f"input to {cls} 0")
             first, last = self._io.get(block, (block, block))
-            self._add(f"{b}.resid_in", first, "input", resid, prefix,
-                      f"input of {type(first).__name__} {i} ({lay.style})")
-            self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}")
+            if lay.additive:
+                extend(block, lay, trace)  # several sublayers of one kind, a further branch
             problem, scales, plus = repair(block, lay, trace) if lay.additive else (None, None, None)
+            if problem and (fitted := residual.refit(block, lay, trace)) is not None:
+                problem, scales = None, fitted
+            if i == 0:
+                self._add(f"{p}embed", first, "input", resid, prefix, f"input to {cls} 0" + residual.before(lay, p))
+            rin, point = (block.get_submodule(lay.resid_in), "output") if lay.resid_in else (first, "input")
+            eq = f"; {e}" if (e := residual.equation(lay)) else ""
+            where = f"{lay.resid_in} ({type(rin).__name__}) in {cls}" if lay.resid_in else type(rin).__name__
+            self._add(f"{b}.resid_in", rin, point, resid, prefix, f"{point} of {where} {i} ({lay.style})")
+            self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}{eq}")
             for kind in _OUT_KINDS:
                 path = getattr(lay, kind)
                 if path is None:
@@ -232,18 +250,25 @@ class Adapter:
                     self.problems[f"{b}.{kind}"] = f"{self._what()} block {i}: {problem or lay.dropped[kind]}"
                     continue
                 module = block.get_submodule(path)
-                scale = scales.get(kind, 1.0) if scales else 1.0
+                scale = scales.get(kind, 1.0) if scales is not None else 1.0
                 note = lay.notes.get(kind) or ("what it adds to the residual" if lay.additive else "")
                 if scales:
                     note = (lay.notes.get(kind, "") + "; " if kind in lay.notes else "") + \
-                        f"times {scale:.6g}, the block's scaling of it: what it adds to the residual"
+                        f"times {residual.fmt(scale)}, the block's scaling of it: {residual.added(lay, kind)}"
                 self._add(f"{b}.{kind}", module, "output", resid, prefix,
                           f"output of {path} ({type(module).__name__})" + (f"; {note}" if note else ""),
                           flat_in=block if kind == "mlp_out" and lay.flat_mlp else None, scale=scale,
-                          plus=block.get_submodule(plus[kind]) if plus and kind in plus else None,
-                          row_offset=centre_offset(trace.outputs.get(module), trace.inputs.get(block)))
-            notes = attention_notes(self.config, i, _get(block, lay.attn))
-            self._add_attention(f"{b}.attn", block, lay.attn, lay.attn_z, prefix, prefix, trace, notes)
+                          plus=plus_modules(block, lay, kind, plus),
+                          row_offset=centre_offset(trace.outputs.get(module), trace.inputs.get(block)),
+                          gate=kind not in lay.inner_calls)
+                if kind in lay.inner_calls:  # one call of a module inside the sublayer (inner.py)
+                    self._inner_call(f"{b}.{kind}", block, *lay.inner_calls[kind])
+            notes, more = attention_notes(self.config, i, _get(block, lay.attn)), more_attention(block, lay, trace)
+            self._add_attention(f"{b}.attn", block, lay.attn, lay.attn_z, prefix, prefix, trace,
+                                "; ".join(filter(None, (notes, more and f"the block's attention sublayer {lay.attn}"))))
+            for j, path in enumerate(more, 1):  # further attention sublayers: attn_1, ...
+                self._add_attention(f"{b}.attn_{j}", block, path, None, prefix, prefix, trace,
+                                    "; ".join(filter(None, (notes, f"the block's attention sublayer {path}"))))
             if lay.cross_attn and prefix == "decoder":
                 self._add_attention(f"{b}.cross_attn", block, lay.cross_attn, None, prefix, "encoder", trace, "")
             if lay.mlp_post and not lay.flat_mlp and (module := _get(block, lay.mlp_post)) is not None:
@@ -257,13 +282,20 @@ class Adapter:
                       if note is None else f"output of {type(final).__name__}, the stack's last hidden state; {note}")
         self._current = None
 
+    def _inner_call(self, name: str, block: nn.Module, call: int, sublayer: str) -> None:
+        site = self.sites.pop(name)
+        if site.call is None:  # (a shared layer's site is already gated on the layer's calls)
+            self.sites[name] = replace(site, call=call, block=site.module, stack_module=block.get_submodule(sublayer))
+        else:
+            self.problems[name] = f"{self._what()}: {name} is one call of a module inside a shared layer's sublayer"
+
     def _hidden_size(self) -> int:
         text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         return int(getattr(text, "hidden_size", None) or getattr(text, "d_model"))
 
     def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
              flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: str | None = None,
-             row_offset: int = 0) -> None:
+             part=None, row_offset: int = 0, gate: bool = True) -> None:
         block, call, stack_module = self._current or (None, None, None)
         if block is not None:
             source += f" (call {call} of this shared {type(block).__name__} in each forward)"
@@ -276,12 +308,14 @@ class Adapter:
             stack_module = self.stacks[stack] if stack in self.stacks else self.stacks[self._stack_of(name)]
         if "prefixed" in view:
             stack_module = self.stacks[stack] if stack in self.stacks else self.stacks[self._stack_of(name)]
-        extras = site_extras(module, point, view, self.direct, self._block, self._trace, row_offset, shape[1] == "T")
+        extras = site_extras(module, point, view, self.direct, self._block if gate else None, self._trace, row_offset,
+                             shape[1] == "T")
         if extras is None:  # a module the block runs more than once, first on other rows: left out
             return
         note, fields = extras
         self.sites[name] = Site(name, module, point, shape, stack, source + note, heads, flat_in, scale, plus,
-                                call, block, stack_module, "time_major" in view, "trim" in view, **fields)
+                                call, block, stack_module, "time_major" in view, part, "trim" in view,
+                                **fields)
 
     def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,
                        kv_stack: str, trace: Trace, notes: str) -> None:
@@ -291,13 +325,16 @@ class Adapter:
         call = call_of(trace, attn)
         seq_kv = "T" if kv_stack == q_stack else "S"
         suffix = f"; {notes}" if notes else ""
-        if call is not None and seq_kv == "T" and call.k_len != call.q_len:  # no cache in the probe
+        split = key_layout(attn, call, trace, q_stack) if seq_kv == "T" else None  # T5Gemma2, DeepSeek V4
+        if split is None and call is not None and seq_kv == "T" and call.k_len != call.q_len:  # no cache here
             for which in ("q", "k", "v", "pattern"):  # e.g. T5Gemma2's merged self- and cross-attention
                 self.problems[f"{name}.{which}"] = (f"{self._what()}: {type(attn).__name__} attends {call.q_len} "
                                                     f"queries to {call.k_len} keys in a forward without cache, so "
                                                     "its keys are not this stack's tokens (merged attention)")
             return
-        if call is not None:
+        if split is not None:
+            heads, v_dim = add_split_attention(self, name, attn, call, split, q_stack, suffix)
+        elif call is not None:
             shapes = {"q": ("B", "T", call.heads, call.head_dim), "k": ("B", seq_kv, call.kv_heads, call.head_dim),
                       "v": ("B", seq_kv, call.kv_heads, call.v_head_dim)}
             for which in "qkv":
@@ -317,7 +354,15 @@ class Adapter:
                       q_stack, "attention probabilities softmax(q.k^T * scaling + the model's mask/bias), computed "
                       "from the q/k passed to the attention function (equal to eager attention weights; read only)")
             heads, v_dim = call.heads, call.v_head_dim
+        elif (fused := fused_layout(attn)) is not None:  # Bloom, Falcon, MPT, GPT-1: one q/k/v projection
+            proj = getattr(attn, fused.projection)
+            for which in "qkv":
+                self._add(f"{name}.{which}", proj, "output", ("B", "T" if which == "q" else seq_kv, fused.heads[which],
+                                                               fused.head_dim), q_stack if which == "q" else kv_stack,
+                          describe(fused, which) + suffix, heads=fused.heads[which], part=fused.parts[which])
+            heads, v_dim = fused.heads["q"], fused.head_dim
         else:
+            attn = projection_owner(attn, _Q_NAMES)  # GPT-Neo, MPNet: the projections sit one module down
             layout = head_layout(attn, self.config)
             if layout is None:
                 return

@@ -74,7 +74,8 @@ class NameResolver:
                 module = root.get_submodule(name)
             except (AttributeError, ValueError):
                 continue
-            outputs = [s.name for s in self.sites.values() if s.module is module and s.point == "output"]
+            outputs = [s.name for s in self.sites.values() if s.module is module and s.point == "output"
+                       and s.plus is None]  # a summed site is not that module's output alone
             inputs = [s.name for s in self.sites.values() if s.module is module and s.point == "input"]
             found = [n for n in outputs if ".resid_out" in n] or outputs or inputs
             if any(self.sites[n].call is not None for n in found):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from torch import nn
+from torch import Tensor, nn
 
 Point = Literal["input", "output", "q", "k", "v", "pattern"]
 
@@ -35,12 +35,14 @@ class Site:
     """For a projection read as q/k/v: number of heads to split the last dimension into."""
     flat_in: nn.Module | None = None
     """Set when `module` sees `(B * T, d)` rows: the block whose input gives (B, T)."""
-    scale: float = 1.0
+    scale: float | Tensor = 1.0
     """The site is `scale` times the module's output: what a block that scales its sublayers'
-    outputs (a residual multiplier) adds to the residual. Edits are mapped back exactly."""
-    plus: nn.Module | None = None
+    outputs (a residual multiplier; a per-channel `(d,)` rate) adds to the residual. Edits are
+    mapped back exactly."""
+    plus: nn.Module | tuple[nn.Module, ...] | None = None
     """The site is `module`'s output plus this module's (run beside it on the same input, e.g.
-    a shared expert next to the routed ones); edits change `module`'s output by their change."""
+    a shared expert next to the routed ones), or these modules' (the block's other sublayers of
+    that kind, run before it); edits change `module`'s output by their change."""
 
     call: int | None = None
     """Set when the block is one call of a layer module the stack runs several times in one
@@ -50,9 +52,15 @@ class Site:
     stack_module: nn.Module | None = None
     time_major: bool = False
     """The module's tensor is `(T, B, ...)` (FSMT's blocks); the site is its `(B, T, ...)` transpose."""
+    part: object | None = None
+    """A `fused.Part`: the site is that part of `module`'s output (q, k or v of a fused projection)."""
     trimmed: bool = False
     """The module sees the tokens padded inside the model (Longformer): the site is the first T,
     T = the length of this forward's input to `stack_module`."""
+    key_layout: str = ""
+    """For q/k/v/pattern sites of a call whose keys are this forward's tokens followed by others
+    (adapters/keys.py): "stack" (then the other stack's tokens: T5Gemma2's merged attention; a
+    k/v site whose shape[1] is "S" is that part) or "appended" (entries a submodule returns)."""
     prefixed: bool = False
     """The module sees positions the model prepends to the tokens (CPM-Ant's prompt): the site is
     the last T, T as for `trimmed`."""

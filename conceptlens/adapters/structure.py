@@ -52,6 +52,8 @@ class BlockLayout:
     cross_attn_out: str | None = None
     mixer_out: str | None = None
     mlp_out: str | None = None
+    branch_out: str | None = None
+    """A further branch the block adds beside attention and MLP (Gemma 4's per-layer input)."""
     mlp_post: str | None = None
     """Module whose *input* is the MLP's hidden activation (the down projection)."""
     attn_z: str | None = None
@@ -62,8 +64,22 @@ class BlockLayout:
     notes: dict[str, str] = field(default_factory=dict)
     dropped: dict[str, str] = field(default_factory=dict)
     """Kind -> why that site is left out (a post-LN sublayer that norms inside itself, unreadable)."""
+    parts: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Kind -> further sublayers of that kind whose outputs its site adds (LongCat-Flash's pairs)."""
     replaced: dict[str, str] = field(default_factory=dict)
     """Kind -> the sublayer path a post-sublayer norm replaced (tried again if the sum fails)."""
+    other_stream: tuple[str, ...] = ()
+    """Kinds that add to a reversible block's other residual stream, not to resid_in -> resid_out
+    (`streams.py`): resid_out = resid_in + the other kinds."""
+    inner_calls: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """Kind -> (call, sublayer path): the site is that call of its module in each forward of the
+    sublayer (a module called several times inside it, `inner.py`)."""
+    resid_coef: float = 1.0
+    """The block's constant coefficient on resid_in: resid_out == resid_coef * resid_in + the sublayer sites."""
+    resid_in: str | None = None
+    """Module whose *output* is resid_in (a block that normalises its input before its residual), or None."""
+    adds: list = field(default_factory=list)
+    """`residual.ResidualAdd`s, where the block is a chain of scaled residual adds instead (not additive)."""
 
 
 def _get(root: nn.Module, path: str | None) -> nn.Module | None:

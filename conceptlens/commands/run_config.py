@@ -46,8 +46,8 @@ METHODS = {
     "matryoshka": "conceptlens.concepts.sae:MatryoshkaSAE",
     "vq": "conceptlens.concepts.vq:VQCodebook",
 }
-_SITE = re.compile(r"((encoder|decoder)\.)?(embed|final|blocks\.-?\d+\.(resid_in|resid_out|attn_out|mlp_out|"
-                   r"attn\.[qkv]|cross_attn\.[qkv]))")
+_SITE = re.compile(r"((encoder|decoder)\.)?(embed|final|blocks\.-?\d+\.(resid_in|resid_out|attn_out|mlp_out|branch_out|"
+                   r"attn(_\d+)?\.[qkv]|cross_attn\.[qkv]))")
 _SAFE = re.compile(r"[A-Za-z0-9._-]+")
 
 

@@ -63,19 +63,23 @@ def hook_site(site: Site, fn: SiteFn, *, edit: bool = False) -> Handle:
 
 
 def _hook(site: Site, fn: SiteFn, edit: bool) -> Handle:
-    if site.scale != 1.0:
+    if isinstance(site.scale, Tensor) or site.scale != 1.0:
         fn = _scaled(fn, site.scale)
     if site.point == "pattern":
         if edit:
             raise ValueError(f"{site.name} is read only (attention probabilities); edit q or k instead")
-        return add_qkv_hook(site.module, "pattern", fn)
+        return add_qkv_hook(site.module, "pattern", fn, current=site.shape[3] != "S", key_layout=site.key_layout)
     if site.point in ("q", "k", "v"):
         # "T" in the sequence dimension: aligned with this forward's queries (self-attention)
         shape = tuple(site.shape[2:4]) if all(isinstance(s, int) for s in site.shape[2:4]) else None
-        return add_qkv_hook(site.module, site.point, fn, current=site.shape[1] == "T", edit=edit, shape=shape)
+        return add_qkv_hook(site.module, site.point, fn, current=site.shape[1] == "T", edit=edit, shape=shape,
+                            key_layout=site.key_layout)
     if site.point == "input":
         return Handle(site.module.register_forward_pre_hook(_input_hook(fn, site.heads), with_kwargs=True,
                                                             prepend=edit).remove)
+    if site.part is not None:
+        return Handle(site.module.register_forward_hook(_output_hook(_parted(fn, site.part, site.heads), None),
+                                                        prepend=edit).remove)
     if site.flat_in is not None:
         return _flat_output_hook(site, fn, edit)
     if site.plus is not None:
@@ -120,13 +124,24 @@ def _transposed(fn: SiteFn) -> SiteFn:
     return call
 
 
-def _scaled(fn: SiteFn, scale: float) -> SiteFn:
+def _scaled(fn: SiteFn, scale: float | Tensor) -> SiteFn:
     """`fn` sees `scale * x`; an edit comes back as x + (edited - scale * x) / scale, so an edit
     that changes nothing returns x bit for bit."""
     def call(x: Tensor) -> Tensor | None:
-        scaled = x * scale
+        factor = scale.to(x) if isinstance(scale, Tensor) else scale  # a per-channel factor: (d,)
+        scaled = x * factor
         new = fn(scaled)
-        return None if new is None else x + (new - scaled) / scale
+        return None if new is None else x + (new - scaled) / factor
+
+    return call
+
+
+def _parted(fn: SiteFn, part, heads: int | None) -> SiteFn:
+    """`fn` sees one part of a fused projection's output, split into heads; an edit goes back into
+    that part and leaves the others as they were."""
+    def call(x: Tensor) -> Tensor | None:
+        new = fn(part.take(x).unflatten(-1, (heads, -1)))
+        return None if new is None else part.put(x, new.flatten(-2))
 
     return call
 
@@ -159,7 +174,8 @@ def _output_hook(fn: SiteFn, heads: int | None):
         if key is not None:
             return {**output, key: new}
         if isinstance(output, (tuple, list)):
-            return type(output)([new, *output[1:]])
+            rest = [new, *output[1:]]
+            return output._make(rest) if hasattr(output, "_make") else type(output)(rest)  # a namedtuple
         return new
 
     return hook
@@ -192,23 +208,32 @@ def _flat_output_hook(site: Site, fn: SiteFn, edit: bool = False) -> Handle:
 
 
 def _sum_output_hook(site: Site, fn: SiteFn, edit: bool = False) -> Handle:
-    """For a site that is `module`'s output plus `site.plus`'s (two modules on the same input):
-    `fn` sees the sum; an edit's change is added to `module`'s output (a null edit changes nothing)."""
-    other: list[Tensor] = []
+    """For a site that is `module`'s output plus `site.plus`'s (a module on the same input, or a
+    tuple of modules that finish before it: the other sublayers of its kind): `fn` sees the sum;
+    an edit's change is added to `module`'s output (a null edit changes nothing)."""
+    others = site.plus if isinstance(site.plus, tuple) else (site.plus,)
+    seen: dict[int, Tensor] = {}
 
-    def remember(module, args, output):
-        other[:] = [output[0] if isinstance(output, (tuple, list)) else output]
+    def remember(index: int):
+        def hook(module, args, output):
+            seen[index] = output[0] if isinstance(output, (tuple, list)) else output
+
+        return hook
 
     def call(x: Tensor) -> Tensor | None:
-        if not other:  # `plus` finishes after `module`: the sum is formed at its output instead
-            raise RuntimeError(f"{site.name}: {type(site.plus).__name__} did not run before {type(site.module).__name__}")
-        total = x + other.pop()
+        missing = [m for i, m in enumerate(others) if i not in seen]
+        if missing:  # `plus` finishes after `module`: the sum is formed at its output instead
+            raise RuntimeError(f"{site.name}: {type(missing[0]).__name__} did not run before {type(site.module).__name__}")
+        total = x
+        for i in range(len(others)):
+            total = total + seen.pop(i)
         new = fn(total)
         return None if new is None else x + (new - total)
 
     group = HandleGroup()
     try:
-        group.add(site.plus.register_forward_hook(remember, prepend=True))
+        for i, other in enumerate(others):
+            group.add(other.register_forward_hook(remember(i), prepend=True))
         group.add(site.module.register_forward_hook(_output_hook(call, site.heads), prepend=edit))
     except BaseException:
         group.remove()

@@ -15,9 +15,9 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from conceptlens.adapters import families, residual
-from conceptlens.adapters.direct import reprobe_direct
 from conceptlens.adapters.fused import describe, fused_layout
 from conceptlens.adapters.keys import add_split_attention, key_layout, relayout
+from conceptlens.adapters.direct import reprobe_direct
 from conceptlens.adapters.names import NameResolver
 from conceptlens.adapters.padded import centre_offset, cut_padded, site_extras
 from conceptlens.adapters.probe import Trace, run_probe
@@ -260,7 +260,7 @@ class Adapter:
                           flat_in=block if kind == "mlp_out" and lay.flat_mlp else None, scale=scale,
                           plus=plus_modules(block, lay, kind, plus),
                           row_offset=centre_offset(trace.outputs.get(module), trace.inputs.get(block)),
-                          gate=kind not in lay.inner_calls)
+                          inner=kind in lay.inner_calls)
                 if kind in lay.inner_calls:  # one call of a module inside the sublayer (inner.py)
                     self._inner_call(f"{b}.{kind}", block, *lay.inner_calls[kind])
             notes, more = attention_notes(self.config, i, _get(block, lay.attn)), more_attention(block, lay, trace)
@@ -295,7 +295,7 @@ class Adapter:
 
     def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
              flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: str | None = None,
-             part=None, row_offset: int = 0, gate: bool = True) -> None:
+             part=None, row_offset: int = 0, inner: bool = False) -> None:
         block, call, stack_module = self._current or (None, None, None)
         if block is not None:
             source += f" (call {call} of this shared {type(block).__name__} in each forward)"
@@ -308,14 +308,13 @@ class Adapter:
             stack_module = self.stacks[stack] if stack in self.stacks else self.stacks[self._stack_of(name)]
         if "prefixed" in view:
             stack_module = self.stacks[stack] if stack in self.stacks else self.stacks[self._stack_of(name)]
-        extras = site_extras(module, point, view, self.direct, self._block if gate else None, self._trace, row_offset,
-                             shape[1] == "T")
+        trace = None if inner else self._trace  # one chosen call of a module inside the sublayer (inner.py)
+        extras = site_extras(module, point, view, self.direct, self._block, trace, row_offset, shape[1] == "T")
         if extras is None:  # a module the block runs more than once, first on other rows: left out
             return
         note, fields = extras
         self.sites[name] = Site(name, module, point, shape, stack, source + note, heads, flat_in, scale, plus,
-                                call, block, stack_module, "time_major" in view, part, "trim" in view,
-                                **fields)
+                                call, block, stack_module, "time_major" in view, part, "trim" in view, **fields)
 
     def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,
                        kv_stack: str, trace: Trace, notes: str) -> None:

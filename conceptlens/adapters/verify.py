@@ -7,8 +7,8 @@ import itertools
 import torch
 from torch import nn
 
-from conceptlens.adapters.padded import centre_offset
 from conceptlens.adapters.inner import inner_call
+from conceptlens.adapters.padded import centre_offset
 from conceptlens.adapters.probe import Call, Trace, close
 from conceptlens.adapters.streams import other_stream
 from conceptlens.adapters.structure import BlockLayout, is_norm

@@ -10,11 +10,12 @@ probe forward on a few tokens against the model's own `output_hidden_states` (`v
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
 from conceptlens.adapters import families
+from conceptlens.adapters.fused import describe, fused_layout
 from conceptlens.adapters.names import NameResolver
 from conceptlens.adapters.probe import Trace, run_probe
 from conceptlens.adapters.repeated import final_after, final_by_input, only_list, projection_view, same_class, unroll
@@ -49,6 +50,14 @@ class StackPaths:
 
 def _first_attr(obj: object, names: tuple[str, ...]) -> object | None:
     return next((getattr(obj, n) for n in names if getattr(obj, n, None) is not None), None)
+
+
+def projection_owner(attn: nn.Module, names: tuple[str, ...]) -> nn.Module:
+    """`attn`, or its one child that owns the q projection (a wrapper around the attention)."""
+    if any(hasattr(getattr(attn, n, None), "weight") for n in names):
+        return attn
+    owners = [c for c in attn.children() if any(hasattr(getattr(c, n, None), "weight") for n in names)]
+    return owners[0] if len(owners) == 1 else attn
 
 
 def head_layout(attn: nn.Module, config) -> tuple[int, int, int] | None:
@@ -210,12 +219,12 @@ class Adapter:
             if i == 0:
                 self._add(f"{p}embed", self._io.get(block, (block,))[0], "input", resid, prefix, f"input to {cls} 0")
             first, last = self._io.get(block, (block, block))
-            self._add(f"{b}.resid_in", first, "input", resid, prefix,
-                      f"input of {type(first).__name__} {i} ({lay.style})")
-            self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}")
             if lay.additive:
                 extend(block, lay, trace)  # several sublayers of one kind, a further branch
             problem, scales, plus = repair(block, lay, trace) if lay.additive else (None, None, None)
+            self._add(f"{b}.resid_in", first, "input", resid, prefix,
+                      f"input of {type(first).__name__} {i} ({lay.style})")
+            self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}")
             for kind in _OUT_KINDS:
                 path = getattr(lay, kind)
                 if path is None:
@@ -233,6 +242,8 @@ class Adapter:
                           f"output of {path} ({type(module).__name__})" + (f"; {note}" if note else ""),
                           flat_in=block if kind == "mlp_out" and lay.flat_mlp else None, scale=scale,
                           plus=plus_modules(block, lay, kind, plus))
+                if kind in lay.inner_calls:  # one call of a module inside the sublayer (inner.py)
+                    self._inner_call(f"{b}.{kind}", block, *lay.inner_calls[kind])
             notes, more = attention_notes(self.config, i, _get(block, lay.attn)), more_attention(block, lay, trace)
             self._add_attention(f"{b}.attn", block, lay.attn, lay.attn_z, prefix, prefix, trace,
                                 "; ".join(filter(None, (notes, more and f"the block's attention sublayer {lay.attn}"))))
@@ -252,12 +263,20 @@ class Adapter:
                       if note is None else f"output of {type(final).__name__}, the stack's last hidden state; {note}")
         self._current = None
 
+    def _inner_call(self, name: str, block: nn.Module, call: int, sublayer: str) -> None:
+        site = self.sites.pop(name)
+        if site.call is None:  # (a shared layer's site is already gated on the layer's calls)
+            self.sites[name] = replace(site, call=call, block=site.module, stack_module=block.get_submodule(sublayer))
+        else:
+            self.problems[name] = f"{self._what()}: {name} is one call of a module inside a shared layer's sublayer"
+
     def _hidden_size(self) -> int:
         text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         return int(getattr(text, "hidden_size", None) or getattr(text, "d_model"))
 
     def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
-             flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: str | None = None) -> None:
+             flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: str | None = None,
+             part=None) -> None:
         block, call, stack_module = self._current or (None, None, None)
         if block is not None:
             source += f" (call {call} of this shared {type(block).__name__} in each forward)"
@@ -269,7 +288,7 @@ class Adapter:
                       "window, or n-gram streams after the main one): the site is the first T, edits leave the rest"
             stack_module = self.stacks[stack] if stack in self.stacks else self.stacks[self._stack_of(name)]
         self.sites[name] = Site(name, module, point, shape, stack, source, heads, flat_in, scale, plus,
-                                call, block, stack_module, "time_major" in view, "trim" in view)
+                                call, block, stack_module, "time_major" in view, part, "trim" in view)
 
     def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,
                        kv_stack: str, trace: Trace, notes: str) -> None:
@@ -305,7 +324,15 @@ class Adapter:
                       q_stack, "attention probabilities softmax(q.k^T * scaling + the model's mask/bias), computed "
                       "from the q/k passed to the attention function (equal to eager attention weights; read only)")
             heads, v_dim = call.heads, call.v_head_dim
+        elif (fused := fused_layout(attn)) is not None:  # Bloom, Falcon, MPT, GPT-1: one q/k/v projection
+            proj = getattr(attn, fused.projection)
+            for which in "qkv":
+                self._add(f"{name}.{which}", proj, "output", ("B", "T" if which == "q" else seq_kv, fused.heads[which],
+                                                               fused.head_dim), q_stack if which == "q" else kv_stack,
+                          describe(fused, which) + suffix, heads=fused.heads[which], part=fused.parts[which])
+            heads, v_dim = fused.heads["q"], fused.head_dim
         else:
+            attn = projection_owner(attn, _Q_NAMES)  # GPT-Neo, MPNet: the projections sit one module down
             layout = head_layout(attn, self.config)
             if layout is None:
                 return

@@ -43,6 +43,10 @@ class Trace:
     """Block modules in the order their calls finished (a shared layer appears once per call)."""
     per_call: dict[tuple[nn.Module, int], tuple[Tensor | None, Tensor | None]] = field(default_factory=dict)
     """(block module, k) -> (input, output) of its k-th call."""
+    streams: dict[nn.Module, tuple[dict[str, Tensor], list[Tensor | None]]] = field(default_factory=dict)
+    """Block module -> (every tensor argument by name, every element of its output) of its first call."""
+    later: dict[tuple[nn.Module, int], tuple[Tensor | None, Tensor | None]] = field(default_factory=dict)
+    """(module inside a block, k >= 1) -> (input, output) of its k-th call (`inputs` / `outputs` hold the first)."""
 
     def io(self, block: nn.Module, call: int | None) -> tuple[Tensor | None, Tensor | None]:
         """(input, output) of a block's `call`-th call (None: its first, as `inputs` / `outputs`)."""
@@ -66,16 +70,25 @@ def first_tensor(x) -> Tensor | None:
 def _record(trace: Trace):
     def hook(module, args, kwargs, output):
         trace.calls[module] = trace.calls.get(module, 0) + 1
-        if module in trace.outputs:
-            return
         x = first_tensor(args) if args else first_tensor(kwargs.get("hidden_states"))
+        y = first_tensor(output)
+        if module in trace.outputs:
+            trace.later[(module, trace.calls[module] - 1)] = (None if x is None else x.detach().clone(),
+                                                              None if y is None else y.detach().clone())
+            return
         if x is not None:
             trace.inputs[module] = x.detach().clone()
-        y = first_tensor(output)
         if y is not None:
             trace.outputs[module] = y.detach().clone()
 
     return hook
+
+
+def _tensors(args, kwargs, output) -> tuple[dict[str, Tensor], list[Tensor | None]]:
+    named = {**{f"args[{i}]": a for i, a in enumerate(args)}, **kwargs}
+    ins = {n: t.detach().clone() for n, t in named.items() if isinstance(t, Tensor)}
+    outs = list(output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else [output])
+    return ins, [t.detach().clone() if isinstance(t, Tensor) else None for t in outs]
 
 
 def _record_calls(trace: Trace):
@@ -84,6 +97,8 @@ def _record_calls(trace: Trace):
         trace.sequence.append(module)
         x = first_tensor(args) if args else first_tensor(kwargs.get("hidden_states"))
         y = first_tensor(output)
+        if k == 0:
+            trace.streams[module] = _tensors(args, kwargs, output)
         trace.per_call[(module, k)] = (None if x is None else x.detach().clone(),
                                        None if y is None else y.detach().clone())
 

@@ -51,6 +51,8 @@ class Site:
     stack_module: nn.Module | None = None
     time_major: bool = False
     """The module's tensor is `(T, B, ...)` (FSMT's blocks); the site is its `(B, T, ...)` transpose."""
+    part: object | None = None
+    """A `fused.Part`: the site is that part of `module`'s output (q, k or v of a fused projection)."""
     trimmed: bool = False
     """The module sees the tokens padded inside the model (Longformer): the site is the first T,
     T = the length of this forward's input to `stack_module`."""

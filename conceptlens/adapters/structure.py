@@ -68,6 +68,12 @@ class BlockLayout:
     """Kind -> further sublayers of that kind whose outputs its site adds (LongCat-Flash's pairs)."""
     replaced: dict[str, str] = field(default_factory=dict)
     """Kind -> the sublayer path a post-sublayer norm replaced (tried again if the sum fails)."""
+    other_stream: tuple[str, ...] = ()
+    """Kinds that add to a reversible block's other residual stream, not to resid_in -> resid_out
+    (`streams.py`): resid_out = resid_in + the other kinds."""
+    inner_calls: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """Kind -> (call, sublayer path): the site is that call of its module in each forward of the
+    sublayer (a module called several times inside it, `inner.py`)."""
 
 
 def _get(root: nn.Module, path: str | None) -> nn.Module | None:

@@ -7,7 +7,9 @@ import itertools
 import torch
 from torch import nn
 
+from conceptlens.adapters.inner import inner_call
 from conceptlens.adapters.probe import Call, Trace, close
+from conceptlens.adapters.streams import other_stream
 from conceptlens.adapters.structure import BlockLayout, is_norm
 
 
@@ -64,7 +66,7 @@ def refine(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
     x = trace.inputs.get(block)
     norms = [m for n, m in block.named_modules() if n and is_norm(n.rpartition(".")[2], m)]
     pre = any(m in trace.inputs and x is not None and trace.inputs[m].shape == x.shape and
-              torch.equal(trace.inputs[m], x) for m in norms)
+              torch.equal(trace.inputs[m], x) and _before_sublayers(m, block, lay, trace) for m in norms)
     lay.additive = pre or not norms
     mlp = submodule(block, lay.mlp_out)
     if mlp is not None and x is not None and mlp in trace.outputs and trace.outputs[mlp].ndim == x.ndim - 1:
@@ -74,6 +76,16 @@ def refine(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
         lay.style += ", post-LN (the norm follows the residual add)"
         for key in ("attn_out", "mlp_out", "cross_attn_out", "mixer_out"):
             lay.notes.setdefault(key, "post-LN: the sublayer output before the residual add and norm")
+
+
+def _before_sublayers(norm: nn.Module, block: nn.Module, lay: BlockLayout, trace: Trace) -> bool:
+    """A pre-norm runs before the sublayers it feeds. A norm that reads the block input only
+    because the sublayer before it added exactly zero (MRA's attention without its CUDA kernel,
+    in a post-LN block) finishes after that sublayer's output module."""
+    order = {m: i for i, m in enumerate(trace.outputs)}  # the order modules finished in
+    subs = [submodule(block, getattr(lay, k)) for k in ("attn_out", "cross_attn_out", "mixer_out", "mlp_out")]
+    done = [order[m] for m in subs if m is not None and m in order and _path_in(m, norm) is None]
+    return norm in order and all(order[norm] < i for i in done)
 
 
 def _norm_inside(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
@@ -93,6 +105,11 @@ def _norm_inside(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
         if proj is not None and proj.shape == inp.shape and close(inp + proj, trace.inputs.get(norm)):
             setattr(lay, key, inner)
             lay.notes[key] = f"{path} adds and norms the residual inside itself: its output projection, before that"
+        elif (found := inner_call(module, norm, trace)) is not None:
+            setattr(lay, key, f"{path}.{found[0]}")
+            lay.inner_calls[key] = (found[1], path)
+            lay.notes[key] = f"{path} adds and norms the residual inside itself: what it adds is call {found[1]} " \
+                             f"(from 0) of {found[0]} in each forward of {path}"
         else:
             lay.dropped[key] = f"{path} ({type(module).__name__}) adds and norms the residual inside itself, and " \
                                "no module gives what it adds"
@@ -288,6 +305,9 @@ def repair(block: nn.Module, lay: BlockLayout, trace: Trace):
             if scales or (not scaled and close(x + sum(outs.values()), y, 1e-4)):
                 _apply(lay, kinds, chosen)
                 return None, scales, {k: c[1] for k, c in chosen.items() if c[1]}
+    outs = _contributions(block, lay, trace)
+    if isinstance(outs, dict) and other_stream(block, lay, outs, trace):  # a reversible block (Reformer)
+        return None, None, None
     return problem, None, None
 
 

@@ -59,6 +59,9 @@ def _hook(site: Site, fn: SiteFn, edit: bool) -> Handle:
     if site.point == "input":
         return Handle(site.module.register_forward_pre_hook(_input_hook(fn, site.heads), with_kwargs=True,
                                                             prepend=edit).remove)
+    if site.part is not None:
+        return Handle(site.module.register_forward_hook(_output_hook(_parted(fn, site.part, site.heads), None),
+                                                        prepend=edit).remove)
     if site.flat_in is not None:
         return _flat_output_hook(site, fn, edit)
     if site.plus is not None:
@@ -109,6 +112,16 @@ def _scaled(fn: SiteFn, scale: float) -> SiteFn:
     return call
 
 
+def _parted(fn: SiteFn, part, heads: int | None) -> SiteFn:
+    """`fn` sees one part of a fused projection's output, split into heads; an edit goes back into
+    that part and leaves the others as they were."""
+    def call(x: Tensor) -> Tensor | None:
+        new = fn(part.take(x).unflatten(-1, (heads, -1)))
+        return None if new is None else part.put(x, new.flatten(-2))
+
+    return call
+
+
 def _input_hook(fn: SiteFn, heads: int | None = None):
     def call(x: Tensor) -> Tensor | None:
         new = fn(x.unflatten(-1, (heads, -1)) if heads else x)  # (B, T, H * d) -> (B, T, H, d)
@@ -134,7 +147,8 @@ def _output_hook(fn: SiteFn, heads: int | None):
         if heads:
             new = new.flatten(-2)
         if isinstance(output, (tuple, list)):
-            return type(output)([new, *output[1:]])
+            rest = [new, *output[1:]]
+            return output._make(rest) if hasattr(output, "_make") else type(output)(rest)  # a namedtuple
         return new
 
     return hook

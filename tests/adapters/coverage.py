@@ -44,7 +44,8 @@ def reference(model_type: str):
                     raise
                 out = model(**inputs, output_hidden_states=True)
     except Exception as err:  # transformers' own failure: not ours to count
-        raise NotBuildable(f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}") from err
+        first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+        raise NotBuildable(f"{type(err).__name__}: {first[:160]}") from err
     return model, inputs, out
 
 
@@ -89,9 +90,11 @@ def check_model(model, inputs, out, partial: bool = False) -> None:
                 got = acts[f"{p}final"]
             assert close(got, ref), f"{p}blocks.{i}.resid_out != hidden_states[{i + 1}]"
             dropped = any(k.startswith(f"{p}blocks.{i}.") for k in lens.adapter.problems)
-            if lens.adapter.layout(stack, i).additive and not dropped:
+            lay = lens.adapter.layout(stack, i)
+            if lay.additive and not dropped:  # the sublayers a reversible block adds to its other stream left out
                 total = acts[f"{p}blocks.{i}.resid_in"] + sum(acts[f"{p}blocks.{i}.{k}"] for k in SUBLAYERS
-                                                               if f"{p}blocks.{i}.{k}" in acts)
+                                                               if f"{p}blocks.{i}.{k}" in acts and
+                                                               k not in lay.other_stream)
                 assert close(total, acts[f"{p}blocks.{i}.resid_out"], 1e-4), \
                     f"{p}blocks.{i}: resid_in + attn_out + mlp_out != resid_out"
 

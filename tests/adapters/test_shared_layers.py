@@ -122,3 +122,58 @@ def test_looped_layers_under_generate():
             edited = model(tokens, use_cache=False).logits
             again = model(tokens, use_cache=False).logits  # the count restarted: the same edit again
     assert not torch.allclose(edited, bare) and torch.equal(edited, again) and not calls._counters
+
+
+@pytest.mark.parametrize("groups,inner,layers", [(1, 2, 3), (2, 2, 4), (2, 1, 4)])
+def test_albert_groups_of_several_layers(groups, inner, layers):
+    """Several layers per group, several groups: block i is the i-th layer call, in HF's order."""
+    config = tiny_config("albert")
+    config.num_hidden_groups, config.inner_group_num, config.num_hidden_layers = groups, inner, layers
+    torch.manual_seed(0)
+    model = tf.AlbertForMaskedLM._from_config(config, attn_implementation="eager").eval()
+    inputs = coverage.inputs_for(model)
+    with torch.no_grad():
+        out = model(**inputs, output_hidden_states=True)
+    lens = conceptlens.attach(model)
+    n = layers * inner
+    assert lens.adapter.n_blocks[""] == n == len(out.hidden_states) - 1
+    coverage.check_model(model, inputs, out)
+    coverage.check_attention(model, inputs)
+    # an edit at the last block's first call of a layer changes that call's output and nothing before it
+    site = f"blocks.{n - 2}.mlp_out"
+    names = [f"blocks.{i}.resid_out" for i in range(n)]
+    before = coverage.capture_all(lens, model, inputs, names)
+    with lens.steer(Add(torch.ones(lens.site(site).shape[-1]), 2.0, site=site)):
+        after = coverage.capture_all(lens, model, inputs, names)
+    assert [torch.equal(before[k], after[k]) for k in names] == [True] * (n - 2) + [False, False]
+    assert not calls._counters
+
+
+@pytest.mark.parametrize("model_type", ["zamba", "zamba2"])
+@pytest.mark.parametrize("site", ["blocks.2.attn.v", "blocks.2.attn_out", "blocks.1.attn.q"])
+def test_shared_transformer_under_cached_generate(model_type, site):
+    """Zamba's hybrid layers call one shared transformer: an edit at one call acts on that call
+    only, and cached generation equals uncached generation under it."""
+    model = build(model_type)
+    lens = conceptlens.attach(model)
+    inputs = coverage.inputs_for(model)
+    names = [f"blocks.{i}.resid_out" for i in range(3)]
+    before = coverage.capture_all(lens, model, inputs, names)
+    shape = lens.site(site).shape
+    width = shape[-1] * (shape[-2] if site.endswith((".q", ".v")) else 1)
+    edit = Add(torch.ones(width), 2.0, site=site)
+    with lens.steer(edit):
+        after = coverage.capture_all(lens, model, inputs, names)
+    block = int(site.split(".")[1])
+    assert [torch.equal(before[k], after[k]) for k in names] == [i < block for i in range(3)]
+    ids = inputs["input_ids"][:1]
+    runs = {}
+    for cached in (True, False):
+        with lens.steer(edit), torch.no_grad():
+            runs[cached] = model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=cached,
+                                          output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(runs[True].sequences, runs[False].sequences)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(runs[True].logits, runs[False].logits))
+    with torch.no_grad():
+        plain = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert not torch.equal(plain.logits[0], runs[True].logits[0])  # the edit acts

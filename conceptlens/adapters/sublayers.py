@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from conceptlens.adapters.probe import Trace, close
-from conceptlens.adapters.structure import BlockLayout, _kind, is_norm
+from conceptlens.adapters.structure import _OUT_PROJ, BlockLayout, _child, _join, _kind, is_norm
 from conceptlens.adapters.verify import _contributions, _same, submodule, sum_problem
 
 _KIND_OF = {"attn": "attn_out", "cross": "cross_attn_out", "mixer": "mixer_out", "mlp": "mlp_out"}
@@ -187,3 +187,9 @@ def more_attention(block: nn.Module, lay: BlockLayout, trace: Trace) -> list[str
         if call is not None:
             found.append(names[call.module])
     return found
+
+
+def out_projection(block: nn.Module, path: str | None) -> str | None:
+    """Path of the output projection of the attention module at `path` (its input is `attn.z`)."""
+    module = submodule(block, path)
+    return None if module is None else _join(path, _child(module, _OUT_PROJ))

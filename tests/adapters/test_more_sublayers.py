@@ -211,3 +211,19 @@ def test_a_shared_mlp_beside_the_experts_is_read_once_in_the_summed_mlp_out():
             h.remove()
     torch.testing.assert_close(cap.last[0]["blocks.1.mlp_out"], 0.25 * (store["moe"] + store["shared"]),
                                rtol=0, atol=1e-6)
+
+
+def test_longcat_second_attention_z_is_its_pattern_times_its_v(longcat):
+    model, lens = longcat
+    names = ["blocks.1.attn_1.pattern", "blocks.1.attn_1.v", "blocks.1.attn_1.z"]
+    seen = {}
+    handle = model.model.layers[1].self_attn[1].o_proj.register_forward_pre_hook(
+        lambda m, args: seen.update(z=args[0].detach().clone()))
+    try:
+        with torch.no_grad(), lens.capture(names, keep_shape=True) as cap:
+            model(input_ids=IDS, use_cache=False)
+    finally:
+        handle.remove()
+    pattern, v, z = (cap.last[0][n] for n in names)  # (B, T, H, S), (B, S, H, d), (B, T, H, d)
+    torch.testing.assert_close(z.flatten(-2), seen["z"], rtol=0, atol=0)
+    torch.testing.assert_close(torch.einsum("bths,bshd->bthd", pattern, v), z, rtol=0, atol=1e-5)

@@ -14,8 +14,9 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from conceptlens.adapters import families
+from conceptlens.adapters import families, residual
 from conceptlens.adapters.fused import describe, fused_layout
+from conceptlens.adapters.keys import add_split_attention, key_layout, relayout
 from conceptlens.adapters.names import NameResolver
 from conceptlens.adapters.probe import Trace, run_probe
 from conceptlens.adapters.repeated import final_after, final_by_input, only_list, projection_view, same_class, unroll
@@ -136,6 +137,7 @@ class Adapter:
                                                                                   afters[prefix], trace)
             for block, lay in zip(self.blocks[prefix], self.layouts[prefix]):
                 refine(block, lay, trace)
+                relayout(block, lay, trace, prefix)
                 for key, path in families.LAYOUT.get(self.family, {}).items():
                     setattr(lay, key, path)
             self._view = block_view(self.blocks[prefix][0], trace, trace.hidden.get(prefix))
@@ -216,15 +218,19 @@ class Adapter:
         for i, (block, lay) in enumerate(zip(blocks, self.layouts[prefix])):
             b, cls = f"{p}blocks.{i}", type(block).__name__
             self._current = (block, calls[i], self.stacks[prefix]) if calls else None
-            if i == 0:
-                self._add(f"{p}embed", self._io.get(block, (block,))[0], "input", resid, prefix, f"input to {cls} 0")
             first, last = self._io.get(block, (block, block))
             if lay.additive:
                 extend(block, lay, trace)  # several sublayers of one kind, a further branch
             problem, scales, plus = repair(block, lay, trace) if lay.additive else (None, None, None)
-            self._add(f"{b}.resid_in", first, "input", resid, prefix,
-                      f"input of {type(first).__name__} {i} ({lay.style})")
-            self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}")
+            if problem and (fitted := residual.refit(block, lay, trace)) is not None:
+                problem, scales = None, fitted
+            if i == 0:
+                self._add(f"{p}embed", first, "input", resid, prefix, f"input to {cls} 0" + residual.before(lay, p))
+            rin, point = (block.get_submodule(lay.resid_in), "output") if lay.resid_in else (first, "input")
+            eq = f"; {e}" if (e := residual.equation(lay)) else ""
+            where = f"{lay.resid_in} ({type(rin).__name__}) in {cls}" if lay.resid_in else type(rin).__name__
+            self._add(f"{b}.resid_in", rin, point, resid, prefix, f"{point} of {where} {i} ({lay.style})")
+            self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}{eq}")
             for kind in _OUT_KINDS:
                 path = getattr(lay, kind)
                 if path is None:
@@ -233,11 +239,11 @@ class Adapter:
                     self.problems[f"{b}.{kind}"] = f"{self._what()} block {i}: {problem or lay.dropped[kind]}"
                     continue
                 module = block.get_submodule(path)
-                scale = scales.get(kind, 1.0) if scales else 1.0
+                scale = scales.get(kind, 1.0) if scales is not None else 1.0
                 note = lay.notes.get(kind) or ("what it adds to the residual" if lay.additive else "")
                 if scales:
                     note = (lay.notes.get(kind, "") + "; " if kind in lay.notes else "") + \
-                        f"times {scale:.6g}, the block's scaling of it: what it adds to the residual"
+                        f"times {residual.fmt(scale)}, the block's scaling of it: {residual.added(lay, kind)}"
                 self._add(f"{b}.{kind}", module, "output", resid, prefix,
                           f"output of {path} ({type(module).__name__})" + (f"; {note}" if note else ""),
                           flat_in=block if kind == "mlp_out" and lay.flat_mlp else None, scale=scale,
@@ -299,13 +305,16 @@ class Adapter:
         call = call_of(trace, attn)
         seq_kv = "T" if kv_stack == q_stack else "S"
         suffix = f"; {notes}" if notes else ""
-        if call is not None and seq_kv == "T" and call.k_len != call.q_len:  # no cache in the probe
+        split = key_layout(attn, call, trace, q_stack) if seq_kv == "T" else None  # T5Gemma2, DeepSeek V4
+        if split is None and call is not None and seq_kv == "T" and call.k_len != call.q_len:  # no cache here
             for which in ("q", "k", "v", "pattern"):  # e.g. T5Gemma2's merged self- and cross-attention
                 self.problems[f"{name}.{which}"] = (f"{self._what()}: {type(attn).__name__} attends {call.q_len} "
                                                     f"queries to {call.k_len} keys in a forward without cache, so "
                                                     "its keys are not this stack's tokens (merged attention)")
             return
-        if call is not None:
+        if split is not None:
+            heads, v_dim = add_split_attention(self, name, attn, call, split, q_stack, suffix)
+        elif call is not None:
             shapes = {"q": ("B", "T", call.heads, call.head_dim), "k": ("B", seq_kv, call.kv_heads, call.head_dim),
                       "v": ("B", seq_kv, call.kv_heads, call.v_head_dim)}
             for which in "qkv":

@@ -28,6 +28,11 @@ class Call:
     kv_heads: int
     head_dim: int
     v_head_dim: int
+    key: Tensor | None = field(default=None, compare=False, repr=False)
+    value: Tensor | None = field(default=None, compare=False, repr=False)
+    """The keys / values of a call with more keys than queries (kept to tell which are the tokens')."""
+    shared_kv: bool = False
+    """The call passed one tensor as both keys and values (DeepSeek-V4)."""
 
 
 @dataclass
@@ -153,8 +158,11 @@ def run_probe(model: nn.Module, blocks: dict[str, list[nn.Module]], extra: list[
 
     def on_call(module, query, key, value, kwargs) -> None:
         if query.ndim == 4 and key.ndim == 4:
+            more = key.shape[2] != query.shape[2]
             trace.attention.append(Call(module, int(query.shape[2]), int(key.shape[2]), int(query.shape[1]),
-                                        int(key.shape[1]), int(query.shape[3]), int(value.shape[-1])))
+                                        int(key.shape[1]), int(query.shape[3]), int(value.shape[-1]),
+                                        key.detach().clone() if more else None, value.detach().clone() if more else None,
+                                        key is value))
 
     training = [(m, m.training) for m in model.modules()]
     saved = _hook_state(model)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from torch import nn
+from torch import Tensor, nn
 
 Point = Literal["input", "output", "q", "k", "v", "pattern"]
 
@@ -35,9 +35,10 @@ class Site:
     """For a projection read as q/k/v: number of heads to split the last dimension into."""
     flat_in: nn.Module | None = None
     """Set when `module` sees `(B * T, d)` rows: the block whose input gives (B, T)."""
-    scale: float = 1.0
+    scale: float | Tensor = 1.0
     """The site is `scale` times the module's output: what a block that scales its sublayers'
-    outputs (a residual multiplier) adds to the residual. Edits are mapped back exactly."""
+    outputs (a residual multiplier; a per-channel `(d,)` rate) adds to the residual. Edits are
+    mapped back exactly."""
     plus: nn.Module | tuple[nn.Module, ...] | None = None
     """The site is `module`'s output plus this module's (run beside it on the same input, e.g.
     a shared expert next to the routed ones), or these modules' (the block's other sublayers of
@@ -56,6 +57,10 @@ class Site:
     trimmed: bool = False
     """The module sees the tokens padded inside the model (Longformer): the site is the first T,
     T = the length of this forward's input to `stack_module`."""
+    key_layout: str = ""
+    """For q/k/v/pattern sites of a call whose keys are this forward's tokens followed by others
+    (adapters/keys.py): "stack" (then the other stack's tokens: T5Gemma2's merged attention; a
+    k/v site whose shape[1] is "S" is that part) or "appended" (entries a submodule returns)."""
 
     @property
     def width(self) -> int:

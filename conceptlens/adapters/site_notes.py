@@ -30,7 +30,8 @@ def attention_notes(config, layer: int, attn: nn.Module | None) -> str:
         parts.append(f"sliding-window attention (window {text.sliding_window})")
     elif layer_type in ("full_attention", None) and (types or getattr(text, "sliding_window", None)):
         parts.append("global attention")
-    theta = _rope_theta(text, layer_type)
+    rope_type = getattr(attn, "rope_layer_type", None)  # DeepSeek V4: which of the config's ropes the layer uses
+    theta = _rope_theta(text, rope_type if isinstance(rope_type, str) else layer_type)
     if theta is not None and attn is not None:
         parts.append(f"rotary base {theta:g}")
     return "; ".join(parts)

@@ -74,6 +74,12 @@ class BlockLayout:
     inner_calls: dict[str, tuple[int, str]] = field(default_factory=dict)
     """Kind -> (call, sublayer path): the site is that call of its module in each forward of the
     sublayer (a module called several times inside it, `inner.py`)."""
+    resid_coef: float = 1.0
+    """The block's constant coefficient on resid_in: resid_out == resid_coef * resid_in + the sublayer sites."""
+    resid_in: str | None = None
+    """Module whose *output* is resid_in (a block that normalises its input before its residual), or None."""
+    adds: list = field(default_factory=list)
+    """`residual.ResidualAdd`s, where the block is a chain of scaled residual adds instead (not additive)."""
 
 
 def _get(root: nn.Module, path: str | None) -> nn.Module | None:

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from conceptlens.hooks import kv_cache
+from conceptlens.hooks import kv_cache, split_keys
 from conceptlens.hooks.handles import Handle
 from conceptlens.hooks.pattern import eager_pattern
 
@@ -68,35 +68,48 @@ def _wrap(name: str, previous: object) -> Callable:
 def _run_hooks(hooks: list, qkv: list[Tensor], args: tuple, kwargs: dict, module: nn.Module) -> list[Tensor]:
     length = qkv[0].shape[2]
     state = kv_cache.call_state(module)
+    layout = split_keys.layout_of(module)
+    own = split_keys.own_length(module, length, state)  # None: the keys end with this call's tokens
     for entry in sorted(hooks, key=lambda h: h[0] == 3):  # patterns after every q/k edit
         index, fn, current = entry
         if index in (1, 2) and state is not None and state.cached:
-            if state.updated:
+            if layout == "stack":
+                if split_keys.ran_at_update(state, current) or entry in _edits:
+                    continue  # ran at its cache's update, now or when the cache was filled (and edited)
+            elif state.updated:
                 state.check(module, qkv[1], qkv[2], "kv"[index - 1])
                 continue  # ran on this call's new keys/values at the cache update
-            if not current and entry in _edits:
+            elif not current and entry in _edits:
                 continue  # cross-attention reading the cache it filled (and edited) in an earlier step
         if index == 3:
             pattern = eager_pattern(module, qkv[0], qkv[1], args, kwargs)  # (B, H, T, S)
+            if own is not None:
+                pattern = split_keys.part_of(pattern, own, current, layout)
             fn(pattern.transpose(1, 2))  # (B, T, H, S): one row per query token; read only
             continue
         x = qkv[index]  # (B, H, S, d); with a KV cache, S = cached + current tokens
-        past = x.shape[2] - length if current and index else 0
-        new = fn(x[:, :, past:].transpose(1, 2))  # (B, T, H, d), the layout of the q/k/v sites
+        if own is not None and index:
+            lo, hi = split_keys.rows(own, length, x.shape[2], current)
+        else:
+            lo, hi = (x.shape[2] - length if current and index else 0), x.shape[2]
+        new = fn(x[:, :, lo:hi].transpose(1, 2))  # (B, T, H, d), the layout of the q/k/v sites
         if new is not None:
-            qkv[index] = _replace(x, new.transpose(1, 2), past, index)
+            qkv[index] = _replace(x, new.transpose(1, 2), lo, hi, index, qkv[1] is qkv[2])
     return qkv
 
 
 def _kv_at_update(module: nn.Module) -> Callable:
-    """The k/v hooks of `module`, run on the keys/values a cache `update` is about to store."""
-    def run(key: Tensor, value: Tensor, cache_class: str) -> tuple[Tensor, Tensor]:
+    """The k/v hooks of `module`, run on the keys/values a cache `update` is about to store (of a
+    module that attends to two stacks' keys, the hooks of the part that cache holds)."""
+    def run(key: Tensor, value: Tensor, cache_class: str, part: str = "") -> tuple[Tensor, Tensor]:
+        both = split_keys.layout_of(module) != "stack"
         kv = [None, key, value]
         for index in (1, 2):
             shape = _kv_shape.get((module, index))
             if shape is not None and kv[index].ndim == 4 and (kv[index].shape[1], kv[index].shape[3]) != shape:
                 raise kv_cache.changed(module, cache_class, "kv"[index - 1])
-        for index, fn, _ in [h for h in _hooks.get(module, ()) if h[0] in (1, 2)]:  # edits first
+        for index, fn, _ in [h for h in _hooks.get(module, ()) if h[0] in (1, 2) and
+                             (both or h[2] == (part != "cross"))]:  # edits first
             new = fn(kv[index].transpose(1, 2))  # (B, T, H, d): exactly this call's tokens
             if new is not None:
                 kv[index] = new.transpose(1, 2).to(kv[index].dtype)
@@ -105,13 +118,16 @@ def _kv_at_update(module: nn.Module) -> Callable:
     return run
 
 
-def _replace(x: Tensor, new: Tensor, past: int, index: int) -> Tensor:
-    """Put the edited tokens back. Keys and values are written in place (a module that attends
-    over a dynamic cache it did not update through `update` then still keeps the edit)."""
-    if index in (1, 2) and not torch.is_grad_enabled():
-        x[:, :, past:] = new
+def _replace(x: Tensor, new: Tensor, lo: int, hi: int, index: int, shared: bool = False) -> Tensor:
+    """Put the edited rows [lo, hi) back. Keys and values are written in place (a module that
+    attends over a dynamic cache it did not update through `update` then still keeps the edit),
+    unless the key and value are one tensor (DeepSeek V4): an edit of one must leave the other."""
+    if index in (1, 2) and not torch.is_grad_enabled() and not shared:
+        x[:, :, lo:hi] = new
         return x
-    return torch.cat([x[:, :, :past], new], dim=2) if past else new
+    if lo == 0 and hi == x.shape[2]:
+        return new
+    return torch.cat([x[:, :, :lo], new, x[:, :, hi:]], dim=2)
 
 
 def implementation_of(module: nn.Module) -> str:
@@ -122,21 +138,24 @@ def implementation_of(module: nn.Module) -> str:
 
 def add_qkv_hook(module: nn.Module, which: str, fn: QKVHook, *, current: bool = True,
                  implementation: str | None = None, edit: bool = False,
-                 shape: tuple[int, int] | None = None) -> Handle:
+                 shape: tuple[int, int] | None = None, key_layout: str = "") -> Handle:
     """Run `fn` on `which` ("q", "k" or "v") each time `module` calls its attention function.
 
     With `current=True` (self-attention) `fn` sees only the keys/values of this forward's
     tokens, not those read back from a KV cache (the cache is assumed to append at the end,
     as dynamic caches do). Cross-attention passes `current=False`: its keys are the encoder's.
     `shape` (heads, head dim) of a k/v site: a cache update of another shape (a latent the
-    module expands afterwards) is refused instead of handed to `fn`.
+    module expands afterwards) is refused instead of handed to `fn`. `key_layout` ("stack" or
+    "appended", hooks/split_keys.py): the module attends to its tokens' keys followed by others;
+    `current` then says which part a k/v/pattern hook is for.
     """
     if which not in _INDEX:
         raise ValueError(f"which must be one of 'q', 'k', 'v', 'pattern'; got {which!r}")
     _install(implementation or implementation_of(module))
     entry = (_INDEX[which], fn, current)
     hooks = _hooks.setdefault(module, [])
-    if which in ("k", "v") and module not in _watchers:
+    split_keys.register(module, key_layout)
+    if (which in ("k", "v") or key_layout == "stack") and module not in _watchers:  # "stack": splits at the cache
         _watchers[module] = kv_cache.watch(module, _kv_at_update(module))
     if which in ("k", "v") and shape is not None:
         _kv_shape[(module, _INDEX[which])] = shape
@@ -151,12 +170,14 @@ def add_qkv_hook(module: nn.Module, which: str, fn: QKVHook, *, current: bool = 
         if entry in hooks:
             hooks.remove(entry)
         _edits.discard(entry)
-        if module in _watchers and not any(h[0] in (1, 2) for h in hooks):
+        watched = any(h[0] in (1, 2) for h in hooks) or (hooks and split_keys.layout_of(module) == "stack")
+        if module in _watchers and not watched:
             _watchers.pop(module).remove()
             _kv_shape.pop((module, 1), None)
             _kv_shape.pop((module, 2), None)
         if not hooks:
             _hooks.pop(module, None)
+            split_keys.forget(module)
         if not _hooks and not _observers:
             _uninstall_all()
 

@@ -8,7 +8,7 @@ only in the first case (and only outside autograd). So while a module has k/v ho
 its calls that carries a cache routes that cache's `update` through the hooks: they see
 exactly this call's new keys/values (before storage), and the cache stores the edited ones.
 
-    handle = watch(attention_module, run_kv)   # run_kv(key, value, cache_class) -> (key, value), (B, H, T, d)
+    handle = watch(attention_module, run_kv)   # run_kv(key, value, cache_class, part) -> (key, value), (B, H, T, d)
     state = call_state(attention_module)       # during the call: did it carry a cache / update it?
 """
 
@@ -27,13 +27,15 @@ class CallState:
     """One call of a watched module: did it carry a cache, did it call `update`, and what did
     the update return (the module must attend to exactly those tensors)."""
 
-    __slots__ = ("cached", "updated", "returned", "cache_class")
+    __slots__ = ("cached", "updated", "returned", "cache_class", "parts")
 
     def __init__(self, cached: bool) -> None:
         self.cached = cached
         self.updated = False
         self.returned: tuple = ()
         self.cache_class = ""
+        self.parts: dict[str, tuple] = {}
+        """"self" / "cross" -> what that cache of an encoder-decoder cache returned in this call."""
 
     def check(self, module: nn.Module, key: Tensor, value: Tensor, which: str) -> None:
         """ValueError unless the attention function got the keys/values the cache returned: a
@@ -61,16 +63,17 @@ def _caches(args: tuple, kwargs: dict) -> list:
 
     found = []
     for value in (*args, *kwargs.values()):
-        if isinstance(value, EncoderDecoderCache):  # the module updates one of its two caches
-            found += [value.self_attention_cache, value.cross_attention_cache]
+        if isinstance(value, EncoderDecoderCache):  # the module updates one of its two caches (or both)
+            found += [(value.self_attention_cache, "self"), (value.cross_attention_cache, "cross")]
         elif isinstance(value, Cache):
-            found.append(value)
+            found.append((value, ""))
     return found
 
 
-def watch(module: nn.Module, run_kv: Callable[[Tensor, Tensor, str], tuple[Tensor, Tensor]]) -> Handle:
+def watch(module: nn.Module, run_kv: Callable[[Tensor, Tensor, str, str], tuple[Tensor, Tensor]]) -> Handle:
     """While `module` runs with a cache among its arguments, that cache's `update` first
-    passes the new keys and values through `run_kv`; restored when the call ends."""
+    passes the new keys and values through `run_kv` (with "self" / "cross" for the two caches
+    of an encoder-decoder cache, "" otherwise); restored when the call ends."""
     patched: list[tuple[object, object]] = []  # (cache, its own previous `update` attribute)
 
     def restore() -> None:
@@ -85,9 +88,9 @@ def watch(module: nn.Module, run_kv: Callable[[Tensor, Tensor, str], tuple[Tenso
         restore()
         caches = _caches(args, kwargs)
         state = _state[mod] = CallState(bool(caches))
-        for cache in caches:
+        for cache, part in caches:
             patched.append((cache, vars(cache).get("update", _MISSING)))
-            cache.update = _routed(cache.update, run_kv, state, type(cache).__name__)
+            cache.update = _routed(cache.update, run_kv, state, type(cache).__name__, part)
 
     def post(mod, args, kwargs, output):
         restore()
@@ -105,12 +108,14 @@ def watch(module: nn.Module, run_kv: Callable[[Tensor, Tensor, str], tuple[Tenso
     return Handle(remove)
 
 
-def _routed(original: Callable, run_kv: Callable, state: CallState, cache_class: str) -> Callable:
+def _routed(original: Callable, run_kv: Callable, state: CallState, cache_class: str, part: str) -> Callable:
     def update(key_states: Tensor, value_states: Tensor, *args, **kwargs):
-        key_states, value_states = run_kv(key_states, value_states, cache_class)
+        key_states, value_states = run_kv(key_states, value_states, cache_class, part)
         out = original(key_states, value_states, *args, **kwargs)
         state.updated, state.cache_class = True, cache_class
         state.returned = tuple(out) if isinstance(out, (tuple, list)) and len(out) == 2 else ()
+        if part:
+            state.parts[part] = state.returned
         return out
 
     return update

@@ -46,16 +46,17 @@ def hook_site(site: Site, fn: SiteFn, *, edit: bool = False) -> Handle:
 
 
 def _hook(site: Site, fn: SiteFn, edit: bool) -> Handle:
-    if site.scale != 1.0:
+    if isinstance(site.scale, Tensor) or site.scale != 1.0:
         fn = _scaled(fn, site.scale)
     if site.point == "pattern":
         if edit:
             raise ValueError(f"{site.name} is read only (attention probabilities); edit q or k instead")
-        return add_qkv_hook(site.module, "pattern", fn)
+        return add_qkv_hook(site.module, "pattern", fn, current=site.shape[3] != "S", key_layout=site.key_layout)
     if site.point in ("q", "k", "v"):
         # "T" in the sequence dimension: aligned with this forward's queries (self-attention)
         shape = tuple(site.shape[2:4]) if all(isinstance(s, int) for s in site.shape[2:4]) else None
-        return add_qkv_hook(site.module, site.point, fn, current=site.shape[1] == "T", edit=edit, shape=shape)
+        return add_qkv_hook(site.module, site.point, fn, current=site.shape[1] == "T", edit=edit, shape=shape,
+                            key_layout=site.key_layout)
     if site.point == "input":
         return Handle(site.module.register_forward_pre_hook(_input_hook(fn, site.heads), with_kwargs=True,
                                                             prepend=edit).remove)
@@ -101,13 +102,14 @@ def _transposed(fn: SiteFn) -> SiteFn:
     return call
 
 
-def _scaled(fn: SiteFn, scale: float) -> SiteFn:
+def _scaled(fn: SiteFn, scale: float | Tensor) -> SiteFn:
     """`fn` sees `scale * x`; an edit comes back as x + (edited - scale * x) / scale, so an edit
     that changes nothing returns x bit for bit."""
     def call(x: Tensor) -> Tensor | None:
-        scaled = x * scale
+        factor = scale.to(x) if isinstance(scale, Tensor) else scale  # a per-channel factor: (d,)
+        scaled = x * factor
         new = fn(scaled)
-        return None if new is None else x + (new - scaled) / scale
+        return None if new is None else x + (new - scaled) / factor
 
     return call
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 
 import pytest
 import torch
 
 import conceptlens
+from conceptlens.adapters.probe import first_tensor
 from tests.adapters.tiny_configs import build
 
 
@@ -78,7 +80,8 @@ def check_model(model, inputs, out, partial: bool = False) -> None:
                                  for k in ("resid_in", "resid_out") + SUBLAYERS
                                  if f"{p}blocks.{i}.{k}" in lens.sites]
         names += [f"{p}final"] if f"{p}final" in lens.sites else []
-        acts = capture_all(lens, model, inputs, names)
+        with _add_points(lens, stack) as points:  # the tensors a chain of residual adds combines
+            acts = capture_all(lens, model, inputs, names)
         offset = lens.adapter.hidden_offset[stack]  # 0: the model lists block outputs only (Mamba)
         assert offset in (0, 1)
         if offset:
@@ -91,12 +94,53 @@ def check_model(model, inputs, out, partial: bool = False) -> None:
             assert close(got, ref), f"{p}blocks.{i}.resid_out != hidden_states[{i + 1}]"
             dropped = any(k.startswith(f"{p}blocks.{i}.") for k in lens.adapter.problems)
             lay = lens.adapter.layout(stack, i)
-            if lay.additive and not dropped:  # the sublayers a reversible block adds to its other stream left out
-                total = acts[f"{p}blocks.{i}.resid_in"] + sum(acts[f"{p}blocks.{i}.{k}"] for k in SUBLAYERS
-                                                               if f"{p}blocks.{i}.{k}" in acts and
-                                                               k not in lay.other_stream)
+            if lay.adds:
+                _check_adds(lay, acts, points[i], f"{p}blocks.{i}")
+            elif lay.additive and not dropped:  # resid_coef: the detected coefficient on resid_in (Beam's < 1);
+                # the sublayers a reversible block adds to its other stream are left out
+                total = lay.resid_coef * acts[f"{p}blocks.{i}.resid_in"] + \
+                    sum(acts[f"{p}blocks.{i}.{k}"] for k in SUBLAYERS if f"{p}blocks.{i}.{k}" in acts and
+                        k not in lay.other_stream)
                 assert close(total, acts[f"{p}blocks.{i}.resid_out"], 1e-4), \
-                    f"{p}blocks.{i}: resid_in + attn_out + mlp_out != resid_out"
+                    f"{p}blocks.{i}: resid_coef * resid_in + attn_out + mlp_out != resid_out"
+
+
+def _check_adds(lay, acts, points, b: str) -> None:
+    """A block that is a chain of scaled residual adds: every sublayer site is in one add, and
+    each add's target == coef * source + its sites (the equation detected at attach)."""
+    kinds = [k for a in lay.adds for k in a.kinds]
+    assert sorted(kinds) == sorted(k for k in SUBLAYERS if f"{b}.{k}" in acts), (b, kinds)
+    for add in lay.adds:
+        total = add.coef * points[add.source] + sum(acts[f"{b}.{k}"] for k in add.kinds)
+        assert close(total, points[add.target], 1e-4), f"{b}: {add} does not hold"
+
+
+@contextmanager
+def _add_points(lens, stack: str):
+    """{block index: {point: tensor}} for the blocks of `stack` with residual adds, filled by the
+    next forward (a block that is one call of a shared layer takes its call's tensors)."""
+    found: dict[int, dict] = {}
+    records: list[tuple[int, tuple, int, list]] = []
+    handles = []
+    calls = lens.adapter.calls.get(stack)
+    try:
+        for i, (block, lay) in enumerate(zip(lens.adapter.blocks[stack], lens.adapter.layouts[stack])):
+            for point in {pt for a in lay.adds for pt in (a.source, a.target)}:
+                module, seen = (block.get_submodule(point[0]) if point[0] else block), []
+                if point[1] == "input":
+                    handles.append(module.register_forward_pre_hook(
+                        lambda m, args, kw, seen=seen: seen.append(first_tensor(args or kw.get("hidden_states"))),
+                        with_kwargs=True))
+                else:
+                    handles.append(module.register_forward_hook(
+                        lambda m, args, out, seen=seen: seen.append(first_tensor(out))))
+                records.append((i, point, calls[i] if calls else 0, seen))
+        yield found
+        for i, point, call, seen in records:
+            found.setdefault(i, {})[point] = seen[call].float()
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def check_kv_cache(model, inputs, refused: bool = False, one_decoder_token: bool = False) -> None:

@@ -29,10 +29,8 @@ EXCEPTIONS = {
 }
 # Pre-norm blocks whose sublayer outputs do not add up to the block output (the residual itself
 # scaled, extra branches, ...): attach drops their attn_out / mlp_out sites and names the reason
-# instead of giving wrong activations; every other site is checked. T5Gemma2's decoder attends
-# to [decoder; encoder] keys in one call: its attn.q/k/v/pattern sites are dropped the same way.
-PARTIAL = {"beam", "deepseek_v4", "dory", "minimax", "qwen4_exp",
-           "qwen4_exp_text", "rwkv", "t5gemma2"}
+# instead of giving wrong activations; every other site is checked.
+PARTIAL = {"qwen4_exp", "qwen4_exp_text"}
 # Attention sinks applied after the softmax: HF's eager weights leave them out, the pattern site includes them.
 SINK_SCALED = {"granite_swa", "granitemoe_swa"}
 # Not working yet (reported as such in DESIGN.md); strict, so a fix shows up.

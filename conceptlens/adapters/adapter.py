@@ -27,7 +27,7 @@ from conceptlens.adapters.site_notes import attention_notes
 from conceptlens.adapters.structure import (BlockLayout, after_candidates, children_summary, expected_layers,
                                             final_norm_candidates, find_block_list, find_stacks, parallel_blocks,
                                             recognise)
-from conceptlens.adapters.sublayers import extend, more_attention, plus_modules
+from conceptlens.adapters.sublayers import extend, more_attention, out_projection, plus_modules
 from conceptlens.adapters.verify import LayoutError, as_hidden, call_of, block_view, check_stack, refine, repair
 from conceptlens.adapters.verify import submodule as _get
 
@@ -264,10 +264,11 @@ class Adapter:
                 if kind in lay.inner_calls:  # one call of a module inside the sublayer (inner.py)
                     self._inner_call(f"{b}.{kind}", block, *lay.inner_calls[kind])
             notes, more = attention_notes(self.config, i, _get(block, lay.attn)), more_attention(block, lay, trace)
-            self._add_attention(f"{b}.attn", block, lay.attn, lay.attn_z, prefix, prefix, trace,
+            self._add_attention(f"{b}.attn", block, lay.attn, lay.attn_z or (more and out_projection(block, lay.attn)),
+                                prefix, prefix, trace,
                                 "; ".join(filter(None, (notes, more and f"the block's attention sublayer {lay.attn}"))))
             for j, path in enumerate(more, 1):  # further attention sublayers: attn_1, ...
-                self._add_attention(f"{b}.attn_{j}", block, path, None, prefix, prefix, trace,
+                self._add_attention(f"{b}.attn_{j}", block, path, out_projection(block, path), prefix, prefix, trace,
                                     "; ".join(filter(None, (notes, f"the block's attention sublayer {path}"))))
             if lay.cross_attn and prefix == "decoder":
                 self._add_attention(f"{b}.cross_attn", block, lay.cross_attn, None, prefix, "encoder", trace, "")

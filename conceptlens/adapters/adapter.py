@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from conceptlens.adapters import families, residual
+from conceptlens.adapters.depth import again_note, later_reads
 from conceptlens.adapters.fused import describe, fused_layout
 from conceptlens.adapters.keys import add_split_attention, key_layout, relayout
 from conceptlens.adapters.direct import reprobe_direct
@@ -24,6 +25,7 @@ from conceptlens.adapters.probe import Trace, run_probe
 from conceptlens.adapters.repeated import final_after, final_by_input, only_list, projection_view, same_class, unroll
 from conceptlens.adapters.site import Site
 from conceptlens.adapters.site_notes import attention_notes
+from conceptlens.adapters.hyper import stream_writes
 from conceptlens.adapters.structure import (BlockLayout, after_candidates, children_summary, expected_layers,
                                             final_norm_candidates, find_block_list, find_stacks, parallel_blocks,
                                             recognise)
@@ -224,7 +226,7 @@ class Adapter:
         width = as_hidden(trace.inputs[blocks[0]], self._view, 1).shape[-1] if blocks[0] in trace.inputs \
             else self._hidden_size()
         resid = ("B", "T", int(width))
-        calls = self.calls.get(prefix)
+        calls, again = self.calls.get(prefix), later_reads(blocks, trace)
         self._trace = trace
         for i, (block, lay) in enumerate(zip(blocks, self.layouts[prefix])):
             b, cls = f"{p}blocks.{i}", type(block).__name__
@@ -235,12 +237,16 @@ class Adapter:
             problem, scales, plus = repair(block, lay, trace) if lay.additive else (None, None, None)
             if problem and (fitted := residual.refit(block, lay, trace)) is not None:
                 problem, scales = None, fitted
+            spread = stream_writes(block, lay, trace) if problem else None  # hyper-connection streams
+            problem = None if spread else problem
             if i == 0:
                 self._add(f"{p}embed", first, "input", resid, prefix, f"input to {cls} 0" + residual.before(lay, p))
             rin, point = (block.get_submodule(lay.resid_in), "output") if lay.resid_in else (first, "input")
             eq = f"; {e}" if (e := residual.equation(lay)) else ""
+            eq += " (the block does not add its input)" if lay.resid_coef == 0.0 else ""  # Inkling 2's boundary
             where = f"{lay.resid_in} ({type(rin).__name__}) in {cls}" if lay.resid_in else type(rin).__name__
-            self._add(f"{b}.resid_in", rin, point, resid, prefix, f"{point} of {where} {i} ({lay.style})")
+            self._add(f"{b}.resid_in", rin, point, resid, prefix, f"{point} of {where} {i} ({lay.style})" +
+                      again_note(i, again, p))
             self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}{eq}")
             for kind in _OUT_KINDS:
                 path = getattr(lay, kind)
@@ -252,13 +258,14 @@ class Adapter:
                 module = block.get_submodule(path)
                 scale = scales.get(kind, 1.0) if scales is not None else 1.0
                 note = lay.notes.get(kind) or ("what it adds to the residual" if lay.additive else "")
+                note += f"; the block does not add its input: {e}" if lay.resid_coef == 0.0 and not scales else ""
                 if scales:
                     note = (lay.notes.get(kind, "") + "; " if kind in lay.notes else "") + \
                         f"times {residual.fmt(scale)}, the block's scaling of it: {residual.added(lay, kind)}"
                 self._add(f"{b}.{kind}", module, "output", resid, prefix,
                           f"output of {path} ({type(module).__name__})" + (f"; {note}" if note else ""),
                           flat_in=block if kind == "mlp_out" and lay.flat_mlp else None, scale=scale,
-                          plus=plus_modules(block, lay, kind, plus),
+                          plus=plus_modules(block, lay, kind, plus), expand=spread.get(kind) if spread else None,
                           row_offset=centre_offset(trace.outputs.get(module), trace.inputs.get(block)),
                           inner=kind in lay.inner_calls)
                 if kind in lay.inner_calls:  # one call of a module inside the sublayer (inner.py)
@@ -278,8 +285,9 @@ class Adapter:
         k = self._final_call.get(prefix)
         self._current, self._block = (final, k, self.stacks[prefix]) if k is not None else None, None
         if final is not None:
-            note = self._final_note.get(prefix)
-            self._add(f"{p}final", final, "output", resid, prefix, f"output of the final norm ({type(final).__name__})"
+            note, out = self._final_note.get(prefix), trace.io(final, k)[1]
+            shape = ("B", "T", int(out.shape[-1])) if out is not None and out.ndim == 3 else resid  # streams merged
+            self._add(f"{p}final", final, "output", shape, prefix, f"output of the final norm ({type(final).__name__})"
                       if note is None else f"output of {type(final).__name__}, the stack's last hidden state; {note}")
         self._current = None
 
@@ -296,7 +304,7 @@ class Adapter:
 
     def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
              flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: str | None = None,
-             part=None, row_offset: int = 0, inner: bool = False) -> None:
+             part=None, row_offset: int = 0, inner: bool = False, expand=None) -> None:
         block, call, stack_module = self._current or (None, None, None)
         if block is not None:
             source += f" (call {call} of this shared {type(block).__name__} in each forward)"
@@ -315,7 +323,7 @@ class Adapter:
             return
         note, fields = extras
         self.sites[name] = Site(name, module, point, shape, stack, source + note, heads, flat_in, scale, plus,
-                                call, block, stack_module, "time_major" in view, part, "trim" in view, **fields)
+                                call, block, stack_module, "time_major" in view, part, "trim" in view, expand=expand, **fields)
 
     def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,
                        kv_stack: str, trace: Trace, notes: str) -> None:

@@ -50,6 +50,10 @@ class Trace:
     """Block modules in the order their calls finished (a shared layer appears once per call)."""
     per_call: dict[tuple[nn.Module, int], tuple[Tensor | None, Tensor | None]] = field(default_factory=dict)
     """(block module, k) -> (input, output) of its k-th call."""
+    parts: dict[nn.Module, tuple[Tensor | None, ...]] = field(default_factory=dict)
+    """Module returning a tuple of several tensors -> each of them (first call; None: not a tensor)."""
+    args: dict[nn.Module, tuple[Tensor | None, ...]] = field(default_factory=dict)
+    """Module called with several positional tensors -> each of them (first call)."""
     streams: dict[nn.Module, tuple[dict[str, Tensor], list[Tensor | None]]] = field(default_factory=dict)
     """Block module -> (every tensor argument by name, every element of its output) of its first call."""
     later: dict[tuple[nn.Module, int], tuple[Tensor | None, Tensor | None]] = field(default_factory=dict)
@@ -87,6 +91,9 @@ def _record(trace: Trace):
             trace.inputs[module] = x.detach().clone()
         if y is not None:
             trace.outputs[module] = y.detach().clone()
+        for record, values in ((trace.parts, output), (trace.args, args)):
+            if isinstance(values, (tuple, list)) and sum(isinstance(v, Tensor) for v in values) > 1:
+                record[module] = tuple(v.detach().clone() if isinstance(v, Tensor) else None for v in values)
 
     return hook
 

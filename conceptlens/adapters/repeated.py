@@ -72,7 +72,7 @@ def final_after(last, hidden: tuple | None, pool: list[nn.Module], trace: Trace)
     if hidden is None or last is None:
         return None, ""
     target = hidden[-1][0] if isinstance(hidden[-1], (tuple, list)) else hidden[-1]
-    for first in [m for m in pool if _same(trace.inputs.get(m), last)]:
+    for first in [m for m in pool if any(_same(x, last) for x in (trace.inputs.get(m), *trace.args.get(m, ())))]:
         if close(trace.outputs.get(first), target):
             return first, "it reads the last block's output"
         for second in pool:

@@ -11,6 +11,20 @@ Point = Literal["input", "output", "q", "k", "v", "pattern"]
 
 
 @dataclass(frozen=True, eq=False)
+class Expansion:
+    """How a sublayer's output of width d enters a residual of n streams (width n * d), as in
+    hyper-connections: the site is `(out[..., None, :] * w[..., :, None]).flatten(-2)`, w the
+    (B, T, n) per-stream weights a gate module of the block returns (element `index` of its
+    output). The residual with it added is read first by `receiver` (its input), or is the block's
+    output (`receiver` is the block): an edit's change is added there."""
+
+    gate: nn.Module
+    index: int
+    receiver: nn.Module
+    point: Literal["input", "output"]
+
+
+@dataclass(frozen=True, eq=False)
 class Site:
     """One site of DESIGN.md's table, bound to the module that produces it.
 
@@ -57,6 +71,8 @@ class Site:
     trimmed: bool = False
     """The module sees the tokens padded inside the model (Longformer): the site is the first T,
     T = the length of this forward's input to `stack_module`."""
+    expand: Expansion | None = None
+    """Set when `module`'s output is spread over several residual streams (see Expansion)."""
     key_layout: str = ""
     """For q/k/v/pattern sites of a call whose keys are this forward's tokens followed by others
     (adapters/keys.py): "stack" (then the other stack's tokens: T5Gemma2's merged attention; a

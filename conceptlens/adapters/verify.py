@@ -7,6 +7,7 @@ import itertools
 import torch
 from torch import nn
 
+from conceptlens.adapters.depth import depth_mixers
 from conceptlens.adapters.inner import inner_call
 from conceptlens.adapters.padded import centre_offset
 from conceptlens.adapters.probe import Call, Trace, close
@@ -35,7 +36,8 @@ def _top(path: str, block: nn.Module) -> str:
 
 def refine(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
     """Use what the probe saw: attention callers, post-sublayer norms, pre-norm, flat MLP."""
-    calls = [c for c in trace.attention if _path_in(block, c.module) is not None]
+    depth = depth_mixers(block, lay, trace)  # attention over earlier layers' states (Inkling 2)
+    calls = [c for c in trace.attention if _path_in(block, c.module) is not None and c.module not in depth]
     own = {c.module: c for c in calls}
     self_calls = [c for c in own.values() if c.q_len == c.k_len]
     cross_calls = [c for c in own.values() if c.q_len != c.k_len]
@@ -68,7 +70,7 @@ def refine(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
     norms = [m for n, m in block.named_modules() if n and is_norm(n.rpartition(".")[2], m)]
     pre = any(m in trace.inputs and x is not None and trace.inputs[m].shape == x.shape and
               torch.equal(trace.inputs[m], x) and _before_sublayers(m, block, lay, trace) for m in norms)
-    lay.additive = pre or not norms
+    lay.additive = pre or not norms or bool(depth)  # sublayers reading a depth mix: the sum is checked
     mlp = submodule(block, lay.mlp_out)
     if mlp is not None and x is not None and mlp in trace.outputs and trace.outputs[mlp].ndim == x.ndim - 1:
         lay.flat_mlp = True
@@ -295,8 +297,8 @@ def repair(block: nn.Module, lay: BlockLayout, trace: Trace):
                (_alternatives(block, lay.replaced[k], trace, x.shape, assigned) if k in lay.replaced else [])
                for k in kinds]
     combos = list(itertools.islice(itertools.product(*options), 256))
-    for scaled in (False, True):  # every exact plain reading before any fitted multiplier
-        for combo in combos:
+    for scaled in (False, True, None):  # every exact plain reading before any fitted multiplier; None:
+        for combo in combos:  # a block that restarts its residual (resid_out = the sum of its sublayers)
             chosen = {k: c for k, c in zip(kinds, combo)}
             taken = {c[0] for c in combo if c[2]} | {c[1] for c in combo if c[1]}
             chosen = {k: c for k, c in chosen.items() if c[2] or getattr(lay, k) not in taken}  # a follower counts once
@@ -305,7 +307,8 @@ def repair(block: nn.Module, lay: BlockLayout, trace: Trace):
             if not outs or any(o is None for o in outs.values()):
                 continue
             scales = _scales(x, y, outs) if scaled else None
-            if scales or (not scaled and close(x + sum(outs.values()), y, 1e-4)):
+            if scales or (not scaled and close((0 if scaled is None else x) + sum(outs.values()), y, 1e-4)):
+                lay.resid_coef = 1.0 if scaled is not None else 0.0
                 _apply(lay, kinds, chosen)
                 return None, scales, {k: c[1] for k, c in chosen.items() if c[1]}
     outs = _contributions(block, lay, trace)

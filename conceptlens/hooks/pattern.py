@@ -2,8 +2,9 @@
 
 `eager_pattern(module, query, key, args, kwargs)` -> (B, H, T, S): scores q.k^T times the
 module's scaling, soft-capped if the call asks for it, plus the mask / position bias the
-model passed (additive float, or boolean), then a float32 softmax; attention sinks (GPT-OSS)
-take part in the softmax and are dropped afterwards. Dropout is not applied.
+model passed (additive float, or boolean), then a float32 softmax; attention sinks (one per
+head, GPT-OSS; or one per head and query, Inkling 2) take part in the softmax and are dropped
+afterwards. Dropout is not applied.
 """
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ def eager_pattern(module: nn.Module, query: Tensor, key: Tensor, args: tuple, kw
     if isinstance(mask, Tensor):
         mask = mask[..., : key.shape[-2]]
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
-    sinks = kwargs.get("s_aux", getattr(module, "sinks", None))
+    sinks = kwargs.get("s_aux", kwargs.get("sinks", getattr(module, "sinks", None)))
+    sink = None
     if isinstance(sinks, Tensor) and sinks.numel() == query.shape[1]:
         sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    elif isinstance(sinks, Tensor) and sinks.ndim == 4 and sinks.shape[-1] == 1:  # one per query (Inkling 2)
+        sink = sinks.float()[..., -scores.shape[-2]:, :].expand(*scores.shape[:-1], 1)
+    if sink is not None:
         return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return torch.softmax(scores, dim=-1)

@@ -18,6 +18,7 @@ from conceptlens.hooks.attention import add_qkv_hook
 from conceptlens.hooks.calls import gated_hook
 from conceptlens.hooks.direct import channels_last, route_through_call
 from conceptlens.hooks.handles import Handle, HandleGroup
+from conceptlens.hooks.hyper import stream_hook
 
 SiteFn = Callable[[Tensor], Tensor | None]
 
@@ -77,6 +78,8 @@ def _hook(site: Site, fn: SiteFn, edit: bool) -> Handle:
     if site.point == "input":
         return Handle(site.module.register_forward_pre_hook(_input_hook(fn, site.heads), with_kwargs=True,
                                                             prepend=edit).remove)
+    if site.expand is not None:
+        return stream_hook(site, fn, edit)
     if site.part is not None:
         return Handle(site.module.register_forward_hook(_output_hook(_parted(fn, site.part, site.heads), None),
                                                         prepend=edit).remove)

@@ -18,7 +18,9 @@ from conceptlens.adapters import families, residual
 from conceptlens.adapters.depth import again_note, later_reads
 from conceptlens.adapters.fused import describe, fused_layout
 from conceptlens.adapters.keys import add_split_attention, key_layout, relayout
+from conceptlens.adapters.direct import reprobe_direct
 from conceptlens.adapters.names import NameResolver
+from conceptlens.adapters.padded import centre_offset, cut_padded, site_extras
 from conceptlens.adapters.probe import Trace, run_probe
 from conceptlens.adapters.repeated import final_after, final_by_input, only_list, projection_view, same_class, unroll
 from conceptlens.adapters.site import Site
@@ -27,8 +29,8 @@ from conceptlens.adapters.hyper import site_shape, stream_writes
 from conceptlens.adapters.structure import (BlockLayout, after_candidates, children_summary, expected_layers,
                                             final_norm_candidates, find_block_list, find_stacks, parallel_blocks,
                                             recognise)
-from conceptlens.adapters.sublayers import extend, more_attention, plus_modules
-from conceptlens.adapters.verify import LayoutError, call_of, block_view, check_stack, refine, repair
+from conceptlens.adapters.sublayers import extend, more_attention, out_projection, plus_modules
+from conceptlens.adapters.verify import LayoutError, as_hidden, call_of, block_view, check_stack, refine, repair
 from conceptlens.adapters.verify import submodule as _get
 
 _Q_NAMES = ("q_proj", "query", "q", "query_proj", "q_lin")
@@ -85,6 +87,8 @@ class Adapter:
     """Every site of a model, found from its own modules (nothing is reimplemented)."""
 
     _current: tuple[nn.Module, int, nn.Module] | None = None
+    _block: nn.Module | None = None
+    _trace: Trace | None = None
     _final_call: dict[str, int]
     _final_note: dict[str, str]
     _view = ""
@@ -113,6 +117,8 @@ class Adapter:
                   for p, s in self.stacks.items()}
         extra = [m for ms in (*finals.values(), *afters.values()) for m in ms]
         trace = run_probe(model, self.blocks, extra, self.stacks)
+        self.direct, trace = reprobe_direct(self.blocks, trace,  # blocks whose forward the stack calls directly
+                                            lambda: run_probe(model, self.blocks, extra, self.stacks))
         if self._add_same_class(trace):  # looped stacks of one layer class (HRM's two modules): probe again
             for p, stack in self.stacks.items():
                 names = {m: n for n, m in stack.named_modules()}
@@ -134,6 +140,8 @@ class Adapter:
         self.names = NameResolver(self)
         self.hidden_offset: dict[str, int] = {}
         """Stack -> index of block 0's output in HF's hidden states (1, or 0 for Mamba-style)."""
+        self.padded_hidden = cut_padded(trace)
+        """Stacks whose HF hidden states keep padding the model adds (PEGASUS-X): sites are their first T."""
         for prefix in self.stacks:
             final = self._final(prefix, finals[prefix], trace) or self._final_after(prefix, finals[prefix] +
                                                                                   afters[prefix], trace)
@@ -197,7 +205,8 @@ class Adapter:
 
     def _last_output(self, prefix: str, trace: Trace):
         calls = self.calls.get(prefix)
-        return trace.io(self.blocks[prefix][-1], calls[-1] if calls else None)[1]
+        last = trace.io(self.blocks[prefix][-1], calls[-1] if calls else None)[1]
+        return last[:, :trace.lengths[prefix]] if prefix in self.padded_hidden and last is not None else last
 
     def _final(self, prefix: str, candidates: list[nn.Module], trace: Trace) -> nn.Module | None:
         module, call = final_by_input(self._last_output(prefix, trace), candidates, trace)
@@ -214,14 +223,15 @@ class Adapter:
     def _add_stack(self, prefix: str, final: nn.Module | None, trace: Trace) -> None:
         p = f"{prefix}." if prefix else ""
         blocks = self.blocks[prefix]
-        x0 = trace.inputs.get(blocks[0])
+        x0 = as_hidden(trace.inputs[blocks[0]], self._view, 1) if blocks[0] in trace.inputs else None
         streams = x0 is not None and x0.ndim == 4 and x0.shape[0] == 1  # (B, T, n, d) on the probe's one row (HY-V4)
         resid = ("B", "T", *(int(s) for s in x0.shape[2:])) if streams else \
             ("B", "T", int(x0.shape[-1]) if x0 is not None else self._hidden_size())
         calls, again = self.calls.get(prefix), later_reads(blocks, trace)
+        self._trace = trace
         for i, (block, lay) in enumerate(zip(blocks, self.layouts[prefix])):
             b, cls = f"{p}blocks.{i}", type(block).__name__
-            self._current = (block, calls[i], self.stacks[prefix]) if calls else None
+            self._current, self._block = (block, calls[i], self.stacks[prefix]) if calls else None, block
             first, last = self._io.get(block, (block, block))
             if lay.additive:
                 extend(block, lay, trace)  # several sublayers of one kind, a further branch
@@ -257,14 +267,17 @@ class Adapter:
                           prefix,
                           f"output of {path} ({type(module).__name__})" + (f"; {note}" if note else ""),
                           flat_in=block if kind == "mlp_out" and lay.flat_mlp else None, scale=scale,
-                          plus=plus_modules(block, lay, kind, plus), expand=spread.get(kind) if spread else None)
+                          plus=plus_modules(block, lay, kind, plus), expand=spread.get(kind) if spread else None,
+                          row_offset=centre_offset(trace.outputs.get(module), trace.inputs.get(block)),
+                          inner=kind in lay.inner_calls)
                 if kind in lay.inner_calls:  # one call of a module inside the sublayer (inner.py)
                     self._inner_call(f"{b}.{kind}", block, *lay.inner_calls[kind])
             notes, more = attention_notes(self.config, i, _get(block, lay.attn)), more_attention(block, lay, trace)
-            self._add_attention(f"{b}.attn", block, lay.attn, lay.attn_z, prefix, prefix, trace,
+            self._add_attention(f"{b}.attn", block, lay.attn, lay.attn_z or (more and out_projection(block, lay.attn)),
+                                prefix, prefix, trace,
                                 "; ".join(filter(None, (notes, more and f"the block's attention sublayer {lay.attn}"))))
             for j, path in enumerate(more, 1):  # further attention sublayers: attn_1, ...
-                self._add_attention(f"{b}.attn_{j}", block, path, None, prefix, prefix, trace,
+                self._add_attention(f"{b}.attn_{j}", block, path, out_projection(block, path), prefix, prefix, trace,
                                     "; ".join(filter(None, (notes, f"the block's attention sublayer {path}"))))
             if lay.cross_attn and prefix == "decoder":
                 self._add_attention(f"{b}.cross_attn", block, lay.cross_attn, None, prefix, "encoder", trace, "")
@@ -272,7 +285,7 @@ class Adapter:
                 self._add(f"{b}.mlp.post", module, "input", ("B", "T", _in_width(module)), prefix,
                           f"input of {lay.mlp_post} ({type(module).__name__}): the MLP's hidden activations")
         k = self._final_call.get(prefix)
-        self._current = (final, k, self.stacks[prefix]) if k is not None else None
+        self._current, self._block = (final, k, self.stacks[prefix]) if k is not None else None, None
         if final is not None:
             note, out = self._final_note.get(prefix), trace.io(final, k)[1]
             shape = ("B", "T", int(out.shape[-1])) if out is not None and out.ndim == 3 else resid  # streams merged
@@ -293,7 +306,7 @@ class Adapter:
 
     def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
              flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: str | None = None,
-             part=None, expand=None) -> None:
+             part=None, row_offset: int = 0, inner: bool = False, expand=None) -> None:
         block, call, stack_module = self._current or (None, None, None)
         if block is not None:
             source += f" (call {call} of this shared {type(block).__name__} in each forward)"
@@ -304,9 +317,15 @@ class Adapter:
             source += "; the module runs on more positions than this forward's tokens (padding to an attention " \
                       "window, or n-gram streams after the main one): the site is the first T, edits leave the rest"
             stack_module = self.stacks[stack] if stack in self.stacks else self.stacks[self._stack_of(name)]
-        self.sites[name] = Site(name, module, point, shape, stack, source, heads, flat_in, scale, plus,
-                                call, block, stack_module, "time_major" in view, part, "trim" in view,
-                                expand=expand)
+        if "prefixed" in view:
+            stack_module = self.stacks[stack] if stack in self.stacks else self.stacks[self._stack_of(name)]
+        trace = None if inner else self._trace  # one chosen call of a module inside the sublayer (inner.py)
+        extras = site_extras(module, point, view, self.direct, self._block, trace, row_offset, shape[1] == "T")
+        if extras is None:  # a module the block runs more than once, first on other rows: left out
+            return
+        note, fields = extras
+        self.sites[name] = Site(name, module, point, shape, stack, source + note, heads, flat_in, scale, plus,
+                                call, block, stack_module, "time_major" in view, part, "trim" in view, expand=expand, **fields)
 
     def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,
                        kv_stack: str, trace: Trace, notes: str) -> None:
@@ -399,6 +418,8 @@ class Adapter:
 
 def _in_width(module: nn.Module) -> int:
     weight = getattr(module, "weight", None)
+    if hasattr(module, "in_channels"):  # a 1x1 Conv1d projection (SqueezeBERT)
+        return int(module.in_channels)
     if hasattr(module, "in_features"):
         return int(module.in_features)
     if weight is not None and weight.ndim == 2:

@@ -21,6 +21,7 @@ NOTES: dict[str, dict[str, str]] = {
 NOTES["deberta"] = NOTES["deberta_v2"] = NOTES["deberta-v2"]
 
 REFUSED: dict[str, str] = {
-    "funnel": "Funnel Transformer pools the sequence between its encoder blocks and upsamples it in its decoder, so "
-              "its hidden states are not one stack of same-length block outputs",
+    "funnel": "Funnel Transformer pools the sequence between its encoder's groups of layers (to about T/2 and T/4 "
+              "rows, which are not tokens) and upsamples it in its decoder, so its hidden states are not one stack "
+              "of same-length block outputs",
 }

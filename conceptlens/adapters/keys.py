@@ -22,7 +22,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from conceptlens.adapters.probe import ENCODER_TOKENS, Call, Trace, first_tensor
+from conceptlens.adapters.probe import ENCODER_TOKENS, Call, Trace, close, first_tensor
 from conceptlens.adapters.structure import BlockLayout
 from conceptlens.adapters.verify import call_of, submodule
 
@@ -49,10 +49,10 @@ def _values_are_own_then_encoder(attn: nn.Module, call: Call, trace: Trace) -> b
     if proj is None or own is None or encoder is None or own.ndim != 3:
         return False
     with torch.no_grad():
-        parts = [proj(x.to(proj.weight.dtype)) for x in (own, encoder)]
+        parts = [proj(x.to(proj.weight.device, proj.weight.dtype)) for x in (own, encoder)]
     parts = [p.view(*p.shape[:2], call.kv_heads, call.v_head_dim).transpose(1, 2) for p in parts
              if p.shape[-1] == call.kv_heads * call.v_head_dim]
-    return len(parts) == 2 and torch.equal(torch.cat(parts, dim=2), call.value)
+    return len(parts) == 2 and close(torch.cat(parts, dim=2), call.value)
 
 
 def _appending_child(attn: nn.Module, call: Call, trace: Trace) -> tuple[str, nn.Module] | None:
@@ -66,7 +66,7 @@ def _appending_child(attn: nn.Module, call: Call, trace: Trace) -> tuple[str, nn
         if out is None or out.ndim != 4 or out.shape[1] != call.kv_heads or out.shape[3] != call.head_dim \
                 or out.shape[2] != extra:
             continue
-        if not extra or torch.equal(out, call.key[:, :, call.q_len:]):
+        if not extra or close(out, call.key[:, :, call.q_len:]):
             return name, child
     return None
 

@@ -44,6 +44,8 @@ class Trace:
     """Each attention-function call, in order."""
     hidden: dict[str, tuple[Tensor, ...]] = field(default_factory=dict)
     """Stack prefix -> HF's hidden states."""
+    lengths: dict[str, int] = field(default_factory=dict)
+    """Stack prefix -> length of the stack's token input in the probe."""
     sequence: list[nn.Module] = field(default_factory=list)
     """Block modules in the order their calls finished (a shared layer appears once per call)."""
     per_call: dict[tuple[nn.Module, int], tuple[Tensor | None, Tensor | None]] = field(default_factory=dict)
@@ -144,8 +146,18 @@ class _StopProbe(Exception):
     """Raised after the last stack has returned its hidden states (the LM head is not needed)."""
 
 
+def input_length(args, kwargs) -> int | None:
+    """Length of a stack call's token input (input_ids, inputs_embeds or its first argument)."""
+    x = kwargs.get("input_ids")
+    x = x if x is not None else kwargs.get("inputs_embeds")
+    x = x if x is not None or not args else args[0]
+    return int(x.shape[1]) if isinstance(x, Tensor) and x.ndim >= 2 else None
+
+
 def _stack_hook(trace: Trace, prefix: str, last: bool):
-    def hook(module, args, output):
+    def hook(module, args, kwargs, output):
+        if (length := input_length(args, kwargs)) is not None:
+            trace.lengths[prefix] = length
         hidden = getattr(output, "hidden_states", None)
         if hidden is not None:
             trace.hidden[prefix] = tuple(hidden)
@@ -185,7 +197,8 @@ def run_probe(model: nn.Module, blocks: dict[str, list[nn.Module]], extra: list[
             handles.add(module.register_forward_hook(_record(trace), with_kwargs=True))
             handles.add(module.register_forward_hook(_record_calls(trace), with_kwargs=True))
         for i, (prefix, stack) in enumerate((stacks or {}).items()):
-            handles.add(stack.register_forward_hook(_stack_hook(trace, prefix, i == len(stacks) - 1)))
+            hook = _stack_hook(trace, prefix, i == len(stacks) - 1)
+            handles.add(stack.register_forward_hook(hook, with_kwargs=True))
         inputs = probe_inputs(model)
         with torch.no_grad():
             out = model(**inputs, output_hidden_states=True, use_cache=False)

@@ -196,7 +196,7 @@ def equation(lay: BlockLayout) -> str:
         return "; ".join(f"{_name(a.target)} = {fmt(a.coef)} * {_name(a.source)} + {' + '.join(a.kinds)}"
                          for a in lay.adds)
     if lay.resid_coef != 1.0:
-        kinds = [k for k in ("attn_out", "cross_attn_out", "mixer_out", "mlp_out") if getattr(lay, k)]
+        kinds = [k for k in ("attn_out", "cross_attn_out", "mixer_out", "mlp_out", "branch_out") if getattr(lay, k)]
         return f"resid_out = {fmt(lay.resid_coef)} * resid_in + {' + '.join(kinds)}"
     return ""
 

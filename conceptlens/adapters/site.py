@@ -81,6 +81,19 @@ class Site:
     """For q/k/v/pattern sites of a call whose keys are this forward's tokens followed by others
     (adapters/keys.py): "stack" (then the other stack's tokens: T5Gemma2's merged attention; a
     k/v site whose shape[1] is "S" is that part) or "appended" (entries a submodule returns)."""
+    prefixed: bool = False
+    """The module sees positions the model prepends to the tokens (CPM-Ant's prompt): the site is
+    the last T, T as for `trimmed`."""
+    channels_first: bool = False
+    """The module's tensor is `(B, C, T)` (SqueezeBERT's 1x1 convolutions); the site is its `(B, T, C)` transpose."""
+    row_offset: int = 0
+    """The module runs on the block's rows padded by this many on both sides (PEGASUS-X's staggered
+    attention): the site starts there."""
+    first_call_in: nn.Module | None = None
+    """The module runs more than once per call of this block (PEGASUS-X's FFN: on the tokens, then on
+    its global tokens): the site is its first call in each call of the block."""
+    routed: bool = False
+    """The stack calls the module's `forward` directly (SqueezeBERT): while hooked, such calls go through its hooks."""
 
     @property
     def width(self) -> int:

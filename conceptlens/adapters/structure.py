@@ -196,7 +196,8 @@ def _generic_layout(block: nn.Module) -> BlockLayout | None:
 
 def recognise(block: nn.Module) -> BlockLayout | None:
     """The layout of a block from its module names and classes (None: not recognised)."""
-    return _t5_layout(block) or _bert_layout(block) or _generic_layout(block)
+    from conceptlens.adapters.direct import beside_layout  # it builds on this module's BlockLayout
+    return _t5_layout(block) or _bert_layout(block) or beside_layout(block) or _generic_layout(block)
 
 
 def children_summary(block: nn.Module) -> str:

@@ -6,8 +6,8 @@ Two structural readings, tried only where `resid_in + attn_out + mlp_out` misses
 - several sublayers of one kind run in turn (LongCat-Flash keeps two attentions in
   `self_attn[0..1]`, two MLPs in `mlps[0..1]` beside a shortcut MoE `mlp`): the kind's site is
   the sum of their outputs, hooked at the one that finishes last, which also gets an edit's
-  change (`BlockLayout.parts`); every self-attention module after the first gets its own q/k/v
-  sites (`blocks.i.attn_1.q`, ...);
+  change (`BlockLayout.parts`); each attention sublayer after the first gets its own
+  q/k/v/pattern/z sites (`blocks.i.attn_1.q`, ...);
 - a further branch the block adds beside attention and MLP (Gemma 4's per-layer-input branch,
   added after the MLP): `branch_out`, the child of the block whose output closes the sum, tried
   with each sublayer also read at a later child (Gemma 4's MoE layers norm the sum of the dense
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from conceptlens.adapters.probe import Trace, close
-from conceptlens.adapters.structure import BlockLayout, _kind, is_norm
+from conceptlens.adapters.structure import _OUT_PROJ, BlockLayout, _child, _join, _kind, is_norm
 from conceptlens.adapters.verify import _contributions, _same, submodule, sum_problem
 
 _KIND_OF = {"attn": "attn_out", "cross": "cross_attn_out", "mixer": "mixer_out", "mlp": "mlp_out"}
@@ -187,3 +187,9 @@ def more_attention(block: nn.Module, lay: BlockLayout, trace: Trace) -> list[str
         if call is not None:
             found.append(names[call.module])
     return found
+
+
+def out_projection(block: nn.Module, path: str | None) -> str | None:
+    """Path of the output projection of the attention module at `path` (its input is `attn.z`)."""
+    module = submodule(block, path)
+    return None if module is None else _join(path, _child(module, _OUT_PROJ))

@@ -10,6 +10,7 @@ from torch import nn
 from conceptlens.adapters.depth import depth_mixers
 from conceptlens.adapters.hyper import stream_writes
 from conceptlens.adapters.inner import inner_call
+from conceptlens.adapters.padded import centre_offset
 from conceptlens.adapters.probe import Call, Trace, close
 from conceptlens.adapters.streams import other_stream
 from conceptlens.adapters.structure import BlockLayout, is_norm
@@ -162,7 +163,7 @@ def check_stack(prefix: str, blocks: list[nn.Module], final: nn.Module | None, t
         out = trace.io(block, calls[i])[1]
         out = as_hidden(out, view, length)
         if i + offset == n and not close(out, hidden[n]):
-            out = trace.io(final, final_call)[1] if final is not None else None
+            out = as_hidden(trace.io(final, final_call)[1], view, length) if final is not None else None
         if not close(out, hidden[i + offset]):
             raise LayoutError(f"{what}: the output of {p}blocks.{i} ({type(block).__name__}) is not the model's "
                               f"hidden_states[{i + offset}]")
@@ -273,6 +274,8 @@ def _contribution(block, trace, x, path, plus, flat) -> torch.Tensor | None:
         out = trace.outputs.get(submodule(block, p))
         if out is not None and flat and out.ndim == x.ndim - 1:
             out = out.view(*x.shape[:-1], -1)
+        if out is not None and (offset := centre_offset(out, x)):  # run on the rows padded both sides
+            out = out[:, offset:offset + x.shape[1]]
         if out is None or out.shape != x.shape:
             return None
         total = out.float() if total is None else total + out.float()
@@ -335,19 +338,28 @@ def as_hidden(x, view: str, length: int):
     stack's input length (blocks that run on tokens padded inside the model)."""
     if x is None or not view:
         return x
+    if view == "prefixed":
+        return x[:, -length:]
+    if view == "channels_first":
+        return x.transpose(1, 2)
     return x.transpose(0, 1) if view == "time_major" else x[:, :length]
 
 
 def block_view(block: nn.Module, trace: Trace, hidden: tuple | None) -> str:
     """"time_major": block 0 reads the `(T, B, d)` transpose of HF's hidden_states[0] (FSMT,
     XLNet); "trim": it reads hidden_states[0] followed by positions the model added (Longformer and
-    LED pad to their attention window, ProphetNet's decoder appends its n-gram streams); "" otherwise."""
+    LED pad to their attention window, ProphetNet's decoder appends its n-gram streams); "prefixed": it
+    reads positions the model prepends followed by hidden_states[0] (CPM-Ant's prompt tokens); "" otherwise."""
     x = trace.inputs.get(block)
     h = hidden[0] if hidden else None
     if x is None or h is None or x.ndim != 3 or h.ndim != 3:
         return ""
     if x.shape[0] != x.shape[1] and close(x.transpose(0, 1), h):
         return "time_major"
+    if x.shape[1] != x.shape[2] and close(x.transpose(1, 2), h):
+        return "channels_first"  # SqueezeBERT's (B, C, T) blocks
     if x.shape[0] == h.shape[0] and x.shape[1] > h.shape[1] and close(x[:, : h.shape[1]], h):
         return "trim"
+    if x.shape[0] == h.shape[0] and x.shape[1] > h.shape[1] and close(x[:, -h.shape[1]:], h):
+        return "prefixed"
     return ""

@@ -16,6 +16,7 @@ from torch import Tensor
 from conceptlens.adapters.site import Site
 from conceptlens.hooks.attention import add_qkv_hook
 from conceptlens.hooks.calls import gated_hook
+from conceptlens.hooks.direct import channels_last, route_through_call
 from conceptlens.hooks.handles import Handle, HandleGroup
 from conceptlens.hooks.hyper import stream_hook
 
@@ -29,16 +30,32 @@ def hook_site(site: Site, fn: SiteFn, *, edit: bool = False) -> Handle:
     site always run before reads there, whatever order the scopes were opened in. A site of
     one call of a shared layer (`site.call`) acts only during that call of each forward.
     """
-    if site.trimmed and site.stack_module is not None:
+    if site.first_call_in is not None:  # a module the block runs more than once: its first call only
+        return gated_hook(site.module, site.first_call_in, 0, fn,
+                          lambda gated: hook_site(replace(site, first_call_in=None), gated, edit=edit))
+    if (site.trimmed or site.prefixed) and site.stack_module is not None or site.row_offset:
         lengths: list[int] = []
         group = HandleGroup()
-        group.add(site.stack_module.register_forward_pre_hook(_record_length(lengths), with_kwargs=True))
+        if (site.trimmed or site.prefixed) and site.stack_module is not None:
+            group.add(site.stack_module.register_forward_pre_hook(_record_length(lengths), with_kwargs=True))
         try:
-            group.add(hook_site(replace(site, trimmed=False), _trimmed(fn, lengths), edit=edit))
+            group.add(hook_site(replace(site, trimmed=False, prefixed=False, row_offset=0),
+                                _trimmed(fn, lengths, site.prefixed, site.row_offset), edit=edit))
         except BaseException:
             group.remove()
             raise
         return group
+    if site.routed:  # the stack calls the module's forward directly: route those calls through its hooks
+        group = HandleGroup()
+        group.add(route_through_call(site.module))
+        try:
+            group.add(hook_site(replace(site, routed=False), fn, edit=edit))
+        except BaseException:
+            group.remove()
+            raise
+        return group
+    if site.channels_first:
+        return hook_site(replace(site, channels_first=False, heads=None), channels_last(fn, site.heads), edit=edit)
     if site.time_major:
         fn = _transposed(fn)
     if site.call is not None and site.block is not None and site.stack_module is not None:
@@ -83,15 +100,20 @@ def _record_length(lengths: list[int]):
     return hook
 
 
-def _trimmed(fn: SiteFn, lengths: list[int]) -> SiteFn:
-    """`fn` sees the first T tokens (T: this forward's input length) of a tensor the model padded;
-    an edit leaves the padding as it was."""
+def _trimmed(fn: SiteFn, lengths: list[int], last: bool = False, offset: int = 0) -> SiteFn:
+    """`fn` sees the first T tokens (T: this forward's input length) of a tensor the model padded,
+    the last T of one it prepended positions to (`last`), or the T after `offset` rows of padding
+    (T: the rest less as much padding behind, where no length is recorded); an edit leaves the
+    rest as it was."""
     def call(x: Tensor) -> Tensor | None:
-        length = lengths[0] if lengths else x.shape[1]
-        if x.shape[1] <= length:
+        length = lengths[0] if lengths else x.shape[1] - 2 * offset
+        if x.shape[1] <= length and not offset:
             return fn(x)
-        new = fn(x[:, :length])
-        return None if new is None else torch.cat([new.to(x.dtype), x[:, length:]], dim=1)
+        start = x.shape[1] - length if last else offset
+        new = fn(x[:, start:start + length])
+        if new is None:
+            return None
+        return torch.cat([x[:, :start], new.to(x.dtype), x[:, start + length:]], dim=1)
 
     return call
 
@@ -144,13 +166,16 @@ def _input_hook(fn: SiteFn, heads: int | None = None):
 
 def _output_hook(fn: SiteFn, heads: int | None):
     def hook(module, args, output):
-        x = output[0] if isinstance(output, (tuple, list)) else output
+        key = next(iter(output)) if type(output) is dict else None  # SqueezeBERT's {"feature_map": ...}
+        x = output[0] if isinstance(output, (tuple, list)) else output if key is None else output[key]
         shaped = x.unflatten(-1, (heads, -1)) if heads else x  # projection -> (B, T, H, d_head)
         new = fn(shaped)
         if new is None:
             return None
         if heads:
             new = new.flatten(-2)
+        if key is not None:
+            return {**output, key: new}
         if isinstance(output, (tuple, list)):
             rest = [new, *output[1:]]
             return output._make(rest) if hasattr(output, "_make") else type(output)(rest)  # a namedtuple

@@ -20,10 +20,7 @@ from tests.adapters.tiny_configs import model_types
 # Exceptions: attach refuses with a clear error (each is explained in DESIGN.md).
 EXCEPTIONS = {
     "blt": "hidden states",
-    "cpmant": "hidden_states",
     "funnel": "pools the sequence",
-    "pegasus_x": "hidden_states",
-    "squeezebert": "ran 0 times",
 }
 # Pre-norm blocks whose sublayer outputs do not add up to the block output (the residual itself
 # scaled, extra branches, ...): attach drops their attn_out / mlp_out sites and names the reason

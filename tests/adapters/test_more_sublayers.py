@@ -122,26 +122,37 @@ def test_gemma4_with_shared_kv_layers_passes_every_check():
     coverage.check_kv_cache(model, inputs)
 
 
-def test_gemma4_a_layer_scalar_other_than_one_gives_no_wrong_sublayer_sites():
+def test_gemma4_a_layer_scalar_other_than_one_is_the_detected_residual_coefficient():
     model = build("gemma4_text")
     for layer in model.model.layers:
         layer.layer_scalar.fill_(0.5)  # out = 0.5 * (resid + attn + mlp + branch): not resid + their sum
     lens = conceptlens.attach(model)
-    with torch.no_grad():
-        hidden = model(input_ids=IDS, output_hidden_states=True).hidden_states
-    for i in range(2):
-        kinds = [k for k in ("attn_out", "mlp_out", "branch_out") if f"blocks.{i}.{k}" in lens.sites]
-        assert all(f"blocks.{i}.{k}" in lens.adapter.problems for k in ("attn_out", "mlp_out") if k not in kinds)
-        names = [f"blocks.{i}.resid_in", f"blocks.{i}.resid_out"] + [f"blocks.{i}.{k}" for k in kinds]
+    assert not lens.adapter.problems
+    kinds = ("attn_out", "mlp_out", "branch_out")
+    names = [f"blocks.{i}.{k}" for i in range(2) for k in ("resid_in", "resid_out") + kinds]
+    store, handles = _outputs({i: model.model.layers[i].post_per_layer_input_norm for i in range(2)})
+    try:
         with torch.no_grad(), lens.capture(names, keep_shape=True) as cap:
             model(input_ids=IDS)
-        acts = cap.last[0]
-        if i == 0:
-            torch.testing.assert_close(acts["blocks.0.resid_out"], hidden[1], rtol=0, atol=1e-5)
-        if kinds:  # given only under an equation the probe verified: resid_out = a * resid_in + their sum
-            x, rest = acts[f"blocks.{i}.resid_in"], acts[f"blocks.{i}.resid_out"] - sum(acts[n] for n in names[2:])
-            a = (x * rest).sum() / (x * x).sum()
-            torch.testing.assert_close(a * x, rest, rtol=0, atol=1e-4)
+    finally:
+        for h in handles:
+            h.remove()
+    acts = cap.last[0]
+    for i in range(2):
+        lay = lens.adapter.layout("", i)
+        assert abs(lay.resid_coef - 0.5) < 1e-6 and "0.5 * resid_in" in lens.site(f"blocks.{i}.resid_out").source
+        assert "branch_out" in lens.site(f"blocks.{i}.resid_out").source
+        torch.testing.assert_close(acts[f"blocks.{i}.branch_out"], 0.5 * store[i], rtol=0, atol=1e-6)
+        total = lay.resid_coef * acts[f"blocks.{i}.resid_in"] + sum(acts[f"blocks.{i}.{k}"] for k in kinds)
+        torch.testing.assert_close(total, acts[f"blocks.{i}.resid_out"], rtol=0, atol=1e-4)
+    vector = torch.randn(64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), lens.capture(["blocks.1.resid_out"], keep_shape=True) as bare:
+        model(input_ids=IDS)
+    with torch.no_grad(), lens.steer(Add(vector, site="blocks.1.branch_out")), \
+            lens.capture(["blocks.1.resid_out"], keep_shape=True) as cap:
+        model(input_ids=IDS)
+    torch.testing.assert_close(cap.last[0]["blocks.1.resid_out"], bare.last[0]["blocks.1.resid_out"] + vector,
+                               rtol=0, atol=1e-5)  # the edit moves the residual by exactly its change
 
 
 def test_longcat_sums_its_attention_and_mlp_sublayers(longcat):
@@ -211,3 +222,19 @@ def test_a_shared_mlp_beside_the_experts_is_read_once_in_the_summed_mlp_out():
             h.remove()
     torch.testing.assert_close(cap.last[0]["blocks.1.mlp_out"], 0.25 * (store["moe"] + store["shared"]),
                                rtol=0, atol=1e-6)
+
+
+def test_longcat_second_attention_z_is_its_pattern_times_its_v(longcat):
+    model, lens = longcat
+    names = ["blocks.1.attn_1.pattern", "blocks.1.attn_1.v", "blocks.1.attn_1.z"]
+    seen = {}
+    handle = model.model.layers[1].self_attn[1].o_proj.register_forward_pre_hook(
+        lambda m, args: seen.update(z=args[0].detach().clone()))
+    try:
+        with torch.no_grad(), lens.capture(names, keep_shape=True) as cap:
+            model(input_ids=IDS, use_cache=False)
+    finally:
+        handle.remove()
+    pattern, v, z = (cap.last[0][n] for n in names)  # (B, T, H, S), (B, S, H, d), (B, T, H, d)
+    torch.testing.assert_close(z.flatten(-2), seen["z"], rtol=0, atol=0)
+    torch.testing.assert_close(torch.einsum("bths,bshd->bthd", pattern, v), z, rtol=0, atol=1e-5)

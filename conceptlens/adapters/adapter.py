@@ -263,8 +263,8 @@ class Adapter:
                 if scales:
                     note = (lay.notes.get(kind, "") + "; " if kind in lay.notes else "") + \
                         f"times {residual.fmt(scale)}, the block's scaling of it: {residual.added(lay, kind)}"
-                self._add(f"{b}.{kind}", module, "output", site_shape(resid, module, trace, spread and kind in spread),
-                          prefix,
+                shape = site_shape(resid, module, trace, bool(spread) and kind in spread)
+                self._add(f"{b}.{kind}", module, "output", shape, prefix,
                           f"output of {path} ({type(module).__name__})" + (f"; {note}" if note else ""),
                           flat_in=block if kind == "mlp_out" and lay.flat_mlp else None, scale=scale,
                           plus=plus_modules(block, lay, kind, plus), expand=spread.get(kind) if spread else None,

@@ -73,7 +73,8 @@ class _Writes:
             return None
         if args:
             return (args[0] + change.to(args[0].dtype), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": kwargs["hidden_states"] + change}
+        x = kwargs["hidden_states"]
+        return args, {**kwargs, "hidden_states": x + change.to(x.dtype)}
 
     def _to_output(self, module, args, output):
         change = self._take()
@@ -81,6 +82,8 @@ class _Writes:
             return None
         x = _first(output)
         new = x + change.to(x.dtype)
+        if hasattr(output, "_fields"):  # a namedtuple
+            return output._replace(**{output._fields[0]: new})
         return type(output)([new, *output[1:]]) if isinstance(output, (tuple, list)) else new
 
 

@@ -16,13 +16,13 @@ from torch import nn
 
 from conceptlens.adapters import families, residual
 from conceptlens.adapters.depth import again_note, later_reads
-from conceptlens.adapters.fused import describe, fused_layout
-from conceptlens.adapters.keys import add_split_attention, key_layout, relayout
+from conceptlens.adapters.attention_sites import AttentionSites, in_width
+from conceptlens.adapters.keys import relayout
 from conceptlens.adapters.direct import reprobe_direct
 from conceptlens.adapters.names import NameResolver
 from conceptlens.adapters.padded import centre_offset, cut_padded, site_extras
 from conceptlens.adapters.probe import Trace, run_probe
-from conceptlens.adapters.repeated import final_after, final_by_input, only_list, projection_view, same_class, unroll
+from conceptlens.adapters.repeated import final_after, final_by_input, only_list, same_class, unroll
 from conceptlens.adapters.site import Site
 from conceptlens.adapters.site_notes import attention_notes
 from conceptlens.adapters.hyper import site_shape, stream_writes
@@ -30,12 +30,9 @@ from conceptlens.adapters.structure import (BlockLayout, after_candidates, child
                                             final_norm_candidates, find_block_list, find_stacks, parallel_blocks,
                                             recognise)
 from conceptlens.adapters.sublayers import extend, more_attention, out_projection, plus_modules
-from conceptlens.adapters.verify import LayoutError, as_hidden, call_of, block_view, check_stack, refine, repair
+from conceptlens.adapters.verify import as_hidden, block_view, check_stack, refine, repair
 from conceptlens.adapters.verify import submodule as _get
 
-_Q_NAMES = ("q_proj", "query", "q", "query_proj", "q_lin")
-_K_NAMES = ("k_proj", "key", "k", "key_proj", "k_lin")
-_V_NAMES = ("v_proj", "value", "v", "value_proj", "v_lin")
 _OUT_KINDS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out", "branch_out")
 
 
@@ -53,37 +50,7 @@ class StackPaths:
     """Stack prefix ("" for single-stack models) -> path of the stack from the base model."""
 
 
-def _first_attr(obj: object, names: tuple[str, ...]) -> object | None:
-    return next((getattr(obj, n) for n in names if getattr(obj, n, None) is not None), None)
-
-
-def projection_owner(attn: nn.Module, names: tuple[str, ...]) -> nn.Module:
-    """`attn`, or its one child that owns the q projection (a wrapper around the attention)."""
-    if any(hasattr(getattr(attn, n, None), "weight") for n in names):
-        return attn
-    owners = [c for c in attn.children() if any(hasattr(getattr(c, n, None), "weight") for n in names)]
-    return owners[0] if len(owners) == 1 else attn
-
-
-def head_layout(attn: nn.Module, config) -> tuple[int, int, int] | None:
-    """(query heads, key/value heads, head dim) of an attention module with projections, or
-    None when neither the module nor the config tells (no q/k/v sites then)."""
-    head_dim = _first_attr(attn, ("head_dim", "attention_head_size", "key_value_proj_dim", "d_kv", "dim_per_head"))
-    heads = _first_attr(attn, ("num_heads", "num_attention_heads", "n_heads", "n_head"))
-    q, k = _first_attr(attn, _Q_NAMES), _first_attr(attn, _K_NAMES)
-    heads = heads or getattr(config, "num_attention_heads", 1)
-    width = getattr(q, "out_features", None) or getattr(config, "hidden_size", None)
-    if not (head_dim or width):
-        return None
-    head_dim = int(head_dim or width // heads)
-    width = getattr(q, "out_features", None)
-    if width:
-        heads = width // head_dim
-    kv_heads = k.out_features // head_dim if hasattr(k, "out_features") else heads
-    return int(heads), int(kv_heads), head_dim
-
-
-class Adapter:
+class Adapter(AttentionSites):
     """Every site of a model, found from its own modules (nothing is reimplemented)."""
 
     _current: tuple[nn.Module, int, nn.Module] | None = None
@@ -230,60 +197,8 @@ class Adapter:
         calls, again = self.calls.get(prefix), later_reads(blocks, trace)
         self._trace = trace
         for i, (block, lay) in enumerate(zip(blocks, self.layouts[prefix])):
-            b, cls = f"{p}blocks.{i}", type(block).__name__
             self._current, self._block = (block, calls[i], self.stacks[prefix]) if calls else None, block
-            first, last = self._io.get(block, (block, block))
-            if lay.additive:
-                extend(block, lay, trace)  # several sublayers of one kind, a further branch
-            problem, scales, plus = repair(block, lay, trace) if lay.additive else (None, None, None)
-            if problem and (fitted := residual.refit(block, lay, trace)) is not None:
-                problem, scales = None, fitted
-            spread = stream_writes(block, lay, trace) if problem else None  # hyper-connection streams
-            problem = None if spread else problem
-            if i == 0:
-                self._add(f"{p}embed", first, "input", resid, prefix, f"input to {cls} 0" + residual.before(lay, p))
-            rin, point = (block.get_submodule(lay.resid_in), "output") if lay.resid_in else (first, "input")
-            eq = f"; {e}" if (e := residual.equation(lay)) else ""
-            eq += " (the block does not add its input)" if lay.resid_coef == 0.0 else ""  # Inkling 2's boundary
-            where = f"{lay.resid_in} ({type(rin).__name__}) in {cls}" if lay.resid_in else type(rin).__name__
-            self._add(f"{b}.resid_in", rin, point, resid, prefix, f"{point} of {where} {i} ({lay.style})" +
-                      again_note(i, again, p))
-            self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}{eq}")
-            for kind in _OUT_KINDS:
-                path = getattr(lay, kind)
-                if path is None:
-                    continue
-                if problem or kind in lay.dropped:
-                    self.problems[f"{b}.{kind}"] = f"{self._what()} block {i}: {problem or lay.dropped[kind]}"
-                    continue
-                module = block.get_submodule(path)
-                scale = scales.get(kind, 1.0) if scales is not None else 1.0
-                note = lay.notes.get(kind) or ("what it adds to the residual" if lay.additive else "")
-                note += f"; the block does not add its input: {e}" if lay.resid_coef == 0.0 and not scales else ""
-                if scales:
-                    note = (lay.notes.get(kind, "") + "; " if kind in lay.notes else "") + \
-                        f"times {residual.fmt(scale)}, the block's scaling of it: {residual.added(lay, kind)}"
-                shape = site_shape(resid, module, trace, bool(spread) and kind in spread)
-                self._add(f"{b}.{kind}", module, "output", shape, prefix,
-                          f"output of {path} ({type(module).__name__})" + (f"; {note}" if note else ""),
-                          flat_in=block if kind == "mlp_out" and lay.flat_mlp else None, scale=scale,
-                          plus=plus_modules(block, lay, kind, plus), expand=spread.get(kind) if spread else None,
-                          row_offset=centre_offset(trace.outputs.get(module), trace.inputs.get(block)),
-                          inner=kind in lay.inner_calls)
-                if kind in lay.inner_calls:  # one call of a module inside the sublayer (inner.py)
-                    self._inner_call(f"{b}.{kind}", block, *lay.inner_calls[kind])
-            notes, more = attention_notes(self.config, i, _get(block, lay.attn)), more_attention(block, lay, trace)
-            self._add_attention(f"{b}.attn", block, lay.attn, lay.attn_z or (more and out_projection(block, lay.attn)),
-                                prefix, prefix, trace,
-                                "; ".join(filter(None, (notes, more and f"the block's attention sublayer {lay.attn}"))))
-            for j, path in enumerate(more, 1):  # further attention sublayers: attn_1, ...
-                self._add_attention(f"{b}.attn_{j}", block, path, out_projection(block, path), prefix, prefix, trace,
-                                    "; ".join(filter(None, (notes, f"the block's attention sublayer {path}"))))
-            if lay.cross_attn and prefix == "decoder":
-                self._add_attention(f"{b}.cross_attn", block, lay.cross_attn, None, prefix, "encoder", trace, "")
-            if lay.mlp_post and not lay.flat_mlp and (module := _get(block, lay.mlp_post)) is not None:
-                self._add(f"{b}.mlp.post", module, "input", ("B", "T", _in_width(module)), prefix,
-                          f"input of {lay.mlp_post} ({type(module).__name__}): the MLP's hidden activations")
+            self._add_block(prefix, i, block, lay, trace, resid, again)
         k = self._final_call.get(prefix)
         self._current, self._block = (final, k, self.stacks[prefix]) if k is not None else None, None
         if final is not None:
@@ -292,6 +207,70 @@ class Adapter:
             self._add(f"{p}final", final, "output", shape, prefix, f"output of the final norm ({type(final).__name__})"
                       if note is None else f"output of {type(final).__name__}, the stack's last hidden state; {note}")
         self._current = None
+
+    def _add_block(self, prefix: str, i: int, block: nn.Module, lay: BlockLayout, trace: Trace, resid: tuple,
+                   again) -> None:
+        """Every site of block `i`: residual points, sublayer outputs, attention, MLP neurons."""
+        p = f"{prefix}." if prefix else ""
+        b, cls = f"{p}blocks.{i}", type(block).__name__
+        first, last = self._io.get(block, (block, block))
+        if lay.additive:
+            extend(block, lay, trace)  # several sublayers of one kind, a further branch
+        problem, scales, plus = repair(block, lay, trace) if lay.additive else (None, None, None)
+        if problem and (fitted := residual.refit(block, lay, trace)) is not None:
+            problem, scales = None, fitted
+        spread = stream_writes(block, lay, trace) if problem else None  # hyper-connection streams
+        problem = None if spread else problem
+        if i == 0:
+            self._add(f"{p}embed", first, "input", resid, prefix, f"input to {cls} 0" + residual.before(lay, p))
+        rin, point = (block.get_submodule(lay.resid_in), "output") if lay.resid_in else (first, "input")
+        eq = f"; {e}" if (e := residual.equation(lay)) else ""
+        eq += " (the block does not add its input)" if lay.resid_coef == 0.0 else ""  # Inkling 2's boundary
+        where = f"{lay.resid_in} ({type(rin).__name__}) in {cls}" if lay.resid_in else type(rin).__name__
+        self._add(f"{b}.resid_in", rin, point, resid, prefix, f"{point} of {where} {i} ({lay.style})" +
+                  again_note(i, again, p))
+        self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}{eq}")
+        self._add_sublayers(prefix, b, i, block, lay, trace, resid, (problem, scales, plus, spread), e)
+        notes, more = attention_notes(self.config, i, _get(block, lay.attn)), more_attention(block, lay, trace)
+        self._add_attention(f"{b}.attn", block, lay.attn, lay.attn_z or (more and out_projection(block, lay.attn)),
+                            prefix, prefix, trace,
+                            "; ".join(filter(None, (notes, more and f"the block's attention sublayer {lay.attn}"))))
+        for j, path in enumerate(more, 1):  # further attention sublayers: attn_1, ...
+            self._add_attention(f"{b}.attn_{j}", block, path, out_projection(block, path), prefix, prefix, trace,
+                                "; ".join(filter(None, (notes, f"the block's attention sublayer {path}"))))
+        if lay.cross_attn and prefix == "decoder":
+            self._add_attention(f"{b}.cross_attn", block, lay.cross_attn, None, prefix, "encoder", trace, "")
+        if lay.mlp_post and not lay.flat_mlp and (module := _get(block, lay.mlp_post)) is not None:
+            self._add(f"{b}.mlp.post", module, "input", ("B", "T", in_width(module)), prefix,
+                      f"input of {lay.mlp_post} ({type(module).__name__}): the MLP's hidden activations")
+
+    def _add_sublayers(self, prefix: str, b: str, i: int, block: nn.Module, lay: BlockLayout, trace: Trace,
+                       resid: tuple, readings: tuple, e: str) -> None:
+        """attn_out, mlp_out, ...: each sublayer's contribution, as `repair` and the residual rules read it."""
+        problem, scales, plus, spread = readings
+        for kind in _OUT_KINDS:
+            path = getattr(lay, kind)
+            if path is None:
+                continue
+            if problem or kind in lay.dropped:
+                self.problems[f"{b}.{kind}"] = f"{self._what()} block {i}: {problem or lay.dropped[kind]}"
+                continue
+            module = block.get_submodule(path)
+            scale = scales.get(kind, 1.0) if scales is not None else 1.0
+            note = lay.notes.get(kind) or ("what it adds to the residual" if lay.additive else "")
+            note += f"; the block does not add its input: {e}" if lay.resid_coef == 0.0 and not scales else ""
+            if scales:
+                note = (lay.notes.get(kind, "") + "; " if kind in lay.notes else "") + \
+                    f"times {residual.fmt(scale)}, the block's scaling of it: {residual.added(lay, kind)}"
+            shape = site_shape(resid, module, trace, bool(spread) and kind in spread)
+            self._add(f"{b}.{kind}", module, "output", shape, prefix,
+                      f"output of {path} ({type(module).__name__})" + (f"; {note}" if note else ""),
+                      flat_in=block if kind == "mlp_out" and lay.flat_mlp else None, scale=scale,
+                      plus=plus_modules(block, lay, kind, plus), expand=spread.get(kind) if spread else None,
+                      row_offset=centre_offset(trace.outputs.get(module), trace.inputs.get(block)),
+                      inner=kind in lay.inner_calls)
+            if kind in lay.inner_calls:  # one call of a module inside the sublayer (inner.py)
+                self._inner_call(f"{b}.{kind}", block, *lay.inner_calls[kind])
 
     def _inner_call(self, name: str, block: nn.Module, call: int, sublayer: str) -> None:
         site = self.sites.pop(name)
@@ -325,79 +304,8 @@ class Adapter:
             return
         note, fields = extras
         self.sites[name] = Site(name, module, point, shape, stack, source + note, heads, flat_in, scale, plus,
-                                call, block, stack_module, "time_major" in view, part, "trim" in view, expand=expand, **fields)
-
-    def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,
-                       kv_stack: str, trace: Trace, notes: str) -> None:
-        attn = _get(block, path)
-        if attn is None:
-            return
-        call = call_of(trace, attn)
-        seq_kv = "T" if kv_stack == q_stack else "S"
-        suffix = f"; {notes}" if notes else ""
-        split = key_layout(attn, call, trace, q_stack) if seq_kv == "T" else None  # T5Gemma2, DeepSeek V4
-        if split is None and call is not None and seq_kv == "T" and call.k_len != call.q_len:  # no cache here
-            for which in ("q", "k", "v", "pattern"):  # e.g. T5Gemma2's merged self- and cross-attention
-                self.problems[f"{name}.{which}"] = (f"{self._what()}: {type(attn).__name__} attends {call.q_len} "
-                                                    f"queries to {call.k_len} keys in a forward without cache, so "
-                                                    "its keys are not this stack's tokens (merged attention)")
-            return
-        if split is not None:
-            heads, v_dim = add_split_attention(self, name, attn, call, split, q_stack, suffix)
-        elif call is not None:
-            shapes = {"q": ("B", "T", call.heads, call.head_dim), "k": ("B", seq_kv, call.kv_heads, call.head_dim),
-                      "v": ("B", seq_kv, call.kv_heads, call.v_head_dim)}
-            for which in "qkv":
-                source = f"{which} as passed to the attention function by {type(attn).__name__}"
-                if which in "qk":
-                    source += " (after rotary embedding and any q/k norm, as the scores use it)"
-                stack = q_stack if which == "q" else kv_stack
-                self._add(f"{name}.{which}", attn, which, shapes[which], stack, source + suffix)
-            for which, names, count in (("q", _Q_NAMES, call.heads), ("k", _K_NAMES, call.kv_heads)):
-                proj = next((getattr(attn, n) for n in names if hasattr(getattr(attn, n, None), "out_features")), None)
-                if proj is not None and proj.out_features == count * call.head_dim:
-                    self._add(f"{name}.{which}_pre", proj, "output", ("B", shapes[which][1], count, call.head_dim),
-                              q_stack if which == "q" else kv_stack, f"output of {type(attn).__name__}'s {which} "
-                              "projection: before rotary embedding and any q/k norm (TransformerLens hook_"
-                              f"{which})", heads=count)
-            self._add(f"{name}.pattern", attn, "pattern", ("B", "T", call.heads, "S" if seq_kv == "S" else "T"),
-                      q_stack, "attention probabilities softmax(q.k^T * scaling + the model's mask/bias), computed "
-                      "from the q/k passed to the attention function (equal to eager attention weights; read only)")
-            heads, v_dim = call.heads, call.v_head_dim
-        elif (fused := fused_layout(attn)) is not None:  # Bloom, Falcon, MPT, GPT-1: one q/k/v projection
-            proj = getattr(attn, fused.projection)
-            for which in "qkv":
-                self._add(f"{name}.{which}", proj, "output", ("B", "T" if which == "q" else seq_kv, fused.heads[which],
-                                                               fused.head_dim), q_stack if which == "q" else kv_stack,
-                          describe(fused, which) + suffix, heads=fused.heads[which], part=fused.parts[which])
-            heads, v_dim = fused.heads["q"], fused.head_dim
-        else:
-            attn = projection_owner(attn, _Q_NAMES)  # GPT-Neo, MPNet: the projections sit one module down
-            layout = head_layout(attn, self.config)
-            if layout is None:
-                return
-            heads, kv_heads, head_dim = layout
-            for which, names in zip("qkv", (_Q_NAMES, _K_NAMES, _V_NAMES)):
-                proj_name = next((n for n in names if hasattr(getattr(attn, n, None), "weight")), None)
-                if proj_name is None:
-                    continue
-                count = heads if which == "q" else kv_heads
-                note = families.NOTES.get(self.family, {}).get(which) or \
-                    f"output of the {proj_name} projection (this attention does not use the attention-function " \
-                    "interface, so no rotary embedding is applied here)"
-                stack = q_stack if which == "q" else kv_stack
-                view = projection_view(self._view, block, getattr(attn, proj_name), trace)
-                if view is None:
-                    continue
-                self._add(f"{name}.{which}", getattr(attn, proj_name), "output",
-                          ("B", "T" if which == "q" else seq_kv, count, head_dim), stack, note + suffix, heads=count,
-                          view=view)
-            v_dim = head_dim
-        z = _get(block, z_path)
-        if z is not None and _in_width(z) == heads * v_dim:
-            self._add(f"{name}.z", z, "input", ("B", "T", heads, v_dim), q_stack,
-                      f"input of {z_path} ({type(z).__name__}): each head's attention output before the "
-                      "output projection", heads=heads)
+                                call, block, stack_module, "time_major" in view, part, "trim" in view, expand=expand,
+                                **fields)
 
     def _stack_of(self, name: str) -> str:
         head = name.split(".", 1)[0]
@@ -413,16 +321,3 @@ class Adapter:
 
     def canonical(self, name: str) -> str:
         return self.names.canonical(name)
-
-
-
-def _in_width(module: nn.Module) -> int:
-    weight = getattr(module, "weight", None)
-    if hasattr(module, "in_channels"):  # a 1x1 Conv1d projection (SqueezeBERT)
-        return int(module.in_channels)
-    if hasattr(module, "in_features"):
-        return int(module.in_features)
-    if weight is not None and weight.ndim == 2:
-        # Conv1D (GPT-2) stores (in, out); Linear stores (out, in)
-        return int(weight.shape[0] if type(module).__name__ == "Conv1D" else weight.shape[1])
-    return -1

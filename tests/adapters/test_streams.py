@@ -58,7 +58,8 @@ def _manual(model, ids, module, vector, point):
     if point == "input":
         handle = module.register_forward_pre_hook(lambda m, args: (args[0] + vector, *args[1:]))
     else:
-        handle = module.register_forward_hook(lambda m, args, out: out + vector)
+        handle = module.register_forward_hook(
+            lambda m, args, out: (out[0] + vector, *out[1:]) if isinstance(out, tuple) else out + vector)
     try:
         with torch.no_grad():
             return model(input_ids=ids).logits
@@ -158,3 +159,15 @@ def test_hy_v4_streams_in_their_own_dimension_and_a_residual_the_block_adds_itse
         handle.remove()
     torch.testing.assert_close(edited.last[0]["blocks.0.resid_out"], by_hand, rtol=0, atol=1e-5)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules())
+
+
+@pytest.mark.parametrize("model_type", ["hy_v4", "deepseek_v4"])
+def test_a_residual_of_streams_in_their_own_dimension_is_steered_as_its_flat_width(model_type):
+    model = build(model_type)
+    lens = conceptlens.attach(model)
+    site = lens.site("blocks.0.resid_out")
+    assert site.shape == ("B", "T", 4, 64)  # the tensor the hooks see, streams and all
+    ids, vector = _ids(), torch.randn(256, generator=torch.Generator().manual_seed(6))
+    expected = _manual(model, ids, model.model.layers[0], vector.view(4, 64), "output")
+    with torch.no_grad(), lens.steer(Add(vector, site="blocks.0.resid_out")):  # edits see (B, T, 4 * 64)
+        torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=0, atol=1e-6)

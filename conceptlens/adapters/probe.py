@@ -8,6 +8,7 @@ adapter uses it to finish the block layouts and to check them against HF's hidde
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -253,3 +254,22 @@ def close(a: Tensor | None, b: Tensor | None, tol: float = 1e-5) -> bool:
         return False
     a, b = a.float(), b.float().to(a.device)
     return bool(((a - b).abs().max() <= tol * (1 + b.abs().max())).item())
+
+
+def sums_to(x: Tensor, outs: list[Tensor], y: Tensor, tol: float = 1e-4) -> bool:
+    """x + sum(outs) == y at `tol` (relative to y's largest entry), formed in float32; where y is
+    bfloat16 / float16 (a low-precision model), the sum is also formed in y's dtype, adding the
+    terms in each order, as the block's own adds round it: float32 sums of rounded terms are off
+    by a rounding step, far more than `tol`, while the block's own order reproduces y."""
+    if close(x.float() + sum(o.float() for o in outs), y, tol):
+        return True
+    if y.dtype not in (torch.bfloat16, torch.float16) or len(outs) > 3:
+        return False
+    terms = [t.to(y.dtype) for t in (x, *outs)]
+    for order in itertools.permutations(terms):
+        total = order[0]
+        for t in order[1:]:
+            total = total + t
+        if close(total, y, tol):
+            return True
+    return False

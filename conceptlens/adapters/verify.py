@@ -11,7 +11,7 @@ from conceptlens.adapters.depth import depth_mixers
 from conceptlens.adapters.hyper import stream_writes
 from conceptlens.adapters.inner import inner_call
 from conceptlens.adapters.padded import centre_offset
-from conceptlens.adapters.probe import Call, Trace, close
+from conceptlens.adapters.probe import Call, Trace, close, sums_to
 from conceptlens.adapters.streams import other_stream
 from conceptlens.adapters.structure import BlockLayout, is_norm
 
@@ -205,7 +205,7 @@ def sum_problem(block: nn.Module, lay: BlockLayout, trace: Trace) -> str | None:
     outs = _contributions(block, lay, trace)
     if isinstance(outs, str):
         return outs
-    if not close(x.float() + sum(outs.values()), y.float(), 1e-4):
+    if not sums_to(x, list(outs.values()), y):
         return "resid_in + attn_out + mlp_out differs from resid_out"
     return None
 
@@ -294,7 +294,7 @@ def repair(block: nn.Module, lay: BlockLayout, trace: Trace):
     kinds = [k for k in _KINDS if getattr(lay, k)]
     if problem is None or x is None or y is None or not kinds:
         return problem, None, None
-    x, y = x.float(), y.float()
+    x0, y0, x, y = x, y, x.float(), y.float()  # as recorded (for sums_to), and in float32
     assigned = {getattr(lay, k) for k in kinds}  # another sublayer is never summed into this one
     options = [_alternatives(block, getattr(lay, k), trace, x.shape, assigned) +
                (_alternatives(block, lay.replaced[k], trace, x.shape, assigned) if k in lay.replaced else [])
@@ -310,7 +310,8 @@ def repair(block: nn.Module, lay: BlockLayout, trace: Trace):
             if not outs or any(o is None for o in outs.values()):
                 continue
             scales = _scales(x, y, outs) if scaled else None
-            if scales or (not scaled and close((0 if scaled is None else x) + sum(outs.values()), y, 1e-4)):
+            plain = scaled is False and sums_to(x0, list(outs.values()), y0)  # in the model's dtype too
+            if scales or plain or (scaled is None and close(sum(outs.values()), y, 1e-4)):
                 lay.resid_coef = 1.0 if scaled is not None else 0.0
                 _apply(lay, kinds, chosen)
                 return None, scales, {k: c[1] for k, c in chosen.items() if c[1]}

@@ -194,6 +194,8 @@ class Adapter(AttentionSites):
         streams = x0 is not None and x0.ndim == 4 and x0.shape[0] == 1  # (B, T, n, d) on the probe's one row (HY-V4)
         resid = ("B", "T", *(int(s) for s in x0.shape[2:])) if streams else \
             ("B", "T", int(x0.shape[-1]) if x0 is not None else self._hidden_size())
+        if self._view == "streams_first":  # (n, B, T, d) in the model: sites are its (B, T, n, d) permutation
+            resid = ("B", "T", int(x0.shape[0]), int(x0.shape[-1]))
         calls, again = self.calls.get(prefix), later_reads(blocks, trace)
         self._trace = trace
         for i, (block, lay) in enumerate(zip(blocks, self.layouts[prefix])):
@@ -222,14 +224,16 @@ class Adapter(AttentionSites):
         spread = stream_writes(block, lay, trace) if problem else None  # hyper-connection streams
         problem = None if spread else problem
         if i == 0:
-            self._add(f"{p}embed", first, "input", resid, prefix, f"input to {cls} 0" + residual.before(lay, p))
+            self._add(f"{p}embed", first, "input", resid, prefix, f"input to {cls} 0" + residual.before(lay, p),
+                      resid=True)
         rin, point = (block.get_submodule(lay.resid_in), "output") if lay.resid_in else (first, "input")
         eq = f"; {e}" if (e := residual.equation(lay)) else ""
         eq += " (the block does not add its input)" if lay.resid_coef == 0.0 else ""  # Inkling 2's boundary
         where = f"{lay.resid_in} ({type(rin).__name__}) in {cls}" if lay.resid_in else type(rin).__name__
         self._add(f"{b}.resid_in", rin, point, resid, prefix, f"{point} of {where} {i} ({lay.style})" +
-                  again_note(i, again, p))
-        self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}{eq}")
+                  again_note(i, again, p), resid=True)
+        self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}{eq}",
+                  resid=True)
         self._add_sublayers(prefix, b, i, block, lay, trace, resid, (problem, scales, plus, spread), e)
         notes, more = attention_notes(self.config, i, _get(block, lay.attn)), more_attention(block, lay, trace)
         self._add_attention(f"{b}.attn", block, lay.attn, lay.attn_z or (more and out_projection(block, lay.attn)),
@@ -285,13 +289,15 @@ class Adapter(AttentionSites):
 
     def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
              flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: str | None = None,
-             part=None, row_offset: int = 0, inner: bool = False, expand=None) -> None:
+             part=None, row_offset: int = 0, inner: bool = False, expand=None, resid: bool = False) -> None:
         block, call, stack_module = self._current or (None, None, None)
         if block is not None:
             source += f" (call {call} of this shared {type(block).__name__} in each forward)"
         view = self._view if view is None else view
         if "time_major" in view:
             source += "; the module's tensor is time-major (T, B, ...), the site is its (B, T, ...) transpose"
+        if "streams_first" in view and resid:
+            source += "; the residual is several streams first, (n, B, T, d) in the model: the site is (B, T, n, d)"
         if "trim" in view:
             source += "; the module runs on more positions than this forward's tokens (padding to an attention " \
                       "window, or n-gram streams after the main one): the site is the first T, edits leave the rest"
@@ -305,7 +311,7 @@ class Adapter(AttentionSites):
         note, fields = extras
         self.sites[name] = Site(name, module, point, shape, stack, source + note, heads, flat_in, scale, plus,
                                 call, block, stack_module, "time_major" in view, part, "trim" in view, expand=expand,
-                                **fields)
+                                streams_first="streams_first" in view and resid, **fields)
 
     def _stack_of(self, name: str) -> str:
         head = name.split(".", 1)[0]

@@ -95,6 +95,10 @@ class Site:
     routed: bool = False
     """The stack calls the module's `forward` directly (SqueezeBERT): while hooked, such calls go through its hooks."""
 
+    streams_first: bool = False
+    """The model's tensor is `(n, B, T, d)`, n residual streams first (Gemma 3n's AltUp); the site is
+    its `(B, T, n, d)` permutation (a tensor of another rank at the same module passes through)."""
+
     @property
     def width(self) -> int:
         """Size of the last dimension (hidden size, or head dimension for q/k/v)."""

@@ -337,7 +337,7 @@ def _apply(lay: BlockLayout, kinds: list[str], chosen: dict) -> None:
 def as_hidden(x, view: str, length: int):
     """A block tensor in HF's hidden-state layout: transposed (time-major blocks) or cut to the
     stack's input length (blocks that run on tokens padded inside the model)."""
-    if x is None or not view:
+    if x is None or not view or view == "streams_first":
         return x
     if view == "prefixed":
         return x[:, -length:]
@@ -350,9 +350,12 @@ def block_view(block: nn.Module, trace: Trace, hidden: tuple | None) -> str:
     """"time_major": block 0 reads the `(T, B, d)` transpose of HF's hidden_states[0] (FSMT,
     XLNet); "trim": it reads hidden_states[0] followed by positions the model added (Longformer and
     LED pad to their attention window, ProphetNet's decoder appends its n-gram streams); "prefixed": it
-    reads positions the model prepends followed by hidden_states[0] (CPM-Ant's prompt tokens); "" otherwise."""
+    reads positions the model prepends followed by hidden_states[0] (CPM-Ant's prompt tokens);
+    "streams_first": the residual is `(n, B, T, d)`, n streams first (Gemma 3n's AltUp); "" otherwise."""
     x = trace.inputs.get(block)
     h = hidden[0] if hidden else None
+    if x is not None and h is not None and x.ndim == h.ndim == 4 and x.shape[0] > 1 == x.shape[1] and close(x, h):
+        return "streams_first"  # Gemma 3n's AltUp: (n, B, T, d), the probe's one row second
     if x is None or h is None or x.ndim != 3 or h.ndim != 3:
         return ""
     if x.shape[0] != x.shape[1] and close(x.transpose(0, 1), h):

@@ -58,6 +58,8 @@ def hook_site(site: Site, fn: SiteFn, *, edit: bool = False) -> Handle:
         return hook_site(replace(site, channels_first=False, heads=None), channels_last(fn, site.heads), edit=edit)
     if site.time_major:
         fn = _transposed(fn)
+    if site.streams_first:
+        fn = _streams_last(fn)
     if site.call is not None and site.block is not None and site.stack_module is not None:
         return gated_hook(site.block, site.stack_module, site.call, fn, lambda gated: _hook(site, gated, edit))
     return _hook(site, fn, edit)
@@ -114,6 +116,17 @@ def _trimmed(fn: SiteFn, lengths: list[int], last: bool = False, offset: int = 0
         if new is None:
             return None
         return torch.cat([x[:, :start], new.to(x.dtype), x[:, start + length:]], dim=1)
+
+    return call
+
+
+def _streams_last(fn: SiteFn) -> SiteFn:
+    """`fn` sees the `(B, T, n, d)` permutation of an `(n, B, T, d)` tensor; edits go back."""
+    def call(x: Tensor) -> Tensor | None:
+        if x.ndim != 4:
+            return fn(x)
+        new = fn(x.permute(1, 2, 0, 3))
+        return None if new is None else new.permute(2, 0, 1, 3)
 
     return call
 

@@ -79,6 +79,8 @@ def check_model(model, inputs, out, partial: bool = False) -> None:
         if stack in lens.adapter.padded_hidden:  # HF keeps the model's own padding (PEGASUS-X): the tokens are first
             length = inputs["decoder_input_ids" if stack == "decoder" else "input_ids"].shape[1]
             hs = [h[:, :length] if isinstance(h, torch.Tensor) else h for h in hs]
+        if lens.sites[f"{p}embed"].streams_first:  # (n, B, T, d) in HF's list: the sites are (B, T, n, d)
+            hs = [h.permute(1, 2, 0, 3) if isinstance(h, torch.Tensor) else h for h in hs]
         names = [f"{p}embed"] + [f"{p}blocks.{i}.{k}" for i in range(n)
                                  for k in ("resid_in", "resid_out") + SUBLAYERS
                                  if f"{p}blocks.{i}.{k}" in lens.sites]

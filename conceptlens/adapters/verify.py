@@ -79,9 +79,13 @@ def refine(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
         lay.flat_mlp = True
     if not lay.additive:
         _norm_inside(block, lay, trace)
-        lay.style += ", post-LN (the norm follows the residual add)"
+        streams = x is not None and x.ndim == 4  # (B, T, n, d): streams the block mixes (DeepSeek-V4)
+        lay.style += ", residual streams mixed inside the block" if streams else \
+            ", post-LN (the norm follows the residual add)"
+        note = "the sublayer's output; the block mixes its residual streams, so not what it adds to them" \
+            if streams else "post-LN: the sublayer output before the residual add and norm"
         for key in ("attn_out", "mlp_out", "cross_attn_out", "mixer_out"):
-            lay.notes.setdefault(key, "post-LN: the sublayer output before the residual add and norm")
+            lay.notes.setdefault(key, note)
 
 
 def _before_sublayers(norm: nn.Module, block: nn.Module, lay: BlockLayout, trace: Trace) -> bool:

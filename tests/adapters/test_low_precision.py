@@ -55,3 +55,17 @@ def test_bfloat16_edit_equals_a_manual_hook(model_type):
     finally:
         handle.remove()
     assert torch.equal(steered, manual)
+
+
+@pytest.mark.real_model
+def test_smollm2_in_bfloat16_keeps_every_site():
+    """The real SmolLM2 cast to bfloat16: the same 362 sites on the same modules, with no problem
+    (before, 58 sublayer sites were dropped as "differs from resid_out")."""
+    from conceptlens import models
+
+    model, tok = models.load("smollm2-135m")
+    full = _modules(conceptlens.attach(model, tok), model)
+    model.to(torch.bfloat16)
+    lens = conceptlens.attach(model, tok)
+    assert not lens.adapter.problems
+    assert _modules(lens, model) == full

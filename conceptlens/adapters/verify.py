@@ -217,9 +217,13 @@ def sum_problem(block: nn.Module, lay: BlockLayout, trace: Trace) -> str | None:
 _KINDS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out", "branch_out")
 
 
-def _scales(x: torch.Tensor, y: torch.Tensor, outs: dict[str, torch.Tensor]) -> dict[str, float] | None:
+def _scales(x: torch.Tensor, y: torch.Tensor, outs: dict[str, torch.Tensor], y0: torch.Tensor | None = None
+            ) -> dict[str, float] | None:
     """Constants c_k with resid_in + sum(c_k * out_k) == resid_out (1e-4, the tolerance of the
-    plain sum), fitted on the probe by least squares; None when no constants reproduce it."""
+    plain sum), fitted on the probe by least squares; None when no constants reproduce it. For a
+    low-precision model (`y0`, the block output as recorded), where a least-squares fit on rounded
+    terms is only near the block's constants, the fit rounded to 1..7 significant digits is kept
+    if it reproduces the block's own rounding (`sums_to`: each product and add in the model's dtype)."""
     a = torch.stack([o.reshape(-1) for o in outs.values()], dim=1).double()
     b = (y - x).reshape(-1).double()
     if a.shape[0] <= 4 * a.shape[1] or torch.linalg.matrix_rank(a) < a.shape[1]:
@@ -229,7 +233,15 @@ def _scales(x: torch.Tensor, y: torch.Tensor, outs: dict[str, torch.Tensor]) -> 
         return None  # a sublayer fitted away: not a multiplier
     c = torch.where((c - 1).abs() < 1e-3, torch.ones_like(c), c)
     scales = {key: float(v) for key, v in zip(outs, c)}
-    return scales if close(x + sum(scales[k] * o for k, o in outs.items()), y, 1e-4) else None
+    if close(x + sum(scales[k] * o for k, o in outs.items()), y, 1e-4):
+        return scales
+    if y0 is None or y0.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    for digits in range(1, 8):  # a config constant (Granite's residual_multiplier 0.22) has few digits
+        snapped = {k: float(f"{v:.{digits}g}") for k, v in scales.items()}
+        if sums_to(x, [o.to(y0.dtype) * snapped[k] for k, o in outs.items()], y0):
+            return snapped
+    return None
 
 
 def _last_projection(block: nn.Module, path: str, trace: Trace) -> str | None:
@@ -313,7 +325,7 @@ def repair(block: nn.Module, lay: BlockLayout, trace: Trace):
                     for k, c in chosen.items()}
             if not outs or any(o is None for o in outs.values()):
                 continue
-            scales = _scales(x, y, outs) if scaled else None
+            scales = _scales(x, y, outs, y0) if scaled else None
             plain = scaled is False and sums_to(x0, list(outs.values()), y0)  # in the model's dtype too
             if scales or plain or (scaled is None and close(sum(outs.values()), y, 1e-4)):
                 lay.resid_coef = 1.0 if scaled is not None else 0.0

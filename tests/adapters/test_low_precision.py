@@ -69,3 +69,34 @@ def test_smollm2_in_bfloat16_keeps_every_site():
     lens = conceptlens.attach(model, tok)
     assert not lens.adapter.problems
     assert _modules(lens, model) == full
+
+
+def test_bfloat16_block_constants_are_the_config_constants():
+    """Granite adds residual + sublayer * residual_multiplier: in bfloat16 the fitted constant is
+    the config's 0.22 (a least-squares fit on rounded terms is only near it), and the sites read
+    exactly the terms the block adds."""
+    import transformers as tf
+
+    from tests.adapters.tiny_configs import tiny_config
+
+    config = tiny_config("granite")
+    config.residual_multiplier = 0.22
+    torch.manual_seed(0)
+    model = tf.GraniteForCausalLM._from_config(config, attn_implementation="eager").eval().to(torch.bfloat16)
+    lens = conceptlens.attach(model)
+    assert not lens.adapter.problems
+    assert lens.site("blocks.0.attn_out").scale == lens.site("blocks.1.mlp_out").scale == 0.22
+    inputs = coverage.inputs_for(model)
+    names = [f"blocks.0.{k}" for k in ("resid_in", "attn_out", "mlp_out", "resid_out")]
+    seen = {}
+    layer = model.model.layers[0]
+    handles = [layer.self_attn.register_forward_hook(lambda m, a, o: seen.update(attn=o[0])),
+               layer.mlp.register_forward_hook(lambda m, a, o: seen.update(mlp=o))]
+    try:
+        acts = coverage.capture_all(lens, model, inputs, names)
+    finally:
+        for h in handles:
+            h.remove()
+    x, a, m, y = (acts[n].to(torch.bfloat16) for n in names)
+    assert torch.equal(a, seen["attn"] * 0.22) and torch.equal(m, seen["mlp"] * 0.22)
+    assert torch.equal((x + a) + m, y)

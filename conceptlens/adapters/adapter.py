@@ -30,7 +30,8 @@ from conceptlens.adapters.structure import (BlockLayout, after_candidates, child
                                             final_norm_candidates, find_block_list, find_stacks, parallel_blocks,
                                             recognise)
 from conceptlens.adapters.sublayers import extend, more_attention, out_projection, plus_modules
-from conceptlens.adapters.verify import as_hidden, block_view, check_stack, refine, repair
+from conceptlens.adapters.repair import repair
+from conceptlens.adapters.verify import as_hidden, block_view, check_stack, refine
 from conceptlens.adapters.verify import submodule as _get
 
 _OUT_KINDS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out", "branch_out")

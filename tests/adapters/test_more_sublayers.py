@@ -18,14 +18,20 @@ from tests.adapters.tiny_configs import build, tiny_config
 IDS = torch.randint(4, 100, (2, 6), generator=torch.Generator().manual_seed(0))
 
 
-def _outputs(modules):
-    """Forward hooks recording each module's (first) output; returns (store, handles)."""
+def _capture_with(lens, model, names, modules):
+    """(the sites `names` captured in one forward, each of `modules`' (first) output in that forward)."""
     store, handles = {}, []
     for key, module in modules.items():
         def hook(m, args, output, key=key):
             store[key] = (output[0] if isinstance(output, tuple) else output).detach().clone()
         handles.append(module.register_forward_hook(hook))
-    return store, handles
+    try:
+        with torch.no_grad(), lens.capture(names, keep_shape=True) as cap:
+            model(input_ids=IDS)
+    finally:
+        for h in handles:
+            h.remove()
+    return cap.last[0], store
 
 
 def _manual_add(module, vector):
@@ -71,14 +77,7 @@ def test_gemma4_branch_out_is_the_per_layer_input_branch(gemma4):
     assert not lens.adapter.problems
     layers = model.model.layers
     names = [f"blocks.{i}.{k}" for i in range(2) for k in ("resid_in", "attn_out", "mlp_out", "branch_out", "resid_out")]
-    store, handles = _outputs({i: layers[i].post_per_layer_input_norm for i in range(2)})
-    try:
-        with torch.no_grad(), lens.capture(names, keep_shape=True) as cap:
-            model(input_ids=IDS)
-    finally:
-        for h in handles:
-            h.remove()
-    acts = cap.last[0]
+    acts, store = _capture_with(lens, model, names, {i: layers[i].post_per_layer_input_norm for i in range(2)})
     for i in range(2):
         assert "further branch" in lens.site(f"blocks.{i}.branch_out").source
         assert lens.site(f"blocks.{i}.branch_out").module is layers[i].post_per_layer_input_norm
@@ -130,14 +129,7 @@ def test_gemma4_a_layer_scalar_other_than_one_is_the_detected_residual_coefficie
     assert not lens.adapter.problems
     kinds = ("attn_out", "mlp_out", "branch_out")
     names = [f"blocks.{i}.{k}" for i in range(2) for k in ("resid_in", "resid_out") + kinds]
-    store, handles = _outputs({i: model.model.layers[i].post_per_layer_input_norm for i in range(2)})
-    try:
-        with torch.no_grad(), lens.capture(names, keep_shape=True) as cap:
-            model(input_ids=IDS)
-    finally:
-        for h in handles:
-            h.remove()
-    acts = cap.last[0]
+    acts, store = _capture_with(lens, model, names, {i: model.model.layers[i].post_per_layer_input_norm for i in range(2)})
     for i in range(2):
         lay = lens.adapter.layout("", i)
         assert abs(lay.resid_coef - 0.5) < 1e-6 and "0.5 * resid_in" in lens.site(f"blocks.{i}.resid_out").source
@@ -164,14 +156,7 @@ def test_longcat_sums_its_attention_and_mlp_sublayers(longcat):
         modules.update({(i, "a0"): layers[i].self_attn[0], (i, "a1"): layers[i].self_attn[1],
                         (i, "m0"): layers[i].mlps[0], (i, "m1"): layers[i].mlps[1], (i, "moe"): layers[i].mlp})
     names = [f"blocks.{i}.{k}" for i in range(2) for k in ("attn_out", "mlp_out")]
-    store, handles = _outputs(modules)
-    try:
-        with torch.no_grad(), lens.capture(names, keep_shape=True) as cap:
-            model(input_ids=IDS)
-    finally:
-        for h in handles:
-            h.remove()
-    acts = cap.last[0]
+    acts, store = _capture_with(lens, model, names, modules)
     for i in range(2):
         torch.testing.assert_close(acts[f"blocks.{i}.attn_out"], store[i, "a0"] + store[i, "a1"], rtol=0, atol=1e-6)
         torch.testing.assert_close(acts[f"blocks.{i}.mlp_out"], store[i, "moe"] + store[i, "m0"] + store[i, "m1"],
@@ -213,14 +198,8 @@ def test_a_shared_mlp_beside_the_experts_is_read_once_in_the_summed_mlp_out():
     lens = conceptlens.attach(model)
     layer = model.model.layers[1]
     assert "blocks.1.branch_out" not in lens.sites
-    store, handles = _outputs({"moe": layer.block_sparse_moe, "shared": layer.shared_mlp})
-    try:
-        with torch.no_grad(), lens.capture(["blocks.1.mlp_out"], keep_shape=True) as cap:
-            model(input_ids=IDS)
-    finally:
-        for h in handles:
-            h.remove()
-    torch.testing.assert_close(cap.last[0]["blocks.1.mlp_out"], 0.25 * (store["moe"] + store["shared"]),
+    acts, store = _capture_with(lens, model, ["blocks.1.mlp_out"], {"moe": layer.block_sparse_moe, "shared": layer.shared_mlp})
+    torch.testing.assert_close(acts["blocks.1.mlp_out"], 0.25 * (store["moe"] + store["shared"]),
                                rtol=0, atol=1e-6)
 
 

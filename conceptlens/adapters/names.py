@@ -68,12 +68,8 @@ class NameResolver:
 
     def _module_path(self, name: str) -> str | None:
         """An HF module path (from the model or its base model) -> the site that is its output."""
-        model = self.adapter.model
-        for root in (model, getattr(model, "base_model", model)):
-            try:
-                module = root.get_submodule(name)
-            except (AttributeError, ValueError):
-                continue
+        module = self._module(name)
+        if module is not None:
             outputs = [s.name for s in self.sites.values() if s.module is module and s.point == "output"
                        and s.plus is None]  # a summed site is not that module's output alone
             inputs = [s.name for s in self.sites.values() if s.module is module and s.point == "input"]
@@ -84,9 +80,39 @@ class NameResolver:
                 return found[0]
         return None
 
+    def _module(self, name: str):
+        model = self.adapter.model
+        for root in (model, getattr(model, "base_model", model)):
+            try:
+                return root.get_submodule(name)
+            except (AttributeError, ValueError):
+                continue
+        return None
+
+    def _module_problem(self, name: str) -> str | None:
+        """Why an HF module path names no site: one part of a summed site, or a shared layer."""
+        module = self._module(name) if "." in name else None
+        if module is None:
+            return None
+        for site in self.sites.values():
+            plus = site.plus if isinstance(site.plus, tuple) else (site.plus,)
+            if site.point == "output" and site.plus is not None and (site.module is module or module in plus):
+                return (f"no site {name!r}: its output is one part of {site.name}, which is the sum of "
+                        f"{len(plus) + 1} modules' outputs; read or edit {site.name}")
+        blocks = sorted({s.name.rsplit(".", 1)[0] for s in self.sites.values()
+                         if s.module is module and s.call is not None and s.name.endswith(".resid_out")},
+                        key=lambda b: int(b.rsplit(".", 1)[1]))
+        if blocks:
+            return (f"no site {name!r}: that module is one shared layer run as {len(blocks)} blocks "
+                    f"({', '.join(blocks[:4])}{', ...' if len(blocks) > 4 else ''}); name the block, "
+                    f"e.g. {blocks[0]}.resid_out")
+        return None
+
     def _unknown(self, name: str, canonical: str) -> str:
         if canonical in self.adapter.problems:
             return f"no site {name!r}: {self.adapter.problems[canonical]}"
+        if (problem := self._module_problem(name)) is not None:
+            return problem
         match = _BLOCK_NAME.match(canonical)
         if match:
             prefix, index, rest = match.group(1) or "", int(match.group(2)), match.group(3)

@@ -105,3 +105,15 @@ def test_attach_probe_leaves_the_model_exactly_as_it_was(family):
     conceptlens.attach(model)
     assert hook_snapshot(model) == before and model.training
     assert not hasattr(model, "_output_capturing_hooks_installed")
+
+
+def test_module_paths_that_name_no_single_site_say_why():
+    from tests.adapters.tiny_configs import build
+
+    lens = conceptlens.attach(build("granitemoeshared"))
+    with pytest.raises(KeyError, match=r"one part of blocks\.0\.mlp_out, which is the sum of 2 modules"):
+        lens.site("model.layers.0.shared_mlp")
+    assert lens.site_name("model.layers.0.self_attn") == "blocks.0.attn_out"
+    lens = conceptlens.attach(build("albert"))
+    with pytest.raises(KeyError, match=r"one shared layer run as 2 blocks \(blocks\.0, blocks\.1\).*blocks\.0\.resid_out"):
+        lens.site("albert.encoder.albert_layer_groups.0.albert_layers.0")

@@ -60,7 +60,18 @@ class StackInputs:
         return mask if isinstance(mask, Tensor) and mask.ndim == 2 else None
 
     def meta(self, batch: int, length: int, device: torch.device, special_ids: Tensor | None = None) -> TokenMeta:
-        """Bookkeeping for a `(batch, length, ...)` tensor of this stack."""
+        """Bookkeeping for a `(batch, length, ...)` tensor of this stack. Positions past the
+        stack's `input_ids` are padding the model appended (Reformer pads to its chunk length,
+        keeping the padding in its blocks): no token, not kept."""
+        ids = self.input_ids
+        real = ids.shape[1] if isinstance(ids, Tensor) and ids.ndim == 2 and ids.shape[0] == batch else length
+        if 0 < real < length:
+            inner = self.meta(batch, real, device, special_ids)
+            extra = length - real
+            position = torch.cat([inner.position, inner.position[:, -1:] + torch.arange(1, extra + 1, device=device)], 1)
+            return TokenMeta(torch.arange(batch, device=device)[:, None].expand(batch, length), position,
+                             torch.cat([inner.token, inner.token.new_full((batch, extra), -1)], 1),
+                             torch.cat([inner.keep, inner.keep.new_zeros((batch, extra))], 1))
         mask = self.key_mask()
         if mask is not None and (mask.shape[0] != batch or mask.shape[1] < length):
             mask = None  # 4-D or unrelated mask: every row counts

@@ -122,3 +122,21 @@ def test_inputs_embeds_give_unknown_token_ids():
         model(inputs_embeds=embeds)
     assert cap.last[1].token.tolist() == [-1, -1, -1]
     assert cap.last[1].position.tolist() == [0, 1, 2]
+
+
+def test_positions_a_model_pads_inside_are_no_tokens():
+    """Reformer pads inputs longer than its chunk to a multiple of it and keeps the padding in its
+    blocks: a capture keeps one row per real token, with its id, and none for the padding."""
+    from tests.adapters.tiny_configs import build
+
+    model = build("reformer")  # chunk length 8: 10 tokens run as 16 positions
+    lens = conceptlens.attach(model)
+    ids = torch.randint(4, 100, (2, 10), generator=torch.Generator().manual_seed(0))
+    with lens.capture(["blocks.0.resid_out"]) as cap, torch.no_grad():
+        model(input_ids=ids)
+    rows, meta = cap.last
+    assert rows["blocks.0.resid_out"].shape[0] == ids.numel()
+    assert torch.equal(meta.token, ids.reshape(-1)) and torch.equal(meta.position, torch.arange(10).repeat(2))
+    with lens.capture(["blocks.0.resid_out"], keep_shape=True) as cap, torch.no_grad():
+        model(input_ids=ids)
+    assert cap.last[0]["blocks.0.resid_out"].shape[1] == 16 and int(cap.last[1].keep.sum()) == ids.numel()

@@ -18,9 +18,9 @@ from conceptlens.adapters.repeated import projection_view
 from conceptlens.adapters.verify import call_of
 from conceptlens.adapters.verify import submodule as _get
 
-_Q_NAMES = ("q_proj", "query", "q", "query_proj", "q_lin")
-_K_NAMES = ("k_proj", "key", "k", "key_proj", "k_lin")
-_V_NAMES = ("v_proj", "value", "v", "value_proj", "v_lin")
+_Q_NAMES = ("q_proj", "query", "q", "query_proj", "q_lin", "project_q")
+_K_NAMES = ("k_proj", "key", "k", "key_proj", "k_lin", "project_k")
+_V_NAMES = ("v_proj", "value", "v", "value_proj", "v_lin", "project_v")
 
 
 def _first_attr(obj: object, names: tuple[str, ...]) -> object | None:
@@ -38,7 +38,7 @@ def projection_owner(attn: nn.Module, names: tuple[str, ...]) -> nn.Module:
 def head_layout(attn: nn.Module, config) -> tuple[int, int, int] | None:
     """(query heads, key/value heads, head dim) of an attention module with projections, or
     None when neither the module nor the config tells (no q/k/v sites then)."""
-    head_dim = _first_attr(attn, ("head_dim", "attention_head_size", "key_value_proj_dim", "d_kv", "dim_per_head"))
+    head_dim = _first_attr(attn, ("head_dim", "attention_head_size", "key_value_proj_dim", "d_kv", "dim_per_head", "dim_head"))
     heads = _first_attr(attn, ("num_heads", "num_attention_heads", "n_heads", "n_head"))
     q, k = _first_attr(attn, _Q_NAMES), _first_attr(attn, _K_NAMES)
     heads = heads or getattr(config, "num_attention_heads", 1)

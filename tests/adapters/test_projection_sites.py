@@ -136,3 +136,27 @@ def test_edit_one_part_of_a_fused_projection(model_type, which):
     direction = torch.randn(width, generator=torch.Generator().manual_seed(0))  # a constant k shift cancels
     with lens.steer(Add(direction, 1.5, site=site.name)), torch.no_grad():
         assert not torch.equal(model(**inputs).logits, plain)
+
+
+def test_cpmant_qkv_are_its_projections_on_the_tokens_after_its_prompt():
+    """CPM-Ant projects q/k/v with project_q/k/v on [prompt; tokens]: the sites are the tokens' rows,
+    split into heads as its attention does (view(B, L, heads, dim_head)); an edit leaves the prompt."""
+    model, inputs, _ = coverage.reference("cpmant")
+    lens = conceptlens.attach(model)
+    attn = lens.adapter.blocks[""][0].self_att.self_attention
+    heads, dim = attn.num_heads, attn.dim_head
+    assert lens.site("blocks.0.attn.v").shape == ("B", "T", heads, dim)
+    seen = []
+    handle = attn.project_v.register_forward_hook(lambda m, a, o: seen.append(o.detach().clone()))
+    try:
+        with lens.capture(["blocks.0.attn.v"], keep_shape=True) as cap, torch.no_grad():
+            model(**inputs)
+        with lens.steer(Add(torch.ones(heads * dim), 1.0, site="blocks.0.attn.v")), torch.no_grad():
+            model(**inputs)
+    finally:
+        handle.remove()
+    length = inputs["input_ids"].shape[1]
+    full = seen[0].view(*seen[0].shape[:2], heads, dim)
+    assert torch.equal(cap.last[0]["blocks.0.attn.v"], full[:, -length:])
+    changed = seen[1] != seen[0]
+    assert not changed[:, :-length].any() and changed[:, -length:].all()

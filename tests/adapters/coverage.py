@@ -51,6 +51,16 @@ def reference(model_type: str):
     return model, inputs, out
 
 
+def forward_with(model, inputs, handles, **kwargs):
+    """One no-grad forward with the hook `handles` attached; they are removed after it, whatever happens."""
+    try:
+        with torch.no_grad():
+            return model(**inputs, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def hidden(out, stack: str):
     if stack == "encoder":
         return out.encoder_hidden_states

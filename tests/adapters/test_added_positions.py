@@ -86,12 +86,7 @@ def test_pegasus_x_sites_are_its_tokens_in_the_padded_encoder():
     assert lens.adapter.padded_hidden == {"encoder"}
     attn, fc2 = [], []
     handles = [_record(encoder.layers[1].self_attn, attn), _record(encoder.layers[0].fc2, fc2)]
-    try:
-        with torch.no_grad():
-            out = model(**inputs, output_hidden_states=True)
-    finally:
-        for handle in handles:
-            handle.remove()
+    out = coverage.forward_with(model, inputs, handles, output_hidden_states=True)
     names = ["encoder.embed", "encoder.blocks.0.resid_out", "encoder.blocks.0.mlp_out", "encoder.blocks.1.attn_out",
              "encoder.final"]
     acts = coverage.capture_all(lens, model, inputs, names)

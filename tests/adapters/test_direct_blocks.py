@@ -31,12 +31,7 @@ def test_reads_are_the_models_tensors_in_b_t_layout(squeezebert):
     handles = [layer.post_attention.conv1d.register_forward_hook(lambda m, a, o: seen.update(attn=o)),
                layer.attention.query.register_forward_hook(lambda m, a, o: seen.update(q=o)),
                layer.post_attention.conv1d.register_forward_pre_hook(lambda m, a: seen.update(z=a[0]))]
-    try:
-        with torch.no_grad():
-            out = model(**inputs, output_hidden_states=True)
-    finally:
-        for handle in handles:
-            handle.remove()
+    out = coverage.forward_with(model, inputs, handles, output_hidden_states=True)
     names = ["embed", "blocks.0.resid_out", "blocks.0.attn_out", "blocks.0.attn.q", "blocks.0.attn.z",
              "blocks.1.resid_out"]
     acts = coverage.capture_all(lens, model, inputs, names)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import re
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple
 import torch
 from torch import Tensor
 
+from conceptlens._names import RULE as NAME_RULE, is_name
 from conceptlens.batching import check_max_length, encode_batch
 from conceptlens.checkpoint import CHECKPOINT, FitState, fit_fingerprint
 from conceptlens.concepts.base import NotFittedError
@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Key = str | tuple[str, str]
-SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
 class TokenRows(NamedTuple):
@@ -211,9 +210,8 @@ def _plan(lens: Lens, extractors: Mapping[Key, Any]) -> _Plan:
             canonical = lens.site(key).name
         group = value if isinstance(value, Mapping) else {key_name(canonical): value}
         for name, extractor in group.items():
-            if not isinstance(name, str) or not SAFE_NAME.fullmatch(name.replace("->", "__to__")):
-                raise ValueError(f"extractor name {name!r} at {key!r} is not a safe folder name; use letters, "
-                                 "digits, '.', '_' and '-'")
+            if not isinstance(name, str) or not is_name(name.replace("->", "__to__")):
+                raise ValueError(f"extractor name {name!r} at {key!r} is not a safe folder name; {NAME_RULE}")
             if not callable(getattr(extractor, "update", None)):
                 raise TypeError(f"extractor {name!r} for {key!r} has no update(x) method: {type(extractor).__name__}")
             if name in named:

@@ -133,6 +133,10 @@ def test_describe_command_redoes_the_pass_with_other_options(files, tmp_path, ca
     (["--data", "nowhere.txt"], "'nowhere.txt' is neither a file nor a bundled set; sets: bbc-news"),
     (["--batch-size", "0"], "fit.batch_size (--batch-size) must be a positive integer; got 0"),
     (["--window", "2,x"], "--window takes comma-separated integers; got '2,x'"),
+    (["--extractor", "kmeans:n_concepts=4,name=.."], "extractor name '..' is not a safe folder name"),
+    (["--extractor", "kmeans:n_concepts=4,name=."], "extractor name '.' is not a safe folder name"),
+    (["--extractor", "kmeans:n_concepts=4,name=.cache"], "extractor name '.cache' is not a safe folder name"),
+    (["--out", ""], "out '' is not a folder"),
 ])
 def test_bad_options_fail_before_the_model_loads(files, tmp_path, monkeypatch, capsys, change, message):
     def no_load(*args, **kwargs):

@@ -47,9 +47,10 @@ def test_two_keys_for_one_site_are_an_error_not_a_silent_drop(lens):
                  progress=False)
 
 
-def test_unsafe_names_are_refused(lens):
-    with pytest.raises(ValueError, match="'a/b' .* not a safe folder name"):
-        lens.fit({"blocks.1.resid_out": {"a/b": Recorder()}}, DOCS, progress=False)
+@pytest.mark.parametrize("name", ["a/b", "..", ".", ".hidden", "/abs", "a'b"])
+def test_unsafe_names_are_refused(lens, name):
+    with pytest.raises(ValueError, match=f"{name!r} .* not a safe folder name"):
+        lens.fit({"blocks.1.resid_out": {name: Recorder()}}, DOCS, progress=False)
 
 
 def test_named_extractors_resume_from_their_checkpoint(lens, tmp_path):

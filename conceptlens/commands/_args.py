@@ -94,6 +94,8 @@ def data_source(text: str) -> str:
 
 def out_dir(text: str) -> str:
     """A folder that exists or can be created, and can be written to."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a folder: give a path")
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")

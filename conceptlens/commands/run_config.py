@@ -35,6 +35,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+from conceptlens._names import check_name
+
 METHODS = {
     "kmeans": "conceptlens.concepts.kmeans:StreamingKMeans",
     "deleuzian": "conceptlens.concepts.deleuzian:Deleuzian",
@@ -48,7 +50,6 @@ METHODS = {
 }
 _SITE = re.compile(r"((encoder|decoder)\.)?(embed|final|blocks\.-?\d+\.(resid_in|resid_out|attn_out|mlp_out|branch_out|"
                    r"attn(_\d+)?\.[qkv]|cross_attn\.[qkv]))")
-_SAFE = re.compile(r"[A-Za-z0-9._-]+")
 
 
 @dataclass
@@ -177,7 +178,10 @@ def from_dict(raw: dict[str, Any]) -> RunConfig:
     shuffle = raw.get("shuffle", 0)
     if shuffle is not False and (isinstance(shuffle, bool) or not isinstance(shuffle, int)):
         raise ValueError(f"shuffle must be a seed (an integer) or false; got {shuffle!r}")
-    cfg = RunConfig(raw["model"], raw["data"], list(sites), [], out=raw.get("out", "runs/fit"),
+    out = raw.get("out", "runs/fit")
+    if not isinstance(out, str) or not out.strip():
+        raise ValueError(f"out {out!r} is not a folder: give the run folder, e.g. --out runs/x")
+    cfg = RunConfig(raw["model"], raw["data"], list(sites), [], out=out,
                     shuffle=None if shuffle is False else shuffle, fit=_section(FitSection, raw.get("fit", {}), "fit"),
                     describe=_section(DescribeSection, raw.get("describe", {}), "describe"))
     cfg.extractors = _extractors(raw.get("extractor") or [], cfg.sites)
@@ -205,8 +209,7 @@ def _extractors(specs: list[dict[str, Any]], sites: list[str]) -> list[dict[str,
         for s in [site] if site else sites:
             full = name or (method if len(sites) == 1 else f"{s}__{method}")
             full = full if site or len(sites) == 1 or not name else f"{s}__{name}"
-            if not _SAFE.fullmatch(full):
-                raise ValueError(f"extractor name {full!r} is not a safe folder name; use letters, digits, '.', '_', '-'")
+            check_name(full, "extractor name")
             if full in names:
                 raise ValueError(f"two extractors are named {full!r}; give each its own name= "
                                  f"(e.g. --extractor '{method}:name={method}_2,...')")

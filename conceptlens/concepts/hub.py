@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from conceptlens._names import check_subfolder
 from conceptlens.concepts.conceptset import CONFIG_FILE, TENSOR_FILE
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ def from_pretrained(repo_or_path: str | os.PathLike, *, subfolder: str | None = 
                     revision: str | None = None, local_files_only: bool = False,
                     cache_dir: str | os.PathLike | None = None, token: str | bool | None = None) -> ConceptSet:
     """Load a ConceptSet from a local folder or a Hub repo (our layout or SAELens's)."""
+    subfolder = check_subfolder(subfolder)
     local = Path(repo_or_path)
     if local.is_dir():
         folder = local / subfolder if subfolder else local
@@ -75,6 +77,7 @@ def push_to_hub(cs: ConceptSet, repo_id: str, *, subfolder: str | None = None, p
     """Upload `cs` (and a model card) to `repo_id`, into `subfolder` when given."""
     from huggingface_hub import HfApi
 
+    subfolder = check_subfolder(subfolder)
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -97,3 +97,27 @@ def test_model_card_has_no_base_model_for_local_paths():
     cs = _cs()
     cs.model = "/home/me/models/llama"
     assert "base_model" not in model_card(cs)
+
+
+@pytest.mark.parametrize("subfolder", ["../other", "..", ".", "a/../../other", "/tmp/other", "a\\b", "a//b", ".git"])
+def test_subfolder_outside_the_repo_is_refused(tmp_path, subfolder):
+    cs = _cs()
+    cs.save(tmp_path / "other")  # a set beside the repo: "../other" would read it
+    (tmp_path / "repo").mkdir()
+    with pytest.raises(ValueError, match="is not a path inside the repo"):
+        ConceptSet.from_pretrained(tmp_path / "repo", subfolder=subfolder)
+
+
+def test_push_to_a_subfolder_outside_the_upload_is_refused(tmp_path, monkeypatch):
+    import tempfile
+
+    import huggingface_hub
+
+    calls = []
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, *a, **k: calls.append("create"))
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, *a, **k: calls.append("upload"))
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "a" / "b"))  # "../../x" of the upload folder: tmp_path/a/x
+    with pytest.raises(ValueError, match="'../../x' is not a path inside the repo"):
+        _cs().push_to_hub("someone/concepts", subfolder="../../x")
+    assert calls == [] and not list(tmp_path.rglob("*.safetensors"))

@@ -22,6 +22,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from conceptlens._names import check_name
+
 DESCRIPTION_FORMAT = "conceptlens.Description"
 
 
@@ -92,6 +94,8 @@ class Atlas:
             if describe.is_dir() else []
         if not names:
             raise FileNotFoundError(f"{run} has no describe/<NAME>/description.json: run `conceptlens describe {run}` first")
+        for name in names:  # a run folder from elsewhere may hold any name: it becomes a path and a URL
+            check_name(name, f"{describe}: extractor folder")
         return cls(
             run=run,
             extractors=[_load_extractor(run, name) for name in names],

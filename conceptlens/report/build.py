@@ -5,14 +5,14 @@
 Layout of `report/`: `index.html`, `matches.html`, `concepts/<NAME>/<i>.html`,
 `hierarchy/<NAME>.html` (when the run has `hierarchy/<NAME>.json`), and `static/`
 (style.css, atlas.js, atlas-data.js). Every link is relative, nothing is fetched: the folder
-opens from file:// and can be copied anywhere. The report is written next to the old one and
-swapped in at the end, so an interrupted run leaves the previous report intact.
+opens from file:// and can be copied anywhere. The report is written into a new private folder
+beside `out` and swapped in at the end, so an interrupted run leaves the previous report intact;
+`out` must be new, empty or an earlier report (see `report.output`: nothing else is removed).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -23,6 +23,7 @@ from conceptlens.report.concept_page import concept_page, top_tokens
 from conceptlens.report.hierarchy_page import dag_from_json, family, hierarchy_page
 from conceptlens.report.index_page import index_page, write_data_js
 from conceptlens.report.matching import match_extractors, partners
+from conceptlens.report.output import check_out, commit, discard, new_staging
 from conceptlens.report.pairs_page import matches_page
 
 
@@ -44,8 +45,20 @@ def write_report(run: str | os.PathLike, out: str | os.PathLike | None = None, *
     start = time.perf_counter()
     atlas = Atlas.load(run)
     out = Path(out) if out is not None else atlas.run / "report"
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    owned = check_out(atlas.run, out)
+    tmp = new_staging(out)
+    try:
+        pages = _write_pages(atlas, tmp, progress)
+        size = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
+        commit(tmp, out, owned)
+    except BaseException:
+        discard(tmp)
+        raise
+    return ReportSummary(out / "index.html", pages, size, time.perf_counter() - start)
+
+
+def _write_pages(atlas: Atlas, tmp: Path, progress: bool) -> int:
+    """Every page and static file of the report, written under `tmp`; the number of pages."""
     (tmp / "static").mkdir(parents=True)
     labels = _labels(atlas)
     pairs = match_extractors(atlas.extractors)
@@ -73,14 +86,4 @@ def write_report(run: str | os.PathLike, out: str | os.PathLike | None = None, *
     for rel, text in files.items():
         (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp / rel).write_text(text, encoding="utf-8")
-    pages += sum(rel.endswith(".html") for rel in files)
-    size = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
-    if out.exists():
-        old = out.with_name(out.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
-    return ReportSummary(out / "index.html", pages, size, time.perf_counter() - start)
+    return pages + sum(rel.endswith(".html") for rel in files)

@@ -146,10 +146,10 @@ def test_bad_contexts_order_is_named(tmp_path):
 
 def test_cli_writes_report_and_replaces_old(tmp_path, capsys):
     run = write_fake_run(tmp_path / "run", EXTRACTORS[:1], labels=False, steering=False)
-    (run / "report").mkdir()
-    (run / "report" / "stale.html").write_text("old")
+    write_report(run)
+    (run / "report" / "matches.html").write_text("old")
     assert main(["report", str(run), "--no-progress"]) == 0
     assert "index.html" in capsys.readouterr().out
-    assert not (run / "report" / "stale.html").exists() and (run / "report" / "index.html").is_file()
+    assert "old" != (run / "report" / "matches.html").read_text() and (run / "report" / "index.html").is_file()
     html = (run / "report" / "concepts" / "topk" / "0.html").read_text()
     assert "Probe loss" not in html and "Steering" not in html

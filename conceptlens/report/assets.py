@@ -56,7 +56,11 @@ JS = r"""
   const more = document.getElementById("more");
   const fmt = (v, kind) => v === null || v === undefined ? "" :
     kind === "pct" ? (100 * v).toPrecision(3) + "%" : kind === "num" ? (+v).toPrecision(4) : String(v);
-  const esc = s => String(s).replace(/[&<>"]/g, ch => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[ch]));
+  // the page's escape, as report/html.py's esc: bidi controls shown as codes, then & < > " ' as entities
+  const vis = s => String(s).replace(/[\u200e\u200f\u061c\u202a-\u202e\u2066-\u2069]/g,
+    ch => "\u27e8U+" + ch.charCodeAt(0).toString(16).toUpperCase().padStart(4, "0") + "\u27e9");
+  const esc = s => vis(s).replace(/[&<>"']/g, ch => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"}[ch]));
+  const href = (name, i) => "concepts/" + encodeURIComponent(name) + "/" + encodeURIComponent(i) + ".html";
   function matches(r) {
     const ex = sel.value, text = q.value.trim().toLowerCase();
     if (ex && D.extractors[r[idx.ex]].name !== ex) return false;
@@ -69,9 +73,9 @@ JS = r"""
     const keep = rows.filter(matches);
     const html = [];
     for (const r of keep.slice(0, shown)) {
-      const e = D.extractors[r[idx.ex]], href = esc(e.name) + "/" + r[idx.concept] + ".html";
-      html.push("<tr><td>" + esc(e.name) + "</td><td class=num><a class=concept href='concepts/" + href + "'>#" +
-        r[idx.concept] + "</a></td>" + D.shown.map(([c, kind]) => "<td" + (kind === "text" ? "" : " class=num") + ">" +
+      const e = D.extractors[r[idx.ex]];
+      html.push("<tr><td>" + esc(e.name) + "</td><td class=num><a class=concept href=\"" + esc(href(e.name, r[idx.concept])) +
+        "\">#" + esc(r[idx.concept]) + "</a></td>" + D.shown.map(([c, kind]) => "<td" + (kind === "text" ? "" : " class=num") + ">" +
         esc(fmt(r[idx[c]], kind)) + "</td>").join("") + "</tr>");
     }
     body.innerHTML = html.join("");
@@ -112,7 +116,7 @@ JS = r"""
     const fmax = Math.max(...pts.map(r => r[idx.frequency] || 0), 1e-12);
     for (const r of pts) {
       const a = document.createElementNS(NS, "a");
-      a.setAttribute("href", "concepts/" + ex + "/" + r[idx.concept] + ".html");
+      a.setAttribute("href", href(ex, r[idx.concept]));
       const c = document.createElementNS(NS, "circle");
       c.setAttribute("cx", sx(r[idx.x]).toFixed(1)); c.setAttribute("cy", sy(r[idx.y]).toFixed(1));
       c.setAttribute("r", (2 + 4 * Math.sqrt((r[idx.frequency] || 0) / fmax)).toFixed(1));
@@ -120,7 +124,7 @@ JS = r"""
       c.setAttribute("fill", k >= 0 ? palette[k % palette.length] : "#4a6fa5");
       c.setAttribute("fill-opacity", matches(r) ? "0.75" : "0.08");
       const t = document.createElementNS(NS, "title");
-      t.textContent = ex + " #" + r[idx.concept] + ": " + r[idx.tokens] + (r[idx.best_class] ? " (" + r[idx.best_class] + ")" : "");
+      t.textContent = vis(ex + " #" + r[idx.concept] + ": " + r[idx.tokens] + (r[idx.best_class] ? " (" + r[idx.best_class] + ")" : ""));
       c.appendChild(t); a.appendChild(c); svg.appendChild(a);
     }
   }

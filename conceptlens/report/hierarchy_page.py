@@ -25,6 +25,10 @@ def family(dag: nx.DiGraph) -> dict[str, list[int]]:
     return out
 
 
+def _href(name: str, node: object) -> str:
+    return esc(f"../concepts/{name}/{node}.html", "url")
+
+
 def _svg(dag: nx.DiGraph, name: str, labels: list[str]) -> str:
     layers = [sorted(layer) for layer in nx.topological_generations(dag)]
     drawn, kept = set(), []
@@ -40,9 +44,9 @@ def _svg(dag: nx.DiGraph, name: str, labels: list[str]) -> str:
            for k, n in enumerate(layer)}
     edges = "".join(f'<line x1="{pos[u][0]:.0f}" y1="{pos[u][1]:.0f}" x2="{pos[v][0]:.0f}" y2="{pos[v][1]:.0f}" '
                     f'stroke="#9aa5b8"/>' for u, v in dag.edges if u in pos and v in pos)
-    nodes = "".join(f'<a href="../concepts/{esc(name)}/{n}.html"><circle cx="{x:.0f}" cy="{y:.0f}" r="9" fill="#4a6fa5">'
-                    f'<title>#{n} {esc(labels[n] if n < len(labels) else "")}</title></circle>'
-                    f'<text x="{x:.0f}" y="{y + 21:.0f}" text-anchor="middle">{n}</text></a>' for n, (x, y) in pos.items())
+    nodes = "".join(f'<a href="{_href(name, n)}"><circle cx="{x:.0f}" cy="{y:.0f}" r="9" fill="#4a6fa5">'
+                    f'<title>#{esc(n)} {esc(labels[n] if n < len(labels) else "")}</title></circle>'
+                    f'<text x="{x:.0f}" y="{y + 21:.0f}" text-anchor="middle">{esc(n)}</text></a>' for n, (x, y) in pos.items())
     return f'<svg width="{width}" height="{30 + row_h * len(kept)}" id="dag">{edges}{nodes}</svg>'
 
 
@@ -52,11 +56,11 @@ def hierarchy_page(name: str, data: dict[str, Any], labels: list[str]) -> str:
     scores = data.get("scores") or graph.get("scores")
     info = (f'<p class="meta">{dag.number_of_nodes()} latents and {dag.number_of_edges()} edges (parent &rarr; child: '
             f'the child fires almost only while the parent fires)'
-            + (f"; {graph['n_alive']} latents alive" if "n_alive" in graph else "") + "</p>")
+            + (f"; {esc(graph['n_alive'])} latents alive" if "n_alive" in graph else "") + "</p>")
     if isinstance(scores, dict):
         info += table(["score", "value"], [(esc(k), num(v)) for k, v in scores.items()], [False, True])
-    rows = [(f'<a href="../concepts/{esc(name)}/{u}.html">#{u}</a> <span class="muted">{esc(labels[u])}</span>',
-             f'<a href="../concepts/{esc(name)}/{v}.html">#{v}</a> <span class="muted">{esc(labels[v])}</span>',
+    rows = [(f'<a href="{_href(name, u)}">#{esc(u)}</a> <span class="muted">{esc(labels[u])}</span>',
+             f'<a href="{_href(name, v)}">#{esc(v)}</a> <span class="muted">{esc(labels[v])}</span>',
              num(d.get("W_cp"), 3), num(d.get("W_pc"), 3)) for u, v, d in sorted(dag.edges(data=True))]
     body = info + _svg(dag, name, labels) + "<h2>Edges</h2>" + table(
         ["parent", "child", "W child-in-parent", "W parent-in-child"], rows, [False, False, True, True])

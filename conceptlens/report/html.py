@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from html import escape
-from typing import Iterable, Sequence
+from typing import Iterable, Literal, Sequence
+from urllib.parse import quote
 
 import numpy as np
 
+# explicit bidi controls (embeddings, overrides, isolates, marks): in a token they would reorder the
+# rest of its line, numbers included; the pages show them as visible codes instead
+BIDI = re.compile("[\u200e\u200f\u061c\u202a-\u202e\u2066-\u2069]")
 
-def esc(value: object) -> str:
-    return escape(str(value), quote=True)
+
+def esc(value: object, context: Literal["html", "url", "js"] = "html") -> str:
+    """`value` as text for its place in a page; the one escape of the report (atlas.js mirrors "html").
+
+    html: element text or a quoted attribute (& < > " ' escaped, bidi controls shown as <U+202E>);
+    url: a relative link path, each character outside [A-Za-z0-9_.~/-] percent-encoded, then as html;
+    js: a JSON literal for a script (no '<', '>' or '&' in it, so no '</script>' can end it early).
+    """
+    if context == "url":
+        return escape(quote(str(value), safe="/"), quote=True)
+    if context == "js":
+        text = json.dumps(value, separators=(",", ":"), allow_nan=False)
+        return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    return escape(BIDI.sub(lambda m: f"\u27e8U+{ord(m.group()):04X}\u27e9", str(value)), quote=True)
 
 
 def num(value: float | None, digits: int = 4) -> str:

@@ -5,7 +5,6 @@ The rows live once in `static/atlas-data.js`; the page's script renders, sorts a
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any, Sequence
 
@@ -71,7 +70,7 @@ def write_data_js(atlas: Atlas, labels: dict[str, list[str]]) -> tuple[str, list
     data = {"columns": COLUMNS, "shown": [[c, kind] for c, kind, _ in SHOWN if c in present],
             "labels": classes or None, "rows": rows,
             "extractors": [{"name": ex.name, "site": ex.site, "method": ex.method, "n": ex.n} for ex in atlas.extractors]}
-    text = "window.ATLAS_DATA = " + json.dumps(data, separators=(",", ":"), allow_nan=False) + ";\n"
+    text = "window.ATLAS_DATA = " + esc(data, "js") + ";\n"
     return text, [c for c, _ in data["shown"]]
 
 

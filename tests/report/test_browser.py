@@ -2,7 +2,8 @@
 
 Checks that the index and a concept page load from file:// with no console errors, that the
 index lists every expected concept with working links both ways, and that sorting and the
-filter act on the table. Screenshots are kept under tests/artefacts/ (ignored by git).
+filter act on the table, and that a run folder with hostile names, labels and tokens runs no
+script and keeps numbers in order. Screenshots are kept under tests/artefacts/ (ignored by git).
 """
 
 from __future__ import annotations
@@ -99,3 +100,77 @@ def test_concept_page_loads_and_links(browser, report):
     for page in ("matches.html", "hierarchy/topk.html"):
         browser.get((report / page).as_uri())
         assert _errors(browser) == [] and browser.find_elements(By.CSS_SELECTOR, "a[href*='concepts/']")
+
+
+# A run folder from someone else: an extractor folder name that closes an attribute, markup in
+# n_alive, tokens, class labels and the method, and a right-to-left override in every label.
+NAME = "x' autofocus onfocus=window.__pwned=1 tabindex=0 y='<img src=x onerror=window.__pwned=5>"
+ATTACKS = ["<img src=x onerror=window.__pwned=2>", "<img src=x onerror=window.__pwned=3>", "'><img src=x onerror=window.__pwned=4>"]
+
+
+def _hostile_run(root: Path) -> Path:
+    import json
+
+    from tests.report.atlas_fixture import LABELS
+
+    run = write_fake_run(root / "run", [("plain", "kmeans", 6), ("topk", "topk-sae", 6)], hierarchy="topk")
+    for sub in ("describe", "concepts"):
+        (run / sub / "topk").rename(run / sub / NAME)
+    dag = json.loads((run / "hierarchy" / "topk.json").read_text())
+    dag["graph"]["n_alive"] = ATTACKS[0]
+    (run / "hierarchy" / f"{NAME}.json").write_text(json.dumps(dag))
+    (run / "hierarchy" / "topk.json").unlink()
+    for name in ("plain", NAME):
+        folder = run / "describe" / name
+        lines = [json.loads(line) for line in (folder / "contexts.jsonl").read_text().splitlines()]
+        for line in lines:
+            for c in line["contexts"]:
+                c["tokens"][c["center"]], c["tokens"][0] = "\u202eevil", ATTACKS[1]
+        (folder / "contexts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        meta = json.loads((folder / "description.json").read_text())
+        meta["labels"] = [ATTACKS[2] + label for label in LABELS]
+        meta["base_rate_entropy"] = {label: 0.5 for label in meta["labels"]}
+        meta["method"] = ATTACKS[2]
+        (folder / "description.json").write_text(json.dumps(meta))
+    return run
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory) -> Path:
+    from conceptlens.report import atlas
+
+    run = _hostile_run(tmp_path_factory.mktemp("hostile"))
+    with pytest.MonkeyPatch.context() as mp:  # as if the name had got past the name rule: pages must still escape it
+        mp.setattr(atlas, "check_name", lambda name, what="": name, raising=False)
+        return write_report(run).path.parent
+
+
+INJECTED = """return [document.images.length, window.__pwned === undefined,
+  [...document.querySelectorAll('*')].filter(e => [...e.attributes].some(a => a.name.startsWith('on'))).length,
+  document.body.innerText.includes('\\u202e')]"""
+
+ORDER = """const walk = document.createTreeWalker(document.querySelector('ol'), NodeFilter.SHOW_TEXT);
+for (let node = walk.nextNode(); node; node = walk.nextNode()) {
+  const t = node.textContent, a = t.lastIndexOf('(') + 1, b = t.lastIndexOf(')') - 1;
+  if (a < 1 || b <= a) continue;
+  const x = i => { const r = document.createRange(); r.setStart(node, i); r.setEnd(node, i + 1);
+                   return r.getBoundingClientRect().left; };
+  return [t, x(a), x(b)];
+}"""
+
+
+def test_hostile_names_labels_and_tokens_run_no_script(browser, hostile):
+    for page in ("index.html", "matches.html", f"hierarchy/{NAME}.html", f"concepts/{NAME}/0.html",
+                 "concepts/plain/0.html"):
+        browser.get((hostile / page).as_uri())
+        assert browser.execute_script(INJECTED) == [0, True, 0, False], page
+    browser.get((hostile / "index.html").as_uri())
+    rows = browser.find_elements(By.CSS_SELECTOR, "#concepts a.concept")
+    assert len(rows) == 12 and "\u27e8U+202E\u27e9evil" in browser.find_element(By.ID, "concepts").text
+    link = next(a for a in rows if NAME in a.find_element(By.XPATH, "../..").text)
+    link.click()  # the name percent-encoded in the link opens its page
+    assert browser.title.startswith(NAME + " #")
+    # a label holding U+202E does not reverse the score beside it: "(0.412)", first digit leftmost
+    browser.get((hostile / "concepts" / "plain" / "0.html").as_uri())
+    text, first, last = browser.execute_script(ORDER)
+    assert "\u27e8U+202E\u27e9evil (" in text and first < last

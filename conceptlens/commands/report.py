@@ -12,7 +12,7 @@ from conceptlens.commands._args import out_dir
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", help="run folder written by `conceptlens fit` (holds concepts/ and describe/)")
-    parser.add_argument("--out", type=out_dir, default=None, help="report folder (default RUN/report)")
+    parser.add_argument("--out", type=out_dir, default=None, help="report folder: new, empty or an earlier report (default RUN/report)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 

@@ -6,7 +6,7 @@
 Reads RUN/run.toml for the model, data and defaults; the documents described are those after
 the ones the fit consumed (RUN/fit_report.json), or --describe-data. Labelled bundled sets
 (bbc-news, movie-polarity) add per-class probe losses. Checkpoints into RUN/describe/ and
-resumes like the fit.
+resumes like the fit (--no-resume starts again); a finished pass removes its checkpoint.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from conceptlens.commands import run_config as rc
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="a run folder written by conceptlens fit")
     parser.add_argument("--concepts", action="append", help="describe only this concepts/<NAME> (repeatable)")
+    parser.add_argument("--no-resume", action="store_true",
+                        help="start the pass again even if RUN/describe holds a checkpoint of an interrupted one")
     add_describe_options(parser)
 
 
@@ -57,6 +59,13 @@ def describe_run(lens: Any, cfg: rc.RunConfig, concept_sets: Mapping[str, Any], 
 
 
 def run(args: argparse.Namespace) -> int:
+    from conceptlens.runlock import lock
+
+    with lock(args.run_dir, "describe"):  # before the model loads: a second writer fails at once
+        return _describe(args)
+
+
+def _describe(args: argparse.Namespace) -> int:
     import conceptlens
     from conceptlens.commands._common import load_model
     from conceptlens.commands.fit import _ints
@@ -71,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
              "prompt": args.prompt, "window": _ints(args.window, "--window") if args.window else None,
              "steer": _ints(args.steer, "--steer") if args.steer else None}
     describe.update({k: v for k, v in flags.items() if v is not None})
+    if args.no_resume:
+        raw.setdefault("fit", {})["resume"] = False
     cfg = rc.from_dict(raw)
     found = sorted(p.name for p in (out / "concepts").glob("*") if (p / CONFIG_FILE).is_file())
     chosen = args.concepts or found

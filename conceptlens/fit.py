@@ -192,8 +192,8 @@ def _fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any
     if checkpoint is not None:  # before flushing, so a longer resumed fit equals one long fit
         state.save(checkpoint)
     if ctrl_c is not None and ctrl_c.pressed:  # Ctrl-C: the batches done are saved, then it stops
-        raise KeyboardInterrupt(f"stopped after {state.tokens:,} tokens, saved in {checkpoint}; the same fit "
-                                f"run again resumes from {state.tokens:,} tokens")
+        raise KeyboardInterrupt(f"stopped after {state.tokens:,} tokens, saved in {checkpoint}; run it again "
+                                f"to resume from {state.tokens:,} tokens")
     for extractor in plan.extractors.values():  # train on rows still held in mixing buffers
         flush = getattr(extractor, "flush", None)
         if callable(flush):

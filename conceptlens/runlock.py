@@ -37,14 +37,15 @@ class RunFolderBusy(BlockingIOError):
 
 
 @contextmanager
-def lock(folder: str | os.PathLike, what: str) -> Iterator[None]:
-    """Hold `folder`'s lock for the scope (creating the folder if needed; a folder created
-    here and left holding only the lock file is removed again). `what`: the writer's kind
-    (fit, describe, report), recorded for the message another writer gets."""
+def lock(folder: str | os.PathLike, what: str, *, create: bool = True) -> Iterator[None]:
+    """Hold `folder`'s lock for the scope. `what`: the writer's kind (fit, describe, report),
+    recorded for the message another writer gets. A missing folder is created (and removed
+    again if it ends up holding only the lock file), or with `create=False` (a writer that
+    needs the folder to exist) left missing and unlocked, for the writer to report."""
     folder = Path(folder)
-    created = not folder.exists()
+    created = [p for p in (folder, *folder.parents) if not p.exists()]  # what the lock makes, deepest first
     path = folder / LOCK_FILE
-    fd = _open(path)
+    fd = _open(path) if create or not created else None
     if fd is None:  # a folder this process cannot write is one it does not write (its writer says why)
         yield
         return
@@ -62,12 +63,12 @@ def lock(folder: str | os.PathLike, what: str) -> Iterator[None]:
 
 
 def locks_first_argument(what: str) -> Callable[[F], F]:
-    """Decorate a function whose first argument is the run folder it writes: `lock(run, what)`
-    is held for the call."""
+    """Decorate a function whose first argument is an existing run folder it writes:
+    `lock(run, what, create=False)` is held for the call."""
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def locked(run: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
-            with lock(run, what):
+            with lock(run, what, create=False):
                 return fn(run, *args, **kwargs)
         return locked  # type: ignore[return-value]
     return decorate
@@ -114,12 +115,13 @@ def _holder(fd: int) -> dict:
     return holder if isinstance(holder, dict) else {}
 
 
-def _release(fd: int, path: Path, folder: Path, created: bool) -> None:
+def _release(fd: int, path: Path, folder: Path, created: list[Path]) -> None:
     os.ftruncate(fd, 0)  # a free lock names no holder
     if created and [p.name for p in folder.iterdir()] == [LOCK_FILE]:
         path.unlink()  # while still locked: a process that opened the old file cannot take it
         try:
-            folder.rmdir()
+            for made in created:
+                made.rmdir()
         except OSError:
             pass  # another process created something there meanwhile
     fcntl.flock(fd, fcntl.LOCK_UN)

@@ -39,6 +39,7 @@ def add_describe_options(parser: argparse.ArgumentParser) -> None:
 
 def describe_run(lens: Any, cfg: rc.RunConfig, concept_sets: Mapping[str, Any], consumed: int, out: Path) -> dict:
     """Describe `concept_sets` as `cfg.describe` says, into out/describe/<NAME>/."""
+    from conceptlens.checkpoint import CHECKPOINT
     from conceptlens.commands.fit import source
     from conceptlens.describe import SteeringRequest
 
@@ -55,13 +56,14 @@ def describe_run(lens: Any, cfg: rc.RunConfig, concept_sets: Mapping[str, Any], 
     for name, desc in descriptions.items():
         print(f"  {name}: {desc.info['tokens']:,} tokens, {desc.info['documents']:,} documents -> "
               f"{out / 'describe' / name}")
+    (out / "describe" / CHECKPOINT).unlink(missing_ok=True)  # done: a pass over other sets starts afresh
     return descriptions
 
 
 def run(args: argparse.Namespace) -> int:
     from conceptlens.runlock import lock
 
-    with lock(args.run_dir, "describe"):  # before the model loads: a second writer fails at once
+    with lock(args.run_dir, "describe", create=False):  # before the model loads: a second writer fails at once
         return _describe(args)
 
 

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
-from conceptlens.checkpoint import CHECKPOINT
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.describe import finish as fin
 from conceptlens.describe.describer import ConceptDescriber, DescribeConfig
@@ -93,8 +92,6 @@ def describe(lens: Lens, concept_sets: Mapping[str, ConceptSet], data: Any, *, t
             results[name].info["steering"] = steering_samples(lens, tokenizer, d, name, steering)
         if out is not None:
             results[name].save(Path(out) / name)
-    if out is not None:  # done: a later pass over other sets or documents starts afresh
-        (Path(out) / CHECKPOINT).unlink(missing_ok=True)
     return results
 
 

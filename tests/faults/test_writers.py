@@ -70,11 +70,14 @@ def test_a_second_writer_fails_at_once_naming_the_first_and_a_kill_frees_the_fol
 
 
 def test_nested_scopes_of_one_process_share_its_lock_and_a_created_folder_goes_away(tmp_path):
-    folder = tmp_path / "new"
+    folder = tmp_path / "new" / "run"
     with lock(folder, "fit"):
         with lock(folder, "describe"):  # e.g. the CLI's fit holding the run while lens.fit writes it
             assert json.loads((folder / LOCK_FILE).read_text())["what"] == "fit"
-    assert not folder.exists()  # created for the lock and nothing else written: removed again
+    assert not (tmp_path / "new").exists()  # created for the lock and nothing else written: removed again
+    with lock(folder, "fit"):
+        (folder / "run.toml").write_text("")
+    assert (folder / "run.toml").is_file() and (folder / LOCK_FILE).read_text() == ""
 
 
 def _interrupt(proc: subprocess.Popen, go: Path) -> tuple[int, str]:

@@ -90,6 +90,21 @@ def test_an_empty_or_blank_data_file_fails_before_the_model_loads(files, tmp_pat
     assert main(argv) == 2 and str(blank) in capsys.readouterr().err
 
 
+def test_describe_refuses_an_empty_data_file_before_the_model_loads(files, tmp_path, monkeypatch, capsys):  # noqa: F811
+    out = tmp_path / "run"
+    assert main(base(files, out, "--no-describe", "--max-tokens", "100")) == 0
+    (tmp_path / "empty.jsonl").write_text("\n")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(models, "load", no_load)
+    capsys.readouterr()
+    assert main(["describe", str(out), "--describe-data", str(tmp_path / "empty.jsonl")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(tmp_path / "empty.jsonl") in err and "empty or blank" in err and "\n" not in err
+
+
 def test_the_fit_prints_fvu_l0_and_steps_and_warns_about_an_sae_with_few_steps(files, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "run"
     assert main(base(files, out, "--no-describe")) == 0

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 def _describe(args: argparse.Namespace) -> int:
     import conceptlens
     from conceptlens.commands._common import load_model
-    from conceptlens.commands.fit import _ints
+    from conceptlens.commands.fit import _ints, source
     from conceptlens.concepts.conceptset import CONFIG_FILE, ConceptSet
 
     out = Path(args.run_dir)
@@ -93,6 +93,7 @@ def _describe(args: argparse.Namespace) -> int:
     report_path = out / "fit_report.json"
     consumed = json.loads(report_path.read_text())["documents"] if report_path.is_file() else 0
     sets = {name: ConceptSet.load(out / "concepts" / name) for name in chosen}
+    source(cfg.describe.data or cfg.data, cfg.shuffle)  # a missing or empty data file: before the model loads
     model, tok = load_model(args, cfg.model)
     describe_run(conceptlens.attach(model, tok), cfg, sets, consumed, out)
     return 0

@@ -118,3 +118,36 @@ def test_ctrl_c_during_a_description_pass_checkpoints_it(files, tmp_path):  # no
     assert not Path(path).exists()
     for name in ("contexts.jsonl", "description.json"):
         assert (run / "describe" / "km" / name).read_text() == (whole / "describe" / "km" / name).read_text(), name
+
+
+def test_the_library_writers_take_the_lock(tmp_path):
+    """lens.fit with a checkpoint_dir, lens.describe with an out and write_report each fail at
+    once on a folder another process holds (here a bare `lock` in a subprocess)."""
+    import torch
+
+    import conceptlens
+    from conceptlens import ConceptSet
+    from conceptlens.concepts.kmeans import StreamingKMeans
+    from conceptlens.report import write_report
+    from tests.conftest import CharTokenizer, tiny_model
+
+    held = tmp_path / "held"
+    code = ("import sys, time; from conceptlens.runlock import lock\n"
+            "with lock(sys.argv[1], 'test'):\n    print('held', flush=True)\n    time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(held)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        lens = conceptlens.attach(tiny_model("llama"), CharTokenizer())
+        cs = ConceptSet(torch.randn(3, 32), site="blocks.1.resid_out")
+        busy = f"is being written by pid {proc.pid}"
+        with pytest.raises(RunFolderBusy, match=busy):
+            lens.fit({"blocks.1.resid_out": StreamingKMeans(2)}, ["a b c"],
+                     checkpoint_dir=str(held), progress=False)
+        with pytest.raises(RunFolderBusy, match=busy):
+            lens.describe({"a": cs}, ["a b c"], out=str(held), progress=False)
+        with pytest.raises(RunFolderBusy, match=busy):
+            write_report(held)
+        assert sorted(p.name for p in held.iterdir()) == [LOCK_FILE]  # none of them wrote anything
+    finally:
+        proc.kill()
+        proc.wait()

@@ -159,8 +159,8 @@ def run(args: argparse.Namespace) -> int:
     with lock(out, "fit") if writes else nullcontext():  # before the model loads: a second writer fails at once
         if not args.overwrite:
             run_folder.check(out, cfg)
-        elif writes:
-            run_folder.clear(out)
+        elif writes and (cleared := run_folder.clear(out)):
+            print(f"--overwrite: removed the {len(cleared)} files of the run {out} held (other files stay)")
         return _fit_and_describe(args, cfg, plan, texts, out, distributed, writes)
 
 

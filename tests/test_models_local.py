@@ -141,3 +141,20 @@ def test_the_gguf_cache_is_keyed_by_content_not_by_path(tmp_path, monkeypatch):
     c, _ = models.load(str(first))
     assert made == [first, first] and c.folder != a.folder
     assert models.gguf_digest(copy) == hashlib.sha256(copy.read_bytes()).hexdigest()
+
+
+def test_a_path_keyed_gguf_copy_of_earlier_versions_is_adopted_not_made_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONCEPTLENS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "_cache_fp32", lambda *a: pytest.fail("dequantised again"))
+    monkeypatch.setattr(models, "_load_auto", lambda folder, **kw: (SimpleNamespace(config=SimpleNamespace(),
+                                                                                     folder=folder), None))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(1000))
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    legacy = tmp_path / "cache" / "models" / f"m-{key}-fp32"
+    legacy.mkdir(parents=True)
+    (legacy / "config.json").write_text("{}")
+    model, _ = models.load(str(gguf))
+    assert model.folder.name == f"m-{models.gguf_digest(gguf)[:16]}-fp32" and (model.folder / "config.json").is_file()
+    assert not legacy.exists()

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 _LAZY = {"attach": "conceptlens.lens", "Lens": "conceptlens.lens",
          "ConceptSet": "conceptlens.concepts.conceptset"}
-_SUBMODULES = {"models", "data", "concepts", "steering", "metrics", "fit"}
+_SUBMODULES = {"models", "data", "concepts", "steering", "metrics", "fit", "describe", "report"}
 
 
 def __getattr__(name: str) -> Any:
@@ -30,3 +30,8 @@ def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         return importlib.import_module(f"conceptlens.{name}")
     raise AttributeError(f"module 'conceptlens' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # what `dir(conceptlens)` and tab completion show: the lazy names too, without importing them
+    return sorted({*globals(), *_LAZY, *_SUBMODULES})

@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         apply_runtime(args)  # threads, logging, device and model names: checked before any loading
         return int(module.run(args) or 0)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as stop:  # a fit or describe says where its checkpoint stands
+        print(f"interrupted: {stop}" if str(stop) else "interrupted", file=sys.stderr)
         return 130
     except (KeyError, ValueError, OSError, ModuleNotFoundError) as err:  # user errors; bugs keep their traceback
         message = err.args[0] if isinstance(err, KeyError) and err.args else err

@@ -18,8 +18,10 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import os
 import time
 import warnings
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple
 import torch
 from torch import Tensor
 
+from conceptlens import interrupts, runlock
 from conceptlens._names import RULE as NAME_RULE, is_name
 from conceptlens.batching import check_max_length, encode_batch
 from conceptlens.checkpoint import CHECKPOINT, FitState, fit_fingerprint
@@ -130,10 +133,24 @@ def key_name(key: Key) -> str:
 
 def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any = None,
         config: FitConfig | None = None) -> FitReport:
-    """Stream `data` through the model once, feeding every extractor; see the module docstring."""
+    """Stream `data` through the model once, feeding every extractor; see the module docstring.
+    The checkpoint_dir is locked while the fit writes it (`conceptlens.runlock`; only rank 0
+    of a distributed fit writes it)."""
+    config = config or FitConfig()
+    writes = config.checkpoint_dir is not None and (not config.distributed or _rank() == 0)
+    with runlock.lock(config.checkpoint_dir, "fit") if writes else nullcontext():
+        return _fit(lens, extractors, data, tokenizer=tokenizer, config=config)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def _fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any, config: FitConfig) -> FitReport:
     from conceptlens import data as datasets
 
-    config = config or FitConfig()
     tokenizer = tokenizer or lens.tokenizer
     if tokenizer is None:
         raise ValueError("fit needs a tokenizer: conceptlens.attach(model, tokenizer) or fit(..., tokenizer=...)")
@@ -157,7 +174,8 @@ def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any 
     bar = _progress(config, resumed_from, run is None or run.writes)
     next_checkpoint = _next_mark(state.tokens, config.checkpoint_every)
     batches = _batches(texts, config.batch_size)
-    with lens.capture(sorted(plan.sites), dtype=config.dtype) as cap:
+    deferred = interrupts.deferred() if checkpoint is not None and run is None else nullcontext(None)
+    with lens.capture(sorted(plan.sites), dtype=config.dtype) as cap, deferred as ctrl_c:
         for docs in batches if run is None else run.lockstep(batches):
             if config.max_tokens is not None and state.tokens >= config.max_tokens:
                 break  # (distributed: tokens are the global count, so every rank stops here)
@@ -167,9 +185,14 @@ def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any 
             if next_checkpoint is not None and state.tokens >= next_checkpoint:
                 state.save(checkpoint)
                 next_checkpoint = _next_mark(state.tokens, config.checkpoint_every)
+            if ctrl_c is not None and ctrl_c.pressed:
+                break
     bar.close()
     if checkpoint is not None:  # before flushing, so a longer resumed fit equals one long fit
         state.save(checkpoint)
+    if ctrl_c is not None and ctrl_c.pressed:  # Ctrl-C: the batches done are saved, then it stops
+        raise KeyboardInterrupt(f"stopped after {state.tokens:,} tokens, saved in {checkpoint}; run it again "
+                                f"to resume from {state.tokens:,} tokens")
     for extractor in plan.extractors.values():  # train on rows still held in mixing buffers
         flush = getattr(extractor, "flush", None)
         if callable(flush):

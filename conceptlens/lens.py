@@ -13,6 +13,7 @@ exactly as it was.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -130,8 +131,11 @@ class Lens:
         """Describe fitted concept sets over (held-out) documents: top contexts, histograms,
         neighbours, promoted tokens, per-class probes; see `conceptlens.describe.describe`."""
         from conceptlens.describe import describe
+        from conceptlens.runlock import lock
 
-        return describe(self, concept_sets, data, **kwargs)
+        out = kwargs.get("out")
+        with lock(out, "describe") if out is not None else nullcontext():  # one writer of the folder
+            return describe(self, concept_sets, data, **kwargs)
 
     @known_kwargs
     def steer(self, *edits: Edit, positions: Positions = "all") -> Steer:

@@ -3,8 +3,12 @@ of a registered name, a folder, a file or a reachable hub id; portable ids in Co
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import os
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -104,3 +108,53 @@ def test_gguf_file_is_dequantised_once_and_cached(tmp_path, monkeypatch):
     again, _ = models.load(str(gguf))  # from the cached copy, no second dequantisation
     assert list((tmp_path / "cache" / "models").iterdir()) == cached
     torch.testing.assert_close(again.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
+def test_the_gguf_cache_is_keyed_by_content_not_by_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONCEPTLENS_CACHE", str(tmp_path / "cache"))
+    made = []
+
+    def dequantise(gguf, target):  # stands for the ~75 s dequantisation: records it, writes a stub copy
+        made.append(gguf)
+        target.mkdir(parents=True)
+        (target / "config.json").write_text("{}")
+
+    def load_copy(folder, **kwargs):
+        return SimpleNamespace(config=SimpleNamespace(), folder=folder), None
+
+    monkeypatch.setattr(models, "_cache_fp32", dequantise)
+    monkeypatch.setattr(models, "_load_auto", load_copy)
+    first = tmp_path / "a" / "m.gguf"
+    first.parent.mkdir()
+    first.write_bytes(bytes(range(256)) * 5000)
+    copy = tmp_path / "b" / "m.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(first, copy)
+    a, _ = models.load(str(first))
+    b, _ = models.load(str(copy))  # the same bytes elsewhere: the same fp32 copy
+    assert made == [first] and a.folder == b.folder
+    stat = first.stat()
+    with open(first, "r+b") as f:  # one byte changed, size and mtime kept
+        f.seek(700_000)
+        f.write(b"\xff" if f.read(1) != b"\xff" else b"\x00")
+    os.utime(first, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    c, _ = models.load(str(first))
+    assert made == [first, first] and c.folder != a.folder
+    assert models.gguf_digest(copy) == hashlib.sha256(copy.read_bytes()).hexdigest()
+
+
+def test_a_path_keyed_gguf_copy_of_earlier_versions_is_adopted_not_made_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONCEPTLENS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "_cache_fp32", lambda *a: pytest.fail("dequantised again"))
+    monkeypatch.setattr(models, "_load_auto", lambda folder, **kw: (SimpleNamespace(config=SimpleNamespace(),
+                                                                                     folder=folder), None))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(1000))
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    legacy = tmp_path / "cache" / "models" / f"m-{key}-fp32"
+    legacy.mkdir(parents=True)
+    (legacy / "config.json").write_text("{}")
+    model, _ = models.load(str(gguf))
+    assert model.folder.name == f"m-{models.gguf_digest(gguf)[:16]}-fp32" and (model.folder / "config.json").is_file()
+    assert not legacy.exists()

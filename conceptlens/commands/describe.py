@@ -6,7 +6,7 @@
 Reads RUN/run.toml for the model, data and defaults; the documents described are those after
 the ones the fit consumed (RUN/fit_report.json), or --describe-data. Labelled bundled sets
 (bbc-news, movie-polarity) add per-class probe losses. Checkpoints into RUN/describe/ and
-resumes like the fit.
+resumes like the fit (--no-resume starts again); a finished pass removes its checkpoint.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from conceptlens.commands import run_config as rc
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="a run folder written by conceptlens fit")
     parser.add_argument("--concepts", action="append", help="describe only this concepts/<NAME> (repeatable)")
+    parser.add_argument("--no-resume", action="store_true",
+                        help="start the pass again even if RUN/describe holds a checkpoint of an interrupted one")
     add_describe_options(parser)
 
 
@@ -37,6 +39,7 @@ def add_describe_options(parser: argparse.ArgumentParser) -> None:
 
 def describe_run(lens: Any, cfg: rc.RunConfig, concept_sets: Mapping[str, Any], consumed: int, out: Path) -> dict:
     """Describe `concept_sets` as `cfg.describe` says, into out/describe/<NAME>/."""
+    from conceptlens.checkpoint import CHECKPOINT
     from conceptlens.commands.fit import source
     from conceptlens.describe import SteeringRequest
 
@@ -53,13 +56,21 @@ def describe_run(lens: Any, cfg: rc.RunConfig, concept_sets: Mapping[str, Any], 
     for name, desc in descriptions.items():
         print(f"  {name}: {desc.info['tokens']:,} tokens, {desc.info['documents']:,} documents -> "
               f"{out / 'describe' / name}")
+    (out / "describe" / CHECKPOINT).unlink(missing_ok=True)  # done: a pass over other sets starts afresh
     return descriptions
 
 
 def run(args: argparse.Namespace) -> int:
+    from conceptlens.runlock import lock
+
+    with lock(args.run_dir, "describe", create=False):  # before the model loads: a second writer fails at once
+        return _describe(args)
+
+
+def _describe(args: argparse.Namespace) -> int:
     import conceptlens
     from conceptlens.commands._common import load_model
-    from conceptlens.commands.fit import _ints
+    from conceptlens.commands.fit import _ints, source
     from conceptlens.concepts.conceptset import CONFIG_FILE, ConceptSet
 
     out = Path(args.run_dir)
@@ -71,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
              "prompt": args.prompt, "window": _ints(args.window, "--window") if args.window else None,
              "steer": _ints(args.steer, "--steer") if args.steer else None}
     describe.update({k: v for k, v in flags.items() if v is not None})
+    if args.no_resume:
+        raw.setdefault("fit", {})["resume"] = False
     cfg = rc.from_dict(raw)
     found = sorted(p.name for p in (out / "concepts").glob("*") if (p / CONFIG_FILE).is_file())
     chosen = args.concepts or found
@@ -80,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     report_path = out / "fit_report.json"
     consumed = json.loads(report_path.read_text())["documents"] if report_path.is_file() else 0
     sets = {name: ConceptSet.load(out / "concepts" / name) for name in chosen}
+    source(cfg.describe.data or cfg.data, cfg.shuffle)  # a missing or empty data file: before the model loads
     model, tok = load_model(args, cfg.model)
     describe_run(conceptlens.attach(model, tok), cfg, sets, consumed, out)
     return 0

@@ -6,8 +6,10 @@
 
 Writes RUN/run.toml (the resolved config), RUN/checkpoint.pt (every --checkpoint-every tokens),
 RUN/concepts/<NAME>/ (one ConceptSet per extractor), RUN/fit_report.json, and unless
---no-describe the description pass into RUN/describe/<NAME>/. Interrupt it (Ctrl-C) and run the
-same command again: it resumes from the last checkpoint. Every option is checked before the
+--no-describe the description pass into RUN/describe/<NAME>/. Ctrl-C finishes the batch, writes
+a checkpoint and says its token count; the same command again resumes there. RUN holds one
+run: a folder of another run is refused unless --overwrite clears that run's files, and it is
+locked while written (a second writer fails at once). Every option is checked before the
 model loads. Bundled sets are read in a seeded shuffled order (they are stored sorted by
 label); the description pass reads the documents after those the fit consumed, unless
 --describe-data names another source.
@@ -20,11 +22,14 @@ import dataclasses
 import json
 import math
 import os
+import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 from conceptlens._io import atomic_write
 from conceptlens.commands import run_config as rc
+from conceptlens.commands import fit_summary, run_folder
 from conceptlens.commands.describe import add_describe_options
 
 DEFAULT_CHECKPOINT_EVERY = 20_000
@@ -44,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, help="stop the fit after this many tokens (default: all)")
     parser.add_argument("--checkpoint-every", type=int, help=f"tokens between checkpoints ({DEFAULT_CHECKPOINT_EVERY})")
     parser.add_argument("--no-resume", action="store_true", help="start again even if RUN holds a checkpoint")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="RUN may hold another run: clear the files that run wrote (no other file), then start")
     parser.add_argument("--shuffle", type=int, help="seed of the document order of bundled sets (0)")
     parser.add_argument("--no-shuffle", action="store_true", help="read bundled sets in their stored order")
     parser.add_argument("--distributed", action="store_true",
@@ -78,7 +85,7 @@ def resolve(args: argparse.Namespace) -> rc.RunConfig:
     for key in ("batch_size", "max_length", "max_tokens", "checkpoint_every"):
         if getattr(args, key) is not None:
             fit[key] = getattr(args, key)
-    if args.no_resume:
+    if args.no_resume or args.overwrite:
         fit["resume"] = False
     describe = raw.setdefault("describe", {})
     flags = {"enabled": False if args.no_describe else None, "data": args.describe_data,
@@ -111,23 +118,9 @@ def source(spec: str, shuffle: int | None) -> Any:
         raise FileNotFoundError(f"data {spec!r} is neither a file nor a bundled set; sets: {', '.join(data.SET_NAMES)}")
     if path.suffix not in (".txt", ".jsonl"):
         raise ValueError(f"data file {spec!r} has type {path.suffix!r}; use .txt (one document per line) or .jsonl")
+    if not any(text.strip() for text in data.iter_texts(path)):  # reads up to the first document
+        raise ValueError(f"data file {spec!r} holds no document: it is empty or blank")
     return str(path)
-
-
-def _same_run(out: Path, cfg: rc.RunConfig) -> None:
-    """Refuse to resume a run folder written with another model, data, sites, extractors or batching."""
-    old_path = out / "run.toml"
-    if not cfg.fit.resume or not (out / "checkpoint.pt").is_file() or not old_path.is_file():
-        return
-    old, new = rc.to_dict(rc.from_dict(rc.read_toml(old_path))), rc.to_dict(cfg)
-    for key in ("model", "data", "sites", "shuffle", "extractor"):
-        if old[key] != new[key]:
-            raise ValueError(f"{out} holds a run with another {key} ({old[key]!r}, now {new[key]!r}); use another "
-                             "--out or --no-resume")
-    for key in ("batch_size", "max_length"):
-        if old["fit"][key] != new["fit"][key]:
-            raise ValueError(f"{out} holds a run with fit.{key} = {old['fit'][key]} (now {new['fit'][key]}); use "
-                             "another --out or --no-resume")
 
 
 def jsonable(value: Any) -> Any:
@@ -151,10 +144,8 @@ def jsonable(value: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    import conceptlens
-    from conceptlens.commands._common import load_model
-    from conceptlens.commands.describe import describe_run
     from conceptlens.models import check_name
+    from conceptlens.runlock import lock
 
     cfg = resolve(args)
     check_name(cfg.model)
@@ -163,13 +154,26 @@ def run(args: argparse.Namespace) -> int:
     if cfg.describe.enabled and cfg.describe.data:
         source(cfg.describe.data, cfg.shuffle)
     out = Path(cfg.out)
-    _same_run(out, cfg)
+    distributed = args.distributed or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    writes = not distributed or int(os.environ.get("RANK", "0")) == 0  # torchrun: rank 0 writes the run folder
+    with lock(out, "fit") if writes else nullcontext():  # before the model loads: a second writer fails at once
+        if not args.overwrite:
+            run_folder.check(out, cfg)
+        elif writes and (cleared := run_folder.clear(out)):
+            print(f"--overwrite: removed the {len(cleared)} files of the run {out} held (other files stay)")
+        return _fit_and_describe(args, cfg, plan, texts, out, distributed, writes)
+
+
+def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, texts: Any, out: Path,
+                      distributed: bool, writes: bool) -> int:
+    import conceptlens
+    from conceptlens.commands._common import load_model
+    from conceptlens.commands.describe import describe_run
+
     model, tok = load_model(args, cfg.model)
     lens = conceptlens.attach(model, tok)
     for site in cfg.sites:
         lens.site(site)
-    distributed = args.distributed or int(os.environ.get("WORLD_SIZE", "1")) > 1
-    writes = not distributed or int(os.environ.get("RANK", "0")) == 0  # torchrun: rank 0 writes the run folder
     if writes:
         out.mkdir(parents=True, exist_ok=True)
         written = dataclasses.replace(cfg, fit=dataclasses.replace(cfg.fit, resume=True))  # a rerun of it resumes
@@ -193,6 +197,9 @@ def run(args: argparse.Namespace) -> int:
     text = json.dumps(jsonable(fields) | {"concepts": sorted(report.concepts)}, indent=1)
     atomic_write(out / "fit_report.json", lambda p: Path(p).write_text(text, encoding="utf-8"))
     print(report.summary())
+    print("\n".join(["extractors:", *fit_summary.extractor_lines(report.extractors)]))
+    for line in fit_summary.few_steps_warnings(report.extractors):
+        print(line, file=sys.stderr)
     for name, cs in report.concepts.items():
         print(f"  {name}: {cs} -> {out / 'concepts' / name}")
     if cfg.describe.enabled:

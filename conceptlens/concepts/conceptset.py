@@ -92,6 +92,11 @@ class ConceptSet:
         along the mean instead: `c - (c . m) m / |m|^2`. Raises if the set carries no mean.
         """
         if self.mean is None:
+            from conceptlens.concepts.sae.restore import CLASSES as SAE_METHODS
+
+            if self.method in SAE_METHODS:
+                raise ValueError(f"{self!r} is an SAE's: its decoder rows are directions already, with no centred "
+                                 "form; steer and ablate with the set as it is")
             raise ValueError(f"{self!r} carries no mean activation: only sets fitted by k-means, Deleuzian or VQ "
                              "record one (or pass mean= when building the set)")
         if self.config.get("centred"):

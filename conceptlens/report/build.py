@@ -25,6 +25,7 @@ from conceptlens.report.index_page import index_page, write_data_js
 from conceptlens.report.matching import match_extractors, partners
 from conceptlens.report.output import check_out, commit, discard, new_staging
 from conceptlens.report.pairs_page import matches_page
+from conceptlens.runlock import locks_first_argument
 
 
 class ReportSummary(NamedTuple):
@@ -40,6 +41,7 @@ def _labels(atlas: Atlas) -> dict[str, list[str]]:
     return {ex.name: [", ".join(top_tokens(ctx)) for ctx in ex.contexts()] for ex in atlas.extractors}
 
 
+@locks_first_argument("report")  # one writer of the run folder at a time
 def write_report(run: str | os.PathLike, out: str | os.PathLike | None = None, *, progress: bool = False) -> ReportSummary:
     """Render the report of `run` into `out` (default `run/report`); see the module docstring."""
     start = time.perf_counter()

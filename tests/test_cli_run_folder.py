@@ -1,0 +1,128 @@
+"""A run folder holds one run: `fit` refuses another run's folder unless --overwrite (which
+clears only that run's files); `describe` finishes without a stale checkpoint and takes
+--no-resume; an empty data file fails before the model loads; the fit prints FVU / L0 /
+steps per extractor and warns about an SAE with too few steps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+import conceptlens.fit
+from conceptlens import models
+from conceptlens.cli import main
+from conceptlens.commands.fit_summary import MIN_SAE_STEPS
+from tests.test_cli_fit import base, files  # noqa: F401 - the fixture: a tiny Llama folder and docs.txt
+
+
+def _other_run(files, out, *extra):  # noqa: F811 - another run: one extractor of another name and kind
+    argv = base(files, out, *extra)
+    keep = [a for i, a in enumerate(argv) if a != "--extractor" and argv[i - 1] != "--extractor"]
+    return keep + ["--extractor", "kmeans:n_concepts=3,init_size=32,name=k3"]
+
+
+def test_another_runs_folder_is_refused_and_overwrite_clears_only_its_files(files, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "run"
+    assert main(base(files, out)) == 0
+    (out / "notes.txt").write_text("mine")
+    (out / "concepts" / "km" / "mine.txt").write_text("mine too")
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    capsys.readouterr()
+    assert main(_other_run(files, out, "--no-resume")) == 2  # --no-resume alone never mixes two runs
+    err = capsys.readouterr().err.strip()
+    assert "holds a run with another extractor" in err and "--overwrite" in err and "\n" not in err
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before  # nothing touched
+    assert main(_other_run(files, out, "--overwrite")) == 0
+    # run.toml, checkpoint.pt, fit_report.json; 2 sets of 2 files; describe/source.json; 2 descriptions of 4 files
+    assert f"--overwrite: removed the 16 files of the run {out} held" in capsys.readouterr().out
+    assert sorted(p.name for p in (out / "concepts").iterdir()) == ["k3", "km"]
+    assert sorted(p.name for p in (out / "concepts" / "km").iterdir()) == ["mine.txt"]  # only the user's file
+    assert sorted(p.name for p in (out / "describe").iterdir() if p.is_dir()) == ["k3"]
+    assert (out / "notes.txt").read_text() == "mine"
+    assert json.loads((out / "fit_report.json").read_text())["concepts"] == ["k3"]
+    assert not list(out.glob(".overwritten*"))
+
+
+def test_a_finished_describe_leaves_no_checkpoint_and_no_resume_restarts_an_interrupted_one(
+        files, tmp_path, monkeypatch, capsys):  # noqa: F811
+    out = tmp_path / "run"
+    assert main(base(files, out)) == 0  # fit, then the description of both sets
+    assert not (out / "describe" / "checkpoint.pt").exists()
+    assert main(["describe", str(out), "--concepts", "km", "--describe-tokens", "200"]) == 0
+    step, calls = conceptlens.fit._step, []
+
+    def interrupting(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(conceptlens.fit, "_step", interrupting)
+    assert main(["describe", str(out), "--concepts", "topk"]) == 130  # after a checkpoint at 150 tokens
+    monkeypatch.setattr(conceptlens.fit, "_step", step)
+    assert (out / "describe" / "checkpoint.pt").is_file()  # of a pass over topk
+    capsys.readouterr()
+    assert main(["describe", str(out), "--concepts", "km"]) == 2  # that checkpoint is not km's
+    assert "resume=False" in capsys.readouterr().err
+    assert main(["describe", str(out), "--concepts", "km", "--no-resume"]) == 0
+    assert not (out / "describe" / "checkpoint.pt").exists()
+
+
+@pytest.mark.parametrize("content", ["", "\n\n", "  \n\t\n"])
+def test_an_empty_or_blank_data_file_fails_before_the_model_loads(files, tmp_path, monkeypatch, capsys,  # noqa: F811
+                                                                 content):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(models, "load", no_load)
+    data = tmp_path / "empty.txt"
+    data.write_text(content)
+    argv = base(files, tmp_path / "run")
+    argv[argv.index("--data") + 1] = str(data)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("conceptlens fit: error:") and str(data) in err and "empty or blank" in err
+    assert "\n" not in err
+    assert not (tmp_path / "run").exists()
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text('{"text": "  "}\n\n{"text": ""}\n')
+    argv[argv.index("--data") + 1] = str(blank)
+    assert main(argv) == 2 and str(blank) in capsys.readouterr().err
+
+
+def test_describe_refuses_an_empty_data_file_before_the_model_loads(files, tmp_path, monkeypatch, capsys):  # noqa: F811
+    out = tmp_path / "run"
+    assert main(base(files, out, "--no-describe", "--max-tokens", "100")) == 0
+    (tmp_path / "empty.jsonl").write_text("\n")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(models, "load", no_load)
+    capsys.readouterr()
+    assert main(["describe", str(out), "--describe-data", str(tmp_path / "empty.jsonl")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(tmp_path / "empty.jsonl") in err and "empty or blank" in err and "\n" not in err
+
+
+def test_the_fit_prints_fvu_l0_and_steps_and_warns_about_an_sae_with_few_steps(files, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "run"
+    assert main(base(files, out, "--no-describe")) == 0
+    printed = capsys.readouterr()
+    stats = json.loads((out / "fit_report.json").read_text())["extractors"]
+    topk, km = stats["topk"], stats["km"]
+    assert 0 < topk["steps"] < MIN_SAE_STEPS
+    assert f"  topk: FVU {topk['mean']['fvu']:.3f}, L0 {topk['mean']['l0']:.1f}, {topk['steps']} optimiser steps" \
+        in printed.out
+    assert f"  km: {km['steps']} optimiser steps" in printed.out
+    warning = [line for line in printed.err.splitlines() if line.startswith("warning: topk")]
+    assert len(warning) == 1 and f"only {topk['steps']} optimiser steps" in warning[0]
+    assert "--max-tokens" in warning[0] and "batch_size=" in warning[0]
+    many = [a.replace("topk:width=16,k=2,batch_size=64,warmup_tokens=64", "topk:width=16,k=2,batch_size=2,"
+                      "warmup_tokens=2,buffer_size=2") for a in base(files, tmp_path / "many", "--no-describe")]
+    assert main(many) == 0
+    steps = json.loads((tmp_path / "many" / "fit_report.json").read_text())["extractors"]["topk"]["steps"]
+    assert steps >= MIN_SAE_STEPS and "warning: topk" not in capsys.readouterr().err
+    assert load_file(tmp_path / "many" / "concepts" / "topk" / "concepts.safetensors")

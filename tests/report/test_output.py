@@ -21,7 +21,10 @@ def run(tmp_path):
 
 
 def _tree(folder):
-    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))
+    """Every path under `folder`, but the run lock (runlock.py) a writer leaves in a run folder it locked."""
+    from conceptlens.runlock import LOCK_FILE
+
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.name != LOCK_FILE)
 
 
 def _one_line_error(capsys, *needles):

@@ -200,3 +200,45 @@ def fit_body(comm: Comm, out: Path, run_dir: str | None, kill: dict | None = Non
                       filters=FilterConfig(max_norm_ratio=None), distributed=True)
     return {"states": {str(k): e.state_dict() for k, e in extractors.items()}, "tokens": report.tokens,
             "documents": report.documents, "batches": report.batches, "resumed_from": report.resumed_from}
+
+
+# ---- a distributed fit equals one process with the global batch --------------------------------
+
+def equal_extractors() -> dict:
+    """One of each extractor kind, several at one site; mixing buffers and pairings on."""
+    from conceptlens.concepts import CLVQTranscoder
+
+    return {"blocks.1.resid_out": {
+                "km": StreamingKMeans(4, init_size=200, seed=1),
+                "dz": Deleuzian(4, reference_size=64, buffer_size=96, batch_size=48, seed=2),
+                "dz-paper": Deleuzian(4, mode="paper", reference_size=256, max_differences=512, max_iter=20,
+                                      seed=3),
+                "topk": TopKSAE(width=16, k=3, batch_size=32, buffer_size=96, warmup_tokens=32, seed=4),
+                "vq": VQCodebook(6, init_size=96, batch_size=64, buffer_size=128, seed=5)},
+            ("blocks.1.attn.q", "blocks.1.attn.k"): QueryKeyMoments(),
+            ("blocks.0.resid_out", "blocks.1.resid_out"): CLVQTranscoder(4, hidden=16, batch_size=64, seed=6)}
+
+
+EQUAL_FILTERS = FilterConfig(max_norm_ratio=1.15, window=64)  # tight enough that the global median matters
+
+
+def equal_fit(batch_size: int, distributed: bool, run_dir: str | None = None, corpus: list[str] = CORPUS,
+              max_tokens: int | None = None) -> dict:
+    """The states of `equal_extractors` after a fit of `corpus` (flat: name -> state), its rows and tokens."""
+    from tests.conftest import CharTokenizer, tiny_model
+
+    lens = conceptlens.attach(tiny_model("llama"), CharTokenizer())
+    extractors = equal_extractors()
+    report = lens.fit(extractors, corpus, batch_size=batch_size, max_length=24, progress=False,
+                      filters=EQUAL_FILTERS, distributed=distributed, checkpoint_dir=run_dir,
+                      checkpoint_every=None if run_dir is None else 400, max_tokens=max_tokens)
+    flat = {}
+    for key, value in extractors.items():
+        for name, ext in (value.items() if isinstance(value, dict) else [(str(key), value)]):
+            flat[name] = ext.state_dict()
+    return {"states": flat, "rows": report.rows, "tokens": report.tokens, "resumed_from": report.resumed_from}
+
+
+def equal_body(comm: Comm, out: Path, run_dir: str | None = None, corpus: list[str] = CORPUS,
+               max_tokens: int | None = None) -> dict:
+    return equal_fit(4, True, run_dir, corpus, max_tokens)

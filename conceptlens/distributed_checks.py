@@ -30,16 +30,15 @@ def fingerprint(model_digest: str, first_docs: list[str], extractors: dict[str, 
     for doc in first_docs:
         raw = doc.encode("utf-8", "surrogatepass")
         docs.update(len(raw).to_bytes(8, "little") + raw)
-    out: dict[str, Any] = {"model weights": model_digest,
-                           f"data (its first {len(first_docs)} documents)": docs.hexdigest()[:16],
+    out: dict[str, Any] = {"model weights": model_digest, **{f"option {k}": v for k, v in options.items()},
                            "extractors": sorted(extractors)}
     for name, extractor in extractors.items():
         config = getattr(extractor, "config", None)
         options_of = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else {}
         out[f"extractor {name!r}"] = {"type": type(extractor).__qualname__, **options_of,
                                       "state": _state(extractor)}
-    out.update({f"option {k}": v for k, v in options.items()})
-    return out
+    out["data (the first global batch)"] = f"{len(first_docs)} documents, sha256 {docs.hexdigest()[:16]}"
+    return out  # in this order: the first difference named is the cause, not its consequence
 
 
 def _state(extractor: Any) -> str:

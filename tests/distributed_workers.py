@@ -242,3 +242,47 @@ def equal_fit(batch_size: int, distributed: bool, run_dir: str | None = None, co
 def equal_body(comm: Comm, out: Path, run_dir: str | None = None, corpus: list[str] = CORPUS,
                max_tokens: int | None = None) -> dict:
     return equal_fit(4, True, run_dir, corpus, max_tokens)
+
+
+# ---- ranks that run different fits ----------------------------------------------------------------
+
+MISMATCHES = {  # what rank 1 changes -> (model seed, corpus, extractor, fit options) of rank 1
+    "documents": dict(corpus=CORPUS[1:] + CORPUS[:1]),
+    "model": dict(seed=1),
+    "k": dict(k=5),
+    "batch_size": dict(batch_size=3),
+    "max_tokens": dict(max_tokens=500),
+}
+
+
+def mismatch_body(comm: Comm, out: Path) -> dict:
+    """For each entry of MISMATCHES, a fit whose rank 1 differs in that one thing; the message each rank got."""
+    from conceptlens.distributed import DistributedError
+    from tests.conftest import CharTokenizer, tiny_model
+
+    messages = {}
+    for case, change in MISMATCHES.items():
+        mine = change if comm.rank == 1 else {}
+        lens = conceptlens.attach(tiny_model("llama", seed=mine.get("seed", 0)), CharTokenizer())
+        try:
+            lens.fit({"blocks.1.resid_out": StreamingKMeans(mine.get("k", 4), seed=1)}, mine.get("corpus", CORPUS),
+                     batch_size=mine.get("batch_size", 4), max_tokens=mine.get("max_tokens"), max_length=24,
+                     progress=False, distributed=True)
+            messages[case] = None
+        except DistributedError as err:
+            messages[case] = str(err)
+    return messages
+
+
+def lonely_body(out: Path, port: int, timeout_s: float) -> None:
+    """Rank 0 of 2 whose rank 1 never starts: lens.fit joins the group itself (no group beforehand)."""
+    from tests.conftest import CharTokenizer, tiny_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="2",
+                      CONCEPTLENS_DIST_TIMEOUT=str(timeout_s))
+    lens = conceptlens.attach(tiny_model("llama"), CharTokenizer())
+    try:
+        lens.fit({"blocks.1.resid_out": StreamingKMeans(4)}, CORPUS, progress=False, distributed=True)
+    except BaseException as err:  # noqa: BLE001 - reported to the parent
+        (out / "rank0.err").write_text(f"{type(err).__name__}: {err}")
+        os._exit(1)

@@ -236,3 +236,34 @@ def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(tmp_path):
     for name, state in alone["states"].items():
         assert_same_state(r0["states"][name], r1["states"][name], name)  # the ranks agree bit for bit
         assert_close_state(r0["states"][name], state, name)
+
+
+def test_ranks_that_run_different_fits_fail_together_naming_what_differs(tmp_path):
+    """Rank 1 given other documents, another model of the same architecture, another k, batch
+    size or max_tokens: both ranks stop before the first step with the same one-line error."""
+    codes, results, _ = W.spawn(W.mismatch_body, 2, tmp_path)
+    r0, r1 = _ok(codes, results)
+    expected = {"documents": "data (the first global batch): rank 0 has '8 documents, sha256 ",
+                "model": "model weights",
+                "k": "extractor 'blocks.1.resid_out' n_concepts: rank 0 has 4, rank 1 has 5",
+                "batch_size": "option batch_size: rank 0 has 4, rank 1 has 3",
+                "max_tokens": "option max_tokens: rank 0 has None, rank 1 has 500"}
+    for case, what in expected.items():
+        for rank, message in enumerate((r0[case], r1[case])):
+            assert message is not None and "\n" not in message, (case, message)
+            assert message.startswith(f"rank {rank}/2: the ranks of this distributed fit differ in {what}"), message
+
+
+def test_a_rank_that_never_joins_gives_one_line_at_the_join_timeout(tmp_path):
+    import multiprocessing
+
+    proc = multiprocessing.get_context("spawn").Process(target=W.lonely_body, args=(tmp_path, W.free_port(), 5.0))
+    proc.start()
+    proc.join(120)
+    if proc.is_alive():
+        proc.kill()
+    message = (tmp_path / "rank0.err").read_text()
+    assert proc.exitcode == 1 and "\n" not in message, message
+    assert message.startswith("DistributedError: rank 0/2: 1 of 2 processes joined the distributed fit at "
+                              "127.0.0.1:"), message
+    assert "within 5 s; start every rank (WORLD_SIZE=2) or raise CONCEPTLENS_DIST_TIMEOUT" in message

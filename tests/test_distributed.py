@@ -267,3 +267,16 @@ def test_a_rank_that_never_joins_gives_one_line_at_the_join_timeout(tmp_path):
     assert message.startswith("DistributedError: rank 0/2: 1 of 2 processes joined the distributed fit at "
                               "127.0.0.1:"), message
     assert "within 5 s; start every rank (WORLD_SIZE=2) or raise CONCEPTLENS_DIST_TIMEOUT" in message
+
+
+def test_the_cli_reports_a_distributed_failure_in_one_line(monkeypatch, capsys):
+    from conceptlens.cli import main
+    from conceptlens.commands import sites
+
+    def fail(args):
+        raise DistributedError("rank 0/2: all_gather failed: rank 1 died or stopped answering")
+
+    monkeypatch.setattr(sites, "run", fail)
+    assert main(["sites", "--model", "smollm2-135m"]) == 1
+    assert capsys.readouterr().err == ("conceptlens sites: error: rank 0/2: all_gather failed: rank 1 died or "
+                                       "stopped answering\n")

@@ -204,8 +204,27 @@ def fit_body(comm: Comm, out: Path, run_dir: str | None, kill: dict | None = Non
 
 # ---- a distributed fit equals one process with the global batch --------------------------------
 
+class TokenLog:
+    """A token-aware statistic (as the description pass is): it keeps every row's document,
+    position and norm, and every batch's token ids, in the order the fit gives them."""
+
+    def __init__(self) -> None:
+        self.doc, self.pos, self.norm, self.ids = [], [], [], []
+
+    def update(self, x, tokens) -> None:
+        self.doc.append(tokens.doc.cpu())
+        self.pos.append(tokens.pos.cpu())
+        self.norm.append(x.norm(dim=1))
+        self.ids.append(tokens.ids.cpu())
+
+    def state_dict(self) -> dict:
+        return {"doc": torch.cat(self.doc), "pos": torch.cat(self.pos), "norm": torch.cat(self.norm),
+                "ids": list(self.ids)}
+
+
 def equal_extractors() -> dict:
-    """One of each extractor kind, several at one site; mixing buffers and pairings on."""
+    """One of each extractor kind, several at one site; mixing buffers and pairings on; a
+    token-aware statistic."""
     from conceptlens.concepts import CLVQTranscoder
 
     return {"blocks.1.resid_out": {
@@ -215,6 +234,7 @@ def equal_extractors() -> dict:
                                       seed=3),
                 "topk": TopKSAE(width=16, k=3, batch_size=32, buffer_size=96, warmup_tokens=32, seed=4),
                 "vq": VQCodebook(6, init_size=96, batch_size=64, buffer_size=128, seed=5)},
+            "blocks.0.mlp_out": {"tokens": TokenLog()},
             ("blocks.1.attn.q", "blocks.1.attn.k"): QueryKeyMoments(),
             ("blocks.0.resid_out", "blocks.1.resid_out"): CLVQTranscoder(4, hidden=16, batch_size=64, seed=6)}
 

@@ -225,14 +225,16 @@ def assert_close_state(a, b, path: str = "state") -> None:
 
 def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(tmp_path):
     """41 documents (uneven shards) through k-means, Deleuzian (streaming and paper), TopK SAE,
-    VQ, q/k moments and a CLVQ transcoder, with mixing buffers on and a row filter tight
-    enough to drop rows: every state, and the filter's counts, equal one process's."""
+    VQ, q/k moments, a CLVQ transcoder and a token-aware statistic, with mixing buffers on and
+    a row filter tight enough to drop rows: every state, and the filter's counts, equal one
+    process's (the token-aware one sees the same documents, positions and ids)."""
     codes, results, _ = W.spawn(W.equal_body, 2, tmp_path)
     r0, r1 = _ok(codes, results)
     alone = W.equal_fit(8, False)
     assert r0["tokens"] == r1["tokens"] == alone["tokens"]
     assert r0["rows"] == r1["rows"] == alone["rows"]
     assert 0 < alone["rows"]["blocks.1.resid_out"]["norm_outlier"]  # the filter's median mattered
+    assert alone["states"]["tokens"]["doc"].max() == len(W.CORPUS) - 1  # rows know their document in the corpus
     for name, state in alone["states"].items():
         assert_same_state(r0["states"][name], r1["states"][name], name)  # the ranks agree bit for bit
         assert_close_state(r0["states"][name], state, name)

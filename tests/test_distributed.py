@@ -282,3 +282,34 @@ def test_the_cli_reports_a_distributed_failure_in_one_line(monkeypatch, capsys):
     assert main(["sites", "--model", "smollm2-135m"]) == 1
     assert capsys.readouterr().err == ("conceptlens sites: error: rank 0/2: all_gather failed: rank 1 died or "
                                        "stopped answering\n")
+
+
+def test_two_simulated_nodes_of_two_ranks_equal_one_process(tmp_path):
+    """torchrun --nnodes 2 --nproc-per-node 2 (two agents on this machine, static rendezvous at
+    node 0, as on two hosts): 4 ranks with batch 2 equal one process with batch 8."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests import torchrun_fit
+
+    root, port = Path(__file__).resolve().parents[1], W.free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CONCEPTLENS_DIST_TIMEOUT": "120"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               str(root / "tests" / "torchrun_fit.py"), str(tmp_path), "2"],
+                              cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for node in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=400) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(4)]
+    alone, report = torchrun_fit.fit(8, False)
+    assert [r["documents"] for r in ranks] == [11, 10, 10, 10] and ranks[0]["tokens"] == report.tokens
+    for key, extractor in alone.items():
+        for rank in ranks:
+            assert_close_state(rank["states"][key], extractor.state_dict(), key)

@@ -306,3 +306,10 @@ def lonely_body(out: Path, port: int, timeout_s: float) -> None:
     except BaseException as err:  # noqa: BLE001 - reported to the parent
         (out / "rank0.err").write_text(f"{type(err).__name__}: {err}")
         os._exit(1)
+
+
+def die_body(comm: Comm, out: Path, who: int) -> None:
+    """Rank `who` exits at once (a crash); the others run one all-reduce."""
+    if comm.rank == who:
+        os._exit(3)
+    comm.sum_(torch.ones(1))

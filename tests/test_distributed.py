@@ -313,3 +313,15 @@ def test_two_simulated_nodes_of_two_ranks_equal_one_process(tmp_path):
     for key, extractor in alone.items():
         for rank in ranks:
             assert_close_state(rank["states"][key], extractor.state_dict(), key)
+
+
+@pytest.mark.parametrize("who", [0, 1])
+def test_the_survivor_of_a_dead_rank_names_it_in_one_line(tmp_path, who):
+    """Rank 1 dead: rank 0 finds it unmarked in the rendezvous store. Rank 0 dead (it holds the
+    store when torchrun does not): the store is gone with it, and the message says so."""
+    codes, results, _ = W.spawn(W.die_body, 2, tmp_path, who, collective_timeout=20.0)
+    survivor = 1 - who
+    assert codes[who] == 3 and codes[survivor] == 1, results
+    message = results[survivor].splitlines()[0]
+    gone = "rank 1 died or stopped answering" if who == 1 else "rank 0 (it holds the rendezvous store) is gone"
+    assert message.startswith(f"DistributedError: rank {survivor}/2: all_reduce failed: {gone} (timeout 20 s; "), message

@@ -121,7 +121,9 @@ def test_fit_shards_documents_and_ranks_agree(tmp_path):
     saved = torch.load(run / "checkpoint.pt", weights_only=True)["state"]
     assert saved["world_size"] == 2 and len(saved["ranks"]) == 2
     codes, results, _ = W.spawn(W.fit_body, 1, tmp_path / "one", str(run))  # resumed on 1 process: refused
-    assert codes == [1] and "same world size" in results[0]
+    assert codes == [1] and results[0].splitlines()[0] == (
+        f"ValueError: checkpoint {run / 'checkpoint.pt'} was written by a fit on 2 process(es); this fit runs on 1: "
+        "resume with the same world size, or use resume=False")
 
 
 def _single_process_moments() -> dict:

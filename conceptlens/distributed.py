@@ -98,13 +98,11 @@ class Comm:
         if self.world == 1:
             return x
         sizes = self.sizes(x.shape[0]) if sizes is None else sizes
-        wire = x.view(torch.int16) if x.is_floating_point() and x.element_size() == 2 else x  # bf16: bit-exact on gloo
-        pad = wire.new_zeros(max(sizes), *x.shape[1:]).to(self.device)
-        pad[: x.shape[0]] = wire.to(self.device)
+        pad = x.new_zeros(max(sizes), *x.shape[1:]).to(self.device)
+        pad[: x.shape[0]] = x.to(self.device)
         parts = [torch.empty_like(pad) for _ in range(self.world)]
         self._call("all_gather", lambda: dist.all_gather(parts, pad, group=self.group))
-        out = torch.cat([p[:n] for p, n in zip(parts, sizes)]).to(x.device)
-        return out.view(x.dtype) if out.dtype != x.dtype else out
+        return torch.cat([p[:n] for p, n in zip(parts, sizes)]).to(x.device)
 
     def broadcast_(self, t: Tensor, src: int = 0) -> Tensor:
         if self.world == 1:
@@ -236,12 +234,12 @@ class DistributedRun:
                     with_ids: bool = False) -> GlobalStep:
         """Every rank's rows of this step in document order: rank r's batch row j is document
         j*W + r of the global batch. `meta`: the capture's (row, position) of `acts`; `ids`:
-        `(B, T)` this rank's token ids, -1 on padding; n_tokens 0: this rank has no rows."""
+        `(B, T)` token ids of this rank's documents, -1 on padding; n_tokens 0: no rows here."""
         comm, world = self.comm, self.comm.world
         n_rows = int(meta.row.numel()) if n_tokens else 0
-        n_docs = int(ids.shape[0]) if n_tokens else 0
+        n_docs = int(ids.shape[0])
         head = torch.zeros(world, 5, dtype=torch.int64)
-        head[comm.rank] = torch.tensor([n_rows, n_docs, n_tokens, documents, ids.shape[1]])
+        head[comm.rank] = torch.tensor([n_rows, n_docs, n_tokens, documents, ids.shape[1] if n_docs else 0])
         head = comm.sum_(head)
         rows, docs = head[:, 0].tolist(), head[:, 1].tolist()
         local = torch.stack([meta.row[:n_rows].cpu() * world + comm.rank, meta.position[:n_rows].cpu()], 1)

@@ -241,14 +241,16 @@ def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: 
     Distributed: every rank's rows of the step, gathered in document order, go through the
     same single-process step on every rank (see conceptlens/distributed.py)."""
     run = state.run
-    batch = encode_batch(tokenizer, docs or ["."], max_length)  # a rank out of data forwards a stub
+    batch = encode_batch(tokenizer, docs or ["."], max_length)
     n_tokens = int(batch["attention_mask"].sum()) if docs else 0
     if n_tokens == 0 and run is None:
         return 0  # empty documents only: nothing to forward
+    ids = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -1)[: len(docs)]  # (B, T)
+    if n_tokens == 0:  # distributed, nothing real on this rank: a stub gives the sites' shapes, no rows
+        batch = encode_batch(tokenizer, ["."], max_length)
     device = input_device(model)  # with a device map: the input embeddings' device
     acts = cap.forward(**{k: v.to(device) for k, v in batch.items()})  # no_grad inside
     meta = cap.last[1]
-    ids = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -1)
     first_doc = state.documents
     if run is not None:
         step = run.gather_step(acts, meta, ids, n_tokens, state.documents, with_ids=bool(plan.token_aware))

@@ -226,13 +226,15 @@ def assert_close_state(a, b, path: str = "state") -> None:
 
 
 def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(tmp_path):
-    """41 documents (uneven shards) through k-means, Deleuzian (streaming and paper), TopK SAE,
-    VQ, q/k moments, a CLVQ transcoder and a token-aware statistic, with mixing buffers on and
-    a row filter tight enough to drop rows: every state, and the filter's counts, equal one
-    process's (the token-aware one sees the same documents, positions and ids)."""
-    codes, results, _ = W.spawn(W.equal_body, 2, tmp_path)
+    """41 documents (uneven shards; in one step rank 1 has only empty ones) through k-means,
+    Deleuzian (streaming and paper), TopK SAE, VQ, q/k moments, a CLVQ transcoder and a
+    token-aware statistic, with mixing buffers on and a row filter tight enough to drop rows:
+    every state, and the filter's counts, equal one process's (the token-aware one sees the
+    same documents, positions and ids)."""
+    corpus = ["" if i in (9, 11, 13, 15) else doc for i, doc in enumerate(W.CORPUS)]  # rank 1: nothing in step 2
+    codes, results, _ = W.spawn(W.equal_body, 2, tmp_path, None, corpus)
     r0, r1 = _ok(codes, results)
-    alone = W.equal_fit(8, False)
+    alone = W.equal_fit(8, False, corpus=corpus)
     assert r0["tokens"] == r1["tokens"] == alone["tokens"]
     assert r0["rows"] == r1["rows"] == alone["rows"]
     assert 0 < alone["rows"]["blocks.1.resid_out"]["norm_outlier"]  # the filter's median mattered

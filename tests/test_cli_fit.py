@@ -200,18 +200,17 @@ def test_fit_command_under_torchrun_writes_one_run_folder_on_rank_0_equal_to_one
 
     from tests.distributed_workers import free_port
 
-    out = tmp_path / "run"
+    alone, out = tmp_path / "alone", tmp_path / "run"  # one process with the global batch, 2 x 8 documents
+    assert main(base(files, alone, "--no-shuffle", "--batch-size", "16")) == 0
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "conceptlens.cli", *base(files, out, "--no-shuffle")]
+           "-m", "conceptlens.cli", "fit", str(alone / "run.toml"), "--out", str(out), "--batch-size", "8"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CONCEPTLENS_DIST_TIMEOUT": "60", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "fit_report.json").read_text())
     assert report["concepts"] == ["km", "topk"] and report["tokens"] >= 600  # tokens: the global count
     assert done.stdout.count("fitting km, topk") == 1  # only rank 0 speaks and writes
-    alone = tmp_path / "alone"  # one process with the global batch, 2 x 8 documents
-    assert main(base(files, alone, "--no-shuffle", "--batch-size", "16")) == 0
     assert json.loads((alone / "fit_report.json").read_text())["tokens"] == report["tokens"]
     for name in ("km", "topk"):
         two, one = (load_file(run / "concepts" / name / "concepts.safetensors") for run in (out, alone))

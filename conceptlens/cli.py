@@ -64,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"conceptlens {args.command}: error: {_one_line(str(message))}", file=sys.stderr)
         return 2
+    except RuntimeError as err:  # a distributed fit's ranks disagree, one died or never joined: one line
+        distributed = sys.modules.get("conceptlens.distributed")
+        if distributed is None or not isinstance(err, distributed.DistributedError):
+            raise
+        print(f"conceptlens {args.command}: error: {_one_line(str(err))}", file=sys.stderr)
+        return 1
     finally:
         if "conceptlens.distributed" in sys.modules:  # a distributed fit ran in this process
             sys.modules["conceptlens.distributed"].shutdown()

@@ -2,16 +2,22 @@
 
     torchrun --nproc-per-node 2 my_fit.py          # my_fit.py calls lens.fit(..., distributed=True)
 
-Each rank reads every world-th document (rank r takes documents r, r + W, ...). Extractors
-stay identical on every rank: k-means, Deleuzian and VQ all-reduce their per-step
-statistics before each centre / code update, SAEs all-reduce their gradients (weighted by
-each rank's rows, so W ranks with per-rank batch B take the step of one process with batch
-W*B), and statistics (q/k moments, co-activation counts) are summed once at the end. The
-ranks advance in lockstep: each batch starts with a "who still has data" all-reduce, and a
-rank whose shard ran out feeds empty batches until every rank is done, so uneven shards
-never hang. Rank 0 writes the checkpoints (one file holding every rank's state) and the run
-folder. Every collective runs under the process group's timeout; a failure (a dead rank, a
-timeout) raises `DistributedError` naming the operation.
+A distributed fit equals one process fed the same documents with W times the batch: rank r
+reads documents r, r + W, ... of the stream, so each global step holds the W*B documents one
+process would take; each rank forwards its B documents, and the captured rows of every rank
+are all-gathered and put back in document order. Every rank then runs the single-process
+step (row filter, extractor updates) on the same global rows, so the extractors, the row
+filter and every buffer are identical on every rank and equal to one process's, whatever
+the extractor. The forward is divided W ways; the extractor updates are not (each rank
+repeats them). The ranks advance in lockstep: each batch starts with a "who still has data"
+all-reduce, and a rank whose shard ran out contributes no rows until every rank is done.
+Before the first step the ranks compare a fingerprint of the fit (`distributed_checks`).
+Rank 0 writes the checkpoints (one file holding every rank's state) and the run folder.
+Every collective runs under the process group's timeout; a failure (a dead rank, a timeout)
+raises `DistributedError` naming the operation and the ranks that are gone.
+
+`Comm` also serves extractors driven by hand on per-rank data: with `extractor.comm` set,
+k-means, VQ, Deleuzian and the SAEs all-reduce their step statistics ("step" mode).
 """
 
 from __future__ import annotations
@@ -19,11 +25,14 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Iterator
-from typing import Any
+from itertools import chain, islice
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from conceptlens.distributed_checks import disagreement, failure, join_error
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -57,9 +66,7 @@ class Comm:
         try:
             return fn()
         except (RuntimeError, ValueError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise DistributedError(f"rank {self.rank}/{self.world}: {what} failed (another rank died or did "
-                                   f"not answer within {self.timeout_s:g} s): {first}") from None
+            raise DistributedError(failure(self.rank, self.world, what, err, self.timeout_s)) from None
 
     def sum_(self, t: Tensor) -> Tensor:
         """All-reduce (sum) `t`; returns the summed tensor on `t`'s device and dtype."""
@@ -85,11 +92,12 @@ class Comm:
         one[self.rank] = n
         return self.sum_(one).tolist()
 
-    def gather_rows(self, x: Tensor) -> Tensor:
-        """The rows `(n_r, ...)` of every rank concatenated in rank order (same on every rank)."""
+    def gather_rows(self, x: Tensor, sizes: list[int] | None = None) -> Tensor:
+        """The rows `(n_r, ...)` of every rank concatenated in rank order (same on every rank);
+        `sizes`: every rank's n_r when already known (saves a collective)."""
         if self.world == 1:
             return x
-        sizes = self.sizes(x.shape[0])
+        sizes = self.sizes(x.shape[0]) if sizes is None else sizes
         pad = x.new_zeros(max(sizes), *x.shape[1:]).to(self.device)
         pad[: x.shape[0]] = x.to(self.device)
         parts = [torch.empty_like(pad) for _ in range(self.world)]
@@ -130,7 +138,12 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Co
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        except (RuntimeError, ValueError) as err:  # DistStoreError: a rank never joined
+            where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+            raise DistributedError(join_error(err, os.environ["RANK"], os.environ["WORLD_SIZE"], timeout_s,
+                                              where)) from None
         global _OWNED
         _OWNED = True
     return Comm(timeout_s=timeout_s)
@@ -151,30 +164,6 @@ def shutdown() -> None:
     _OWNED = False
 
 
-def attach(extractors: dict[Any, Any], comm: Comm) -> None:
-    """Give every extractor the communicator; refuse those that cannot be synchronised."""
-    for key, extractor in extractors.items():
-        mode = getattr(extractor, "distributed", None)
-        if mode not in ("step", "merge"):
-            raise ValueError(f"extractor for {key!r} ({type(extractor).__name__}) cannot be fitted with "
-                             "distributed=True; supported: StreamingKMeans, Deleuzian, the SAEs, VQCodebook, "
-                             "QueryKeyMoments, CoactivationStats")
-        extractor.comm = comm if mode == "step" else None
-
-
-def reduce_by_merge(extractors: dict[Any, Any], comm: Comm) -> None:
-    """At the end of a fit: every statistics extractor ("merge" mode) becomes the merge of all
-    ranks' states, in rank order (exact for sums), the same on every rank."""
-    for extractor in extractors.values():
-        if getattr(extractor, "distributed", None) != "merge":
-            continue
-        states = comm.gather_objects(extractor.state_dict())
-        merged = type(extractor).from_state(states[0])
-        for state in states[1:]:
-            merged.merge(state)
-        extractor.load_state_dict(merged.state_dict())
-
-
 def lockstep(batches: Iterator[list[str]], comm: Comm) -> Iterator[list[str]]:
     """This rank's batches, then empty ones while any other rank still has data."""
     mine: Iterator[list[str]] | None = batches
@@ -188,39 +177,83 @@ def lockstep(batches: Iterator[list[str]], comm: Comm) -> Iterator[list[str]]:
 
 
 def shard(texts: Iterator[str], comm: Comm) -> Iterator[str]:
-    """Documents rank, rank + world, rank + 2 world, ..."""
+    """Documents rank, rank + world, rank + 2 world, ...: with per-rank batches of B, global
+    step s holds documents s*W*B ... (s+1)*W*B - 1, those one process with batch W*B takes."""
     for i, text in enumerate(texts):
         if i % comm.world == comm.rank:
             yield text
 
 
+class GlobalStep(NamedTuple):
+    """The rows of one step of every rank, in document order (as one process with the global batch has them)."""
+
+    acts: dict[str, Tensor]
+    """Site -> `(N, ...)` rows of every rank's documents, document by document."""
+    row: Tensor
+    """`(N,)` document of each row within the global batch."""
+    position: Tensor
+    """`(N,)` position of each row in its document."""
+    tokens: int
+    """Real tokens of the global batch."""
+    first_doc: int
+    """Documents of every rank before this step."""
+    ids: Tensor | None
+    """`(W*B, T)` token ids of the global batch, -1 on padding (when asked for)."""
+
+
 class DistributedRun:
-    """What `fit(..., distributed=True)` needs besides the extractors' own synchronisation."""
+    """What `fit(..., distributed=True)` does besides the single-process step: shard, agree, gather."""
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
 
     @classmethod
-    def start(cls, extractors: dict[Any, Any]) -> DistributedRun:
+    def start(cls) -> DistributedRun:
         timeout = float(os.environ.get("CONCEPTLENS_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
-        run = cls(init(timeout_s=timeout))
-        attach(extractors, run.comm)
-        return run
+        return cls(init(timeout_s=timeout))
 
     @property
     def writes(self) -> bool:
         """Whether this rank writes files (rank 0)."""
         return self.comm.rank == 0
 
-    def shard(self, texts: Iterator[str]) -> Iterator[str]:
-        return shard(texts, self.comm)
+    def shard(self, texts: Iterator[str], batch_size: int, fingerprint: Any) -> Iterator[str]:
+        """This rank's documents, after every rank agreed on `fingerprint(first_docs)` (the
+        whole first global batch, read before sharding), or a one-line `DistributedError`."""
+        head = list(islice(texts, batch_size * self.comm.world))
+        prints = self.comm.gather_objects(fingerprint(head))
+        differ = disagreement(prints)
+        if differ is not None:
+            raise DistributedError(f"rank {self.comm.rank}/{self.comm.world}: {differ}")
+        return shard(chain(head, texts), self.comm)
 
     def lockstep(self, batches: Iterator[list[str]]) -> Iterator[list[str]]:
         return lockstep(batches, self.comm)
 
-    def total(self, n_tokens: int) -> int:
-        """The tokens of this step summed over the ranks."""
-        return int(self.comm.sum_(torch.tensor([n_tokens], dtype=torch.int64)).item())
+    def gather_step(self, acts: dict[str, Tensor], meta: Any, ids: Tensor, n_tokens: int, documents: int,
+                    with_ids: bool = False) -> GlobalStep:
+        """Every rank's rows of this step in document order: rank r's batch row j is document
+        j*W + r of the global batch. `meta`: the capture's (row, position) of `acts`; `ids`:
+        `(B, T)` token ids of this rank's documents, -1 on padding; n_tokens 0: no rows here."""
+        comm, world = self.comm, self.comm.world
+        n_rows = int(meta.row.numel()) if n_tokens else 0
+        n_docs = int(ids.shape[0])
+        head = torch.zeros(world, 5, dtype=torch.int64)
+        head[comm.rank] = torch.tensor([n_rows, n_docs, n_tokens, documents, ids.shape[1] if n_docs else 0])
+        head = comm.sum_(head)
+        rows, docs = head[:, 0].tolist(), head[:, 1].tolist()
+        local = torch.stack([meta.row[:n_rows].cpu() * world + comm.rank, meta.position[:n_rows].cpu()], 1)
+        where = comm.gather_rows(local.long(), rows)
+        order = torch.argsort(where[:, 0], stable=True)  # rank order -> document order
+        gathered = {site: _take(comm.gather_rows(acts[site][:n_rows], rows), order) for site in sorted(acts)}
+        every = None
+        if with_ids:
+            width = int(head[:, 4].max())
+            mine = torch.nn.functional.pad(ids[:n_docs].cpu(), (0, width - ids.shape[1]), value=-1)
+            doc = torch.cat([torch.arange(n) * world + r for r, n in enumerate(docs)])
+            every = comm.gather_rows(mine, docs)[torch.argsort(doc)]
+        return GlobalStep(gathered, where[order, 0], where[order, 1], int(head[:, 2].sum()),
+                          int(head[:, 3].sum()), every)
 
     def gather_checkpoint(self, state: dict[str, Any]) -> dict[str, Any] | None:
         """Every rank's checkpoint state, on rank 0 (None elsewhere)."""
@@ -229,12 +262,9 @@ class DistributedRun:
             return None
         return {"world_size": self.comm.world, "ranks": states}
 
-    def finish(self, extractors: dict[Any, Any]) -> None:
-        """After the flushes: statistics summed over the ranks; then wait for rank 0's files."""
-        reduce_by_merge(extractors, self.comm)
-        for extractor in extractors.values():
-            if getattr(extractor, "comm", None) is self.comm:
-                extractor.comm = None  # an extractor outlives the fit; its later updates are local
+
+def _take(x: Tensor, order: Tensor) -> Tensor:
+    return x[order.to(x.device)]
 
 
 def own_checkpoint(saved: dict[str, Any], path: Any, run: DistributedRun | None) -> dict[str, Any]:

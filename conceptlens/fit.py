@@ -38,6 +38,7 @@ from conceptlens.concepts.base import NotFittedError
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.devices import input_device
 from conceptlens.distributed import DistributedRun
+from conceptlens.distributed_checks import fingerprint as rank_fingerprint
 from conceptlens.filters import FilterConfig, RowFilter
 
 if TYPE_CHECKING:
@@ -161,9 +162,13 @@ def _fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any
         batching["sites"] = moved
     check_max_length(lens.model, config.max_length)
     state = FitState(RowFilter(config.filters), plan.extractors, fit_fingerprint(lens.model, plan.extractors, batching))
-    run = state.run = DistributedRun.start(plan.extractors) if config.distributed else None
+    run = state.run = DistributedRun.start() if config.distributed else None
     checkpoint = Path(config.checkpoint_dir) / CHECKPOINT if config.checkpoint_dir else None
-    texts = datasets.iter_texts(data) if run is None else run.shard(datasets.iter_texts(data))
+    texts = datasets.iter_texts(data)
+    if run is not None:  # the ranks agree on model, data, extractors and options before any step
+        options = {k: v for k, v in asdict(config).items() if k != "progress"} | {"sites": moved}
+        texts = run.shard(texts, config.batch_size, lambda first: rank_fingerprint(
+            state.fingerprint["model"], first, plan.extractors, options))
     if checkpoint is not None:
         widths = {name: math.prod(int(s) for s in lens.site(k).shape[2:]) for name, k in plan.keys.items()
                   if isinstance(k, str)}
@@ -180,7 +185,7 @@ def _fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any
             if config.max_tokens is not None and state.tokens >= config.max_tokens:
                 break  # (distributed: tokens are the global count, so every rank stops here)
             n_tokens = _step(cap, tokenizer, docs, config.max_length, plan, state, lens.model)
-            state.advance(docs, n_tokens if run is None else run.total(n_tokens))
+            state.advance(docs, n_tokens)  # (distributed: the global step's tokens)
             bar.update(n_tokens)
             if next_checkpoint is not None and state.tokens >= next_checkpoint:
                 state.save(checkpoint)
@@ -197,8 +202,6 @@ def _fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any
         flush = getattr(extractor, "flush", None)
         if callable(flush):
             flush()
-    if run is not None:
-        run.finish(plan.extractors)
     return _report(lens, plan, state, resumed_from, time.perf_counter() - start, config)
 
 
@@ -255,40 +258,45 @@ def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
 
 
 def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: FitState, model) -> int:
-    run = state.run  # distributed: every rank updates every extractor each step, with empty rows if need be
-    batch = encode_batch(tokenizer, docs or ["."], max_length)  # a rank out of data forwards a stub
+    """One batch through the model and into every extractor; returns its real tokens.
+    Distributed: every rank's rows of the step, gathered in document order, go through the
+    same single-process step on every rank (see conceptlens/distributed.py)."""
+    run = state.run
+    batch = encode_batch(tokenizer, docs or ["."], max_length)
     n_tokens = int(batch["attention_mask"].sum()) if docs else 0
     if n_tokens == 0 and run is None:
         return 0  # empty documents only: nothing to forward
+    ids = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -1)[: len(docs)]  # (B, T)
+    if n_tokens == 0:  # distributed, nothing real on this rank: a stub gives the sites' shapes, no rows
+        batch = encode_batch(tokenizer, ["."], max_length)
     device = input_device(model)  # with a device map: the input embeddings' device
     acts = cap.forward(**{k: v.to(device) for k, v in batch.items()})  # no_grad inside
     meta = cap.last[1]
-    if n_tokens == 0:  # distributed, nothing real on this rank
-        keep = {site: torch.zeros(acts[site].shape[0], dtype=torch.bool, device=acts[site].device)
-                for site in plan.sites}
-    else:
-        keep = {site: state.rows(site, acts[site], meta.position) for site in plan.sites}
-    ids = None
+    first_doc = state.documents
+    if run is not None:
+        step = run.gather_step(acts, meta, ids, n_tokens, state.documents, with_ids=bool(plan.token_aware))
+        acts, meta, n_tokens, first_doc, ids = step.acts, step, step.tokens, step.first_doc, step.ids
+        if n_tokens == 0:
+            return 0
+    keep = {site: state.rows(site, acts[site], meta.position) for site in plan.sites}
     for name, extractor in plan.extractors.items():
         key = plan.keys[name]
         if isinstance(key, str):
             rows = keep[key]
-            if not rows.any() and run is None:
+            if not rows.any():
                 continue
             extra = {}
             if name in plan.token_aware:
-                if ids is None:
-                    ids = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -1).to(rows.device)
                 where = rows.to(meta.row.device)
-                extra["tokens"] = TokenRows(meta.row[where] + state.documents, meta.position[where], ids,
-                                            state.documents)
+                extra["tokens"] = TokenRows(meta.row[where] + first_doc, meta.position[where], ids.to(rows.device),
+                                            first_doc)
             extractor.update(_as_rows(acts[key][rows]), **extra)
         else:
             rows = keep[key[0]] & keep[key[1]].to(keep[key[0]].device)  # sites may sit on two devices
-            if not rows.any() and run is None:
+            if not rows.any():
                 continue
             # pair extractors get q/k/v per head, (N, H, d_head); sequence ids = document index
-            extra = {"sequence_ids": meta.row[rows.to(meta.row.device)] + state.documents} \
+            extra = {"sequence_ids": meta.row[rows.to(meta.row.device)] + first_doc} \
                 if name in plan.sequence_aware else {}
             target = acts[key[1]]
             extractor.update(acts[key[0]][rows], target[rows.to(target.device)], **extra)

@@ -196,7 +196,7 @@ def test_fit_and_describe_smollm2_on_bbc_news(tmp_path, capsys):
     assert total and found >= 0.9 * total  # decoded windows are spans of their documents
 
 
-def test_fit_command_under_torchrun_writes_one_run_folder_on_rank_0(files, tmp_path):
+def test_fit_command_under_torchrun_writes_one_run_folder_on_rank_0_equal_to_one_process(files, tmp_path):
     import os
     import subprocess
     import sys
@@ -204,19 +204,25 @@ def test_fit_command_under_torchrun_writes_one_run_folder_on_rank_0(files, tmp_p
 
     from tests.distributed_workers import free_port
 
-    out = tmp_path / "run"
+    alone, out = tmp_path / "alone", tmp_path / "run"  # one process with the global batch, 2 x 8 documents
+    assert main(base(files, alone, "--no-shuffle", "--batch-size", "16")) == 0
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "conceptlens.cli", *base(files, out, "--no-shuffle")]
+           "-m", "conceptlens.cli", "fit", str(alone / "run.toml"), "--out", str(out), "--batch-size", "8"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CONCEPTLENS_DIST_TIMEOUT": "60", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "fit_report.json").read_text())
     assert report["concepts"] == ["km", "topk"] and report["tokens"] >= 600  # tokens: the global count
-    info = json.loads((out / "describe/km/description.json").read_text())
-    rank0 = report["documents"]  # rank 0's share; both shares together are the documents before the description
-    assert info["first_document"] in (2 * rank0 - 1, 2 * rank0)
     assert done.stdout.count("fitting km, topk") == 1  # only rank 0 speaks and writes
+    assert json.loads((alone / "fit_report.json").read_text())["tokens"] == report["tokens"]
+    for name in ("km", "topk"):
+        two, one = (load_file(run / "concepts" / name / "concepts.safetensors") for run in (out, alone))
+        assert two.keys() == one.keys()
+        for key in one:
+            torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-6)
+    info, one_info = (json.loads((run / "describe/km/description.json").read_text()) for run in (out, alone))
+    assert info["first_document"] == one_info["first_document"]  # the description reads the documents after the fit's
 
 
 def test_extractor_dtype_from_flags_and_a_bad_one_in_one_line():

@@ -1,6 +1,6 @@
 """A fit started by torchrun (not collected: no test_ prefix); see tests/test_distributed.py.
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/torchrun_fit.py OUT_DIR
+    python -m torch.distributed.run --nproc-per-node 2 tests/torchrun_fit.py OUT_DIR [BATCH_SIZE]
 """
 
 from __future__ import annotations
@@ -20,16 +20,25 @@ from tests.conftest import CharTokenizer, tiny_model  # noqa: E402
 from tests.distributed_workers import CORPUS  # noqa: E402
 
 
+def extractors() -> dict:
+    return {"blocks.1.resid_out": StreamingKMeans(4, init_size=48, seed=1),
+            "blocks.0.mlp_out": TopKSAE(width=16, k=3, batch_size=32, warmup_tokens=32, seed=2)}
+
+
+def fit(batch_size: int, distributed: bool) -> tuple[dict, object]:
+    lens = conceptlens.attach(tiny_model("llama"), CharTokenizer())
+    fitted = extractors()
+    report = lens.fit(fitted, CORPUS, batch_size=batch_size, max_length=24, progress=False, distributed=distributed)
+    return fitted, report
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
-    lens = conceptlens.attach(tiny_model("llama"), CharTokenizer())
-    extractors = {"blocks.1.resid_out": StreamingKMeans(4, init_size=48, seed=1),
-                  "blocks.0.mlp_out": TopKSAE(width=16, k=3, batch_size=32, warmup_tokens=32, seed=2)}
-    report = lens.fit(extractors, CORPUS, batch_size=4, max_length=24, progress=False, distributed=True)
+    fitted, report = fit(int(sys.argv[2]) if len(sys.argv) > 2 else 4, True)
     rank = int(os.environ["RANK"])
     torch.save({"tokens": report.tokens, "documents": report.documents,
-                "states": {k: e.state_dict() for k, e in extractors.items()}}, out / f"rank{rank}.pt")
+                "states": {k: e.state_dict() for k, e in fitted.items()}}, out / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":

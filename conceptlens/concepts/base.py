@@ -175,12 +175,13 @@ class ExtractorBase:
     Config: ClassVar[type]
     method: ClassVar[str] = "custom"
     distributed: ClassVar[str | None] = None
-    """How a distributed fit keeps the ranks in step: "step" (collectives inside every
-    update, through `comm`), "merge" (states summed once at the end), None (not supported)."""
+    """How ranks fed their own rows by hand stay in step: "step" (collectives inside every
+    update, through `comm`), "merge" (states merged once at the end), None (not supported).
+    `fit(distributed=True)` needs neither: it gives every rank the gathered global rows."""
     config: Any
     device: torch.device | None = None
     comm: Any = None
-    """A `conceptlens.distributed.Comm` while a distributed fit runs, else None."""
+    """A `conceptlens.distributed.Comm` set by a caller that feeds each rank its own rows, else None."""
 
     def _set_device(self, device: str | torch.device | None) -> None:
         self.device = None if device is None else torch.device(device)

@@ -37,9 +37,9 @@ def test_sweep_prints_target_and_perplexity_per_alpha(folders, capsys):
                  "4", "--prompts", "w5 w6", "w7 w8 w9", "--max-new-tokens", "3"])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "concept 1 (centred) at blocks.0.resid_out; alpha in x the site's median token norm" in out
+    assert "concept 1 (centred) at blocks.0.resid_out; alpha in x the site's robust token norm" in out
     header = next(line for line in out.splitlines() if line.strip().startswith("alpha"))
-    assert "concept projection (site norms)" in header and "perplexity" in header
+    assert "concept projection (robust norms)" in header and "perplexity" in header
     rows = [line for line in out.splitlines() if re.match(r"\s+\d+\.\d\d\s", line)]
     assert [float(r.split()[0]) for r in rows] == [0.0, 0.5, 4.0]
     projection = [float(r.split()[1]) for r in rows]

@@ -3,10 +3,10 @@
     conceptlens sweep --concepts runs/demo/concepts/blocks.15.resid_out --concept 12 --alphas 0 0.25 0.5 1
     conceptlens sweep --direction-word " wedding" --site blocks.20.resid_out --target-word " wedding"
 
-For each alpha (in `--scale` units, by default multiples of the site's median token norm) every
+For each alpha (in `--scale` units, by default multiples of the site's robust token norm) every
 prompt is continued greedily under `Add(direction, alpha)`; each continuation gets the target
 score — the log-probability of `--target-word` per step, or by default how far the
-unsteered model, reading the text, finds it along the direction (`ConceptExpression`, in site
+unsteered model, reading the text, finds it along the direction (`ConceptExpression`, in robust
 norms) — and its perplexity under the unsteered model. Pick the largest alpha that moves the
 target while the perplexity stays near the alpha-0 row.
 """
@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_direction_arguments(parser)
     parser.add_argument("--alphas", type=finite_float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0, 1.5],
                         help="strengths to try, in --scale units (default 0 0.25 0.5 0.75 1 1.5)")
-    parser.add_argument("--scale", choices=SCALES, default="site_norm", help="unit of alpha (see `steer --help`)")
+    parser.add_argument("--scale", choices=SCALES, default="robust_norm", help="unit of alpha (see `steer --help`)")
     parser.add_argument("--no-centre", action="store_true", help="do not centre a set that carries the fit's mean")
     parser.add_argument("--prompts", type=nonempty_text, nargs="+", default=list(PROMPTS), help="prompts to continue")
     parser.add_argument("--target-word", type=nonempty_text,
@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import conceptlens
     from conceptlens.commands._common import load_model
-    from conceptlens.steering import Add, site_norm, sweep, token_logprob
+    from conceptlens.steering import Add, sweep, token_logprob
+    from conceptlens.steering import units
     from conceptlens.steering.sweep_scores import ConceptExpression
 
     if args.max_new_tokens < 1:
@@ -57,8 +58,9 @@ def run(args: argparse.Namespace) -> int:
     prompts = [chat_prompt(tokenizer, p) if args.chat else p for p in args.prompts]
     result = sweep(lens, lambda a: Add(direction, a, scale=args.scale, site=site), args.alphas, prompts, score,
                    positions=args.positions, max_new_tokens=args.max_new_tokens, plot=args.plot)
-    unit = {"site_norm": f"x the site's median token norm {site_norm(lens, site):.4g}", "unit": "unit direction",
-            "raw": "raw direction"}[args.scale]
+    unit = {"robust_norm": f"x the site's robust token norm {units.robust_norm(lens, site):.4g}",
+            "site_norm": f"x the site's median token norm {units.site_norm(lens, site):.4g}",
+            "unit": "unit direction", "raw": "raw direction"}[args.scale]
     print(f"steering: {what} at {site}; alpha in {unit}; positions={args.positions}; {len(prompts)} prompts")
     print(f"score: {result.label} (mean +- std over prompts); perplexity: median over prompts, under the "
           "unsteered model\n")

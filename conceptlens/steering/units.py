@@ -100,6 +100,15 @@ def scale_of(acts: Tensor) -> SiteScale:
                      tuple(massive.tolist()), top, acts.float())
 
 
+def probe_ready(lens: Lens) -> bool:
+    """Whether the lens can run the probe: it has a tokenizer or a model config with vocab_size."""
+    return lens.tokenizer is not None or _vocab(lens) >= 4
+
+
+def _vocab(lens: Lens) -> int:
+    return int(getattr(lens.model.config, "vocab_size", 0) or 0)
+
+
 def _probe_batch(lens: Lens) -> dict[str, torch.Tensor]:
     from conceptlens.batching import pad_right
 
@@ -107,7 +116,7 @@ def _probe_batch(lens: Lens) -> dict[str, torch.Tensor]:
     if tok is not None:
         ids = [tok(text)["input_ids"] for text in PROBE_TEXT]
     else:
-        vocab = int(getattr(lens.model.config, "vocab_size", 0) or 0)
+        vocab = _vocab(lens)
         if vocab < 4:
             raise ValueError("site_norm needs a tokenizer or a model config with vocab_size; "
                              "attach(model, tokenizer) or pass norm= to Add")

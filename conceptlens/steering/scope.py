@@ -186,11 +186,11 @@ def _fuse(entries: list[tuple[Steer, Edit]]) -> list[tuple[Steer, Edit | Tensor]
     """Sum consecutive Adds of scopes that select the same positions into one vector."""
     groups: list[tuple[Steer, Edit | Tensor]] = []
     for scope, edit in entries:
-        if isinstance(edit, Add) and groups and isinstance(groups[-1][1], Tensor) and \
+        if type(edit) is Add and groups and isinstance(groups[-1][1], Tensor) and \
                 _same_positions(groups[-1][0], scope):
             groups[-1] = (groups[-1][0], groups[-1][1] + edit.vector)
         else:
-            groups.append((scope, edit.vector.clone() if isinstance(edit, Add) else edit))
+            groups.append((scope, edit.vector.clone() if type(edit) is Add else edit))
     return groups
 
 

@@ -119,6 +119,11 @@ def test_describe_command_redoes_the_pass_with_other_options(files, tmp_path, ca
     assert main(["describe", str(out), "--top-n", "2", "--concepts", "km", "--describe-tokens", "200"]) == 0
     info = json.loads((out / "describe" / "km" / "description.json").read_text())
     assert info["top_n"] == 2 and info["tokens"] >= 200 and not (out / "describe" / "topk").exists()
+    assert main(["describe", str(out), "--concepts", "km", "--describe-tokens", "200", "--top-n", "2",
+                 "--steer", "km:1", "--prompt", "w5 w6"]) == 0
+    (entry,) = json.loads((out / "describe" / "km" / "description.json").read_text())["steering"]
+    assert entry["name"] == "km:1" and entry["prompts"][0] == "w5 w6" and len(entry["prompts"]) == 3
+    assert [s["alpha"] for s in entry["samples"]] == [0.0, 0.25, 0.5, 1.0, 2.0] and "chosen_alpha" in entry
     assert main(["describe", str(out), "--concepts", "nope"]) == 2
     assert "no concept set 'nope'" in capsys.readouterr().err
 
@@ -133,6 +138,7 @@ def test_describe_command_redoes_the_pass_with_other_options(files, tmp_path, ca
     (["--data", "nowhere.txt"], "'nowhere.txt' is neither a file nor a bundled set; sets: bbc-news"),
     (["--batch-size", "0"], "fit.batch_size (--batch-size) must be a positive integer; got 0"),
     (["--window", "2,x"], "--window takes comma-separated integers; got '2,x'"),
+    (["--steer", "3,17"], "steering concept '3' is not SET:INDEX (e.g. 'kmeans:12')"),
 ])
 def test_bad_options_fail_before_the_model_loads(files, tmp_path, monkeypatch, capsys, change, message):
     def no_load(*args, **kwargs):

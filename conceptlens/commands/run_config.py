@@ -68,8 +68,8 @@ class DescribeSection:
     max_tokens: int | None = 20_000
     top_n: int = 16
     window: tuple[int, int] = (8, 4)
-    steer: list[int] = field(default_factory=list)
-    """Concepts (of every set) to record steering samples for."""
+    steer: list[str] = field(default_factory=list)
+    """Concepts to record steering samples for, as "SET:INDEX" (e.g. "kmeans:12")."""
     prompt: str = "I went to the shop and"
 
 

@@ -129,8 +129,8 @@ def test_best_alpha_is_the_last_fluent_one_before_the_first_break():
 def test_any_edit_with_a_strength_or_a_list_of_them_is_swept_at_each_alpha(setup):
     model, tok, lens = setup
     direction = _unembedding(model, 50)
-    made = sweep(lens, lambda a: [Add(direction, a, site="final"), AddKeepNorm(direction, a, site="blocks.0.resid_out")],
-                 [0.0, 2.0], PROMPTS, token_logprob(tok, ["w50", "w51"]), max_new_tokens=3)
+    both = lambda a: [Add(direction, a, site="final"), AddKeepNorm(direction, a, site="blocks.0.resid_out")]  # noqa: E731
+    made = sweep(lens, both, [0.0, 2.0], PROMPTS, token_logprob(tok, ["w50", "w51"]), max_new_tokens=3)
     template = [Add(direction, 7.0, site="final"), AddKeepNorm(direction, 7.0, site="blocks.0.resid_out")]
     fixed = sweep(lens, template, [0.0, 2.0], PROMPTS, token_logprob(tok, ["w50", "w51"]), max_new_tokens=3)
     assert [e.alpha for e in template] == [7.0, 7.0]  # the given edits are left as they were

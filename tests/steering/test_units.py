@@ -72,7 +72,7 @@ def test_raw_and_unit_scales_and_their_errors():
     torch.testing.assert_close(Add(v, 2.0, scale="unit", site=SITE).vector, 2 * v / 5)
     torch.testing.assert_close(Add(v, 2.0, scale="site_norm", norm=10.0, site=SITE).vector, 2 * 10 * v / 5)
     torch.testing.assert_close(Add(torch.stack([v, v]), 1.0, scale="unit", site=SITE).vector, v / 5)  # sum, then unit
-    with pytest.raises(ValueError, match=r"scale must be one of \('raw', 'unit', 'robust_norm', 'site_norm'\); got 'norm'"):
+    with pytest.raises(ValueError, match=r"one of \('raw', 'unit', 'robust_norm', 'site_norm'\); got 'norm'"):
         Add(v, 1.0, scale="norm", site=SITE)
     torch.testing.assert_close(Add(v, 2.0, scale="robust_norm", norm=10.0, site=SITE).at(-3.0).vector, -3 * 10 * v / 5)
     for scale in ("robust_norm", "site_norm"):

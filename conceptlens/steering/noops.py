@@ -32,13 +32,13 @@ def warn_if_no_effect(lens: Lens, site: Any, edit: Edit, positions: Any) -> None
     if type(edit) is Add and site.point == "k" and _every_position(positions) and not _breaks_shift(lens, site):
         warnings.warn(f"Add at {site.name} on every position shifts every key by the same vector, which cancels in "
                       "the softmax: it changes nothing; steer some positions (e.g. positions='generated') or "
-                      "attn.q / attn.v", UserWarning, stacklevel=4)
+                      "attn.q / attn.v", UserWarning, stacklevel=5)
     elif isinstance(edit, ProjectOut) or (isinstance(edit, Ablate) and edit.mode != "zero"):
         relative = _component(lens, site.name, edit.basis)
         if relative is not None and relative < ORTHOGONAL:
             warnings.warn(f"{type(edit).__name__} at {site.name}: the site's activations have no component along "
                           f"these directions (relative size {relative:.1e} over the probe text): it changes "
-                          "nothing", UserWarning, stacklevel=4)
+                          "nothing", UserWarning, stacklevel=5)
 
 
 def _every_position(positions: Any) -> bool:

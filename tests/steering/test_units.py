@@ -10,7 +10,7 @@ import torch
 
 import conceptlens
 from conceptlens import ConceptSet
-from conceptlens.steering import Ablate, Add, ProjectOut, site_norm
+from conceptlens.steering import Ablate, Add, ProjectOut, SteeringVector, robust_norm, site_norm
 from conceptlens.steering.units import PROBE_TEXT, PROBE_TOKENS, site_scale
 from tests.conftest import tiny_model
 
@@ -193,3 +193,13 @@ def test_robust_norm_gives_the_same_effect_with_and_without_a_massive_coordinate
     assert f"coordinate {MASSIVE_AT} carries" in dominated[0]
     assert 1 / 1.5 < kl["twin", "robust_norm"] / kl["base", "robust_norm"] < 1.5
     assert kl["twin", "site_norm"] / kl["base", "site_norm"] > 5  # the plain norm counts the planted coordinate
+
+
+def test_contrastive_vectors_and_keep_norm_edits_take_the_same_units():
+    lens = conceptlens.attach(tiny_model("llama"))
+    v = torch.randn(32, generator=torch.Generator().manual_seed(6))
+    vec = SteeringVector({SITE: ConceptSet(v, SITE, method="contrastive-mean_diff")})
+    for keep_norm in (False, True):
+        with lens.steer(*vec.edits(0.5, scale="robust_norm", keep_norm=keep_norm)) as scope:
+            (edit,) = scope.edits
+        torch.testing.assert_close(edit.vector, 0.5 * robust_norm(lens, SITE) * v / v.norm())

@@ -139,6 +139,7 @@ def test_describe_command_redoes_the_pass_with_other_options(files, tmp_path, ca
     (["--batch-size", "0"], "fit.batch_size (--batch-size) must be a positive integer; got 0"),
     (["--window", "2,x"], "--window takes comma-separated integers; got '2,x'"),
     (["--steer", "3,17"], "steering concept '3' is not SET:INDEX (e.g. 'kmeans:12')"),
+    (["--steer", "km:1,kmeans:2"], "describe.steer (--steer) names set 'kmeans'; this run's sets are km, topk"),
 ])
 def test_bad_options_fail_before_the_model_loads(files, tmp_path, monkeypatch, capsys, change, message):
     def no_load(*args, **kwargs):

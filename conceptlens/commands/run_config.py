@@ -182,7 +182,19 @@ def from_dict(raw: dict[str, Any]) -> RunConfig:
                     describe=_section(DescribeSection, raw.get("describe", {}), "describe"))
     cfg.extractors = _extractors(raw.get("extractor") or [], cfg.sites)
     _check_numbers(cfg)
+    _check_steer(cfg)
     return cfg
+
+
+def _check_steer(cfg: RunConfig) -> None:
+    """describe.steer names SET:INDEX of this run's extractors (before any model loads)."""
+    from conceptlens.describe.steering import _named
+
+    names = [e["name"] for e in cfg.extractors]
+    for item in cfg.describe.steer:
+        name, _ = _named(item)
+        if name not in names:
+            raise ValueError(f"describe.steer (--steer) names set {name!r}; this run's sets are {', '.join(names)}")
 
 
 def _extractors(specs: list[dict[str, Any]], sites: list[str]) -> list[dict[str, Any]]:

@@ -119,6 +119,11 @@ def test_describe_command_redoes_the_pass_with_other_options(files, tmp_path, ca
     assert main(["describe", str(out), "--top-n", "2", "--concepts", "km", "--describe-tokens", "200"]) == 0
     info = json.loads((out / "describe" / "km" / "description.json").read_text())
     assert info["top_n"] == 2 and info["tokens"] >= 200 and not (out / "describe" / "topk").exists()
+    assert main(["describe", str(out), "--concepts", "km", "--describe-tokens", "200", "--top-n", "2",
+                 "--steer", "km:1", "--prompt", "w5 w6"]) == 0
+    (entry,) = json.loads((out / "describe" / "km" / "description.json").read_text())["steering"]
+    assert entry["name"] == "km:1" and entry["prompts"][0] == "w5 w6" and len(entry["prompts"]) == 3
+    assert [s["alpha"] for s in entry["samples"]] == [0.0, 0.25, 0.5, 1.0, 2.0] and "chosen_alpha" in entry
     assert main(["describe", str(out), "--concepts", "nope"]) == 2
     assert "no concept set 'nope'" in capsys.readouterr().err
 
@@ -137,6 +142,8 @@ def test_describe_command_redoes_the_pass_with_other_options(files, tmp_path, ca
     (["--extractor", "kmeans:n_concepts=4,name=."], "extractor name '.' is not a safe folder name"),
     (["--extractor", "kmeans:n_concepts=4,name=.cache"], "extractor name '.cache' is not a safe folder name"),
     (["--out", ""], "out '' is not a folder"),
+    (["--steer", "3,17"], "steering concept '3' is not SET:INDEX (e.g. 'kmeans:12')"),
+    (["--steer", "km:1,kmeans:2"], "describe.steer (--steer) names set 'kmeans'; this run's sets are km, topk"),
 ])
 def test_bad_options_fail_before_the_model_loads(files, tmp_path, monkeypatch, capsys, change, message):
     def no_load(*args, **kwargs):

@@ -11,7 +11,7 @@ import conceptlens
 from conceptlens import ConceptSet, models
 from conceptlens.cli import main
 from conceptlens.commands.steer import continuations, side_by_side
-from conceptlens.steering import Add, site_norm
+from conceptlens.steering import Add, robust_norm
 from tests.conftest import tiny_model
 from tests.steering.test_sweep import word_tokenizer
 
@@ -58,10 +58,10 @@ def test_concept_from_a_saved_set(folders, capsys, monkeypatch):
     model_dir, concepts_dir = folders
     code, out, _ = _steer(capsys, "--model", model_dir, "--concepts", concepts_dir, "--concept", "2", "0",
                           "--alpha", "30", "--prompt", PROMPT, "--max-new-tokens", "4", "--positions", "all")
-    assert code == 0 and "concepts 2, 0, alpha 30 at blocks.1.resid_out (x site norm " in out
+    assert code == 0 and "concepts 2, 0, alpha 30 at blocks.1.resid_out (x robust norm " in out
 
 
-def test_default_unit_is_the_site_norm_and_sets_with_a_mean_are_centred(folders, capsys, tmp_path):
+def test_default_unit_is_the_robust_norm_and_sets_with_a_mean_are_centred(folders, capsys, tmp_path):
     model_dir, _ = folders
     g = torch.Generator().manual_seed(1)
     cs = ConceptSet(torch.randn(3, 32, generator=g), site="blocks.1.resid_out", method="kmeans",
@@ -70,9 +70,9 @@ def test_default_unit_is_the_site_norm_and_sets_with_a_mean_are_centred(folders,
     code, out, _ = _steer(capsys, "--model", model_dir, "--concepts", str(tmp_path / "km"), "--concept", "1",
                           "--prompt", PROMPT, "--max-new-tokens", "2")
     model, tok = models.load(model_dir)
-    norm = site_norm(conceptlens.attach(model, tok), "blocks.1.resid_out")
+    norm = robust_norm(conceptlens.attach(model, tok), "blocks.1.resid_out")
     assert code == 0 and "concept 1 (centred), alpha 0.5 at blocks.1.resid_out" in out
-    assert f"x site norm {norm:.4g}: |v| = {0.5 * norm:.4g}" in out
+    assert f"x robust norm {norm:.4g}: |v| = {0.5 * norm:.4g}" in out
     code, out, _ = _steer(capsys, "--model", model_dir, "--concepts", str(tmp_path / "km"), "--concept", "1",
                           "--no-centre", "--scale", "raw", "--alpha", "2", "--prompt", PROMPT, "--max-new-tokens", "2")
     assert code == 0 and "concept 1, alpha 2" in out and f"raw direction: |v| = {2 * cs.directions[1].norm():.4g}" in out

@@ -9,8 +9,6 @@ import torch
 
 from conceptlens import ConceptSet
 from conceptlens.cli import main
-from conceptlens.commands.sweep import pick_alpha
-from conceptlens.steering.sweep import SweepResult
 from tests.conftest import tiny_model
 from tests.steering.test_sweep import word_tokenizer
 
@@ -37,22 +35,17 @@ def test_sweep_prints_target_and_perplexity_per_alpha(folders, capsys):
                  "4", "--prompts", "w5 w6", "w7 w8 w9", "--max-new-tokens", "3"])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "concept 1 (centred) at blocks.0.resid_out; alpha in x the site's median token norm" in out
+    assert "concept 1 (centred) at blocks.0.resid_out; alpha in x the site's robust token norm" in out
     header = next(line for line in out.splitlines() if line.strip().startswith("alpha"))
-    assert "concept projection (site norms)" in header and "perplexity" in header
+    assert "concept projection (robust norms)" in header and "perplexity" in header
     rows = [line for line in out.splitlines() if re.match(r"\s+\d+\.\d\d\s", line)]
     assert [float(r.split()[0]) for r in rows] == [0.0, 0.5, 4.0]
     projection = [float(r.split()[1]) for r in rows]
     assert projection[2] > projection[0]  # steering along the concept puts the text further along it
-    assert "largest alpha whose median perplexity stays within 2x" in out
-
-
-def test_pick_alpha_keeps_the_fluent_ones():
-    scores = torch.zeros(4, 2, dtype=torch.float64)
-    ppl = torch.tensor([[3.0, 3.0], [4.0, 5.0], [7.0, 9.0], [5.0, 5.5]], dtype=torch.float64)
-    result = SweepResult([0.0, 0.5, 1.0, 2.0], scores, [["a", "b"]] * 4, "s", ppl)
-    assert pick_alpha(result) == 2.0  # alpha 1 is not fluent (8 > 6), alpha 2 is again (5.25)
-    assert pick_alpha(result._replace(perplexity=None)) is None
+    assert re.search(r"largest alpha within the fluency budget \(median perplexity at most 2x the unsteered "
+                     r"\d+\.\d\d\): (0|0\.5|4)\n", out)
+    assert main(["sweep", "--model", model_dir, "--concepts", concepts_dir, "--concept", "1", "--budget", "0.5"]) == 2
+    assert "0.5 is below 1" in capsys.readouterr().err
 
 
 def test_ablate_prints_baseline_controls_spread_and_the_zeroed_site(folders, capsys):

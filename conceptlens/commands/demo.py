@@ -169,7 +169,7 @@ def _quality(descriptions, report, out: Path) -> None:
 def _steer(lens, tok, descriptions, labels, args: argparse.Namespace, out: Path) -> None:
     from conceptlens.commands.demo_quality import best_per_class
     from conceptlens.steering import Add
-    from conceptlens.steering.units import site_norm as typical_norm
+    from conceptlens.steering.units import robust_norm
 
     name, concept, loss = _pick_concept(descriptions, labels, args.topic)
     if name is None:
@@ -177,7 +177,7 @@ def _steer(lens, tok, descriptions, labels, args: argparse.Namespace, out: Path)
         return
     d = descriptions[name]
     base = d.info["base_rate_entropy"][args.topic]
-    site_norm = typical_norm(lens, d.info["site"])  # the unit of Add(..., scale="site_norm")
+    norm = robust_norm(lens, d.info["site"])  # the unit of Add(..., scale="robust_norm")
     print(f"\nSteering with {name} concept {concept}, the best {args.topic!r} probe among concepts whose top "
           f"contexts are mostly {args.topic} articles (log-loss {loss:.3f} vs base rate {base:.3f}; best over "
           f"random directions {best_per_class(descriptions['random']).get(args.topic, (float('nan'),))[0]:.3f})")
@@ -187,17 +187,17 @@ def _steer(lens, tok, descriptions, labels, args: argparse.Namespace, out: Path)
     prompt = tok([args.prompt], return_tensors="pt")
     samples = []
     for alpha in (0.0, 0.5, 1.0):
-        edit = Add(unit, alpha, scale="site_norm", norm=site_norm, site=d.info["site"])
+        edit = Add(unit, alpha, scale="robust_norm", norm=norm, site=d.info["site"])
         with torch.no_grad(), lens.steer(edit, positions="generated"):
             ids = lens.model.generate(**prompt, max_new_tokens=24, do_sample=False, pad_token_id=tok.eos_token_id)
         text = tok.decode(ids[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
-        samples.append({"alpha": alpha, "scale": "site_norm", "text": text})
-        label = "unsteered" if alpha == 0 else f"+{alpha:g} x {site_norm:.3g}"
+        samples.append({"alpha": alpha, "scale": "robust_norm", "text": text})
+        label = "unsteered" if alpha == 0 else f"+{alpha:g} x {norm:.3g}"
         print(f"  {label:>12}: {args.prompt}{text!r}")
     path = out / "describe" / name / "description.json"
     info = json.loads(path.read_text())
     info["steering"] = [*info.get("steering", []), {"concept": concept, "prompt": args.prompt,
-                                                    "site_norm": site_norm, "samples": samples}]
+                                                    "norm": norm, "samples": samples}]
     path.write_text(json.dumps(info, indent=1))
 
 

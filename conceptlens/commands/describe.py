@@ -1,7 +1,7 @@
 """`conceptlens describe RUN`: the description pass over a fitted run folder.
 
     conceptlens describe runs/x                       # RUN/describe/<NAME>/ for every RUN/concepts/<NAME>
-    conceptlens describe runs/x --describe-tokens 50000 --steer 3,17 --prompt "The weather"
+    conceptlens describe runs/x --describe-tokens 50000 --steer kmeans:3,topk:17 --prompt "The weather"
 
 Reads RUN/run.toml for the model, data and defaults; the documents described are those after
 the ones the fit consumed (RUN/fit_report.json), or --describe-data. Labelled bundled sets
@@ -33,8 +33,19 @@ def add_describe_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--describe-tokens", type=int, help="tokens of the description pass (20000)")
     parser.add_argument("--top-n", type=int, help="top contexts kept per concept (16)")
     parser.add_argument("--window", help="tokens left,right of each top token (8,4)")
-    parser.add_argument("--steer", help="concept indices to record steering samples for, e.g. 3,17")
-    parser.add_argument("--prompt", help="prompt of the steering samples")
+    parser.add_argument("--steer", type=steer_names,
+                        help="concepts to record steering samples for, as SET:INDEX, e.g. kmeans:12,topk:5")
+    parser.add_argument("--prompt", help="first prompt of the steering samples (two more are fixed)")
+
+
+def steer_names(text: str) -> list[str]:
+    """'kmeans:12, topk:5' -> ['kmeans:12', 'topk:5'], each checked to be SET:INDEX."""
+    from conceptlens.describe.steering import _named
+
+    try:
+        return [f"{name}:{index}" for name, index in (_named(v) for v in text.split(",") if v.strip())]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def describe_run(lens: Any, cfg: rc.RunConfig, concept_sets: Mapping[str, Any], consumed: int, out: Path) -> dict:
@@ -46,7 +57,8 @@ def describe_run(lens: Any, cfg: rc.RunConfig, concept_sets: Mapping[str, Any], 
     d = cfg.describe
     data = source(d.data or cfg.data, cfg.shuffle)
     skip = 0 if d.data else consumed
-    steering = SteeringRequest(d.steer, prompt=d.prompt) if d.steer else None
+    prompts = (d.prompt, *SteeringRequest.prompts[1:])
+    steering = SteeringRequest(list(d.steer), prompts=prompts) if d.steer else None
     print(f"\ndescribing {', '.join(concept_sets)} on {d.max_tokens or 'all'} tokens of "
           f"{d.data or cfg.data} (documents from {skip})")
     descriptions = lens.describe(dict(concept_sets), data, skip_documents=skip, max_tokens=d.max_tokens,
@@ -80,7 +92,7 @@ def _describe(args: argparse.Namespace) -> int:
     describe = raw.setdefault("describe", {})
     flags = {"data": args.describe_data, "max_tokens": args.describe_tokens, "top_n": args.top_n,
              "prompt": args.prompt, "window": _ints(args.window, "--window") if args.window else None,
-             "steer": _ints(args.steer, "--steer") if args.steer else None}
+             "steer": args.steer}
     describe.update({k: v for k, v in flags.items() if v is not None})
     if args.no_resume:
         raw.setdefault("fit", {})["resume"] = False

@@ -91,7 +91,7 @@ def resolve(args: argparse.Namespace) -> rc.RunConfig:
     flags = {"enabled": False if args.no_describe else None, "data": args.describe_data,
              "max_tokens": args.describe_tokens, "top_n": args.top_n, "prompt": args.prompt,
              "window": _ints(args.window, "--window") if args.window else None,
-             "steer": _ints(args.steer, "--steer") if args.steer else None}
+             "steer": args.steer}
     describe.update({k: v for k, v in flags.items() if v is not None})
     cfg = rc.from_dict(raw)
     if cfg.fit.checkpoint_every is None:

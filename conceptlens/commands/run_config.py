@@ -69,8 +69,8 @@ class DescribeSection:
     max_tokens: int | None = 20_000
     top_n: int = 16
     window: tuple[int, int] = (8, 4)
-    steer: list[int] = field(default_factory=list)
-    """Concepts (of every set) to record steering samples for."""
+    steer: list[str] = field(default_factory=list)
+    """Concepts to record steering samples for, as "SET:INDEX" (e.g. "kmeans:12")."""
     prompt: str = "I went to the shop and"
 
 
@@ -186,7 +186,19 @@ def from_dict(raw: dict[str, Any]) -> RunConfig:
                     describe=_section(DescribeSection, raw.get("describe", {}), "describe"))
     cfg.extractors = _extractors(raw.get("extractor") or [], cfg.sites)
     _check_numbers(cfg)
+    _check_steer(cfg)
     return cfg
+
+
+def _check_steer(cfg: RunConfig) -> None:
+    """describe.steer names SET:INDEX of this run's extractors (before any model loads)."""
+    from conceptlens.describe.steering import _named
+
+    names = [e["name"] for e in cfg.extractors]
+    for item in cfg.describe.steer:
+        name, _ = _named(item)
+        if name not in names:
+            raise ValueError(f"describe.steer (--steer) names set {name!r}; this run's sets are {', '.join(names)}")
 
 
 def _extractors(specs: list[dict[str, Any]], sites: list[str]) -> list[dict[str, Any]]:

@@ -5,10 +5,11 @@
 
 The direction is a concept of a saved ConceptSet (several indices are summed; sets that
 carry the fit's mean activation are centred first, unless `--no-centre`) or the unembedding
-row of a word's first token. `--scale` is `Add`'s: by default `site_norm`, so alpha is a
-multiple of the site's typical token norm (`conceptlens.steering.units`) and means the same
-on every model (0.25-0.5 is typical; `conceptlens sweep` finds where fluency breaks); `unit`
-makes it a distance, `raw` uses the direction as stored.
+row of a word's first token. `--scale` is `Add`'s: by default `robust_norm`, so alpha is a
+multiple of the site's typical token norm without its massive coordinates
+(`conceptlens.steering.units`) and means the same on every model (0.25-1 is typical;
+`conceptlens sweep` finds where fluency breaks); `site_norm` counts the massive coordinates,
+`unit` makes alpha a distance, `raw` uses the direction as stored.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch import Tensor
 from conceptlens.commands._args import concept_dir, finite_float, nonempty_text, positive_int
 
 POSITIONS = ("all", "prompt", "generated")
-SCALES = ("site_norm", "unit", "raw")
+SCALES = ("robust_norm", "site_norm", "unit", "raw")
 
 
 def add_direction_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,9 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_direction_arguments(parser)
     parser.add_argument("--alpha", type=finite_float, default=0.5,
                         help="steering strength in --scale units (default 0.5: half a typical token norm)")
-    parser.add_argument("--scale", choices=SCALES, default="site_norm",
-                        help="unit of alpha: site_norm (default; multiples of the site's median token norm), "
-                             "unit (a distance), raw (the direction as stored)")
+    parser.add_argument("--scale", choices=SCALES, default="robust_norm",
+                        help="unit of alpha: robust_norm (default; multiples of the site's median token norm "
+                             "without its massive coordinates), site_norm (with them), unit (a distance), "
+                             "raw (the direction as stored)")
     parser.add_argument("--no-centre", action="store_true",
                         help="steer with the stored concept directions even when the set carries the fit's mean")
     parser.add_argument("--prompt", required=True, type=nonempty_text)
@@ -78,10 +80,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def strength(edit: Any) -> str:
-    """What alpha meant for a bound `Add`, in words: "x site norm 173.6 = |v| 86.8"."""
+    """What alpha meant for a bound `Add`, in words: "x robust norm 115 = |v| 57.5"."""
     size = float(edit.vector.norm())
-    if edit.scale == "site_norm":
-        return f"x site norm {edit.norm:.4g}: |v| = {size:.4g}"
+    if edit.scale in ("robust_norm", "site_norm"):
+        return f"x {edit.scale.replace('_', ' ')} {edit.norm:.4g}: |v| = {size:.4g}"
     return f"{'unit direction' if edit.scale == 'unit' else 'raw direction'}: |v| = {size:.4g}"
 
 

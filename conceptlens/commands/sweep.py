@@ -3,12 +3,12 @@
     conceptlens sweep --concepts runs/demo/concepts/blocks.15.resid_out --concept 12 --alphas 0 0.25 0.5 1
     conceptlens sweep --direction-word " wedding" --site blocks.20.resid_out --target-word " wedding"
 
-For each alpha (in `--scale` units, by default multiples of the site's median token norm) every
+For each alpha (in `--scale` units, by default multiples of the site's robust token norm) every
 prompt is continued greedily under `Add(direction, alpha)`; each continuation gets the target
-score — the log-probability of `--target-word` per step, or by default how far the
-unsteered model, reading the text, finds it along the direction (`ConceptExpression`, in site
-norms) — and its perplexity under the unsteered model. Pick the largest alpha that moves the
-target while the perplexity stays near the alpha-0 row.
+score — the log-probability of `--target-word`s per step, or by default how far the
+unsteered model, reading the text, finds it along the direction (`ConceptExpression`, in robust
+norms) — and its perplexity under the unsteered model. The command names the largest alpha
+whose median perplexity stays within `--budget` (2x) of the unsteered continuations'.
 """
 
 from __future__ import annotations
@@ -22,15 +22,26 @@ PROMPTS = ("I went to the shop and", "The weather today is", "My favourite thing
            "Yesterday the committee decided to")
 
 
+def budget(text: str) -> float:
+    """A fluency budget: a finite multiple of the unsteered perplexity, at least 1."""
+    value = finite_float(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value:g} is below 1: the budget is the most perplexity in multiples "
+                                         "of the unsteered one")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_direction_arguments(parser)
     parser.add_argument("--alphas", type=finite_float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0, 1.5],
                         help="strengths to try, in --scale units (default 0 0.25 0.5 0.75 1 1.5)")
-    parser.add_argument("--scale", choices=SCALES, default="site_norm", help="unit of alpha (see `steer --help`)")
+    parser.add_argument("--scale", choices=SCALES, default="robust_norm", help="unit of alpha (see `steer --help`)")
     parser.add_argument("--no-centre", action="store_true", help="do not centre a set that carries the fit's mean")
     parser.add_argument("--prompts", type=nonempty_text, nargs="+", default=list(PROMPTS), help="prompts to continue")
-    parser.add_argument("--target-word", type=nonempty_text,
-                        help="score: mean log-probability of this word's first token per step")
+    parser.add_argument("--target-word", type=nonempty_text, nargs="+",
+                        help="score: mean log-probability per step of these words' first tokens")
+    parser.add_argument("--budget", type=budget, default=2.0,
+                        help="fluency budget: the most median perplexity, in multiples of the unsteered one (2)")
     parser.add_argument("--positions", choices=POSITIONS, default="generated")
     parser.add_argument("--max-new-tokens", type=positive_int, default=24)
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
@@ -41,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import conceptlens
     from conceptlens.commands._common import load_model
-    from conceptlens.steering import Add, site_norm, sweep, token_logprob
+    from conceptlens.steering import Add, sweep, token_logprob
+    from conceptlens.steering import units
     from conceptlens.steering.sweep_scores import ConceptExpression
 
     if args.max_new_tokens < 1:
@@ -55,17 +67,21 @@ def run(args: argparse.Namespace) -> int:
     score = token_logprob(tokenizer, args.target_word) if args.target_word else \
         ConceptExpression(lens, direction, site, mean=mean)
     prompts = [chat_prompt(tokenizer, p) if args.chat else p for p in args.prompts]
-    result = sweep(lens, lambda a: Add(direction, a, scale=args.scale, site=site), args.alphas, prompts, score,
-                   positions=args.positions, max_new_tokens=args.max_new_tokens, plot=args.plot)
-    unit = {"site_norm": f"x the site's median token norm {site_norm(lens, site):.4g}", "unit": "unit direction",
-            "raw": "raw direction"}[args.scale]
+    result = sweep(lens, Add(direction, 1.0, scale=args.scale, site=site), args.alphas, prompts, score,
+                   positions=args.positions, max_new_tokens=args.max_new_tokens, plot=args.plot, budget=args.budget)
+    unit = {"robust_norm": f"x the site's robust token norm {units.robust_norm(lens, site):.4g}",
+            "site_norm": f"x the site's median token norm {units.site_norm(lens, site):.4g}",
+            "unit": "unit direction", "raw": "raw direction"}[args.scale]
     print(f"steering: {what} at {site}; alpha in {unit}; positions={args.positions}; {len(prompts)} prompts")
     print(f"score: {result.label} (mean +- std over prompts); perplexity: median over prompts, under the "
-          "unsteered model\n")
+          f"unsteered model (* within {args.budget:g}x the unsteered continuations')\n")
     print(result.table())
-    pick = pick_alpha(result)
-    if pick is not None:
-        print(f"\nlargest alpha whose median perplexity stays within 2x the lowest alpha's: {pick:g}")
+    reference = float(result.reference.nanquantile(0.5))
+    if result.best_alpha is None:
+        print(f"\nno alpha keeps the median perplexity within {args.budget:g}x the unsteered {reference:.2f}")
+    else:
+        print(f"\nlargest alpha within the fluency budget (median perplexity at most {args.budget:g}x the "
+              f"unsteered {reference:.2f}): {result.best_alpha:g}")
     if args.plot:
         print(f"figure saved to {args.plot}")
     return 0
@@ -76,15 +92,3 @@ def _mean(args: argparse.Namespace):
 
     cs = ConceptSet.load(args.concepts)
     return None if args.no_centre else cs.mean
-
-
-def pick_alpha(result) -> float | None:
-    """The largest alpha (of those >= the smallest one) whose median perplexity is at most twice the
-    smallest alpha's, or None without fluency."""
-    ppl = result.median_perplexity
-    if ppl is None:
-        return None
-    order = sorted(range(len(result.alphas)), key=lambda i: result.alphas[i])
-    reference = float(ppl[order[0]])
-    fluent = [result.alphas[i] for i in order if float(ppl[i]) <= 2 * reference]
-    return max(fluent) if fluent else None

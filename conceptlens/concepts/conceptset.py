@@ -83,7 +83,7 @@ class ConceptSet:
     def centred(self) -> ConceptSet:
         """The same concepts with the fit's mean activation taken out of their directions.
 
-            Add(cs.centred()[12], alpha=0.5, scale="site_norm")    # steer along what concept 12 adds
+            Add(cs.centred()[12], alpha=0.5, scale="robust_norm")  # steer along what concept 12 adds
 
         Centroids and codes (k-means, VQ) are points near the mean activation, so raw they
         point mostly along the mean (median cosine 0.87 on SmolLM2 block 15): steering with one adds the

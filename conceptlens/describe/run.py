@@ -22,23 +22,11 @@ from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.describe import finish as fin
 from conceptlens.describe.describer import ConceptDescriber, DescribeConfig
 from conceptlens.describe.description import Description
+from conceptlens.describe.steering import SteeringRequest, steering_samples
 from conceptlens.filters import FilterConfig
 
 if TYPE_CHECKING:
     from conceptlens.lens import Lens
-
-
-@dataclass
-class SteeringRequest:
-    """Steering samples to record: a fixed prompt continued unsteered and steered."""
-
-    concepts: Sequence[int] | Mapping[str, Sequence[int]]
-    """Concept indices (for every set) or per set name."""
-    prompt: str = "I went to the shop and"
-    alphas: Sequence[float] = (0.0, 0.25, 0.5, 1.0)
-    """Multiples of the site's typical token norm (`steering.units.site_norm`, the unit of
-    `Add(..., scale="site_norm")`) added along the unit direction."""
-    max_new_tokens: int = 24
 
 
 @dataclass
@@ -72,6 +60,7 @@ def describe(lens: Lens, concept_sets: Mapping[str, ConceptSet], data: Any, *, t
         raise ValueError(f"skip_documents={skip_documents} leaves no labelled document of {len(classes[0])}")
     config = DescribeConfig(top_n=top_n, window=window, coact_rows=coact_rows, n_documents=n_docs)
     describers = {name: ConceptDescriber(cs, config, first_document=skip_documents) for name, cs in _checked(lens, concept_sets).items()}
+    steered = steering.chosen({name: d.n for name, d in describers.items()}) if steering is not None else {}
     plan: dict[str, dict[str, ConceptDescriber]] = {}
     for name, d in describers.items():
         plan.setdefault(d.concepts.site, {})[name] = d
@@ -89,7 +78,8 @@ def describe(lens: Lens, concept_sets: Mapping[str, ConceptSet], data: Any, *, t
                                classes=None if classes is None else (classes[0][skip_documents:], classes[1]),
                                options=options)
         if steering is not None:
-            results[name].info["steering"] = steering_samples(lens, tokenizer, d, name, steering)
+            results[name].info["steering"] = steering_samples(lens, tokenizer, d.concepts, name,
+                                                              steered.get(name, []), steering)
         if out is not None:
             results[name].save(Path(out) / name)
     return results
@@ -197,36 +187,3 @@ def finish(d: ConceptDescriber, *, name: str, lens: Lens, tokenizer: Any,
             "mean_token_norm": float(s["norm_sum"]) / rows, "labels": None if classes is None else list(classes[1]),
             "base_rate_entropy": entropy, "has_unembedding": w_u is not None, "steering": []}
     return Description(info, stats, contexts, tokens)
-
-
-@torch.no_grad()
-def steering_samples(lens: Lens, tokenizer: Any, d: ConceptDescriber, name: str,
-                     request: SteeringRequest) -> list[dict[str, Any]]:
-    """For each requested concept: the prompt continued greedily with alpha * site_norm * unit
-    direction added at every position (`Add(..., scale="site_norm")`)."""
-    from conceptlens.steering import Add
-    from conceptlens.steering.units import site_norm as typical_norm
-
-    model = lens.model
-    if not getattr(model, "can_generate", lambda: False)():
-        return []
-    chosen = request.concepts.get(name, []) if isinstance(request.concepts, Mapping) else request.concepts
-    site_norm = typical_norm(lens, d.concepts.site)
-    unit = torch.nn.functional.normalize(d.concepts.directions.float(), dim=1)
-    device = next(model.parameters()).device
-    prompt = {k: v.to(device) for k, v in tokenizer([request.prompt], return_tensors="pt").items()}
-    pad = getattr(tokenizer, "pad_token_id", None)
-    samples = []
-    for concept in chosen:
-        if not 0 <= int(concept) < d.n:
-            raise ValueError(f"steering concept {concept} is out of range for {name!r} ({d.n} concepts)")
-        runs = []
-        for alpha in request.alphas:
-            edit = Add(unit[int(concept)], alpha, scale="site_norm", norm=site_norm, site=d.concepts.site)
-            with lens.steer(edit):
-                out = model.generate(**prompt, max_new_tokens=request.max_new_tokens, do_sample=False,
-                                     pad_token_id=pad if pad is not None else 0)
-            text = tokenizer.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
-            runs.append({"alpha": float(alpha), "scale": "site_norm", "text": text})
-        samples.append({"concept": int(concept), "prompt": request.prompt, "site_norm": site_norm, "samples": runs})
-    return samples

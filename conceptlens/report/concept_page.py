@@ -100,7 +100,12 @@ def _steering_block(sample: dict[str, Any] | None) -> str:
     if not sample:
         return ""
     rows = [(f'{num(s["alpha"], 3)} &times; {esc(s.get("scale", ""))}', esc(s["text"])) for s in sample["samples"]]
-    norm = f' (typical residual norm {num(sample["site_norm"])})' if sample.get("site_norm") else ""
+    value = sample.get("norm", sample.get("site_norm"))  # "site_norm": descriptions written before robust_norm
+    norm = f' (typical residual norm {num(value)})' if value else ""
+    if sample.get("chosen_alpha") is not None:
+        norm += f'; largest alpha within the fluency budget: {num(sample["chosen_alpha"], 3)}'
+    elif "chosen_alpha" in sample:
+        norm += "; no alpha stays within the fluency budget"
     return (f'<h2>Steering</h2><p>Prompt: <code>{esc(sample["prompt"])}</code>{esc(norm)}</p>'
             + table(["alpha", "continuation"], rows, attrs=' class="steer"'))
 

@@ -1,7 +1,7 @@
 """Edits: what steering does to a site's activations.
 
     Add(cs[12], alpha=6.0)                 # x + alpha * c  (the raw direction)
-    Add(cs[12], alpha=0.5, scale="site_norm")  # x + 0.5 * (typical token norm) * c / |c|
+    Add(cs[12], alpha=0.5, scale="robust_norm")  # x + 0.5 * (typical token norm) * c / |c|
     ProjectOut(cs[[3, 7]])                 # remove the span of the directions
     Clamp(sae, latent=42, value=0.0)       # set one SAE latent, keep the SAE's error
     CodeAblate(codebook, codes=[5])        # remove the code vector from tokens assigned to it
@@ -13,6 +13,7 @@ bool, or None for all) is true.
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from typing import TYPE_CHECKING, Any, Literal, Sequence
@@ -27,8 +28,10 @@ if TYPE_CHECKING:
     from conceptlens.lens import Lens
 
 Concepts = ConceptSet | Tensor
-Scale = Literal["raw", "unit", "site_norm"]
-SCALES = ("raw", "unit", "site_norm")
+Scale = Literal["raw", "unit", "robust_norm", "site_norm"]
+SCALES = ("raw", "unit", "robust_norm", "site_norm")
+MEASURED = ("robust_norm", "site_norm")
+"""Scales whose unit the lens measures at the site (`steering.units`) when a scope is built."""
 
 
 def _directions(concepts: Concepts) -> Tensor:
@@ -106,9 +109,12 @@ class Add(Edit):
 
     - "raw": v as given (a k-means centroid's norm is about a token's norm);
     - "unit": v / |v|, so alpha is a distance in the site's activation space;
-    - "site_norm": v / |v| times the site's typical token norm (`steering.units.site_norm`,
-      measured by the lens when the scope is built, or `norm=`), so alpha is a multiple of
-      it: 0.5 adds half a typical token whatever the model's activation scale.
+    - "robust_norm": v / |v| times the site's typical token norm without its massive
+      coordinates (`steering.units.robust_norm`, measured by the lens when the scope is built,
+      or `norm=`), so alpha is a multiple of it: 0.5 adds half a typical token whatever the
+      model's activation scale, on models with massive activations too;
+    - "site_norm": the same with the plain median token norm (`steering.units.site_norm`),
+      which one massive coordinate can set (Gemma-3).
 
     Adds at one site are summed into one vector first, so Add(alpha) and Add(-alpha)
     together leave every activation bit-identical.
@@ -131,25 +137,32 @@ class Add(Edit):
             direction = direction / length
         self.direction = direction
         self.width, self.model = direction.shape[0], getattr(concepts, "model", None)
-        self.norm = None if norm is None else float(norm)  # site_norm: the token norm alpha multiplies
+        self.norm = None if norm is None else float(norm)  # measured scales: the token norm alpha multiplies
         self._fixed_norm = norm is not None
-        self._vector = None if scale == "site_norm" and norm is None else self._scaled()
+        self._vector = None if scale in MEASURED and norm is None else self._scaled()
 
     def _scaled(self) -> Tensor:
-        return self.alpha * (self.norm if self.scale == "site_norm" else 1.0) * self.direction
+        return self.alpha * (self.norm if self.scale in MEASURED else 1.0) * self.direction
 
     def bind(self, lens: Lens) -> None:
-        if self.scale == "site_norm" and not self._fixed_norm:
-            from conceptlens.steering.units import site_norm
+        if self.scale in MEASURED and not self._fixed_norm:
+            from conceptlens.steering import units
 
-            self.norm = site_norm(lens, self.site)
+            self.norm = getattr(units, self.scale)(lens, self.site)
             self._vector = self._scaled()
+
+    def at(self, alpha: float) -> Add:
+        """A copy of this edit with strength `alpha` (same direction, scale, and measured norm)."""
+        new = copy.copy(self)
+        new.alpha = _number("alpha", alpha)
+        new._vector = None if self.scale in MEASURED and self.norm is None else new._scaled()
+        return new
 
     @property
     def vector(self) -> Tensor:
         """(d,) what is added to each edited token."""
         if self._vector is None:
-            raise RuntimeError("Add(scale='site_norm') learns the site's token norm when a steering scope is built "
+            raise RuntimeError(f"Add(scale={self.scale!r}) learns the site's token norm when a steering scope is built "
                                "(lens.steer(add)); pass norm= to use it without a lens")
         return self._vector
 

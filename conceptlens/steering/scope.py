@@ -23,6 +23,7 @@ from conceptlens.hooks.handles import HandleGroup
 from conceptlens.hooks.points import hook_site
 from conceptlens.hooks.tokens import TokenMeta, TokenTracker
 from conceptlens.steering.edits import Add, Edit, add_vector
+from conceptlens.steering.noops import warn_if_no_effect
 
 if TYPE_CHECKING:
     from conceptlens.lens import Lens
@@ -52,8 +53,9 @@ class Steer:
                 raise ValueError(f"{site.name} is read only (attention probabilities); edit attn.q or attn.k instead")
         for edit, site in zip(edits, self.sites):
             edit.check(site.name, math.prod(int(s) for s in site.shape[2:]), lens.name)
-        for edit in edits:
-            edit.bind(lens)  # e.g. Add(scale="site_norm") measures the site's token norm, before any hook
+        for edit, site in zip(edits, self.sites):
+            edit.bind(lens)  # e.g. Add(scale="robust_norm") measures the site's token norm, before any hook
+            warn_if_no_effect(lens, site, edit, positions)
         self.edits = list(edits)
         self.positions = positions
         self.prompt_length: dict[str, Tensor] = {}  # stack -> (B,) real tokens in the first forward
@@ -184,11 +186,11 @@ def _fuse(entries: list[tuple[Steer, Edit]]) -> list[tuple[Steer, Edit | Tensor]
     """Sum consecutive Adds of scopes that select the same positions into one vector."""
     groups: list[tuple[Steer, Edit | Tensor]] = []
     for scope, edit in entries:
-        if isinstance(edit, Add) and groups and isinstance(groups[-1][1], Tensor) and \
+        if type(edit) is Add and groups and isinstance(groups[-1][1], Tensor) and \
                 _same_positions(groups[-1][0], scope):
             groups[-1] = (groups[-1][0], groups[-1][1] + edit.vector)
         else:
-            groups.append((scope, edit.vector.clone() if isinstance(edit, Add) else edit))
+            groups.append((scope, edit.vector.clone() if type(edit) is Add else edit))
     return groups
 
 

@@ -1,21 +1,29 @@
 """Dose-response sweeps: how a score of the generated text moves with the steering strength.
 
     from conceptlens.steering import Add, sweep, token_logprob
-    result = sweep(lens, lambda a: Add(cs[12], alpha=a), [0, 10, 20, 40], prompts,
-                   token_logprob(tokenizer, " wedding"), max_new_tokens=16, plot="wedding.png")
+    result = sweep(lens, Add(cs.centred()[12], scale="robust_norm"), [0, 0.25, 0.5, 1, 2], prompts,
+                   token_logprob(tokenizer, [" wedding", " bride"]), max_new_tokens=16, plot="wedding.png")
     print(result.table())                  # alpha, score mean +- std, perplexity, one text
+    result.best_alpha                      # the largest alpha within the fluency budget
+    sweep(lens, vec.edits(scale="robust_norm"), ...)   # a contrastive vector: every site at once
 
+The edits are an edit or a list of edits with a strength (`Add`, `AddKeepNorm`: each is
+re-made at every alpha with `edit.at(alpha)`, keeping its scale), or a function alpha -> edit(s).
 For every alpha, all prompts are generated in one greedy batch inside one
-`lens.steer(make_edit(alpha), positions=...)` scope; `score(generation)` turns each
-prompt's `Generation` (its new tokens, the raw logits of every step and the decoded text)
-into one float. Next to the score, `fluency=True` (default) measures each continuation's
-perplexity under the unsteered model (`sweep_scores.continuation_perplexity`): the alpha to
-pick is one that moves the score while the perplexity stays near the unsteered one.
+`lens.steer(*edits, positions=...)` scope; `score(generation)` turns each prompt's
+`Generation` (its new tokens, the raw logits of every step and the decoded text) into one
+float: the concept score. Next to it, `fluency=True` (default) measures each continuation's
+perplexity under the unsteered model (`sweep_scores.continuation_perplexity`), and
+`best_alpha` is the largest alpha whose median perplexity stays within `budget` (2x) of the
+unsteered continuations' (generated once more when 0 is not among the alphas). `judge` is the
+hook for an external judge (an evaluation suite's concept / fluency raters): it sees every
+alpha's generations at once and its numbers are kept in `SweepResult.judged`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
+import math
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -42,6 +50,9 @@ class Generation(NamedTuple):
 
 
 Score = Callable[[Generation], float]
+Judge = Callable[[Sequence[Generation]], Mapping[str, Sequence[float]]]
+"""An external judge: one alpha's generations (one per prompt) -> named per-prompt scores."""
+Edits = Edit | Sequence[Edit] | Callable[[float], Edit | Sequence[Edit]]
 
 
 class SweepResult(NamedTuple):
@@ -56,6 +67,12 @@ class SweepResult(NamedTuple):
     """What the score measures (the y axis of the plot)."""
     perplexity: Tensor | None = None
     """(A, P) perplexity of each continuation under the unsteered model (None without fluency)."""
+    reference: Tensor | None = None
+    """(P,) perplexity of the unsteered continuations (None without fluency)."""
+    budget: float = 2.0
+    """Fluency budget of `best_alpha`: the most median perplexity, in multiples of the unsteered one."""
+    judged: dict[str, Tensor] | None = None
+    """name -> (A, P) float64 scores of the judge (None without one)."""
 
     @property
     def mean(self) -> Tensor:
@@ -72,52 +89,93 @@ class SweepResult(NamedTuple):
         """(A,) median perplexity over prompts (None without fluency)."""
         return None if self.perplexity is None else self.perplexity.nanquantile(0.5, dim=1)
 
-    def table(self) -> str:
-        """One line per alpha: score mean +- std over prompts, median perplexity, prompt 0's continuation."""
+    @property
+    def fluent(self) -> list[bool] | None:
+        """Per alpha: whether its median perplexity is at most `budget` times the unsteered median."""
         ppl = self.median_perplexity
-        lines = [f"{'alpha':>8}  {self.label:>16}{'  perplexity' if ppl is not None else ''}  continuation of prompt 0"]
+        if ppl is None or self.reference is None:
+            return None
+        limit = self.budget * float(self.reference.nanquantile(0.5))
+        return [math.isfinite(float(p)) and float(p) <= limit for p in ppl]
+
+    @property
+    def best_alpha(self) -> float | None:
+        """The alpha of largest magnitude that is fluent (`fluent`) together with every alpha of its
+        sign closer to 0 (a first break ends the walk: repetitive salad can read fluently again);
+        None without fluency or when no alpha is."""
+        fluent = self.fluent
+        if fluent is None:
+            return None
+        best = None
+        for sign in (1.0, -1.0):
+            for i in sorted((i for i, a in enumerate(self.alphas) if a * sign >= 0), key=lambda i: abs(self.alphas[i])):
+                if not fluent[i]:
+                    break
+                if best is None or abs(self.alphas[i]) > abs(best):
+                    best = self.alphas[i]
+        return best
+
+    def table(self) -> str:
+        """One line per alpha: score mean +- std over prompts, median perplexity (* within the
+        budget), judged means, prompt 0's continuation."""
+        ppl, fluent, judged = self.median_perplexity, self.fluent, self.judged or {}
+        extra = "".join(f"  {name:>10}" for name in judged)
+        lines = [f"{'alpha':>8}  {self.label:>16}{'  perplexity' if ppl is not None else ''}{extra}  "
+                 "continuation of prompt 0"]
         for a, (alpha, mean, std, texts) in enumerate(zip(self.alphas, self.mean.tolist(), self.std.tolist(),
                                                           self.texts)):
-            fluency = f"  {float(ppl[a]):10.2f}" if ppl is not None else ""
-            lines.append(f"{alpha:8.2f}  {mean:9.3f} +- {std:<5.3f}{fluency}  {texts[0]!r}")
+            fluency = f"  {float(ppl[a]):9.2f}{'*' if fluent and fluent[a] else ' '}" if ppl is not None else ""
+            scores = "".join(f"  {float(v[a].nanmean()):10.3f}" for v in judged.values())
+            lines.append(f"{alpha:8.2f}  {mean:9.3f} +- {std:<5.3f}{fluency}{scores}  {texts[0]!r}")
         return "\n".join(lines)
 
 
 class TokenLogProb:
-    """Score: mean log-probability of a word's first token over the generated steps.
+    """Score: mean over the generated steps of the log-probability of a word's first token, or
+    of any of several words' first tokens (the log of their summed probabilities).
 
-        score = TokenLogProb(tokenizer, " wedding")      # or token_logprob(tokenizer, " wedding")
+        score = TokenLogProb(tokenizer, " wedding")      # or token_logprob(tokenizer, [" wedding", " bride"])
 
     With `positions="generated"` the first step's logits come from the (unsteered) prompt,
     so an edit moves this score through steps 2..n only.
     """
 
-    def __init__(self, tokenizer: Any, word: str) -> None:
-        ids = tokenizer(word, add_special_tokens=False)["input_ids"]
-        if not ids:
-            raise ValueError(f"{word!r} encodes to no tokens")
-        self.token_id = int(ids[0])
-        self.label = f"log p({tokenizer.decode([self.token_id])!r})"
+    def __init__(self, tokenizer: Any, words: str | Sequence[str]) -> None:
+        words = [words] if isinstance(words, str) else list(words)
+        if not words:
+            raise ValueError("token_logprob needs at least one word, e.g. [' wedding', ' bride']")
+        ids = []
+        for word in words:
+            encoded = tokenizer(word, add_special_tokens=False)["input_ids"]
+            if not encoded:
+                raise ValueError(f"{word!r} encodes to no tokens")
+            ids.append(int(encoded[0]))
+        self.token_ids = sorted(set(ids))  # words sharing a first token count it once
+        self.token_id = self.token_ids[0]
+        names = ", ".join(repr(tokenizer.decode([i])) for i in self.token_ids)
+        self.label = f"log p({names})" if len(self.token_ids) < 4 else f"log p({len(self.token_ids)} words)"
 
     def __call__(self, generation: Generation) -> float:
-        logprobs = generation.logits.double().log_softmax(-1)[:, self.token_id]  # (n,)
-        return float(logprobs.mean())
+        logprobs = generation.logits.double().log_softmax(-1)[:, self.token_ids]  # (n, W)
+        return float(logprobs.logsumexp(-1).mean())
 
 
-def token_logprob(tokenizer: Any, word: str) -> TokenLogProb:
-    """The ready-made score: mean log-probability of `word`'s first token per generated step."""
-    return TokenLogProb(tokenizer, word)
+def token_logprob(tokenizer: Any, words: str | Sequence[str]) -> TokenLogProb:
+    """The ready-made score: mean log-probability per generated step of `words`' first tokens."""
+    return TokenLogProb(tokenizer, words)
 
 
-def sweep(lens: Lens, make_edit: Callable[[float], Edit], alphas: Sequence[float], prompts: Sequence[str],
+def sweep(lens: Lens, edits: Edits, alphas: Sequence[float], prompts: Sequence[str],
           score: Score, *, positions: Positions = "generated", max_new_tokens: int = 32,
-          tokenizer: Any = None, plot: str | None = None, fluency: bool = True,
-          **generate_kwargs: Any) -> SweepResult:
-    """Generate greedily from every prompt under `make_edit(alpha)` for each alpha and score it.
+          tokenizer: Any = None, plot: str | None = None, fluency: bool = True, budget: float = 2.0,
+          judge: Judge | None = None, **generate_kwargs: Any) -> SweepResult:
+    """Generate greedily from every prompt under the edits at each alpha and score it.
 
     `tokenizer` defaults to the lens's; `generate_kwargs` go to `model.generate` (greedy
     unless they say otherwise). `plot`: a .png path for the dose-response figure.
     """
+    if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget >= 1):
+        raise ValueError(f"budget is the most perplexity in multiples of the unsteered one, at least 1; got {budget!r}")
     tokenizer = tokenizer if tokenizer is not None else lens.tokenizer
     if tokenizer is None:
         raise ValueError("sweep needs a tokenizer: conceptlens.attach(model, tokenizer) or tokenizer=")
@@ -127,20 +185,46 @@ def sweep(lens: Lens, make_edit: Callable[[float], Edit], alphas: Sequence[float
         raise ValueError("alphas is empty; give the steering strengths to try, e.g. [0, 4, 8, 16]")
     batch = _left_padded(tokenizer, list(prompts))
     generate_kwargs = {"do_sample": False, "max_new_tokens": max_new_tokens, **generate_kwargs}
-    scores, texts, perplexity = [], [], []
+    at = _edits_at(edits)
+    scores, texts, perplexity, judged = [], [], [], {}
     for alpha in alphas:
-        with lens.steer(make_edit(float(alpha)), positions=positions):
+        with lens.steer(*at(float(alpha)), positions=positions):
             generations = _generate(lens.model, tokenizer, batch, list(prompts), generate_kwargs)
         scores.append([float(score(g)) for g in generations])  # outside the scope: the unsteered model
         texts.append([g.text for g in generations])
         if fluency:
             perplexity.append(continuation_perplexity(lens.model, tokenizer, generations))
+        for name, values in (judge(generations) if judge is not None else {}).items():
+            judged.setdefault(name, []).append([float(v) for v in values])
+    reference = None
+    if fluency:
+        zero = [i for i, a in enumerate(alphas) if float(a) == 0.0]
+        reference = perplexity[zero[0]] if zero else continuation_perplexity(
+            lens.model, tokenizer, _generate(lens.model, tokenizer, batch, list(prompts), generate_kwargs))
     label = getattr(score, "label", getattr(score, "__name__", "score"))
     result = SweepResult([float(a) for a in alphas], torch.tensor(scores, dtype=torch.float64), texts, label,
-                         torch.stack(perplexity) if fluency else None)
+                         torch.stack(perplexity) if fluency else None, reference, float(budget),
+                         {k: torch.tensor(v, dtype=torch.float64) for k, v in judged.items()} if judge else None)
     if plot is not None:
         plot_sweep(result, plot)
     return result
+
+
+def _edits_at(edits: Edits) -> Callable[[float], list[Edit]]:
+    """alpha -> the list of edits to steer with: a function's result, or each edit's `at(alpha)`."""
+    if callable(edits) and not isinstance(edits, Edit):
+        def made(alpha: float) -> list[Edit]:
+            out = edits(alpha)
+            return [out] if isinstance(out, Edit) else list(out)
+        return made
+    fixed = [edits] if isinstance(edits, Edit) else list(edits)
+    if not fixed:
+        raise ValueError("no edits to sweep; give an edit, a list of edits or a function alpha -> edits")
+    for edit in fixed:
+        if not callable(getattr(edit, "at", None)):
+            raise TypeError(f"sweep varies alpha, and {type(edit).__name__} has none: give edits with a strength "
+                            "(Add, AddKeepNorm) or a function alpha -> edits")
+    return lambda alpha: [edit.at(alpha) for edit in fixed]
 
 
 def _left_padded(tokenizer: Any, prompts: list[str]) -> dict[str, Tensor]:

@@ -47,18 +47,19 @@ def continuation_perplexity(model: Any, tokenizer: Any, generations: Sequence[Ge
 
 class ConceptExpression:
     """Score: mean projection of the continuation's activations at `site` on a unit direction,
-    measured by the unsteered model reading prompt + continuation, in multiples of the site norm.
+    measured by the unsteered model reading prompt + continuation, in multiples of the site's
+    robust norm (`steering.units.robust_norm`).
 
         score = ConceptExpression(lens, cs.centred().directions[12], "blocks.15.resid_out", mean=cs.mean)
 
     With `mean`, the projection of `x - mean` (how far above its typical value the text puts
-    the concept). On the same scale as `Add(..., scale="site_norm")`'s alpha.
+    the concept). On the same scale as `Add(..., scale="robust_norm")`'s alpha.
     """
 
-    label = "concept projection (site norms)"
+    label = "concept projection (robust norms)"
 
     def __init__(self, lens: Lens, direction: Tensor, site: str, mean: Tensor | None = None) -> None:
-        from conceptlens.steering.units import site_norm
+        from conceptlens.steering.units import robust_norm
 
         direction = torch.as_tensor(direction).detach().double().reshape(-1)
         if not direction.norm() > 0:
@@ -66,7 +67,7 @@ class ConceptExpression:
         self.lens, self.site = lens, lens.site(site).name
         self.unit = direction / direction.norm()
         self.offset = 0.0 if mean is None else float(torch.as_tensor(mean).double() @ self.unit)
-        self.norm = site_norm(lens, self.site)
+        self.norm = robust_norm(lens, self.site)
 
     @torch.no_grad()
     def __call__(self, generation: Generation) -> float:

@@ -1,20 +1,28 @@
 """The unit of steering strength: a site's typical token norm, measured once per lens and site.
 
-    site_norm(lens, "blocks.15.resid_out")       # 173.6 on SmolLM2-135M, ~6,500 on Gemma-3-270m
-    Add(cs.centred()[12], alpha=0.5, scale="site_norm")   # adds half a typical token's norm
+    robust_norm(lens, "blocks.15.resid_out")     # 115 on SmolLM2-135M, ~1,080 at block 9 of Gemma-3-270m
+    Add(cs.centred()[12], alpha=0.5, scale="robust_norm")   # adds half a typical token's norm
+    site_norm(lens, "blocks.15.resid_out")       # 174 on SmolLM2-135M, ~6,650 on Gemma-3-270m
 
-The typical norm is the median L2 norm of the site's activations (heads concatenated on
-q/k/v sites) over `PROBE_TEXT` (or, for a lens without a tokenizer, `PROBE_TOKENS` fixed
-token ids), leaving out each sequence's first position: the attention sink, whose norm can be
-100x the others (see `conceptlens.filters`). The same text on every model makes the same
-alpha mean the same thing on models whose activation scales differ by 40x.
+Both are medians of the site's token norms (heads concatenated on q/k/v sites) over
+`PROBE_TEXT` (or, for a lens without a tokenizer, `PROBE_TOKENS` fixed token ids), leaving
+out each sequence's first position: the attention sink, whose norm can be 100x the others
+(see `conceptlens.filters`). `site_norm` is the plain L2 norm; `robust_norm` leaves out the
+site's massive coordinates (RMS over the probe above `MASSIVE` times the median coordinate's):
+a model's norms and downstream layers rescale them away, so a unit that counts them steers
+far harder on a model that has them (Gemma-3's block 9: one coordinate carries 90% of the
+squared norm; the same alpha in site norms moves the next-token distribution 8-20x more than
+on SmolLM2). The same text on every model makes the same alpha mean the same thing on
+models whose activation scales differ by 40x.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import warnings
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+from torch import Tensor
 
 if TYPE_CHECKING:
     from conceptlens.lens import Lens
@@ -30,13 +38,75 @@ PROBE_TOKENS = 64
 """Token ids per row when the lens has no tokenizer: 4 rows drawn with seed 0 from the vocabulary."""
 
 
+MASSIVE = 10.0
+"""A coordinate is massive when its RMS over the probe tokens exceeds this times the median RMS of the
+coordinates (those never nonzero left out)."""
+DOMINANT = 0.5
+"""Warn when one coordinate carries more than this share of the site's summed squared token norm."""
+
+
+class SiteScale(NamedTuple):
+    """What the probe text measured at one site."""
+
+    norm: float
+    """Median token norm (`site_norm`)."""
+    robust_norm: float
+    """Median token norm over the coordinates that are not massive (`robust_norm`)."""
+    massive: tuple[int, ...]
+    """The coordinates left out of `robust_norm`, largest first."""
+    top_share: float
+    """Share of the summed squared token norm carried by the largest coordinate."""
+    acts: Tensor
+    """(N, d) float32 probe activations (first positions left out), for checks of an edit's span."""
+
+
 def site_norm(lens: Lens, site: str) -> float:
     """Median token norm at `site` over the probe text, measured on first use and cached on the lens."""
+    return site_scale(lens, site).norm
+
+
+def robust_norm(lens: Lens, site: str) -> float:
+    """Median token norm at `site` over the probe text without the site's massive coordinates."""
+    return site_scale(lens, site).robust_norm
+
+
+def site_scale(lens: Lens, site: str) -> SiteScale:
+    """The probe text's measurements at `site`, cached on the lens; warns once when one
+    coordinate dominates the site's norm."""
     name = lens.site(site).name
-    cache = lens.__dict__.setdefault("_site_norms", {})
+    cache = lens.__dict__.setdefault("_site_scales", {})
     if name not in cache:
-        cache[name] = _measure(lens, name)
+        cache[name] = scale_of(_measure(lens, name))
+        if cache[name].top_share > DOMINANT:
+            top = cache[name]
+            coordinate = int(top.acts.square().mean(0).argmax())
+            warnings.warn(f"{name}: coordinate {coordinate} carries {top.top_share:.0%} of the squared token "
+                          f"norm (a massive activation); scale='site_norm' counts it ({top.norm:.4g}), "
+                          f"scale='robust_norm' leaves it out ({top.robust_norm:.4g})", UserWarning, stacklevel=3)
     return cache[name]
+
+
+def scale_of(acts: Tensor) -> SiteScale:
+    """The SiteScale of `(N, d)` token activations."""
+    x = acts.double()
+    square = x.square().mean(0)  # (d,) mean square of each coordinate
+    typical = square[square > 0].median() if (square > 0).any() else square.new_tensor(0.0)  # dead ones aside
+    massive = (square > MASSIVE ** 2 * typical).nonzero().flatten()
+    massive = massive[square[massive].argsort(descending=True)]
+    keep = torch.ones(x.shape[1], dtype=torch.bool)
+    keep[massive] = False
+    top = float(square.max() / square.sum()) if square.sum() > 0 else 0.0
+    return SiteScale(float(x.norm(dim=1).median()), float(x[:, keep].norm(dim=1).median()),
+                     tuple(massive.tolist()), top, acts.float())
+
+
+def probe_ready(lens: Lens) -> bool:
+    """Whether the lens can run the probe: it has a tokenizer or a model config with vocab_size."""
+    return lens.tokenizer is not None or _vocab(lens) >= 4
+
+
+def _vocab(lens: Lens) -> int:
+    return int(getattr(lens.model.config, "vocab_size", 0) or 0)
 
 
 def _probe_batch(lens: Lens) -> dict[str, torch.Tensor]:
@@ -46,7 +116,7 @@ def _probe_batch(lens: Lens) -> dict[str, torch.Tensor]:
     if tok is not None:
         ids = [tok(text)["input_ids"] for text in PROBE_TEXT]
     else:
-        vocab = int(getattr(lens.model.config, "vocab_size", 0) or 0)
+        vocab = _vocab(lens)
         if vocab < 4:
             raise ValueError("site_norm needs a tokenizer or a model config with vocab_size; "
                              "attach(model, tokenizer) or pass norm= to Add")
@@ -56,7 +126,7 @@ def _probe_batch(lens: Lens) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def _measure(lens: Lens, name: str) -> float:
+def _measure(lens: Lens, name: str) -> Tensor:
     batch = _probe_batch(lens)
     model = lens.model
     device = next(model.parameters()).device
@@ -65,7 +135,7 @@ def _measure(lens: Lens, name: str) -> float:
     with lens.capture(name) as capture:
         acts = capture.forward(**{k: v.to(device) for k, v in batch.items()})[name]
     meta = capture.last[1]
-    norms = acts.flatten(1).double().norm(dim=1)[(meta.position > 0).to(acts.device)]
-    if not len(norms):
+    rows = acts.flatten(1)[(meta.position > 0).to(acts.device)].float().cpu()  # (N, d)
+    if not len(rows):
         raise ValueError(f"the probe text left no token at {name} after the first position")
-    return float(norms.median())
+    return rows

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from conceptlens.batching import encode_batch
 from conceptlens.concepts.conceptset import ConceptSet
-from conceptlens.steering.edits import Add, Edit
+from conceptlens.steering.edits import Add, Edit, Scale
 
 if TYPE_CHECKING:
     from conceptlens.lens import Lens
@@ -47,19 +47,17 @@ class SteeringVector(Mapping[str, ConceptSet]):
     def __len__(self) -> int:
         return len(self.vectors)
 
-    def edits(self, alpha: float = 1.0, *, keep_norm: bool = False) -> list[Edit]:
-        """One edit per site: `Add(v, alpha)`, or `AddKeepNorm` (same direction, each edited
-        token rescaled to its original norm) with `keep_norm=True`."""
+    def edits(self, alpha: float = 1.0, *, scale: Scale = "raw", keep_norm: bool = False) -> list[Edit]:
+        """One edit per site: `Add(v, alpha, scale=scale)` (`scale="robust_norm"`: alpha in the
+        unit of the CLI's concept steering), or `AddKeepNorm` (same direction, each edited token
+        rescaled to its original norm) with `keep_norm=True`."""
         cls = AddKeepNorm if keep_norm else Add
-        return [cls(cs, alpha) for cs in self.vectors.values()]
+        return [cls(cs, alpha, scale=scale) for cs in self.vectors.values()]
 
 
-class AddKeepNorm(Edit):
-    """x' = (x + alpha v) * |x| / |x + alpha v|: the direction changes, each token's norm does not."""
-
-    def __init__(self, concepts: ConceptSet | Tensor, alpha: float = 1.0, *, site: str | None = None) -> None:
-        add = Add(concepts, alpha, site=site)  # same checks and the same summed vector
-        self.site, self.alpha, self.vector = add.site, add.alpha, add.vector
+class AddKeepNorm(Add):
+    """x' = (x + alpha v) * |x| / |x + alpha v|: the direction changes, each token's norm does not.
+    Built as `Add` is (same scales, summed vector and `at`); never summed with other Adds."""
 
     def apply(self, x: Tensor, mask: Tensor | None) -> Tensor:
         xf = x.float()

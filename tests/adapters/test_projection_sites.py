@@ -133,9 +133,24 @@ def test_edit_one_part_of_a_fused_projection(model_type, which):
     assert torch.equal(site.part.take(changed), torch.ones_like(site.part.take(changed)))
     assert int(changed.sum()) == site.part.take(changed).numel()  # nothing outside the part moved
     assert torch.allclose(site.part.take(edited), site.part.take(clean) + 1.5, atol=1e-6)
-    direction = torch.randn(width, generator=torch.Generator().manual_seed(0))  # a constant k shift cancels
-    with lens.steer(Add(direction, 1.5, site=site.name)), torch.no_grad():
-        assert not torch.equal(model(**inputs).logits, plain)
+    # positions 1 on: a shift of every key would cancel in the softmax; of all but the first, it does not
+    direction = torch.randn(width, generator=torch.Generator().manual_seed(0))
+    with lens.steer(Add(direction, 20.0, site=site.name), positions=slice(1, None)), torch.no_grad():
+        steered = model(**inputs).logits
+
+    def by_hand(module, args, output):
+        part = site.part.take(output).clone()
+        part[:, 1:] += 20.0 * direction
+        return site.part.put(output, part)
+
+    handle = site.module.register_forward_hook(by_hand)
+    try:
+        with torch.no_grad():
+            manual = model(**inputs).logits
+    finally:
+        handle.remove()
+    torch.testing.assert_close(steered, manual)
+    assert float((steered - plain).abs().max()) > 1e-4  # the edit moves the logits, far above rounding (~1e-7)
 
 
 def test_cpmant_qkv_are_its_projections_on_the_tokens_after_its_prompt():

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import conceptlens
-from conceptlens.steering import Add, sweep, token_logprob
-from conceptlens.steering.sweep import Generation
+from conceptlens.steering import Add, AddKeepNorm, ProjectOut, sweep, token_logprob
+from conceptlens.steering.sweep import Generation, SweepResult
 from tests.conftest import tiny_model
 
 PROMPTS = ["w5 w6 w7 w8", "w20 w21", "w40 w41 w42"]
@@ -107,3 +107,63 @@ def test_errors_name_what_is_missing(setup):
     assert sweep(lens, edit, [0.0], PROMPTS[:1], len, max_new_tokens=2).scores.shape == (1, 1)
     with pytest.raises(ValueError, match="pad token"):
         sweep(lens, edit, [0.0], PROMPTS, len)
+
+
+def _result(ppl, alphas=(0.0, 0.5, 1.0, 2.0), reference=None, budget=2.0) -> SweepResult:
+    ppl = torch.tensor(ppl, dtype=torch.float64)
+    return SweepResult(list(alphas), torch.zeros(ppl.shape, dtype=torch.float64), [["a", "b"]] * len(alphas), "s",
+                       ppl, ppl[0] if reference is None else torch.tensor(reference, dtype=torch.float64), budget)
+
+
+def test_best_alpha_is_the_last_fluent_one_before_the_first_break():
+    result = _result([[3.0, 3.0], [4.0, 5.0], [7.0, 9.0], [5.0, 5.5]])
+    assert result.fluent == [True, True, False, True]  # medians 3, 4.5, 8, 5.25 against 2 x 3
+    assert result.best_alpha == 0.5  # alpha 2 reads fluently again (repetition), but alpha 1 broke first
+    assert result._replace(budget=3.0).best_alpha == 2.0
+    assert result._replace(perplexity=None).best_alpha is None
+    both = _result([[3.0], [9.0], [4.0], [5.0]], alphas=(0.0, 1.0, -1.0, -2.0))
+    assert both.best_alpha == -2.0  # each sign walks from 0 on its own
+    assert _result([[9.0], [9.0]], alphas=(0.5, 1.0), reference=[3.0]).best_alpha is None
+
+
+def test_any_edit_with_a_strength_or_a_list_of_them_is_swept_at_each_alpha(setup):
+    model, tok, lens = setup
+    direction = _unembedding(model, 50)
+    both = lambda a: [Add(direction, a, site="final"), AddKeepNorm(direction, a, site="blocks.0.resid_out")]  # noqa: E731
+    made = sweep(lens, both, [0.0, 2.0], PROMPTS, token_logprob(tok, ["w50", "w51"]), max_new_tokens=3)
+    template = [Add(direction, 7.0, site="final"), AddKeepNorm(direction, 7.0, site="blocks.0.resid_out")]
+    fixed = sweep(lens, template, [0.0, 2.0], PROMPTS, token_logprob(tok, ["w50", "w51"]), max_new_tokens=3)
+    assert [e.alpha for e in template] == [7.0, 7.0]  # the given edits are left as they were
+    assert fixed.texts == made.texts and torch.equal(fixed.scores, made.scores)
+    assert made.mean[1] > made.mean[0]  # alpha 2 does steer towards w50
+    torch.testing.assert_close(made.reference, made.perplexity[0])  # alpha 0 is the unsteered reference
+    with pytest.raises(TypeError, match="ProjectOut has none"):
+        sweep(lens, ProjectOut(direction, site="final"), [0.0], PROMPTS, len)
+
+
+def test_target_words_score_their_summed_probability(setup):
+    model, tok, lens = setup
+    logits = torch.randn(3, 99, generator=torch.Generator().manual_seed(0))
+    generation = Generation("w5", "w6 w7 w8", torch.tensor([6, 7, 8]), logits)
+    expected = logits.double().softmax(-1)[:, [50, 51]].sum(-1).log().mean()
+    assert token_logprob(tok, ["w50", "w51", "w50"])(generation) == pytest.approx(float(expected), rel=1e-9)
+    assert token_logprob(tok, ["w50", "w51"]).label == "log p('w50', 'w51')"
+
+
+def test_without_alpha_0_the_unsteered_continuations_set_the_budget(setup):
+    model, tok, lens = setup
+    direction = torch.randn(32, generator=torch.Generator().manual_seed(3))
+    judged = []
+
+    def judge(generations):
+        judged.append(len(generations))
+        return {"length": [len(g.tokens) for g in generations]}
+
+    result = sweep(lens, Add(direction, 1.0, site="blocks.0.resid_out"), [0.5, 1.0], PROMPTS, len,
+                   max_new_tokens=3, judge=judge)
+    unsteered = sweep(lens, Add(direction, 1.0, site="blocks.0.resid_out"), [0.0], PROMPTS, len, max_new_tokens=3)
+    torch.testing.assert_close(result.reference, unsteered.perplexity[0])
+    assert judged == [3, 3] and result.judged["length"].shape == (2, 3)
+    assert "length" in result.table().splitlines()[0]
+    with pytest.raises(ValueError, match="budget"):
+        sweep(lens, Add(direction, 1.0, site="final"), [0.0], PROMPTS, len, budget=0.5)

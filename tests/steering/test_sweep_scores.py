@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conceptlens.steering import Add, site_norm, sweep, token_logprob
+from conceptlens.steering import Add, robust_norm, sweep, token_logprob
 from conceptlens.steering.sweep import Generation
 from conceptlens.steering.sweep_scores import ConceptExpression, continuation_perplexity
 from tests.steering.test_sweep import PROMPTS, setup  # noqa: F401  (fixture)
@@ -39,7 +39,7 @@ def test_sweep_reports_fluency_next_to_the_score(setup):  # noqa: F811
     with torch.no_grad():
         model.lm_head.weight.mul_(10)  # a confident model: its own greedy text reads fluently
     direction = model.get_output_embeddings().weight[50].detach().clone()
-    result = sweep(lens, lambda a: Add(direction, a, scale="site_norm", site="final"), [0, 2, 20], PROMPTS,
+    result = sweep(lens, lambda a: Add(direction, a, scale="robust_norm", site="final"), [0, 2, 20], PROMPTS,
                    token_logprob(tok, "w50"), max_new_tokens=5)
     assert result.perplexity.shape == (3, 3) and (result.perplexity > 1).all()
     assert result.median_perplexity[2] > 3 * result.median_perplexity[0]  # "w50 w50 ..." reads badly unsteered
@@ -57,7 +57,7 @@ def test_concept_expression_by_hand(setup):  # noqa: F811
     with torch.no_grad():
         hidden = model(torch.tensor([[5, 6, 7, 8, 9]]), output_hidden_states=True).hidden_states[1][0, 2:]
     unit = direction / direction.norm()
-    expected = float(((hidden - mean) @ unit).mean()) / site_norm(lens, "blocks.0.resid_out")
+    expected = float(((hidden - mean) @ unit).mean()) / robust_norm(lens, "blocks.0.resid_out")
     assert score(generation) == pytest.approx(expected, rel=1e-4)
     with pytest.raises(ValueError, match="nonzero norm"):
         ConceptExpression(lens, torch.zeros(32), "blocks.0.resid_out")

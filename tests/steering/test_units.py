@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import math
+import warnings
+
 import pytest
 import torch
 
 import conceptlens
 from conceptlens import ConceptSet
-from conceptlens.steering import Ablate, Add, ProjectOut, site_norm
-from conceptlens.steering.units import PROBE_TEXT, PROBE_TOKENS
+from conceptlens.steering import Ablate, Add, ProjectOut, SteeringVector, robust_norm, site_norm
+from conceptlens.steering.units import PROBE_TEXT, PROBE_TOKENS, site_scale
 from tests.conftest import tiny_model
 
 SITE = "blocks.1.resid_out"
@@ -39,7 +42,8 @@ def test_site_norm_is_the_median_token_norm_of_the_probe_tokens_without_the_firs
     ids = torch.randint(3, 99, (len(PROBE_TEXT), PROBE_TOKENS), generator=torch.Generator().manual_seed(0))
     norms = site_acts(lens, ids)[:, 1:].flatten(0, 1).double().norm(dim=1)
     assert site_norm(lens, SITE) == pytest.approx(float(norms.median()), rel=1e-6)
-    assert lens._site_norms == {SITE: site_norm(lens, "blocks.-1.resid_out")}  # measured once, canonical name
+    assert list(lens._site_scales) == [SITE]  # measured once, under the canonical name
+    assert site_scale(lens, "blocks.-1.resid_out") is site_scale(lens, SITE)
 
 
 def test_the_same_site_norm_alpha_gives_comparable_edits_on_models_of_very_different_scales():
@@ -68,10 +72,12 @@ def test_raw_and_unit_scales_and_their_errors():
     torch.testing.assert_close(Add(v, 2.0, scale="unit", site=SITE).vector, 2 * v / 5)
     torch.testing.assert_close(Add(v, 2.0, scale="site_norm", norm=10.0, site=SITE).vector, 2 * 10 * v / 5)
     torch.testing.assert_close(Add(torch.stack([v, v]), 1.0, scale="unit", site=SITE).vector, v / 5)  # sum, then unit
-    with pytest.raises(ValueError, match=r"scale must be one of \('raw', 'unit', 'site_norm'\); got 'norm'"):
+    with pytest.raises(ValueError, match=r"one of \('raw', 'unit', 'robust_norm', 'site_norm'\); got 'norm'"):
         Add(v, 1.0, scale="norm", site=SITE)
-    with pytest.raises(RuntimeError, match="when a steering scope is built"):
-        Add(v, 1.0, scale="site_norm", site=SITE).vector
+    torch.testing.assert_close(Add(v, 2.0, scale="robust_norm", norm=10.0, site=SITE).at(-3.0).vector, -3 * 10 * v / 5)
+    for scale in ("robust_norm", "site_norm"):
+        with pytest.raises(RuntimeError, match=f"Add\\(scale='{scale}'\\) learns .* when a steering scope is built"):
+            Add(v, 1.0, scale=scale, site=SITE).vector
     with pytest.raises(ValueError, match="nonzero norm"):
         Add(torch.zeros(32), 1.0, scale="unit", site=SITE)
 
@@ -111,3 +117,89 @@ def test_lens_ablate_modes_edit_the_model():
     edited = cap.last[0][SITE]
     torch.testing.assert_close(edited[:, 0], clean[:, 0])  # position 0 left alone
     torch.testing.assert_close(edited[:, 1:] @ u, (cs.mean @ u).expand(2, 5), atol=1e-4, rtol=0)
+
+
+MASSIVE_AT = 5  # the coordinate that carries the planted massive activation
+
+
+def _norms(model) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+
+
+def massive_twins(factor: float = 30.0) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The tiny Llama with coordinate MASSIVE_AT taken out of its residual stream (no embedding
+    or sublayer writes it, no norm passes it on), and its twin where the embedding puts a
+    constant `factor` times the typical token norm there at every token, as Gemma-3's massive
+    activations do. Each norm of the twin scales its other weights by sqrt(r^2 + M^2) / r (r the
+    median norm of that norm's input in the first model): what a model trained with a massive
+    coordinate learns, so that both compute (nearly) the same function."""
+    base = tiny_model("llama")
+    with torch.no_grad():
+        base.get_input_embeddings().weight[:, MASSIVE_AT] = 0
+        for layer in base.model.layers:
+            layer.self_attn.o_proj.weight[MASSIVE_AT] = 0
+            layer.mlp.down_proj.weight[MASSIVE_AT] = 0
+        for norm in _norms(base):
+            norm.weight[MASSIVE_AT] = 0
+    inputs: dict[int, torch.Tensor] = {}
+    handles = [n.register_forward_pre_hook(lambda m, a, i=i: inputs.setdefault(i, a[0].detach()))
+               for i, n in enumerate(_norms(base))]
+    ids = torch.randint(3, 99, (len(PROBE_TEXT), PROBE_TOKENS), generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            base(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    typical = {i: float(x[:, 1:].norm(dim=-1).median()) for i, x in inputs.items()}
+    planted = factor * site_norm(conceptlens.attach(base), SITE)
+    twin = tiny_model("llama")
+    twin.load_state_dict(base.state_dict())
+    with torch.no_grad():
+        twin.get_input_embeddings().weight[:, MASSIVE_AT] = planted
+        for i, norm in enumerate(_norms(twin)):
+            norm.weight.mul_(math.sqrt(typical[i] ** 2 + planted ** 2) / typical[i])
+    return base, twin
+
+
+def next_token_kl(lens, edit, ids) -> float:
+    """Mean KL(clean || steered) of the next-token distributions, positions 1 on."""
+    with torch.no_grad():
+        clean = lens.model(ids).logits.double().log_softmax(-1)
+        with lens.steer(edit, positions=slice(1, None)):
+            steered = lens.model(ids).logits.double().log_softmax(-1)
+    return float((clean.exp() * (clean - steered)).sum(-1)[:, 1:].mean())
+
+
+def test_robust_norm_gives_the_same_effect_with_and_without_a_massive_coordinate():
+    base, twin = massive_twins()
+    ids = torch.randint(3, 99, (4, 12), generator=torch.Generator().manual_seed(5))  # not the probe tokens
+    with torch.no_grad():  # the twins compute nearly the same function
+        p, q = base(ids).logits.softmax(-1), twin(ids).logits.softmax(-1)
+    assert float((p - q).abs().sum(-1).max()) < 0.1
+    direction = torch.randn(32, generator=torch.Generator().manual_seed(1))
+    direction[MASSIVE_AT] = 0  # along coordinates the model reads
+    kl = {}
+    for which, model in (("base", base), ("twin", twin)):
+        lens = conceptlens.attach(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scale = site_scale(lens, SITE)
+        dominated = [str(w.message) for w in caught if "massive activation" in str(w.message)]
+        assert dominated == ([] if which == "base" else [dominated[0]])
+        assert scale.massive == (() if which == "base" else (MASSIVE_AT,))
+        for unit in ("robust_norm", "site_norm"):
+            kl[which, unit] = next_token_kl(lens, Add(direction, 0.5, scale=unit, site=SITE), ids)
+    assert f"coordinate {MASSIVE_AT} carries" in dominated[0]
+    assert 1 / 1.5 < kl["twin", "robust_norm"] / kl["base", "robust_norm"] < 1.5
+    assert kl["twin", "site_norm"] / kl["base", "site_norm"] > 5  # the plain norm counts the planted coordinate
+
+
+def test_contrastive_vectors_and_keep_norm_edits_take_the_same_units():
+    lens = conceptlens.attach(tiny_model("llama"))
+    v = torch.randn(32, generator=torch.Generator().manual_seed(6))
+    vec = SteeringVector({SITE: ConceptSet(v, SITE, method="contrastive-mean_diff")})
+    for keep_norm in (False, True):
+        with lens.steer(*vec.edits(0.5, scale="robust_norm", keep_norm=keep_norm)) as scope:
+            (edit,) = scope.edits
+        torch.testing.assert_close(edit.vector, 0.5 * robust_norm(lens, SITE) * v / v.norm())

@@ -141,7 +141,8 @@ def _describe(lens, report, cfg, args: argparse.Namespace, out: Path):
     # not args.seed: an SAE seeded alike starts from torch.randn of the same shape, and the control
     # must not be its initial decoder
     g = torch.Generator().manual_seed(1_000_003 + args.seed)
-    sets["random"] = ConceptSet(torch.randn(n, d, generator=g), site, method="random", model=args.model)
+    mean = next((cs.mean for cs in sets.values() if cs.mean is not None), None)  # measured as the concepts are
+    sets["random"] = ConceptSet(torch.randn(n, d, generator=g), site, method="random", model=args.model, mean=mean)
     sets["random"].save(out / "concepts" / "random")
     print(f"\nDescription pass over held-out articles (test split, up to {args.describe_tokens:,} tokens), "
           f"with a control of {n} random directions")

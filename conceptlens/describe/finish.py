@@ -192,7 +192,7 @@ def byte_text(tokenizer: Any, token_id: int) -> str:
     """A token that is part of a character, shown by its bytes: `<0xE2 0x80>` for a byte-level BPE
     piece (GPT-2's byte-to-character table), the tokenizer's own piece for SentencePiece byte
     tokens (`<0xE2>`), else the id in angle brackets."""
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     piece = tokenizer.convert_ids_to_tokens(token_id) if hasattr(tokenizer, "convert_ids_to_tokens") else None
     if not isinstance(piece, str) or not piece:

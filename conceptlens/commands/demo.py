@@ -164,7 +164,7 @@ def _quality(descriptions, report, out: Path) -> None:
     print(format_quality(rows, base))
     write_quality(rows, base, out / "quality.json",
                   note="probe: test log-loss of the best single concept per class (lower is better) vs the "
-                       "base-rate entropy; 'random' is the same selection over random directions")
+                       "base-rate entropy; 'random/n' is the same selection over n random directions")
 
 
 def _steer(lens, tok, descriptions, labels, args: argparse.Namespace, out: Path) -> None:
@@ -181,7 +181,8 @@ def _steer(lens, tok, descriptions, labels, args: argparse.Namespace, out: Path)
     site_norm = typical_norm(lens, d.info["site"])  # the unit of Add(..., scale="site_norm")
     print(f"\nSteering with {name} concept {concept}, the best {args.topic!r} probe among concepts whose top "
           f"contexts are mostly {args.topic} articles (log-loss {loss:.3f} vs base rate {base:.3f}; best over "
-          f"random directions {best_per_class(descriptions['random']).get(args.topic, (float('nan'),))[0]:.3f})")
+          f"{d.info['n_concepts']} random directions "
+          f"{best_per_class(descriptions['random'], d.info['n_concepts']).get(args.topic, (float('nan'),))[0]:.3f})")
     from conceptlens.concepts.conceptset import ConceptSet
 
     unit = torch.nn.functional.normalize(ConceptSet.load(out / "concepts" / name).directions[concept], dim=0)

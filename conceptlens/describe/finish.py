@@ -97,14 +97,16 @@ def logit_tokens(directions: Tensor, unembedding: Tensor, p: int, chunk: int = 5
 
 def class_probes(doc_sum: Tensor, doc_rows: Tensor, labels: Sequence[int], n_classes: int) -> tuple[Tensor, Tensor]:
     """Per concept and class, the test log-loss of a 1-D logistic probe on document-mean
-    activations: `(n, C)`, and the base-rate entropy per class `(C,)` (nats). Described
-    documents alternate train / test in their order (even: train, odd: test)."""
-    from conceptlens.metrics.quality import _chunk, fit_logistic_1d, logistic_log_loss
+    activations, standardised by the train documents (as `metrics.quality.probe_loss`): `(n, C)`,
+    and the base-rate entropy per class `(C,)` (nats). Described documents alternate train / test
+    in their order (even: train, odd: test)."""
+    from conceptlens.metrics.quality import _chunk, fit_logistic_1d, logistic_log_loss, standardised_by
 
     seen = (doc_rows > 0).nonzero().squeeze(1).cpu()
     means = (doc_sum[seen] / doc_rows[seen, None]).cpu()
     y = torch.as_tensor([labels[i] for i in seen.tolist()])
     train, test = torch.arange(len(seen)) % 2 == 0, torch.arange(len(seen)) % 2 == 1
+    means[train], means[test] = standardised_by(means[train], means[test])
     loss = torch.full((means.shape[1], n_classes), math.nan)
     entropy = torch.full((n_classes,), math.nan)
     for c in range(n_classes):

@@ -60,5 +60,7 @@ class NormWatch:
         counts = Counter(text[t] for t in centre)
         out["largest"] = [[t, c] for t, c in counts.most_common(8)]
         out["largest_norm"] = float(self.top.values[0, 0])
+        if out.get("median_norm"):  # the exact largest, not the sample's
+            out["max_norm_ratio"] = out["largest_norm"] / out["median_norm"]
         out["dominated"] = bool(out.get("top_share", 0.0) > DOMINATED)
         return out

@@ -44,3 +44,20 @@ def test_a_huge_norm_token_does_not_head_the_dense_concepts():
     share = x.norm(dim=1)[planted].pow(2).sum() / x.norm(dim=1).pow(2).sum()
     assert share > planted.float().mean() * 4  # what the variance share below is about
     assert norms["top_share"] > norms["top_fraction"] * 4
+
+
+def test_describe_warns_when_one_token_heads_many_concepts_or_norms_dominate():
+    from types import SimpleNamespace
+
+    from conceptlens.commands.describe import warnings
+
+    def described(heads, norms):
+        contexts = [{"concept": i, "contexts": [{"tokens": ["a", t], "center": 1}]} for i, t in enumerate(heads)]
+        return SimpleNamespace(contexts=contexts, info={"n_concepts": len(heads), "site": "s", "norms": norms})
+
+    quiet = described(["x", "y", "z", "x"], {"dominated": False})  # "x" heads 2 of 4 concepts, more than 25%
+    assert warnings({"q": described(["x", "y", "z", "w"], {"dominated": False})}) == []
+    assert warnings({"q": quiet}) == ["'x' is the first top token of 2 of the 4 q concepts"]
+    loud = described(["x", "y", "z", "w"], {"dominated": True, "top_share": 0.74, "largest": [["'", 61]]})
+    assert warnings({"a": loud, "b": loud}) == ["at s the 1% largest-norm tokens carry 74% of the variance "
+                                                "(largest: \"'\" x61)"]  # once per site

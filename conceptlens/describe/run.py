@@ -84,9 +84,10 @@ def describe(lens: Lens, concept_sets: Mapping[str, ConceptSet], data: Any, *, t
     if out is not None:
         _forget_other_pass(Path(out), {"skip_documents": skip_documents,
                                        "data": data if isinstance(data, str) else getattr(data, "name", None)})
+    filters = filters or FilterConfig()
     report = run_fit(lens, plan, texts, tokenizer=tokenizer, config=FitConfig(
         batch_size=batch_size, max_length=max_length, max_tokens=max_tokens, checkpoint_dir=out,
-        checkpoint_every=checkpoint_every, resume=resume, progress=progress, filters=filters or FilterConfig()))
+        checkpoint_every=checkpoint_every, resume=resume, progress=progress, filters=filters))
     options = options or FinishOptions()
     results = {}
     for name, d in describers.items():
@@ -96,7 +97,7 @@ def describe(lens: Lens, concept_sets: Mapping[str, ConceptSet], data: Any, *, t
         site = d.concepts.site
         watch = next(w.norms for w in plan[site].values() if w.norms is not None)
         results[name].info["norms"] = {**watch.summary(lambda ids: fin.whole(tokenizer, ids)),
-                                       "filtered": report.rows.get(site, {})}
+                                       "filtered": report.rows.get(site, {}), "filter_ratio": filters.max_norm_ratio}
         if steering is not None:
             results[name].info["steering"] = steering_samples(lens, tokenizer, d, name, steering)
         if out is not None:

@@ -53,8 +53,8 @@ LEGENDS = {
                "token of the most concepts. FVU: fraction of variance unexplained by the reconstruction "
                "(1 = predicting the mean; SAEs, fit's last steps). L0: active latents per token.",
     "extractors": "One row per concept set; the activation column says how its activations are measured.",
-    "norms": "Token norms of the described rows at each site: the row filter drops rows above 10x the running "
-             "median norm (counted here); the share of the variance (sum of |x - mean|^2) carried by the 1% "
+    "norms": "Token norms of the described rows at each site: the row filter drops rows far above the running "
+             "median norm (counted here, with the bar); the share of the variance (sum of |x - mean|^2) carried by the 1% "
              "largest-norm tokens would be 1% if every token carried the same; the largest-norm tokens are listed "
              "with their count among the 64 largest.",
     "stats": "Statistics over the described tokens; see the legends of the index.",

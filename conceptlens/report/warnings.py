@@ -48,12 +48,13 @@ def norms_block(atlas: Atlas) -> str:
     rows = []
     for site, n in site_norms(atlas).items():
         f = n.get("filtered") or {}
-        rows.append((f"<code>{esc(site)}</code>", f"{int(f.get('seen', 0)):,}", f"{int(f.get('norm_outlier', 0)):,}",
+        bar = f" (&gt; {num(n['filter_ratio'], 3)}x median)" if n.get("filter_ratio") else ""
+        rows.append((f"<code>{esc(site)}</code>", f"{int(f.get('seen', 0)):,}", f"{int(f.get('norm_outlier', 0)):,}{bar}",
                      num(n.get("median_norm")), num(n.get("max_norm_ratio"), 3), pct(n.get("top_share")),
                      esc(_largest(n))))
     if not rows:
         return ""
-    html = table(["site", "rows", "dropped (norm > 10x median)", "median norm", "max / median",
+    html = table(["site", "rows", "dropped as norm outliers", "median norm", "max / median",
                   "variance share of the largest-norm 1%", "largest-norm tokens"], rows,
                  [False, True, True, True, True, True, False])
     return "<h2>Token norms</h2>" + figure(html, LEGENDS["norms"])

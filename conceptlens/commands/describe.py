@@ -70,7 +70,8 @@ def warnings(descriptions: Mapping[str, Any]) -> list[str]:
         if heads and not desc.info.get("control"):
             token, count = heads.most_common(1)[0]
             if count > HEADS_SHARE * desc.info["n_concepts"]:
-                out.append(f"{token!r} is the first top token of {count} of the {desc.info['n_concepts']} {name} concepts")
+                n = desc.info["n_concepts"]
+                out.append(f"{token!r} is the first top token of {count} of the {n} {name} concepts")
         norms, site = desc.info.get("norms") or {}, desc.info.get("site")
         if norms.get("dominated") and site not in sites:
             sites.add(site)

@@ -154,8 +154,9 @@ def decode_contexts(describer: ConceptDescriber, tokenizer: Any) -> list[dict[st
                 break
             row = all_ids[c][j]
             keep = [t >= 0 for t in row]
-            tokens, row_acts, center = chips(tokenizer, [t for t in row if t >= 0],
-                                             [a for a, k in zip(all_acts[c][j], keep) if k], left - keep.index(True), vocab)
+            kept_acts = [a for a, k in zip(all_acts[c][j], keep) if k]
+            tokens, row_acts, center = chips(tokenizer, [t for t in row if t >= 0], kept_acts,
+                                             left - keep.index(True), vocab)
             contexts.append({"value": all_values[c][j], "doc": all_doc[c][j], "pos": all_pos[c][j],
                              "center": center, "tokens": tokens, "acts": row_acts})
         lines.append({"concept": c, "contexts": contexts})
@@ -218,5 +219,6 @@ def decoder(tokenizer: Any, ids: Sequence[int]) -> dict[int, str]:
 
 
 def whole(tokenizer: Any, ids: Sequence[int]) -> dict[int, str]:
-    """Token id -> text for tokens shown alone (promoted / suppressed, largest norms): bytes for a part of a character."""
+    """Token id -> text for tokens shown alone (promoted / suppressed, largest norms); a part of a
+    character shows its bytes."""
     return {i: byte_text(tokenizer, i) if REPLACEMENT in t else t for i, t in decoder(tokenizer, ids).items()}

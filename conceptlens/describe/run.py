@@ -185,7 +185,8 @@ def finish(d: ConceptDescriber, *, name: str, lens: Lens, tokenizer: Any,
     stats = {"frequency": (s["fire_count"].double() / rows).float(), "mean_activation": (s["act_sum"] / rows).float(),
              **({} if d.activations.sparse else {"assigned": (s["assign_count"].double() / rows).float()}),
              "max_activation": d.top.values[:, 0].cpu().float(), "hist_edges": edges, "hist_counts": counts,
-             "top_values": top_values, "top_doc": top_doc, "top_pos": top_pos, "map_xy": fin.map_xy(d.activations.directions)}
+             "top_values": top_values, "top_doc": top_doc, "top_pos": top_pos,
+             "map_xy": fin.map_xy(d.activations.directions)}
     unit = d.activations.directions
     stats["nearest_direction"], stats["nearest_direction_cos"] = fin.nearest(unit @ unit.T, o.n_nearest)
     stats["nearest_coact"], stats["nearest_coact_score"] = fin.nearest(

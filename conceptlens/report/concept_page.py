@@ -74,8 +74,8 @@ def _probe_block(ex: ExtractorView, i: int) -> str:
         better = b is not None and loss < b
         rows.append((esc(label), f'<span class="{"good" if better else ""}">{num(loss)}</span>', num(b),
                      num(b - loss) if b is not None else ""))
-    return "<h2>Probe loss per class</h2>" + figure(table(
-        ["class", "probe log-loss", "base-rate entropy", "gain (nats)"], rows, [False, True, True, True]), LEGENDS["probe"])
+    html = table(["class", "probe log-loss", "base-rate entropy", "gain (nats)"], rows, [False, True, True, True])
+    return "<h2>Probe loss per class</h2>" + figure(html, LEGENDS["probe"])
 
 
 def _tokens_block(ex: ExtractorView, i: int) -> str:
@@ -94,9 +94,9 @@ def _tokens_block(ex: ExtractorView, i: int) -> str:
 def _neighbours_block(ex: ExtractorView, i: int, labels: dict[str, list[str]],
                       partners: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> str:
     cols = []
+    coact = "Pearson" if ex.meta.get("coact_kind") == "pearson" else "Jaccard"
     for key, score_key, title in (("nearest_direction", "nearest_direction_cos", "Nearest by direction (cosine)"),
-                                  ("nearest_coact", "nearest_coact_score",
-                                   f"Nearest by co-activation ({'Pearson' if ex.meta.get('coact_kind') == 'pearson' else 'Jaccard'})")):
+                                  ("nearest_coact", "nearest_coact_score", f"Nearest by co-activation ({coact})")):
         if key in ex.stats:
             items = [concept_link(ex.name, int(j), labels, f" ({num(s, 3)})")
                      for j, s in zip(ex.stats[key][i], ex.stats[score_key][i]) if 0 <= j < ex.n]

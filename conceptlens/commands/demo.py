@@ -157,7 +157,9 @@ def _quality(descriptions, report, out: Path) -> None:
     base = {c: v for c, v in (first.get("base_rate_entropy") or {}).items() if v is not None}
     from conceptlens.concepts.conceptset import ConceptSet
 
-    directions = {name: ConceptSet.load(out / "concepts" / name).directions for name in descriptions}
+    sets = {name: ConceptSet.load(out / "concepts" / name) for name in descriptions}
+    directions = {name: (cs.centred() if cs.mean is not None else cs).directions  # as the activations and the atlas
+                  for name, cs in sets.items()}
     rows = quality_rows(descriptions, directions, report.extractors)
     docs = first.get("documents", 0)
     print(f"\nQuality on {docs} held-out documents (probes: even documents train, odd documents test)")

@@ -6,8 +6,6 @@ import math
 from html import escape
 from typing import Iterable, Sequence
 
-import numpy as np
-
 
 def esc(value: object) -> str:
     return escape(str(value), quote=True)

@@ -28,10 +28,11 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0
     for part in ("run.toml", "fit_report.json", "quality.json", "report/index.html", "report/matches.html",
-                 "report/concepts/topk/63.html", "report/concepts/deleuzian/7.html", "report/concepts/random/0.html"):
+                 "report/concepts/topk/63.html", "report/concepts/deleuzian/7.html"):
         assert (out / part).is_file(), part
+    assert not (out / "report" / "concepts" / "random").exists()  # the control is a table row, not concepts
     quality = json.loads((out / "quality.json").read_text())
-    assert set(quality["extractors"]) == {"deleuzian", "topk", "kmeans", "random"}
+    assert set(quality["extractors"]) == {"deleuzian", "topk", "kmeans", "random/8", "random/64"}  # matched in count
     assert "FVU" in quality["extractors"]["topk"] and "FVU" not in quality["extractors"]["kmeans"]
     assert "base-rate entropy" in printed and "of kept tokens carry" in printed and "optimiser steps" in printed
     assert "unsteered" in printed or "no steering example" in printed

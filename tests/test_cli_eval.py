@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import conceptlens
 from conceptlens.cli import main
@@ -60,8 +61,11 @@ def test_concept_encoders_reproduce_the_extractors_they_came_from():
     assert torch.equal(enc.decode(enc.encode(x)), vq.quantize(x))
 
     directions = torch.randn(5, 8, generator=g)
-    enc = ev.concept_encoder(ConceptSet(directions, method="kmeans"))
-    assert enc.decode is None and torch.equal(enc.encode(x), x @ directions.T)
+    mean = x.mean(0) + 0.5
+    enc = ev.concept_encoder(ConceptSet(directions, method="kmeans", mean=mean))  # cosine to the centred centroid
+    expected = F.normalize(x - mean, dim=1) @ F.normalize(directions - mean, dim=1).T
+    assert enc.decode is None
+    torch.testing.assert_close(enc.encode(x), expected)
 
 
 def _synthetic(n=400, seed=2):
@@ -147,7 +151,8 @@ def test_collect_pools_documents_and_picks_labelled_tokens():
     docs = ev.collect(lens, "blocks.0.resid_out", enc, [(batch, torch.tensor([1, 0, 1]))])
     expected = torch.stack([hidden[r, 1:int(mask[r].sum())].mean(0) for r in range(3)])  # first token left out
     torch.testing.assert_close(docs.x, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(docs.z, expected @ directions.T, rtol=1e-4, atol=1e-4)
+    cos = [F.normalize(hidden[r, 1:int(mask[r].sum())], dim=1) @ F.normalize(directions, dim=1).T for r in range(3)]
+    torch.testing.assert_close(docs.z, torch.stack([c.mean(0) for c in cos]), rtol=1e-4, atol=1e-4)
     assert docs.y.tolist() == [1, 0, 1]
     tags = torch.full((3, 6), -1)
     tags[0, 0], tags[0, 3], tags[1, 5], tags[2, 5] = 7, 8, 9, 4  # position 0 and padding never count

@@ -141,7 +141,8 @@ def _describe(lens, report, cfg, args: argparse.Namespace, out: Path):
     # not args.seed: an SAE seeded alike starts from torch.randn of the same shape, and the control
     # must not be its initial decoder
     g = torch.Generator().manual_seed(1_000_003 + args.seed)
-    sets["random"] = ConceptSet(torch.randn(n, d, generator=g), site, method="random", model=args.model)
+    mean = next((cs.mean for cs in sets.values() if cs.mean is not None), None)  # measured as the concepts are
+    sets["random"] = ConceptSet(torch.randn(n, d, generator=g), site, method="random", model=args.model, mean=mean)
     sets["random"].save(out / "concepts" / "random")
     print(f"\nDescription pass over held-out articles (test split, up to {args.describe_tokens:,} tokens), "
           f"with a control of {n} random directions")
@@ -156,14 +157,16 @@ def _quality(descriptions, report, out: Path) -> None:
     base = {c: v for c, v in (first.get("base_rate_entropy") or {}).items() if v is not None}
     from conceptlens.concepts.conceptset import ConceptSet
 
-    directions = {name: ConceptSet.load(out / "concepts" / name).directions for name in descriptions}
+    sets = {name: ConceptSet.load(out / "concepts" / name) for name in descriptions}
+    directions = {name: (cs.centred() if cs.mean is not None else cs).directions  # as the activations and the atlas
+                  for name, cs in sets.items()}
     rows = quality_rows(descriptions, directions, report.extractors)
     docs = first.get("documents", 0)
     print(f"\nQuality on {docs} held-out documents (probes: even documents train, odd documents test)")
     print(format_quality(rows, base))
     write_quality(rows, base, out / "quality.json",
                   note="probe: test log-loss of the best single concept per class (lower is better) vs the "
-                       "base-rate entropy; 'random' is the same selection over random directions")
+                       "base-rate entropy; 'random/n' is the same selection over n random directions")
 
 
 def _steer(lens, tok, descriptions, labels, args: argparse.Namespace, out: Path) -> None:
@@ -180,7 +183,8 @@ def _steer(lens, tok, descriptions, labels, args: argparse.Namespace, out: Path)
     norm = robust_norm(lens, d.info["site"])  # the unit of Add(..., scale="robust_norm")
     print(f"\nSteering with {name} concept {concept}, the best {args.topic!r} probe among concepts whose top "
           f"contexts are mostly {args.topic} articles (log-loss {loss:.3f} vs base rate {base:.3f}; best over "
-          f"random directions {best_per_class(descriptions['random']).get(args.topic, (float('nan'),))[0]:.3f})")
+          f"{d.info['n_concepts']} random directions "
+          f"{best_per_class(descriptions['random'], d.info['n_concepts']).get(args.topic, (float('nan'),))[0]:.3f})")
     from conceptlens.concepts.conceptset import ConceptSet
 
     unit = torch.nn.functional.normalize(ConceptSet.load(out / "concepts" / name).directions[concept], dim=0)

@@ -7,7 +7,8 @@ Probe loss: per class, the test log-loss of the best single concept (a 1-D logis
 document-mean activations, trained on the even described documents, scored on the odd ones),
 next to the class's base-rate entropy (the loss of always predicting the class rate). Taking
 the best of n concepts on the test half flatters every set a little, so the table has a
-`random` row: the same selection over as many random directions, the baseline for that.
+`random/n` row per set size n: the same selection over the first n random directions (best
+of n against best of n), the baseline for that.
 Effective rank of the directions (exp of the entropy of the normalised singular values)
 next to the random set's; FVU / L0 for sets that reconstruct, from the fit's own statistics.
 """
@@ -24,9 +25,10 @@ import torch
 from conceptlens.metrics.quality import effective_rank
 
 
-def best_per_class(description: Any) -> dict[str, tuple[float, int]]:
-    """class -> (best probe loss, concept) over the set's concepts (nan classes left out)."""
+def best_per_class(description: Any, n: int | None = None) -> dict[str, tuple[float, int]]:
+    """class -> (best probe loss, concept) over the set's first n concepts (all: None; nan classes left out)."""
     loss = description.stats.get("probe_loss")
+    loss = None if loss is None else loss[:n]
     labels = description.info.get("labels") or []
     out = {}
     if loss is None:
@@ -43,7 +45,13 @@ def quality_rows(descriptions: Mapping[str, Any], directions: Mapping[str, torch
                  fit_stats: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """name -> {"probe": {class: (loss, concept)}, "effective rank": ..., "FVU": ..., "L0": ...}."""
     rows = {}
+    sizes = sorted({int(d.info["n_concepts"]) for name, d in descriptions.items() if name != "random"})
     for name, d in descriptions.items():
+        if name == "random":  # the control, matched in count to each set: best of n against best of n
+            for n in sizes:
+                rows[f"random/{n}"] = {"probe": best_per_class(d, n), "n": n,
+                                       "effective rank": effective_rank(directions[name][:n].float())}
+            continue
         row: dict[str, Any] = {"probe": best_per_class(d), "n": int(d.info["n_concepts"]),
                                "effective rank": effective_rank(directions[name].float())}
         mean = getattr(fit_stats.get(name), "mean", None)  # an SAE's SAEStats: EMA of its last ~100 steps

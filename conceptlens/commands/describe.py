@@ -69,7 +69,32 @@ def describe_run(lens: Any, cfg: rc.RunConfig, concept_sets: Mapping[str, Any], 
         print(f"  {name}: {desc.info['tokens']:,} tokens, {desc.info['documents']:,} documents -> "
               f"{out / 'describe' / name}")
     (out / "describe" / CHECKPOINT).unlink(missing_ok=True)  # done: a pass over other sets starts afresh
+    for line in warnings(descriptions):
+        print(f"  warning: {line}")
     return descriptions
+
+
+def warnings(descriptions: Mapping[str, Any]) -> list[str]:
+    """One line per set whose concepts one token heads, and per site whose variance a few large-norm tokens carry."""
+    from collections import Counter
+
+    from conceptlens.report.legends import HEADS_SHARE
+
+    out, sites = [], set()
+    for name, desc in descriptions.items():
+        heads = Counter(c["contexts"][0]["tokens"][c["contexts"][0]["center"]] for c in desc.contexts if c["contexts"])
+        if heads and not desc.info.get("control"):
+            token, count = heads.most_common(1)[0]
+            if count > HEADS_SHARE * desc.info["n_concepts"]:
+                n = desc.info["n_concepts"]
+                out.append(f"{token!r} is the first top token of {count} of the {n} {name} concepts")
+        norms, site = desc.info.get("norms") or {}, desc.info.get("site")
+        if norms.get("dominated") and site not in sites:
+            sites.add(site)
+            largest = ", ".join(f"{t!r} x{c}" for t, c in norms.get("largest") or [])
+            out.append(f"at {site} the 1% largest-norm tokens carry {norms['top_share']:.0%} of the variance "
+                       f"(largest: {largest})")
+    return out
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,7 +4,8 @@
     conceptlens eval runs/demo/concepts/blocks.15.resid_out --task wsj-pos
 
 Concept activations: an SAE set's own encoder (rebuilt with `sae_from_concept_set`), a VQ
-codebook's one-hot nearest code, otherwise the projection x @ directions.T. Documents of
+codebook's one-hot nearest code (it reconstructs), otherwise the atlas's definition
+(`describe.activations`: the cosine to the centred direction). Documents of
 bbc-news / movie-polarity are probed as wholes: their concept activations are averaged over
 their real tokens. wsj-pos is probed per token: each word's Penn tag labels its first
 sub-token (found through the tokenizer's character offsets); the other sub-tokens go
@@ -83,7 +84,7 @@ class ConceptEncoder(NamedTuple):
 
 
 def concept_encoder(cs: ConceptSet) -> ConceptEncoder:
-    """The set's own encoder when it carries one (SAE, VQ codebook), else the projection on its directions."""
+    """The set's own encoder when it carries one (SAE, VQ codebook), else `concept_activations`."""
     from conceptlens.concepts.sae.restore import CLASSES, sae_from_concept_set
 
     if cs.method in CLASSES:
@@ -94,8 +95,10 @@ def concept_encoder(cs: ConceptSet) -> ConceptEncoder:
         return ConceptEncoder("one-hot nearest VQ code",
                               lambda x: F.one_hot(torch.cdist(x.cpu().float(), codes).argmin(1), len(codes)).float(),
                               lambda z: z @ codes)
-    directions = cs.directions
-    return ConceptEncoder("projection x @ directions.T", lambda x: x.cpu().float() @ directions.T, None)
+    from conceptlens.describe.activations import concept_activations
+
+    act = concept_activations(cs)  # the atlas's definition: cosine to the centred direction
+    return ConceptEncoder(act.kind, lambda x: act.encode(x.cpu()), None)
 
 
 # ---- labels and batches ------------------------------------------------------------------

@@ -25,7 +25,7 @@ from conceptlens._io import atomic_write, remove_leftovers, tensor_digest
 FORMAT = "conceptlens.ConceptSet"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1: no checksum, no config copy inside the tensor file
-DIFFERENCE_METHODS = frozenset({"deleuzian"})
+DIFFERENCE_METHODS = frozenset({"deleuzian", "random"})  # directions, not points near the mean
 """Methods whose directions are differences of activations, not points among them (see `centred`)."""
 TENSOR_FILE = "concepts.safetensors"
 CONFIG_FILE = "config.json"

@@ -30,6 +30,7 @@ from torch import Tensor
 from conceptlens.concepts.base import ExtractorBase
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.describe.activations import concept_activations
+from conceptlens.describe.norms import NormWatch
 from conceptlens.describe.topn import TopN, order_key
 
 HALF_BINS = 128  # fine bins per sign: 32 octaves x 4
@@ -91,7 +92,7 @@ class ConceptDescriber(ExtractorBase):
     method = "describe"
 
     def __init__(self, concepts: ConceptSet, config: DescribeConfig | None = None, *, first_document: int = 0,
-                 **kwargs: Any) -> None:
+                 watch_norms: bool = False, **kwargs: Any) -> None:
         self.concepts = concepts
         self.first_document = first_document
         """Index in the source of the first document this describer is fed (a shard's start, the
@@ -100,6 +101,8 @@ class ConceptDescriber(ExtractorBase):
         self.activations = concept_activations(concepts)
         self.n = len(concepts)
         self.top = TopN(self.n, self.config.top_n, self.config.window)
+        self.norms = NormWatch(self.config.window) if watch_norms else None
+        """The site's largest-norm tokens and their variance share (one describer per site keeps it)."""
         self.sums: dict[str, Tensor] | None = None
         self.rows = self.documents = 0
 
@@ -108,6 +111,7 @@ class ConceptDescriber(ExtractorBase):
         self.sums = {
             "act_sum": torch.zeros(n, dtype=f64, device=device),
             "fire_count": torch.zeros(n, dtype=torch.long, device=device),
+            "assign_count": torch.zeros(n, dtype=torch.long, device=device),
             "hist": torch.zeros(n, FINE, dtype=torch.long, device=device),
             "zeros": torch.zeros(n, dtype=torch.long, device=device),
             "norm_sum": torch.zeros((), dtype=f64, device=device),
@@ -130,8 +134,13 @@ class ConceptDescriber(ExtractorBase):
         ids = tokens.ids.to(x.device)
         key32 = order_key(z)  # shared by the top-N and the histogram
         self.top.update(z, local + self.first_document, pos, ids, tokens.first_doc + self.first_document, key32)
+        if self.norms is not None:
+            self.norms.update(x, local + self.first_document, pos, ids, tokens.first_doc + self.first_document)
         s["act_sum"] += z.sum(0)  # float32 within a batch, float64 across batches
         s["fire_count"] += self.activations.fire_count(z, x)
+        assigned = self.activations.assign_count(z, x)
+        if assigned is not None:
+            s["assign_count"] += assigned
         s["zeros"] += torch.count_nonzero(key32 == 0, dim=0)
         _count_bins(s["hist"], fine_bins(key32))
         s["norm_sum"] += x.norm(dim=1).sum(dtype=torch.float64)
@@ -158,7 +167,8 @@ class ConceptDescriber(ExtractorBase):
 
     def state_dict(self) -> dict[str, Any]:
         return {"class": type(self).__name__, "config": self.config_dict(), "n": self.n, "rows": self.rows,
-                "documents": self.documents, "sums": dict(self.sums or {}), "top": self.top.state_dict()}
+                "documents": self.documents, "sums": dict(self.sums or {}), "top": self.top.state_dict(),
+                "norms": None if self.norms is None else self.norms.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
@@ -167,12 +177,14 @@ class ConceptDescriber(ExtractorBase):
         self.sums = {k: v.clone() for k, v in state["sums"].items()} or None
         self.rows, self.documents = state["rows"], state["documents"]
         self.top.load_state_dict(state["top"])
+        if self.norms is not None and state.get("norms") is not None:
+            self.norms.load_state_dict(state["norms"])
 
     def merge(self, other: ConceptDescriber | dict[str, Any]) -> None:  # a dict needs this set to rebuild
         """Absorb a shard described on other documents of the same source (same set, same config;
         each shard's `first_document` says where its documents start)."""
         if isinstance(other, dict):
-            state, other = other, ConceptDescriber(self.concepts, self.config)  # documents numbered in the source
+            state, other = other, ConceptDescriber(self.concepts, self.config, watch_norms=self.norms is not None)
             other.load_state_dict(state)
         super().merge(other)
 
@@ -190,6 +202,8 @@ class ConceptDescriber(ExtractorBase):
         for key, value in other.sums.items():
             self.sums[key] += value.to(self.sums[key].device)
         self.top.merge(other.top)
+        if self.norms is not None and other.norms is not None:
+            self.norms.merge(other.norms)
         self.rows += other.rows
         self.documents += other.documents
 

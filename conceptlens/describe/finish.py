@@ -97,14 +97,16 @@ def logit_tokens(directions: Tensor, unembedding: Tensor, p: int, chunk: int = 5
 
 def class_probes(doc_sum: Tensor, doc_rows: Tensor, labels: Sequence[int], n_classes: int) -> tuple[Tensor, Tensor]:
     """Per concept and class, the test log-loss of a 1-D logistic probe on document-mean
-    activations: `(n, C)`, and the base-rate entropy per class `(C,)` (nats). Described
-    documents alternate train / test in their order (even: train, odd: test)."""
-    from conceptlens.metrics.quality import _chunk, fit_logistic_1d, logistic_log_loss
+    activations, standardised by the train documents (as `metrics.quality.probe_loss`): `(n, C)`,
+    and the base-rate entropy per class `(C,)` (nats). Described documents alternate train / test
+    in their order (even: train, odd: test)."""
+    from conceptlens.metrics.quality import _chunk, fit_logistic_1d, logistic_log_loss, standardised_by
 
     seen = (doc_rows > 0).nonzero().squeeze(1).cpu()
     means = (doc_sum[seen] / doc_rows[seen, None]).cpu()
     y = torch.as_tensor([labels[i] for i in seen.tolist()])
     train, test = torch.arange(len(seen)) % 2 == 0, torch.arange(len(seen)) % 2 == 1
+    means[train], means[test] = standardised_by(means[train], means[test])
     loss = torch.full((means.shape[1], n_classes), math.nan)
     entropy = torch.full((n_classes,), math.nan)
     for c in range(n_classes):
@@ -152,16 +154,71 @@ def decode_contexts(describer: ConceptDescriber, tokenizer: Any) -> list[dict[st
                 break
             row = all_ids[c][j]
             keep = [t >= 0 for t in row]
+            kept_acts = [a for a, k in zip(all_acts[c][j], keep) if k]
+            tokens, row_acts, center = chips(tokenizer, [t for t in row if t >= 0], kept_acts,
+                                             left - keep.index(True), vocab)
             contexts.append({"value": all_values[c][j], "doc": all_doc[c][j], "pos": all_pos[c][j],
-                             "center": left - keep.index(True), "tokens": [vocab[t] for t in row if t >= 0],
-                             "acts": [a for a, k in zip(all_acts[c][j], keep) if k]})
+                             "center": center, "tokens": tokens, "acts": row_acts})
         lines.append({"concept": c, "contexts": contexts})
     return lines
 
 
+REPLACEMENT = "\ufffd"  # what a tokenizer's decode shows for bytes that are not a whole character
+
+
+def chips(tokenizer: Any, ids: list[int], acts: list[float], center: int, vocab: dict[int, str],
+          longest: int = 4) -> tuple[list[str], list[float], int]:
+    """One window's tokens as text chips. Byte-level tokens that hold part of a character decode
+    alone to U+FFFD: a run of them that decodes to whole characters (up to `longest` tokens)
+    becomes one chip with the activation largest in magnitude; a part that cannot be completed
+    inside the window shows its bytes. Returns (texts, activations, index of the centre's chip)."""
+    if not any(REPLACEMENT in vocab[t] for t in ids):
+        return [vocab[t] for t in ids], acts, center
+    texts, out_acts, out_center, i = [], [], center, 0
+    while i < len(ids):
+        j = i + 1
+        if REPLACEMENT in vocab[ids[i]]:
+            while j < len(ids) and j - i < longest and REPLACEMENT in tokenizer.decode(ids[i:j]):
+                j += 1
+            if REPLACEMENT in tokenizer.decode(ids[i:j]):
+                j = i + 1
+        text = tokenizer.decode(ids[i:j]) if j > i + 1 else vocab[ids[i]]
+        texts.append(byte_text(tokenizer, ids[i]) if REPLACEMENT in text else text)
+        out_acts.append(max(acts[i:j], key=abs))
+        if i <= center < j:
+            out_center = len(texts) - 1
+        i = j
+    return texts, out_acts, out_center
+
+
+def byte_text(tokenizer: Any, token_id: int) -> str:
+    """A token that is part of a character, shown by its bytes: `<0xE2 0x80>` for a byte-level BPE
+    piece (GPT-2's byte-to-character table), the tokenizer's own piece for SentencePiece byte
+    tokens (`<0xE2>`), else the id in angle brackets."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    piece = tokenizer.convert_ids_to_tokens(token_id) if hasattr(tokenizer, "convert_ids_to_tokens") else None
+    if not isinstance(piece, str) or not piece:
+        return f"<{token_id}>"
+    if piece.startswith("<0x") and piece.endswith(">"):
+        return piece
+    table = {ch: b for b, ch in bytes_to_unicode().items()}
+    if all(ch in table for ch in piece):
+        return "<" + " ".join(f"0x{table[ch]:02X}" for ch in piece) + ">"
+    return f"<{token_id}>"
+
+
 def decoder(tokenizer: Any, ids: Sequence[int]) -> dict[int, str]:
-    """Token id -> its text (`tokenizer.decode([id])`; the id in angle brackets when it cannot decode)."""
+    """Token id -> its text (`tokenizer.decode([id])`; the id in angle brackets when it cannot decode).
+    A token that decodes to U+FFFD alone (part of a character) keeps that text here: `chips` groups
+    it with its neighbours in a context, `whole` (used for single tokens) shows its bytes."""
     decode = getattr(tokenizer, "decode", None)
     if not callable(decode):
         return {i: f"<{i}>" for i in ids}
     return {i: decode([i]) for i in ids}
+
+
+def whole(tokenizer: Any, ids: Sequence[int]) -> dict[int, str]:
+    """Token id -> text for tokens shown alone (promoted / suppressed, largest norms); a part of a
+    character shows its bytes."""
+    return {i: byte_text(tokenizer, i) if REPLACEMENT in t else t for i, t in decoder(tokenizer, ids).items()}

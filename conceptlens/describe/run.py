@@ -29,6 +29,10 @@ if TYPE_CHECKING:
     from conceptlens.lens import Lens
 
 
+CONTROL_METHODS = ("random",)
+"""Sets described as baselines, not as concepts: the atlas shows them as control rows only."""
+
+
 @dataclass
 class FinishOptions:
     n_nearest: int = 8
@@ -59,24 +63,31 @@ def describe(lens: Lens, concept_sets: Mapping[str, ConceptSet], data: Any, *, t
     if n_docs is not None and n_docs < 1:
         raise ValueError(f"skip_documents={skip_documents} leaves no labelled document of {len(classes[0])}")
     config = DescribeConfig(top_n=top_n, window=window, coact_rows=coact_rows, n_documents=n_docs)
-    describers = {name: ConceptDescriber(cs, config, first_document=skip_documents) for name, cs in _checked(lens, concept_sets).items()}
-    steered = steering.chosen({name: d.n for name, d in describers.items()}) if steering is not None else {}
+    describers: dict[str, ConceptDescriber] = {}
     plan: dict[str, dict[str, ConceptDescriber]] = {}
-    for name, d in describers.items():
-        plan.setdefault(d.concepts.site, {})[name] = d
+    for name, cs in _checked(lens, concept_sets).items():  # the first describer of each site watches its norms
+        describers[name] = d = ConceptDescriber(cs, config, first_document=skip_documents,
+                                                watch_norms=cs.site not in plan)
+        plan.setdefault(cs.site, {})[name] = d
+    steered = steering.chosen({name: d.n for name, d in describers.items()}) if steering is not None else {}
     texts = islice(datasets.iter_texts(data), skip_documents, None)
     if out is not None:
         _forget_other_pass(Path(out), {"skip_documents": skip_documents,
                                        "data": data if isinstance(data, str) else getattr(data, "name", None)})
-    run_fit(lens, plan, texts, tokenizer=tokenizer, config=FitConfig(
+    filters = filters or FilterConfig()
+    report = run_fit(lens, plan, texts, tokenizer=tokenizer, config=FitConfig(
         batch_size=batch_size, max_length=max_length, max_tokens=max_tokens, checkpoint_dir=out,
-        checkpoint_every=checkpoint_every, resume=resume, progress=progress, filters=filters or FilterConfig()))
+        checkpoint_every=checkpoint_every, resume=resume, progress=progress, filters=filters))
     options = options or FinishOptions()
     results = {}
     for name, d in describers.items():
         results[name] = finish(d, name=name, lens=lens, tokenizer=tokenizer,
                                classes=None if classes is None else (classes[0][skip_documents:], classes[1]),
                                options=options)
+        site = d.concepts.site
+        watch = next(w.norms for w in plan[site].values() if w.norms is not None)
+        results[name].info["norms"] = {**watch.summary(lambda ids: fin.whole(tokenizer, ids)),
+                                       "filtered": report.rows.get(site, {}), "filter_ratio": filters.max_norm_ratio}
         if steering is not None:
             results[name].info["steering"] = steering_samples(lens, tokenizer, d.concepts, name,
                                                               steered.get(name, []), steering)
@@ -163,17 +174,19 @@ def finish(d: ConceptDescriber, *, name: str, lens: Lens, tokenizer: Any,
     edges, counts = fin.display_histogram(s["hist"], s["zeros"], o.bins)
     top_values, top_doc, top_pos = fin.used_slots(d)
     stats = {"frequency": (s["fire_count"].double() / rows).float(), "mean_activation": (s["act_sum"] / rows).float(),
+             **({} if d.activations.sparse else {"assigned": (s["assign_count"].double() / rows).float()}),
              "max_activation": d.top.values[:, 0].cpu().float(), "hist_edges": edges, "hist_counts": counts,
-             "top_values": top_values, "top_doc": top_doc, "top_pos": top_pos, "map_xy": fin.map_xy(cs.directions)}
-    unit = torch.nn.functional.normalize(cs.directions.float(), dim=1)
+             "top_values": top_values, "top_doc": top_doc, "top_pos": top_pos,
+             "map_xy": fin.map_xy(d.activations.directions)}
+    unit = d.activations.directions
     stats["nearest_direction"], stats["nearest_direction_cos"] = fin.nearest(unit @ unit.T, o.n_nearest)
     stats["nearest_coact"], stats["nearest_coact_score"] = fin.nearest(
         fin.coactivation(s, d.activations.sparse), o.n_nearest)
     w_u = unembedding(lens, cs.site, cs.hidden_size)
     tokens = None
     if w_u is not None:
-        stats |= fin.logit_tokens(cs.directions, w_u, min(o.n_tokens, w_u.shape[0]))
-        vocab = fin.decoder(tokenizer, torch.cat([stats["promoted_ids"], stats["suppressed_ids"]]).unique().tolist())
+        stats |= fin.logit_tokens(unit, w_u, min(o.n_tokens, w_u.shape[0]))
+        vocab = fin.whole(tokenizer, torch.cat([stats["promoted_ids"], stats["suppressed_ids"]]).unique().tolist())
         tokens = {k: [[vocab[i] for i in row] for row in stats[f"{k}_ids"].tolist()] for k in ("promoted", "suppressed")}
     entropy = None
     if classes is not None:
@@ -183,6 +196,7 @@ def finish(d: ConceptDescriber, *, name: str, lens: Lens, tokenizer: Any,
     info = {"name": name, "site": cs.site, "method": cs.method, "model": cs.model or lens.name, "n_concepts": n,
             "tokens": d.rows, "documents": d.documents, "first_document": d.first_document, "top_n": d.top.k,
             "window": list(d.top.window), "hist_edges_kind": "per-concept", "activation": d.activations.kind,
+            "sparse": d.activations.sparse, "control": cs.method in CONTROL_METHODS,
             "coact_kind": "jaccard" if d.activations.sparse else "pearson",
             "mean_token_norm": float(s["norm_sum"]) / rows, "labels": None if classes is None else list(classes[1]),
             "base_rate_entropy": entropy, "has_unembedding": w_u is not None, "steering": []}

@@ -101,10 +101,13 @@ def probe_loss(z_train: Tensor, y_train: Tensor, z_test: Tensor, y_test: Tensor,
     train split; the concept with the lowest train log-loss is that class's probe, scored by
     its test log-loss. The result is the median over classes (a binary label gives two equal
     one-vs-rest problems). Lower is better; ln 2 = 0.693 is chance for balanced classes.
+    Columns are standardised by the train split (`standardised_by`) first, so the L2 penalty
+    weighs every concept alike whatever its scale (a cosine in [-1, 1] or an SAE latent).
     """
     classes = torch.unique(y_train)
     if len(classes) < 2:
         raise ValueError(f"y_train needs at least two label values; got {classes.tolist()}")
+    z_train, z_test = standardised_by(z_train, z_test)
     per_class, best = [], []
     for c in classes:
         yc_train, yc_test = (y_train == c).double(), (y_test == c).double()
@@ -120,6 +123,15 @@ def probe_loss(z_train: Tensor, y_train: Tensor, z_test: Tensor, y_test: Tensor,
     per_class_t = torch.stack(per_class)
     # torch.median takes the lower middle value; average the two middles like numpy
     return ProbeResult(float(per_class_t.quantile(0.5)), per_class_t, torch.tensor(best), classes)
+
+
+def standardised_by(train: Tensor, test: Tensor) -> tuple[Tensor, Tensor]:
+    """Both `(N, M)` minus the train columns' mean, over their (biased) std (1 where constant)."""
+    train, test = train.double(), test.double()
+    mean = train.mean(0)
+    std = (train - mean).pow(2).mean(0).sqrt()
+    std = torch.where(std > 0, std, torch.ones_like(std))
+    return (train - mean) / std, (test - mean) / std
 
 
 def _standardise(z: Tensor) -> Tensor:

@@ -40,6 +40,11 @@ svg text { font: 10px system-ui, sans-serif; fill: var(--muted); }
 #map circle:hover { stroke: black; stroke-width: 1.5; }
 .steer td { max-width: 900px; }
 .pager { margin: 6px 0; }
+figure { margin: 4px 0 12px; }
+figcaption.legend { color: var(--muted); font-size: 12px; max-width: 900px; margin-top: 4px; }
+.banner { background: #fff4d6; border: 1px solid #e0b44c; border-radius: 4px; padding: 6px 10px; margin: 8px 0; }
+.control, .baseline { font-style: italic; color: var(--muted); }
+.swatch { display: inline-block; width: 10px; height: 10px; border-radius: 50%; margin: 0 3px 0 8px; }
 """
 
 JS = r"""
@@ -121,13 +126,16 @@ JS = r"""
       c.setAttribute("cx", sx(r[idx.x]).toFixed(1)); c.setAttribute("cy", sy(r[idx.y]).toFixed(1));
       c.setAttribute("r", (2 + 4 * Math.sqrt((r[idx.frequency] || 0) / fmax)).toFixed(1));
       const k = classes.indexOf(r[idx.best_class]);
-      c.setAttribute("fill", k >= 0 ? palette[k % palette.length] : "#4a6fa5");
+      c.setAttribute("fill", k >= 0 ? palette[k % palette.length] : "#999999");
       c.setAttribute("fill-opacity", matches(r) ? "0.75" : "0.08");
       const t = document.createElementNS(NS, "title");
       t.textContent = vis(ex + " #" + r[idx.concept] + ": " + r[idx.tokens] + (r[idx.best_class] ? " (" + r[idx.best_class] + ")" : ""));
       c.appendChild(t); a.appendChild(c); svg.appendChild(a);
     }
   }
+  const legend = document.getElementById("map-classes");
+  if (legend && D.labels) legend.innerHTML = "Classes:" + D.labels.map((c, k) =>
+    "<span class=swatch style='background:" + palette[k % palette.length] + "'></span>" + esc(c)).join("");
   mapSel.addEventListener("change", drawMap);
   render(); drawMap();
 })();

@@ -25,6 +25,7 @@ import numpy as np
 from conceptlens._names import check_name
 
 DESCRIPTION_FORMAT = "conceptlens.Description"
+CONTROL_METHODS = ("random",)  # as describe.run's: descriptions written before the "control" field
 
 
 @dataclass
@@ -69,6 +70,11 @@ class ExtractorView:
                                      f"expected {expected} (one line per concept, in order)")
                 yield record.get("contexts", [])
 
+    @property
+    def control(self) -> bool:
+        """A baseline set (random directions): shown as control rows, never as concepts."""
+        return bool(self.meta.get("control", self.method in CONTROL_METHODS))
+
     def steering(self) -> dict[int, dict[str, Any]]:
         return {int(s["concept"]): s for s in self.meta.get("steering") or []}
 
@@ -79,10 +85,13 @@ class Atlas:
 
     run: Path
     extractors: list[ExtractorView]
+    """The concept sets (controls left out)."""
     config: dict[str, Any]
     fit_report: dict[str, Any] | None
     quality: dict[str, Any] | None
     hierarchies: dict[str, dict[str, Any]]
+    controls: list[ExtractorView] = field(default_factory=list)
+    """Baselines described alongside (random directions): quality-table rows, no pages."""
 
     @classmethod
     def load(cls, run: str | Path) -> Atlas:
@@ -96,13 +105,17 @@ class Atlas:
             raise FileNotFoundError(f"{run} has no describe/<NAME>/description.json: run `conceptlens describe {run}` first")
         for name in names:  # a run folder from elsewhere may hold any name: it becomes a path and a URL
             check_name(name, f"{describe}: extractor folder")
+        views = [_load_extractor(run, name) for name in names]
+        if all(v.control for v in views):
+            raise ValueError(f"{run}/describe holds only controls ({', '.join(names)}): describe a concept set too")
         return cls(
             run=run,
-            extractors=[_load_extractor(run, name) for name in names],
+            extractors=[v for v in views if not v.control],
+            controls=[v for v in views if v.control],
             config=_read_toml(run / "run.toml"),
             fit_report=_read_json(run / "fit_report.json"),
             quality=_read_json(run / "quality.json"),
-            hierarchies=_load_hierarchies(run, names),
+            hierarchies=_load_hierarchies(run, [v.name for v in views if not v.control]),
         )
 
     def extractor(self, name: str) -> ExtractorView:
@@ -149,12 +162,14 @@ def _load_extractor(run: Path, name: str) -> ExtractorView:
 
 
 def _directions(folder: Path, n: int) -> np.ndarray | None:
-    """Unit directions of the extractor's ConceptSet, or None when it was not saved."""
+    """Unit directions of the extractor's ConceptSet (centred when it carries the fit's mean, as the
+    description measures them), or None when it was not saved."""
     if not (folder / "concepts.safetensors").is_file():
         return None
     from conceptlens.concepts.conceptset import ConceptSet
 
-    d = ConceptSet.load(folder).directions.numpy().astype(np.float32)
+    cs = ConceptSet.load(folder)
+    d = (cs.centred() if cs.mean is not None else cs).directions.numpy().astype(np.float32)  # as the activations
     if d.shape[0] != n:
         raise ValueError(f"{folder} holds {d.shape[0]} concepts but its description says {n}")
     return d / np.maximum(np.linalg.norm(d, axis=1, keepdims=True), 1e-12)

@@ -9,7 +9,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from conceptlens.report.atlas import ExtractorView
-from conceptlens.report.html import context_html, esc, histogram_svg, num, page, pct, table, token_text
+from conceptlens.report.histogram import histogram_svg
+from conceptlens.report.html import context_html, esc, num, page, pct, table, token_text
+from conceptlens.report.legends import LEGENDS, figure
+from conceptlens.report.quality import duplicates
 
 ROOT = "../../"
 
@@ -21,6 +24,16 @@ def top_tokens(contexts: Sequence[dict[str, Any]], k: int = 4) -> list[str]:
     counts = Counter(centres)
     first = {t: i for i, t in reversed(list(enumerate(centres)))}
     return sorted(counts, key=lambda t: (-counts[t], first[t]))[:k]
+
+
+def first_tokens(contexts_per_concept: Any) -> list[str | None]:
+    """Each concept's first top token (the centre of its strongest context), None without contexts."""
+    out = []
+    for contexts in contexts_per_concept:
+        c = contexts[0] if contexts else None
+        ok = c is not None and 0 <= c.get("center", -1) < len(c.get("tokens", []))
+        out.append((c["tokens"][c["center"]].strip() or c["tokens"][c["center"]]) if ok else None)
+    return out
 
 
 def concept_href(name: str, i: int, from_concept_page: bool = True) -> str:
@@ -36,11 +49,18 @@ def concept_link(name: str, i: int, labels: dict[str, list[str]], extra: str = "
 
 def _stats_block(ex: ExtractorView, i: int) -> str:
     s = ex.stats
-    rows = [("frequency", pct(s["frequency"][i]) if "frequency" in s else ""),
+    rows = [("frequency (active: activation > 0)", pct(s["frequency"][i]) if "frequency" in s else ""),
+            ("assigned", pct(s["assigned"][i]) if "assigned" in s else ""),
             ("mean activation", num(s["mean_activation"][i]) if "mean_activation" in s else ""),
             ("max activation", num(s["max_activation"][i]) if "max_activation" in s else "")]
-    head = (f'<p class="meta">{esc(ex.method)} at <code>{esc(ex.site)}</code>, concept {i} of {ex.n}</p>')
-    return head + table(["statistic", "value"], [(k, v) for k, v in rows if v], [False, True])
+    head = (f'<p class="meta">{esc(ex.method)} at <code>{esc(ex.site)}</code>, concept {i} of {ex.n}; '
+            f'activation: {esc(ex.meta.get("activation", "?"))}</p>')
+    dup = duplicates(ex)[i]
+    if dup is not None:
+        head += (f'<p class="banner">Near-duplicate of <a href="{esc(concept_href(ex.name, dup[0]))}">{esc(ex.name)} '
+                 f'#{dup[0]}</a> (cosine {dup[1]:.6f} &gt; 0.99).</p>')
+    html = table(["statistic", "value"], [(k, v) for k, v in rows if v], [False, True])
+    return head + figure(html, LEGENDS["frequency"])
 
 
 def _probe_block(ex: ExtractorView, i: int) -> str:
@@ -54,8 +74,8 @@ def _probe_block(ex: ExtractorView, i: int) -> str:
         better = b is not None and loss < b
         rows.append((esc(label), f'<span class="{"good" if better else ""}">{num(loss)}</span>', num(b),
                      num(b - loss) if b is not None else ""))
-    return "<h2>Probe loss per class</h2>" + table(
-        ["class", "probe log-loss", "base-rate entropy", "gain (nats)"], rows, [False, True, True, True])
+    html = table(["class", "probe log-loss", "base-rate entropy", "gain (nats)"], rows, [False, True, True, True])
+    return "<h2>Probe loss per class</h2>" + figure(html, LEGENDS["probe"])
 
 
 def _tokens_block(ex: ExtractorView, i: int) -> str:
@@ -68,14 +88,15 @@ def _tokens_block(ex: ExtractorView, i: int) -> str:
         spans = " ".join(f'<span class="tok" title="{num(logits[i, j]) if logits is not None else ""}">'
                          f'{esc(token_text(t))}</span>' for j, t in enumerate(toks))
         out.append(f"<div><h2>{key.capitalize()} tokens</h2>{spans}</div>")
-    return '<div class="grid">' + "".join(out) + "</div>"
+    return figure('<div class="grid">' + "".join(out) + "</div>", LEGENDS["tokens"])
 
 
 def _neighbours_block(ex: ExtractorView, i: int, labels: dict[str, list[str]],
                       partners: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> str:
     cols = []
+    coact = "Pearson" if ex.meta.get("coact_kind") == "pearson" else "Jaccard"
     for key, score_key, title in (("nearest_direction", "nearest_direction_cos", "Nearest by direction (cosine)"),
-                                  ("nearest_coact", "nearest_coact_score", "Nearest by co-activation (Jaccard)")):
+                                  ("nearest_coact", "nearest_coact_score", f"Nearest by co-activation ({coact})")):
         if key in ex.stats:
             items = [concept_link(ex.name, int(j), labels, f" ({num(s, 3)})")
                      for j, s in zip(ex.stats[key][i], ex.stats[score_key][i]) if 0 <= j < ex.n]
@@ -84,7 +105,7 @@ def _neighbours_block(ex: ExtractorView, i: int, labels: dict[str, list[str]],
         items = [concept_link(other, int(best[i]), labels, f" (cosine {num(cos[i], 3)})") for other, best, cos in partners]
         cols.append('<div><h2>Closest in other extractors</h2><ul>' + "".join(f"<li>{x}</li>" for x in items)
                     + '</ul><p><a href="../../matches.html">all matches</a></p></div>')
-    return '<div class="grid">' + "".join(cols) + "</div>" if cols else ""
+    return figure('<div class="grid">' + "".join(cols) + "</div>", LEGENDS["neighbours"]) if cols else ""
 
 
 def _contexts_block(contexts: Sequence[dict[str, Any]]) -> str:
@@ -93,7 +114,7 @@ def _contexts_block(contexts: Sequence[dict[str, Any]]) -> str:
     scale = max((abs(float(a)) for c in contexts for a in c.get("acts", [])), default=0.0)
     lines = [f'<div class="ctx"><span class="v">{num(c["value"], 3)}</span>'
              f'{context_html(c["tokens"], c["acts"], c["center"], scale)}</div>' for c in contexts]
-    return f"<h2>Top {len(contexts)} contexts</h2>" + "\n".join(lines)
+    return f"<h2>Top {len(contexts)} contexts</h2>" + figure("\n".join(lines), LEGENDS["contexts"])
 
 
 def _steering_block(sample: dict[str, Any] | None) -> str:
@@ -107,7 +128,7 @@ def _steering_block(sample: dict[str, Any] | None) -> str:
     elif "chosen_alpha" in sample:
         norm += "; no alpha stays within the fluency budget"
     return (f'<h2>Steering</h2><p>Prompt: <code>{esc(sample["prompt"])}</code>{esc(norm)}</p>'
-            + table(["alpha", "continuation"], rows, attrs=' class="steer"'))
+            + figure(table(["alpha", "continuation"], rows, attrs=' class="steer"'), LEGENDS["steering"]))
 
 
 def _hierarchy_block(name: str, i: int, hierarchy: dict[str, list[int]] | None, labels: dict[str, list[str]]) -> str:
@@ -129,7 +150,7 @@ def concept_page(ex: ExtractorView, i: int, contexts: Sequence[dict[str, Any]], 
     hist = ""
     if "hist_counts" in s and "hist_edges" in s:
         edges = s["hist_edges"][i] if s["hist_edges"].ndim == 2 else s["hist_edges"]
-        hist = "<h2>Activation histogram</h2>" + histogram_svg(edges, s["hist_counts"][i])
+        hist = "<h2>Activation histogram</h2>" + figure(histogram_svg(edges, s["hist_counts"][i]), LEGENDS["histogram"])
     nav = [("index.html", "atlas index"), ("matches.html", "matches")]
     nav += [(f"concepts/{ex.name}/{j}.html", label) for j, label in ((i - 1, "previous"), (i + 1, "next")) if 0 <= j < ex.n]
     label = labels.get(ex.name, [""] * ex.n)[i]

@@ -9,8 +9,6 @@ from html import escape
 from typing import Iterable, Literal, Sequence
 from urllib.parse import quote
 
-import numpy as np
-
 # explicit bidi controls (embeddings, overrides, isolates, marks): in a token they would reorder the
 # rest of its line, numbers included; the pages show them as visible codes instead
 BIDI = re.compile("[\u200e\u200f\u061c\u202a-\u202e\u2066-\u2069]")
@@ -66,30 +64,6 @@ def table(head: Sequence[str], rows: Iterable[Sequence[str]], numeric: Sequence[
     out = [f"<table{attrs}><thead><tr>" + "".join(f"<th{c}>{h}</th>" for h, c in zip(head, cls)) + "</tr></thead><tbody>"]
     out += ["<tr>" + "".join(f"<td{c}>{v}</td>" for v, c in zip(row, cls)) + "</tr>" for row in rows]
     return "\n".join(out) + "</tbody></table>"
-
-
-def histogram_svg(edges: np.ndarray, counts: np.ndarray, width: int = 420, height: int = 120) -> str:
-    """Bars of `counts` (B,) over `edges` (B+1,) with a log-count axis, as inline SVG."""
-    counts = np.asarray(counts, dtype=np.float64)
-    edges = np.asarray(edges, dtype=np.float64)
-    if counts.size == 0 or counts.sum() <= 0 or not np.isfinite(edges).all():
-        return '<p class="muted">no activations recorded</p>'
-    top = math.log10(counts.max() + 1)
-    pad, base = 4, height - 16
-    bar_w = (width - 2 * pad) / counts.size
-    bars = []
-    for i, c in enumerate(counts):
-        if c <= 0:
-            continue
-        h = (base - 4) * math.log10(c + 1) / top
-        bars.append(f'<rect x="{pad + i * bar_w:.1f}" y="{base - h:.1f}" width="{max(bar_w - 1, 1):.1f}" '
-                    f'height="{h:.1f}" fill="#f08a24"><title>[{edges[i]:.3g}, {edges[i + 1]:.3g}): {int(c)}</title></rect>')
-    return (f'<svg width="{width}" height="{height}" role="img" aria-label="activation histogram">'
-            + "".join(bars)
-            + f'<line x1="{pad}" y1="{base}" x2="{width - pad}" y2="{base}" stroke="#999"/>'
-            + f'<text x="{pad}" y="{height - 3}">{edges[0]:.3g}</text>'
-            + f'<text x="{width - pad}" y="{height - 3}" text-anchor="end">{edges[-1]:.3g}</text>'
-            + f'<text x="{width // 2}" y="{height - 3}" text-anchor="middle">activation (log count)</text></svg>')
 
 
 def context_html(tokens: Sequence[str], acts: Sequence[float], center: int, scale: float) -> str:

@@ -11,15 +11,20 @@ from typing import Any, Sequence
 import numpy as np
 
 from conceptlens.report.atlas import Atlas, ExtractorView
-from conceptlens.report.html import esc, num, page, table
+from conceptlens.report.concept_page import first_tokens
+from conceptlens.report.html import esc, page, table
+from conceptlens.report.legends import LEGENDS, figure
+from conceptlens.report.quality import duplicates, quality_block
+from conceptlens.report.warnings import banners, norms_block
 
 COLUMNS = ["ex", "concept", "frequency", "mean_activation", "max_activation", "tokens", "promoted",
-           "best_class", "best_loss", "base_rate", "gain", "x", "y"]
+           "best_class", "best_loss", "base_rate", "gain", "x", "y", "assigned", "dup"]
 # (column, kind, header) shown in the table after extractor and concept
-SHOWN = [("frequency", "pct", "frequency"), ("mean_activation", "num", "mean act."),
+SHOWN = [("frequency", "pct", "frequency"), ("assigned", "pct", "assigned"), ("mean_activation", "num", "mean act."),
          ("max_activation", "num", "max act."), ("tokens", "text", "top tokens"),
          ("promoted", "text", "promoted tokens"), ("best_class", "text", "best class"),
-         ("best_loss", "num", "probe loss"), ("base_rate", "num", "base rate"), ("gain", "num", "gain (nats)")]
+         ("best_loss", "num", "probe loss"), ("base_rate", "num", "base rate"), ("gain", "num", "gain (nats)"),
+         ("dup", "text", "dup")]
 
 
 def map_xy(ex: ExtractorView) -> np.ndarray | None:
@@ -46,6 +51,7 @@ def extractor_rows(k: int, ex: ExtractorView, labels: Sequence[str]) -> list[lis
     promoted = (ex.tokens or {}).get("promoted")
     base = {c: math.nan if v is None else float(v) for c, v in (ex.meta.get("base_rate_entropy") or {}).items()}
     probe = s.get("probe_loss")
+    dups = duplicates(ex)
     rows = []
     for i in range(n):
         best = [None, None, None, None]
@@ -57,7 +63,8 @@ def extractor_rows(k: int, ex: ExtractorView, labels: Sequence[str]) -> list[lis
         rows.append([_clean(v) for v in [
             k, i, *(s[key][i] if key in s else None for key in ("frequency", "mean_activation", "max_activation")),
             labels[i], " ".join(t.strip() or t for t in promoted[i][:5]) if promoted else None, *best,
-            *(xy[i] if xy is not None else (None, None))]])
+            *(xy[i] if xy is not None else (None, None)), s["assigned"][i] if "assigned" in s else None,
+            f"#{dups[i][0]} ({dups[i][1]:.4f})" if dups[i] else None]])
     return rows
 
 
@@ -90,37 +97,31 @@ def _extractors_block(atlas: Atlas) -> str:
     for ex in atlas.extractors:
         h = f'<a href="hierarchy/{esc(ex.name)}.html">hierarchy</a>' if ex.name in atlas.hierarchies else ""
         rows.append((esc(ex.name), f"<code>{esc(ex.site)}</code>", esc(ex.method), str(ex.n),
+                     esc(ex.meta.get("activation", "")),
                      f'<a class="first" href="concepts/{esc(ex.name)}/0.html">first concept</a> {h}'))
-    return "<h2>Extractors</h2>" + table(["name", "site", "method", "concepts", ""], rows, [False, False, False, True, False])
-
-
-def _quality_block(atlas: Atlas) -> str:
-    q = atlas.quality
-    if not q or not q.get("extractors"):
-        return ""
-    cols = list(dict.fromkeys(k for v in q["extractors"].values() for k in v))
-    rows = [(esc(name), *(num(v.get(c)) if isinstance(v.get(c), (int, float)) else esc(v.get(c, "")) for c in cols))
-            for name, v in q["extractors"].items()]
-    if q.get("baseline"):
-        rows.append(("<em>baseline</em>", *(esc(q["baseline"].get(c, "")) if isinstance(q["baseline"].get(c), str)
-                                             else num(q["baseline"].get(c)) for c in cols)))
-    note = f'<p class="muted">{esc(q["note"])}</p>' if q.get("note") else ""
-    return "<h2>Quality</h2>" + table(["extractor", *map(esc, cols)], rows, [False] + [True] * len(cols)) + note
+    html = table(["name", "site", "method", "concepts", "activation", ""], rows,
+                 [False, False, False, True, False, False])
+    return "<h2>Extractors</h2>" + figure(html, LEGENDS["extractors"] + " " + LEGENDS["activation"])
 
 
 def index_page(atlas: Atlas, shown: Sequence[str]) -> str:
     options = "".join(f'<option value="{esc(ex.name)}">{esc(ex.name)}</option>' for ex in atlas.extractors)
     head = "".join(f'<th class="sort" data-col="{c}" data-kind="{kind}">{esc(h)}</th>' for c, kind, h in SHOWN if c in shown)
-    body = (_run_block(atlas) + _extractors_block(atlas) + _quality_block(atlas)
+    heads = {ex.name: first_tokens(ex.contexts()) for ex in atlas.extractors}
+    concepts = (f'<table id="concepts"><thead><tr><th>extractor</th><th class="sort num" data-col="concept" '
+                f'data-kind="num">#</th>{head}</tr></thead><tbody></tbody></table>')
+    body = (banners(atlas, heads) + _run_block(atlas) + _extractors_block(atlas) + quality_block(atlas, heads)
+            + norms_block(atlas)
             + f'<h2>Map of the directions</h2><div class="controls"><label>extractor <select id="map-extractor">{options}'
-            f'</select></label><span class="muted">PCA of the unit directions; size = frequency, colour = best class; '
-            f'click a point to open its concept</span></div><svg id="map" width="720" height="420"></svg>'
-            f'<h2>Concepts</h2><div class="controls"><input id="filter" type="search" placeholder="filter: tokens, class, #id">'
+            f'</select></label></div>'
+            + figure('<svg id="map" width="720" height="420" role="img" aria-label="map of the concepts"></svg>',
+                     LEGENDS["map"]).replace("</figcaption>", ' <span id="map-classes"></span></figcaption>')
+            + f'<h2>Concepts</h2><div class="controls"><input id="filter" type="search" placeholder="filter: tokens, class, #id">'
             f'<label>extractor <select id="extractor"><option value="">all</option>{options}</select></label>'
             f'<span id="count" class="muted"></span></div>'
             f'<noscript><p>The concept table needs JavaScript; every concept page is under concepts/.</p></noscript>'
-            f'<table id="concepts"><thead><tr><th>extractor</th><th class="sort num" data-col="concept" data-kind="num">#</th>'
-            f'{head}</tr></thead><tbody></tbody></table><p class="pager"><button id="more">show more</button></p>'
+            + figure(concepts, LEGENDS["frequency"] + " " + LEGENDS["concepts"])
+            + f'<p class="pager"><button id="more">show more</button></p>'
             f'<script src="static/atlas-data.js"></script><script src="static/atlas.js"></script>')
     nav = [("index.html", "index"), ("matches.html", "matches")]
     nav += [(f"hierarchy/{name}.html", f"hierarchy: {name}") for name in atlas.hierarchies]

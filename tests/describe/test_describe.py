@@ -47,9 +47,16 @@ def lens():
     return conceptlens.attach(tiny_model("llama"), Tok())
 
 
-def random_set(n=6, seed=0, method="custom"):
+def random_set(n=6, seed=0, method="custom", mean=None):
     g = torch.Generator().manual_seed(seed)
-    return ConceptSet(torch.randn(n, 32, generator=g), SITE, method=method)
+    return ConceptSet(torch.randn(n, 32, generator=g), SITE, method=method, mean=mean)
+
+
+def cosines(x, cs):
+    """The definition of a dense concept's activation, by hand: cos(x - m, c - m) for centroids, cos(x, c) without a mean."""
+    m = torch.zeros(x.shape[1]) if cs.mean is None else cs.mean
+    c = cs.directions - (0 if cs.mean is None else m)
+    return torch.nn.functional.normalize(x - m, dim=1) @ torch.nn.functional.normalize(c, dim=1).T
 
 
 def captured(lens, docs, max_length=16):
@@ -69,17 +76,18 @@ def run(lens, sets, docs=DOCS, **kw):
 
 @pytest.mark.parametrize("method", ["custom", "kmeans"])
 def test_statistics_equal_brute_force(lens, method):
-    cs = random_set(method=method)
-    d = run(lens, {"a": cs}, batch_size=5)["a"]
     x, doc, pos, ids = captured(lens, DOCS)
-    unit = torch.nn.functional.normalize(cs.directions, dim=1)
-    z = x @ unit.T
+    cs = random_set(method=method, mean=x.mean(0) + 0.3 if method == "kmeans" else None)
+    d = run(lens, {"a": cs}, batch_size=5)["a"]
+    unit = torch.nn.functional.normalize(cs.directions - (0 if cs.mean is None else cs.mean), dim=1)
+    z = cosines(x, cs)
     s = d.stats
     assert d.info["tokens"] == len(x) and d.info["documents"] == len(DOCS)
     torch.testing.assert_close(s["mean_activation"], z.mean(0))
     torch.testing.assert_close(s["max_activation"], z.max(0).values)
     assigned = torch.cdist(x, cs.directions).argmin(1) if method == "kmeans" else z.argmax(1)
-    torch.testing.assert_close(s["frequency"], torch.bincount(assigned, minlength=6).float() / len(x))
+    torch.testing.assert_close(s["assigned"], torch.bincount(assigned, minlength=6).float() / len(x))
+    torch.testing.assert_close(s["frequency"], (z > 0).float().mean(0))  # the histogram's mass right of 0
     assert torch.equal(s["hist_counts"].sum(1), torch.full((6,), len(x)))  # no exact zeros here
     for c in range(6):
         order = torch.sort(z[:, c], descending=True, stable=True).indices[:4]

@@ -54,6 +54,10 @@ def test_probe_loss_equals_direct_sklearn_computation():
     z, y = _labelled(seed=1)
     z_tr, y_tr, z_te, y_te = z[:160], y[:160], z[160:], y[160:]
     result = probe_loss(z_tr, y_tr, z_te, y_te)
+    from sklearn.preprocessing import StandardScaler
+
+    scaler = StandardScaler().fit(z_tr.double().numpy())  # the probe standardises by the train split
+    z_tr, z_te = (torch.from_numpy(scaler.transform(z.double().numpy())) for z in (z_tr, z_te))
     expected, best = [], []
     for c in range(3):
         yc_tr, yc_te = (y_tr == c).numpy(), (y_te == c).numpy()
@@ -67,6 +71,14 @@ def test_probe_loss_equals_direct_sklearn_computation():
     np.testing.assert_allclose(result.per_class.numpy(), expected, rtol=1e-5)
     assert result.loss == pytest.approx(float(np.median(expected)), rel=1e-5)
     assert result.classes.tolist() == [0, 1, 2]
+
+
+def test_probe_loss_does_not_depend_on_the_scale_of_a_concept():
+    z, y = _labelled(seed=3)
+    scaled = z * torch.tensor([0.001, 0.01, 1.0, 30.0, 1.0, 0.5])  # cosines are ~100x smaller than projections
+    a, b = probe_loss(z[:160], y[:160], z[160:], y[160:]), probe_loss(scaled[:160], y[:160], scaled[160:], y[160:])
+    assert a.best_concept.tolist() == b.best_concept.tolist()
+    torch.testing.assert_close(a.per_class, b.per_class, rtol=1e-6, atol=1e-9)
 
 
 def test_probe_loss_binary_and_chunking(monkeypatch):

@@ -3,7 +3,10 @@
 Checks that the index and a concept page load from file:// with no console errors, that the
 index lists every expected concept with working links both ways, and that sorting and the
 filter act on the table, and that a run folder with hostile names, labels and tokens runs no
-script and keeps numbers in order. Screenshots are kept under tests/artefacts/ (ignored by git).
+script and keeps numbers in order. On an atlas described for real on a tiny Llama with a byte-level
+tokenizer (every non-ASCII character split into byte tokens): every figure carries its
+legend, no token chip shows U+FFFD, and the random control is a quality-table row, not a
+concept set. Screenshots are kept under tests/artefacts/ (ignored by git).
 """
 
 from __future__ import annotations
@@ -174,3 +177,59 @@ def test_hostile_names_labels_and_tokens_run_no_script(browser, hostile):
     browser.get((hostile / "concepts" / "plain" / "0.html").as_uri())
     text, first, last = browser.execute_script(ORDER)
     assert "\u27e8U+202E\u27e9evil (" in text and first < last
+
+
+TEXTS = [f"Le café n°{i} — naïve résumé, 日本 {'ü' * (i % 3 + 1)} ok" for i in range(24)]
+EVERY_FIGURE_HAS_A_LEGEND = """return Array.from(document.querySelectorAll('svg, table')).filter(e => {
+  const f = e.closest('figure'), c = f && f.querySelector(':scope > figcaption.legend');
+  return !(c && c.textContent.trim().length > 20); }).length;"""
+
+
+@pytest.fixture(scope="module")
+def described(tmp_path_factory) -> Path:
+    """A run described on a tiny Llama with a byte-level BPE tokenizer: k-means and a random control."""
+    import torch
+    import transformers as tf
+
+    import conceptlens
+    from conceptlens import ConceptSet
+    from conceptlens.concepts.kmeans import StreamingKMeans
+    from tests.tiny_folder import save_tiny_llama
+
+    root = tmp_path_factory.mktemp("described")
+    folder = save_tiny_llama(root / "tiny")
+    lens = conceptlens.attach(tf.AutoModelForCausalLM.from_pretrained(folder), tf.AutoTokenizer.from_pretrained(folder))
+    site, run = "blocks.1.resid_out", root / "run"
+    km = lens.fit({site: StreamingKMeans(6, seed=0)}, TEXTS, max_length=64, progress=False).concepts[site]
+    g = torch.Generator().manual_seed(1)
+    sets = {"kmeans": km, "random": ConceptSet(torch.randn(6, 32, generator=g), site, method="random", mean=km.mean)}
+    for name, cs in sets.items():
+        cs.save(run / "concepts" / name)
+    lens.describe(sets, TEXTS, max_length=64, progress=False, top_n=4, out=str(run / "describe"))
+    return write_report(run).path.parent
+
+
+def test_every_figure_has_a_legend_and_chips_decode_whole_characters(browser, described):
+    browser.get((described / "index.html").as_uri())
+    assert _errors(browser) == [] and browser.execute_script(EVERY_FIGURE_HAS_A_LEGEND) == 0
+    assert browser.find_elements(By.CSS_SELECTOR, "#map circle") and browser.find_elements(By.ID, "map-classes")
+    _shot(browser, "report_described_index.png")
+    non_ascii = 0
+    for i in range(6):
+        browser.get((described / "concepts" / "kmeans" / f"{i}.html").as_uri())
+        assert _errors(browser) == [] and browser.execute_script(EVERY_FIGURE_HAS_A_LEGEND) == 0
+        chips = [e.get_attribute("textContent") for e in browser.find_elements(By.CSS_SELECTOR, ".ctx i, .tok")]
+        assert chips and not [c for c in chips if "\ufffd" in c]
+        non_ascii += sum(any(ord(ch) > 127 for ch in c) for c in chips)  # whole characters, not bytes
+    _shot(browser, "report_described_concept.png")
+    assert non_ascii > 0
+
+
+def test_controls_are_rows_of_the_quality_table_not_concepts(browser, described):
+    browser.get((described / "index.html").as_uri())
+    names = {o.get_attribute("value") for o in browser.find_elements(By.CSS_SELECTOR, "#extractor option, #map-extractor option")}
+    assert names == {"", "kmeans"}
+    shown = {td.text for td in browser.find_elements(By.CSS_SELECTOR, "#concepts tbody tr td:first-child")}
+    assert shown == {"kmeans"} and not (described / "concepts" / "random").exists()
+    quality = [tr.text for tr in browser.find_elements(By.CSS_SELECTOR, "table.quality tbody tr")]
+    assert any(row.startswith("control: random, best of 6 (for kmeans)") for row in quality)

@@ -153,3 +153,31 @@ def test_cli_writes_report_and_replaces_old(tmp_path, capsys):
     assert "old" != (run / "report" / "matches.html").read_text() and (run / "report" / "index.html").is_file()
     html = (run / "report" / "concepts" / "topk" / "0.html").read_text()
     assert "Probe loss" not in html and "Steering" not in html
+
+
+def test_histogram_bars_span_their_bins_and_show_density():
+    from conceptlens.report.histogram import histogram_svg
+
+    svg = histogram_svg(np.array([-1.0, 0.0, 1.0, 3.0]), np.array([4, 0, 8]), width=412)  # plot width 400
+    bars = [tuple(float(v) for v in m) for m in re.findall(r'<rect x="([\d.]+)" y="[\d.]+" width="([\d.]+)" '
+                                                            r'height="([\d.]+)"', svg)]
+    (x0, w0, h0), (x1, w1, h1) = bars  # the empty bin draws nothing
+    assert (x0, w0) == (6.0, 100.0) and (x1, w1) == (206.0, 200.0)  # at their real widths on a linear axis
+    assert h0 == pytest.approx(h1)  # 4 tokens over 1 and 8 over 2: the same density
+    assert 'stroke-dasharray' in svg  # the zero line
+
+
+def test_controls_and_duplicates(tmp_path):
+    from conceptlens.report.quality import duplicates, quality_rows
+
+    run = write_fake_run(tmp_path / "run", [("kmeans", "kmeans", 8), ("random", "random", 20)])
+    atlas = Atlas.load(run)
+    assert [e.name for e in atlas.extractors] == ["kmeans"] and [c.name for c in atlas.controls] == ["random"]
+    rows = dict(quality_rows(atlas, {"kmeans": ["a"] * 8}))
+    control = rows["control: random, best of 8 (for kmeans)"]
+    loss = atlas.controls[0].stats["probe_loss"]
+    assert control["probe sport"] == pytest.approx(float(loss[:8, 3].min()))  # best of the first 8, not of 20
+    assert rows["kmeans"]["top token"] == "'a' heads 8/8"
+    ex = atlas.extractors[0]
+    ex.stats["nearest_direction_cos"][3, 0] = 0.995
+    assert [i for i, d in enumerate(duplicates(ex)) if d] == [3]

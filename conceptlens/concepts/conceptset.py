@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from conceptlens._content import MAX_COUNT, check_concept_tensors, field, parse_json
 from conceptlens._io import atomic_write, remove_leftovers, tensor_digest
 
 FORMAT = "conceptlens.ConceptSet"
@@ -178,6 +179,7 @@ class ConceptSet:
         stats = {k[6:]: v for k, v in tensors.items() if k.startswith("stats.")}
         if sorted(encoder) != config["encoder_keys"] or sorted(stats) != config["stats_keys"]:
             raise ValueError(f"{tensor_path} and {config_path} list different tensors")
+        check_concept_tensors(tensor_path, "the set", directions, encoder, tensors.get("mean"))
         return cls(directions, config["site"], method=config["method"], config=config["config"],
                    model=config["model"], encoder=encoder, stats=stats, mean=tensors.get("mean"))
 
@@ -220,8 +222,8 @@ def _read_config(config_path: Path, stored: str | None, tensor_path: Path) -> di
     if not config_path.is_file() or config_path.read_bytes() == stored.encode():
         return config
     try:
-        mirror = json.loads(config_path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        mirror = parse_json(config_path.read_bytes(), config_path)
+    except ValueError:
         mirror = None
     if not isinstance(mirror, dict) or mirror.get("sha256") != config.get("sha256"):
         warnings.warn(f"{config_path} is not the config of {tensor_path} (an interrupted save, or a corrupt "
@@ -232,10 +234,7 @@ def _read_config(config_path: Path, stored: str | None, tensor_path: Path) -> di
 
 
 def _parse_config(raw: bytes, path: Path) -> dict[str, Any]:
-    try:
-        config = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} holds no valid ConceptSet config JSON: {err}") from None
+    config = parse_json(raw, path)
     if not isinstance(config, dict) or config.get("format") != FORMAT:
         raise ValueError(f"{path} is not a ConceptSet config (expected format {FORMAT!r})")
     if config.get("format_version") not in READABLE_VERSIONS:
@@ -245,4 +244,22 @@ def _parse_config(raw: bytes, path: Path) -> dict[str, Any]:
     if missing:
         raise ValueError(f"{path} lacks the key{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}; "
                          f"a ConceptSet config has {', '.join(REQUIRED_KEYS)}")
+    _check_types(path, config)
     return config
+
+
+def _check_types(path: Path, config: dict[str, Any]) -> None:
+    """The JSON types of a set's config, and the ranges of the counts its method's config declares."""
+    n = field(path, "n_concepts", config["n_concepts"], int, low=0, high=MAX_COUNT)
+    field(path, "hidden_size", config["hidden_size"], int, low=1, high=MAX_COUNT)
+    for key in ("site", "model"):
+        field(path, key, config[key], str, optional=True)
+    field(path, "method", config["method"], str)
+    inner = field(path, "config", config["config"], dict)
+    for key in ("encoder_keys", "stats_keys"):
+        if not all(isinstance(k, str) for k in field(path, key, config[key], list)):
+            raise ValueError(f"{path}: {key} must be a list of strings; got {config[key]!r}")
+    field(path, "sha256", config.get("sha256"), str, optional=True)
+    width = field(path, "config.width", inner.get("width"), int, low=1, high=MAX_COUNT, optional=True)
+    field(path, "config.n_concepts", inner.get("n_concepts"), int, low=1, high=MAX_COUNT, optional=True)
+    field(path, "config.k", inner.get("k"), int, low=1, high=width or max(n, 1), optional=True)

@@ -19,11 +19,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python < 3.11
-    import tomli as tomllib  # type: ignore[no-redef]
-
 MAX_DEPTH = 64
 """Deepest nesting of lists and dicts any of our files has (a checkpoint holds ~6 levels)."""
 MAX_COUNT = 2**31 - 1
@@ -106,6 +101,10 @@ def read_json(path: str | os.PathLike[str]) -> Any:
 
 def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The TOML in the file `path`, depth-checked; a one-line ValueError naming it otherwise."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python < 3.11
+        import tomli as tomllib  # type: ignore[no-redef]
     try:
         return check_depth(path, tomllib.loads(Path(path).read_text(encoding="utf-8")))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from conceptlens._content import check_depth, check_extractor, check_finite_state, field
-from conceptlens._io import atomic_write, hash_tensor, remove_leftovers, state_digest
+from conceptlens._io import atomic_write, hash_tensor, remove_leftovers, save_object, state_digest
 from conceptlens.filters import RowFilter
 
 CHECKPOINT = "checkpoint.pt"
@@ -71,7 +71,7 @@ class FitState:
                 return
         payload = {"format": FORMAT, "version": VERSION, "sha256": state_digest(state), "state": state}
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, lambda tmp: torch.save(payload, tmp))
+        atomic_write(path, lambda tmp: save_object(payload, tmp))
 
     def open(self, path: Path, texts: Iterator[str], *, resume: bool = True,
              widths: dict[str, int] | None = None) -> Iterator[str]:

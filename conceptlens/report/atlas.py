@@ -11,7 +11,6 @@ streamed line by line so that 4096 concepts never sit in memory as Python object
 
 from __future__ import annotations
 
-import json
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the run config is shown only when tomllib exists
@@ -21,6 +20,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
+
+from conceptlens import _content
+from conceptlens._content import parse_json, read_json, read_toml
 
 DESCRIPTION_FORMAT = "conceptlens.Description"
 
@@ -61,11 +63,12 @@ class ExtractorView:
             return
         with open(path, encoding="utf-8") as f:
             for expected, line in enumerate(f):
-                record = json.loads(line)
+                where = f"{path}: line {expected + 1}"
+                record = _content.field(where, "the record", parse_json(line, where), dict)
                 if record.get("concept") != expected:
                     raise ValueError(f"{path}: line {expected + 1} is concept {record.get('concept')!r}, "
                                      f"expected {expected} (one line per concept, in order)")
-                yield record.get("contexts", [])
+                yield _content.field(where, "contexts", record.get("contexts", []), list)
 
     def steering(self) -> dict[int, dict[str, Any]]:
         return {int(s["concept"]): s for s in self.meta.get("steering") or []}
@@ -111,19 +114,13 @@ class Atlas:
 def _read_json(path: Path) -> Any:
     if not path.is_file():
         return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    return read_json(path)
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
     if not path.is_file() or tomllib is None:
         return {}
-    try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"{path} is not valid TOML: {err}") from None
+    return read_toml(path)
 
 
 def _load_extractor(run: Path, name: str) -> ExtractorView:
@@ -137,7 +134,11 @@ def _load_extractor(run: Path, name: str) -> ExtractorView:
     if not stats_path.is_file():
         raise FileNotFoundError(f"{stats_path} not found: a description folder holds description.json and stats.safetensors")
     stats = load_file(stats_path)
-    n = int(meta["n_concepts"])
+    n = _content.field(folder / "description.json", "n_concepts", meta.get("n_concepts"), int, low=0,
+                       high=_content.MAX_COUNT)
+    if n and not stats:  # every description records each concept's frequency: n pages need n rows of something
+        raise ValueError(f"{stats_path} holds no per-concept statistics; n_concepts={n} in description.json is "
+                         "backed by nothing (the description is incomplete: run describe again)")
     for key, value in stats.items():
         if value.shape[:1] != (n,):
             raise ValueError(f"{stats_path}: {key} has shape {value.shape}; its first dimension must be n_concepts={n}")

@@ -135,15 +135,23 @@ class Add(Edit):
         self._fixed_norm = norm is not None
         self._vector = None if scale == "site_norm" and norm is None else self._scaled()
 
-    def _scaled(self) -> Tensor:
-        return self.alpha * (self.norm if self.scale == "site_norm" else 1.0) * self.direction
+    def _scaled(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """alpha * scale * direction, refused when it overflows `dtype` (float32 here; the model's
+        dtype when bound): alpha is checked finite where it is used, not in float64."""
+        vector = self.alpha * (self.norm if self.scale == "site_norm" else 1.0) * self.direction
+        if not bool(torch.isfinite(vector.to(dtype)).all()):
+            unit = f" x site norm {self.norm:.4g}" if self.scale == "site_norm" else ""
+            raise ValueError(f"alpha={self.alpha:g}{unit} overflows {str(dtype).removeprefix('torch.')}, the dtype "
+                             f"the edit is applied in (largest {torch.finfo(dtype).max:.3g}); use a smaller alpha")
+        return vector
 
     def bind(self, lens: Lens) -> None:
         if self.scale == "site_norm" and not self._fixed_norm:
             from conceptlens.steering.units import site_norm
 
             self.norm = site_norm(lens, self.site)
-            self._vector = self._scaled()
+        dtype = next((p.dtype for p in lens.model.parameters() if p.is_floating_point()), torch.float32)
+        self._vector = self._scaled(dtype if dtype.is_floating_point else torch.float32)
 
     @property
     def vector(self) -> Tensor:

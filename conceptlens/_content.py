@@ -116,6 +116,8 @@ def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
 def check_extractor(where: Any, name: str, extractor: Any, width: int | None) -> None:
     """A loaded extractor by what it computes: when fitted, its concepts are `(n, width)` and
     finite (the state's own `d` is a declaration; this reads the tensors)."""
+    if not callable(getattr(extractor, "concept_set", None)):  # (a describer's state: its tensors were checked)
+        return
     try:
         cs = extractor.concept_set()
     except (ValueError, RuntimeError):  # not fitted yet (NotFittedError): its raw tensors were checked

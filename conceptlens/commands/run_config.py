@@ -216,9 +216,10 @@ def _check_numbers(cfg: RunConfig) -> None:
     for section, key in (("fit", "batch_size"), ("fit", "max_length"), ("fit", "max_tokens"),
                          ("fit", "checkpoint_every"), ("describe", "max_tokens"), ("describe", "top_n")):
         value = getattr(getattr(cfg, section), key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**63):
-            raise ValueError(f"{section}.{key} (--{key.replace('_', '-')}) must be a positive integer below 2**63; "
-                             f"got {value!r}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{section}.{key} (--{key.replace('_', '-')}) must be a positive integer; got {value!r}")
+        if value is not None and value >= 2**63:  # islice and torch take int64
+            raise ValueError(f"{section}.{key} (--{key.replace('_', '-')}) must be below 2**63; got {value}")
     window = cfg.describe.window
     if len(window) != 2 or any(not isinstance(w, int) or w < 0 for w in window):
         raise ValueError(f"describe.window must be two integers >= 0 (tokens left, right); got {list(window)}")

@@ -95,13 +95,14 @@ class Atlas:
             if describe.is_dir() else []
         if not names:
             raise FileNotFoundError(f"{run} has no describe/<NAME>/description.json: run `conceptlens describe {run}` first")
+        extractors = [_load_extractor(run, name) for name in names]
         return cls(
             run=run,
-            extractors=[_load_extractor(run, name) for name in names],
+            extractors=extractors,
             config=_read_toml(run / "run.toml"),
             fit_report=_read_json(run / "fit_report.json"),
             quality=_read_json(run / "quality.json"),
-            hierarchies=_load_hierarchies(run, names),
+            hierarchies=_load_hierarchies(run, {ex.name: ex.n for ex in extractors}),
         )
 
     def extractor(self, name: str) -> ExtractorView:
@@ -157,11 +158,20 @@ def _directions(folder: Path, n: int) -> np.ndarray | None:
     return d / np.maximum(np.linalg.norm(d, axis=1, keepdims=True), 1e-12)
 
 
-def _load_hierarchies(run: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    """`hierarchy/<NAME>.json` (node-link, as `metrics.hierarchy.export_dag` writes it) per extractor."""
+def _load_hierarchies(run: Path, sizes: dict[str, int]) -> dict[str, dict[str, Any]]:
+    """`hierarchy/<NAME>.json` (node-link, as `metrics.hierarchy.export_dag` writes it) per extractor,
+    its node ids checked against the extractor's number of concepts."""
     out = {}
-    for name in names:
-        data = _read_json(run / "hierarchy" / f"{name}.json")
+    for name, n in sizes.items():
+        path = run / "hierarchy" / f"{name}.json"
+        data = _read_json(path)
         if data is not None:
+            _content.field(path, "the file", data, dict)
+            edges = "edges" if "edges" in data else "links"
+            for key, ends in (("nodes", ("id",)), (edges, ("source", "target"))):
+                for i, item in enumerate(_content.field(path, key, data.get(key), list)):
+                    for end in ends:
+                        value = item.get(end) if isinstance(item, dict) else None
+                        _content.field(path, f"{key}[{i}].{end}", value, int, low=0, high=n - 1)
             out[name] = data
     return out

@@ -81,6 +81,13 @@ def _contexts_typed(info, folder):
     (folder / "contexts.jsonl").write_text('[1, 2]\n{"concept": 1, "contexts": 5}\n')
 
 
+def _hierarchy_past_n(info, folder):
+    (folder.parent.parent / "hierarchy").mkdir(exist_ok=True)
+    dag = {"directed": True, "multigraph": False, "graph": {}, "nodes": [{"id": 0}, {"id": 99}],
+           "edges": [{"source": 0, "target": 99}]}
+    (folder.parent.parent / "hierarchy" / "km.json").write_text(json.dumps(dag))
+
+
 M = ["--model", "{t}/model"]
 STEER = ["steer", *M, "--concepts", "{t}/set", "--concept", "0", "--prompt", "hello", "--threads", "1"]
 SWEEP = ["sweep", *M, "--concepts", "{t}/set", "--concept", "0", "--prompts", "hello", "--threads", "1"]
@@ -167,7 +174,8 @@ def test_every_subcommand_refuses_in_one_line(t, tmp_path, capsys, case):
     (_huge_and_empty, ["stats.safetensors", "n_concepts=200000"]),
     (_contexts_typed, ["contexts.jsonl", "line 1"]),
     (lambda info, folder: info.update(n_concepts="3"), ["description.json", "n_concepts"]),
-], ids=["huge-n-empty-stats", "contexts-typed", "n-concepts-str"])
+    (_hierarchy_past_n, ["km.json", "nodes[1].id", "99"]),
+], ids=["huge-n-empty-stats", "contexts-typed", "n-concepts-str", "hierarchy-past-n"])
 def test_report_refuses_a_hostile_description_in_one_line(t, tmp_path, capsys, change, names):
     import shutil
 

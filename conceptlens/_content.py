@@ -5,7 +5,7 @@ is one line naming the file and the field.
     cfg = read_json(path)                                  # nesting depth checked, no RecursionError
     field(path, "d_sae", cfg.get("d_sae"), int, low=1)     # a JSON type and an integer range
     check_tensor(path, "W_dec", w, shape=(d_sae, d_in))    # a shape, and finite values
-    check_finite_state(path, "extractors/km", state)       # every float tensor of a nested state
+    check_no_nan(path, "extractors/km", state)             # every float tensor of a nested state
 """
 
 from __future__ import annotations
@@ -59,13 +59,16 @@ def check_tensor(where: Any, name: str, t: Any, *, shape: tuple[int, ...] | None
     return t
 
 
-def check_finite_state(where: Any, name: str, state: Any) -> None:
-    """Every floating tensor in a nested state (dicts, lists, tuples) is finite."""
+def check_no_nan(where: Any, name: str, state: Any) -> None:
+    """No floating tensor in a nested state (dicts, lists, tuples) holds NaN. Infinities are
+    allowed here (a top-n keeps its empty slots at -inf); concepts are checked fully finite
+    by `check_extractor`."""
     stack = [(name, state)]
     while stack:
         path, value = stack.pop()
-        if isinstance(value, Tensor):
-            check_tensor(where, path, value)
+        if isinstance(value, Tensor) and value.is_floating_point() and bool(value.isnan().any()):
+            raise ValueError(f"{where}: {path} holds {int(value.isnan().sum())} NaN value(s) (of {value.numel()}); "
+                             "the file is corrupt or was written by a diverged fit")
         elif isinstance(value, dict):
             stack.extend((f"{path}/{k}", v) for k, v in value.items())
         elif isinstance(value, (list, tuple)):

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor, nn
 
-from conceptlens._content import check_depth, check_extractor, check_finite_state, field
+from conceptlens._content import check_depth, check_extractor, check_no_nan, field
 from conceptlens._io import atomic_write, hash_tensor, remove_leftovers, save_object, state_digest
 from conceptlens.filters import RowFilter
 
@@ -207,7 +207,7 @@ def check_extractor_states(path: Path, states: dict[str, Any], extractors: dict[
         if name in widths and isinstance(d, int) and d != widths[name]:
             raise ValueError(f"checkpoint {path}: the state of {name} is for width {d}; the site has width "
                              f"{widths[name]}")
-        check_finite_state(f"checkpoint {path}", f"extractors/{name}", state)
+        check_no_nan(f"checkpoint {path}", f"extractors/{name}", state)
         try:
             probe = copy.deepcopy(extractor)
         except Exception:  # noqa: BLE001 - an extractor holding something uncopyable is not probed

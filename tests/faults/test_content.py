@@ -156,3 +156,11 @@ def test_an_sae_is_rebuilt_only_from_finite_whole_sets():
     cs.encoder["W_enc"][0, 0] = float("nan")
     one_line_error(ValueError, lambda: sae_from_concept_set(cs), "encoder.W_enc", "NaN")
     one_line_error(ValueError, lambda: sae_from_concept_set(sae.concept_set()[:4]), "subset")
+
+
+def test_infinities_may_mark_empty_slots_but_nan_is_refused_anywhere_in_a_state():
+    from conceptlens._content import check_no_nan
+
+    check_no_nan("ckpt", "describer", {"top": [torch.tensor([3.0, -float("inf")])], "count": torch.tensor(2)})
+    one_line_error(ValueError, lambda: check_no_nan("ckpt", "describer", {"top": [torch.tensor([float("nan")])]}),
+                   "ckpt", "describer/top/0", "1 NaN")

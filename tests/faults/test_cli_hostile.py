@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,14 +20,16 @@ SITE = "blocks.0.resid_out"
 HUGE = str(10**12)
 INT128 = str(2**70)
 PROGRESS = re.compile(r"[\dk?](it|tok|doc)/s\]")  # a progress bar's line, not a message
-MARKER = Path(tempfile.gettempdir()) / "conceptlens-hostile-pickle-ran"
 
 
 class Hostile:
-    """Unpickling this would create a file: proof that code ran."""
+    """Unpickling this would create the file `marker`: proof that code ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
 
     def __reduce__(self):
-        return (open, (str(MARKER), "w"))
+        return (open, (str(self.marker), "w"))
 
 
 def _nested_toml(depth: int) -> str:
@@ -44,7 +45,7 @@ def t(tmp_path_factory):
     (root / "pickled" / "config.json").write_text((root / "model" / "config.json").read_text())
     for tokenizer_file in (root / "model").glob("*token*"):
         (root / "pickled" / tokenizer_file.name).write_bytes(tokenizer_file.read_bytes())
-    torch.save({"model.embed_tokens.weight": Hostile()}, root / "pickled" / "pytorch_model.bin")
+    torch.save({"model.embed_tokens.weight": Hostile(root / "ran")}, root / "pickled" / "pytorch_model.bin")
     (root / "docs.txt").write_text("\n".join(f"some words number {i} and more text here" for i in range(40)) + "\n")
     g = torch.Generator().manual_seed(0)
     ConceptSet(torch.randn(3, 32, generator=g), SITE, method="kmeans", model="model").save(root / "set")
@@ -167,7 +168,7 @@ def _check(argv, names, capsys):
 def test_every_subcommand_refuses_in_one_line(t, tmp_path, capsys, case):
     argv, *names = CASES[case]
     _check([a.replace("{t}", str(t)).replace("{out}", str(tmp_path / "out")) for a in argv], names, capsys)
-    assert not MARKER.exists()
+    assert not (t / "ran").exists()
 
 
 @pytest.mark.parametrize("change, names", [
@@ -248,8 +249,8 @@ def test_a_model_folder_with_custom_code_is_refused_without_a_prompt(t, tmp_path
     config.update(model_type="custom-llama", auto_map={"AutoConfig": "modeling_custom.Config",
                                                        "AutoModelForCausalLM": "modeling_custom.Model"})
     (folder / "config.json").write_text(json.dumps(config))
-    (folder / "modeling_custom.py").write_text(f"open({str(MARKER)!r}, 'w')\n")
+    (folder / "modeling_custom.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
     asked = []
     monkeypatch.setattr("builtins.input", lambda *a: asked.append(a) or "y")
     _check(["sites", "--model", str(folder)], ["trust_remote_code"], capsys)
-    assert asked == [] and not MARKER.exists()
+    assert asked == [] and not (tmp_path / "ran").exists()

@@ -30,6 +30,8 @@ DIFFERENCE_METHODS = frozenset({"deleuzian"})
 """Methods whose directions are differences of activations, not points among them (see `centred`)."""
 TENSOR_FILE = "concepts.safetensors"
 CONFIG_FILE = "config.json"
+K_PAST_WIDTH = frozenset({"mp_sae"})
+"""Methods whose `k` (pursuit steps) may exceed the number of concepts; elsewhere k <= width."""
 REQUIRED_KEYS = ("n_concepts", "hidden_size", "site", "method", "model", "config", "encoder_keys", "stats_keys")
 
 
@@ -262,4 +264,5 @@ def _check_types(path: Path, config: dict[str, Any]) -> None:
     field(path, "sha256", config.get("sha256"), str, optional=True)
     width = field(path, "config.width", inner.get("width"), int, low=1, high=MAX_COUNT, optional=True)
     field(path, "config.n_concepts", inner.get("n_concepts"), int, low=1, high=MAX_COUNT, optional=True)
-    field(path, "config.k", inner.get("k"), int, low=1, high=width or max(n, 1), optional=True)
+    k_high = MAX_COUNT if config["method"] in K_PAST_WIDTH else width or max(n, 1)
+    field(path, "config.k", inner.get("k"), int, low=1, high=k_high, optional=True)

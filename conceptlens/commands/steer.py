@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from conceptlens.commands._args import concept_dir, finite_float, nonempty_text, positive_int
+
 if TYPE_CHECKING:
     from conceptlens.concepts.conceptset import ConceptSet
-
-from conceptlens.commands._args import concept_dir, finite_float, nonempty_text, positive_int
 
 POSITIONS = ("all", "prompt", "generated")
 SCALES = ("site_norm", "unit", "raw")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import os
 from typing import Any, Callable, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -41,3 +42,25 @@ def unknown_message(what: str, unknown: list[str], valid: list[str]) -> str:
     names = ", ".join(map(repr, unknown))
     return (f"{what}() got unknown keyword argument{'s' if len(unknown) > 1 else ''} {names}{hint}; "
             f"valid: {', '.join(valid)}")
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the system can still give (MemAvailable), or None where it cannot say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(what: str, n_bytes: int) -> None:
+    """A one-line ValueError before allocating `n_bytes` for `what` when the system has less free."""
+    free = available_memory()
+    if free is not None and n_bytes > free:
+        raise ValueError(f"{what} needs {n_bytes / 2**30:.3g} GiB of memory; {free / 2**30:.3g} GiB is available")

@@ -32,10 +32,27 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Non
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as err:  # a full disk or a lost permission: say which file was being written
+        Path(tmp).unlink(missing_ok=True)
+        if err.filename is None:
+            raise OSError(err.errno, err.strerror or str(err), str(path)) from err
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def save_object(obj: Any, path: str | os.PathLike) -> None:
+    """`torch.save` through a Python file, so a full disk raises OSError (ENOSPC), not torch's
+    "unexpected pos" RuntimeError."""
+    with open(path, "wb") as f:
+        try:
+            torch.save(obj, f)
+        except RuntimeError as err:  # torch wraps the file's OSError in its own
+            if isinstance(err.__context__, OSError):
+                raise err.__context__ from None
+            raise
 
 
 def _umask() -> int:

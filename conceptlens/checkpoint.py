@@ -26,7 +26,8 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor, nn
 
-from conceptlens._io import atomic_write, hash_tensor, remove_leftovers, state_digest
+from conceptlens._content import check_depth, check_extractor, check_no_nan, field
+from conceptlens._io import atomic_write, hash_tensor, remove_leftovers, save_object, state_digest
 from conceptlens.filters import RowFilter
 
 CHECKPOINT = "checkpoint.pt"
@@ -70,7 +71,7 @@ class FitState:
                 return
         payload = {"format": FORMAT, "version": VERSION, "sha256": state_digest(state), "state": state}
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, lambda tmp: torch.save(payload, tmp))
+        atomic_write(path, lambda tmp: save_object(payload, tmp))
 
     def open(self, path: Path, texts: Iterator[str], *, resume: bool = True,
              widths: dict[str, int] | None = None) -> Iterator[str]:
@@ -157,12 +158,19 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
                          "checksum); delete it or pass resume=False")
     if payload.get("version") != VERSION:
         raise ValueError(f"checkpoint {path} has version {payload.get('version')!r}; this version reads {VERSION}")
-    state = payload.get("state")
+    state = check_depth(path, payload.get("state"))
     if not isinstance(state, dict) or payload.get("sha256") != state_digest(state):
         raise ValueError(f"checkpoint {path} is corrupt: its content does not match its sha256; "
                          "delete it or pass resume=False")
-    if "ranks" not in state:  # (a distributed checkpoint's parts are checked by `FitState.resume`)
+    if "ranks" not in state:
         _check_structure(path, state)
+        return state
+    world = field(path, "world_size", state.get("world_size"), int, low=1, high=2**16)
+    ranks = field(path, "ranks", state["ranks"], list)
+    if len(ranks) != world:
+        raise ValueError(f"{path}: ranks holds {len(ranks)} states; world_size says {world}")
+    for i, part in enumerate(ranks):
+        _check_structure(f"{path} (rank {i})", field(path, f"ranks/{i}", part, dict))
     return state
 
 
@@ -199,6 +207,7 @@ def check_extractor_states(path: Path, states: dict[str, Any], extractors: dict[
         if name in widths and isinstance(d, int) and d != widths[name]:
             raise ValueError(f"checkpoint {path}: the state of {name} is for width {d}; the site has width "
                              f"{widths[name]}")
+        check_no_nan(f"checkpoint {path}", f"extractors/{name}", state)
         try:
             probe = copy.deepcopy(extractor)
         except Exception:  # noqa: BLE001 - an extractor holding something uncopyable is not probed
@@ -207,6 +216,7 @@ def check_extractor_states(path: Path, states: dict[str, Any], extractors: dict[
             probe.load_state_dict(state)
         except Exception as err:  # noqa: BLE001 - a wrong state can fail in any way; report it in one line
             raise ValueError(f"checkpoint {path}: the state of {name} does not load: {_one_line(err)}") from None
+        check_extractor(f"checkpoint {path}", name, probe, widths.get(name))
 
 
 def fit_fingerprint(model: nn.Module, extractors: dict[str, Any], batching: dict[str, Any]) -> dict[str, Any]:

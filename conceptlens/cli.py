@@ -5,6 +5,10 @@
     conceptlens fit run.toml            # or --model M --data D --site S --extractor "topk:width=4608,k=32"
     conceptlens describe runs/x
     conceptlens steer --model smollm2-135m --concepts DIR --concept 12 --alpha 8 --prompt "..."
+
+Exit codes: 0 done; 2 the command could not run as asked (a bad option or file, a missing or
+unwritable path, a full disk, too little memory), said in one line on stderr; 1 a bug, with its
+traceback; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 from typing import NoReturn
 
 from conceptlens.commands._common import add_runtime_arguments, apply_runtime
@@ -54,25 +59,54 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as done:  # --help (0) or a usage error, already reported in one line (2)
         return done.code if isinstance(done.code, int) else 2
     module = importlib.import_module(f"conceptlens.commands.{args.command}")
+    with warnings.catch_warnings():  # a warning is one line too, until the command returns
+        warnings.showwarning = lambda message, *_, **__: print(
+            f"conceptlens {args.command}: warning: {_one_line(str(message))}", file=sys.stderr)
+        return _run(module, args)
+
+
+def _run(module: object, args: argparse.Namespace) -> int:
+    """Run the command; a user's mistake or the system's refusal (missing file, full disk, too
+    little memory) is one line on stderr and exit code 2; a bug keeps its traceback (exit 1)."""
     try:
         apply_runtime(args)  # threads, logging, device and model names: checked before any loading
-        return int(module.run(args) or 0)
+        return int(module.run(args) or 0)  # type: ignore[attr-defined]
     except KeyboardInterrupt as stop:  # a fit or describe says where its checkpoint stands
         print(f"interrupted: {stop}" if str(stop) else "interrupted", file=sys.stderr)
         return 130
-    except (KeyError, ValueError, OSError, ModuleNotFoundError) as err:  # user errors; bugs keep their traceback
-        message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"conceptlens {args.command}: error: {_one_line(str(message))}", file=sys.stderr)
+    except (KeyError, ValueError, OSError, ModuleNotFoundError, MemoryError) as err:  # bugs keep their traceback
+        print(f"conceptlens {args.command}: error: {_one_line(_message(err))}", file=sys.stderr)
         return 2
-    except RuntimeError as err:  # a distributed fit's ranks disagree, one died or never joined: one line
+    except RuntimeError as err:
         distributed = sys.modules.get("conceptlens.distributed")
-        if distributed is None or not isinstance(err, distributed.DistributedError):
+        if distributed is not None and isinstance(err, distributed.DistributedError):
+            # a distributed fit's ranks disagree, one died or never joined: one line
+            print(f"conceptlens {args.command}: error: {_one_line(str(err))}", file=sys.stderr)
+            return 1
+        if not _out_of_memory(err):
             raise
-        print(f"conceptlens {args.command}: error: {_one_line(str(err))}", file=sys.stderr)
-        return 1
+        # torch's allocator refusing a size: one line, not a traceback
+        print(f"conceptlens {args.command}: error: out of memory: {_one_line(str(err))[:300]}", file=sys.stderr)
+        return 2
     finally:
         if "conceptlens.distributed" in sys.modules:  # a distributed fit ran in this process
             sys.modules["conceptlens.distributed"].shutdown()
+
+
+def _message(err: BaseException) -> str:
+    """What went wrong, for one line: an OSError names its file and cause (disk full, permission)."""
+    if isinstance(err, KeyError) and err.args:
+        return str(err.args[0])
+    if isinstance(err, OSError) and err.strerror:
+        files = " -> ".join(repr(str(f)) for f in (err.filename, err.filename2) if f is not None)
+        return f"{files}: {err.strerror}" if files else err.strerror
+    return str(err) or type(err).__name__
+
+
+def _out_of_memory(err: RuntimeError) -> bool:
+    import torch
+
+    return isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in str(err)
 
 
 def _one_line(message: str) -> str:

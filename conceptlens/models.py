@@ -15,10 +15,12 @@ import hashlib
 import importlib.util
 import logging
 import os
+import pickle
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Callable
 
 import torch
@@ -26,6 +28,9 @@ import torch
 from conceptlens._cache import cache_dir
 
 log = logging.getLogger(__name__)
+NO_REMOTE_CODE = MappingProxyType({"trust_remote_code": False})
+"""Passed to every `from_pretrained`: a folder whose config names custom code (`auto_map`) is
+refused in one line instead of running that code or asking on the terminal."""
 
 
 @dataclass(frozen=True)
@@ -57,8 +62,8 @@ def _load_smollm2(folder: Path, **kwargs: Any) -> tuple[Any, Any]:
     cached = cache_dir("models", "smollm2-135m-instruct-fp32")
     if not (cached / "config.json").is_file():
         _cache_fp32(folder / "SmolLM2-135M-Instruct.Q4_1.gguf", cached)
-    model = AutoModelForCausalLM.from_pretrained(cached, **{"dtype": torch.float32, **kwargs})
-    tokenizer = AutoTokenizer.from_pretrained(cached)
+    model = AutoModelForCausalLM.from_pretrained(cached, **{"dtype": torch.float32, **NO_REMOTE_CODE, **kwargs})
+    tokenizer = AutoTokenizer.from_pretrained(cached, **NO_REMOTE_CODE)
     return model.eval(), tokenizer
 
 
@@ -69,8 +74,9 @@ def _cache_fp32(gguf: Path, target: Path) -> None:
     if not gguf.is_file():
         raise FileNotFoundError(f"{gguf} is missing from the installed package")
     log.info("dequantising %s once into an fp32 copy at %s", gguf.name, target)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                 **NO_REMOTE_CODE)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, **NO_REMOTE_CODE)
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -87,7 +93,8 @@ def _load_minilm(folder: Path, **kwargs: Any) -> tuple[Any, Any]:
     from transformers import AutoModel, AutoTokenizer
 
     path = folder / "model"
-    return AutoModel.from_pretrained(path, **kwargs).eval(), AutoTokenizer.from_pretrained(path)
+    return (AutoModel.from_pretrained(path, **{**NO_REMOTE_CODE, **kwargs}).eval(),
+            AutoTokenizer.from_pretrained(path, **NO_REMOTE_CODE))
 
 
 REGISTRY: dict[str, Registered] = {
@@ -139,15 +146,19 @@ def _load(name: str, **kwargs: Any) -> tuple[Any, Any]:
 def _load_auto(name: str | Path, **kwargs: Any) -> tuple[Any, Any]:
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
-    config = AutoConfig.from_pretrained(name)
+    config = AutoConfig.from_pretrained(name, **NO_REMOTE_CODE)
     if config.is_encoder_decoder:
         auto = AutoModelForSeq2SeqLM
     elif type(config) in AutoModelForCausalLM._model_mapping:
         auto = AutoModelForCausalLM
     else:
         auto = AutoModel
-    model = auto.from_pretrained(name, **kwargs)
-    return model.eval(), AutoTokenizer.from_pretrained(name)
+    try:
+        model = auto.from_pretrained(name, **{**NO_REMOTE_CODE, **kwargs})
+    except pickle.UnpicklingError:  # torch.load(weights_only=True) refused a pickle that would run code
+        raise ValueError(f"{name}: its weights are a pickle (pytorch_model.bin) that holds more than tensors; it is "
+                         "not loaded, since unpickling it could run code: use a folder with model.safetensors") from None
+    return model.eval(), AutoTokenizer.from_pretrained(name, **NO_REMOTE_CODE)
 
 
 def _load_gguf(path: Path, **kwargs: Any) -> tuple[Any, Any]:

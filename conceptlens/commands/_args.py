@@ -24,18 +24,33 @@ def finite_float(text: str) -> float:
     return value
 
 
-def _int(text: str, low: int, what: str) -> int:
+INT64_MAX = 2**63 - 1
+MAX_THREADS = 1024
+
+
+def _int(text: str, low: int, what: str, high: int = INT64_MAX) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < low:
         raise argparse.ArgumentTypeError(f"{value} is not {what} (must be >= {low})")
+    if value > high:
+        raise argparse.ArgumentTypeError(f"{value} is too large (at most {high}{' (int64)' if high == INT64_MAX else ''})")
     return value
 
 
 def positive_int(text: str) -> int:
     return _int(text, 1, "a positive integer")
+
+
+def seed(text: str) -> int:
+    """A random seed: an integer in [0, 2**63 - 1] (torch's generators take int64)."""
+    return _int(text, 0, "a seed")
+
+
+def threads(text: str) -> int:
+    return _int(text, 1, "a positive integer", MAX_THREADS)
 
 
 def count(text: str) -> int:

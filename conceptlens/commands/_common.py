@@ -9,7 +9,7 @@ import argparse
 import logging
 from typing import Any
 
-from conceptlens.commands._args import positive_int
+from conceptlens.commands._args import threads
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -17,7 +17,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("runtime")
-    group.add_argument("--threads", type=positive_int, default=None,
+    group.add_argument("--threads", type=threads, default=None,
                        help="torch CPU threads (default: torch's choice; 1 is often fastest on a busy machine)")
     group.add_argument("--device", default=None,
                        help="where the model runs: cpu, cuda, cuda:1, mps, or 'auto' (accelerate device map)")
@@ -40,17 +40,28 @@ def apply_runtime(args: argparse.Namespace) -> None:
         logger.addHandler(handler)
     device = getattr(args, "device", None)
     if device and device != "auto":
-        try:
-            torch.device(device)
-        except RuntimeError:
-            raise ValueError(f"--device {device!r} is not a device; use cpu, cuda, cuda:N, mps or auto") from None
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"--device {device!r}: no CUDA device is available here; use cpu")
+        check_device(device)
     model = getattr(args, "model", None)
     if isinstance(model, str):
         from conceptlens.models import check_name
 
         check_name(model)
+
+
+def check_device(device: str) -> None:
+    """A device the model can run on here: cpu, cuda[:N] with CUDA, mps with Metal; else a
+    one-line ValueError listing the valid choices (meta holds no weights: nothing can run on it)."""
+    import torch
+
+    valid = ["cpu", "auto"] + (["cuda", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+                               if torch.cuda.is_available() else [])
+    valid += ["mps"] if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available() else []
+    try:
+        kind = torch.device(device)
+    except (RuntimeError, ValueError):
+        kind = None
+    if kind is None or str(kind) not in valid:
+        raise ValueError(f"--device {device!r} is not available here; valid: {', '.join(valid)}")
 
 
 def load_model(args: argparse.Namespace, name: str | None = None) -> tuple[Any, Any]:
@@ -71,3 +82,18 @@ def load_model(args: argparse.Namespace, name: str | None = None) -> tuple[Any, 
         model = model.to(device)
     return model, tokenizer
 
+
+
+def check_generation_length(model: Any, tokenizer: Any, max_new_tokens: int, option: str = "--max-new-tokens") -> None:
+    """Refuse a generation longer than the model's context (config.max_position_embeddings or
+    n_positions, else the tokenizer's model_max_length), naming the option and the limit."""
+    config = getattr(model, "config", None)
+    limit = next((v for k in ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
+                  if isinstance(v := getattr(config, k, None), int) and v > 0), None)
+    source = "the model's context"
+    if limit is None:
+        limit = getattr(tokenizer, "model_max_length", None)
+        limit = limit if isinstance(limit, int) and 0 < limit < 10**9 else None
+        source = "the tokenizer's model_max_length"
+    if limit is not None and max_new_tokens > limit:
+        raise ValueError(f"{option} {max_new_tokens} exceeds {source} of {limit} tokens; use at most {limit}")

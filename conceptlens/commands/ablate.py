@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from conceptlens.commands._args import concept_dir, data_source, positive_int
+from conceptlens.commands._args import concept_dir, data_source, positive_int, seed
 from conceptlens.metrics.faithfulness_result import CONTROLS
 
 
@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-docs", type=positive_int, default=64, help="test documents")
     parser.add_argument("--max-length", type=positive_int, default=128, help="tokens per document")
     parser.add_argument("--batch-size", type=positive_int, default=8)
-    parser.add_argument("--seed", type=int, default=0, help="controls, documents and the probe's split")
+    parser.add_argument("--seed", type=seed, default=0, help="controls, documents and the probe's split")
     parser.add_argument("--no-progress", action="store_true")
 
 

@@ -12,7 +12,6 @@ resumes like the fit (--no-resume starts again); a finished pass removes its che
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -128,9 +127,28 @@ def _describe(args: argparse.Namespace) -> int:
     if not found or missing:
         raise ValueError(f"no concept set {missing[0] if missing else ''!r} in {out / 'concepts'}; found {found}")
     report_path = out / "fit_report.json"
-    consumed = json.loads(report_path.read_text())["documents"] if report_path.is_file() else 0
+    consumed = _consumed(report_path) if report_path.is_file() else 0
     sets = {name: ConceptSet.load(out / "concepts" / name) for name in chosen}
     source(cfg.describe.data or cfg.data, cfg.shuffle)  # a missing or empty data file: before the model loads
+    _check_model(out, cfg.model, sets)
     model, tok = load_model(args, cfg.model)
     describe_run(conceptlens.attach(model, tok), cfg, sets, consumed, out)
     return 0
+
+
+def _consumed(path: Path) -> int:
+    from conceptlens._content import MAX_COUNT, field, read_json
+
+    report = field(path, "the file", read_json(path), dict)
+    return field(path, "documents", report.get("documents"), int, low=0, high=MAX_COUNT)
+
+
+def _check_model(out: Path, model: str, sets: Mapping[str, Any]) -> None:
+    """Refuse to describe a set on another model than the one that fitted it (run.toml edited)."""
+    from conceptlens.models import portable_id
+
+    wanted = portable_id(model)
+    for name, cs in sets.items():
+        if cs.model and cs.model != wanted:
+            raise ValueError(f"{out / 'concepts' / name} was fitted on model {cs.model!r}; {out / 'run.toml'} "
+                             f"names {wanted!r}: describe a set with the model that fitted it")

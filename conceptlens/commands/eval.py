@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from conceptlens.batching import check_max_length, encode_batch
-from conceptlens.commands._args import count, existing_dir, positive_int
+from conceptlens.commands._args import count, existing_dir, positive_int, seed
 from conceptlens.commands.eval_table import Features, ReconStats, Row, format_rows, metric_rows
 from conceptlens.concepts.conceptset import CONFIG_FILE, ConceptSet
 
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe-candidates", type=count, default=16,
                         help="concepts per class screened for the logistic probe (0: probe every concept)")
     parser.add_argument("--ce-docs", type=count, default=16, help="test documents for CE-loss recovered (0: skip)")
-    parser.add_argument("--seed", type=int, default=0, help="which documents are drawn")
+    parser.add_argument("--seed", type=seed, default=0, help="which documents are drawn")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 

@@ -11,13 +11,14 @@ moved with it (`conceptlens.metrics.gauge_audit`).
 from __future__ import annotations
 
 import argparse
+import math
 from itertools import chain, islice
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from conceptlens.commands._args import data_source, positive_int
+from conceptlens.commands._args import data_source, positive_int, seed
 from conceptlens.metrics.gauge import QueryKeyMoments, key_cosine, key_distance, qk_spectrum, score_cosine
 
 
@@ -32,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="documents whose keys are paired and on which the audit runs")
     parser.add_argument("--group", choices=("auto", "general", "rotary"), default="auto",
                         help="gauge group of the audit ('general' on a rotary model is a negative control)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed, default=0)
 
 
 class HeadTable(NamedTuple):
@@ -137,6 +138,7 @@ def sample_keys(lens: Any, site: str, batch: dict[str, Tensor]) -> Tensor:
 def run(args: argparse.Namespace) -> int:
     import conceptlens
     from conceptlens import data
+    from conceptlens._checks import check_memory
     from conceptlens.commands._common import load_model
     from conceptlens.metrics.capture_qk import qk_capture
     from conceptlens.metrics.gauge_audit import gauge_audit
@@ -147,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
     model, tok = load_model(args)
     lens = conceptlens.attach(model, tok)
     q_site, k_site = lens.site(f"blocks.{args.layer}.attn.q").name, lens.site(f"blocks.{args.layer}.attn.k").name
+    width = math.prod(int(s) for s in lens.site(k_site).shape[2:])
+    check_memory(f"--pairs {args.pairs}", args.pairs * (16 + 2 * 4 * width))  # two indices, two key rows per pair
     print(f"{lens}\n  {lens.site(q_site).describe()}\n  {lens.site(k_site).describe()}\n")
 
     stream = data.iter_texts(args.data)

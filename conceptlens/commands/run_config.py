@@ -30,10 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
+from conceptlens._content import read_toml as read_checked_toml
 
 from conceptlens._names import check_name
 
@@ -139,10 +136,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} not found")
-    try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"{path} is not valid TOML: {err}") from None
+    return read_checked_toml(path)
 
 
 def _section(cls: type, values: Any, where: str) -> Any:
@@ -211,6 +205,9 @@ def _extractors(specs: list[dict[str, Any]], sites: list[str]) -> list[dict[str,
         method = spec.pop("method", None)
         cls = method_class(str(method))
         name, site = spec.pop("name", None), spec.pop("site", None)
+        if not isinstance(name, (str, type(None))):  # 'name=a/b' parses as a tuple
+            raise ValueError(f"extractor name {'/'.join(map(str, name)) if isinstance(name, tuple) else name!r} is "
+                             "not a name: use letters, digits, '.', '_', '-'")
         valid = hyper_parameters(cls)
         for key in spec:
             if key not in valid:
@@ -236,6 +233,8 @@ def _check_numbers(cfg: RunConfig) -> None:
         value = getattr(getattr(cfg, section), key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{section}.{key} (--{key.replace('_', '-')}) must be a positive integer; got {value!r}")
+        if value is not None and value >= 2**63:  # islice and torch take int64
+            raise ValueError(f"{section}.{key} (--{key.replace('_', '-')}) must be below 2**63; got {value}")
     window = cfg.describe.window
     if len(window) != 2 or any(not isinstance(w, int) or w < 0 for w in window):
         raise ValueError(f"describe.window must be two integers >= 0 (tokens left, right); got {list(window)}")

@@ -18,12 +18,15 @@ import argparse
 import math
 import shutil
 import textwrap
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from conceptlens.commands._args import concept_dir, finite_float, nonempty_text, positive_int
+
+if TYPE_CHECKING:
+    from conceptlens.concepts.conceptset import ConceptSet
 
 POSITIONS = ("all", "prompt", "generated")
 SCALES = ("robust_norm", "site_norm", "unit", "raw")
@@ -62,12 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import conceptlens
-    from conceptlens.commands._common import load_model
+    from conceptlens.commands._common import check_generation_length, load_model
     from conceptlens.steering import Add
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
     model, tokenizer = load_model(args)
+    check_generation_length(model, tokenizer, args.max_new_tokens)
     lens = conceptlens.attach(model, tokenizer)
     direction, site, what = steering_direction(lens, args)
     edit = Add(direction, args.alpha, scale=args.scale, site=site)
@@ -87,14 +91,17 @@ def strength(edit: Any) -> str:
     return f"{'unit direction' if edit.scale == 'unit' else 'raw direction'}: |v| = {size:.4g}"
 
 
-def steering_direction(lens: Any, args: argparse.Namespace) -> tuple[Tensor, str, str]:
-    """(direction (d,), site name, description) from --concepts/--concept or --direction-word."""
+def steering_direction(lens: Any, args: argparse.Namespace) -> tuple[ConceptSet, str, str]:
+    """(the direction as a one-concept set, site name, description) from --concepts/--concept or
+    --direction-word. A set keeps the model its concepts were fitted on, so `Add` warns when
+    it is used on another model, as it does in the library."""
+    from conceptlens import ConceptSet
+
     if args.direction_word is not None:
         if args.concept:
             raise ValueError("--concept selects from --concepts; it does not apply to --direction-word")
-        return word_direction(lens, args.direction_word, args.site)
-    from conceptlens import ConceptSet
-
+        direction, site, what = word_direction(lens, args.direction_word, args.site)
+        return ConceptSet(direction, site, method="unembedding", model=lens.name), site, what
     concepts = ConceptSet.load(args.concepts)
     n = len(concepts)
     indices = args.concept if args.concept else ([0] if n == 1 else None)
@@ -109,7 +116,7 @@ def steering_direction(lens: Any, args: argparse.Namespace) -> tuple[Tensor, str
     direction = (concepts.centred() if centre else concepts).directions[indices].sum(0)
     _check_width(lens, site, direction)
     what = f"concept{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}{' (centred)' if centre else ''}"
-    return direction, site, what
+    return ConceptSet(direction, site, method=concepts.method, model=concepts.model), site, what
 
 
 def word_direction(lens: Any, word: str, site: str | None) -> tuple[Tensor, str, str]:

@@ -51,21 +51,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import conceptlens
-    from conceptlens.commands._common import load_model
-    from conceptlens.steering import Add, sweep, token_logprob
-    from conceptlens.steering import units
+    from conceptlens.commands._common import check_generation_length, load_model
+    from conceptlens.steering import Add, sweep, token_logprob, units
     from conceptlens.steering.sweep_scores import ConceptExpression
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
     model, tokenizer = load_model(args)
+    check_generation_length(model, tokenizer, args.max_new_tokens)
     if tokenizer.pad_token is None and len(args.prompts) > 1:
         tokenizer.pad_token = tokenizer.eos_token
     lens = conceptlens.attach(model, tokenizer)
     direction, site, what = steering_direction(lens, args)
+    for alpha in args.alphas:  # every alpha checked in the model's dtype before any generation
+        Add(direction, alpha, scale=args.scale, site=site).bind(lens)
     mean = _mean(args) if args.concepts else None
     score = token_logprob(tokenizer, args.target_word) if args.target_word else \
-        ConceptExpression(lens, direction, site, mean=mean)
+        ConceptExpression(lens, direction.directions[0], site, mean=mean)
     prompts = [chat_prompt(tokenizer, p) if args.chat else p for p in args.prompts]
     result = sweep(lens, Add(direction, 1.0, scale=args.scale, site=site), args.alphas, prompts, score,
                    positions=args.positions, max_new_tokens=args.max_new_tokens, plot=args.plot, budget=args.budget)

@@ -77,13 +77,22 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def check_int(name: str, value: Any, low: int = 1, *, optional: bool = False) -> None:
-    """Raise unless `value` is an int (not a bool) >= `low` (or None when `optional`)."""
+MAX_INT64 = 2**63 - 1
+"""Largest int any option may hold: torch reads seeds, counts and sizes as int64."""
+MAX_CONCEPTS = 2**26
+"""Most concepts (latents, centres, codes) an extractor may have: 67M, 4x the largest published
+SAE; past it the dictionary alone would not fit in any machine's memory at a model's width."""
+
+
+def check_int(name: str, value: Any, low: int = 1, *, high: int = MAX_INT64, optional: bool = False) -> None:
+    """Raise unless `value` is an int (not a bool) in [`low`, `high`] (or None when `optional`)."""
     if optional and value is None:
         return
     if not _is_int(value) or value < low:
         extra = " or None" if optional else ""
         raise ValueError(f"{name} must be an int >= {low}{extra}; got {value!r}")
+    if value > high:
+        raise ValueError(f"{name} must be at most {high}{' (int64)' if high == MAX_INT64 else ''}; got {value}")
 
 
 def check_float(name: str, value: Any, low: float = 0.0, *, strict: bool = False, optional: bool = False) -> None:

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from conceptlens._content import MAX_COUNT, check_concept_tensors, field, parse_json
 from conceptlens._io import atomic_write, remove_leftovers, tensor_digest
 
 FORMAT = "conceptlens.ConceptSet"
@@ -29,6 +30,8 @@ DIFFERENCE_METHODS = frozenset({"deleuzian", "random"})  # directions, not point
 """Methods whose directions are differences of activations, not points among them (see `centred`)."""
 TENSOR_FILE = "concepts.safetensors"
 CONFIG_FILE = "config.json"
+K_PAST_WIDTH = frozenset({"mp_sae"})
+"""Methods whose `k` (pursuit steps) may exceed the number of concepts; elsewhere k <= width."""
 REQUIRED_KEYS = ("n_concepts", "hidden_size", "site", "method", "model", "config", "encoder_keys", "stats_keys")
 
 
@@ -183,6 +186,7 @@ class ConceptSet:
         stats = {k[6:]: v for k, v in tensors.items() if k.startswith("stats.")}
         if sorted(encoder) != config["encoder_keys"] or sorted(stats) != config["stats_keys"]:
             raise ValueError(f"{tensor_path} and {config_path} list different tensors")
+        check_concept_tensors(tensor_path, "the set", directions, encoder, tensors.get("mean"))
         return cls(directions, config["site"], method=config["method"], config=config["config"],
                    model=config["model"], encoder=encoder, stats=stats, mean=tensors.get("mean"))
 
@@ -225,8 +229,8 @@ def _read_config(config_path: Path, stored: str | None, tensor_path: Path) -> di
     if not config_path.is_file() or config_path.read_bytes() == stored.encode():
         return config
     try:
-        mirror = json.loads(config_path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        mirror = parse_json(config_path.read_bytes(), config_path)
+    except ValueError:
         mirror = None
     if not isinstance(mirror, dict) or mirror.get("sha256") != config.get("sha256"):
         warnings.warn(f"{config_path} is not the config of {tensor_path} (an interrupted save, or a corrupt "
@@ -237,10 +241,7 @@ def _read_config(config_path: Path, stored: str | None, tensor_path: Path) -> di
 
 
 def _parse_config(raw: bytes, path: Path) -> dict[str, Any]:
-    try:
-        config = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} holds no valid ConceptSet config JSON: {err}") from None
+    config = parse_json(raw, path)
     if not isinstance(config, dict) or config.get("format") != FORMAT:
         raise ValueError(f"{path} is not a ConceptSet config (expected format {FORMAT!r})")
     if config.get("format_version") not in READABLE_VERSIONS:
@@ -250,4 +251,23 @@ def _parse_config(raw: bytes, path: Path) -> dict[str, Any]:
     if missing:
         raise ValueError(f"{path} lacks the key{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}; "
                          f"a ConceptSet config has {', '.join(REQUIRED_KEYS)}")
+    _check_types(path, config)
     return config
+
+
+def _check_types(path: Path, config: dict[str, Any]) -> None:
+    """The JSON types of a set's config, and the ranges of the counts its method's config declares."""
+    n = field(path, "n_concepts", config["n_concepts"], int, low=0, high=MAX_COUNT)
+    field(path, "hidden_size", config["hidden_size"], int, low=1, high=MAX_COUNT)
+    for key in ("site", "model"):
+        field(path, key, config[key], str, optional=True)
+    field(path, "method", config["method"], str)
+    inner = field(path, "config", config["config"], dict)
+    for key in ("encoder_keys", "stats_keys"):
+        if not all(isinstance(k, str) for k in field(path, key, config[key], list)):
+            raise ValueError(f"{path}: {key} must be a list of strings; got {config[key]!r}")
+    field(path, "sha256", config.get("sha256"), str, optional=True)
+    width = field(path, "config.width", inner.get("width"), int, low=1, high=MAX_COUNT, optional=True)
+    field(path, "config.n_concepts", inner.get("n_concepts"), int, low=1, high=MAX_COUNT, optional=True)
+    k_high = MAX_COUNT if config["method"] in K_PAST_WIDTH else width or max(n, 1)
+    field(path, "config.k", inner.get("k"), int, low=1, high=k_high, optional=True)

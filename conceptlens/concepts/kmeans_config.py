@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from conceptlens.concepts.base import check_bool, check_choice, check_dtype, check_float, check_int
+from conceptlens.concepts.base import MAX_CONCEPTS, check_bool, check_choice, check_dtype, check_float, check_int
 
 
 @dataclass
@@ -39,7 +39,7 @@ class KMeansConfig:
     step's per-centre sums are accumulated in float32, so a long stream loses no precision."""
 
     def __post_init__(self) -> None:
-        check_int("n_concepts", self.n_concepts)
+        check_int("n_concepts", self.n_concepts, high=MAX_CONCEPTS)
         check_choice("init", self.init, ("auto", "k-means++", "batched"))
         check_bool("spherical", self.spherical)
         check_int("batch_size", self.batch_size, optional=True)

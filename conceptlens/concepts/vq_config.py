@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-from conceptlens.concepts.base import check_choice, check_dtype, check_float, check_fraction, check_int
+from conceptlens.concepts.base import MAX_CONCEPTS, check_choice, check_dtype, check_float, check_fraction, check_int
 from conceptlens.concepts.vq_math import INIT_METHODS, InitMethod
 
 
@@ -53,7 +53,7 @@ class VQConfig:
     measure distances in float32."""
 
     def __post_init__(self) -> None:
-        check_int("n_codes", self.n_codes)
+        check_int("n_codes", self.n_codes, high=MAX_CONCEPTS)
         self.dtype = check_dtype("dtype", self.dtype)
         check_int("top_k", self.top_k)
         for name in ("init_size", "reseed_after", "batch_size", "buffer_size"):

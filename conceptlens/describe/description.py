@@ -20,6 +20,7 @@ from typing import Any
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from conceptlens._content import parse_json, read_json
 from conceptlens._io import atomic_write
 
 FORMAT = "conceptlens.Description"
@@ -65,12 +66,12 @@ class Description:
         for name in FILES[:3]:
             if not (folder / name).is_file():
                 raise FileNotFoundError(f"{folder / name} not found: a description folder holds {', '.join(FILES[:3])}")
-        info = json.loads((folder / FILES[0]).read_text(encoding="utf-8"))
-        if info.get("format") != FORMAT or info.get("version") != VERSION:
+        info = read_json(folder / FILES[0])
+        if not isinstance(info, dict) or info.get("format") != FORMAT or info.get("version") != VERSION:
             raise ValueError(f"{folder / FILES[0]} is not a {FORMAT} version {VERSION} file")
         with open(folder / FILES[2], encoding="utf-8") as f:
-            contexts = [json.loads(line) for line in f if line.strip()]
+            contexts = [parse_json(line, folder / FILES[2]) for line in f if line.strip()]
         tokens_path = folder / FILES[3]
-        tokens = json.loads(tokens_path.read_text(encoding="utf-8")) if tokens_path.is_file() else None
+        tokens = read_json(tokens_path) if tokens_path.is_file() else None
         info = {k: v for k, v in info.items() if k not in ("format", "version")}
         return cls(info, load_file(folder / FILES[1]), contexts, tokens)

@@ -109,7 +109,8 @@ def faithfulness(lens: Lens, concepts: ConceptSet | Tensor, texts: Texts, *,
         else None
     mean = mean if mean is not None else (moments.mean if moments is not None else None)
     control_sets = _control_directions(controls, directions, concepts, control_set, n_controls, moments, generator)
-    edits = [Ablate(d, mode, mean=mean, site=site) for d in [directions, *control_sets]]
+    # the set itself, not its directions: its model name comes along, so another model's set is warned about
+    edits = [Ablate(d, mode, mean=mean, site=site) for d in [concepts, *control_sets]]
     edits.append(Ablate(directions, "zero", site=site))
     values = [evaluate(edit) for edit in _bar([None, *edits], progress, "faithfulness")]
     rank = edits[0].basis.shape[0]

@@ -11,7 +11,6 @@ streamed line by line so that 4096 concepts never sit in memory as Python object
 
 from __future__ import annotations
 
-import json
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the run config is shown only when tomllib exists
@@ -22,6 +21,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from conceptlens import _content
+from conceptlens._content import parse_json, read_json, read_toml
 from conceptlens._names import check_name
 
 DESCRIPTION_FORMAT = "conceptlens.Description"
@@ -64,11 +65,12 @@ class ExtractorView:
             return
         with open(path, encoding="utf-8") as f:
             for expected, line in enumerate(f):
-                record = json.loads(line)
+                where = f"{path}: line {expected + 1}"
+                record = _content.field(where, "the record", parse_json(line, where), dict)
                 if record.get("concept") != expected:
                     raise ValueError(f"{path}: line {expected + 1} is concept {record.get('concept')!r}, "
                                      f"expected {expected} (one line per concept, in order)")
-                yield record.get("contexts", [])
+                yield _content.field(where, "contexts", record.get("contexts", []), list)
 
     @property
     def control(self) -> bool:
@@ -115,7 +117,7 @@ class Atlas:
             config=_read_toml(run / "run.toml"),
             fit_report=_read_json(run / "fit_report.json"),
             quality=_read_json(run / "quality.json"),
-            hierarchies=_load_hierarchies(run, [v.name for v in views if not v.control]),
+            hierarchies=_load_hierarchies(run, {v.name: v.n for v in views if not v.control}),
         )
 
     def extractor(self, name: str) -> ExtractorView:
@@ -128,19 +130,13 @@ class Atlas:
 def _read_json(path: Path) -> Any:
     if not path.is_file():
         return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    return read_json(path)
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
     if not path.is_file() or tomllib is None:
         return {}
-    try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"{path} is not valid TOML: {err}") from None
+    return read_toml(path)
 
 
 def _load_extractor(run: Path, name: str) -> ExtractorView:
@@ -154,7 +150,11 @@ def _load_extractor(run: Path, name: str) -> ExtractorView:
     if not stats_path.is_file():
         raise FileNotFoundError(f"{stats_path} not found: a description folder holds description.json and stats.safetensors")
     stats = load_file(stats_path)
-    n = int(meta["n_concepts"])
+    n = _content.field(folder / "description.json", "n_concepts", meta.get("n_concepts"), int, low=0,
+                       high=_content.MAX_COUNT)
+    if n and not stats:  # every description records each concept's frequency: n pages need n rows of something
+        raise ValueError(f"{stats_path} holds no per-concept statistics; n_concepts={n} in description.json is "
+                         "backed by nothing (the description is incomplete: run describe again)")
     for key, value in stats.items():
         if value.shape[:1] != (n,):
             raise ValueError(f"{stats_path}: {key} has shape {value.shape}; its first dimension must be n_concepts={n}")
@@ -175,11 +175,20 @@ def _directions(folder: Path, n: int) -> np.ndarray | None:
     return d / np.maximum(np.linalg.norm(d, axis=1, keepdims=True), 1e-12)
 
 
-def _load_hierarchies(run: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    """`hierarchy/<NAME>.json` (node-link, as `metrics.hierarchy.export_dag` writes it) per extractor."""
+def _load_hierarchies(run: Path, sizes: dict[str, int]) -> dict[str, dict[str, Any]]:
+    """`hierarchy/<NAME>.json` (node-link, as `metrics.hierarchy.export_dag` writes it) per extractor,
+    its node ids checked against the extractor's number of concepts."""
     out = {}
-    for name in names:
-        data = _read_json(run / "hierarchy" / f"{name}.json")
+    for name, n in sizes.items():
+        path = run / "hierarchy" / f"{name}.json"
+        data = _read_json(path)
         if data is not None:
+            _content.field(path, "the file", data, dict)
+            edges = "edges" if "edges" in data else "links"
+            for key, ends in (("nodes", ("id",)), (edges, ("source", "target"))):
+                for i, item in enumerate(_content.field(path, key, data.get(key), list)):
+                    for end in ends:
+                        value = item.get(end) if isinstance(item, dict) else None
+                        _content.field(path, f"{key}[{i}].{end}", value, int, low=0, high=n - 1)
             out[name] = data
     return out

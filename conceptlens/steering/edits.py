@@ -141,15 +141,23 @@ class Add(Edit):
         self._fixed_norm = norm is not None
         self._vector = None if scale in MEASURED and norm is None else self._scaled()
 
-    def _scaled(self) -> Tensor:
-        return self.alpha * (self.norm if self.scale in MEASURED else 1.0) * self.direction
+    def _scaled(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """alpha * scale * direction, refused when it overflows `dtype` (float32 here; the model's
+        dtype when bound): alpha is checked finite where it is used, not in float64."""
+        vector = self.alpha * (self.norm if self.scale in MEASURED else 1.0) * self.direction
+        if not bool(torch.isfinite(vector.to(dtype)).all()):
+            unit = f" x {self.scale} {self.norm:.4g}" if self.scale in MEASURED else ""
+            raise ValueError(f"alpha={self.alpha:g}{unit} overflows {str(dtype).removeprefix('torch.')}, the dtype "
+                             f"the edit is applied in (largest {torch.finfo(dtype).max:.3g}); use a smaller alpha")
+        return vector
 
     def bind(self, lens: Lens) -> None:
         if self.scale in MEASURED and not self._fixed_norm:
             from conceptlens.steering import units
 
             self.norm = getattr(units, self.scale)(lens, self.site)
-            self._vector = self._scaled()
+        dtype = next((p.dtype for p in lens.model.parameters() if p.is_floating_point()), torch.float32)
+        self._vector = self._scaled(dtype if dtype.is_floating_point else torch.float32)
 
     def at(self, alpha: float) -> Add:
         """A copy of this edit with strength `alpha` (same direction, scale, and measured norm)."""

@@ -26,7 +26,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import Tensor
 
-from conceptlens.concepts.base import ExtractorBase, NotFittedError
+from conceptlens.concepts.base import ExtractorBase, NotFittedError, check_int
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.sae import ddp
@@ -62,8 +62,7 @@ class SparseAutoencoder(ExtractorBase):
     def __init__(self, config: SAEConfig | None = None, /, *, seed: int = 0,
                  device: str | torch.device | None = None, **kwargs: Any) -> None:
         self.config = build_config(self.Config, config, kwargs)
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be an int >= 0; got {seed!r}")
+        check_int("seed", seed, 0)
         self._set_device(device)
         self.seed = seed
         self.d: int | None = None

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 # the shared validation helpers (re-exported here, where the variants import them from)
-from conceptlens.concepts.base import check_choice, check_dtype, check_float, check_int, config_json
+from conceptlens.concepts.base import MAX_CONCEPTS, check_choice, check_dtype, check_float, check_int, config_json
 
 __all__ = ["SAEConfig", "build_config", "check_int", "check_float"]
 
@@ -44,7 +44,7 @@ class SAEConfig:
     stay float32 (firing counts int64, running means float64). Buffered rows are stored in it."""
 
     def __post_init__(self) -> None:
-        check_int("width", self.width)
+        check_int("width", self.width, high=MAX_CONCEPTS)
         if self.lr is not None:
             check_float("lr", self.lr, strict=True)
         betas = tuple(self.betas)

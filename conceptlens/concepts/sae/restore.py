@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from conceptlens._content import check_concept_tensors, field
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.sae.base import SparseAutoencoder
 from conceptlens.concepts.sae.batchtopk import BatchTopKSAE
@@ -37,6 +38,7 @@ def sae_from_concept_set(cs: ConceptSet) -> SparseAutoencoder:
     cls = CLASSES.get(cs.method)
     if cls is None:
         raise ValueError(f"ConceptSet method {cs.method!r} is not an SAE; expected one of {sorted(CLASSES)}")
+    _check_content(cs)
     names = {f.name for f in dataclasses.fields(cls.Config)}
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in cs.config.items() if k in names}
     sae = cls(seed=cs.config.get("seed", 0), **kwargs)
@@ -59,3 +61,21 @@ def sae_from_concept_set(cs: ConceptSet) -> SparseAutoencoder:
     sae._warm = [float(cs.hidden_size), 1]
     sae._tracker = LatentTracker(sae.config.width, sae.config.dead_after)
     return sae
+
+
+NEEDS = {MPSAE.method: ("b_dec",), JumpReLUSAE.method: ("threshold",), BatchTopKSAE.method: ("threshold",),
+         SpaDE.method: ("prototypes", "lambda"),
+         HSAE.method: ("W_enc", "W_top", "W_down", "W_up", "E_child", "D_child", "b_dec", "offset")}
+
+
+def _check_content(cs: ConceptSet) -> None:
+    """The set holds a whole SAE: its encoder tensors, finite, and a width that is its number of concepts."""
+    where = f"{cs!r}"
+    if "parent_indices" in cs.config:
+        raise ValueError(f"{where} is a subset of an SAE's concepts; rebuild the SAE from the whole set")
+    field(where, "config.width", cs.config.get("width"), int, low=len(cs), high=len(cs))
+    needed = NEEDS.get(cs.method, ("W_enc", "b_enc", "b_dec"))
+    missing = [k for k in needed if k not in cs.encoder]
+    if missing:
+        raise ValueError(f"{where} lacks the encoder tensors {missing}; an SAE set holds {list(needed)}")
+    check_concept_tensors(where, "the set", cs.directions, cs.encoder, cs.mean)

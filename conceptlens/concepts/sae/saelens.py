@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from conceptlens._content import MAX_COUNT, check_tensor, field, read_json
 from conceptlens._io import atomic_write
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.sae.base import SparseAutoencoder
@@ -95,7 +96,7 @@ def import_saelens(directory: str | os.PathLike, *, centre: bool | None = None) 
         if not (directory / name).is_file():
             raise FileNotFoundError(f"{directory / name} not found: "
                                     f"a SAELens folder holds {CFG_FILE} and {WEIGHTS_FILE}")
-    cfg = json.loads((directory / CFG_FILE).read_text())
+    cfg = _checked_cfg(directory / CFG_FILE)
     arch = cfg.get("architecture", "standard")
     if arch not in METHOD:
         raise ValueError(f"architecture {arch!r} is not supported; supported: {sorted(METHOD)}")
@@ -134,8 +135,30 @@ def import_saelens(directory: str | os.PathLike, *, centre: bool | None = None) 
                       model=_model_id(meta.get("model_name") or cfg.get("model_name")), encoder=encoder)
 
 
+def _checked_cfg(path: Path) -> dict[str, Any]:
+    """cfg.json with the JSON types and ranges of the fields this reader uses."""
+    cfg = field(path, "the file", read_json(path), dict)
+    d_sae = field(path, "d_sae", cfg.get("d_sae"), int, low=1, high=MAX_COUNT)
+    field(path, "d_in", cfg.get("d_in"), int, low=1, high=MAX_COUNT)
+    if cfg.get("architecture") == "topk":
+        field(path, "k", cfg.get("k"), int, low=1, high=d_sae)
+    field(path, "architecture", cfg.get("architecture"), str, optional=True)
+    for key in ("apply_b_dec_to_input", "rescale_acts_by_decoder_norm"):
+        field(path, key, cfg.get(key), bool, optional=True)
+    meta = field(path, "metadata", cfg.get("metadata"), dict, optional=True) or {}
+    for where, block in (("", cfg), ("metadata.", meta)):
+        field(path, f"{where}model_from_pretrained_kwargs", block.get("model_from_pretrained_kwargs"), dict,
+              optional=True)
+        for key in ("hook_name", "model_name", "conceptlens_site"):
+            field(path, f"{where}{key}", block.get(key), str, optional=True)
+    return cfg
+
+
 def _checked_weights(directory: Path, cfg: dict[str, Any], arch: str) -> dict[str, torch.Tensor]:
-    w = {k: v.float() for k, v in load_file(directory / WEIGHTS_FILE).items()}
+    try:
+        w = {k: v.float() for k, v in load_file(directory / WEIGHTS_FILE).items()}
+    except Exception as err:  # noqa: BLE001 - a corrupt header can fail in many ways
+        raise ValueError(f"{directory / WEIGHTS_FILE} is not a readable safetensors file: {err}") from None
     expected = {"W_enc": (cfg["d_in"], cfg["d_sae"]), "b_enc": (cfg["d_sae"],),
                 "W_dec": (cfg["d_sae"], cfg["d_in"]), "b_dec": (cfg["d_in"],)}
     if arch == "jumprelu":
@@ -144,6 +167,7 @@ def _checked_weights(directory: Path, cfg: dict[str, Any], arch: str) -> dict[st
         if key not in w or tuple(w[key].shape) != shape:
             got = tuple(w[key].shape) if key in w else None
             raise ValueError(f"{directory / WEIGHTS_FILE}: {key} has shape {got}; {CFG_FILE} implies {shape}")
+        check_tensor(directory / WEIGHTS_FILE, key, w[key])
     return w
 
 

@@ -1,5 +1,5 @@
-"""`conceptlens eval` (commands/eval.py, eval_table.py): label alignment, concept activations, the metric
-table, argument errors."""
+"""`conceptlens eval` and `conceptlens.evaluate` (activations, the quality table): label alignment, concept
+activations, the metric table, argument errors."""
 
 import math
 import re
@@ -9,8 +9,8 @@ import torch
 
 import conceptlens
 from conceptlens.cli import main
-from conceptlens.commands import eval as ev
-from conceptlens.commands import eval_table as table
+from conceptlens.evaluate import activations as ev
+from conceptlens.evaluate import table
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.sae import TopKSAE
 from conceptlens.concepts.vq import VQCodebook
@@ -116,10 +116,10 @@ def test_every_quality_figure_has_its_baseline():
     text = table.format_rows(rows)
     assert text.splitlines()[0].split()[:3] == ["metric", "value", "baseline"]
     assert "vs base-rate entropy 0.6" in text and "vs mean predictor 1.0000" in text
-    assert ev.baseline_warnings(rows) == []
+    assert table.baseline_warnings(rows) == []
     noise = table.Features(train.x, torch.randn(len(train.y), 7, generator=torch.Generator().manual_seed(9)), train.y)
     useless = table.metric_rows(directions, noise, test, ["a", "b", "c"], candidates=None)
-    warnings = ev.baseline_warnings(useless)
+    warnings = table.baseline_warnings(useless)
     assert len(warnings) == 1 and "classes' probes do no better than their base-rate entropy" in warnings[0]
 
 
@@ -143,16 +143,16 @@ def test_collect_pools_documents_and_picks_labelled_tokens():
     with torch.no_grad():
         hidden = model(**batch, output_hidden_states=True).hidden_states[1]  # after block 0 (the last one is normed)
     directions = torch.randn(5, 32, generator=g)
-    enc = ev.concept_encoder(ConceptSet(directions))
-    docs = ev.collect(lens, "blocks.0.resid_out", enc, [(batch, torch.tensor([1, 0, 1]))])
+    enc = {"dirs": ev.concept_encoder(ConceptSet(directions))}
+    docs = ev.collect(lens, "blocks.0.resid_out", enc, [(batch, torch.tensor([1, 0, 1]))] * 2)
     expected = torch.stack([hidden[r, 1:int(mask[r].sum())].mean(0) for r in range(3)])  # first token left out
-    torch.testing.assert_close(docs.x, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(docs.z, expected @ directions.T, rtol=1e-4, atol=1e-4)
-    assert docs.y.tolist() == [1, 0, 1]
+    torch.testing.assert_close(docs.x, expected.repeat(2, 1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(docs.z["dirs"], expected.repeat(2, 1) @ directions.T, rtol=1e-4, atol=1e-4)
+    assert docs.y.tolist() == [1, 0, 1] * 2 and docs.doc.tolist() == [0, 1, 2, 3, 4, 5]  # ids run across batches
     tags = torch.full((3, 6), -1)
     tags[0, 0], tags[0, 3], tags[1, 5], tags[2, 5] = 7, 8, 9, 4  # position 0 and padding never count
     tokens = ev.collect(lens, "blocks.0.resid_out", enc, [(batch, tags)])
-    assert tokens.y.tolist() == [8, 9]
+    assert tokens.y.tolist() == [8, 9] and tokens.doc.tolist() == [0, 1]
     torch.testing.assert_close(tokens.x, torch.stack([hidden[0, 3], hidden[1, 5]]), rtol=1e-5, atol=1e-5)
 
 
@@ -174,7 +174,9 @@ def test_load_concepts_from_a_set_or_a_checkpoint_dir(tmp_path):
 
 def test_cli_argument_errors(tmp_path, capsys):
     assert main(["eval", str(tmp_path), "--task", "imdb"]) == 2
-    assert "invalid choice: 'imdb'" in capsys.readouterr().err
+    assert "unknown task imdb; choose from bbc-news, movie-polarity, wsj-pos" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path), "--suite", "probing,steering"]) == 2
+    assert "unknown suite steering; choose from reconstruction, probing, absorption" in capsys.readouterr().err
     assert main(["eval", str(tmp_path), "--task", "bbc-news"]) == 2
     assert "neither a ConceptSet" in capsys.readouterr().err
     assert main(["eval", str(tmp_path), "--task", "bbc-news", "--max-docs", "0"]) == 2

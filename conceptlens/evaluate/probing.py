@@ -141,17 +141,19 @@ def probing_lines(task: str, train: Probed, test: Probed, class_names: list[str]
     dom = bootstrap(_dense_accuracy(train, test, tasks, n_docs, True), mean_accuracy, seed=seed)
     full = bootstrap(_dense_accuracy(train, test, tasks, n_docs, False), mean_accuracy, seed=seed)
     note = f"{len(tasks)} balanced binary task(s), {int(np.mean([len(t.test) for t in tasks]))} test rows each"
-    lines = []
+    lines, controls = [], {}
     for name, z_train in train.z.items():
         n = z_train.shape[1]
-        rand = [random_directions(n, train.x.shape[1], seed + 1 + r) for r in range(draws)]
+        if n not in controls:  # sets of the same size share their control
+            rand = [random_directions(n, train.x.shape[1], seed + 1 + r) for r in range(draws)]
+            controls[n] = {k: bootstrap_draws([sparse_probe_accuracy(train.x @ r.T, test.x @ r.T, tasks, k, test.doc,
+                                                                     n_docs) for r in rand], mean_accuracy, seed=seed)
+                           for k in ks}
         for k in ks:
             ours = bootstrap(sparse_probe_accuracy(z_train, test.z[name], tasks, k, test.doc, n_docs),
                              mean_accuracy, seed=seed)
-            control = bootstrap_draws([sparse_probe_accuracy(train.x @ r.T, test.x @ r.T, tasks, k, test.doc, n_docs)
-                                       for r in rand], mean_accuracy, seed=seed)
-            lines.append(Line(name, f"{task} k={k} accuracy", ours,
-                              [(f"random {n} dirs", control), ("diff-of-means", dom), ("full probe", full)], note))
+            lines.append(Line(name, f"{task} k={k} accuracy", ours, [(f"random {n} dirs", controls[n][k]),
+                                                                      ("diff-of-means", dom), ("full probe", full)], note))
     return lines
 
 

@@ -35,11 +35,14 @@ def next_token_terms(logits: Tensor, clean: Tensor, ids: Tensor, mask: Tensor) -
     KL(softmax(clean) || softmax(logits)), and the number of predicted tokens (a token counts when
     it and its predecessor are real)."""
     valid = (mask[:, 1:] & mask[:, :-1]).bool()  # (B, T-1)
-    logp = F.log_softmax(logits[:, :-1].double(), -1)
-    clean_logp = F.log_softmax(clean[:, :-1].double(), -1)
-    ce = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
-    kl = (clean_logp.exp() * (clean_logp - logp)).sum(-1)
-    return (ce * valid).sum(1), (kl * valid).sum(1), valid.sum(1).double()
+    ce, kl = torch.zeros(len(ids), dtype=torch.float64), torch.zeros(len(ids), dtype=torch.float64)
+    for b in range(len(ids)):  # one sequence at a time: a (T, V) float64 slice, not (B, T, V)
+        keep = valid[b]
+        logp = F.log_softmax(logits[b, :-1][keep].double(), -1)  # (n, V)
+        clean_logp = F.log_softmax(clean[b, :-1][keep].double(), -1)
+        ce[b] = -logp.gather(-1, ids[b, 1:][keep, None]).sum()
+        kl[b] = (clean_logp.exp() * (clean_logp - logp)).sum()
+    return ce, kl, valid.sum(1).double().cpu()
 
 
 @torch.no_grad()

@@ -2,7 +2,6 @@
 activations, the metric table, argument errors."""
 
 import math
-import re
 
 import pytest
 import torch
@@ -197,11 +196,16 @@ def test_eval_command_on_smollm2_with_an_sae_set(tmp_path, capsys):
     sae.flush()
     cs = sae.concept_set()
     cs.site, cs.model = "blocks.1.resid_out", "smollm2-135m"
-    cs.save(tmp_path / "run" / "concepts" / "blocks.1.resid_out")
-    code = main(["eval", str(tmp_path / "run"), "--task", "movie-polarity", "--max-docs", "24", "--ce-docs", "4"])
+    cs.save(tmp_path / "run" / "concepts" / "sae")
+    code = main(["eval", str(tmp_path / "run"), "--suite", "reconstruction,probing", "--task", "movie-polarity",
+                 "--max-docs", "24", "--ce-docs", "4", "--ks", "1,2", "--random-draws", "2", "--no-progress"])
     out = capsys.readouterr().out
     assert code == 0, out
-    rows = {cells[0]: cells[1:] for line in out.splitlines()[4:] if (cells := re.split(r"\s{2,}", line.strip()))}
-    assert {"probe loss (median class)", "negative", "positive", "effective rank", "max pairwise cosine", "FVU",
-            "L0", "dead fraction", "LDA cosine (median class)", "CE loss recovered"} <= set(rows), out
-    assert float(rows["L0"][0]) == 4.0 and math.isfinite(float(rows["CE loss recovered"][0]))
+    assert "bootstrap over held-out documents" in out
+    rows = {cells[2]: cells[3:] for line in out.splitlines() if line.startswith("| sae |")
+            for cells in [[c.strip() for c in line.split("|")]]}
+    assert {"FVU", "CE loss recovered", "KL to clean (nats/token)", "L0", "dead fraction",
+            "dense fraction (>10% of tokens)", "movie-polarity k=1 accuracy", "movie-polarity k=2 accuracy"} <= set(rows), out
+    assert rows["L0"][0].startswith("4.0000 [4.0000, 4.0000]")
+    assert "mean-ablation" in rows["CE loss recovered"][1] and "random 32 dirs" in rows["movie-polarity k=1 accuracy"][1]
+    assert math.isfinite(float(rows["CE loss recovered"][0].split()[0]))

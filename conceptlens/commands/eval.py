@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 from pathlib import Path
 
 from conceptlens.commands._args import count, existing_dir, positive_int
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     from conceptlens.evaluate.activations import concept_encoder
     from conceptlens.evaluate.bootstrap import DRAWS
     from conceptlens.evaluate.lines import format_lines, verdict
-    from conceptlens.evaluate.suite import run_suite
+    from conceptlens.evaluate.suite import run_parts
 
     config = SuiteConfig(suites=args.suite, tasks=args.tasks, max_docs=args.max_docs, max_length=args.max_length,
                          batch_size=args.batch_size, max_classes=args.max_classes, recon_docs=args.ce_docs,
@@ -103,10 +104,13 @@ def run(args: argparse.Namespace) -> int:
           f"{args.random_draws} draws. Suites: {', '.join(config.suites)}.")
     for site, group in by_site.items():
         kinds = "; ".join(f"{n}: {concept_encoder(cs).kind}" for n, cs in group.items())
-        print(f"\n## {site}\n\nconcept activations: {kinds}\n")
-        lines = run_suite(lens, tok, group, config)
-        print(format_lines(lines))
-        losses = [f"{ln.extractor} {ln.metric}" for ln in lines if verdict(ln) == "loses"]
-        if losses:
-            print(f"\nloses to its matched control (intervals apart): {'; '.join(losses)}")
+        print(f"\n## {site}\n\nconcept activations: {kinds}", flush=True)
+        wall, cpu = time.perf_counter(), time.process_time()
+        for part, lines in run_parts(lens, tok, group, config):
+            took = f"{time.perf_counter() - wall:.0f} s wall, {time.process_time() - cpu:.0f} s CPU"
+            print(f"\n### {part} ({took})\n\n{format_lines(lines)}", flush=True)
+            wall, cpu = time.perf_counter(), time.process_time()
+            losses = [f"{ln.extractor} {ln.metric}" for ln in lines if verdict(ln) == "loses"]
+            if losses:
+                print(f"\nloses to its matched control (intervals apart): {'; '.join(losses)}", flush=True)
     return 0

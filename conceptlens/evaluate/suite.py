@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
@@ -73,25 +73,28 @@ class SuiteConfig:
 
 def run_suite(lens: Any, tok: Any, sets: Mapping[str, ConceptSet], config: SuiteConfig) -> list[Line]:
     """Every part of `config.suites` on `sets` (all at one site), in order."""
+    return [line for _, lines in run_parts(lens, tok, sets, config) for line in lines]
+
+
+def run_parts(lens: Any, tok: Any, sets: Mapping[str, ConceptSet], config: SuiteConfig) -> Iterator[tuple[str, list[Line]]]:
+    """(part, lines) as each part of `config.suites` finishes: `run_suite` one part at a time."""
     sites = {cs.site for cs in sets.values()}
     if len(sites) != 1 or None in sites:
         raise ValueError(f"run_suite takes sets of one site; got sites {sorted(map(str, sites))}")
     site = lens.site(sites.pop()).name
     encoders = {name: act.concept_encoder(cs) for name, cs in sets.items()}
     decoders = {name: enc for name, enc in encoders.items() if enc.decode is not None}
-    lines: list[Line] = []
     for part in config.suites:
         if part == "reconstruction" and decoders:
-            lines += _reconstruction(lens, tok, site, decoders, config)
+            yield part, _reconstruction(lens, tok, site, decoders, config)
         elif part == "absorption" and decoders:
             from conceptlens.evaluate.absorption import absorption_lines, alpha_tokens
 
             words = alpha_tokens(tok, config.absorption_words, config.seed)
-            lines += absorption_lines(lens, site, decoders, tok, words, seed=config.seed)
+            yield part, absorption_lines(lens, site, decoders, tok, words, seed=config.seed)
         elif part in ("probing", "quality"):
             for task in config.tasks:
-                lines += _probing(lens, tok, site, encoders, sets, task, part, config)
-    return lines
+                yield f"{part} {task}", _probing(lens, tok, site, encoders, sets, task, part, config)
 
 
 def _docs(task: str, split: str, n: int, seed: int) -> Any:

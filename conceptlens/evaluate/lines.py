@@ -42,10 +42,10 @@ def verdict(line: Line) -> Literal["wins", "loses", "overlaps", ""]:
 
 
 def format_lines(lines: list[Line]) -> str:
-    """A markdown table: extractor, metric, value [95% interval], each baseline, verdict."""
-    header = "| extractor | metric | value [95% CI] | baselines [95% CI] | vs first baseline |"
-    out = [header, "|---|---|---|---|---|"]
+    """A markdown table: extractor, metric, value [95% interval], each baseline, verdict, note."""
+    header = "| extractor | metric | value [95% CI] | baselines [95% CI] | vs first baseline | note |"
+    out = [header, "|---|---|---|---|---|---|"]
     for line in lines:
         bases = "; ".join(f"{name} {est}" for name, est in line.baselines)
-        out.append(f"| {line.extractor} | {line.metric} | {line.value} | {bases} | {verdict(line)} |")
+        out.append(f"| {line.extractor} | {line.metric} | {line.value} | {bases} | {verdict(line)} | {line.note} |")
     return "\n".join(out)

@@ -143,7 +143,7 @@ def reconstruction_lines(lens: Any, site: str, encoders: Mapping[str, ConceptEnc
                  [("mean-ablation", mean_rec), ("zero-ablation", Estimate(0.0, math.nan, math.nan))],
                  f"clean {clean_ce:.3f}, spliced {spliced_ce:.3f} nats/token over {int(tokens.sum()):,} predictions"),
             Line(name, "KL to clean (nats/token)", kl(name), [("mean-ablation", mean_kl), ("zero-ablation", zero_kl)],
-                 "KL(clean || spliced) of the next-token distributions", higher_is_better=False),
+                 "KL(clean, spliced) of the next-token distributions", higher_is_better=False),
             Line(name, "L0", bootstrap(s.scalars[:, [3, 2]], lambda t: t[..., 0] / t[..., 1], seed=seed), [],
                  "active latents per token"),
             Line(name, "dead fraction", bootstrap(per_latent, lambda t: (t[..., :-1] == 0).double().mean(-1), seed=seed),

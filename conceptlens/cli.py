@@ -28,7 +28,7 @@ COMMANDS = {
     "steer": "Continue a prompt without and with a concept (or word) direction added, side by side.",
     "gauge": "Gauge-invariant q/k geometry of one layer, streamed, then a gauge audit of the metrics.",
     "report": "Write the static concept atlas (index, one page per concept, matches) of a run folder.",
-    "eval": "Quality metrics of a fitted concept set on a labelled task (probe loss, rank, FVU, LDA, ...).",
+    "eval": "The evaluation suite: reconstruction, k-sparse probing and absorption, next to baselines with 95% intervals.",
     "fit": "Stream-fit named concept extractors at sites into a run folder (TOML config or flags), then describe them.",
     "describe": "Description pass of a run folder: top contexts, histograms, neighbours, tokens, probes per concept.",
     "sweep": "Dose-response of steering: a target score and fluency (perplexity) for each alpha.",

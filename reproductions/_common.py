@@ -40,12 +40,6 @@ def _key(**kwargs: Any) -> Path:
     return CACHE / f"{kwargs['model']}-{kwargs['task']}-{kwargs['split']}-{digest}.pt"
 
 
-def _identity_encoder() -> Any:
-    from conceptlens.commands.eval import ConceptEncoder
-
-    return ConceptEncoder("activations", lambda x: x[:, :1], None)
-
-
 @torch.no_grad()
 def activations(model: str, task: str, split: str, site: str, max_docs: int = 300, max_length: int = 64,
                 max_classes: int = 10, seed: int = 0) -> Split:
@@ -57,18 +51,18 @@ def activations(model: str, task: str, split: str, site: str, max_docs: int = 30
         return Split(**torch.load(path, weights_only=True))
     import conceptlens
     from conceptlens import data, models
-    from conceptlens.commands.eval import _label, _label_ids, _pick, collect, task_batches
+    from conceptlens.evaluate.activations import collect, label_ids, label_of, pick, task_batches
 
     m, tok = models.load(model)
     lens = conceptlens.attach(m, tok)
     token_level = task == "wsj-pos"
     train_set = data.load(task, "train")
-    tag_ids, _ = _label_ids(train_set, token_level, max_classes)
+    tag_ids, _ = label_ids(train_set, token_level, max_classes)
     texts = data.load(task, split)
-    picked = _pick(len(texts), max_docs, seed)
-    batches = task_batches(tok, [texts.texts[i] for i in picked], [_label(texts, i, token_level) for i in picked],
+    picked = pick(len(texts), max_docs, seed)
+    batches = task_batches(tok, [texts.texts[i] for i in picked], [label_of(texts, i, token_level) for i in picked],
                            token_level=token_level, tag_ids=tag_ids, batch_size=16, max_length=max_length)
-    features = collect(lens, site, _identity_encoder(), batches)
+    features = collect(lens, site, {}, batches)
     out = {"x": features.x.float(), "y": features.y.long()}
     CACHE.mkdir(exist_ok=True)
     torch.save(out, path)

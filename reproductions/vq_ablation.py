@@ -42,10 +42,10 @@ def project_out(x: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
 
 def _train_tokens(task: str, n_docs: int, site: str = "blocks.15.resid_out") -> torch.Tensor:
     from conceptlens import data
-    from conceptlens.commands.eval import _pick
+    from conceptlens.evaluate.activations import pick
 
     texts = data.load(task, "train")
-    picked = _pick(len(texts), n_docs, 0)
+    picked = pick(len(texts), n_docs, 0)
     x, _ = token_rows("smollm2-135m", [texts.texts[i] for i in picked], site, max_length=128)
     return x
 

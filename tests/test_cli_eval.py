@@ -1,8 +1,7 @@
-"""`conceptlens eval` (commands/eval.py, eval_table.py): label alignment, concept activations, the metric
-table, argument errors."""
+"""`conceptlens eval` and `conceptlens.evaluate` (activations, the quality table): label alignment, concept
+activations, the metric table, argument errors."""
 
 import math
-import re
 
 import pytest
 import torch
@@ -10,8 +9,8 @@ import torch.nn.functional as F
 
 import conceptlens
 from conceptlens.cli import main
-from conceptlens.commands import eval as ev
-from conceptlens.commands import eval_table as table
+from conceptlens.evaluate import activations as ev
+from conceptlens.evaluate import table
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.sae import TopKSAE
 from conceptlens.concepts.vq import VQCodebook
@@ -120,10 +119,10 @@ def test_every_quality_figure_has_its_baseline():
     text = table.format_rows(rows)
     assert text.splitlines()[0].split()[:3] == ["metric", "value", "baseline"]
     assert "vs base-rate entropy 0.6" in text and "vs mean predictor 1.0000" in text
-    assert ev.baseline_warnings(rows) == []
+    assert table.baseline_warnings(rows) == []
     noise = table.Features(train.x, torch.randn(len(train.y), 7, generator=torch.Generator().manual_seed(9)), train.y)
     useless = table.metric_rows(directions, noise, test, ["a", "b", "c"], candidates=None)
-    warnings = ev.baseline_warnings(useless)
+    warnings = table.baseline_warnings(useless)
     assert len(warnings) == 1 and "classes' probes do no better than their base-rate entropy" in warnings[0]
 
 
@@ -147,17 +146,17 @@ def test_collect_pools_documents_and_picks_labelled_tokens():
     with torch.no_grad():
         hidden = model(**batch, output_hidden_states=True).hidden_states[1]  # after block 0 (the last one is normed)
     directions = torch.randn(5, 32, generator=g)
-    enc = ev.concept_encoder(ConceptSet(directions))
-    docs = ev.collect(lens, "blocks.0.resid_out", enc, [(batch, torch.tensor([1, 0, 1]))])
+    enc = {"dirs": ev.concept_encoder(ConceptSet(directions))}
+    docs = ev.collect(lens, "blocks.0.resid_out", enc, [(batch, torch.tensor([1, 0, 1]))] * 2)
     expected = torch.stack([hidden[r, 1:int(mask[r].sum())].mean(0) for r in range(3)])  # first token left out
-    torch.testing.assert_close(docs.x, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(docs.x, expected.repeat(2, 1), rtol=1e-5, atol=1e-5)
     cos = [F.normalize(hidden[r, 1:int(mask[r].sum())], dim=1) @ F.normalize(directions, dim=1).T for r in range(3)]
-    torch.testing.assert_close(docs.z, torch.stack([c.mean(0) for c in cos]), rtol=1e-4, atol=1e-4)
-    assert docs.y.tolist() == [1, 0, 1]
+    torch.testing.assert_close(docs.z["dirs"], torch.stack([c.mean(0) for c in cos]).repeat(2, 1), rtol=1e-4, atol=1e-4)
+    assert docs.y.tolist() == [1, 0, 1] * 2 and docs.doc.tolist() == [0, 1, 2, 3, 4, 5]  # ids run across batches
     tags = torch.full((3, 6), -1)
     tags[0, 0], tags[0, 3], tags[1, 5], tags[2, 5] = 7, 8, 9, 4  # position 0 and padding never count
     tokens = ev.collect(lens, "blocks.0.resid_out", enc, [(batch, tags)])
-    assert tokens.y.tolist() == [8, 9]
+    assert tokens.y.tolist() == [8, 9] and tokens.doc.tolist() == [0, 1]
     torch.testing.assert_close(tokens.x, torch.stack([hidden[0, 3], hidden[1, 5]]), rtol=1e-5, atol=1e-5)
 
 
@@ -179,7 +178,9 @@ def test_load_concepts_from_a_set_or_a_checkpoint_dir(tmp_path):
 
 def test_cli_argument_errors(tmp_path, capsys):
     assert main(["eval", str(tmp_path), "--task", "imdb"]) == 2
-    assert "invalid choice: 'imdb'" in capsys.readouterr().err
+    assert "unknown task imdb; choose from bbc-news, movie-polarity, wsj-pos" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path), "--suite", "probing,steering"]) == 2
+    assert "unknown suite steering; choose from reconstruction, probing, absorption" in capsys.readouterr().err
     assert main(["eval", str(tmp_path), "--task", "bbc-news"]) == 2
     assert "neither a ConceptSet" in capsys.readouterr().err
     assert main(["eval", str(tmp_path), "--task", "bbc-news", "--max-docs", "0"]) == 2
@@ -200,11 +201,16 @@ def test_eval_command_on_smollm2_with_an_sae_set(tmp_path, capsys):
     sae.flush()
     cs = sae.concept_set()
     cs.site, cs.model = "blocks.1.resid_out", "smollm2-135m"
-    cs.save(tmp_path / "run" / "concepts" / "blocks.1.resid_out")
-    code = main(["eval", str(tmp_path / "run"), "--task", "movie-polarity", "--max-docs", "24", "--ce-docs", "4"])
+    cs.save(tmp_path / "run" / "concepts" / "sae")
+    code = main(["eval", str(tmp_path / "run"), "--suite", "reconstruction,probing", "--task", "movie-polarity",
+                 "--max-docs", "24", "--ce-docs", "4", "--ks", "1,2", "--random-draws", "2", "--no-progress"])
     out = capsys.readouterr().out
     assert code == 0, out
-    rows = {cells[0]: cells[1:] for line in out.splitlines()[4:] if (cells := re.split(r"\s{2,}", line.strip()))}
-    assert {"probe loss (median class)", "negative", "positive", "effective rank", "max pairwise cosine", "FVU",
-            "L0", "dead fraction", "LDA cosine (median class)", "CE loss recovered"} <= set(rows), out
-    assert float(rows["L0"][0]) == 4.0 and math.isfinite(float(rows["CE loss recovered"][0]))
+    assert "bootstrap over held-out documents" in out
+    rows = {cells[2]: cells[3:] for line in out.splitlines() if line.startswith("| sae |")
+            for cells in [[c.strip() for c in line.split("|")]]}
+    assert {"FVU", "CE loss recovered", "KL to clean (nats/token)", "L0", "dead fraction",
+            "dense fraction (>10% of tokens)", "movie-polarity k=1 accuracy", "movie-polarity k=2 accuracy"} <= set(rows), out
+    assert rows["L0"][0].startswith("4.0000 [4.0000, 4.0000]")
+    assert "mean-ablation" in rows["CE loss recovered"][1] and "random 32 dirs" in rows["movie-polarity k=1 accuracy"][1]
+    assert math.isfinite(float(rows["CE loss recovered"][0].split()[0]))

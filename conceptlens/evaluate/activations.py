@@ -1,0 +1,205 @@
+"""Concept sets, their activations, and labelled batches: what every part of the suite reads.
+
+    cs = load_concepts("runs/demo", "topk")
+    enc = concept_encoder(cs)                 # the one place that says how a set's concepts activate
+    feats = collect(lens, site, {"topk": enc}, task_batches(tok, texts, labels, ...))
+
+Concept activations (`concept_encoder`): an SAE set's own encoder (rebuilt with
+`sae_from_concept_set`), a VQ codebook's one-hot nearest code, otherwise the projection
+x @ directions.T. Documents of bbc-news / movie-polarity / conll2010-uncertainty are probed as
+wholes: their activations are averaged over their real tokens. wsj-pos is probed per token:
+each word's Penn tag labels its first sub-token (found through the tokenizer's character
+offsets); the other sub-tokens go unlabelled. Each sequence's first token, the attention sink,
+is always left out (as fits leave it out).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from conceptlens.batching import encode_batch
+from conceptlens.concepts.conceptset import CONFIG_FILE, ConceptSet
+
+TOKEN_TASKS = ("wsj-pos",)
+"""Labelled sets probed per token; the others are probed per document."""
+
+
+def concept_set_names(run_dir: str | Path) -> list[str]:
+    """The sets in `run_dir/concepts/<name>/`, sorted; `[]` when `run_dir` is itself a set."""
+    root = Path(run_dir)
+    if (root / CONFIG_FILE).is_file():
+        return []
+    return sorted(p.name for p in (root / "concepts").glob("*") if (p / CONFIG_FILE).is_file())
+
+
+def load_concepts(run_dir: str | Path, name: str | None = None) -> ConceptSet:
+    """The ConceptSet in `run_dir`, or in `run_dir/concepts/<name>` (the only one if `name` is None)."""
+    root = Path(run_dir)
+    if (root / CONFIG_FILE).is_file():
+        return ConceptSet.load(root)
+    found = concept_set_names(root)
+    if not found:
+        raise FileNotFoundError(f"{root} holds neither a ConceptSet ({CONFIG_FILE}) nor concepts/<name>/ folders")
+    if name is None and len(found) > 1:
+        raise ValueError(f"{root}/concepts holds {len(found)} sets; choose one with --concepts: {found}")
+    name = found[0] if name is None else name
+    if name not in found:
+        raise ValueError(f"no concept set {name!r} in {root}/concepts; found {found}")
+    return ConceptSet.load(root / "concepts" / name)
+
+
+class ConceptEncoder(NamedTuple):
+    kind: str
+    """how activations are computed, in words"""
+    encode: Callable[[Tensor], Tensor]
+    """`(N, d)` -> `(N, n)` concept activations"""
+    decode: Callable[[Tensor], Tensor] | None
+    """`(N, n)` -> `(N, d)` reconstruction, for sets that reconstruct"""
+
+
+def concept_encoder(cs: ConceptSet) -> ConceptEncoder:
+    """How `cs`'s concepts activate: the set's own encoder when it carries one (SAE, VQ codebook),
+    else the atlas's definition (`describe.activations`: the cosine to the centred direction).
+    Every part of the suite reads activations through here."""
+    from conceptlens.concepts.sae.restore import CLASSES, sae_from_concept_set
+
+    if cs.method in CLASSES:
+        sae = sae_from_concept_set(cs)
+        return ConceptEncoder(f"{cs.method} encoder", lambda x: sae.encode(x).cpu(), lambda z: sae.decode(z).cpu())
+    if cs.method == "vq" and "codebook" in cs.encoder:
+        codes = cs.encoder["codebook"].float()
+        return ConceptEncoder("one-hot nearest VQ code",
+                              lambda x: F.one_hot(torch.cdist(x.cpu().float(), codes).argmin(1), len(codes)).float(),
+                              lambda z: z @ codes)
+    from conceptlens.describe.activations import concept_activations
+
+    act = concept_activations(cs)  # the atlas's definition: the cosine to the centred direction
+    return ConceptEncoder(act.kind, lambda x: act.encode(x.cpu()), None)
+
+
+# ---- labels and batches ------------------------------------------------------------------
+
+def word_spans(words: list[str]) -> Tensor:
+    """Character spans `(W, 2)` of the words in `" ".join(words)`."""
+    lengths = torch.tensor([len(w) for w in words])
+    starts = torch.cumsum(lengths + 1, 0) - lengths - 1
+    return torch.stack([starts, starts + lengths], 1)
+
+
+def first_subtoken_labels(offsets: Tensor, spans: Tensor, tags: Tensor) -> Tensor:
+    """Token labels `(T,)`: the tag of word w on the first token overlapping it, -1 elsewhere.
+
+        first_subtoken_labels(offsets, word_spans(words), tag_ids)   # offsets: (T, 2) char spans
+
+    Tokens with an empty span (special tokens, padding) are never labelled.
+    """
+    start, end = offsets[:, 0], offsets[:, 1]
+    ends = torch.cummax(torch.where(end > start, end, torch.zeros_like(end)), 0).values  # sorted
+    first = torch.searchsorted(ends, spans[:, 0].contiguous(), right=True)  # first token ending after the word starts
+    ok = first < len(offsets)
+    first, spans, tags = first[ok], spans[ok], tags[ok]
+    hit = (start[first] < spans[:, 1]) & (end[first] > start[first])
+    labels = torch.full((len(offsets),), -1, dtype=torch.long)
+    labels[first[hit]] = tags[hit]
+    return labels
+
+
+def task_batches(tok: Any, texts: list[str], labels: list[Any], *, token_level: bool, tag_ids: dict[str, int],
+                 batch_size: int, max_length: int) -> Iterator[tuple[dict[str, Tensor], Tensor]]:
+    """(batch, labels) pairs: labels `(B,)` per document, or `(B, T)` per token (-1 = unlabelled)."""
+    for i in range(0, len(texts), batch_size):
+        chunk, chunk_labels = texts[i:i + batch_size], labels[i:i + batch_size]
+        batch = encode_batch(tok, chunk, max_length, offsets=token_level)
+        if not token_level:
+            yield batch, torch.tensor(chunk_labels)
+            continue
+        offsets = batch.pop("offset_mapping")
+        rows = [first_subtoken_labels(off, word_spans(text.split(" ")),
+                                      torch.tensor([tag_ids.get(t, -1) for t in tags]))
+                for off, text, tags in zip(offsets, chunk, chunk_labels)]
+        yield batch, torch.stack(rows)
+
+
+def pick(n: int, k: int, seed: int) -> list[int]:
+    """k of n indices drawn without replacement, in a seeded order (sets are stored sorted by label)."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:k].tolist()
+
+
+def label_ids(task_set: Any, token_level: bool, max_classes: int) -> tuple[dict[str, int], list[str]]:
+    """Tag -> class id for the probed classes, and class names by id."""
+    if not token_level:
+        return {}, list(task_set.label_names)
+    counts: dict[str, int] = {}
+    for tags in task_set.labels:
+        for tag in tags:
+            counts[tag] = counts.get(tag, 0) + 1
+    top = sorted(counts, key=lambda t: (-counts[t], t))[:max_classes]
+    return {t: i for i, t in enumerate(top)}, top
+
+
+def label_of(task_set: Any, i: int, token_level: bool) -> Any:
+    """Document i's label as a class id (str topics -> index in label_names); tag lists as they are."""
+    label = task_set.labels[i]
+    return label if token_level else task_set.label_names.index(label) if isinstance(label, str) else int(label)
+
+
+# ---- activations ---------------------------------------------------------------------------
+
+class Probed(NamedTuple):
+    """What the probes see, one row per probed unit (a document, or a labelled token)."""
+
+    x: Tensor
+    """`(M, d)` site activations (document means, or tokens)"""
+    z: dict[str, Tensor]
+    """set name -> `(M, n)` concept activations (document means of per-token activations, or per token)"""
+    y: Tensor
+    """`(M,)` labels"""
+    doc: Tensor
+    """`(M,)` the document each row comes from: what the bootstrap resamples"""
+
+
+@torch.no_grad()
+def collect(lens: Any, site: str, encoders: dict[str, ConceptEncoder],
+            batches: Iterable[tuple[dict[str, Tensor], Tensor]],
+            on_tokens: Callable[[Tensor, Tensor], None] | None = None) -> Probed:
+    """Activations at `site` of every batch -> probe rows for every set in `encoders`;
+    `on_tokens(x, doc)` also sees every token (`(N, d)` rows and their document ids)."""
+    xs, ys, docs = [], [], []
+    zs: dict[str, list[Tensor]] = {name: [] for name in encoders}
+    device = next(lens.model.parameters()).device
+    offset = 0
+    with lens.capture(site) as cap:
+        for batch, labels in batches:
+            x = cap.forward(**{k: v.to(device) for k, v in batch.items()})[site].flatten(1).cpu()
+            meta = cap.last[1]
+            inner = (meta.position > 0).cpu()  # the first token is an attention sink
+            x, rows = x[inner], meta.row.cpu()[inner]
+            if on_tokens is not None and len(x):
+                on_tokens(x, rows + offset)
+            z = {name: enc.encode(x) for name, enc in encoders.items()}
+            if labels.ndim == 1:  # one label per document: mean over its tokens
+                count = torch.bincount(rows, minlength=len(labels))
+                has = count > 0
+                xs.append(_doc_means(x, rows, count)[has])
+                for name in encoders:
+                    zs[name].append(_doc_means(z[name], rows, count)[has])
+                ys.append(labels[has])
+                docs.append(torch.arange(len(labels))[has] + offset)
+            else:
+                y = labels[meta.keep.cpu()][inner]
+                xs.append(x[y >= 0])
+                for name in encoders:
+                    zs[name].append(z[name][y >= 0])
+                ys.append(y[y >= 0])
+                docs.append(rows[y >= 0] + offset)
+            offset += len(labels)
+    return Probed(torch.cat(xs), {name: torch.cat(v) for name, v in zs.items()}, torch.cat(ys), torch.cat(docs))
+
+
+def _doc_means(v: Tensor, rows: Tensor, count: Tensor) -> Tensor:
+    return torch.zeros(len(count), v.shape[1]).index_add_(0, rows, v.float()) / count.clamp_min(1)[:, None]

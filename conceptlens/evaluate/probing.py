@@ -1,0 +1,161 @@
+"""k-sparse probing (SAEBench's protocol) with its controls, on balanced binary tasks.
+
+    tasks = binary_tasks(train.y, test.y, class_names)            # one-vs-rest, balanced
+    probe = fit_sparse_probe(z_train, y_train, k=5)              # top-5 mean difference + logistic
+    lines = probing_lines("bbc-news", train, test, class_names, ks=(1, 2, 5, 20))
+
+For each binary task the k latents with the largest |mean(class 1) - mean(class 0)| on the
+train split are kept and a logistic regression (scikit-learn, C = 1, on features standardised
+with the train mean and deviation) is fitted on them; the figure is its test accuracy, averaged
+over a set's binary tasks. Multi-class sets become one-vs-rest tasks; each task is balanced by
+subsampling its larger side (seeded), in train and test, so chance is 0.5 (SAEBench balances
+its tasks too). Controls, on the same rows: the same k-sparse probe on as many random unit
+directions of the site as the set has concepts (several draws), the diff-of-means direction of
+the train split (one feature), and a logistic probe on all raw activations (the supervised
+ceiling). Intervals: bootstrap over test documents (`bootstrap`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from conceptlens.evaluate.activations import Probed
+from conceptlens.evaluate.bootstrap import Estimate, bootstrap, bootstrap_draws, per_document
+from conceptlens.evaluate.lines import Line
+
+KS = (1, 2, 5, 20)
+RANDOM_DRAWS = 5
+
+
+class BinaryTask(NamedTuple):
+    name: str
+    train: Tensor
+    """row indices of the train split (balanced)"""
+    test: Tensor
+    """row indices of the test split (balanced)"""
+    y_train: Tensor
+    """`(len(train),)` 0/1"""
+    y_test: Tensor
+
+
+def _balanced(y: Tensor, g: torch.Generator) -> Tensor:
+    """Indices of every row of the smaller side of 0/1 labels `y` and as many of the larger, sorted."""
+    pos, neg = (y == 1).nonzero().flatten(), (y == 0).nonzero().flatten()
+    n = min(len(pos), len(neg))
+    return torch.cat([side[torch.randperm(len(side), generator=g)[:n]] for side in (pos, neg)]).sort().values
+
+
+def binary_tasks(y_train: Tensor, y_test: Tensor, class_names: list[str], seed: int = 0) -> list[BinaryTask]:
+    """One balanced task per class (one-vs-rest), or the single task of a two-class set."""
+    g = torch.Generator().manual_seed(seed)
+    classes = [1] if len(class_names) == 2 else range(len(class_names))
+    tasks = []
+    for c in classes:
+        train, test = _balanced((y_train == c).long(), g), _balanced((y_test == c).long(), g)
+        if len(train) and len(test):
+            tasks.append(BinaryTask(class_names[c], train, test, (y_train[train] == c).long(), (y_test[test] == c).long()))
+    return tasks
+
+
+def top_mean_difference(z: Tensor, y: Tensor, k: int) -> Tensor:
+    """Indices of the k columns of `z` `(N, n)` with the largest |mean over y=1 - mean over y=0|."""
+    diff = (z[y == 1].double().mean(0) - z[y == 0].double().mean(0)).abs()
+    return diff.topk(min(k, z.shape[1])).indices
+
+
+class SparseProbe(NamedTuple):
+    features: Tensor
+    """`(k,)` the selected columns"""
+    model: object
+    """a fitted scikit-learn pipeline: StandardScaler then LogisticRegression"""
+
+    def predict(self, z: Tensor) -> Tensor:
+        """`(N, n)` -> `(N,)` 0/1 predictions."""
+        return torch.from_numpy(self.model.predict(z[:, self.features].double().numpy()))
+
+
+def fit_logistic(x: Tensor, y: Tensor, C: float = 1.0) -> object:
+    """scikit-learn's LogisticRegression(C) on features standardised with their train mean and deviation."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    return make_pipeline(StandardScaler(), LogisticRegression(C=C, max_iter=1000)).fit(x.double().numpy(), y.numpy())
+
+
+def fit_sparse_probe(z: Tensor, y: Tensor, k: int, C: float = 1.0) -> SparseProbe:
+    """SAEBench's k-sparse probe: the top-k mean-difference columns of `z` `(N, n)`, then `fit_logistic`."""
+    features = top_mean_difference(z, y, k)
+    return SparseProbe(features, fit_logistic(z[:, features], y, C))
+
+
+def _correct_per_doc(tasks: list[BinaryTask], predictions: list[Tensor], doc: Tensor, n_docs: int) -> Tensor:
+    """`(n_docs, 2 * tasks)`: per task, correct test rows and test rows, summed by document."""
+    cols = [torch.stack([(p == t.y_test).double(), torch.ones(len(p), dtype=torch.float64)], 1)
+            for t, p in zip(tasks, predictions)]
+    return torch.cat([per_document(c, doc[t.test], n_docs) for c, t in zip(cols, tasks)], 1)
+
+
+def mean_accuracy(t: Tensor) -> Tensor:
+    """Statistic: accuracy averaged over tasks, from `(..., 2 * tasks)` columns (correct, count)."""
+    return (t[..., 0::2] / t[..., 1::2]).mean(-1)
+
+
+def sparse_probe_accuracy(z_train: Tensor, z_test: Tensor, tasks: list[BinaryTask], k: int, doc: Tensor,
+                          n_docs: int) -> Tensor:
+    """Per-document (correct, count) columns of the k-sparse probe of every task: see `_correct_per_doc`."""
+    preds = [fit_sparse_probe(z_train[t.train], t.y_train, k).predict(z_test[t.test]) for t in tasks]
+    return _correct_per_doc(tasks, preds, doc, n_docs)
+
+
+def _dense_accuracy(train: Probed, test: Probed, tasks: list[BinaryTask], n_docs: int, diff_of_means: bool) -> Tensor:
+    preds = []
+    for t in tasks:
+        x_train, x_test = train.x[t.train].double(), test.x[t.test].double()
+        if diff_of_means:
+            w = x_train[t.y_train == 1].mean(0) - x_train[t.y_train == 0].mean(0)
+            x_train, x_test = (x_train @ w)[:, None], (x_test @ w)[:, None]
+        model = fit_logistic(x_train, t.y_train)
+        preds.append(torch.from_numpy(model.predict(x_test.numpy())))
+    return _correct_per_doc(tasks, preds, test.doc, n_docs)
+
+
+def random_directions(n: int, d: int, seed: int) -> Tensor:
+    """`(n, d)` unit directions drawn uniformly on the sphere."""
+    return F.normalize(torch.randn(n, d, generator=torch.Generator().manual_seed(seed)), dim=1)
+
+
+def probing_lines(task: str, train: Probed, test: Probed, class_names: list[str], *, ks: Sequence[int] = KS,
+                  draws: int = RANDOM_DRAWS, seed: int = 0) -> list[Line]:
+    """Test accuracy of every set's k-sparse probe per k, next to its matched random control,
+    the diff-of-means direction and the full probe."""
+    tasks = binary_tasks(train.y, test.y, class_names, seed)
+    if not tasks:
+        raise ValueError(f"{task}: no class has examples in both splits")
+    n_docs = int(test.doc.max()) + 1
+    dom = bootstrap(_dense_accuracy(train, test, tasks, n_docs, True), mean_accuracy, seed=seed)
+    full = bootstrap(_dense_accuracy(train, test, tasks, n_docs, False), mean_accuracy, seed=seed)
+    note = f"{len(tasks)} balanced binary task(s), {int(np.mean([len(t.test) for t in tasks]))} test rows each"
+    lines, controls = [], {}
+    for name, z_train in train.z.items():
+        n = z_train.shape[1]
+        if n not in controls:  # sets of the same size share their control
+            rand = [random_directions(n, train.x.shape[1], seed + 1 + r) for r in range(draws)]
+            controls[n] = {k: bootstrap_draws([sparse_probe_accuracy(train.x @ r.T, test.x @ r.T, tasks, k, test.doc,
+                                                                     n_docs) for r in rand], mean_accuracy, seed=seed)
+                           for k in ks}
+        for k in ks:
+            ours = bootstrap(sparse_probe_accuracy(z_train, test.z[name], tasks, k, test.doc, n_docs),
+                             mean_accuracy, seed=seed)
+            lines.append(Line(name, f"{task} k={k} accuracy", ours, [(f"random {n} dirs", controls[n][k]),
+                                                                      ("diff-of-means", dom), ("full probe", full)], note))
+    return lines
+
+
+__all__ = ["KS", "BinaryTask", "Estimate", "SparseProbe", "binary_tasks", "fit_logistic", "fit_sparse_probe",
+           "mean_accuracy", "probing_lines", "random_directions", "sparse_probe_accuracy", "top_mean_difference"]

@@ -1,0 +1,154 @@
+"""Reconstruction on held-out text: FVU, CE-loss recovered, KL to the clean model, dead and dense latents.
+
+    lines = reconstruction_lines(lens, "blocks.15.resid_out", {"topk": enc}, batches, site_mean)
+
+Each batch runs clean (recording the site), then once per set with its reconstruction spliced
+in at the site (`metrics.splice`'s replacement: real tokens but each sequence's first), once
+zero-ablated and once mean-ablated (the site's mean over train text). Per document it sums the
+next-token cross-entropy, the KL divergence KL(clean || edited) of the next-token distributions
+(nats per predicted token) and, on the replaced rows, the squared error, the squared norm, the
+row sum and how often each latent fired. Intervals: bootstrap over the documents.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from conceptlens.evaluate.activations import ConceptEncoder
+from conceptlens.evaluate.bootstrap import Estimate, bootstrap
+from conceptlens.evaluate.lines import Line
+from conceptlens.metrics.splice import _check_model, _replacer, splice_mask
+
+DENSE = 0.1
+"""A latent is dense when it fires on more than this fraction of tokens."""
+
+NONE = Estimate(math.nan, math.nan, math.nan)
+
+
+def next_token_terms(logits: Tensor, clean: Tensor, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per sequence `(B,)`: summed next-token cross-entropy under `logits` `(B, T, V)`, summed
+    KL(softmax(clean) || softmax(logits)), and the number of predicted tokens (a token counts when
+    it and its predecessor are real)."""
+    valid = (mask[:, 1:] & mask[:, :-1]).bool()  # (B, T-1)
+    ce, kl = torch.zeros(len(ids), dtype=torch.float64), torch.zeros(len(ids), dtype=torch.float64)
+    for b in range(len(ids)):  # one sequence at a time: a (T, V) float64 slice, not (B, T, V)
+        keep = valid[b]
+        logp = F.log_softmax(logits[b, :-1][keep].double(), -1)  # (n, V)
+        clean_logp = F.log_softmax(clean[b, :-1][keep].double(), -1)
+        ce[b] = -logp.gather(-1, ids[b, 1:][keep, None]).sum()
+        kl[b] = (clean_logp.exp() * (clean_logp - logp)).sum()
+    return ce, kl, valid.sum(1).double().cpu()
+
+
+@torch.no_grad()
+def splice_terms(lens: Any, site: str, edits: Mapping[str, Callable[[Tensor], Tensor]],
+                 batches: Iterable[Mapping[str, Tensor]], on_rows: Callable[[Tensor, Tensor], None] | None = None
+                 ) -> dict[str, Tensor]:
+    """Per document: `"clean"` `(D, 2)` (CE sum, predicted tokens) and, per edit, `(D, 2)` (CE sum,
+    KL sum) with the site's replaced rows set to `edit(rows)`; `on_rows(x, doc)` sees the clean
+    replaced rows `(N, d)` and their document ids."""
+    _check_model(lens)
+    name = lens.site(site).name
+    device = next(lens.model.parameters()).device
+    out: dict[str, list[Tensor]] = {key: [] for key in ("clean", *edits)}
+    offset = 0
+    for batch in batches:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        ids = batch["input_ids"]
+        mask = batch.get("attention_mask", torch.ones_like(ids))
+        where = splice_mask(mask)
+        seen: list[Tensor] = []
+        with lens.hook(name, lambda x: seen.append(x[where.to(x.device)].flatten(1).float().cpu())):
+            clean = lens.model(**batch).logits
+        if on_rows is not None:
+            on_rows(seen[0], where.nonzero()[:, 0].cpu() + offset)
+        ce, _, n = next_token_terms(clean, clean, ids, mask)
+        out["clean"].append(torch.stack([ce, n], 1).cpu())
+        for key, edit in edits.items():
+            with lens.hook(name, _replacer(edit, where)):
+                logits = lens.model(**batch).logits
+            ce, kl, _ = next_token_terms(logits, clean, ids, mask)
+            out[key].append(torch.stack([ce, kl], 1).cpu())
+        offset += len(ids)
+    return {key: torch.cat(v) for key, v in out.items()}
+
+
+class RowStats:
+    """Per-document sums over replaced rows for one set: squared error, squared norm, row count,
+    row sum `(d,)`, active latents, and each latent's firing count `(n,)`."""
+
+    def __init__(self, encoder: ConceptEncoder, n_docs: int) -> None:
+        self.encoder, self.n_docs = encoder, n_docs
+        self.scalars: Tensor | None = None  # (D, 4): err, sq, rows, nonzero
+        self.sums: Tensor | None = None  # (D, d)
+        self.fired: Tensor | None = None  # (D, n)
+
+    def update(self, x: Tensor, doc: Tensor) -> None:
+        z = self.encoder.encode(x)
+        x_hat = self.encoder.decode(z)
+        x = x.double()
+        scalars = torch.stack([(x - x_hat.double()).pow(2).sum(1), x.pow(2).sum(1), torch.ones(len(x), dtype=x.dtype),
+                               (z != 0).double().sum(1)], 1)
+        parts = {"scalars": scalars, "sums": x, "fired": (z != 0).double()}
+        for key, values in parts.items():
+            total = getattr(self, key)
+            if total is None:
+                total = torch.zeros(self.n_docs, values.shape[1], dtype=torch.float64)
+            setattr(self, key, total.index_add_(0, doc, values))
+
+
+def _fvu(t: Tensor) -> Tensor:
+    err, sq, n, sums = t[..., 0], t[..., 1], t[..., 2], t[..., 4:]
+    return err / (sq - sums.pow(2).sum(-1) / n)
+
+
+def _recovered(t: Tensor) -> Tensor:  # columns: clean CE, zero CE, edited CE
+    return (t[..., 1] - t[..., 2]) / (t[..., 1] - t[..., 0])
+
+
+def reconstruction_lines(lens: Any, site: str, encoders: Mapping[str, ConceptEncoder],
+                         batches: list[Mapping[str, Tensor]], site_mean: Tensor, seed: int = 0) -> list[Line]:
+    """FVU, CE-loss recovered, KL, L0, dead and dense fractions of every set in `encoders` (all must decode)."""
+    n_docs = sum(len(b["input_ids"]) for b in batches)
+    stats = {name: RowStats(enc, n_docs) for name, enc in encoders.items()}
+    edits: dict[str, Callable[[Tensor], Tensor]] = {name: (lambda e: lambda x: e.decode(e.encode(x)))(enc)
+                                                    for name, enc in encoders.items()}
+    edits |= {" zero": torch.zeros_like, " mean": lambda x: site_mean.to(x).expand_as(x)}
+    terms = splice_terms(lens, site, edits, batches, lambda x, doc: [s.update(x, doc) for s in stats.values()])
+    clean, tokens = terms["clean"][:, :1], terms["clean"][:, 1:]
+
+    def ce(key: str) -> Tensor:  # (D, 3): clean, zero, edited CE sums
+        return torch.cat([clean, terms[" zero"][:, :1], terms[key][:, :1]], 1)
+
+    def kl(key: str) -> Estimate:
+        return bootstrap(torch.cat([terms[key][:, 1:], tokens], 1), lambda t: t[..., 0] / t[..., 1], seed=seed)
+
+    mean_rec, zero_kl, mean_kl = bootstrap(ce(" mean"), _recovered, seed=seed), kl(" zero"), kl(" mean")
+    clean_ce = float(clean.sum() / tokens.sum())
+    lines = []
+    for name, s in stats.items():
+        rows = s.scalars[:, 2:3]
+        per_latent = torch.cat([s.fired, rows], 1)
+        spliced_ce = float(terms[name][:, 0].sum() / tokens.sum())
+        lines += [
+            Line(name, "FVU", bootstrap(torch.cat([s.scalars, s.sums], 1), _fvu, seed=seed),
+                 [("mean predictor", Estimate(1.0, math.nan, math.nan))], f"{int(rows.sum()):,} held-out tokens",
+                 higher_is_better=False),
+            Line(name, "CE loss recovered", bootstrap(ce(name), _recovered, seed=seed),
+                 [("mean-ablation", mean_rec), ("zero-ablation", Estimate(0.0, math.nan, math.nan))],
+                 f"clean {clean_ce:.3f}, spliced {spliced_ce:.3f} nats/token over {int(tokens.sum()):,} predictions"),
+            Line(name, "KL to clean (nats/token)", kl(name), [("mean-ablation", mean_kl), ("zero-ablation", zero_kl)],
+                 "KL(clean, spliced) of the next-token distributions", higher_is_better=False),
+            Line(name, "L0", bootstrap(s.scalars[:, [3, 2]], lambda t: t[..., 0] / t[..., 1], seed=seed), [],
+                 "active latents per token"),
+            Line(name, "dead fraction", bootstrap(per_latent, lambda t: (t[..., :-1] == 0).double().mean(-1), seed=seed),
+                 [], "latents that never fired on the held-out tokens", higher_is_better=False),
+            Line(name, f"dense fraction (>{DENSE:.0%} of tokens)",
+                 bootstrap(per_latent, lambda t: (t[..., :-1] > DENSE * t[..., -1:]).double().mean(-1), seed=seed),
+                 [], "", higher_is_better=False)]
+    return lines

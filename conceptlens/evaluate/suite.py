@@ -1,0 +1,167 @@
+"""The evaluation suite: every part on every set of one site, as lines next to their baselines.
+
+    config = SuiteConfig(suites=("reconstruction", "probing", "absorption"))
+    lines = run_suite(lens, tok, {"topk": cs_topk, "kmeans": cs_kmeans}, config)
+    print(format_lines(lines))
+
+Parts: `reconstruction` (sets that reconstruct: SAEs, VQ), `probing` (k-sparse probing on the
+labelled sets), `absorption` (first letters; sets that reconstruct) and `quality` (the older
+table of `conceptlens eval --task`: best single concept's probe loss, geometry, LDA cosines).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+
+from conceptlens.batching import encode_batch
+from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.evaluate import activations as act
+from conceptlens.evaluate.bootstrap import Estimate
+from conceptlens.evaluate.lines import Line
+from conceptlens.evaluate.probing import KS, RANDOM_DRAWS
+
+SUITES = ("reconstruction", "probing", "absorption", "quality")
+DEFAULT_SUITES = ("reconstruction", "probing", "absorption")
+PROBE_TASKS = ("bbc-news", "movie-polarity", "wsj-pos", "conll2010-uncertainty")
+
+
+@dataclass
+class SuiteConfig:
+    """What the suite runs and on how much text."""
+
+    suites: tuple[str, ...] = DEFAULT_SUITES
+    """parts to run, from `SUITES`"""
+    tasks: tuple[str, ...] = PROBE_TASKS
+    """labelled sets of the probing (and quality) part"""
+    max_docs: int = 400
+    """documents (sentences) drawn per split of each labelled set"""
+    max_length: int = 128
+    """tokens per document"""
+    batch_size: int = 16
+    max_classes: int = 8
+    """wsj-pos: probe the most frequent tags only"""
+    recon_data: str = "bbc-news"
+    """labelled set whose test split is the held-out text of the reconstruction part (train: the site mean)"""
+    recon_docs: int = 32
+    """held-out documents of the reconstruction part"""
+    absorption_words: int = 2000
+    """vocabulary tokens of the absorption part (a fifth are its test words)"""
+    ks: tuple[int, ...] = KS
+    random_draws: int = RANDOM_DRAWS
+    """draws of the random-direction control"""
+    probe_candidates: int | None = 16
+    """quality part: concepts per class screened for the single-concept probe (None: all)"""
+    seed: int = 0
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        for name, valid in (("suites", SUITES), ("tasks", PROBE_TASKS)):
+            bad = [v for v in getattr(self, name) if v not in valid]
+            if bad or not getattr(self, name):
+                raise ValueError(f"unknown {name} {bad or '(none)'}; choose from {', '.join(valid)}")
+        for name in ("max_docs", "max_length", "batch_size", "max_classes", "recon_docs", "absorption_words",
+                     "random_draws"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer; got {getattr(self, name)}")
+        if not self.ks or min(self.ks) < 1:
+            raise ValueError(f"ks must be positive integers; got {list(self.ks)}")
+
+
+def run_suite(lens: Any, tok: Any, sets: Mapping[str, ConceptSet], config: SuiteConfig) -> list[Line]:
+    """Every part of `config.suites` on `sets` (all at one site), in order."""
+    return [line for _, lines in run_parts(lens, tok, sets, config) for line in lines]
+
+
+def run_parts(lens: Any, tok: Any, sets: Mapping[str, ConceptSet], config: SuiteConfig) -> Iterator[tuple[str, list[Line]]]:
+    """(part, lines) as each part of `config.suites` finishes: `run_suite` one part at a time."""
+    sites = {cs.site for cs in sets.values()}
+    if len(sites) != 1 or None in sites:
+        raise ValueError(f"run_suite takes sets of one site; got sites {sorted(map(str, sites))}")
+    site = lens.site(sites.pop()).name
+    encoders = {name: act.concept_encoder(cs) for name, cs in sets.items()}
+    decoders = {name: enc for name, enc in encoders.items() if enc.decode is not None}
+    for part in config.suites:
+        if part == "reconstruction" and decoders:
+            yield part, _reconstruction(lens, tok, site, decoders, config)
+        elif part == "absorption" and decoders:
+            from conceptlens.evaluate.absorption import absorption_lines, alpha_tokens
+
+            words = alpha_tokens(tok, config.absorption_words, config.seed)
+            yield part, absorption_lines(lens, site, decoders, tok, words, seed=config.seed)
+        elif part in ("probing", "quality"):
+            for task in config.tasks:
+                yield f"{part} {task}", _probing(lens, tok, site, encoders, sets, task, part, config)
+
+
+def _docs(task: str, split: str, n: int, seed: int) -> Any:
+    from conceptlens import data
+
+    full = data.load(task, split)
+    return full, act.pick(len(full), n, seed)
+
+
+def _reconstruction(lens: Any, tok: Any, site: str, decoders: Mapping[str, act.ConceptEncoder],
+                    config: SuiteConfig) -> list[Line]:
+    from conceptlens.evaluate.reconstruction import reconstruction_lines
+
+    def batches(split: str) -> list[dict[str, torch.Tensor]]:
+        full, picked = _docs(config.recon_data, split, config.recon_docs, config.seed)
+        texts = [full.texts[i] for i in picked]
+        return [encode_batch(tok, texts[i:i + config.batch_size], config.max_length)
+                for i in range(0, len(texts), config.batch_size)]
+
+    total, count = 0.0, 0
+
+    def add(x: torch.Tensor, _: torch.Tensor) -> None:
+        nonlocal total, count
+        total, count = total + x.double().sum(0), count + len(x)
+
+    act.collect(lens, site, {}, ((b, torch.zeros(len(b["input_ids"]))) for b in batches("train")), add)
+    return reconstruction_lines(lens, site, decoders, batches("test"), (total / count).float(), config.seed)
+
+
+def _probing(lens: Any, tok: Any, site: str, encoders: Mapping[str, act.ConceptEncoder], sets: Mapping[str, ConceptSet],
+             task: str, part: str, config: SuiteConfig) -> list[Line]:
+    token_level = task in act.TOKEN_TASKS
+    splits = {s: _docs(task, s, config.max_docs, config.seed) for s in ("train", "test")}
+    tag_ids, class_names = act.label_ids(splits["train"][0], token_level, config.max_classes)
+    probed = {}
+    for split, (full, picked) in splits.items():
+        batches = act.task_batches(tok, [full.texts[i] for i in picked],
+                                   [act.label_of(full, i, token_level) for i in picked], token_level=token_level,
+                                   tag_ids=tag_ids, batch_size=config.batch_size, max_length=config.max_length)
+        probed[split] = act.collect(lens, site, dict(encoders), _bar(batches, f"{task} {split}", config.progress))
+    if part == "probing":
+        from conceptlens.evaluate.probing import probing_lines
+
+        return probing_lines(task, probed["train"], probed["test"], class_names, ks=config.ks,
+                             draws=config.random_draws, seed=config.seed)
+    return _quality(task, probed["train"], probed["test"], sets, class_names, config)
+
+
+def _quality(task: str, train: act.Probed, test: act.Probed, sets: Mapping[str, ConceptSet], class_names: list[str],
+             config: SuiteConfig) -> list[Line]:
+    from conceptlens.evaluate.table import Features, metric_rows
+
+    lines = []
+    for name, cs in sets.items():
+        rows = metric_rows(cs.directions, Features(train.x, train.z[name], train.y),
+                           Features(test.x, test.z[name], test.y), class_names, None, config.probe_candidates)
+        for r in rows:
+            bases = [] if math.isnan(r.baseline) else [(r.baseline_name, _point(r.baseline))]
+            lines.append(Line(name, f"{task} {r.metric.strip()}", _point(r.value), bases, r.note))
+    return lines
+
+
+def _point(value: float) -> Estimate:
+    return Estimate(value, math.nan, math.nan)
+
+
+def _bar(items: Iterable, desc: str, on: bool) -> Iterable:
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc, unit="batch", disable=not on, dynamic_ncols=True, leave=False)

@@ -1,0 +1,59 @@
+"""First-letter absorption finds a planted absorbing latent; main latents, vocabulary."""
+
+import pytest
+import torch
+
+from conceptlens.evaluate.absorption import LETTERS, absorption, alpha_tokens, main_latents
+
+
+def _words():
+    """Latent 0 fires on 's' words, latent 2 on 'a' words; 'short' (row 0) fires latent 1 instead of 0.
+
+    Decoder rows: 0 -> e0 (the 's' direction), 1 -> (e0 + e1) / sqrt 2, 2 -> e2, 3 -> e3 (noise)."""
+    g = torch.Generator().manual_seed(0)
+    words = ["short"] + [f"s{i}" for i in range(39)] + [f"a{i}" for i in range(40)]
+    letter = torch.tensor([LETTERS.index(w[0]) for w in words])
+    decoder = torch.eye(4, 8)
+    decoder[1] = (torch.eye(8)[0] + torch.eye(8)[1]) / 2 ** 0.5
+    z = torch.zeros(len(words), 4)
+    z[1:40, 0] = 3.0
+    z[0, 1] = 3.0
+    z[40:, 2] = 3.0
+    z[:, 3] = torch.rand(len(words), generator=g)
+    return words, letter, z, decoder
+
+
+def test_a_planted_absorbing_latent_is_found():
+    words, letter, z, decoder = _words()
+    x = z @ decoder
+    s = letter == LETTERS.index("s")
+    result = absorption(x[s], z[s], decoder, torch.eye(8)[0], main=[0])
+    assert result.fraction.tolist() == [1.0] + [0.0] * 39  # 'short' absorbed entirely, the rest not at all
+    assert result.full.tolist() == [True] + [False] * 39
+    assert int(result.top[0]) == 1  # the absorbing latent
+    partly = z[s][:1].clone()
+    partly[0, 0] = 1.0  # the main latent fires weakly: partial absorption, no full absorption
+    part = absorption(partly @ decoder, partly, decoder, torch.eye(8)[0], main=[0])
+    share = 3 / 2 ** 0.5
+    assert part.fraction.item() == pytest.approx(share / (share + 1.0)) and not part.full.item()
+
+
+def test_main_latents_are_the_letters_latent():
+    words, letter, z, _ = _words()
+    y = (letter == LETTERS.index("s")).long()
+    assert main_latents(z[::2], y[::2], z[1::2], y[1::2], max_k=4) == [0]
+
+
+class _Tokenizer:
+    vocab = ["<s>", " apple", " a", "Banana", " be", " x1", " cat"]
+
+    def __len__(self):
+        return len(self.vocab)
+
+    def decode(self, ids):
+        return "".join(self.vocab[i] for i in ids)
+
+
+def test_alpha_tokens_keep_spaced_words_of_two_or_more_letters():
+    assert alpha_tokens(_Tokenizer(), 10) == [(1, "apple"), (4, "be"), (6, "cat")]
+    assert len(alpha_tokens(_Tokenizer(), 2)) == 2

@@ -1,0 +1,90 @@
+"""CE-loss recovered, KL and FVU of the reconstruction part against a manual splice with a plain forward hook."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import conceptlens
+from conceptlens.evaluate.activations import ConceptEncoder
+from conceptlens.evaluate.reconstruction import reconstruction_lines
+from conceptlens.metrics.quality import fvu
+from tests.conftest import tiny_model
+
+
+def _encoder(d: int = 32, n: int = 48) -> ConceptEncoder:
+    w = torch.randn(n, d, generator=torch.Generator().manual_seed(5)) / math.sqrt(d)
+    return ConceptEncoder("relu", lambda x: torch.relu(x @ w.T - 0.2), lambda z: z @ w)
+
+
+def _manual(model, batch, edit):
+    """Logits with block 0's output replaced by edit(rows) on real tokens after each sequence's first."""
+    where = batch["attention_mask"].bool() & (batch["attention_mask"].cumsum(1) > 1)
+    seen = []
+
+    def hook(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        seen.append(hidden[where].clone())
+        if edit is None:
+            return None
+        hidden = hidden.clone()
+        hidden[where] = edit(hidden[where])
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+    handle = model.model.layers[0].register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            return model(**batch).logits, seen[0]
+    finally:
+        handle.remove()
+
+
+def test_reconstruction_figures_equal_a_manual_splice_with_a_forward_hook():
+    model = tiny_model("llama")
+    lens = conceptlens.attach(model)
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(2):
+        ids = torch.randint(3, 99, (3, 9), generator=g)
+        mask = torch.ones_like(ids)
+        mask[1, 6:] = 0  # right padding
+        batches.append({"input_ids": ids, "attention_mask": mask})
+    enc = _encoder()
+    mean = torch.randn(32, generator=g)
+    lines = reconstruction_lines(lens, "blocks.0.resid_out", {"sae": enc}, batches, mean)
+    by_metric = {ln.metric: ln for ln in lines}
+
+    totals = {k: 0.0 for k in ("clean", "sae", "zero", "mean", "kl_sae", "kl_zero", "kl_mean")}
+    tokens, rows = 0, []
+    edits = {"sae": lambda h: enc.decode(enc.encode(h)), "zero": torch.zeros_like, "mean": lambda h: mean.expand_as(h)}
+    for batch in batches:
+        clean, x = _manual(model, batch, None)
+        rows.append(x)
+        valid = (batch["attention_mask"][:, 1:] * batch["attention_mask"][:, :-1]).bool()
+        targets = batch["input_ids"][:, 1:][valid]
+        clean_logp = F.log_softmax(clean[:, :-1][valid].double(), -1)
+        totals["clean"] += float(F.nll_loss(clean_logp, targets, reduction="sum"))
+        tokens += int(valid.sum())
+        for name, edit in edits.items():
+            logp = F.log_softmax(_manual(model, batch, edit)[0][:, :-1][valid].double(), -1)
+            totals[name] += float(F.nll_loss(logp, targets, reduction="sum"))
+            totals[f"kl_{name}"] += float(F.kl_div(logp, clean_logp, log_target=True, reduction="sum"))
+    recovered = (totals["zero"] - totals["sae"]) / (totals["zero"] - totals["clean"])
+    mean_recovered = (totals["zero"] - totals["mean"]) / (totals["zero"] - totals["clean"])
+    ce = by_metric["CE loss recovered"]
+    assert ce.value.value == pytest.approx(recovered, rel=1e-6)
+    assert dict(ce.baselines)["mean-ablation"].value == pytest.approx(mean_recovered, rel=1e-6)
+    kl = by_metric["KL to clean (nats/token)"]
+    assert kl.value.value == pytest.approx(totals["kl_sae"] / tokens, rel=1e-6)
+    assert dict(kl.baselines)["zero-ablation"].value == pytest.approx(totals["kl_zero"] / tokens, rel=1e-6)
+    assert dict(kl.baselines)["mean-ablation"].value == pytest.approx(totals["kl_mean"] / tokens, rel=1e-6)
+    x = torch.cat(rows)
+    z = enc.encode(x)
+    assert by_metric["FVU"].value.value == pytest.approx(fvu(x, enc.decode(z)), rel=1e-6)
+    assert by_metric["L0"].value.value == pytest.approx(float((z != 0).double().sum(1).mean()), rel=1e-9)
+    rate = (z != 0).double().mean(0)
+    assert by_metric["dead fraction"].value.value == float((rate == 0).double().mean())
+    assert by_metric["dense fraction (>10% of tokens)"].value.value == float((rate > 0.1).double().mean())
+    for line in lines:
+        assert line.value.low <= line.value.value <= line.value.high or math.isnan(line.value.low)

@@ -1,0 +1,37 @@
+"""The suite's configuration checks and the quality part's lines."""
+
+import math
+
+import pytest
+import torch
+
+from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.evaluate import suite, table
+from conceptlens.evaluate.activations import Probed
+
+
+def test_config_names_the_bad_value_and_the_choices():
+    with pytest.raises(ValueError, match=r"unknown suites \['steering'\]; choose from reconstruction, probing"):
+        suite.SuiteConfig(suites=("probing", "steering"))
+    with pytest.raises(ValueError, match="unknown tasks"):
+        suite.SuiteConfig(tasks=("imdb",))
+    with pytest.raises(ValueError, match="max_docs must be a positive integer; got 0"):
+        suite.SuiteConfig(max_docs=0)
+    with pytest.raises(ValueError, match=r"ks must be positive integers; got \[0, 5\]"):
+        suite.SuiteConfig(ks=(0, 5))
+
+
+def test_quality_part_carries_the_quality_table_rows():
+    g = torch.Generator().manual_seed(0)
+    y = torch.arange(90) % 3
+    x = torch.randn(90, 8, generator=g)
+    z = torch.randn(90, 5, generator=g)
+    z[:, 2] += 3.0 * (y == 1)
+    probed = Probed(x, {"set": z}, y, torch.arange(90))
+    cs = ConceptSet(torch.randn(5, 8, generator=g))
+    lines = suite._quality("toy", probed, probed, {"set": cs}, ["a", "b", "c"], suite.SuiteConfig())
+    rows = table.metric_rows(cs.directions, table.Features(x, z, y), table.Features(x, z, y), ["a", "b", "c"], None, 16)
+    assert [ln.metric for ln in lines] == [f"toy {r.metric.strip()}" for r in rows]
+    assert [ln.value.value for ln in lines] == pytest.approx([r.value for r in rows], nan_ok=True)
+    assert all(math.isnan(ln.value.low) for ln in lines)
+    assert lines[0].baselines[0][0] == "base-rate entropy"

@@ -118,3 +118,12 @@ def assert_same_state(a, b, path: str = "state") -> None:
             assert_same_state(x, y, f"{path}[{i}]")
     else:
         assert a == b or (a != a and b != b), path  # NaN statistics compare equal
+
+
+def pytest_terminal_summary(terminalreporter):
+    """After a run that included the coverage test: which comparisons ran for how many types."""
+    from tests.adapters import coverage
+
+    if coverage.LEDGERS:
+        for line in coverage.summary():
+            terminalreporter.write_line(line)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+from collections import Counter
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -20,6 +22,47 @@ SUBLAYERS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out", "branch_out")
 
 class NotBuildable(Exception):
     """transformers itself cannot build or run this type from a tiny text config."""
+
+
+# The comparisons a model type can get, in the order the summary prints them.
+COMPARISONS = ("embed = hidden_states[0]", "resid_out = hidden_states", "sublayer sum = resid_out",
+               "pattern (captured q, k) = eager weights", "k/v with cache = without", "cached forward refused",
+               "mlp.post = down projection's input")
+
+
+@dataclass
+class Ledger:
+    """Which comparisons ran for one model type (how many sites each), and why the others did not."""
+
+    ran: Counter = field(default_factory=Counter)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def did(self, comparison: str, n: int = 1) -> None:
+        assert comparison in COMPARISONS, comparison
+        self.ran[comparison] += n
+
+    def skip(self, comparison: str, reason: str) -> None:
+        assert comparison in COMPARISONS, comparison
+        if not self.ran[comparison]:
+            self.skipped.setdefault(comparison, reason)
+
+
+LEDGERS: dict[str, Ledger] = {}
+"""model type -> its ledger, filled by the coverage test; tests/conftest.py prints the counts."""
+OUTCOMES: dict[str, str] = {}
+"""model type -> "checked", "refused" (a clear error, as expected) or "not buildable" (transformers' own failure)."""
+
+
+def summary() -> list[str]:
+    """One line per comparison: types compared (sites), types skipped and their reasons."""
+    lines = [f"coverage comparisons over {len(LEDGERS)} model types:"]
+    for what in COMPARISONS:
+        ran = [t for t, led in LEDGERS.items() if led.ran[what]]
+        sites = sum(led.ran[what] for led in LEDGERS.values())
+        reasons = Counter(led.skipped[what] for led in LEDGERS.values() if what in led.skipped and not led.ran[what])
+        why = "; ".join(f"{n} {r}" for r, n in reasons.most_common())
+        lines.append(f"  {what}: {len(ran)} types ({sites} sites) compared, {sum(reasons.values())} not: {why}")
+    return lines
 
 
 def inputs_for(model, length: int = 6) -> dict:
@@ -80,7 +123,8 @@ def close(a, b, tol=1e-5) -> bool:
     return a.shape == b.shape and bool(((a - b).abs().max() <= tol * (1 + b.abs().max())).item())
 
 
-def check_model(model, inputs, out, partial: bool = False) -> None:
+def check_model(model, inputs, out, partial: bool = False, ledger: Ledger | None = None) -> None:
+    ledger = ledger if ledger is not None else Ledger()
     lens = conceptlens.attach(model)
     assert partial or not lens.adapter.problems, lens.adapter.problems
     for stack, n in lens.adapter.n_blocks.items():
@@ -101,23 +145,68 @@ def check_model(model, inputs, out, partial: bool = False) -> None:
         assert offset in (0, 1)
         if offset:
             assert close(acts[f"{p}embed"], hs[0]), "embed != hidden_states[0]"
+            ledger.did("embed = hidden_states[0]")
+        else:
+            ledger.skip("embed = hidden_states[0]", "HF lists block outputs only")
         for i in range(n):
             ref = hs[i + offset] if i + offset < n else hs[n]
             got = acts[f"{p}blocks.{i}.resid_out"]
             if i == n - 1 and f"{p}final" in lens.sites and not close(got, ref):
                 got = acts[f"{p}final"]
             assert close(got, ref), f"{p}blocks.{i}.resid_out != hidden_states[{i + 1}]"
+            ledger.did("resid_out = hidden_states")
             dropped = any(k.startswith(f"{p}blocks.{i}.") for k in lens.adapter.problems)
             lay = lens.adapter.layout(stack, i)
             if lay.adds:
                 _check_adds(lay, acts, points[i], f"{p}blocks.{i}")
-            elif lay.additive and not dropped:  # resid_coef: the detected coefficient on resid_in (Beam's < 1);
+                ledger.did("sublayer sum = resid_out")
+            elif not lay.additive:
+                ledger.skip("sublayer sum = resid_out", "blocks not additive (post-norm or mixing)")
+            elif dropped:
+                ledger.skip("sublayer sum = resid_out", "sublayer sites dropped with a reason")
+            else:  # resid_coef: the detected coefficient on resid_in (Beam's < 1);
                 # the sublayers a reversible block adds to its other stream are left out
                 total = lay.resid_coef * acts[f"{p}blocks.{i}.resid_in"] + \
                     sum(acts[f"{p}blocks.{i}.{k}"] for k in SUBLAYERS if f"{p}blocks.{i}.{k}" in acts and
                         k not in lay.other_stream)
                 assert close(total, acts[f"{p}blocks.{i}.resid_out"], 1e-4), \
                     f"{p}blocks.{i}: resid_coef * resid_in + attn_out + mlp_out != resid_out"
+                ledger.did("sublayer sum = resid_out")
+    check_mlp_post(lens, model, inputs, ledger)
+
+
+def check_mlp_post(lens, model, inputs, ledger: Ledger) -> None:
+    """Every `mlp.post` site's values equal what its down projection receives, read by a plain
+    forward pre-hook (not only its width): the neurons as the model computes them."""
+    names = [n for n in lens.sites if n.endswith(".mlp.post")]
+    if not names:
+        ledger.skip("mlp.post = down projection's input", "no mlp.post site")
+        return
+    seen: dict[str, list] = {n: [] for n in names}
+    handles = [lens.sites[n].module.register_forward_pre_hook(
+        lambda m, args, kw, got=seen[n]: got.append(first_tensor(args or tuple(kw.values())).detach().clone()),
+        with_kwargs=True) for n in names]
+    try:
+        acts = capture_all(lens, model, inputs, names)
+    finally:
+        for h in handles:
+            h.remove()
+    for name in names:
+        site, got = lens.sites[name], acts[name]
+        calls = seen[name]
+        raw = calls[site.call if site.call is not None else 0] if calls else None
+        if raw is None or (len(calls) > 1 and site.call is None):
+            ledger.skip("mlp.post = down projection's input", f"its module ran {len(calls)} times")
+            continue
+        if site.time_major:
+            raw = raw.transpose(0, 1)
+        if site.channels_first:  # (B, d, T): Conv1d blocks (SqueezeBERT)
+            raw = raw.transpose(1, -1)
+        if raw.numel() != got.numel() or site.prefixed or site.row_offset:
+            ledger.skip("mlp.post = down projection's input", "the module sees other rows than the tokens")
+            continue
+        assert close(got, raw.reshape(got.shape).float()), f"{name} differs from its down projection's input"
+        ledger.did("mlp.post = down projection's input")
 
 
 def _check_adds(lay, acts, points, b: str) -> None:
@@ -158,42 +247,50 @@ def _add_points(lens, stack: str):
             h.remove()
 
 
-def check_kv_cache(model, inputs, refused: bool = False, one_decoder_token: bool = False) -> None:
+def check_kv_cache(model, inputs, refused: bool = False, one_decoder_token: bool = False,
+                   ledger: Ledger | None = None) -> None:
     """k/v sites read at the KV cache's update (a forward with a cache) equal those read at the
     attention function (no cache): the keys a cache stores are the keys the scores use. Where
     the module attends to other k/v than it stores (`refused`), a cached forward must refuse.
     `one_decoder_token`: the model computes another function with a cache on several decoder
     tokens (FSMT drops its causal mask then), so both forwards get one decoder token."""
+    ledger = ledger if ledger is not None else Ledger()
+    what = "cached forward refused" if refused else "k/v with cache = without"
     lens = conceptlens.attach(model)
     inputs = {k: v for k, v in inputs.items() if k != "use_cache"}
     if one_decoder_token:
         inputs["decoder_input_ids"] = inputs["decoder_input_ids"][:, :1]
     names = [n for n in lens.sites if _SELF_ATTN.search(n) and n.endswith((".k", ".v"))]
-    if not names or not getattr(model.config.get_text_config(decoder=True), "use_cache", False):
-        return
+    if not names:
+        return ledger.skip(what, "no self-attention k/v site")
+    if not getattr(model.config.get_text_config(decoder=True), "use_cache", False):
+        return ledger.skip(what, "the config has no KV cache")
     try:
         with torch.no_grad():
             out = model(**inputs, use_cache=True)
     except Exception:  # transformers itself refuses a cache here (Switch's encoder)
-        return
+        return ledger.skip(what, "transformers refuses use_cache")
     if getattr(out, "cache", getattr(out, "past_key_values", None)) is None:
-        return
+        return ledger.skip(what, "the forward returns no cache")
     with lens.capture(names, keep_shape=True) as fresh, torch.no_grad():
         model(**inputs, use_cache=False)
     if refused:
         with pytest.raises(ValueError, match="attends to other keys/values than it stores"), torch.no_grad(), \
                 lens.capture(names, keep_shape=True):
             model(**inputs, use_cache=True)
-        return
+        return ledger.did(what, len(names))
     with lens.capture(names, keep_shape=True) as cached, torch.no_grad():
         model(**inputs, use_cache=True)
     for name in names:
         assert close(cached.last[0][name], fresh.last[0][name], 1e-6), f"{name} differs with a KV cache"
+    ledger.did(what, len(names))
 
 
-def check_attention(model, inputs, sink_scaled: bool = False) -> None:
+def check_attention(model, inputs, sink_scaled: bool = False, ledger: Ledger | None = None) -> None:
     """Every block whose attention calls the attention function has q/k/v sites, and its
     pattern (from the captured q/k and the model's mask) equals the eager attention weights."""
+    ledger = ledger if ledger is not None else Ledger()
+    what = "pattern (captured q, k) = eager weights"
     lens = conceptlens.attach(model)
     for stack in lens.adapter.n_blocks:
         p = f"{stack}." if stack else ""
@@ -203,12 +300,14 @@ def check_attention(model, inputs, sink_scaled: bool = False) -> None:
             base = name[: -len("pattern")]
             assert all(f"{base}{w}" in lens.sites for w in "qkv"), name
         if not names:
+            ledger.skip(what, "no attention pattern site")
             continue
         with lens.capture(names, keep_shape=True) as cap, torch.no_grad():
             out = model(**inputs, output_attentions=True)
         attentions = {"encoder": getattr(out, "encoder_attentions", None),
                       "decoder": getattr(out, "decoder_attentions", None)}.get(stack, getattr(out, "attentions", None))
         if not attentions:
+            ledger.skip(what, "HF returns no attention weights")
             continue
         attentions = [a for a in attentions if a is not None]
         n = lens.adapter.n_blocks[stack]
@@ -216,6 +315,7 @@ def check_attention(model, inputs, sink_scaled: bool = False) -> None:
             index = int(name.split(".")[len(p.split(".")) if p else 1])
             ref = attentions[index] if len(attentions) == n else attentions[j] if len(attentions) == len(names) else None
             if ref is None:
+                ledger.skip(what, "HF's attention list does not match the blocks")
                 continue
             got = cap.last[0][name].transpose(1, 2)
             if sink_scaled:  # HF returns the weights before its post-softmax sink scaling; ours include the sink
@@ -223,3 +323,4 @@ def check_attention(model, inputs, sink_scaled: bool = False) -> None:
                 got = got / got.sum(-1, keepdim=True)
             assert got.shape == ref.shape and torch.allclose(got, ref.float(), atol=1e-5), \
                 f"{name} differs from the eager attention weights"
+            ledger.did(what)

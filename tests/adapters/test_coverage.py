@@ -61,7 +61,9 @@ def test_model_type(model_type):
     try:
         model, inputs, out = coverage.reference(model_type)
     except coverage.NotBuildable as err:
+        coverage.OUTCOMES[model_type] = "not buildable"
         pytest.skip(f"transformers cannot build or run a tiny {model_type}: {err}")
+    coverage.OUTCOMES[model_type] = "refused" if model_type in EXCEPTIONS else "checked"
     if model_type in EXCEPTIONS:
         with pytest.raises(ValueError, match=EXCEPTIONS[model_type]):  # a clear error, not wrong sites
             conceptlens.attach(model)
@@ -74,10 +76,38 @@ def test_model_type(model_type):
             with pytest.raises(KeyError, match="differs from resid_out|did not run|has shape|merged attention|"
                                                "inside itself"):
                 lens.site(name)
-    coverage.check_model(model, inputs, out, partial=model_type in PARTIAL)
-    coverage.check_attention(model, inputs, sink_scaled=model_type in SINK_SCALED)
+    ledger = coverage.LEDGERS[model_type] = coverage.Ledger()
+    coverage.check_model(model, inputs, out, partial=model_type in PARTIAL, ledger=ledger)
+    coverage.check_attention(model, inputs, sink_scaled=model_type in SINK_SCALED, ledger=ledger)
     coverage.check_kv_cache(model, inputs, refused=model_type in KV_CHANGED_AFTER_CACHE,
-                            one_decoder_token=model_type in ONE_DECODER_TOKEN_WITH_CACHE)
+                            one_decoder_token=model_type in ONE_DECODER_TOKEN_WITH_CACHE, ledger=ledger)
+    blocks = sum(conceptlens.attach(model).adapter.n_blocks.values())
+    assert ledger.ran["resid_out = hidden_states"] == blocks, "a block's resid_out was not compared with HF"
+
+
+# Types whose comparison ran, at least, when every type runs (DESIGN.md, "Coverage"): a change
+# that makes a check return early without a word lowers a count and fails here.
+AT_LEAST = {
+    "embed = hidden_states[0]": 244,
+    "resid_out = hidden_states": 248,
+    "sublayer sum = resid_out": 194,
+    "pattern (captured q, k) = eager weights": 206,
+    "k/v with cache = without": 169,
+    "cached forward refused": 19,
+    "mlp.post = down projection's input": 187,
+}
+
+
+def test_every_comparison_ran_as_often_as_recorded():
+    """Runs after the per-type tests (file order): counts the types each comparison reached."""
+    missing = set(model_types()) - set(coverage.OUTCOMES) - TOO_SLOW_TO_BUILD
+    if missing:
+        pytest.skip(f"{len(missing)} types were not run in this session (-k or -m): the counts need every type")
+    assert sum(1 for o in coverage.OUTCOMES.values() if o == "checked") >= AT_LEAST["resid_out = hidden_states"]
+    for what, floor in AT_LEAST.items():
+        n = sum(1 for led in coverage.LEDGERS.values() if led.ran[what])
+        assert n >= floor, f"{what}: {n} types compared, fewer than the {floor} recorded\n" + \
+            "\n".join(coverage.summary())
 
 
 def test_harness_covers_the_auto_mappings():

@@ -7,8 +7,9 @@ SmolLM2-135M, BBC News articles spread over the five topics. Rows: the bare mode
 blocks.15.resid_out that the pass runs; and `lens.describe` of three sets at that site in one
 pass (a TopK SAE of `--width` latents, k-means and Deleuzian-style directions of 512 each;
 weights random: the cost does not depend on them), with top-16 windows, histograms,
-co-activation, promoted tokens and the finishing step. Prints each as a ratio to the bare
-forward, and the finishing step (neighbours, logit tokens, decoding; once per pass) apart.
+co-activation, promoted tokens and the finishing step. Prints each as a ratio to the
+capture-only forward to the same site (what the user pays anyway; the bare full forward is shown
+for context), and the finishing step (neighbours, logit tokens, decoding; once per pass) apart.
 Times are medians of interleaved rounds, as wall time and as this process's CPU time (on a
 shared machine the CPU time is the steadier of the two; both are printed).
 """
@@ -126,9 +127,10 @@ def main() -> None:
         finish_s = statistics.median(sum(f[label] for f in finishing[i:i + n]) for i in range(0, len(finishing), n))
         seconds["describe, streaming part only"] = seconds["describe 3 sets (one pass + finish)"] - finish_s
         print_table(f"{label} time over the same documents (median of {args.rounds} interleaved rounds)", seconds,
-                    "bare forward (full model)", tokens)
-        ratio = seconds["describe 3 sets (one pass + finish)"] / seconds["bare forward (full model)"]
-        print(f"  description pass / bare forward ({label}): {ratio:.3f}x (target <= 1.15x); finishing step "
+                    f"capture-only forward to {SITE}", tokens)
+        ratio = seconds["describe 3 sets (one pass + finish)"] / seconds[f"capture-only forward to {SITE}"]
+        print(f"  description pass / capture-only to the same site ({label}): {ratio:.3f}x (target <= 1.15x); "
+              f"finishing step "
               f"{finish_s * 1e3:.0f} ms per pass (3 sets)")
 
 

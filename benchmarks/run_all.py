@@ -5,8 +5,10 @@
     python benchmarks/run_all.py --device cuda    # on a GPU machine
     python benchmarks/run_all.py --only kmeans sae
 
-Sections: capture (bare forward vs raw hooks vs lens.capture vs nnsight, and stop-early);
-fit (lens.fit per extractor vs bare full forwards over the same batches); kmeans
+Sections: capture (bare forward vs raw hooks vs lens.capture vs nnsight; stop-early vs a raw
+hook that raises at the same block); fit (lens.fit per extractor at block 15 and at the last
+block, each vs the capture-only pass to the same site over the same batches: what the user pays
+anyway); describe (the description pass vs the same capture-only pass, both sites); kmeans
 (StreamingKMeans vs scikit-learn MiniBatchKMeans at k 4096, one pass, and how close it runs
 to this machine's GEMM peak); deleuzian (one block's skewness at the default skew_rows and over
 the whole reservoir vs the block's k-means step); dtypes (k-means, Deleuzian, VQ and TopK SAE in
@@ -34,6 +36,7 @@ from _suite import Context, machine  # noqa: E402
 SECTIONS = {
     "capture": _model_benches.capture,
     "fit": _model_benches.fit_overhead,
+    "describe": _model_benches.describe_overhead,
     "kmeans": _math_benches.kmeans,
     "deleuzian": _math_benches.deleuzian,
     "dtypes": _math_benches.dtypes,

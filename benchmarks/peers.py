@@ -45,6 +45,8 @@ def compare(trainers: Mapping[str, Trainer], train: Tensor, held_out: Tensor, ba
     """Step every trainer on the same `batch`-row slices of `train`, interleaved; evaluate at
     `evals` evenly spaced points (CE at the last `ce_evals` of them). Returns each one's curve."""
     n_steps = train.shape[0] // batch
+    # a process's first torch.optim optimiser imports torch._dynamo (3-30 s here): pay it before timing
+    torch.optim.Adam([torch.zeros(1, requires_grad=True)])
     at = sorted({max(1, round(n_steps * (i + 1) / evals)) for i in range(evals)})
     seconds = dict.fromkeys(trainers, 0.0)
     curves: dict[str, list[Point]] = {name: [] for name in trainers}

@@ -38,6 +38,7 @@ class Point(NamedTuple):
     fvu: float
     l0: float
     ce_recovered: float  # nan where CE was not measured
+    first_step: float = math.nan  # seconds of the first step, which holds each trainer's initialisation
 
 
 def compare(trainers: Mapping[str, Trainer], train: Tensor, held_out: Tensor, batch: int, evals: int,
@@ -49,6 +50,7 @@ def compare(trainers: Mapping[str, Trainer], train: Tensor, held_out: Tensor, ba
     torch.optim.Adam([torch.zeros(1, requires_grad=True)])
     at = sorted({max(1, round(n_steps * (i + 1) / evals)) for i in range(evals)})
     seconds = dict.fromkeys(trainers, 0.0)
+    first = dict.fromkeys(trainers, 0.0)
     curves: dict[str, list[Point]] = {name: [] for name in trainers}
     for step in range(n_steps):
         rows = train[step * batch:(step + 1) * batch]
@@ -56,12 +58,15 @@ def compare(trainers: Mapping[str, Trainer], train: Tensor, held_out: Tensor, ba
             start = time.perf_counter()
             trainer.step(rows)
             seconds[name] += time.perf_counter() - start
+            first[name] = first[name] or seconds[name]
         if step + 1 in at:
             with_ce = ce is not None and at.index(step + 1) >= len(at) - ce_evals
             for name, trainer in trainers.items():
                 recovered = ce(trainer) if with_ce else math.nan
                 curves[name].append(Point((step + 1) * batch, seconds[name], fvu(held_out, trainer.reconstruct(held_out)),
-                                          l0(trainer, held_out), recovered))
+                                          l0(trainer, held_out), recovered, first[name]))
+            print(f"  {(step + 1) * batch} tokens: " + ", ".join(f"{n} {c[-1].fvu:.3f}" for n, c in curves.items()),
+                  flush=True)
     return curves
 
 
@@ -128,15 +133,18 @@ def goal_rows(curves: dict[str, list[Point]]) -> list[str]:
     return lines
 
 
-def report(curves: dict[str, list[Point]]) -> None:
+def report(curves: dict[str, list[Point]], batch: int) -> None:
     print(f"\n{'trainer':<18s} {'tokens':>8s} {'step s':>8s} {'FVU':>7s} {'L0':>7s} {'CE rec':>7s}")
     for name, curve in curves.items():
         for p in curve:
             print(f"{name:<18s} {p.tokens:8d} {p.seconds:8.1f} {p.fvu:7.4f} {p.l0:7.1f} {p.ce_recovered:7.3f}")
-    print(f"\n{'final':<18s} {'tokens':>8s} {'tok/s':>8s} {'FVU':>7s} {'L0':>7s} {'CE rec':>7s}")
+    print(f"\n{'final':<18s} {'tokens':>8s} {'step s':>8s} {'1st s':>6s} {'tok/s':>6s} {'later':>6s} "
+          f"{'FVU':>7s} {'L0':>7s} {'CE rec':>7s}   (tok/s: all steps; later: after the first)")
     for name, curve in curves.items():
         p = curve[-1]
-        print(f"{name:<18s} {p.tokens:8d} {p.tokens / p.seconds:8.0f} {p.fvu:7.4f} {p.l0:7.1f} {p.ce_recovered:7.3f}")
+        later = (p.tokens - batch) / (p.seconds - p.first_step) if p.seconds > p.first_step else math.nan
+        print(f"{name:<18s} {p.tokens:8d} {p.seconds:8.1f} {p.first_step:6.1f} {p.tokens / p.seconds:6.0f} "
+              f"{later:6.0f} {p.fvu:7.4f} {p.l0:7.1f} {p.ce_recovered:7.3f}")
     print("\nours reaching each peer's final figure (goal: tokens <= 1x and wall <= 0.7x):")
     print("\n".join(goal_rows(curves)) or "  (no peer installed)")
 
@@ -203,7 +211,7 @@ def main() -> None:
           f"batch {args.batch}, {torch.get_num_threads()} threads; load before: {load}")
     curves = compare(trainers, train, held_out, args.batch, args.evals, ce, args.ce_evals)
     print(f"load after: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
-    report(curves)
+    report(curves, args.batch)
     plot(curves, args.png, f"SmolLM2 {SITE}, {train.shape[0]} bbc-news tokens, width {args.width}, k {args.k}, "
                            f"batch {args.batch}")
 

@@ -128,6 +128,8 @@ def goal_rows(curves: dict[str, list[Point]]) -> list[str]:
                     continue
                 tok, wall = p.tokens / pc[-1].tokens, p.seconds / pc[-1].seconds
                 verdict = "goal met" if tok <= 1 and wall <= 0.7 else "goal missed"
+                if not p.l0 <= 1.5 * pc[-1].l0:  # a denser code is not a like-for-like win
+                    verdict += f" (but L0 {p.l0:.0f} vs {pc[-1].l0:.0f}: not comparable)"
                 lines.append(f"  {ours:<15s} vs {peer:<18s} {field:<13s} {target:8.4f}  tokens {tok:5.2f}x  "
                              f"wall {wall:5.2f}x  -> {verdict}")
     return lines

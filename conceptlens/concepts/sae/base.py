@@ -147,7 +147,7 @@ class SparseAutoencoder(ExtractorBase):
 
     # ---- one optimiser step ---------------------------------------------------------
     def _step(self, batch: Tensor) -> None:
-        x = batch.to(self._device).float() * self.scale  # (B, d), normalised, float32 (the loss's target)
+        x = self._normalise(batch.to(self._device).float())  # (B, d), float32 (the loss's target)
         if self.comm is not None:
             ddp.step(self, x)
             return
@@ -164,6 +164,10 @@ class SparseAutoencoder(ExtractorBase):
             self._apply_gradients()
             self._record(x, x_hat, code, loss)
             self._after_step(code)
+
+    def _normalise(self, x: Tensor) -> Tensor:
+        """Raw rows `(B, d)` -> the training space (x times the warm-up scale; SpaDE standardises)."""
+        return x * self.scale
 
     def _apply_gradients(self) -> None:
         """The Adam step, with the decoder rows' radial gradient removed and the rows renormalised."""

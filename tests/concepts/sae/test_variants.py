@@ -156,19 +156,63 @@ def test_spade_codes_and_raw_space_fold():
     x = data(100)
     sae = SpaDE(width=16, batch_size=100, warmup_tokens=100, seed=0)
     sae.d = 8
-    assert F.softplus(sae._init_params(x)["lambda_pre"]).item() == pytest.approx(1 / 16)
+    init = sae._init_params(x)
+    # lambda starts at 1 / the median squared distance from a token to its nearest other prototype
+    rows = [min(range(100), key=lambda i: (x[i] - p).abs().sum().item()) for p in init["prototypes"]]
+    d2 = torch.cdist(x, init["prototypes"]).pow(2)
+    d2[torch.tensor(rows)[None, :] == torch.arange(100)[:, None]] = float("inf")
+    assert F.softplus(init["lambda_pre"]).item() == pytest.approx(1 / d2.min(1).values.median().item(), rel=1e-4)
     sae = trained(SpaDE, gamma=0.3)
     enc = sae.concept_set().encoder
     x = data(40, seed=5)
-    expected = sparsemax(-enc["lambda"] * torch.cdist(x, enc["prototypes"]).pow(2))
+    # raw space: distances in units of each feature's warm-up standard deviation
+    std = enc["input_std"]
+    expected = sparsemax(-enc["lambda"] * torch.cdist(x / std, enc["prototypes"] / std).pow(2))
     torch.testing.assert_close(sae.encode(x), expected, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(sae.decode(expected), expected @ sae.concept_set().directions, rtol=1e-4, atol=1e-4)
-    xs = x * sae.scale
+    torch.testing.assert_close(sae.decode(expected), expected @ sae.concept_set().directions + enc["input_mean"],
+                               rtol=1e-4, atol=1e-4)
+    xs = (x - enc["input_mean"]) / std
     w = sae._weights()
     code = sae._encode(xs, w, train=True)
     distances = torch.cdist(xs, w["prototypes"]).pow(2)
     torch.testing.assert_close(sae._penalty(xs, None, code, w), 0.3 * (code.z * distances).sum(1).mean(),
                                rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("standardise", ["isotropic", "features"])
+def test_spade_standardises_inputs_over_the_warm_up(standardise):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 6, generator=g) * torch.tensor([0.1, 1, 10, 100, 1, 1]) + torch.arange(6.0) * 7
+    x[:, 5] = 3.0  # a constant feature
+    sae = SpaDE(width=8, batch_size=50, warmup_tokens=120, standardise=standardise, seed=0)
+    sae.update(x[:70])
+    sae.update(x[70:])  # the warm-up ends inside this chunk: rows 120+ are not part of it
+    warm = x[:120].double()
+    var = warm.var(0, unbiased=False)
+    if standardise == "features":
+        std = var.sqrt()
+        std[5] = 1.0  # a constant feature keeps sigma = 1
+    else:  # one sigma: E||x_n||^2 = d after centring
+        std = var.mean().sqrt().expand(6)
+    torch.testing.assert_close(sae.buffers["input_mean"], warm.mean(0).float())
+    torch.testing.assert_close(sae.buffers["input_std"], std.float())
+    raw = sae.concept_set().encoder
+    torch.testing.assert_close(raw["input_std"], std.float())
+    torch.testing.assert_close(raw["prototypes"], sae.params["prototypes"].detach() * std.float() + warm.mean(0).float())
+
+
+def test_spade_replicas_warming_up_pool_their_feature_sums():
+    x = data(160)
+    one = SpaDE(width=8, batch_size=50, warmup_tokens=100, standardise="features", seed=0)
+    one.update(x[:60])
+    one.update(x[60:100])
+    a = SpaDE(width=8, batch_size=50, warmup_tokens=100, standardise="features", seed=0)
+    b = SpaDE(width=8, batch_size=50, warmup_tokens=100, standardise="features", seed=0)
+    a.update(x[:60])
+    b.update(x[60:100])
+    a.merge(b.state_dict())
+    for key in ("input_mean", "input_std"):
+        torch.testing.assert_close(a.buffers[key], one.buffers[key])
 
 
 def test_geometric_median_minimises_summed_distances():
@@ -206,6 +250,7 @@ def test_latent_tracker_marks_latents_dead_after_silence():
     (lambda: MatryoshkaSAE(width=8, k=2, prefixes=(2, 4)), "ending at width=8"),
     (lambda: MatryoshkaSAE(width=8, k=2, prefixes=(4, 8), prefix_weights=(1.0,)), "2 numbers"),
     (lambda: SpaDE(width=8, gamma=float("nan")), "gamma"),
+    (lambda: SpaDE(width=8, standardise="pca"), "standardise"),
 ])
 def test_bad_configs_raise_value_error(make, match):
     with pytest.raises(ValueError, match=match):

@@ -12,7 +12,7 @@ from conceptlens.metrics.quality import best_latent_f1
 D, N_ATOMS, ACTIVE = 32, 64, 3
 COMMON = dict(width=128, batch_size=512, warmup_tokens=512, dead_after=20_000)  # default lr
 VARIANTS = {
-    "relu": lambda: ReLUSAE(**COMMON, l1=0.2, seed=0),  # free decoder norms (April 2024): 0.1 is too weak
+    "relu": lambda: ReLUSAE(**COMMON, seed=0),  # the defaults (April 2024: free decoder norms)
     "topk": lambda: TopKSAE(**COMMON, k=ACTIVE, seed=0),
     "batchtopk": lambda: BatchTopKSAE(**COMMON, k=ACTIVE, seed=0),
     "jumprelu": lambda: JumpReLUSAE(**COMMON, seed=0),  # the defaults: sparse within 100 steps
@@ -52,6 +52,18 @@ def test_recovers_planted_dictionary(name):
     assert share >= 0.9
     assert fvu < 0.25
     assert l0 < 32  # a quarter of the latents: the code is sparse
+
+
+def test_relu_defaults_recover_within_10_points_of_topk():
+    atoms, x = planted_dictionary(50_000, seed=5)  # a dictionary the defaults were not chosen on
+    shares = {}
+    for name, sae in {"relu": ReLUSAE(**COMMON, seed=5), "topk": TopKSAE(**COMMON, k=ACTIVE, seed=5)}.items():
+        for chunk in x.split(1000):
+            sae.update(chunk)
+        shares[name] = recovered(atoms, sae.concept_set().directions)
+    print(f"atoms recovered: ReLU {shares['relu']:.0%}, TopK {shares['topk']:.0%}")
+    # (the earlier default, l1 = 5 in units of E||x||^2 = d: 0% here, every latent dead)
+    assert shares["relu"] >= shares["topk"] - 0.10
 
 
 def magnitude_concepts(n: int, g: torch.Generator, d: int = 16) -> tuple[torch.Tensor, torch.Tensor]:

@@ -121,8 +121,23 @@ def test_relu_penalty_weights_latents_by_decoder_norms():
     w = {**sae._weights(), "W_dec": unit * torch.arange(1, 17.0)[:, None]}
     x = data(20, seed=2) * sae.scale
     code = sae._encode(x, w, train=True)
-    expected = 2.0 * (code.z * torch.arange(1, 17.0)).sum(1).mean()
+    expected = 2.0 * sae.buffers["l1_unit"] * (code.z * torch.arange(1, 17.0)).sum(1).mean()
     torch.testing.assert_close(sae._penalty(x, sae._decode(code.z, w), code, w), expected)
+
+
+def test_relu_l1_unit_is_the_first_batch_spread_and_its_warm_up_is_linear():
+    x = data(400)
+    sae = ReLUSAE(width=16, batch_size=100, warmup_tokens=100, buffer_size=100, l1=2.0, l1_warmup_tokens=250,
+                  b_dec_init="zeros", seed=0)
+    sae.update(x[:100])  # warm-up only: no step yet
+    sae.flush()  # one step on the 100 buffered rows
+    first = x[:100] * sae.scale
+    spread = ((first - first.mean(0)).pow(2).sum(1).mean() / 8).sqrt()
+    torch.testing.assert_close(sae.buffers["l1_unit"], spread)
+    assert sae.l1_now() == pytest.approx(2.0 * 100 / 250)
+    sae.update(x[100:300])
+    assert sae.l1_now() == 2.0  # 300 trained tokens: past the ramp
+    assert ReLUSAE(width=8, l1=2.0).l1_now() == 2.0  # no ramp by default
 
 
 def test_auxk_trains_only_dead_latents():
@@ -241,6 +256,7 @@ def test_latent_tracker_marks_latents_dead_after_silence():
     (lambda: TopKSAE(width=8.0, k=1), "width must be an int"),
     (lambda: ReLUSAE(width=8, lr=-1.0), "lr must be"),
     (lambda: ReLUSAE(width=8, l1=-0.1), "l1 must be"),
+    (lambda: ReLUSAE(width=8, l1_warmup_tokens=-1), "l1_warmup_tokens"),
     (lambda: ReLUSAE(width=8, betas=(0.9, 1.0)), "betas"),
     (lambda: ReLUSAE(width=8, batch_size=0), "batch_size"),
     (lambda: ReLUSAE(width=8, b_dec_init="median"), "b_dec_init must be one of"),

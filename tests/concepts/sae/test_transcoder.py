@@ -5,6 +5,7 @@ import io
 import pytest
 import torch
 
+from conceptlens.concepts import ConceptSet
 from conceptlens.concepts.sae.transcoder import SkipTranscoder, Transcoder
 from conceptlens.concepts.sae.transcoder_io import export_transcoder, import_transcoder, transcoder_from_concept_set
 
@@ -177,9 +178,7 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="input width 10"):
         tc.update(torch.ones(4, 9), torch.ones(4, 6))
     with pytest.raises(ValueError, match="not a transcoder"):
-        import_transcoder_bad = transcoder_from_concept_set
-        from conceptlens.concepts import ConceptSet
-        import_transcoder_bad(ConceptSet(torch.eye(3), method="topk_sae"))
+        transcoder_from_concept_set(ConceptSet(torch.eye(3), method="topk_sae"))
 
 
 def test_fit_feeds_a_transcoder_the_same_tokens_at_two_sites():

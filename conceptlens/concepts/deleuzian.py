@@ -43,6 +43,10 @@ weights of the same differences over 32,768 held-out rows, the Spearman correlat
 (k 512) keep the weighting's effective rank (292 / 287 over two seeds vs 291 / 288 with the
 whole reservoir, 261 unweighted) and differ from the whole-reservoir concepts less than a
 change of seed does (mean matched cosine 0.58 with the same blocks vs 0.46 between seeds).
+Probe loss (reproductions/deleuzian_probe.py, bbc-news document means, k 256) does not
+suffer from these: streaming 0.241 / 0.226 against paper mode 0.300 / 0.247 on MiniLM block 5 /
+SmolLM2 block 15, both below the TopK SAE's 0.459 / 0.308; on SmolLM2 wsj-pos tokens (k 512)
+0.133 against 0.131 (SAE 0.191).
 A shared Gram product (x_ref . x_i - x_ref . x_j) would not help here: each row is in two
 differences, so projecting the rows costs as much as projecting the differences.
 """

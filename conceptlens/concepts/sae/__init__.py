@@ -20,6 +20,8 @@ from conceptlens.concepts.sae.spade import SpaDE, SpaDEConfig
 from conceptlens.concepts.sae.sparsemax import sparsemax
 from conceptlens.concepts.sae.stats import SAEStats, StepStats
 from conceptlens.concepts.sae.topk import TopKConfig, TopKSAE
+from conceptlens.concepts.sae.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
+from conceptlens.concepts.sae.transcoder_io import export_transcoder, import_transcoder, transcoder_from_concept_set
 
 __all__ = [
     "SparseAutoencoder", "SAEConfig", "Code", "SAEStats", "StepStats",
@@ -27,4 +29,6 @@ __all__ = [
     "JumpReLUSAE", "JumpReLUConfig", "SpaDE", "SpaDEConfig", "MatryoshkaSAE", "MatryoshkaConfig", "ArchMSAE",
     "ActMSAE", "ActMSAEConfig", "EWGSAE", "EWGConfig", "MPSAE", "MPConfig", "HSAE", "HSAEConfig",
     "sparsemax", "export_saelens", "import_saelens", "sae_from_concept_set",
+    "Transcoder", "SkipTranscoder", "TranscoderConfig", "export_transcoder", "import_transcoder",
+    "transcoder_from_concept_set",
 ]

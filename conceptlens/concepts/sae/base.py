@@ -146,15 +146,14 @@ class SparseAutoencoder(ExtractorBase):
 
     # ---- one optimiser step ---------------------------------------------------------
     def _step(self, batch: Tensor) -> None:
-        x = batch.to(self._device).float() * self.scale  # (B, d), normalised, float32 (the loss's target)
+        x = self._normalise(batch.to(self._device).float())  # (B, d), float32 (the loss's target)
         if self.comm is not None:
             ddp.step(self, x)
             return
         if self._opt is None:
             self._start(x)
         w = self._compute_weights()
-        code = self._encode(x.to(self.compute_dtype), w, train=True)
-        x_hat = self._decode(code.z, w, train=True)  # (B, d)
+        x, code, x_hat = self._forward(x, w)  # target (B, d), code, x_hat (B, d)
         recon = self._recon_loss(x, code.z, x_hat, w)
         loss = recon + self._penalty(x, x_hat, code, w)
         self._opt.zero_grad(set_to_none=True)
@@ -163,6 +162,16 @@ class SparseAutoencoder(ExtractorBase):
             self._apply_gradients()
             self._record(x, x_hat, code, loss)
             self._after_step(code)
+
+    def _forward(self, x: Tensor, w: dict[str, Tensor]) -> tuple[Tensor, Code, Tensor]:
+        """The target, the code and its reconstruction for a normalised batch (a transcoder
+        reads part of each row and reconstructs the rest)."""
+        code = self._encode(x.to(self.compute_dtype), w, train=True)
+        return x, code, self._decode(code.z, w, train=True)
+
+    def _normalise(self, x: Tensor) -> Tensor:
+        """Raw rows `(B, d)` -> the training space (x times the warm-up scale; SpaDE standardises)."""
+        return x * self.scale
 
     def _apply_gradients(self) -> None:
         """The Adam step, with the decoder rows' radial gradient removed and the rows renormalised."""

@@ -51,8 +51,11 @@ def sae_from_concept_set(cs: ConceptSet) -> SparseAutoencoder:
                        "threshold_steps": torch.ones((), dtype=torch.int64)}
     elif cls is SpaDE:
         lam = float(raw["lambda"])
-        params = {"prototypes": raw["prototypes"].clone(), "W_dec": raw["W_dec"].clone(),
+        mean = raw.get("input_mean", torch.zeros(cs.hidden_size)).float()  # (sets saved before standardisation)
+        std = raw.get("input_std", torch.ones(cs.hidden_size)).float()
+        params = {"prototypes": (raw["prototypes"] - mean) / std, "W_dec": raw["W_dec"] / std,
                   "lambda_pre": torch.tensor(math.log(math.expm1(lam)))}
+        sae.buffers = {"input_mean": mean.clone(), "input_std": std.clone()}
     elif cls is HSAE:
         params = {k: raw[k].clone() for k in ("W_enc", "W_top", "W_down", "W_up", "E_child", "D_child", "b_dec")}
         sae.buffers = {"offset": raw["offset"].clone().reshape(())}

@@ -79,8 +79,13 @@ def test_concept_set_and_encode_work_on_raw_activations(name):
     # the same code computed in the normalised training space, mapped back by hand
     with torch.no_grad():
         w = sae._weights()
-        code = sae._encode(x * sae.scale, w, train=False).z
-        x_hat = sae._decode(code, w) / sae.scale
+        if name == "spade":  # standardised per feature: x_n = (x - mu) / sigma
+            mean, std = sae.buffers["input_mean"], sae.buffers["input_std"]
+            code = sae._encode((x - mean) / std, w, train=False).z
+            x_hat = sae._decode(code, w) * std + mean
+        else:
+            code = sae._encode(x * sae.scale, w, train=False).z
+            x_hat = sae._decode(code, w) / sae.scale
     z = sae.encode(x)
     expected_z = code if name == "spade" else code / sae.scale  # simplex codes carry no units
     torch.testing.assert_close(z, expected_z, rtol=1e-4, atol=1e-5)

@@ -121,8 +121,23 @@ def test_relu_penalty_weights_latents_by_decoder_norms():
     w = {**sae._weights(), "W_dec": unit * torch.arange(1, 17.0)[:, None]}
     x = data(20, seed=2) * sae.scale
     code = sae._encode(x, w, train=True)
-    expected = 2.0 * (code.z * torch.arange(1, 17.0)).sum(1).mean()
+    expected = 2.0 * sae.buffers["l1_unit"] * (code.z * torch.arange(1, 17.0)).sum(1).mean()
     torch.testing.assert_close(sae._penalty(x, sae._decode(code.z, w), code, w), expected)
+
+
+def test_relu_l1_unit_is_the_first_batch_spread_and_its_warm_up_is_linear():
+    x = data(400)
+    sae = ReLUSAE(width=16, batch_size=100, warmup_tokens=100, buffer_size=100, l1=2.0, l1_warmup_tokens=250,
+                  b_dec_init="zeros", seed=0)
+    sae.update(x[:100])  # warm-up only: no step yet
+    sae.flush()  # one step on the 100 buffered rows
+    first = x[:100] * sae.scale
+    spread = ((first - first.mean(0)).pow(2).sum(1).mean() / 8).sqrt()
+    torch.testing.assert_close(sae.buffers["l1_unit"], spread)
+    assert sae.l1_now() == pytest.approx(2.0 * 100 / 250)
+    sae.update(x[100:300])
+    assert sae.l1_now() == 2.0  # 300 trained tokens: past the ramp
+    assert ReLUSAE(width=8, l1=2.0).l1_now() == 2.0  # no ramp by default
 
 
 def test_auxk_trains_only_dead_latents():
@@ -156,19 +171,63 @@ def test_spade_codes_and_raw_space_fold():
     x = data(100)
     sae = SpaDE(width=16, batch_size=100, warmup_tokens=100, seed=0)
     sae.d = 8
-    assert F.softplus(sae._init_params(x)["lambda_pre"]).item() == pytest.approx(1 / 16)
+    init = sae._init_params(x)
+    # lambda starts at 1 / the median squared distance from a token to its nearest other prototype
+    rows = [min(range(100), key=lambda i: (x[i] - p).abs().sum().item()) for p in init["prototypes"]]
+    d2 = torch.cdist(x, init["prototypes"]).pow(2)
+    d2[torch.tensor(rows)[None, :] == torch.arange(100)[:, None]] = float("inf")
+    assert F.softplus(init["lambda_pre"]).item() == pytest.approx(1 / d2.min(1).values.median().item(), rel=1e-4)
     sae = trained(SpaDE, gamma=0.3)
     enc = sae.concept_set().encoder
     x = data(40, seed=5)
-    expected = sparsemax(-enc["lambda"] * torch.cdist(x, enc["prototypes"]).pow(2))
+    # raw space: distances in units of each feature's warm-up standard deviation
+    std = enc["input_std"]
+    expected = sparsemax(-enc["lambda"] * torch.cdist(x / std, enc["prototypes"] / std).pow(2))
     torch.testing.assert_close(sae.encode(x), expected, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(sae.decode(expected), expected @ sae.concept_set().directions, rtol=1e-4, atol=1e-4)
-    xs = x * sae.scale
+    torch.testing.assert_close(sae.decode(expected), expected @ sae.concept_set().directions + enc["input_mean"],
+                               rtol=1e-4, atol=1e-4)
+    xs = (x - enc["input_mean"]) / std
     w = sae._weights()
     code = sae._encode(xs, w, train=True)
     distances = torch.cdist(xs, w["prototypes"]).pow(2)
     torch.testing.assert_close(sae._penalty(xs, None, code, w), 0.3 * (code.z * distances).sum(1).mean(),
                                rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("standardise", ["isotropic", "features"])
+def test_spade_standardises_inputs_over_the_warm_up(standardise):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 6, generator=g) * torch.tensor([0.1, 1, 10, 100, 1, 1]) + torch.arange(6.0) * 7
+    x[:, 5] = 3.0  # a constant feature
+    sae = SpaDE(width=8, batch_size=50, warmup_tokens=120, standardise=standardise, seed=0)
+    sae.update(x[:70])
+    sae.update(x[70:])  # the warm-up ends inside this chunk: rows 120+ are not part of it
+    warm = x[:120].double()
+    var = warm.var(0, unbiased=False)
+    if standardise == "features":
+        std = var.sqrt()
+        std[5] = 1.0  # a constant feature keeps sigma = 1
+    else:  # one sigma: E||x_n||^2 = d after centring
+        std = var.mean().sqrt().expand(6)
+    torch.testing.assert_close(sae.buffers["input_mean"], warm.mean(0).float())
+    torch.testing.assert_close(sae.buffers["input_std"], std.float())
+    raw = sae.concept_set().encoder
+    torch.testing.assert_close(raw["input_std"], std.float())
+    torch.testing.assert_close(raw["prototypes"], sae.params["prototypes"].detach() * std.float() + warm.mean(0).float())
+
+
+def test_spade_replicas_warming_up_pool_their_feature_sums():
+    x = data(160)
+    one = SpaDE(width=8, batch_size=50, warmup_tokens=100, standardise="features", seed=0)
+    one.update(x[:60])
+    one.update(x[60:100])
+    a = SpaDE(width=8, batch_size=50, warmup_tokens=100, standardise="features", seed=0)
+    b = SpaDE(width=8, batch_size=50, warmup_tokens=100, standardise="features", seed=0)
+    a.update(x[:60])
+    b.update(x[60:100])
+    a.merge(b.state_dict())
+    for key in ("input_mean", "input_std"):
+        torch.testing.assert_close(a.buffers[key], one.buffers[key])
 
 
 def test_geometric_median_minimises_summed_distances():
@@ -197,6 +256,7 @@ def test_latent_tracker_marks_latents_dead_after_silence():
     (lambda: TopKSAE(width=8.0, k=1), "width must be an int"),
     (lambda: ReLUSAE(width=8, lr=-1.0), "lr must be"),
     (lambda: ReLUSAE(width=8, l1=-0.1), "l1 must be"),
+    (lambda: ReLUSAE(width=8, l1_warmup_tokens=-1), "l1_warmup_tokens"),
     (lambda: ReLUSAE(width=8, betas=(0.9, 1.0)), "betas"),
     (lambda: ReLUSAE(width=8, batch_size=0), "batch_size"),
     (lambda: ReLUSAE(width=8, b_dec_init="median"), "b_dec_init must be one of"),
@@ -206,6 +266,7 @@ def test_latent_tracker_marks_latents_dead_after_silence():
     (lambda: MatryoshkaSAE(width=8, k=2, prefixes=(2, 4)), "ending at width=8"),
     (lambda: MatryoshkaSAE(width=8, k=2, prefixes=(4, 8), prefix_weights=(1.0,)), "2 numbers"),
     (lambda: SpaDE(width=8, gamma=float("nan")), "gamma"),
+    (lambda: SpaDE(width=8, standardise="pca"), "standardise"),
 ])
 def test_bad_configs_raise_value_error(make, match):
     with pytest.raises(ValueError, match=match):

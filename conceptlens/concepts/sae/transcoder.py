@@ -17,8 +17,9 @@ This is SAELens's "transcoder" / "skip_transcoder" architecture, so `export_tran
 Each side has its own warm-up scale (x_n = s_in x_in, y_n = s_out y with E||.||^2 = width of
 that side), folded on export: W_enc unchanged, b_enc / s_in, W_dec s_in / s_out, b_dec / s_out,
 W_skip s_in / s_out, so raw latents are the normalised ones divided by s_in. Rows travel through
-the mixing buffer as [x_in | y]. Distributed fits are not supported (the per-step all-reduce
-assumes one site); replicas merge by averaging as other SAEs do.
+the mixing buffer as [x_in | y]. `fit(distributed=True)` gives every rank the global rows, so it
+needs nothing of its own; the per-step gradient all-reduce for callers who feed each rank its own
+rows (`comm`) assumes one site and is not offered; replicas merge by averaging as other SAEs do.
 """
 
 from __future__ import annotations

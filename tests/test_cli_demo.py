@@ -24,7 +24,7 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["demo", "--model", str(model), "--site", "blocks.1.resid_out", "--max-tokens", "3000",
                  "--describe-tokens", "3000", "--concepts", "8", "--width", "64", "--k", "4", "--out", str(out),
-                 "--no-progress"])
+                 "--no-progress", "--judge-model", str(model)])
     printed = capsys.readouterr().out
     assert code == 0
     for part in ("run.toml", "fit_report.json", "quality.json", "report/index.html", "report/matches.html",
@@ -35,7 +35,15 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
     assert set(quality["extractors"]) == {"deleuzian", "topk", "kmeans", "random/8", "random/64"}  # matched in count
     assert "FVU" in quality["extractors"]["topk"] and "FVU" not in quality["extractors"]["kmeans"]
     assert "base-rate entropy" in printed and "of kept tokens carry" in printed and "optimiser steps" in printed
-    assert "unsteered" in printed or "no steering example" in printed
+    if "no steering example" not in printed:
+        table = printed[printed.index("best within budget\n"):]
+        rows = table.splitlines()[1:9:2]  # each row: a P(sports) line, then a perplexity line
+        assert "held-out accuracy" in printed and all(" P(sports) " in row for row in rows)
+        for row, name in zip(rows, ("deleuzian:", "diff-of-means", "random", "prefix 'Write about sports.'")):
+            assert row.startswith(name) or (name == "deleuzian:" and row.split()[0].split(":")[0] in
+                                            ("topk", "kmeans")), (row, name)
+        assert "Winner:" in table or "No row raises P(sports)" in table
+        assert json.loads((out / "steering.json").read_text())["judge_accuracy"] > 0
     assert "Open:" in printed and (out / "report" / "index.html").resolve().as_uri() in printed
 
 

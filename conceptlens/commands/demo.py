@@ -4,7 +4,8 @@ One streaming pass fits Deleuzian concepts, a TopK SAE and k-means at one middle
 activation is saved); a description pass over held-out articles records each concept's top
 contexts, histogram and topic probes; a quality table puts every number next to its
 baseline; the static report is written; and the concept that best predicts one topic (picked
-by the run) is added to an unrelated prompt, unsteered vs steered side by side.
+by the run) steers unrelated prompts next to a diff-of-means vector, a random direction and a
+prompt prefix, all judged by a MiniLM topic classifier and by fluency (`demo_steer`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 from conceptlens.commands._args import count, nonempty_text, out_dir, positive_int
+from conceptlens.commands.demo_steer import PROMPTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=positive_int, default=1024, help="TopK SAE latents")
     parser.add_argument("--k", type=positive_int, default=32, help="TopK SAE active latents per token")
     parser.add_argument("--topic", default="sports", help="the topic whose best concept steers the prompt")
-    parser.add_argument("--prompt", type=nonempty_text, default="My favourite recipe for a quick dinner is")
+    parser.add_argument("--prompt", type=nonempty_text, nargs="+", default=list(PROMPTS),
+                        help="unrelated prompts the steering comparison starts from")
+    parser.add_argument("--judge-model", default="minilm-l6",
+                        help="encoder of the topic judge (logistic regression on its mean-pooled embeddings)")
     parser.add_argument("--out", type=out_dir, default="runs/demo", help="run folder (concepts, descriptions, report)")
     parser.add_argument("--seed", type=count, default=0)
     parser.add_argument("--no-progress", action="store_true")
@@ -170,37 +175,51 @@ def _quality(descriptions, report, out: Path) -> None:
 
 
 def _steer(lens, tok, descriptions, labels, args: argparse.Namespace, out: Path) -> None:
+    from conceptlens import data
+    from conceptlens.commands import demo_steer
+    from conceptlens.commands._common import load_model
     from conceptlens.commands.demo_quality import best_per_class
-    from conceptlens.steering import Add
+    from conceptlens.concepts.conceptset import ConceptSet
+    from conceptlens.steering.judge import TopicJudge
     from conceptlens.steering.units import robust_norm
 
     name, concept, loss = _pick_concept(descriptions, labels, args.topic)
     if name is None:
         print(f"\nNo concept's top contexts come mostly from {args.topic!r} articles: no steering example")
         return
-    d = descriptions[name]
+    d, site = descriptions[name], descriptions[name].info["site"]
     base = d.info["base_rate_entropy"][args.topic]
-    norm = robust_norm(lens, d.info["site"])  # the unit of Add(..., scale="robust_norm")
+    norm = robust_norm(lens, site)  # the unit of Add(..., scale="robust_norm")
     print(f"\nSteering with {name} concept {concept}, the best {args.topic!r} probe among concepts whose top "
           f"contexts are mostly {args.topic} articles (log-loss {loss:.3f} vs base rate {base:.3f}; best over "
           f"{d.info['n_concepts']} random directions "
           f"{best_per_class(descriptions['random'], d.info['n_concepts']).get(args.topic, (float('nan'),))[0]:.3f})")
-    from conceptlens.concepts.conceptset import ConceptSet
-
-    unit = torch.nn.functional.normalize(ConceptSet.load(out / "concepts" / name).directions[concept], dim=0)
-    prompt = tok([args.prompt], return_tensors="pt")
-    samples = []
-    for alpha in (0.0, 0.5, 1.0):
-        edit = Add(unit, alpha, scale="robust_norm", norm=norm, site=d.info["site"])
-        with torch.no_grad(), lens.steer(edit, positions="generated"):
-            ids = lens.model.generate(**prompt, max_new_tokens=24, do_sample=False, pad_token_id=tok.eos_token_id)
-        text = tok.decode(ids[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
-        samples.append({"alpha": alpha, "scale": "robust_norm", "text": text})
-        label = "unsteered" if alpha == 0 else f"+{alpha:g} x {norm:.3g}"
-        print(f"  {label:>12}: {args.prompt}{text!r}")
+    train, test = data.load("bbc-news", "train"), data.load("bbc-news", "test")
+    encoder, encoder_tok = load_model(args, args.judge_model)
+    judge = TopicJudge(encoder, encoder_tok, train.texts, train.labels, seed=args.seed)
+    accuracy = judge.accuracy(test.texts, test.labels)
+    print(f"Judge: logistic regression on mean-pooled {args.judge_model} embeddings of the {len(train)} train "
+          f"articles; held-out accuracy {accuracy:.3f} on {len(test)} test articles")
+    cs = ConceptSet.load(out / "concepts" / name)
+    directions = {f"{name}:{concept}" + (" centred" if cs.mean is not None else ""):
+                  (cs.centred() if cs.mean is not None else cs).directions[concept],
+                  "diff-of-means": demo_steer.diff_of_means(lens, tok, site, train.texts, train.labels, args.topic,
+                                                            seed=args.seed)}
+    g = torch.Generator().manual_seed(2_000_003 + args.seed)
+    directions["random"] = torch.randn(cs.hidden_size, generator=g)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    rows = demo_steer.compare(lens, tok, site, norm, directions, judge.topic(args.topic), args.topic, args.prompt)
+    print(f"P({args.topic}) of the continuations by the judge, median perplexity under the unsteered model; alpha "
+          f"in robust norms ({norm:.3g}); best within budget: perplexity at most 2x the unsteered")
+    print(demo_steer.format_rows(rows, args.topic))
+    print(demo_steer.verdict(rows, args.topic))
+    demo_steer.write_rows(rows, args.topic, accuracy, out / "steering.json")
+    samples = [{"alpha": a, "scale": "robust_norm", "text": texts[0]} for a, texts in zip(rows[0]["alphas"],
+                                                                                        rows[0]["texts"])]
     path = out / "describe" / name / "description.json"
     info = json.loads(path.read_text())
-    info["steering"] = [*info.get("steering", []), {"concept": concept, "prompt": args.prompt,
+    info["steering"] = [*info.get("steering", []), {"concept": concept, "prompt": args.prompt[0],
                                                     "norm": norm, "samples": samples}]
     path.write_text(json.dumps(info, indent=1))
 

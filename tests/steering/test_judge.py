@@ -1,0 +1,107 @@
+"""The topic judge against scikit-learn on hand-pooled embeddings, as a sweep judge, and the
+best-within-budget choice against a hand computation."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from sklearn.linear_model import LogisticRegression
+
+from conceptlens.commands import demo_steer
+from conceptlens.steering import Add, sweep, token_logprob
+from conceptlens.steering.judge import TopicJudge, best_within_budget
+from conceptlens.steering.sweep import SweepResult
+from tests.steering.test_sweep import PROMPTS, setup  # noqa: F401  (fixture)
+
+
+def _texts():
+    g = torch.Generator().manual_seed(0)
+    low = [" ".join(f"w{int(i)}" for i in torch.randint(3, 30, (int(n),), generator=g))
+           for n in torch.randint(3, 9, (12,), generator=g)]
+    high = [" ".join(f"w{int(i)}" for i in torch.randint(60, 99, (int(n),), generator=g))
+            for n in torch.randint(3, 9, (12,), generator=g)]
+    return low + high, ["low"] * 12 + ["high"] * 12
+
+
+def test_judge_is_logistic_regression_on_mean_pooled_states(setup):
+    model, tok, _ = setup
+    texts, labels = _texts()
+    judge = TopicJudge(model, tok, texts, labels, batch_size=5)
+    with torch.no_grad():  # one text at a time, no padding: the plain mean of the last hidden states
+        pooled = np.stack([model(**tok(t, return_tensors="pt"), output_hidden_states=True).hidden_states[-1][0]
+                           .double().mean(0).numpy() for t in texts])
+    reference = LogisticRegression(max_iter=2000, random_state=0).fit(pooled, labels)
+    assert judge.classes == list(reference.classes_)
+    np.testing.assert_allclose(judge.probabilities(texts), reference.predict_proba(pooled), atol=1e-5)
+    assert judge.accuracy(texts, labels) == pytest.approx(float(np.mean(reference.predict(pooled) == labels)))
+    with pytest.raises(ValueError, match="'sport'.*high, low"):
+        judge.topic("sport")
+
+
+def test_sweep_records_the_judge_per_alpha(setup):
+    model, tok, lens = setup
+    texts, labels = _texts()
+    judge = TopicJudge(model, tok, texts, labels)
+    direction = model.get_output_embeddings().weight[80].detach()
+    result = sweep(lens, Add(direction, 0.0, site="final"), [0, 3, 30], PROMPTS, token_logprob(tok, "w80"),
+                   max_new_tokens=4, judge=judge.topic("high"))
+    assert result.judged["P(high)"].shape == (3, len(PROMPTS))
+    column = judge.classes.index("high")
+    for a, continuations in enumerate(result.texts):
+        expected = judge.probabilities(continuations)[:, column]
+        np.testing.assert_allclose(result.judged["P(high)"][a].numpy(), expected, atol=1e-12)
+    assert "P(high)" in result.table()
+
+
+def _result(alphas, medians, judged):
+    """A SweepResult whose per-prompt perplexity is each alpha's median (reference median 2)."""
+    ppl = torch.tensor(medians, dtype=torch.float64)[:, None].repeat(1, 2)
+    scores = torch.zeros(len(alphas), 2, dtype=torch.float64)
+    judged = torch.tensor(judged, dtype=torch.float64)[:, None].repeat(1, 2)
+    return SweepResult(list(alphas), scores, [["", ""]] * len(alphas), "s", ppl, torch.full((2,), 2.0,
+                       dtype=torch.float64), 2.0, {"P(x)": judged})
+
+
+def test_best_within_budget_by_hand():
+    # budget 2 x 2 = 4: alphas 0, 0.5 and 2 read fluently, 1 does not; the walk stops at 1, so the
+    # higher P at 2 (salad that reads fluently again) is out, and the best in budget is 0.5
+    result = _result([0, 0.5, 1, 2, -1], [2, 3, 5, 3, 3.5], [0.1, 0.3, 0.8, 0.9, 0.2])
+    assert best_within_budget(result, "P(x)") == (0.5, pytest.approx(0.3))
+    # the negative side is walked too: -1 is fluent and higher than the positive side's best
+    result = _result([0, 0.5, -1], [2, 3, 3.5], [0.1, 0.3, 0.6])
+    assert best_within_budget(result, "P(x)") == (-1.0, pytest.approx(0.6))
+    # an alpha whose continuations are all empty (nan) never wins
+    result = _result([0, 1], [2, 3], [0.1, math.nan])
+    assert best_within_budget(result, "P(x)") == (0.0, pytest.approx(0.1))
+    with pytest.raises(ValueError, match="'P\\(y\\)'"):
+        best_within_budget(result, "P(y)")
+
+
+def test_demo_comparison_has_four_rows_and_names_the_loser(setup):
+    model, tok, lens = setup
+    texts, labels = _texts()
+    judge = TopicJudge(model, tok, texts, labels)
+    g = torch.Generator().manual_seed(0)
+    directions = {"set:3": torch.randn(model.config.hidden_size, generator=g),
+                  "diff-of-means": demo_steer.diff_of_means(lens, tok, "blocks.1.resid_out", texts, labels, "high",
+                                                            n=6),
+                  "random": torch.randn(model.config.hidden_size, generator=g)}
+    rows = demo_steer.compare(lens, tok, "blocks.1.resid_out", 1.0, directions, judge.topic("high"), "high",
+                              PROMPTS, alphas=(0.0, 1.0, 4.0), max_new_tokens=4)
+    assert [r["row"] for r in rows] == ["set:3", "diff-of-means", "random", "prefix 'Write about high.'"]
+    for r in rows[:3]:  # each steered row's best is the hand-computed best among its walk-fluent alphas
+        limit = 2 * r["perplexity"][0]
+        walk = []
+        for a, p, q in zip(r["alphas"], r["p"], r["perplexity"]):
+            if not q <= limit:
+                break
+            walk.append((p, a))
+        assert r["best"] == (max(walk)[1], pytest.approx(max(walk)[0]))
+    table = demo_steer.format_rows(rows, "high")
+    assert all(r["row"] in table for r in rows) and len(table.splitlines()) == 1 + 2 * 4
+    rows[0]["best"], rows[1]["best"], rows[2]["best"] = (1.0, 0.2), (4.0, 0.7), (0.0, 0.1)
+    said = demo_steer.verdict(rows, "high")
+    assert "Winner: diff-of-means" in said and "loses to the diff-of-means vector (0.200 vs 0.700)" in said

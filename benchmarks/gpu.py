@@ -235,9 +235,6 @@ def bench_model(name: str, args: argparse.Namespace, table: list[tuple]) -> None
     for row, s in secs.items():
         add("fit", f"{row} at {middle}", s, base, "of capture-only to the same site", notes.get(row, ""), peaks[row],
             tokens)
-    del model, lens
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     table: list[tuple] = []
     for model in args.only:
         t = time.perf_counter()
-        bench_model(model, args, table)
+        bench_model(model, args, table)  # its model is freed on return
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
         print(f"  {model}: {time.perf_counter() - t:.0f} s", flush=True)
     print(f"\ntotal {time.perf_counter() - start:.0f} s\n")
     print("| model | section | row | best s | ratio | tok/s | peak MB | note |")

@@ -34,9 +34,8 @@ import torch
 from torch import Tensor
 
 from conceptlens.evaluate.activations import ConceptEncoder
-from conceptlens.evaluate.bootstrap import Estimate, bootstrap
+from conceptlens.evaluate.bootstrap import bootstrap
 from conceptlens.evaluate.lines import Line
-from conceptlens.evaluate.probing import fit_logistic
 
 PROMPT = "tree has the first letter: T\nmoon has the first letter: M\n"
 LETTERS = "abcdefghijklmnopqrstuvwxyz"

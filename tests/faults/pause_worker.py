@@ -9,6 +9,7 @@ signal it or write to its run folder at a known point.
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from pathlib import Path
@@ -33,5 +34,7 @@ def pause_at(k: int, go: Path) -> None:
 
 
 if __name__ == "__main__":
+    # as in a terminal: a test suite started as a background job inherits SIGINT ignored, and so would this
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     pause_at(int(sys.argv[2]), Path(sys.argv[1]))
     sys.exit(main(sys.argv[3:]))

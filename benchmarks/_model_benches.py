@@ -22,14 +22,19 @@ def _texts(n: int) -> list[str]:
     return (texts[::7] + texts)[:n]
 
 
-def _interleaved(fns: dict, rounds: int, device) -> dict[str, float]:
+def _rounds(fns: dict, rounds: int, device) -> dict[str, list[float]]:
+    """Seconds of each function in interleaved rounds (after one untimed call each): drift hits all alike."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             times[name].append(timed(fn, device))
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def _interleaved(fns: dict, rounds: int, device) -> dict[str, float]:
+    return {name: statistics.median(t) for name, t in _rounds(fns, rounds, device).items()}
 
 
 def capture(ctx: Context) -> None:
@@ -170,15 +175,9 @@ def fit_overhead(ctx: Context) -> None:
 
 
 def _interleaved_spread(fns: dict, rounds: int, device) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
-    """Best time of each function over interleaved rounds (after one untimed call each), and its range."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(timed(fn, device))
-    return ({name: min(t) for name, t in times.items()},
-            {name: (min(t), max(t)) for name, t in times.items()})
+    """Best time of each function over interleaved rounds, and its range."""
+    times = _rounds(fns, rounds, device)
+    return {name: min(t) for name, t in times.items()}, {name: (min(t), max(t)) for name, t in times.items()}
 
 
 def describe_overhead(ctx: Context) -> None:

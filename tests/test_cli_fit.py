@@ -58,18 +58,24 @@ def test_fit_writes_the_run_folder_and_a_rerun_resumes_to_the_same_concepts(file
     assert "2 extractors" not in capsys.readouterr().err
 
 
-def test_an_interrupted_fit_resumes_to_the_uninterrupted_result(files, tmp_path, monkeypatch, capsys):
-    whole = tmp_path / "whole"
-    assert main(base(files, whole, "--no-describe")) == 0
+def interrupt_at_step(monkeypatch, n: int):
+    """Make the n-th step of the next fit loop raise KeyboardInterrupt (as Ctrl-C does); returns the real step."""
     step, calls = conceptlens.fit._step, []
 
     def interrupting(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 4:
+        if len(calls) == n:
             raise KeyboardInterrupt
         return step(*args, **kwargs)
 
     monkeypatch.setattr(conceptlens.fit, "_step", interrupting)
+    return step
+
+
+def test_an_interrupted_fit_resumes_to_the_uninterrupted_result(files, tmp_path, monkeypatch, capsys):
+    whole = tmp_path / "whole"
+    assert main(base(files, whole, "--no-describe")) == 0
+    step = interrupt_at_step(monkeypatch, 4)
     cut = tmp_path / "cut"
     assert main(base(files, cut, "--no-describe")) == 130  # Ctrl-C
     assert (cut / "checkpoint.pt").is_file() and not (cut / "concepts").exists()

@@ -14,7 +14,7 @@ import conceptlens.fit
 from conceptlens import models
 from conceptlens.cli import main
 from conceptlens.commands.fit_summary import MIN_SAE_STEPS
-from tests.test_cli_fit import base, files  # noqa: F401 - the fixture: a tiny Llama folder and docs.txt
+from tests.test_cli_fit import base, files, interrupt_at_step  # noqa: F401 - the fixture: a tiny Llama folder and docs.txt
 
 
 def _other_run(files, out, *extra):  # noqa: F811 - another run: one extractor of another name and kind
@@ -51,15 +51,7 @@ def test_a_finished_describe_leaves_no_checkpoint_and_no_resume_restarts_an_inte
     assert main(base(files, out)) == 0  # fit, then the description of both sets
     assert not (out / "describe" / "checkpoint.pt").exists()
     assert main(["describe", str(out), "--concepts", "km", "--describe-tokens", "200"]) == 0
-    step, calls = conceptlens.fit._step, []
-
-    def interrupting(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        return step(*args, **kwargs)
-
-    monkeypatch.setattr(conceptlens.fit, "_step", interrupting)
+    step = interrupt_at_step(monkeypatch, 4)
     assert main(["describe", str(out), "--concepts", "topk"]) == 130  # after a checkpoint at 150 tokens
     monkeypatch.setattr(conceptlens.fit, "_step", step)
     assert (out / "describe" / "checkpoint.pt").is_file()  # of a pass over topk

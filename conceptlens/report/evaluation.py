@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from conceptlens import _content
+from conceptlens._names import is_name
 from conceptlens.evaluate.bootstrap import Estimate
 from conceptlens.evaluate.lines import Line, verdict
 from conceptlens.evaluate.results import Results, SavedLine, set_digest
@@ -46,8 +47,9 @@ class Suite:
         if atlas.evaluation is None:
             return None
         res = atlas.evaluation
-        stale = sorted(n for n, s in res.sets.items() if set_digest(atlas.run / "concepts" / n) != s.sha256
-                       or s.sha256 is None and not (atlas.run / "concepts" / n).is_dir())
+        folder = atlas.run / "concepts"  # a name that is no safe folder name names no set of this run
+        stale = sorted(n for n, s in res.sets.items() if not is_name(n) or set_digest(folder / n) != s.sha256
+                       or s.sha256 is None and not (folder / n).is_dir())
         return cls(res, [sl for sl in res.lines if sl.line.extractor not in stale], stale,
                    {c.name for c in atlas.controls}, atlas.peers)
 
@@ -64,8 +66,8 @@ class Suite:
 
     def note(self, name: str) -> str:
         """What a concept page without figures of its own says (empty: the suite scored no single concept of `name`)."""
-        tops = {p.get("config", {}).get("concept_top") for p in self.results.parts
-                if name in p.get("sets", []) and str(p.get("part", "")).startswith("probing")}
+        tops = {p["config"].get("concept_top") for p in self.results.parts if isinstance(p.get("config"), dict)
+                and name in (p.get("sets") or []) and str(p.get("part", "")).startswith("probing")}
         tops = {t for t in tops if isinstance(t, int) and t > 0}
         if name in self.stale or not tops:
             return ""

@@ -121,7 +121,7 @@ VERDICT_COLOURS = """return [...document.querySelectorAll('table.suite tbody td:
 
 def test_suite_table_and_a_concepts_scores_as_a_user_sees_them(browser, suite_report):
     browser.get((suite_report / "index.html").as_uri())
-    assert _errors(browser) == []
+    assert _errors(browser) == [] and browser.execute_script(EVERY_FIGURE_HAS_A_LEGEND) == 0
     headings = [h.text for h in browser.find_elements(By.CSS_SELECTOR, "h2, h3")]
     assert "Evaluation suite" in headings and "Quality" not in headings
     rows = [[td.text for td in tr.find_elements(By.TAG_NAME, "td")]
@@ -136,7 +136,7 @@ def test_suite_table_and_a_concepts_scores_as_a_user_sees_them(browser, suite_re
     browser.execute_script("document.querySelector('table.suite').scrollIntoView()")
     _shot(browser, "report_suite_index.png")
     browser.get((suite_report / "concepts" / "topk" / "1.html").as_uri())
-    assert _errors(browser) == []
+    assert _errors(browser) == [] and browser.execute_script(EVERY_FIGURE_HAS_A_LEGEND) == 0
     (row,) = [tr.text for tr in browser.find_elements(By.CSS_SELECTOR, "table.suite tbody tr")]
     assert row.split("\n") == ["probing toy toy sport: accuracy of this concept alone 0.66 [0.61, 0.7] random 12 dirs, best 1",
                                "0.55 [0.5, 0.6] diff-of-means 0.8 [0.78, 0.83] wins rank 1"]

@@ -109,8 +109,8 @@ def run(args: argparse.Namespace) -> int:
         by_site.setdefault(site.name, {})[name] = cs
     print(f"95% intervals: bootstrap over held-out documents ({DRAWS} replicates); the random control pools its "
           f"{args.random_draws} draws. Suites: {', '.join(config.suites)}.")
-    for site, group in by_site.items():
-        _run_site(args, lens, tok, model_name, site, group, folders, config)
+    for site_name, group in by_site.items():
+        _run_site(args, lens, tok, model_name, site_name, group, folders, config)
     return 0
 
 

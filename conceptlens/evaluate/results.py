@@ -155,7 +155,8 @@ def load_results(run: str | os.PathLike) -> Results | None:
     for name, s in _content.field(path, "sets", data.get("sets"), dict).items():
         where = f"{path}: sets[{name!r}]"
         s = _content.field(where, "the entry", s, dict)
-        sets[name] = SetInfo(*(_content.field(where, k, s.get(k), str) for k in ("site", "method")),
+        sets[name] = SetInfo(_content.field(where, "site", s.get("site"), str),
+                             _content.field(where, "method", s.get("method"), str),
                              _content.field(where, "n_concepts", s.get("n_concepts"), int, low=0, high=_content.MAX_COUNT),
                              _content.field(where, "sha256", s.get("sha256"), str, optional=True),
                              _content.field(where, "activation", s.get("activation", ""), str))

@@ -185,6 +185,8 @@ def test_cli_argument_errors(tmp_path, capsys):
     assert "neither a ConceptSet" in capsys.readouterr().err
     assert main(["eval", str(tmp_path), "--task", "bbc-news", "--max-docs", "0"]) == 2
     assert "--max-docs: 0 is not a positive integer" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path), "--concept-top", "-1"]) == 2
+    assert "--concept-top: -1 is not a count" in capsys.readouterr().err
     ConceptSet(torch.randn(3, 4)).save(tmp_path / "nosite")
     assert main(["eval", str(tmp_path / "nosite"), "--task", "wsj-pos"]) == 2
     assert "names no site" in capsys.readouterr().err

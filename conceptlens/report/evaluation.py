@@ -3,7 +3,7 @@ scores on its page, and the peers' table from `RUN/peers.json`.
 
     suite = Suite.of(atlas)              # None when the run has no eval.json
     suite.block()                        # the index's section: one table per part, then the peers'
-    concept_scores(suite.concept_lines("topk", 5), suite.note("topk"))   # a concept page's block
+    concept_scores(suite.by_concept().get(("topk", 5), ()), suite.note("topk"))   # a concept page's block
 
 Only figures of sets whose ConceptSet is the one evaluated are shown (the sha256 of its tensors,
 as `concepts/<NAME>/config.json` records it, equals the one in eval.json); figures of a set
@@ -52,9 +52,6 @@ class Suite:
                        or s.sha256 is None and not (folder / n).is_dir())
         return cls(res, [sl for sl in res.lines if sl.line.extractor not in stale], stale,
                    {c.name for c in atlas.controls}, atlas.peers)
-
-    def concept_lines(self, name: str, i: int) -> list[SavedLine]:
-        return [sl for sl in self.lines if sl.line.extractor == name and sl.line.concept == i]
 
     def by_concept(self) -> dict[tuple[str, int], list[SavedLine]]:
         """(set, concept) -> its figures, for the concept pages."""

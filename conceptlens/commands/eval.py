@@ -133,7 +133,8 @@ def _run_site(args: argparse.Namespace, lens, tok, model_name: str, site: str, g
         if not args.no_save:
             part_info = results.Part(model_name, infos, site, part, asdict(config), time.perf_counter() - wall)
             where = results.save_part(args.run_dir, part_info, all_lines, results.interval_text(config.random_draws))
-            footer = (footer or "\n") + f"\nsaved in {where}"
+            hint = f"; `conceptlens report {args.run_dir}` shows them" if (where.parent / "describe").is_dir() else ""
+            footer = (footer or "\n") + f"\nsaved in {where}{hint}"
         print(f"\n### {part} ({took})\n\n{format_lines(lines)}{footer}", flush=True)
         wall, cpu = time.perf_counter(), time.process_time()
         losses = [f"{ln.extractor} {ln.metric}" for ln in lines if verdict(ln) == "loses"]

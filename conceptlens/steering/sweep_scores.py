@@ -10,7 +10,7 @@ after the scope closes), so they judge the steered text with the unsteered model
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -19,7 +19,18 @@ from conceptlens.batching import pad_right
 
 if TYPE_CHECKING:
     from conceptlens.lens import Lens
-    from conceptlens.steering.sweep import Generation
+
+
+class Generation(NamedTuple):
+    """One prompt's continuation, as a score function sees it."""
+
+    prompt: str
+    text: str
+    """The decoded new tokens (special tokens skipped)."""
+    tokens: Tensor
+    """(n,) new token ids, up to and including the first end-of-sequence token."""
+    logits: Tensor
+    """(n, V) raw logits of each step: row i is the distribution `tokens[i]` was chosen from."""
 
 
 def _joined(tokenizer: Any, generations: Sequence[Generation]) -> tuple[dict[str, Tensor], list[int]]:

@@ -16,8 +16,9 @@
 
 Flags override the file (`--site` / `--extractor` replace the file's lists). Everything is
 checked here, before any model is loaded: unknown keys, methods and hyper-parameters, bad
-numbers, site names that cannot be sites, a data source that does not exist, two
-extractors with one name. `to_toml` writes the resolved config back as `RUN/run.toml`.
+numbers, a data source that does not exist, two extractors with one name. Site names are
+checked by the model's own name resolver (`lens.site`) as soon as the model is attached, before
+anything is written. `to_toml` writes the resolved config back as `RUN/run.toml`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,8 +45,6 @@ METHODS = {
     "matryoshka": "conceptlens.concepts.sae:MatryoshkaSAE",
     "vq": "conceptlens.concepts.vq:VQCodebook",
 }
-_SITE = re.compile(r"((encoder|decoder)\.)?(embed|final|blocks\.-?\d+\.(resid_in|resid_out|attn_out|mlp_out|branch_out|"
-                   r"attn(_\d+)?\.[qkv]|cross_attn\.[qkv]))")
 
 
 @dataclass
@@ -165,10 +163,10 @@ def from_dict(raw: dict[str, Any]) -> RunConfig:
         sites = [sites]
     if not sites:
         raise ValueError("no site given: pass --site blocks.15.resid_out (repeatable) or sites = [...] in the file")
-    for site in sites:
-        if not isinstance(site, str) or not _SITE.fullmatch(site):
+    for site in sites:  # which names are sites depends on the model: its own resolver checks them once it loads
+        if not isinstance(site, str) or not site.strip():
             raise ValueError(f"{site!r} is not a site name; sites look like embed, blocks.15.resid_out, "
-                             "blocks.-1.mlp_out, blocks.3.attn.k, final (list them: conceptlens sites --model M)")
+                             "blocks.3.attn.z, final (list them: conceptlens sites --model M)")
     shuffle = raw.get("shuffle", 0)
     if shuffle is not False and (isinstance(shuffle, bool) or not isinstance(shuffle, int)):
         raise ValueError(f"shuffle must be a seed (an integer) or false; got {shuffle!r}")

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from conceptlens import interrupts, runlock
+from conceptlens._checks import check_int
 from conceptlens._names import RULE as NAME_RULE, is_name
 from conceptlens.batching import check_max_length, encode_batch
 from conceptlens.checkpoint import CHECKPOINT, FitState, fit_fingerprint
@@ -90,10 +91,10 @@ class FitConfig:
     documents sharded by rank, `batch_size` documents per rank per step, rank 0 writes."""
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "max_length", "max_tokens", "checkpoint_every"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        check_int("batch_size", self.batch_size)
+        check_int("max_length", self.max_length)
+        check_int("max_tokens", self.max_tokens, optional=True)
+        check_int("checkpoint_every", self.checkpoint_every, optional=True)
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every needs checkpoint_dir")
 

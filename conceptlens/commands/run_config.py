@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from conceptlens._checks import check_int
 from conceptlens._content import read_toml as read_checked_toml
-
 from conceptlens._names import check_name
 
 METHODS = {
@@ -229,10 +229,8 @@ def _check_numbers(cfg: RunConfig) -> None:
     for section, key in (("fit", "batch_size"), ("fit", "max_length"), ("fit", "max_tokens"),
                          ("fit", "checkpoint_every"), ("describe", "max_tokens"), ("describe", "top_n")):
         value = getattr(getattr(cfg, section), key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{section}.{key} (--{key.replace('_', '-')}) must be a positive integer; got {value!r}")
-        if value is not None and value >= 2**63:  # islice and torch take int64
-            raise ValueError(f"{section}.{key} (--{key.replace('_', '-')}) must be below 2**63; got {value}")
+        if value is not None:  # TOML has no null: None is only a default (the whole source)
+            check_int(f"{section}.{key} (--{key.replace('_', '-')})", value)  # at most int64, as islice and torch take
     window = cfg.describe.window
     if len(window) != 2 or any(not isinstance(w, int) or w < 0 for w in window):
         raise ValueError(f"describe.window must be two integers >= 0 (tokens left, right); got {list(window)}")

@@ -25,7 +25,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple
+from typing import Any, Iterator, Mapping, NamedTuple
 
 import torch
 from torch import Tensor
@@ -41,9 +41,7 @@ from conceptlens.devices import input_device
 from conceptlens.distributed import DistributedRun
 from conceptlens.distributed_checks import fingerprint as rank_fingerprint
 from conceptlens.filters import FilterConfig, RowFilter
-
-if TYPE_CHECKING:
-    from conceptlens.lens import Lens
+from conceptlens.interface import AttachedModel
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +131,7 @@ def key_name(key: Key) -> str:
     return key if isinstance(key, str) else f"{key[0]}->{key[1]}"
 
 
-def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any = None,
+def fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any = None,
         config: FitConfig | None = None) -> FitReport:
     """Stream `data` through the model once, feeding every extractor; see the module docstring.
     The checkpoint_dir is locked while the fit writes it (`conceptlens.runlock`; only rank 0
@@ -150,7 +148,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
-def _fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any, config: FitConfig) -> FitReport:
+def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any, config: FitConfig) -> FitReport:
     from conceptlens import data as datasets
 
     tokenizer = tokenizer or lens.tokenizer
@@ -219,7 +217,7 @@ class _Plan:
     """Extractors whose update takes `tokens` (a TokenRows)."""
 
 
-def _plan(lens: Lens, extractors: Mapping[Key, Any]) -> _Plan:
+def _plan(lens: AttachedModel, extractors: Mapping[Key, Any]) -> _Plan:
     """Resolve every site before any work starts. A key maps to an extractor (named after
     its canonical site) or to `{name: extractor}` (any number per site); two entries that
     end up with one name are an error, never a silent drop."""
@@ -320,7 +318,7 @@ def _progress(config: FitConfig, initial: int, show: bool = True):
                 disable=not (config.progress and show), desc="fit", dynamic_ncols=True)
 
 
-def _report(lens: Lens, plan: _Plan, state: FitState, resumed_from: int, seconds: float,
+def _report(lens: AttachedModel, plan: _Plan, state: FitState, resumed_from: int, seconds: float,
             config: FitConfig) -> FitReport:
     concepts: dict[str, ConceptSet] = {}
     stats: dict[str, Any] = {}

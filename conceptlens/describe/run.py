@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -24,9 +24,7 @@ from conceptlens.describe.describer import ConceptDescriber, DescribeConfig
 from conceptlens.describe.description import Description
 from conceptlens.describe.steering import SteeringRequest, steering_samples
 from conceptlens.filters import FilterConfig
-
-if TYPE_CHECKING:
-    from conceptlens.lens import Lens
+from conceptlens.interface import AttachedModel
 
 
 CONTROL_METHODS = ("random",)
@@ -40,7 +38,7 @@ class FinishOptions:
     bins: int = 32
 
 
-def describe(lens: Lens, concept_sets: Mapping[str, ConceptSet], data: Any, *, tokenizer: Any = None,
+def describe(lens: AttachedModel, concept_sets: Mapping[str, ConceptSet], data: Any, *, tokenizer: Any = None,
              labels: Sequence[Any] | None = None, label_names: Sequence[str] | None = None,
              skip_documents: int = 0, top_n: int = 16, window: tuple[int, int] = (8, 4),
              max_tokens: int | None = None, batch_size: int = 16, max_length: int = 128, out: str | None = None,
@@ -112,7 +110,7 @@ def _forget_other_pass(out: Path, source: dict[str, Any]) -> None:
     atomic_write(marker, lambda p: Path(p).write_text(text))
 
 
-def _checked(lens: Lens, concept_sets: Mapping[str, ConceptSet]) -> dict[str, ConceptSet]:
+def _checked(lens: AttachedModel, concept_sets: Mapping[str, ConceptSet]) -> dict[str, ConceptSet]:
     if not concept_sets:
         raise ValueError("describe needs at least one concept set: {name: ConceptSet}")
     out = {}
@@ -152,7 +150,7 @@ def _class_ids(labels: Sequence[Any] | None, names: Sequence[str] | None) -> tup
     return ids, names
 
 
-def unembedding(lens: Lens, site: str, width: int) -> torch.Tensor | None:
+def unembedding(lens: AttachedModel, site: str, width: int) -> torch.Tensor | None:
     """The decoder's output embedding `(V, d)` when the site lives in its residual width, else None."""
     model = lens.model
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -162,7 +160,7 @@ def unembedding(lens: Lens, site: str, width: int) -> torch.Tensor | None:
     return head.weight.detach()
 
 
-def finish(d: ConceptDescriber, *, name: str, lens: Lens, tokenizer: Any,
+def finish(d: ConceptDescriber, *, name: str, lens: AttachedModel, tokenizer: Any,
            classes: tuple[list[int], list[str]] | None = None, options: FinishOptions | None = None) -> Description:
     """The Description of one describer's state (see ATLAS_FORMAT.md)."""
     o, cs, n = options or FinishOptions(), d.concepts, d.n

@@ -23,18 +23,16 @@ alpha's generations at once and its numbers are kept in `SweepResult.judged`.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
 
 from conceptlens._io import atomic_write
+from conceptlens.interface import AttachedModel
 from conceptlens.steering.edits import Edit
 from conceptlens.steering.scope import Positions
 from conceptlens.steering.sweep_scores import Generation, continuation_perplexity
-
-if TYPE_CHECKING:
-    from conceptlens.lens import Lens
 
 
 Score = Callable[[Generation], float]
@@ -153,7 +151,7 @@ def token_logprob(tokenizer: Any, words: str | Sequence[str]) -> TokenLogProb:
     return TokenLogProb(tokenizer, words)
 
 
-def sweep(lens: Lens, edits: Edits, alphas: Sequence[float], prompts: Sequence[str],
+def sweep(lens: AttachedModel, edits: Edits, alphas: Sequence[float], prompts: Sequence[str],
           score: Score, *, positions: Positions = "generated", max_new_tokens: int = 32,
           tokenizer: Any = None, plot: str | None = None, fluency: bool = True, budget: float = 2.0,
           judge: Judge | None = None, **generate_kwargs: Any) -> SweepResult:

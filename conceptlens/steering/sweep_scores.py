@@ -10,15 +10,13 @@ after the scope closes), so they judge the steered text with the unsteered model
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
 
 from conceptlens.batching import pad_right
-
-if TYPE_CHECKING:
-    from conceptlens.lens import Lens
+from conceptlens.interface import AttachedModel
 
 
 class Generation(NamedTuple):
@@ -69,7 +67,7 @@ class ConceptExpression:
 
     label = "concept projection (robust norms)"
 
-    def __init__(self, lens: Lens, direction: Tensor, site: str, mean: Tensor | None = None) -> None:
+    def __init__(self, lens: AttachedModel, direction: Tensor, site: str, mean: Tensor | None = None) -> None:
         from conceptlens.steering.units import robust_norm
 
         direction = torch.as_tensor(direction).detach().double().reshape(-1)

@@ -22,7 +22,7 @@ import os
 import time
 import warnings
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator, Mapping, NamedTuple
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from conceptlens import interrupts, runlock
-from conceptlens._checks import check_int
+from conceptlens._checks import check_int, unknown_message
 from conceptlens._names import RULE as NAME_RULE, is_name
 from conceptlens.batching import check_max_length, encode_batch
 from conceptlens.checkpoint import CHECKPOINT, FitState, fit_fingerprint
@@ -95,6 +95,19 @@ class FitConfig:
         check_int("checkpoint_every", self.checkpoint_every, optional=True)
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every needs checkpoint_dir")
+
+
+def fit_config(config: FitConfig | None = None, what: str = "fit", /, **overrides: Any) -> FitConfig:
+    """`config` (default `FitConfig()`) with `overrides` replacing its fields: the one place the
+    fit options are named, for `Lens.fit`, `describe` and the CLI. `filters=None` keeps the
+    default filters; an unknown name is a TypeError listing the fields (`what`: who took them)."""
+    names = [f.name for f in fields(FitConfig)]
+    unknown = [key for key in overrides if key not in names]
+    if unknown:
+        raise TypeError(unknown_message(what, unknown, names))
+    if "filters" in overrides and overrides["filters"] is None:
+        overrides["filters"] = FilterConfig()
+    return replace(config or FitConfig(), **overrides)
 
 
 @dataclass

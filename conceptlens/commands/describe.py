@@ -12,6 +12,7 @@ resumes like the fit (--no-resume starts again); a finished pass removes its che
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -60,10 +61,9 @@ def describe_run(lens: Any, cfg: rc.RunConfig, concept_sets: Mapping[str, Any], 
     steering = SteeringRequest(list(d.steer), prompts=prompts) if d.steer else None
     print(f"\ndescribing {', '.join(concept_sets)} on {d.max_tokens or 'all'} tokens of "
           f"{d.data or cfg.data} (documents from {skip})")
-    descriptions = lens.describe(dict(concept_sets), data, skip_documents=skip, max_tokens=d.max_tokens,
-                                 top_n=d.top_n, window=tuple(d.window), batch_size=cfg.fit.batch_size,
-                                 max_length=cfg.fit.max_length, out=str(out / "describe"), steering=steering,
-                                 checkpoint_every=cfg.fit.checkpoint_every, resume=cfg.fit.resume)
+    streaming = {**dataclasses.asdict(cfg.fit), "max_tokens": d.max_tokens}  # the fit's batches, the pass's budget
+    descriptions = lens.describe(dict(concept_sets), data, skip_documents=skip, top_n=d.top_n, window=tuple(d.window),
+                                 out=str(out / "describe"), steering=steering, **streaming)
     for name, desc in descriptions.items():
         print(f"  {name}: {desc.info['tokens']:,} tokens, {desc.info['documents']:,} documents -> "
               f"{out / 'describe' / name}")

@@ -140,6 +140,7 @@ def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, te
     import conceptlens
     from conceptlens.commands._common import load_model
     from conceptlens.commands.describe import describe_run
+    from conceptlens.fit import FitConfig
 
     model, tok = load_model(args, cfg.model)
     lens = conceptlens.attach(model, tok)
@@ -150,10 +151,8 @@ def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, te
         written = dataclasses.replace(cfg, fit=dataclasses.replace(cfg.fit, resume=True))  # a rerun of it resumes
         atomic_write(out / "run.toml", lambda p: Path(p).write_text(rc.to_toml(written), encoding="utf-8"))
         print(f"{lens}\nfitting {', '.join(e['name'] for e in cfg.extractors)} at {', '.join(cfg.sites)} -> {out}")
-    report = lens.fit(plan, texts, batch_size=cfg.fit.batch_size, max_length=cfg.fit.max_length,
-                      max_tokens=cfg.fit.max_tokens, checkpoint_dir=str(out),
-                      checkpoint_every=cfg.fit.checkpoint_every, resume=cfg.fit.resume,
-                      progress=writes, distributed=distributed)
+    config = FitConfig(**dataclasses.asdict(cfg.fit), checkpoint_dir=str(out), progress=writes, distributed=distributed)
+    report = lens.fit(plan, texts, config=config)
     documents = report.documents
     if distributed:  # ranks read interleaved documents in lockstep: together, the stream's first ones
         import torch

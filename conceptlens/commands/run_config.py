@@ -33,6 +33,7 @@ from typing import Any
 from conceptlens._checks import check_int
 from conceptlens._content import read_toml as read_checked_toml
 from conceptlens._names import check_name
+from conceptlens.fit import FitConfig
 
 METHODS = {
     "kmeans": "conceptlens.concepts.kmeans:StreamingKMeans",
@@ -49,11 +50,15 @@ METHODS = {
 
 @dataclass
 class FitSection:
-    batch_size: int = 16
-    max_length: int = 128
-    max_tokens: int | None = None
-    checkpoint_every: int | None = None
-    resume: bool = True
+    """The [fit] table: the `FitConfig` fields a run.toml sets, with FitConfig's defaults (the
+    command sets the others: checkpoint_dir is the run folder, progress and distributed come
+    from the processes)."""
+
+    batch_size: int = FitConfig.batch_size
+    max_length: int = FitConfig.max_length
+    max_tokens: int | None = FitConfig.max_tokens
+    checkpoint_every: int | None = FitConfig.checkpoint_every
+    resume: bool = FitConfig.resume
 
 
 @dataclass

@@ -23,7 +23,7 @@ from conceptlens.describe import finish as fin
 from conceptlens.describe.describer import ConceptDescriber, DescribeConfig
 from conceptlens.describe.description import Description
 from conceptlens.describe.steering import SteeringRequest, steering_samples
-from conceptlens.filters import FilterConfig
+from conceptlens.fit import FitConfig, fit_config
 from conceptlens.interface import AttachedModel
 
 
@@ -41,15 +41,15 @@ class FinishOptions:
 def describe(lens: AttachedModel, concept_sets: Mapping[str, ConceptSet], data: Any, *, tokenizer: Any = None,
              labels: Sequence[Any] | None = None, label_names: Sequence[str] | None = None,
              skip_documents: int = 0, top_n: int = 16, window: tuple[int, int] = (8, 4),
-             max_tokens: int | None = None, batch_size: int = 16, max_length: int = 128, out: str | None = None,
-             checkpoint_every: int | None = None, resume: bool = True, progress: bool = True,
-             filters: FilterConfig | None = None, steering: SteeringRequest | None = None,
-             coact_rows: int = 512, options: FinishOptions | None = None) -> dict[str, Description]:
+             out: str | None = None, steering: SteeringRequest | None = None, coact_rows: int = 512,
+             options: FinishOptions | None = None, fit: FitConfig | None = None,
+             **fit_options: Any) -> dict[str, Description]:
     """Describe every set over `data` after its first `skip_documents` documents; `labels`
     (one per document of the whole source; a TextSet brings its own) add per-class probes.
-    `out`: the run's describe/ folder (checkpoint.pt and one <name>/ per set)."""
+    `out`: the run's describe/ folder (checkpoint.pt and one <name>/ per set). The pass streams
+    like a fit: `fit` (a FitConfig) and keyword overrides of its fields (`max_tokens`,
+    `batch_size`, `max_length`, `checkpoint_every`, `resume`, `progress`, `filters`)."""
     from conceptlens import data as datasets
-    from conceptlens.fit import FitConfig
     from conceptlens.fit import fit as run_fit
 
     tokenizer = tokenizer or lens.tokenizer
@@ -72,10 +72,9 @@ def describe(lens: AttachedModel, concept_sets: Mapping[str, ConceptSet], data: 
     if out is not None:
         _forget_other_pass(Path(out), {"skip_documents": skip_documents,
                                        "data": data if isinstance(data, str) else getattr(data, "name", None)})
-    filters = filters or FilterConfig()
-    report = run_fit(lens, plan, texts, tokenizer=tokenizer, config=FitConfig(
-        batch_size=batch_size, max_length=max_length, max_tokens=max_tokens, checkpoint_dir=out,
-        checkpoint_every=checkpoint_every, resume=resume, progress=progress, filters=filters))
+    streaming = fit_config(fit, "describe", checkpoint_dir=out, **fit_options)
+    filters = streaming.filters
+    report = run_fit(lens, plan, texts, tokenizer=tokenizer, config=streaming)
     options = options or FinishOptions()
     results = {}
     for name, d in describers.items():

@@ -50,7 +50,7 @@ class Lens:
 
     def __repr__(self) -> str:
         blocks = ", ".join(f"{k or 'blocks'}: {n}" for k, n in self.adapter.n_blocks.items())
-        return f"Lens({type(self.model).__name__}, family={self.adapter.family!r}, {blocks}, {len(self.sites)} sites)"
+        return f"Lens({type(self.model).__name__}, model_type={self.adapter.model_type!r}, {blocks}, {len(self.sites)} sites)"
 
     @property
     def sites(self) -> dict[str, Site]:

@@ -32,7 +32,7 @@ class SiteTable(Protocol):
     names it could not place have no site."""
 
     model: nn.Module
-    family: str
+    model_type: str
     sites: dict[str, Site]
     n_blocks: dict[str, int]
     problems: dict[str, str]
@@ -137,7 +137,7 @@ class NameResolver:
             if rest.split(".")[0] in ("attn", "cross_attn", "mlp") or rest.endswith("_out"):
                 kinds = sorted({s.name.split(".", 2 + bool(prefix))[-1] for s in self.sites.values()
                                 if s.name.startswith(f"{prefix}blocks.{index}.")})
-                return (f"no site {name!r}: block {index} of {self.adapter.family} has no {rest} "
+                return (f"no site {name!r}: block {index} of {self.adapter.model_type} has no {rest} "
                         f"(its sites: {kinds})")
         close = difflib.get_close_matches(name, list(self.sites), n=5, cutoff=0.5)
         hint = f"; close valid names: {close}" if close else f"; valid names include {list(self.sites)[:8]}"

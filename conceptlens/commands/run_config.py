@@ -97,7 +97,7 @@ def method_class(method: str) -> type:
 
 def hyper_parameters(cls: type) -> list[str]:
     """Keyword arguments a method accepts (its Config's fields for SAEs)."""
-    params = inspect.signature(cls.__init__).parameters
+    params = inspect.signature(cls).parameters  # the constructor's, without self
     names = [p for p, v in params.items() if p != "self" and v.kind not in (v.VAR_KEYWORD, v.VAR_POSITIONAL)
              and v.kind != v.POSITIONAL_ONLY]
     config = getattr(cls, "Config", None)

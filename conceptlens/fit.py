@@ -290,7 +290,7 @@ def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: 
         acts, meta, n_tokens, first_doc, ids = step.acts, step, step.tokens, step.first_doc, step.ids
         if n_tokens == 0:
             return 0
-    keep = {site: state.rows(site, acts[site], meta.position) for site in plan.sites}
+    keep = {site: state.row_filter(site, acts[site], meta.position) for site in plan.sites}
     for name, extractor in plan.extractors.items():
         key = plan.keys[name]
         if isinstance(key, str):
@@ -356,5 +356,5 @@ def _report(lens: AttachedModel, plan: _Plan, state: FitState, resumed_from: int
         if config.checkpoint_dir and (state.run is None or state.run.writes):
             cs.save(Path(config.checkpoint_dir) / "concepts" / name.replace("->", "__to__"))
     return FitReport(state.tokens, state.documents, state.batches, seconds, resumed_from,
-                     {k: dict(v) for k, v in state.rows.counts.items()}, stats, concepts)
+                     {k: dict(v) for k, v in state.row_filter.counts.items()}, stats, concepts)
 

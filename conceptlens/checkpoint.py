@@ -174,7 +174,7 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
-def _check_structure(path: Path, state: dict[str, Any]) -> None:
+def _check_structure(path: Path | str, state: dict[str, Any]) -> None:
     missing = [key for key in STATE_KEYS if key not in state]
     if missing:
         raise ValueError(f"checkpoint {path} lacks {', '.join(map(repr, missing))}")

@@ -13,7 +13,7 @@ threshold 0.1 -> 0.1006, L0 980); what the start means depends on how much of th
 its mean. Both are therefore given in spread units: s = sqrt(E||x - mean||^2 / d) of the first
 normalised batch (as ReLUSAE's l1), theta_0 = threshold_init * s and kernel width bandwidth * s.
 A random unit encoder row gives pre-activations of spread ~s, so theta_0 = 1.5 s starts about 7%
-of the latents firing; the default gives L0 ~90 of 2304 after those 12 steps (FVU 0.61) and L0
+of the latents firing; the default gives L0 84 of 2304 after those 12 steps (FVU 0.61) and L0
 2.6 of 128 on a planted dictionary with 3 active atoms (all recovered, held-out FVU 0.16). Pass
 `threshold_init` / `bandwidth` for other starts (the paper's 1e-3 is ~1.5e-3 s on SmolLM2).
 """

@@ -102,6 +102,15 @@ def fit_seed(model: Any, config: SyntheticConfig, seed: int, lr: float) -> dict[
     return {m: fit.concept_set() for m, fit in fits.items()}
 
 
+def random_set(config: SyntheticConfig, seed: int) -> ConceptSet:
+    """As many Gaussian directions as the generator has features, from a seed of their own (SAELens
+    draws its feature vectors with torch.randn under the model's seed: the same seed would replay them)."""
+    from numpy.random import SeedSequence
+
+    g = torch.Generator().manual_seed(int(SeedSequence([seed, EVAL_SEED]).generate_state(1)[0]))
+    return ConceptSet(torch.randn(config.num_features, config.hidden_dim, generator=g), method="random")
+
+
 def seed_interval(values: list[float]) -> Estimate:
     """Mean over seeds with its 95% Student-t interval (no interval from one seed)."""
     from scipy.stats import t
@@ -128,8 +137,7 @@ def synthetic_lines(config: SyntheticConfig, progress: Callable[[str], None] | N
     scores: dict[str, list[Recovery]] = {}
     for seed in config.seeds:
         sets = fit_seed(model, config, seed, lr)
-        sets["random directions"] = ConceptSet(torch.randn(config.num_features, config.hidden_dim,
-                                                           generator=torch.Generator().manual_seed(seed)))
+        sets["random directions"] = random_set(config, seed)
         for name, cs in sets.items():
             directions, encode = set_latents(cs)
             scores.setdefault(name, []).append(recovery(directions, encode(x), features, truth))

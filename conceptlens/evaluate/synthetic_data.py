@@ -35,7 +35,7 @@ class SyntheticConfig:
     """Width of the activations: num_features / hidden_dim is the superposition."""
     k: int = 8
     """Active latents per row of the TopK-style SAEs (ours and SAELens's)."""
-    steps: int = 200
+    steps: int = 100
     """Training batches per fit (SAELens's runner takes one step per batch)."""
     batch_size: int = 1024
     eval_rows: int = 16_384

@@ -80,9 +80,31 @@ def test_synthetic_lines_put_every_method_beside_saelens_and_random():
     for ln in lines:
         assert ln.value.low <= ln.value.value <= ln.value.high
         assert [b for b, _ in ln.baselines] == [b for b in (PEER, "random directions") if b != ln.extractor]
+        assert ln.baselines[-1][1].value < 0.7  # the control is not the generator's own dictionary
 
 
 def test_cli_needs_a_run_folder_except_for_the_synthetic_part(capsys):
     assert main(["eval", "--suite", "probing,synthetic"]) == 2
     err = capsys.readouterr().err
     assert "--suite probing needs a RUN_DIR" in err and "Traceback" not in err
+
+
+def test_cli_runs_the_synthetic_part_without_a_run(monkeypatch, capsys):
+    from dataclasses import dataclass
+
+    from conceptlens.commands import eval as eval_command
+
+    @dataclass
+    class Small(SyntheticConfig):
+        num_features: int = 32
+        hidden_dim: int = 16
+        k: int = 4
+        batch_size: int = 256
+        eval_rows: int = 1024
+        methods: tuple[str, ...] = ("topk",)
+
+    monkeypatch.setattr(eval_command, "SyntheticConfig", Small)
+    assert main(["eval", "--suite", "synthetic", "--synthetic-seeds", "2", "--synthetic-steps", "4", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "Student's t over 2 seeds" in out
+    assert "| topk | synthetic MCC |" in out and f"| {PEER} | synthetic F1 |" in out

@@ -73,12 +73,13 @@ def set_latents(cs: ConceptSet) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
     return act.directions, one_hot
 
 
-def extractor(method: str, config: SyntheticConfig, seed: int, lr: float) -> Any:
-    """Our `method` at the benchmark's width, its own defaults otherwise (SAEs: Adam at `lr`)."""
+def extractor(method: str, config: SyntheticConfig, seed: int) -> Any:
+    """Our `method` at the benchmark's width (SAEs: its batch, warm-up over the first batch), its own
+    defaults otherwise."""
     from conceptlens import concepts as c
 
     width, k = config.num_features, config.k
-    sae = dict(width=width, batch_size=config.batch_size, warmup_tokens=config.batch_size, lr=lr, seed=seed)
+    sae = dict(width=width, batch_size=config.batch_size, warmup_tokens=config.batch_size, seed=seed)
     makers: dict[str, Callable[[], Any]] = {
         "topk": lambda: c.TopKSAE(k=k, **sae), "batchtopk": lambda: c.BatchTopKSAE(k=k, **sae),
         "jumprelu": lambda: c.JumpReLUSAE(**sae), "relu": lambda: c.ReLUSAE(**sae),
@@ -88,9 +89,9 @@ def extractor(method: str, config: SyntheticConfig, seed: int, lr: float) -> Any
     return makers[method]()
 
 
-def fit_seed(model: Any, config: SyntheticConfig, seed: int, lr: float) -> dict[str, ConceptSet]:
+def fit_seed(model: Any, config: SyntheticConfig, seed: int) -> dict[str, ConceptSet]:
     """Every method of `config` fitted on stream `seed` (each batch to all of them)."""
-    fits = {m: extractor(m, config, seed, lr) for m in config.methods}
+    fits = {m: extractor(m, config, seed) for m in config.methods}
     stream = SeededFeatures(model.activation_generator, seed)
     for _ in range(config.steps):
         with torch.no_grad():
@@ -133,10 +134,10 @@ def synthetic_lines(config: SyntheticConfig, progress: Callable[[str], None] | N
     with torch.no_grad():
         features = SeededFeatures(model.activation_generator, EVAL_SEED)(config.eval_rows)  # (N, F)
         x = model.feature_dict(features)  # (N, d)
-    lr = SAEConfig(width=config.num_features).learning_rate()  # ours and SAELens's SAE alike
+    lr = SAEConfig(width=config.num_features).learning_rate()  # our SAEs' default, given to SAELens's too
     scores: dict[str, list[Recovery]] = {}
     for seed in config.seeds:
-        sets = fit_seed(model, config, seed, lr)
+        sets = fit_seed(model, config, seed)
         sets["random directions"] = random_set(config, seed)
         for name, cs in sets.items():
             directions, encode = set_latents(cs)

@@ -35,7 +35,7 @@ class SyntheticConfig:
     """Width of the activations: num_features / hidden_dim is the superposition."""
     k: int = 8
     """Active latents per row of the TopK-style SAEs (ours and SAELens's)."""
-    steps: int = 100
+    steps: int = 200
     """Training batches per fit (SAELens's runner takes one step per batch)."""
     batch_size: int = 1024
     eval_rows: int = 16_384
@@ -70,9 +70,17 @@ def synthetic_model(config: SyntheticConfig) -> Any:
         firing_probability=ZipfianFiringProbabilityConfig(exponent=0.5, max_prob=0.3, min_prob=0.01),
         hierarchy=HierarchyConfig(total_root_nodes=max(n // 16, 1), branching_factor=4, max_depth=1,
                                   mutually_exclusive_portion=0.5),
-        correlation=LowRankCorrelationConfig(rank=16, correlation_scale=0.1, seed=config.model_seed),
-        std_firing_magnitudes=0.3, mean_firing_magnitudes=1.0, bias=1.0, seed=config.model_seed)
+        correlation=LowRankCorrelationConfig(rank=16, correlation_scale=0.1, seed=model_seed(config.model_seed)),
+        std_firing_magnitudes=0.3, mean_firing_magnitudes=1.0, bias=1.0, seed=model_seed(config.model_seed))
     return SyntheticModel(cfg)
+
+
+def model_seed(seed: int) -> int:
+    """The generator's torch seed, apart from the fits' seeds: SAELens draws the feature vectors with
+    torch.randn under it, as our SAEs draw their first decoder, so equal seeds start a fit at the answer."""
+    from numpy.random import SeedSequence
+
+    return int(SeedSequence([seed, 1 << 20]).generate_state(1)[0])
 
 
 class SeededFeatures:

@@ -28,6 +28,15 @@ def test_a_seeded_stream_replays_the_same_rows(model):
     assert not torch.equal(first, SeededFeatures(model.activation_generator, 6)(64))
 
 
+def test_no_fit_starts_at_the_generator_dictionary(model):
+    from sae_lens.synthetic import mean_correlation_coefficient
+
+    truth = model.feature_dict.feature_vectors.detach()  # SAELens draws it with torch.randn, as our SAEs their decoder
+    for seed in range(3):
+        start = torch.randn(truth.shape, generator=torch.Generator().manual_seed(seed))
+        assert mean_correlation_coefficient(start, truth) < 0.8
+
+
 @torch.no_grad()
 def _rows(model, seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     features = SeededFeatures(model.activation_generator, seed)(n)

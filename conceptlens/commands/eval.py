@@ -3,6 +3,7 @@
     conceptlens eval runs/demo                                   # every set; reconstruction, probing, absorption
     conceptlens eval runs/demo --suite probing --task bbc-news --concepts topk
     conceptlens eval runs/demo/concepts/topk --suite quality --task wsj-pos   # the older single-concept table
+    conceptlens eval --suite synthetic                           # no run: SAELens's synthetic benchmark
 
 Prints one markdown table per site: each figure with its 95% interval (a bootstrap over
 held-out documents) next to its baselines, and saves every figure (the per-concept probe scores
@@ -21,6 +22,7 @@ from pathlib import Path
 from conceptlens.commands._args import count, existing_dir, positive_int, seed
 from conceptlens.evaluate.probing import KS
 from conceptlens.evaluate.suite import DEFAULT_SUITES, PROBE_TASKS, SUITES, SuiteConfig
+from conceptlens.evaluate.synthetic_data import SyntheticConfig
 
 
 def _choices(valid: tuple[str, ...], what: str):
@@ -38,8 +40,9 @@ def _ks(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", type=existing_dir,
-                        help="a ConceptSet folder, or a fit checkpoint_dir holding concepts/<name>/")
+    parser.add_argument("run_dir", type=existing_dir, nargs="?",
+                        help="a ConceptSet folder, or a fit checkpoint_dir holding concepts/<name>/ "
+                             "(not needed for --suite synthetic alone)")
     parser.add_argument("--suite", type=_choices(SUITES, "suite"), default=DEFAULT_SUITES,
                         help=f"comma-separated parts, from {', '.join(SUITES)} (default: {','.join(DEFAULT_SUITES)})")
     parser.add_argument("--task", "--tasks", dest="tasks", type=_choices(PROBE_TASKS, "task"), default=PROBE_TASKS,
@@ -61,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=seed, default=0, help="which documents are drawn")
     parser.add_argument("--no-save", action="store_true", help="print only; do not write RUN_DIR/eval.json")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--synthetic-seeds", type=positive_int, default=3,
+                        help="synthetic part: fits per extractor (seeds 0..N-1; intervals over them)")
+    parser.add_argument("--synthetic-steps", type=positive_int, default=SyntheticConfig.steps,
+                        help="synthetic part: training batches of 1024 rows per fit")
 
 
 def _sets(run_dir: str, names: str | None) -> tuple[dict, dict[str, Path]]:
@@ -76,12 +83,37 @@ def _sets(run_dir: str, names: str | None) -> tuple[dict, dict[str, Path]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    suites = tuple(s for s in args.suite if s != "synthetic")
+    if suites and args.run_dir is None:
+        raise ValueError(f"--suite {','.join(suites)} needs a RUN_DIR (only the synthetic part runs without one)")
+    if suites:
+        _run_folder(args, suites)
+    if "synthetic" in args.suite:
+        _synthetic(args)
+    return 0
+
+
+def _synthetic(args: argparse.Namespace) -> None:
+    from conceptlens.evaluate.lines import format_lines
+    from conceptlens.evaluate.synthetic import synthetic_lines
+
+    config = SyntheticConfig(seeds=tuple(range(args.synthetic_seeds)), steps=args.synthetic_steps)
+    print(f"\n## synthetic (SAELens's generator: {config.num_features} features in {config.hidden_dim} dims, "
+          f"{config.steps} batches of {config.batch_size} per fit; 95% intervals: Student's t over "
+          f"{len(config.seeds)} seeds)", flush=True)
+    wall, cpu = time.perf_counter(), time.process_time()
+    lines = synthetic_lines(config, progress=None if args.no_progress else print)
+    took = f"{time.perf_counter() - wall:.0f} s wall, {time.process_time() - cpu:.0f} s CPU"
+    print(f"\n### synthetic ({took})\n\n{format_lines(lines)}", flush=True)
+
+
+def _run_folder(args: argparse.Namespace, suites: tuple[str, ...]) -> None:
     import conceptlens
     from conceptlens.batching import check_max_length
     from conceptlens.commands._common import load_model
     from conceptlens.evaluate.bootstrap import DRAWS
 
-    config = SuiteConfig(suites=args.suite, tasks=args.tasks, max_docs=args.max_docs, max_length=args.max_length,
+    config = SuiteConfig(suites=suites, tasks=args.tasks, max_docs=args.max_docs, max_length=args.max_length,
                          batch_size=args.batch_size, max_classes=args.max_classes, recon_docs=args.ce_docs,
                          absorption_words=args.absorption_words, ks=args.ks, random_draws=args.random_draws,
                          probe_candidates=args.probe_candidates or None, concept_top=args.concept_top, seed=args.seed,

@@ -7,6 +7,8 @@
 Parts: `reconstruction` (sets that reconstruct: SAEs, VQ), `probing` (k-sparse probing on the
 labelled sets), `absorption` (first letters; sets that reconstruct) and `quality` (the older
 table of `conceptlens eval --task`: best single concept's probe loss, geometry, LDA cosines).
+`synthetic` (ground-truth recovery on SAELens's generator, `synthetic.synthetic_lines`) needs no
+model or run folder; `run_parts` leaves it to its caller.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from conceptlens.evaluate.bootstrap import Estimate
 from conceptlens.evaluate.lines import Line
 from conceptlens.evaluate.probing import CONCEPT_TOP, KS, RANDOM_DRAWS
 
-SUITES = ("reconstruction", "probing", "absorption", "quality")
+SUITES = ("reconstruction", "probing", "absorption", "quality", "synthetic")
 DEFAULT_SUITES = ("reconstruction", "probing", "absorption")
 PROBE_TASKS = ("bbc-news", "movie-polarity", "wsj-pos", "conll2010-uncertainty")
 

@@ -14,7 +14,8 @@ further collective. The seeding draws row indices from the rows every rank has (
 or batched D^2 sampling never needs the centres themselves), so each rank keeps its slice of
 one process's seeds. Reseeding reads the idle counts of every shard (k int64s) and draws the
 same rows on every rank (one generator, same state everywhere). A checkpoint holds each
-rank's shard (rank 0 writes every rank's state in one file, as for any distributed fit).
+rank's shard (rank 0 writes every rank's state in one file, as for any distributed fit; a
+resume on another world size is refused).
 Outside a process group (or with one rank) a sharded extractor is the unsharded one.
 """
 
@@ -76,11 +77,15 @@ class ShardedKMeans(StreamingKMeans):
     Needs the same rows on every rank (`fit(..., distributed=True)` gives them), not per-rank
     rows (`comm` set); `centres`, `mass`, `encode` and `concept_set` gather every shard."""
 
-    def __init__(self, n_concepts: int, **kwargs: Any) -> None:
-        super().__init__(n_concepts, **kwargs)
-        self.shards = Shards(n_concepts, "centres")
-        lo, hi = self.shards.lo, self.shards.hi
-        self._mass, self._idle = self._mass[lo:hi].clone(), self._idle[lo:hi].clone()
+    _shards: Shards | None = None
+
+    @property
+    def shards(self) -> Shards:
+        """The ranks' split, read from the process group at first use (the fit starts the group
+        after the extractors are made)."""
+        if self._shards is None:
+            self._shards = Shards(self.config.n_concepts, "centres")
+        return self._shards
 
     @property
     def centres(self) -> Tensor:
@@ -107,8 +112,9 @@ class ShardedKMeans(StreamingKMeans):
         head, k = self.config.rows_to_init, self.config.n_concepts
         seeds = batched_seeds if self.config.batched_init and min(head, x.shape[0]) >= k else kmeans_plusplus
         chosen = seeds(x[:head], k, self._gen, w[:head])  # (k,) the same on every rank
-        self._centres = x[chosen[self.shards.lo:self.shards.hi]].float().clone()
-        self._mass, self._idle = self._mass.to(x.device), self._idle.to(x.device)
+        lo, hi = self.shards.lo, self.shards.hi
+        self._centres = x[chosen[lo:hi]].float().clone()
+        self._mass, self._idle = self._mass[lo:hi].to(x.device), self._idle[lo:hi].to(x.device)
         self._steps(x, w, shared=True)
 
     def _step(self, x: Tensor, w: Tensor, synced: bool = False) -> None:
@@ -158,15 +164,12 @@ class ShardedKMeans(StreamingKMeans):
         return ConceptSet(centres, method=self.method, config=asdict(self.config), stats={"mass": mass.float()},
                           mean=mass_weighted_mean(centres, mass))
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's shard, and which it is."""
-        return {**super().state_dict(), "shard": [self.shards.rank, self.shards.world]}
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        mine = [self.shards.rank, self.shards.world]
-        if state.get("shard", mine) != mine:
-            raise ValueError(f"state holds shard {state['shard'][0]} of {state['shard'][1]}; this is shard "
-                             f"{mine[0]} of {mine[1]}: load it on the same rank of the same world size")
+        """This rank's shard (a fit's checkpoint gives each rank its own state)."""
+        rows = None if state.get("centres") is None else state["centres"].shape[0]
+        if rows is not None and rows != self.shards.hi - self.shards.lo:
+            raise ValueError(f"state holds {rows} centres; rank {self.shards.rank} of {self.shards.world} holds "
+                             f"{self.shards.hi - self.shards.lo}: load each rank's state on the same world size")
         super().load_state_dict(state)
         if self._idle is not None and self._idle.numel():  # one bound on every rank (they take the same branches)
             self._idle_bound = int(self.shards.gather(self._idle).max())

@@ -49,9 +49,15 @@ class _SumRanks(torch.autograd.Function):
 class ShardedTopKSAE(TopKSAE):
     """`TopKSAE` with its latents sharded across ranks (see the module docstring)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.shards = Shards(self.config.width, "latents")
+    _shards: Shards | None = None
+
+    @property
+    def shards(self) -> Shards:
+        """The ranks' split, read from the process group at first use (the fit starts the group
+        after the extractors are made)."""
+        if self._shards is None:
+            self._shards = Shards(self.config.width, "latents")
+        return self._shards
 
     def _init_params(self, x: Tensor) -> dict[str, Tensor]:
         whole = super()._init_params(x)
@@ -128,13 +134,10 @@ class ShardedTopKSAE(TopKSAE):
     def _merge(self, other: Any) -> None:
         raise ValueError("a ShardedTopKSAE is not merged: its ranks hold different latents of one fit")
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's shard (parameters and Adam moments), and which it is."""
-        return {**super().state_dict(), "shard": [self.shards.rank, self.shards.world]}
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        mine = [self.shards.rank, self.shards.world]
-        if state.get("shard", mine) != mine:
-            raise ValueError(f"state holds shard {state['shard'][0]} of {state['shard'][1]}; this is shard "
-                             f"{mine[0]} of {mine[1]}: load it on the same rank of the same world size")
+        """This rank's shard (a fit's checkpoint gives each rank its own state)."""
+        W_dec = state.get("params", {}).get("W_dec")
+        if W_dec is not None and W_dec.shape[0] != self.shards.hi - self.shards.lo:
+            raise ValueError(f"state holds {W_dec.shape[0]} latents; rank {self.shards.rank} of {self.shards.world} "
+                             f"holds {self.shards.hi - self.shards.lo}: load each rank's state on the same world size")
         super().load_state_dict(state)

@@ -22,6 +22,7 @@ not. `concept_set()` and `encode()` gather every shard (collectives: every rank 
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from conceptlens.concepts.sae.base import Code
 from conceptlens.concepts.sae.topk import TopKSAE
 from conceptlens.concepts.sharded import Shards
 
-_SHARDED = {"W_enc": 1, "b_enc": 0, "W_dec": 0}  # parameter -> the dimension split across ranks
+_SHARDED = MappingProxyType({"W_enc": 1, "b_enc": 0, "W_dec": 0})  # parameter -> the dimension split across ranks
 
 
 class _SumRanks(torch.autograd.Function):

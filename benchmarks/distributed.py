@@ -1,12 +1,15 @@
-"""2-process vs 1-process fit throughput on CPU (gloo), and the cost of the collectives.
+"""1-, 2- and 4-process fit throughput on CPU (gloo), the cost of the collectives, memory per rank.
 
-    python benchmarks/distributed.py [--docs 400] [--hidden 128]
+    python benchmarks/distributed.py [--docs 400] [--hidden 128] [--worlds 1 2 4] [--centres 1024]
 
 A random 4-block Llama (hidden 128 by default), 400 synthetic documents of <= 64 tokens,
-one StreamingKMeans and one TopKSAE at blocks.2.resid_out. The same fit runs on 1 rank
-and on 2 ranks (each with 1 thread); per rank we time the fit, and, by wrapping the
-communicator, the seconds spent in collectives and their number. Tokens/s is the global
-token count over the slowest rank's fit time.
+one k-means (`--centres`) and one TopK SAE (width 32 * hidden) at two sites, unsharded
+(every rank holds the whole dictionaries) and sharded (`ShardedKMeans`, `ShardedTopKSAE`:
+each rank 1/W). The same fit runs on each world size (each rank with 1 thread); per rank we
+time the fit, and, by wrapping the communicator, the seconds spent in collectives and their
+number. Tokens/s is the global token count over the slowest rank's fit time. Memory per
+rank: the bytes of the extractors' states (parameters, Adam moments, counts, buffered rows)
+and the process's peak resident set.
 """
 
 from __future__ import annotations
@@ -22,8 +25,23 @@ import torch
 from tests import distributed_workers as W
 
 
-def _body(comm, out: Path, docs: int, hidden: int) -> dict:
+def _state_bytes(state) -> int:
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_state_bytes(v) for v in state)
+    return 0
+
+
+def _body(comm, out: Path, docs: int, hidden: int, centres: int = 32, sharded: bool = False) -> dict:
+    import resource
+
     import transformers as tf
+
+    from conceptlens.concepts.sae.sharded import ShardedTopKSAE
+    from conceptlens.concepts.sharded import ShardedKMeans
 
     import conceptlens
     from conceptlens import distributed
@@ -48,14 +66,17 @@ def _body(comm, out: Path, docs: int, hidden: int) -> dict:
                             num_attention_heads=4, num_key_value_heads=2, vocab_size=99, max_position_embeddings=128)
     lens = conceptlens.attach(tf.AutoModelForCausalLM.from_config(config).eval(), CharTokenizer())
     corpus = [f"doc {i} " + "the quick brown fox jumps over a lazy dog "[i % 9:] * 2 for i in range(docs)]
-    extractors = {"blocks.2.resid_out": StreamingKMeans(32, init_size=512, seed=0),
-                  "blocks.1.resid_out": TopKSAE(width=4 * hidden, k=16, batch_size=512, warmup_tokens=512, seed=0)}
+    kmeans, sae = (ShardedKMeans, ShardedTopKSAE) if sharded else (StreamingKMeans, TopKSAE)
+    extractors = {"blocks.2.resid_out": kmeans(centres, init_size=max(512, centres), seed=0),
+                  "blocks.1.resid_out": sae(width=32 * hidden, k=16, batch_size=512, warmup_tokens=512, seed=0)}
     start = time.perf_counter()
     report = lens.fit(extractors, corpus, batch_size=8, max_length=64, progress=False,
                       filters=FilterConfig(max_norm_ratio=None), distributed=True)
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "tokens": report.tokens, "batches": report.batches,
-            "sae_steps": extractors["blocks.1.resid_out"].stats().steps, "comm": spent}
+            "sae_steps": extractors["blocks.1.resid_out"].stats().steps, "comm": spent,
+            "state_mib": round(sum(_state_bytes(e.state_dict()) for e in extractors.values()) / 2**20, 2),
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
 
 
 def _allreduce_body(comm, out: Path, sizes: list[int], repeats: int) -> dict:
@@ -78,40 +99,48 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--docs", type=int, default=400)
     parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved 1-rank / 2-rank rounds (medians)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the world sizes (medians)")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--centres", type=int, default=1024)
     parser.add_argument("--allreduce-only", action="store_true", help="only time bare all-reduces")
+    parser.add_argument("--skip-allreduce", action="store_true")
     args = parser.parse_args()
-    sae = 2 * (4 * args.hidden) * args.hidden + 4 * args.hidden + args.hidden + 4 * args.hidden + 4
-    sizes = sorted({3, 32 * args.hidden + 32 + 1, sae, 4608 * 576 * 2})
+    if not args.skip_allreduce:
+        _allreduce_table(args.hidden)
+    if args.allreduce_only:
+        return
+    runs: dict[tuple[int, bool], list[dict]] = {(w, s): [] for w in args.worlds for s in (False, True)}
+    for _ in range(args.rounds):  # interleaved, so a change of machine load hits every world size alike
+        for world, sharded in runs:
+            codes, results, _ = W.spawn(_body, world, Path(f"/tmp/conceptlens_bench_dist{world}"), args.docs,
+                                        args.hidden, args.centres, sharded, timeout=1200, collective_timeout=300)
+            if codes != [0] * world:
+                raise SystemExit(f"world {world} failed: {results}")
+            runs[world, sharded].append({"seconds": max(r["seconds"] for r in results), **results[0],
+                                         "state_mib_ranks": [r["state_mib"] for r in results],
+                                         "peak_rss_mib_ranks": [r["peak_rss_mib"] for r in results]})
+    rows: dict[str, object] = {}
+    for (world, sharded), done in runs.items():
+        seconds = statistics.median(r["seconds"] for r in done)
+        spent = statistics.median(r["comm"]["seconds"] for r in done)
+        rows[f"{world} rank(s){' sharded' if sharded else ''}"] = {
+            "tokens": done[0]["tokens"], "median_seconds": round(seconds, 2),
+            "tokens_per_s": round(done[0]["tokens"] / seconds), "all_seconds": [round(r["seconds"], 2) for r in done],
+            "steps_per_rank": done[0]["batches"], "sae_steps": done[0]["sae_steps"],
+            "collectives_per_rank": done[0]["comm"]["calls"], "collective_seconds_rank0": round(spent, 3),
+            "collective_ms_per_step": round(1000 * spent / max(done[0]["batches"], 1), 2),
+            "state_mib_per_rank": done[-1]["state_mib_ranks"], "peak_rss_mib_per_rank": done[-1]["peak_rss_mib_ranks"]}
+    print(json.dumps(rows, indent=2))
+
+
+def _allreduce_table(hidden: int) -> None:
+    sae = 2 * (4 * hidden) * hidden + 4 * hidden + hidden + 4 * hidden + 4
+    sizes = sorted({3, 32 * hidden + 32 + 1, sae, 4608 * 576 * 2})
     codes, results, _ = W.spawn(_allreduce_body, 2, Path("/tmp/conceptlens_bench_allreduce"), sizes, 20,
                                 timeout=600, collective_timeout=300)
     if codes != [0, 0]:
         raise SystemExit(f"all-reduce timing failed: {results}")
     print(json.dumps({"allreduce_ms_by_float64_elements": results[0]}, indent=2))
-    if args.allreduce_only:
-        return
-    runs: dict[int, list[dict]] = {1: [], 2: []}
-    for _ in range(args.rounds):  # interleaved, so a change of machine load hits both alike
-        for world in (1, 2):
-            codes, results, _ = W.spawn(_body, world, Path(f"/tmp/conceptlens_bench_dist{world}"), args.docs,
-                                        args.hidden, timeout=1200, collective_timeout=300)
-            if codes != [0] * world:
-                raise SystemExit(f"world {world} failed: {results}")
-            runs[world].append({"seconds": max(r["seconds"] for r in results), **results[0]})
-    rows: dict[str, object] = {}
-    for world, done in runs.items():
-        seconds = statistics.median(r["seconds"] for r in done)
-        comm = [r["comm"] for r in done]
-        calls = comm[0]["calls"]
-        spent = statistics.median(c["seconds"] for c in comm)
-        rows[f"{world} rank(s)"] = {
-            "tokens": done[0]["tokens"], "median_seconds": round(seconds, 2),
-            "tokens_per_s": round(done[0]["tokens"] / seconds), "all_seconds": [round(r["seconds"], 2) for r in done],
-            "steps_per_rank": done[0]["batches"], "sae_steps": done[0]["sae_steps"],
-            "collectives_per_rank": calls, "collective_seconds_rank0": round(spent, 3),
-            "collective_ms_per_step": round(1000 * spent / max(done[0]["batches"], 1), 2)}
-    rows["tokens_per_s_ratio_2_over_1"] = round(rows["2 rank(s)"]["tokens_per_s"] / rows["1 rank(s)"]["tokens_per_s"], 2)
-    print(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

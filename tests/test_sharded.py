@@ -1,0 +1,76 @@
+"""Dictionaries sharded across processes equal the unsharded ones: gloo ranks spawned in-process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import distributed_workers as W
+from tests import sharded_workers as S
+from tests.test_distributed_equal import assert_close_state
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is unavailable")
+
+
+def _alone() -> dict:
+    km, ae = S.kmeans(False), S.sae(False)
+    S.feed(km, ae)
+    return S.outcome(km, ae)
+
+
+@pytest.mark.parametrize("resume_at", [None, 5])
+def test_two_shards_equal_one_unsharded_dictionary(tmp_path, resume_at):
+    """k-means (15 centres: shards of 8 and 7, with reseeding) and a TopK SAE (41 latents, AuxK
+    on dead latents): each rank holds its slice, and the gathered dictionary, the statistics
+    and the encodings equal one unsharded process's, also after a resume from each rank's state."""
+    codes, results, _ = W.spawn(S.sharded_body, 2, tmp_path, resume_at)
+    assert codes == [0, 0], results
+    alone = _alone()
+    assert alone["reseeded"] > 0 and alone["stats"].last.dead_fraction > 0  # reseeding and AuxK were exercised
+    assert [r["shard_rows"] for r in results] == [(8, 21), (7, 20)]
+    for r in results:
+        shards = r.pop("shard_rows"), r.pop("dead_steps")
+        assert shards
+        assert_close_state(dict(r), dict(alone))
+
+
+def test_one_process_sharded_is_unsharded():
+    """Without a process group a sharded extractor is the unsharded one, bit for bit."""
+    km, ae = S.kmeans(True), S.sae(True)
+    S.feed(km, ae)
+    mine, alone = S.outcome(km, ae), _alone()
+    for key in ("centres", "directions"):
+        torch.testing.assert_close(mine[key], alone[key], rtol=1e-6, atol=1e-7)
+
+
+def _torchrun(script: str, *args) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(W.free_port()), str(root / "tests" / script), *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CONCEPTLENS_DIST_TIMEOUT": "60"}
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_sharded_fit_under_torchrun_resumes_and_equals_one_unsharded_process(tmp_path):
+    """torchrun, 2 ranks of batch 4, sharded k-means and TopK SAE, stopped half-way (each rank's
+    shard in the checkpoint) and resumed: the concept sets equal one unsharded process with batch 8."""
+    from tests import torchrun_fit
+
+    total = sum(min(len(d), 24) for d in W.CORPUS)
+    _torchrun("torchrun_sharded_fit.py", tmp_path, total // 2)
+    first = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    _torchrun("torchrun_sharded_fit.py", tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert 0 < first["tokens"] < total and ranks[0]["resumed_from"] == first["tokens"]
+    assert [r["rows"] for r in ranks] == [(2, 8), (2, 8)]  # 4 centres, 16 latents: half on each rank
+    alone, report = torchrun_fit.fit(8, False)
+    assert ranks[0]["tokens"] == report.tokens
+    for name, cs in report.concepts.items():
+        for rank in ranks:
+            assert_close_state(rank["concepts"][name], {"directions": cs.directions, "encoder": cs.encoder}, name)

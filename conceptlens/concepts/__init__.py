@@ -26,6 +26,8 @@ from conceptlens.concepts.sae import (
     export_saelens,
     import_saelens,
 )
+from conceptlens.concepts.sae.sharded import ShardedTopKSAE
+from conceptlens.concepts.sharded import ShardedKMeans
 from conceptlens.concepts.vq import VQCodebook, VQConfig
 
 __all__ = [
@@ -33,5 +35,5 @@ __all__ = [
     "StreamingKMeans", "KMeansConfig", "Deleuzian", "DeleuzianConfig",
     "SparseAutoencoder", "SAEConfig", "ReLUSAE", "TopKSAE", "BatchTopKSAE", "JumpReLUSAE", "SpaDE",
     "MatryoshkaSAE", "ArchMSAE", "ActMSAE", "EWGSAE", "MPSAE", "HSAE", "export_saelens", "import_saelens",
-    "VQCodebook", "VQConfig", "CLVQTranscoder", "CLVQConfig",
+    "VQCodebook", "VQConfig", "CLVQTranscoder", "CLVQConfig", "ShardedKMeans", "ShardedTopKSAE",
 ]

@@ -13,14 +13,23 @@ _EXTENSIONS = (".py", ".md", ".toml", ".json", ".js", ".txt", ".sh", ".cfg", ".i
 
 def named_paths(text: str) -> list[str]:
     """The repository paths a markdown text names in backticks: anything with a file extension
-    (`conceptlens/fit.py`, `fit.py`) or a folder (`hooks/`); run-folder files without a folder
-    (`run.toml`, `checkpoint.pt`) are not repository files and are left out unless they are .py."""
+    (`conceptlens/fit.py`, `fit.py`) or a folder (`hooks/`), `{a,b}` expanded; run-folder files
+    without a folder (`run.toml`, `checkpoint.pt`) are not repository files and are left out
+    unless they are .py."""
     paths = []
     for token in re.findall(r"`([^`\s]+)`", text):
         token = token.rstrip(".,;:")
         if token.endswith("/") or ("/" in token and token.endswith(_EXTENSIONS)) or token.endswith(".py"):
-            paths.append(token)
+            paths.extend(_expand(token))
     return paths
+
+
+def _expand(token: str) -> list[str]:
+    """`adapters/{a,b}.py` -> [`adapters/a.py`, `adapters/b.py`] (one brace group)."""
+    match = re.search(r"\{([^{}]*)\}", token)
+    if not match:
+        return [token]
+    return [token[:match.start()] + part + token[match.end():] for part in match.group(1).split(",")]
 
 
 def missing(paths: list[str]) -> list[str]:
@@ -48,6 +57,8 @@ def test_every_path_design_names_exists():
 
 
 def test_the_path_check_catches_a_missing_file():
-    text = "see `hooks/points.py`, `fit.py`, `adapters/`, `commands/<name>.py` and `hooks/gone.py`; `run.toml`"
-    assert named_paths(text) == ["hooks/points.py", "fit.py", "adapters/", "commands/<name>.py", "hooks/gone.py"]
-    assert missing(named_paths(text)) == ["hooks/gone.py"]
+    text = ("see `hooks/points.py`, `fit.py`, `adapters/`, `commands/<name>.py` and `hooks/gone.py`; "
+            "`run.toml`; `adapters/{keys,lost}.py`")
+    assert named_paths(text) == ["hooks/points.py", "fit.py", "adapters/", "commands/<name>.py", "hooks/gone.py",
+                                 "adapters/keys.py", "adapters/lost.py"]
+    assert missing(named_paths(text)) == ["hooks/gone.py", "adapters/lost.py"]

@@ -1,6 +1,6 @@
 """Our TopK, BatchTopK and JumpReLU SAEs side by side with SAELens's and sparsify's trainers.
 
-    python benchmarks/peers.py [--quick] [--tokens 49152] [--width 2304] [--k 32] [--png PATH]
+    python benchmarks/peers.py [--quick] [--tokens 49152] [--width 2304] [--k 32] [--png PATH] [--json RUN/peers.json]
 
 Every trainer gets the same rows in the same order: SmolLM2-135M blocks.15.resid_out over the
 bbc-news train split (captured once and cached, see `_rows.py`), one optimiser step per
@@ -11,7 +11,9 @@ trainer's FVU is measured on held-out rows (bbc-news test split) and, at the las
 of them, CE-loss recovered: its reconstruction spliced into SmolLM2 at blocks.15.resid_out on
 held-out test documents, against the clean and zero-ablated losses. Prints the curves, a table
 (final figures, step tokens/s, and whether ours reaches each peer's final FVU / CE-loss recovered
-in no more tokens and at most 0.7x its wall time) and writes a PNG of the curves.
+in no more tokens and at most 0.7x its wall time) and writes a PNG of the curves; `--json` also
+writes the final figures and verdicts as `peers.json`, which the atlas of the run folder holding
+it shows beside the evaluation suite's table.
 """
 
 from __future__ import annotations
@@ -151,6 +153,21 @@ def report(curves: dict[str, list[Point]], batch: int) -> None:
     print("\n".join(goal_rows(curves)) or "  (no peer installed)")
 
 
+def write_json(curves: dict[str, list[Point]], path: Path, setup: str) -> None:
+    """The final figures and the goal verdicts as `conceptlens.Peers` JSON (NaN written as null), for the atlas."""
+    import json
+
+    def clean(v: float) -> float | None:
+        return None if math.isnan(v) else round(float(v), 6)
+
+    final = {name: {"tokens": c[-1].tokens, "seconds": clean(c[-1].seconds), "fvu": clean(c[-1].fvu),
+                    "l0": clean(c[-1].l0), "ce_recovered": clean(c[-1].ce_recovered)} for name, c in curves.items()}
+    data = {"format": "conceptlens.Peers", "version": 1, "model": "smollm2-135m", "site": SITE, "setup": setup,
+            "final": final, "goals": goal_rows(curves)}
+    path.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    print(f"wrote {path}")
+
+
 def plot(curves: dict[str, list[Point]], path: Path, title: str) -> None:
     import matplotlib
 
@@ -191,6 +208,7 @@ def main() -> None:
     parser.add_argument("--trainers", default="ours-topk,ours-batchtopk,ours-jumprelu,saelens-topk,sparsify-topk")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--png", type=Path, default=Path("benchmarks/peers.png"))
+    parser.add_argument("--json", type=Path, help="also write the final figures here (RUN/peers.json: the atlas shows them)")
     args = parser.parse_args()
     if args.quick:
         args.tokens, args.held_out, args.width, args.batch, args.evals, args.ce_docs = 8192, 2048, 1152, 1024, 4, 4
@@ -214,8 +232,10 @@ def main() -> None:
     curves = compare(trainers, train, held_out, args.batch, args.evals, ce, args.ce_evals)
     print(f"load after: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     report(curves, args.batch)
-    plot(curves, args.png, f"SmolLM2 {SITE}, {train.shape[0]} bbc-news tokens, width {args.width}, k {args.k}, "
-                           f"batch {args.batch}")
+    setup = f"{train.shape[0]} bbc-news tokens, width {args.width}, k {args.k}, batch {args.batch}"
+    plot(curves, args.png, f"SmolLM2 {SITE}, {setup}")
+    if args.json:
+        write_json(curves, args.json, setup)
 
 
 if __name__ == "__main__":

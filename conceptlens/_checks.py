@@ -1,4 +1,6 @@
-"""Argument checks shared by the public API: unknown keyword arguments name the valid ones.
+"""Argument checks shared by the public API: unknown keyword arguments name the valid ones, and
+the validators of options and config fields (`check_int`, `check_float`, `check_fraction`,
+`check_bool`, `check_choice`): one-line errors that name the bad value.
 
     @known_kwargs
     def fit(self, extractors, data, *, batch_size=16): ...
@@ -11,7 +13,9 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import math
 import os
+from collections.abc import Iterable
 from typing import Any, Callable, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -64,3 +68,54 @@ def check_memory(what: str, n_bytes: int) -> None:
     free = available_memory()
     if free is not None and n_bytes > free:
         raise ValueError(f"{what} needs {n_bytes / 2**30:.3g} GiB of memory; {free / 2**30:.3g} GiB is available")
+
+
+# ---- validation helpers: one-line errors that name the bad value -------------------------
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+MAX_INT64 = 2**63 - 1
+"""Largest int any option may hold: torch reads seeds, counts and sizes as int64."""
+def check_int(name: str, value: Any, low: int = 1, *, high: int = MAX_INT64, optional: bool = False) -> None:
+    """Raise unless `value` is an int (not a bool) in [`low`, `high`] (or None when `optional`)."""
+    if optional and value is None:
+        return
+    if not _is_int(value) or value < low:
+        extra = " or None" if optional else ""
+        what = "a positive integer" if low == 1 else f"an int >= {low}"
+        raise ValueError(f"{name} must be {what}{extra}; got {value!r}")
+    if value > high:
+        raise ValueError(f"{name} must be at most {high}{' (int64)' if high == MAX_INT64 else ''}; got {value}")
+
+
+def check_float(name: str, value: Any, low: float = 0.0, *, strict: bool = False, optional: bool = False) -> None:
+    """Raise unless `value` is a finite real > `low` (strict) or >= `low` (or None when `optional`)."""
+    if optional and value is None:
+        return
+    if not _is_real(value) or (value <= low if strict else value < low):
+        extra = " or None" if optional else ""
+        raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {low}{extra}; got {value!r}")
+
+
+def check_fraction(name: str, value: Any, *, closed_high: bool = False) -> None:
+    """Raise unless `value` is a real in [0, 1) (or [0, 1] with `closed_high`)."""
+    ok = _is_real(value) and 0 <= value and (value <= 1 if closed_high else value < 1)
+    if not ok:
+        raise ValueError(f"{name} must be a number in [0, 1{']' if closed_high else ')'}; got {value!r}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False; got {value!r}")
+
+
+def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}; got {value!r}")

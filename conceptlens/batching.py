@@ -11,6 +11,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
+from conceptlens._checks import check_int
+
 POSITION_TABLES = ("wpe", "position_embeddings", "embed_positions")
 """Names of the learned position-embedding tables (GPT-2; BERT family; OPT, BART)."""
 
@@ -55,8 +57,7 @@ def position_limit(model: nn.Module) -> int | None:
 
 def check_max_length(model: nn.Module, max_length: Any, name: str = "max_length") -> None:
     """ValueError unless `max_length` is a positive int (not a bool) within the model's position limit."""
-    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
-        raise ValueError(f"{name} must be a positive integer; got {max_length!r}")
+    check_int(name, max_length)
     limit = position_limit(model)
     if limit is not None and max_length > limit:
         raise ValueError(f"{name}={max_length} is beyond the position limit of {type(model).__name__}: "

@@ -40,8 +40,8 @@ WHAT_DIFFERS = {"model": "another model (its config or weights differ)",
 class FitState:
     """Everything a checkpoint holds: progress, row filter, RNG state and the extractors."""
 
-    def __init__(self, rows: RowFilter, extractors: dict[str, Any], fingerprint: dict[str, Any]) -> None:
-        self.rows = rows
+    def __init__(self, row_filter: RowFilter, extractors: dict[str, Any], fingerprint: dict[str, Any]) -> None:
+        self.row_filter = row_filter  # which captured rows reach the extractors, with its counts
         self.extractors = extractors
         self.fingerprint = fingerprint
         self.tokens = self.documents = self.batches = 0
@@ -61,7 +61,7 @@ class FitState:
             "fingerprint": self.fingerprint,
             "data_sha256": self._data.hexdigest(),
             "progress": {"tokens": self.tokens, "documents": self.documents, "batches": self.batches},
-            "rows": self.rows.state_dict(),
+            "rows": self.row_filter.state_dict(),  # the key files have always used
             "torch_rng": torch.get_rng_state(),
             "extractors": {name: e.state_dict() for name, e in self.extractors.items()},
         }
@@ -110,7 +110,7 @@ class FitState:
         if len(consumed) < documents or data.hexdigest() != state["data_sha256"]:
             raise ValueError(f"checkpoint {path} was written by a fit of other data: its first {documents} documents "
                              f"differ from these; use another checkpoint_dir or resume=False")
-        rows = copy.deepcopy(self.rows)
+        rows = copy.deepcopy(self.row_filter)
         try:
             rows.load_state_dict(state["rows"])
         except Exception as err:  # noqa: BLE001
@@ -120,7 +120,7 @@ class FitState:
                 extractor.load_state_dict(state["extractors"][name])
             except Exception as err:  # noqa: BLE001 - only an extractor that could not be copied gets here
                 raise ValueError(f"checkpoint {path}: the state of {name} does not load: {_one_line(err)}") from None
-        self.rows.load_state_dict(state["rows"])
+        self.row_filter.load_state_dict(state["rows"])
         torch.set_rng_state(state["torch_rng"])
         progress = state["progress"]
         self.tokens, self.documents, self.batches = progress["tokens"], progress["documents"], progress["batches"]
@@ -174,7 +174,7 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
-def _check_structure(path: Path, state: dict[str, Any]) -> None:
+def _check_structure(path: Path | str, state: dict[str, Any]) -> None:
     missing = [key for key in STATE_KEYS if key not in state]
     if missing:
         raise ValueError(f"checkpoint {path} lacks {', '.join(map(repr, missing))}")

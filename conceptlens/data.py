@@ -58,8 +58,9 @@ class TextSet:
         return len(self.texts)
 
 
-def load(name: str, split: Split = "train") -> TextSet:
-    """A bundled set by name, split deterministically 80/20 (stratified by label where one exists)."""
+def load(name: str, split: str = "train") -> TextSet:
+    """A bundled set by name, split deterministically 80/20 (stratified by label where one exists);
+    `split` is one of SPLITS (checked here: it often comes from a user)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
     readers = {"bbc-news": _read_bbc, "movie-polarity": _read_polarity, "wsj-pos": _read_wsj,

@@ -22,15 +22,16 @@ import os
 import time
 import warnings
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple
+from typing import Any, Iterator, Mapping, NamedTuple
 
 import torch
 from torch import Tensor
 
 from conceptlens import interrupts, runlock
+from conceptlens._checks import check_int, unknown_message
 from conceptlens._names import RULE as NAME_RULE, is_name
 from conceptlens.batching import check_max_length, encode_batch
 from conceptlens.checkpoint import CHECKPOINT, FitState, fit_fingerprint
@@ -40,9 +41,7 @@ from conceptlens.devices import input_device
 from conceptlens.distributed import DistributedRun
 from conceptlens.distributed_checks import fingerprint as rank_fingerprint
 from conceptlens.filters import FilterConfig, RowFilter
-
-if TYPE_CHECKING:
-    from conceptlens.lens import Lens
+from conceptlens.interface import AttachedModel
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +89,25 @@ class FitConfig:
     documents sharded by rank, `batch_size` documents per rank per step, rank 0 writes."""
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "max_length", "max_tokens", "checkpoint_every"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        check_int("batch_size", self.batch_size)
+        check_int("max_length", self.max_length)
+        check_int("max_tokens", self.max_tokens, optional=True)
+        check_int("checkpoint_every", self.checkpoint_every, optional=True)
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every needs checkpoint_dir")
+
+
+def fit_config(config: FitConfig | None = None, what: str = "fit", /, **overrides: Any) -> FitConfig:
+    """`config` (default `FitConfig()`) with `overrides` replacing its fields: the one place the
+    fit options are named, for `Lens.fit`, `describe` and the CLI. `filters=None` keeps the
+    default filters; an unknown name is a TypeError listing the fields (`what`: who took them)."""
+    names = [f.name for f in fields(FitConfig)]
+    unknown = [key for key in overrides if key not in names]
+    if unknown:
+        raise TypeError(unknown_message(what, unknown, names))
+    if "filters" in overrides and overrides["filters"] is None:
+        overrides["filters"] = FilterConfig()
+    return replace(config or FitConfig(), **overrides)
 
 
 @dataclass
@@ -132,7 +144,7 @@ def key_name(key: Key) -> str:
     return key if isinstance(key, str) else f"{key[0]}->{key[1]}"
 
 
-def fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any = None,
+def fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any = None,
         config: FitConfig | None = None) -> FitReport:
     """Stream `data` through the model once, feeding every extractor; see the module docstring.
     The checkpoint_dir is locked while the fit writes it (`conceptlens.runlock`; only rank 0
@@ -149,7 +161,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
-def _fit(lens: Lens, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any, config: FitConfig) -> FitReport:
+def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any, config: FitConfig) -> FitReport:
     from conceptlens import data as datasets
 
     tokenizer = tokenizer or lens.tokenizer
@@ -218,7 +230,7 @@ class _Plan:
     """Extractors whose update takes `tokens` (a TokenRows)."""
 
 
-def _plan(lens: Lens, extractors: Mapping[Key, Any]) -> _Plan:
+def _plan(lens: AttachedModel, extractors: Mapping[Key, Any]) -> _Plan:
     """Resolve every site before any work starts. A key maps to an extractor (named after
     its canonical site) or to `{name: extractor}` (any number per site); two entries that
     end up with one name are an error, never a silent drop."""
@@ -278,7 +290,7 @@ def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: 
         acts, meta, n_tokens, first_doc, ids = step.acts, step, step.tokens, step.first_doc, step.ids
         if n_tokens == 0:
             return 0
-    keep = {site: state.rows(site, acts[site], meta.position) for site in plan.sites}
+    keep = {site: state.row_filter(site, acts[site], meta.position) for site in plan.sites}
     for name, extractor in plan.extractors.items():
         key = plan.keys[name]
         if isinstance(key, str):
@@ -319,7 +331,7 @@ def _progress(config: FitConfig, initial: int, show: bool = True):
                 disable=not (config.progress and show), desc="fit", dynamic_ncols=True)
 
 
-def _report(lens: Lens, plan: _Plan, state: FitState, resumed_from: int, seconds: float,
+def _report(lens: AttachedModel, plan: _Plan, state: FitState, resumed_from: int, seconds: float,
             config: FitConfig) -> FitReport:
     concepts: dict[str, ConceptSet] = {}
     stats: dict[str, Any] = {}
@@ -344,5 +356,5 @@ def _report(lens: Lens, plan: _Plan, state: FitState, resumed_from: int, seconds
         if config.checkpoint_dir and (state.run is None or state.run.writes):
             cs.save(Path(config.checkpoint_dir) / "concepts" / name.replace("->", "__to__"))
     return FitReport(state.tokens, state.documents, state.batches, seconds, resumed_from,
-                     {k: dict(v) for k, v in state.rows.counts.items()}, stats, concepts)
+                     {k: dict(v) for k, v in state.row_filter.counts.items()}, stats, concepts)
 

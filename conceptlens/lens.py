@@ -21,14 +21,13 @@ from torch import Tensor, nn
 
 from conceptlens._checks import known_kwargs
 from conceptlens.adapters.adapter import Adapter, get_path
-from conceptlens.adapters.site import Site
 from conceptlens.concepts.conceptset import ConceptSet
-from conceptlens.filters import FilterConfig
-from conceptlens.fit import FitConfig, FitReport
+from conceptlens.fit import FitConfig, FitReport, fit_config
 from conceptlens.fit import fit as run_fit
 from conceptlens.hooks.capture import Capture, OnBatch
 from conceptlens.hooks.handles import Handle
 from conceptlens.hooks.points import SiteFn, hook_site
+from conceptlens.sites.site import Site
 from conceptlens.steering.edits import Edit, ProjectOut
 from conceptlens.steering.scope import Positions, Steer
 from conceptlens.wrappers import unwrap
@@ -51,7 +50,7 @@ class Lens:
 
     def __repr__(self) -> str:
         blocks = ", ".join(f"{k or 'blocks'}: {n}" for k, n in self.adapter.n_blocks.items())
-        return f"Lens({type(self.model).__name__}, family={self.adapter.family!r}, {blocks}, {len(self.sites)} sites)"
+        return f"Lens({type(self.model).__name__}, model_type={self.adapter.model_type!r}, {blocks}, {len(self.sites)} sites)"
 
     @property
     def sites(self) -> dict[str, Site]:
@@ -106,13 +105,13 @@ class Lens:
         return Capture(self.model, resolved, self.stacks, on_batch, keep_shape=keep_shape, special_ids=special,
                        dtype=dtype)
 
-    @known_kwargs
     def fit(self, extractors: Mapping[str | tuple[str, str], Any], data: Any, *, tokenizer: Any = None,
-            batch_size: int = 16, max_length: int = 128, max_tokens: int | None = None,
-            checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume: bool = True,
-            progress: bool = True, filters: FilterConfig | None = None,
-            dtype: torch.dtype | str = torch.float32, distributed: bool = False) -> FitReport:
+            config: FitConfig | None = None, **overrides: Any) -> FitReport:
         """Stream `data` once through the model into every extractor (see `conceptlens.fit`).
+
+        `config` (a `FitConfig`) and keyword overrides of its fields (`batch_size`, `max_length`,
+        `max_tokens`, `checkpoint_dir`, `checkpoint_every`, `resume`, `progress`, `filters`,
+        `dtype`, `distributed`) say how texts become batches and how often the fit is saved.
 
         `extractors` maps a site, or a `(source_site, target_site)` pair for cross-layer
         extractors, to an extractor or to `{name: extractor}` (several per site, reported and
@@ -121,11 +120,7 @@ class Lens:
         `distributed=True` fits across the processes of a torch.distributed group (torchrun), see
         conceptlens/distributed.py.
         """
-        config = FitConfig(batch_size=batch_size, max_length=max_length, max_tokens=max_tokens,
-                           checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-                           progress=progress, filters=filters or FilterConfig(), dtype=dtype,
-                           distributed=distributed)
-        return run_fit(self, extractors, data, tokenizer=tokenizer, config=config)
+        return run_fit(self, extractors, data, tokenizer=tokenizer, config=fit_config(config, "Lens.fit", **overrides))
 
     def describe(self, concept_sets: Mapping[str, ConceptSet], data: Any, **kwargs: Any) -> dict[str, Any]:
         """Describe fitted concept sets over (held-out) documents: top contexts, histograms,

@@ -147,6 +147,7 @@ def _load_auto(name: str | Path, **kwargs: Any) -> tuple[Any, Any]:
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
     config = AutoConfig.from_pretrained(name, **NO_REMOTE_CODE)
+    auto: type[AutoModelForSeq2SeqLM] | type[AutoModelForCausalLM] | type[AutoModel]
     if config.is_encoder_decoder:
         auto = AutoModelForSeq2SeqLM
     elif type(config) in AutoModelForCausalLM._model_mapping:

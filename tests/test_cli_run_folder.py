@@ -28,6 +28,7 @@ def test_another_runs_folder_is_refused_and_overwrite_clears_only_its_files(file
     assert main(base(files, out)) == 0
     (out / "notes.txt").write_text("mine")
     (out / "concepts" / "km" / "mine.txt").write_text("mine too")
+    (out / "eval.json").write_text("{}")  # as `conceptlens eval` leaves it: figures of this run's sets
     before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
     capsys.readouterr()
     assert main(_other_run(files, out, "--no-resume")) == 2  # --no-resume alone never mixes two runs
@@ -35,8 +36,10 @@ def test_another_runs_folder_is_refused_and_overwrite_clears_only_its_files(file
     assert "holds a run with another extractor" in err and "--overwrite" in err and "\n" not in err
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before  # nothing touched
     assert main(_other_run(files, out, "--overwrite")) == 0
-    # run.toml, checkpoint.pt, fit_report.json; 2 sets of 2 files; describe/source.json; 2 descriptions of 4 files
-    assert f"--overwrite: removed the 16 files of the run {out} held" in capsys.readouterr().out
+    # run.toml, checkpoint.pt, fit_report.json, eval.json; 2 sets of 2 files; describe/source.json; 2 descriptions
+    # of 4 files
+    assert f"--overwrite: removed the 17 files of the run {out} held" in capsys.readouterr().out
+    assert not (out / "eval.json").exists()
     assert sorted(p.name for p in (out / "concepts").iterdir()) == ["k3", "km"]
     assert sorted(p.name for p in (out / "concepts" / "km").iterdir()) == ["mine.txt"]  # only the user's file
     assert sorted(p.name for p in (out / "describe").iterdir() if p.is_dir()) == ["k3"]

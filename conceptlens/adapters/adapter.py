@@ -10,6 +10,7 @@ probe forward on a few tokens against the model's own `output_hidden_states` (`v
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 
 from torch import nn
@@ -23,16 +24,16 @@ from conceptlens.adapters.names import NameResolver
 from conceptlens.adapters.padded import centre_offset, cut_padded, site_extras
 from conceptlens.adapters.probe import Trace, run_probe
 from conceptlens.adapters.repeated import final_after, final_by_input, only_list, same_class, unroll
-from conceptlens.adapters.site import Site
 from conceptlens.adapters.site_notes import attention_notes
-from conceptlens.adapters.hyper import site_shape, stream_writes
-from conceptlens.adapters.structure import (BlockLayout, after_candidates, children_summary, expected_layers,
-                                            final_norm_candidates, find_block_list, find_stacks, parallel_blocks,
-                                            recognise)
+from conceptlens.adapters.stacks import (after_candidates, expected_layers, final_norm_candidates, find_block_list,
+                                         find_stacks, parallel_blocks)
+from conceptlens.adapters.stream_writes import site_shape, stream_writes
+from conceptlens.adapters.structure import BlockLayout, children_summary, recognise
 from conceptlens.adapters.sublayers import extend, more_attention, out_projection, plus_modules
 from conceptlens.adapters.repair import repair
 from conceptlens.adapters.verify import as_hidden, block_view, check_stack, refine
 from conceptlens.adapters.verify import submodule as _get
+from conceptlens.sites.site import Site
 
 _OUT_KINDS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out", "branch_out")
 
@@ -64,9 +65,9 @@ class Adapter(AttentionSites):
     def __init__(self, model: nn.Module, *, verify: bool = True) -> None:
         self.model = model
         self.config = model.config
-        self.family = getattr(self.config, "model_type", type(model).__name__)
-        if self.family in families.REFUSED:
-            raise ValueError(f"conceptlens cannot attach to {self.family}: {families.REFUSED[self.family]}")
+        self.model_type = getattr(self.config, "model_type", type(model).__name__)
+        if self.model_type in families.REFUSED:
+            raise ValueError(f"conceptlens cannot attach to {self.model_type}: {families.REFUSED[self.model_type]}")
         base = getattr(model, "base_model", model)
         self.spec = StackPaths(find_stacks(model))
         self.stacks = {p: get_path(base, path) for p, path in self.spec.stacks.items()}
@@ -74,7 +75,7 @@ class Adapter(AttentionSites):
         self.layouts: dict[str, list[BlockLayout]] = {}
         self.problems: dict[str, str] = {}
         """Site name -> why it is missing (an additive block whose outputs did not add up)."""
-        self.generic = self.family not in families.LAYOUT
+        self.generic = self.model_type not in families.LAYOUT
         self._io: dict[nn.Module, tuple[nn.Module, nn.Module]] = {}
         """Block made of parallel lists -> (module reading its input, module giving its output)."""
         for prefix, stack in self.stacks.items():
@@ -116,7 +117,7 @@ class Adapter(AttentionSites):
             for block, lay in zip(self.blocks[prefix], self.layouts[prefix]):
                 refine(block, lay, trace)
                 relayout(block, lay, trace, prefix)
-                for key, path in families.LAYOUT.get(self.family, {}).items():
+                for key, path in families.LAYOUT.get(self.model_type, {}).items():
                     setattr(lay, key, path)
             self._view = block_view(self.blocks[prefix][0], trace, trace.hidden.get(prefix))
             self.hidden_offset[prefix] = check_stack(prefix, self.blocks[prefix], final, trace, self._what(),
@@ -124,8 +125,14 @@ class Adapter(AttentionSites):
                                                      self._view) if verify else 1
             self._add_stack(prefix, final, trace)
 
+    @property
+    def family(self) -> str:
+        """Deprecated: the model type (`config.model_type`), now `model_type`."""
+        warnings.warn("Adapter.family is renamed Adapter.model_type", DeprecationWarning, stacklevel=2)
+        return self.model_type
+
     def _what(self) -> str:
-        return f"{self.family} ({type(self.model).__name__})"
+        return f"{self.model_type} ({type(self.model).__name__})"
 
     def _find_blocks(self, prefix: str, stack: nn.Module) -> None:
         self._block_paths = getattr(self, "_block_paths", {})

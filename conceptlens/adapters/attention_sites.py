@@ -68,6 +68,8 @@ def in_width(module: nn.Module) -> int:
 class AttentionSites:
     """Adds an attention sublayer's sites through the adapter's `_add` (see adapter.py)."""
 
+    model_type: str  # the adapter's (its model's `config.model_type`)
+
     def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,
                        kv_stack: str, trace: Trace, notes: str) -> None:
         attn = _get(block, path)
@@ -123,7 +125,7 @@ class AttentionSites:
                 if proj_name is None:
                     continue
                 count = heads if which == "q" else kv_heads
-                note = families.NOTES.get(self.family, {}).get(which) or \
+                note = families.NOTES.get(self.model_type, {}).get(which) or \
                     f"output of the {proj_name} projection (this attention does not use the attention-function " \
                     "interface, so no rotary embedding is applied here)"
                 stack = q_stack if which == "q" else kv_stack

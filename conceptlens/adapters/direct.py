@@ -1,6 +1,5 @@
-"""Blocks the stack calls through `forward` directly, and BERT-style blocks whose attention's
-output block sits beside the attention (SqueezeBERT: attention / post_attention / intermediate /
-output, each projection a 1x1 `Conv1d` on channels-first `(B, C, T)` tensors).
+"""Blocks the stack calls through `forward` directly (SqueezeBERT; its layout, the attention's
+output block beside the attention, is recognised by `structure.beside_layout`).
 
 Used by `Adapter`: `direct_blocks` finds blocks whose hooks never ran in the probe although
 modules inside them did; the probe then runs again with `routed(...)` (hooks/direct.py), and
@@ -14,30 +13,8 @@ from contextlib import contextmanager
 from torch import nn
 
 from conceptlens.adapters.probe import Trace
-from conceptlens.adapters.structure import BlockLayout
 from conceptlens.hooks.direct import route_through_call
 from conceptlens.hooks.handles import HandleGroup
-
-_BESIDE = ("post_attention", "attention_output", "attn_output")
-_PROJ = ("dense", "conv1d")
-
-
-def _projection(module: nn.Module | None) -> str | None:
-    return next((n for n in _PROJ if hasattr(getattr(module, n, None), "weight")), None)
-
-
-def beside_layout(block: nn.Module) -> BlockLayout | None:
-    """attention + its output block as a sibling (`post_attention`) + intermediate + output."""
-    children = dict(block.named_children())
-    beside = next((n for n in _BESIDE if n in children), None)
-    if "attention" not in children or beside is None or "intermediate" not in children:
-        return None
-    a, o = _projection(children[beside]), _projection(children.get("output"))
-    if a is None or o is None:
-        return None
-    return BlockLayout(f"BERT-style with the attention's output beside it (attention / {beside} / intermediate / "
-                       "output)", attn="attention", attn_out=f"{beside}.{a}", mlp_out=f"output.{o}",
-                       mlp_post=f"output.{o}", attn_z=f"{beside}.{a}")
 
 
 def direct_blocks(blocks: dict[str, list[nn.Module]], trace: Trace) -> list[nn.Module]:

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from conceptlens.adapters.adapter import Adapter
-    from conceptlens.adapters.site import Site
+from torch import nn
+
+from conceptlens.sites.site import Site
 
 _BLOCK_NAME = re.compile(r"^((?:encoder|decoder)\.)?blocks\.(-?\d+)\.(.+)$")
 
@@ -36,10 +36,21 @@ TRANSFORMER_LENS = {
 _TL_GLOBAL = {"hook_embed_total": "embed", "ln_final.hook_normalized": "final"}
 
 
+class SiteTable(Protocol):
+    """What the resolver reads of an `Adapter`: its sites, block counts, the model and why
+    names it could not place have no site."""
+
+    model: nn.Module
+    model_type: str
+    sites: dict[str, Site]
+    n_blocks: dict[str, int]
+    problems: dict[str, str]
+
+
 class NameResolver:
     """Turns any accepted spelling of a site into its canonical name."""
 
-    def __init__(self, adapter: Adapter) -> None:
+    def __init__(self, adapter: SiteTable) -> None:
         self.adapter = adapter
 
     @property
@@ -135,7 +146,7 @@ class NameResolver:
             if rest.split(".")[0] in ("attn", "cross_attn", "mlp") or rest.endswith("_out"):
                 kinds = sorted({s.name.split(".", 2 + bool(prefix))[-1] for s in self.sites.values()
                                 if s.name.startswith(f"{prefix}blocks.{index}.")})
-                return (f"no site {name!r}: block {index} of {self.adapter.family} has no {rest} "
+                return (f"no site {name!r}: block {index} of {self.adapter.model_type} has no {rest} "
                         f"(its sites: {kinds})")
         close = difflib.get_close_matches(name, list(self.sites), n=5, cutoff=0.5)
         hint = f"; close valid names: {close}" if close else f"; valid names include {list(self.sites)[:8]}"

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from conceptlens.adapters.depth import depth_mixers
-from conceptlens.adapters.hyper import stream_writes
+from conceptlens.adapters.stream_writes import stream_writes
 from conceptlens.adapters.inner import inner_call
 from conceptlens.adapters.probe import Call, Trace, close, sums_to
 from conceptlens.adapters.structure import BlockLayout, is_norm

@@ -139,3 +139,11 @@ def out_file(text: str) -> str:
     except argparse.ArgumentTypeError as err:
         raise argparse.ArgumentTypeError(f"{text!r} cannot be written: {err}") from None
     return text
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    """'2,1' -> [2, 1] (for an option `flag` that takes comma-separated integers)."""
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers; got {text!r}") from None

@@ -12,6 +12,7 @@ resumes like the fit (--no-resume starts again); a finished pass removes its che
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -50,7 +51,7 @@ def steer_names(text: str) -> list[str]:
 def describe_run(lens: Any, cfg: rc.RunConfig, concept_sets: Mapping[str, Any], consumed: int, out: Path) -> dict:
     """Describe `concept_sets` as `cfg.describe` says, into out/describe/<NAME>/."""
     from conceptlens.checkpoint import CHECKPOINT
-    from conceptlens.commands.fit import source
+    from conceptlens.commands.sources import source
     from conceptlens.describe import SteeringRequest
 
     d = cfg.describe
@@ -60,10 +61,9 @@ def describe_run(lens: Any, cfg: rc.RunConfig, concept_sets: Mapping[str, Any], 
     steering = SteeringRequest(list(d.steer), prompts=prompts) if d.steer else None
     print(f"\ndescribing {', '.join(concept_sets)} on {d.max_tokens or 'all'} tokens of "
           f"{d.data or cfg.data} (documents from {skip})")
-    descriptions = lens.describe(dict(concept_sets), data, skip_documents=skip, max_tokens=d.max_tokens,
-                                 top_n=d.top_n, window=tuple(d.window), batch_size=cfg.fit.batch_size,
-                                 max_length=cfg.fit.max_length, out=str(out / "describe"), steering=steering,
-                                 checkpoint_every=cfg.fit.checkpoint_every, resume=cfg.fit.resume)
+    streaming = {**dataclasses.asdict(cfg.fit), "max_tokens": d.max_tokens}  # the fit's batches, the pass's budget
+    descriptions = lens.describe(dict(concept_sets), data, skip_documents=skip, top_n=d.top_n, window=tuple(d.window),
+                                 out=str(out / "describe"), steering=steering, **streaming)
     for name, desc in descriptions.items():
         print(f"  {name}: {desc.info['tokens']:,} tokens, {desc.info['documents']:,} documents -> "
               f"{out / 'describe' / name}")
@@ -106,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
 def _describe(args: argparse.Namespace) -> int:
     import conceptlens
     from conceptlens.commands._common import load_model
-    from conceptlens.commands.fit import _ints, source
+    from conceptlens.commands._args import int_list
+    from conceptlens.commands.sources import source
     from conceptlens.concepts.conceptset import CONFIG_FILE, ConceptSet
 
     out = Path(args.run_dir)
@@ -115,7 +116,7 @@ def _describe(args: argparse.Namespace) -> int:
     raw = rc.read_toml(out / "run.toml")
     describe = raw.setdefault("describe", {})
     flags = {"data": args.describe_data, "max_tokens": args.describe_tokens, "top_n": args.top_n,
-             "prompt": args.prompt, "window": _ints(args.window, "--window") if args.window else None,
+             "prompt": args.prompt, "window": int_list(args.window, "--window") if args.window else None,
              "steer": args.steer}
     describe.update({k: v for k, v in flags.items() if v is not None})
     if args.no_resume:

@@ -3,9 +3,12 @@
     conceptlens eval runs/demo                                   # every set; reconstruction, probing, absorption
     conceptlens eval runs/demo --suite probing --task bbc-news --concepts topk
     conceptlens eval runs/demo/concepts/topk --suite quality --task wsj-pos   # the older single-concept table
+    conceptlens eval --suite synthetic                           # no run: SAELens's synthetic benchmark
 
 Prints one markdown table per site: each figure with its 95% interval (a bootstrap over
-held-out documents) next to its baselines. See EVALUATION.md for the definitions.
+held-out documents) next to its baselines, and saves every figure (the per-concept probe scores
+too) in RUN_DIR/eval.json as each part finishes (`evaluate.results`), where `conceptlens report`
+finds it. See EVALUATION.md for the definitions.
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from conceptlens.commands._args import count, existing_dir, positive_int, seed
 from conceptlens.evaluate.probing import KS
 from conceptlens.evaluate.suite import DEFAULT_SUITES, PROBE_TASKS, SUITES, SuiteConfig
+from conceptlens.evaluate.synthetic_data import SyntheticConfig
 
 
 def _choices(valid: tuple[str, ...], what: str):
@@ -35,8 +40,9 @@ def _ks(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", type=existing_dir,
-                        help="a ConceptSet folder, or a fit checkpoint_dir holding concepts/<name>/")
+    parser.add_argument("run_dir", type=existing_dir, nargs="?",
+                        help="a ConceptSet folder, or a fit checkpoint_dir holding concepts/<name>/ "
+                             "(not needed for --suite synthetic alone)")
     parser.add_argument("--suite", type=_choices(SUITES, "suite"), default=DEFAULT_SUITES,
                         help=f"comma-separated parts, from {', '.join(SUITES)} (default: {','.join(DEFAULT_SUITES)})")
     parser.add_argument("--task", "--tasks", dest="tasks", type=_choices(PROBE_TASKS, "task"), default=PROBE_TASKS,
@@ -53,34 +59,66 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--absorption-words", type=positive_int, default=2000, help="vocabulary tokens of absorption")
     parser.add_argument("--probe-candidates", type=count, default=16,
                         help="quality part: concepts per class screened for the probe (0: every concept)")
+    parser.add_argument("--concept-top", type=count, default=5,
+                        help="probing: latents per task scored alone, for the atlas's concept pages (0: none)")
     parser.add_argument("--seed", type=seed, default=0, help="which documents are drawn")
+    parser.add_argument("--no-save", action="store_true", help="print only; do not write RUN_DIR/eval.json")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--synthetic-seeds", type=positive_int, default=3,
+                        help="synthetic part: fits per extractor (seeds 0..N-1; intervals over them)")
+    parser.add_argument("--synthetic-steps", type=positive_int, default=SyntheticConfig.steps,
+                        help="synthetic part: training batches of 1024 rows per fit")
 
 
-def _sets(run_dir: str, names: str | None) -> dict:
+def _sets(run_dir: str, names: str | None) -> tuple[dict, dict[str, Path]]:
+    """name -> ConceptSet, and name -> its folder."""
     from conceptlens.evaluate.activations import concept_set_names, load_concepts
 
     found = concept_set_names(run_dir)
     if not found:
-        return {Path(run_dir).name: load_concepts(run_dir)}
+        return {Path(run_dir).name: load_concepts(run_dir)}, {Path(run_dir).name: Path(run_dir)}
     wanted = found if names is None else [n.strip() for n in names.split(",") if n.strip()]
-    return {name: load_concepts(run_dir, name) for name in wanted}
+    return ({name: load_concepts(run_dir, name) for name in wanted},
+            {name: Path(run_dir) / "concepts" / name for name in wanted})
 
 
 def run(args: argparse.Namespace) -> int:
+    suites = tuple(s for s in args.suite if s != "synthetic")
+    if suites and args.run_dir is None:
+        raise ValueError(f"--suite {','.join(suites)} needs a RUN_DIR (only the synthetic part runs without one)")
+    if suites:
+        _run_folder(args, suites)
+    if "synthetic" in args.suite:
+        _synthetic(args)
+    return 0
+
+
+def _synthetic(args: argparse.Namespace) -> None:
+    from conceptlens.evaluate.lines import format_lines
+    from conceptlens.evaluate.synthetic import synthetic_lines
+
+    config = SyntheticConfig(seeds=tuple(range(args.synthetic_seeds)), steps=args.synthetic_steps)
+    print(f"\n## synthetic (SAELens's generator: {config.num_features} features in {config.hidden_dim} dims, "
+          f"{config.steps} batches of {config.batch_size} per fit; 95% intervals: Student's t over "
+          f"{len(config.seeds)} seeds)", flush=True)
+    wall, cpu = time.perf_counter(), time.process_time()
+    lines = synthetic_lines(config, progress=None if args.no_progress else print)
+    took = f"{time.perf_counter() - wall:.0f} s wall, {time.process_time() - cpu:.0f} s CPU"
+    print(f"\n### synthetic ({took})\n\n{format_lines(lines)}", flush=True)
+
+
+def _run_folder(args: argparse.Namespace, suites: tuple[str, ...]) -> None:
     import conceptlens
     from conceptlens.batching import check_max_length
     from conceptlens.commands._common import load_model
-    from conceptlens.evaluate.activations import concept_encoder
     from conceptlens.evaluate.bootstrap import DRAWS
-    from conceptlens.evaluate.lines import format_lines, verdict
-    from conceptlens.evaluate.suite import run_parts
 
-    config = SuiteConfig(suites=args.suite, tasks=args.tasks, max_docs=args.max_docs, max_length=args.max_length,
+    config = SuiteConfig(suites=suites, tasks=args.tasks, max_docs=args.max_docs, max_length=args.max_length,
                          batch_size=args.batch_size, max_classes=args.max_classes, recon_docs=args.ce_docs,
                          absorption_words=args.absorption_words, ks=args.ks, random_draws=args.random_draws,
-                         probe_candidates=args.probe_candidates or None, seed=args.seed, progress=not args.no_progress)
-    sets = _sets(args.run_dir, args.concepts)
+                         probe_candidates=args.probe_candidates or None, concept_top=args.concept_top, seed=args.seed,
+                         progress=not args.no_progress)
+    sets, folders = _sets(args.run_dir, args.concepts)
     for name, cs in sets.items():
         if cs.site is None:
             raise ValueError(f"{name}: {cs} names no site; set cs.site and save it again")
@@ -90,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{unnamed[0]}: {sets[unnamed[0]]} names no model; pass --model")
     if not args.model and len(models) > 1:
         raise ValueError(f"the sets name different models {sorted(models)}; pass --model")
-    model, tok = load_model(args, args.model or models.pop())
+    model_name = args.model or models.pop()
+    model, tok = load_model(args, model_name)
     check_max_length(model, args.max_length, "--max-length")
     lens = conceptlens.attach(model, tok)
     by_site: dict[str, dict] = {}
@@ -102,15 +141,34 @@ def run(args: argparse.Namespace) -> int:
         by_site.setdefault(site.name, {})[name] = cs
     print(f"95% intervals: bootstrap over held-out documents ({DRAWS} replicates); the random control pools its "
           f"{args.random_draws} draws. Suites: {', '.join(config.suites)}.")
-    for site, group in by_site.items():
-        kinds = "; ".join(f"{n}: {concept_encoder(cs).kind}" for n, cs in group.items())
-        print(f"\n## {site}\n\nconcept activations: {kinds}", flush=True)
-        wall, cpu = time.perf_counter(), time.process_time()
-        for part, lines in run_parts(lens, tok, group, config):
-            took = f"{time.perf_counter() - wall:.0f} s wall, {time.process_time() - cpu:.0f} s CPU"
-            print(f"\n### {part} ({took})\n\n{format_lines(lines)}", flush=True)
-            wall, cpu = time.perf_counter(), time.process_time()
-            losses = [f"{ln.extractor} {ln.metric}" for ln in lines if verdict(ln) == "loses"]
-            if losses:
-                print(f"\nloses to its matched control (intervals apart): {'; '.join(losses)}", flush=True)
+    for site_name, group in by_site.items():
+        _run_site(args, lens, tok, model_name, site_name, group, folders, config)
     return 0
+
+
+def _run_site(args: argparse.Namespace, lens, tok, model_name: str, site: str, group: dict, folders: dict[str, Path],
+              config: SuiteConfig) -> None:
+    """Every part on the sets of one site: print each part's table as it finishes, and save it."""
+    from conceptlens.evaluate import results
+    from conceptlens.evaluate.activations import concept_encoder
+    from conceptlens.evaluate.lines import format_lines, verdict
+    from conceptlens.evaluate.suite import run_parts
+
+    kinds = {n: concept_encoder(cs).kind for n, cs in group.items()}
+    print(f"\n## {site}\n\nconcept activations: {'; '.join(f'{n}: {k}' for n, k in kinds.items())}", flush=True)
+    infos = {n: results.set_info(cs, folders[n], site, kinds[n]) for n, cs in group.items()}
+    wall, cpu = time.perf_counter(), time.process_time()
+    for part, all_lines in run_parts(lens, tok, group, config):
+        took = f"{time.perf_counter() - wall:.0f} s wall, {time.process_time() - cpu:.0f} s CPU"
+        lines = [ln for ln in all_lines if ln.concept is None]  # per-concept scores: saved, for the concept pages
+        footer = f"\n\n{len(all_lines) - len(lines)} per-concept scores" if len(lines) < len(all_lines) else ""
+        if not args.no_save:
+            part_info = results.Part(model_name, infos, site, part, asdict(config), time.perf_counter() - wall)
+            where = results.save_part(args.run_dir, part_info, all_lines, results.interval_text(config.random_draws))
+            hint = f"; `conceptlens report {args.run_dir}` shows them" if (where.parent / "describe").is_dir() else ""
+            footer = (footer or "\n") + f"\nsaved in {where}{hint}"
+        print(f"\n### {part} ({took})\n\n{format_lines(lines)}{footer}", flush=True)
+        wall, cpu = time.perf_counter(), time.process_time()
+        losses = [f"{ln.extractor} {ln.metric}" for ln in lines if verdict(ln) == "loses"]
+        if losses:
+            print(f"\nloses to its matched control (intervals apart): {'; '.join(losses)}", flush=True)

@@ -30,7 +30,9 @@ from typing import Any
 from conceptlens._io import atomic_write
 from conceptlens.commands import run_config as rc
 from conceptlens.commands import fit_summary, run_folder
+from conceptlens.commands._args import int_list
 from conceptlens.commands.describe import add_describe_options
+from conceptlens.commands.sources import source
 
 DEFAULT_CHECKPOINT_EVERY = 20_000
 
@@ -60,13 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_describe_options(parser)
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} takes comma-separated integers; got {text!r}") from None
-
-
 def resolve(args: argparse.Namespace) -> rc.RunConfig:
     """The file (if any) with the flags laid over it, checked."""
     raw = rc.read_toml(args.config) if args.config else {}
@@ -90,37 +85,13 @@ def resolve(args: argparse.Namespace) -> rc.RunConfig:
     describe = raw.setdefault("describe", {})
     flags = {"enabled": False if args.no_describe else None, "data": args.describe_data,
              "max_tokens": args.describe_tokens, "top_n": args.top_n, "prompt": args.prompt,
-             "window": _ints(args.window, "--window") if args.window else None,
+             "window": int_list(args.window, "--window") if args.window else None,
              "steer": args.steer}
     describe.update({k: v for k, v in flags.items() if v is not None})
     cfg = rc.from_dict(raw)
     if cfg.fit.checkpoint_every is None:
         cfg.fit.checkpoint_every = DEFAULT_CHECKPOINT_EVERY
     return cfg
-
-
-def source(spec: str, shuffle: int | None) -> Any:
-    """A bundled set as a (shuffled) TextSet, else the path; checked without loading any model."""
-    from conceptlens import data
-
-    name, _, split = spec.partition(":")
-    if name in data.SET_NAMES and not Path(spec).exists():
-        texts = data.load(name, split or "train")
-        if shuffle is None:
-            return texts
-        import torch
-
-        order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(shuffle)).tolist()
-        return data.TextSet(texts.name, texts.split, [texts.texts[i] for i in order],
-                            [texts.labels[i] for i in order], texts.label_names)
-    path = Path(spec)
-    if not path.is_file():
-        raise FileNotFoundError(f"data {spec!r} is neither a file nor a bundled set; sets: {', '.join(data.SET_NAMES)}")
-    if path.suffix not in (".txt", ".jsonl"):
-        raise ValueError(f"data file {spec!r} has type {path.suffix!r}; use .txt (one document per line) or .jsonl")
-    if not any(text.strip() for text in data.iter_texts(path)):  # reads up to the first document
-        raise ValueError(f"data file {spec!r} holds no document: it is empty or blank")
-    return str(path)
 
 
 def jsonable(value: Any) -> Any:
@@ -169,6 +140,7 @@ def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, te
     import conceptlens
     from conceptlens.commands._common import load_model
     from conceptlens.commands.describe import describe_run
+    from conceptlens.fit import FitConfig
 
     model, tok = load_model(args, cfg.model)
     lens = conceptlens.attach(model, tok)
@@ -179,10 +151,8 @@ def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, te
         written = dataclasses.replace(cfg, fit=dataclasses.replace(cfg.fit, resume=True))  # a rerun of it resumes
         atomic_write(out / "run.toml", lambda p: Path(p).write_text(rc.to_toml(written), encoding="utf-8"))
         print(f"{lens}\nfitting {', '.join(e['name'] for e in cfg.extractors)} at {', '.join(cfg.sites)} -> {out}")
-    report = lens.fit(plan, texts, batch_size=cfg.fit.batch_size, max_length=cfg.fit.max_length,
-                      max_tokens=cfg.fit.max_tokens, checkpoint_dir=str(out),
-                      checkpoint_every=cfg.fit.checkpoint_every, resume=cfg.fit.resume,
-                      progress=writes, distributed=distributed)
+    config = FitConfig(**dataclasses.asdict(cfg.fit), checkpoint_dir=str(out), progress=writes, distributed=distributed)
+    report = lens.fit(plan, texts, config=config)
     documents = report.documents
     if distributed:  # ranks read interleaved documents in lockstep: together, the stream's first ones
         import torch

@@ -16,8 +16,9 @@
 
 Flags override the file (`--site` / `--extractor` replace the file's lists). Everything is
 checked here, before any model is loaded: unknown keys, methods and hyper-parameters, bad
-numbers, site names that cannot be sites, a data source that does not exist, two
-extractors with one name. `to_toml` writes the resolved config back as `RUN/run.toml`.
+numbers, a data source that does not exist, two extractors with one name. Site names are
+checked by the model's own name resolver (`lens.site`) as soon as the model is attached, before
+anything is written. `to_toml` writes the resolved config back as `RUN/run.toml`.
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from conceptlens._checks import check_int
 from conceptlens._content import read_toml as read_checked_toml
-
 from conceptlens._names import check_name
+from conceptlens.fit import FitConfig
 
 METHODS = {
     "kmeans": "conceptlens.concepts.kmeans:StreamingKMeans",
@@ -45,17 +46,19 @@ METHODS = {
     "matryoshka": "conceptlens.concepts.sae:MatryoshkaSAE",
     "vq": "conceptlens.concepts.vq:VQCodebook",
 }
-_SITE = re.compile(r"((encoder|decoder)\.)?(embed|final|blocks\.-?\d+\.(resid_in|resid_out|attn_out|mlp_out|branch_out|"
-                   r"attn(_\d+)?\.[qkv]|cross_attn\.[qkv]))")
 
 
 @dataclass
 class FitSection:
-    batch_size: int = 16
-    max_length: int = 128
-    max_tokens: int | None = None
-    checkpoint_every: int | None = None
-    resume: bool = True
+    """The [fit] table: the `FitConfig` fields a run.toml sets, with FitConfig's defaults (the
+    command sets the others: checkpoint_dir is the run folder, progress and distributed come
+    from the processes)."""
+
+    batch_size: int = FitConfig.batch_size
+    max_length: int = FitConfig.max_length
+    max_tokens: int | None = FitConfig.max_tokens
+    checkpoint_every: int | None = FitConfig.checkpoint_every
+    resume: bool = FitConfig.resume
 
 
 @dataclass
@@ -94,7 +97,7 @@ def method_class(method: str) -> type:
 
 def hyper_parameters(cls: type) -> list[str]:
     """Keyword arguments a method accepts (its Config's fields for SAEs)."""
-    params = inspect.signature(cls.__init__).parameters
+    params = inspect.signature(cls).parameters  # the constructor's, without self
     names = [p for p, v in params.items() if p != "self" and v.kind not in (v.VAR_KEYWORD, v.VAR_POSITIONAL)
              and v.kind != v.POSITIONAL_ONLY]
     config = getattr(cls, "Config", None)
@@ -165,10 +168,10 @@ def from_dict(raw: dict[str, Any]) -> RunConfig:
         sites = [sites]
     if not sites:
         raise ValueError("no site given: pass --site blocks.15.resid_out (repeatable) or sites = [...] in the file")
-    for site in sites:
-        if not isinstance(site, str) or not _SITE.fullmatch(site):
+    for site in sites:  # which names are sites depends on the model: its own resolver checks them once it loads
+        if not isinstance(site, str) or not site.strip():
             raise ValueError(f"{site!r} is not a site name; sites look like embed, blocks.15.resid_out, "
-                             "blocks.-1.mlp_out, blocks.3.attn.k, final (list them: conceptlens sites --model M)")
+                             "blocks.3.attn.z, final (list them: conceptlens sites --model M)")
     shuffle = raw.get("shuffle", 0)
     if shuffle is not False and (isinstance(shuffle, bool) or not isinstance(shuffle, int)):
         raise ValueError(f"shuffle must be a seed (an integer) or false; got {shuffle!r}")
@@ -231,10 +234,8 @@ def _check_numbers(cfg: RunConfig) -> None:
     for section, key in (("fit", "batch_size"), ("fit", "max_length"), ("fit", "max_tokens"),
                          ("fit", "checkpoint_every"), ("describe", "max_tokens"), ("describe", "top_n")):
         value = getattr(getattr(cfg, section), key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{section}.{key} (--{key.replace('_', '-')}) must be a positive integer; got {value!r}")
-        if value is not None and value >= 2**63:  # islice and torch take int64
-            raise ValueError(f"{section}.{key} (--{key.replace('_', '-')}) must be below 2**63; got {value}")
+        if value is not None:  # TOML has no null: None is only a default (the whole source)
+            check_int(f"{section}.{key} (--{key.replace('_', '-')})", value)  # at most int64, as islice and torch take
     window = cfg.describe.window
     if len(window) != 2 or any(not isinstance(w, int) or w < 0 for w in window):
         raise ValueError(f"describe.window must be two integers >= 0 (tokens left, right); got {list(window)}")

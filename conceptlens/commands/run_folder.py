@@ -5,7 +5,7 @@
     clear(out)          # --overwrite: the files the earlier run wrote, and nothing else
 
 What a run owns (OWNED, relative to the folder): run.toml, checkpoint.pt, fit_report.json,
-quality.json, each concepts/<NAME>/ ConceptSet's two files, the description pass's checkpoint,
+quality.json, eval.json, each concepts/<NAME>/ ConceptSet's two files, the description pass's checkpoint,
 source.json and describe/<NAME>/ files, and hierarchy/<NAME>.json. Any other file stays.
 The clear moves those files into `.overwritten.tmp/` inside the folder (renames on one
 filesystem) with run.toml last, then deletes that folder: a process killed mid-way leaves
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from conceptlens.commands import run_config as rc
 
-OWNED = ("checkpoint.pt", "fit_report.json", "quality.json", "concepts/*/concepts.safetensors",
+OWNED = ("checkpoint.pt", "fit_report.json", "quality.json", "eval.json", "concepts/*/concepts.safetensors",
          "concepts/*/config.json", "describe/checkpoint.pt", "describe/source.json",
          "describe/*/description.json", "describe/*/stats.safetensors", "describe/*/contexts.jsonl",
          "describe/*/tokens.json", "hierarchy/*.json", "run.toml")

@@ -9,7 +9,8 @@
     km.merge(other)             # another worker's extractor, or its (reduced) state_dict()
 
 Extractors are tensors in, tensors out: they import neither `hooks/` nor `transformers`.
-`ExtractorBase` owns what every extractor shares: the config dataclass, validation helpers,
+`ExtractorBase` owns what every extractor shares: the config dataclass (checked with the
+validators of `conceptlens._checks`),
 the config check of `load_state_dict`, the dispatch of `merge` (object or state dict),
 `stats()` and device placement (`device=`).
 """
@@ -17,8 +18,7 @@ the config check of `load_state_dict`, the dispatch of `merge` (object or state 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -67,59 +67,9 @@ class Extractor(Protocol):
         """The fitted concepts as directions in activation space, with metadata."""
 
 
-# ---- validation helpers: one-line errors that name the bad value -------------------------
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-MAX_INT64 = 2**63 - 1
-"""Largest int any option may hold: torch reads seeds, counts and sizes as int64."""
 MAX_CONCEPTS = 2**26
 """Most concepts (latents, centres, codes) an extractor may have: 67M, 4x the largest published
 SAE; past it the dictionary alone would not fit in any machine's memory at a model's width."""
-
-
-def check_int(name: str, value: Any, low: int = 1, *, high: int = MAX_INT64, optional: bool = False) -> None:
-    """Raise unless `value` is an int (not a bool) in [`low`, `high`] (or None when `optional`)."""
-    if optional and value is None:
-        return
-    if not _is_int(value) or value < low:
-        extra = " or None" if optional else ""
-        raise ValueError(f"{name} must be an int >= {low}{extra}; got {value!r}")
-    if value > high:
-        raise ValueError(f"{name} must be at most {high}{' (int64)' if high == MAX_INT64 else ''}; got {value}")
-
-
-def check_float(name: str, value: Any, low: float = 0.0, *, strict: bool = False, optional: bool = False) -> None:
-    """Raise unless `value` is a finite real > `low` (strict) or >= `low` (or None when `optional`)."""
-    if optional and value is None:
-        return
-    if not _is_real(value) or (value <= low if strict else value < low):
-        extra = " or None" if optional else ""
-        raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {low}{extra}; got {value!r}")
-
-
-def check_fraction(name: str, value: Any, *, closed_high: bool = False) -> None:
-    """Raise unless `value` is a real in [0, 1) (or [0, 1] with `closed_high`)."""
-    ok = _is_real(value) and 0 <= value and (value <= 1 if closed_high else value < 1)
-    if not ok:
-        raise ValueError(f"{name} must be a number in [0, 1{']' if closed_high else ')'}; got {value!r}")
-
-
-def check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False; got {value!r}")
-
-
-def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
-    choices = tuple(choices)
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}; got {value!r}")
 
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}

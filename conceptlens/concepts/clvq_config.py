@@ -13,7 +13,8 @@ from typing import Any, Literal, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from conceptlens.concepts.base import check_bool, check_choice, check_dtype, check_float, check_int
+from conceptlens._checks import check_bool, check_choice, check_float, check_int
+from conceptlens.concepts.base import check_dtype
 from conceptlens.concepts.clvq_modules import ResidualEncoder
 from conceptlens.concepts.vq_config import VQConfig
 

@@ -60,8 +60,8 @@ import torch
 from torch import Tensor
 
 from conceptlens._checks import known_kwargs
-from conceptlens.concepts.base import (ExtractorBase, NotFittedError, check_bool, check_choice, check_dtype,
-                                      check_float, check_int)
+from conceptlens._checks import check_bool, check_choice, check_float, check_int
+from conceptlens.concepts.base import ExtractorBase, NotFittedError, check_dtype
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.deleuzian_math import oriented_differences, reservoir_update, skewness

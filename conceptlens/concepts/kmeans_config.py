@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from conceptlens.concepts.base import MAX_CONCEPTS, check_bool, check_choice, check_dtype, check_float, check_int
+from conceptlens._checks import check_bool, check_choice, check_float, check_int
+from conceptlens.concepts.base import MAX_CONCEPTS, check_dtype
 
 
 @dataclass

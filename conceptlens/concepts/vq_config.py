@@ -13,7 +13,8 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-from conceptlens.concepts.base import MAX_CONCEPTS, check_choice, check_dtype, check_float, check_fraction, check_int
+from conceptlens._checks import check_choice, check_float, check_fraction, check_int
+from conceptlens.concepts.base import MAX_CONCEPTS, check_dtype
 from conceptlens.concepts.vq_math import INIT_METHODS, InitMethod
 
 

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -23,10 +23,8 @@ from conceptlens.describe import finish as fin
 from conceptlens.describe.describer import ConceptDescriber, DescribeConfig
 from conceptlens.describe.description import Description
 from conceptlens.describe.steering import SteeringRequest, steering_samples
-from conceptlens.filters import FilterConfig
-
-if TYPE_CHECKING:
-    from conceptlens.lens import Lens
+from conceptlens.fit import FitConfig, fit_config
+from conceptlens.interface import AttachedModel
 
 
 CONTROL_METHODS = ("random",)
@@ -40,18 +38,18 @@ class FinishOptions:
     bins: int = 32
 
 
-def describe(lens: Lens, concept_sets: Mapping[str, ConceptSet], data: Any, *, tokenizer: Any = None,
+def describe(lens: AttachedModel, concept_sets: Mapping[str, ConceptSet], data: Any, *, tokenizer: Any = None,
              labels: Sequence[Any] | None = None, label_names: Sequence[str] | None = None,
              skip_documents: int = 0, top_n: int = 16, window: tuple[int, int] = (8, 4),
-             max_tokens: int | None = None, batch_size: int = 16, max_length: int = 128, out: str | None = None,
-             checkpoint_every: int | None = None, resume: bool = True, progress: bool = True,
-             filters: FilterConfig | None = None, steering: SteeringRequest | None = None,
-             coact_rows: int = 512, options: FinishOptions | None = None) -> dict[str, Description]:
+             out: str | None = None, steering: SteeringRequest | None = None, coact_rows: int = 512,
+             options: FinishOptions | None = None, fit: FitConfig | None = None,
+             **fit_options: Any) -> dict[str, Description]:
     """Describe every set over `data` after its first `skip_documents` documents; `labels`
     (one per document of the whole source; a TextSet brings its own) add per-class probes.
-    `out`: the run's describe/ folder (checkpoint.pt and one <name>/ per set)."""
+    `out`: the run's describe/ folder (checkpoint.pt and one <name>/ per set). The pass streams
+    like a fit: `fit` (a FitConfig) and keyword overrides of its fields (`max_tokens`,
+    `batch_size`, `max_length`, `checkpoint_every`, `resume`, `progress`, `filters`)."""
     from conceptlens import data as datasets
-    from conceptlens.fit import FitConfig
     from conceptlens.fit import fit as run_fit
 
     tokenizer = tokenizer or lens.tokenizer
@@ -74,10 +72,9 @@ def describe(lens: Lens, concept_sets: Mapping[str, ConceptSet], data: Any, *, t
     if out is not None:
         _forget_other_pass(Path(out), {"skip_documents": skip_documents,
                                        "data": data if isinstance(data, str) else getattr(data, "name", None)})
-    filters = filters or FilterConfig()
-    report = run_fit(lens, plan, texts, tokenizer=tokenizer, config=FitConfig(
-        batch_size=batch_size, max_length=max_length, max_tokens=max_tokens, checkpoint_dir=out,
-        checkpoint_every=checkpoint_every, resume=resume, progress=progress, filters=filters))
+    streaming = fit_config(fit, "describe", checkpoint_dir=out, **fit_options)
+    filters = streaming.filters
+    report = run_fit(lens, plan, texts, tokenizer=tokenizer, config=streaming)
     options = options or FinishOptions()
     results = {}
     for name, d in describers.items():
@@ -112,7 +109,7 @@ def _forget_other_pass(out: Path, source: dict[str, Any]) -> None:
     atomic_write(marker, lambda p: Path(p).write_text(text))
 
 
-def _checked(lens: Lens, concept_sets: Mapping[str, ConceptSet]) -> dict[str, ConceptSet]:
+def _checked(lens: AttachedModel, concept_sets: Mapping[str, ConceptSet]) -> dict[str, ConceptSet]:
     if not concept_sets:
         raise ValueError("describe needs at least one concept set: {name: ConceptSet}")
     out = {}
@@ -152,7 +149,7 @@ def _class_ids(labels: Sequence[Any] | None, names: Sequence[str] | None) -> tup
     return ids, names
 
 
-def unembedding(lens: Lens, site: str, width: int) -> torch.Tensor | None:
+def unembedding(lens: AttachedModel, site: str, width: int) -> torch.Tensor | None:
     """The decoder's output embedding `(V, d)` when the site lives in its residual width, else None."""
     model = lens.model
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -162,7 +159,7 @@ def unembedding(lens: Lens, site: str, width: int) -> torch.Tensor | None:
     return head.weight.detach()
 
 
-def finish(d: ConceptDescriber, *, name: str, lens: Lens, tokenizer: Any,
+def finish(d: ConceptDescriber, *, name: str, lens: AttachedModel, tokenizer: Any,
            classes: tuple[list[int], list[str]] | None = None, options: FinishOptions | None = None) -> Description:
     """The Description of one describer's state (see ATLAS_FORMAT.md)."""
     o, cs, n = options or FinishOptions(), d.concepts, d.n

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.interface import AttachedModel
 
 if TYPE_CHECKING:
-    from conceptlens.lens import Lens
     from conceptlens.steering.sweep import SweepResult
 
 
@@ -64,7 +64,7 @@ def _named(item: Any) -> tuple[str, int]:
     return name.strip(), int(index)
 
 
-def steering_samples(lens: Lens, tokenizer: Any, concepts: ConceptSet, name: str, indices: Sequence[int],
+def steering_samples(lens: AttachedModel, tokenizer: Any, concepts: ConceptSet, name: str, indices: Sequence[int],
                      request: SteeringRequest) -> list[dict[str, Any]]:
     """For each concept of `indices`: its sweep over `request.alphas` as JSON-ready samples."""
     from conceptlens.steering import Add, sweep

@@ -10,8 +10,10 @@ Parts (EVALUATION.md defines each figure and names its source):
 - `probing`: SAEBench's k-sparse probing next to matched random directions, the diff-of-means
   direction and a full logistic probe;
 - `absorption`: SAEBench's first-letter feature absorption;
-- `quality`: the single-concept probe, geometry and LDA table.
-Intervals are a bootstrap over held-out documents (`bootstrap`).
+- `quality`: the single-concept probe, geometry and LDA table;
+- `synthetic`: MCC and F1 against SAELens's synthetic ground truth, next to SAELens's own
+  trainer (`synthetic.synthetic_lines`; no model; intervals over seeds).
+Intervals are a bootstrap over held-out documents (`bootstrap`), over seeds for `synthetic`.
 """
 
 from conceptlens.evaluate.activations import ConceptEncoder, concept_encoder, load_concepts

@@ -4,7 +4,9 @@
     print(format_lines(lines))
 
 `verdict` compares a figure with its first baseline (the matched control): "wins" or "loses"
-when the two 95% intervals do not overlap, "overlaps" otherwise.
+when the two 95% intervals do not overlap, "overlaps" otherwise. A line with `concept` set is
+about one concept of the set (its probe or steering score): the atlas shows it on that
+concept's page rather than in the index's table.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class Line(NamedTuple):
     """(name, figure) of each baseline; the first is the matched control"""
     note: str = ""
     higher_is_better: bool = True
+    concept: int | None = None
+    """the one concept of the set the figure is about (a concept page shows it); None: the whole set"""
 
 
 def verdict(line: Line) -> Literal["wins", "loses", "overlaps", ""]:

@@ -13,6 +13,10 @@ its tasks too). Controls, on the same rows: the same k-sparse probe on as many r
 directions of the site as the set has concepts (several draws), the diff-of-means direction of
 the train split (one feature), and a logistic probe on all raw activations (the supervised
 ceiling). Intervals: bootstrap over test documents (`bootstrap`).
+
+`concept_probe_lines` scores single concepts for the atlas's concept pages: per task, each of the
+`top` latents with the largest mean difference alone (a 1-feature probe; the k = 1 probe when it
+ranks first), next to that task's matched random control at k = 1 and its diff-of-means direction.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from conceptlens.evaluate.lines import Line
 
 KS = (1, 2, 5, 20)
 RANDOM_DRAWS = 5
+CONCEPT_TOP = 5
+"""latents per task that `concept_probe_lines` scores alone"""
 
 
 class BinaryTask(NamedTuple):
@@ -157,5 +163,41 @@ def probing_lines(task: str, train: Probed, test: Probed, class_names: list[str]
     return lines
 
 
-__all__ = ["KS", "BinaryTask", "Estimate", "SparseProbe", "binary_tasks", "fit_logistic", "fit_sparse_probe",
-           "mean_accuracy", "probing_lines", "random_directions", "sparse_probe_accuracy", "top_mean_difference"]
+def _task_accuracy(j: int):
+    """Statistic: the accuracy of task j alone, from the (correct, count) columns of every task."""
+    return lambda t: t[..., 2 * j] / t[..., 2 * j + 1]
+
+
+def concept_probe_lines(task: str, train: Probed, test: Probed, class_names: list[str], *, top: int = CONCEPT_TOP,
+                        draws: int = RANDOM_DRAWS, seed: int = 0) -> list[Line]:
+    """Per binary task and set, the test accuracy of each of the `top` largest-mean-difference latents
+    alone (a 1-feature probe), as lines with `concept` set; baselines: the task's k = 1 probe on as
+    many random directions (the draws of `probing_lines`) and its diff-of-means direction."""
+    tasks = binary_tasks(train.y, test.y, class_names, seed)
+    n_docs = int(test.doc.max()) + 1
+    dom = _dense_accuracy(train, test, tasks, n_docs, True)
+    controls: dict[int, list[Tensor]] = {}
+    lines = []
+    for name, z_train in train.z.items():
+        n = z_train.shape[1]
+        if n not in controls:
+            rand = [random_directions(n, train.x.shape[1], seed + 1 + r) for r in range(draws)]
+            controls[n] = [sparse_probe_accuracy(train.x @ r.T, test.x @ r.T, tasks, 1, test.doc, n_docs) for r in rand]
+        for j, t in enumerate(tasks):
+            bases = [(f"random {n} dirs, best 1", bootstrap_draws(controls[n], _task_accuracy(j), seed=seed)),
+                     ("diff-of-means", bootstrap(dom, _task_accuracy(j), seed=seed))]
+            z = z_train[t.train].double()
+            diff = z[t.y_train == 1].mean(0) - z[t.y_train == 0].mean(0)
+            for rank, c in enumerate(diff.abs().topk(min(top, n)).indices.tolist()):
+                model = fit_logistic(z[:, [c]], t.y_train)
+                pred = torch.from_numpy(model.predict(test.z[name][t.test][:, [c]].double().numpy()))
+                est = bootstrap(_correct_per_doc([t], [pred], test.doc, n_docs), mean_accuracy, seed=seed)
+                side = "higher" if diff[c] > 0 else "lower"
+                lines.append(Line(name, f"{task} {t.name}: accuracy of this concept alone", est, bases,
+                                  f"rank {rank + 1} of {n} by mean difference ({side} on {t.name})", concept=c))
+    return lines
+
+
+__all__ = ["CONCEPT_TOP", "KS", "BinaryTask", "Estimate", "SparseProbe", "binary_tasks", "concept_probe_lines",
+           "fit_logistic", "fit_sparse_probe", "mean_accuracy", "probing_lines", "random_directions",
+           "sparse_probe_accuracy", "top_mean_difference"]

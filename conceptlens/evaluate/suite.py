@@ -7,6 +7,8 @@
 Parts: `reconstruction` (sets that reconstruct: SAEs, VQ), `probing` (k-sparse probing on the
 labelled sets), `absorption` (first letters; sets that reconstruct) and `quality` (the older
 table of `conceptlens eval --task`: best single concept's probe loss, geometry, LDA cosines).
+`synthetic` (ground-truth recovery on SAELens's generator, `synthetic.synthetic_lines`) needs no
+model or run folder; `run_parts` leaves it to its caller.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.evaluate import activations as act
 from conceptlens.evaluate.bootstrap import Estimate
 from conceptlens.evaluate.lines import Line
-from conceptlens.evaluate.probing import KS, RANDOM_DRAWS
+from conceptlens.evaluate.probing import CONCEPT_TOP, KS, RANDOM_DRAWS
 
-SUITES = ("reconstruction", "probing", "absorption", "quality")
+SUITES = ("reconstruction", "probing", "absorption", "quality", "synthetic")
 DEFAULT_SUITES = ("reconstruction", "probing", "absorption")
 PROBE_TASKS = ("bbc-news", "movie-polarity", "wsj-pos", "conll2010-uncertainty")
 
@@ -53,6 +55,8 @@ class SuiteConfig:
     ks: tuple[int, ...] = KS
     random_draws: int = RANDOM_DRAWS
     """draws of the random-direction control"""
+    concept_top: int = CONCEPT_TOP
+    """probing part: latents per task scored alone, for the atlas's concept pages (0: none)"""
     probe_candidates: int | None = 16
     """quality part: concepts per class screened for the single-concept probe (None: all)"""
     seed: int = 0
@@ -67,6 +71,8 @@ class SuiteConfig:
                      "random_draws"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer; got {getattr(self, name)}")
+        if self.concept_top < 0:
+            raise ValueError(f"concept_top must be 0 or a positive integer; got {self.concept_top}")
         if not self.ks or min(self.ks) < 1:
             raise ValueError(f"ks must be positive integers; got {list(self.ks)}")
 
@@ -136,10 +142,14 @@ def _probing(lens: Any, tok: Any, site: str, encoders: Mapping[str, act.ConceptE
                                    tag_ids=tag_ids, batch_size=config.batch_size, max_length=config.max_length)
         probed[split] = act.collect(lens, site, dict(encoders), _bar(batches, f"{task} {split}", config.progress))
     if part == "probing":
-        from conceptlens.evaluate.probing import probing_lines
+        from conceptlens.evaluate.probing import concept_probe_lines, probing_lines
 
-        return probing_lines(task, probed["train"], probed["test"], class_names, ks=config.ks,
-                             draws=config.random_draws, seed=config.seed)
+        lines = probing_lines(task, probed["train"], probed["test"], class_names, ks=config.ks,
+                              draws=config.random_draws, seed=config.seed)
+        if config.concept_top:
+            lines += concept_probe_lines(task, probed["train"], probed["test"], class_names, top=config.concept_top,
+                                         draws=config.random_draws, seed=config.seed)
+        return lines
     return _quality(task, probed["train"], probed["test"], sets, class_names, config)
 
 

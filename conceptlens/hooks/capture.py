@@ -18,10 +18,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from conceptlens.adapters.site import Site
 from conceptlens.hooks.handles import HandleGroup
 from conceptlens.hooks.points import hook_site
 from conceptlens.hooks.tokens import TokenMeta, TokenTracker
+from conceptlens.sites.site import Site
 
 OnBatch = Callable[[dict[str, Tensor], TokenMeta], Any]
 

@@ -16,9 +16,8 @@ from typing import Callable
 
 from torch import Tensor, nn
 
-from conceptlens.adapters.site import Expansion, Site
-from conceptlens.adapters.hyper import spread
 from conceptlens.hooks.handles import Handle, HandleGroup
+from conceptlens.sites.site import Expansion, Site, spread
 
 SiteFn = Callable[[Tensor], Tensor | None]
 

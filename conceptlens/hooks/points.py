@@ -13,12 +13,12 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from conceptlens.adapters.site import Site
 from conceptlens.hooks.attention import add_qkv_hook
 from conceptlens.hooks.calls import gated_hook
 from conceptlens.hooks.direct import channels_last, route_through_call
 from conceptlens.hooks.handles import Handle, HandleGroup
 from conceptlens.hooks.hyper import stream_hook
+from conceptlens.sites.site import Site
 
 SiteFn = Callable[[Tensor], Tensor | None]
 

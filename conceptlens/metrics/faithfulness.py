@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from conceptlens.batching import pad_right
+from conceptlens.interface import AttachedModel
 from conceptlens.metrics.controls import (SiteMoments, base_rate_entropy, concept_subsets, covariance_directions,
                                           majority_accuracy, random_orthonormal, unigram_entropy)
 from conceptlens.metrics.faithfulness_result import CONTROLS, FaithfulnessResult
@@ -38,7 +39,6 @@ from conceptlens.metrics.probe import LinearProbe, ProbeTask, fit_probe, pool, p
 
 if TYPE_CHECKING:
     from conceptlens.concepts.conceptset import ConceptSet
-    from conceptlens.lens import Lens
     from conceptlens.steering.edits import Edit
     from conceptlens.steering.scope import Positions
 
@@ -64,7 +64,7 @@ def next_token_loss_sum(logits: Tensor, ids: Tensor, mask: Tensor) -> tuple[floa
 
 
 # -- driving the model -------------------------------------------------------------------------
-def faithfulness(lens: Lens, concepts: ConceptSet | Tensor, texts: Texts, *,
+def faithfulness(lens: AttachedModel, concepts: ConceptSet | Tensor, texts: Texts, *,
                  task: Literal["next_token"] | ProbeTask = "next_token", site: str | None = None,
                  mode: Literal["projection", "mean"] = "projection", positions: Positions = slice(1, None),
                  controls: Literal["covariance", "random", "concepts"] = "covariance",
@@ -166,7 +166,7 @@ def _batches(ids: list[list[int]], batch_size: int) -> list[dict[str, Tensor]]:
     return [pad_right(ids[start:start + batch_size]) for start in range(0, len(ids), batch_size)]
 
 
-def _ablating(lens: Lens, edit: Edit | None, positions: Positions):
+def _ablating(lens: AttachedModel, edit: Edit | None, positions: Positions):
     return nullcontext() if edit is None else lens.steer(edit, positions=positions)
 
 
@@ -180,7 +180,7 @@ def _targets(batches: list[dict[str, Tensor]]) -> Tensor:
 
 
 @torch.no_grad()
-def _site_moments(lens: Lens, batches: list[dict[str, Tensor]], site: str) -> SiteMoments:
+def _site_moments(lens: AttachedModel, batches: list[dict[str, Tensor]], site: str) -> SiteMoments:
     """Mean and covariance of the clean activations at `site`, first positions left out."""
     device = next(lens.model.parameters()).device
     moments = SiteMoments()
@@ -194,7 +194,7 @@ def _site_moments(lens: Lens, batches: list[dict[str, Tensor]], site: str) -> Si
 
 
 @torch.no_grad()
-def _next_token(lens: Lens, batches: list[dict[str, Tensor]], edit: Edit | None, positions: Positions) -> float:
+def _next_token(lens: AttachedModel, batches: list[dict[str, Tensor]], edit: Edit | None, positions: Positions) -> float:
     device = next(lens.model.parameters()).device
     total, count = 0.0, 0
     with _ablating(lens, edit, positions):
@@ -208,7 +208,7 @@ def _next_token(lens: Lens, batches: list[dict[str, Tensor]], edit: Edit | None,
     return total / count
 
 
-def _probe_evaluator(lens: Lens, ids: list[list[int]], batch_size: int, task: ProbeTask, site: str,
+def _probe_evaluator(lens: AttachedModel, ids: list[list[int]], batch_size: int, task: ProbeTask, site: str,
                      generator: torch.Generator, positions: Positions) -> tuple[Callable, float]:
     """Fit the probe on clean features of the train texts: (evaluate(edit) on the test texts, baseline)."""
     probe_site = lens.site(task.site or site).name
@@ -241,7 +241,7 @@ def _depth(site: str) -> tuple[int, float]:
 
 
 @torch.no_grad()
-def _features(lens: Lens, batches: list[dict[str, Tensor]], site: str, how: Literal["mean", "last"],
+def _features(lens: AttachedModel, batches: list[dict[str, Tensor]], site: str, how: Literal["mean", "last"],
               edit: Edit | None, positions: Positions) -> Tensor:
     """(n_texts, d) pooled activations at `site`; the capture opens inside the ablation so it
     reads the edited activations even at the ablated site itself."""

@@ -26,7 +26,8 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from conceptlens.concepts.base import ExtractorBase, NotFittedError, check_int
+from conceptlens._checks import check_int
+from conceptlens.concepts.base import ExtractorBase, NotFittedError
 
 
 def _as_heads(x: Tensor, name: str) -> Tensor:

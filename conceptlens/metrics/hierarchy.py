@@ -27,7 +27,8 @@ import networkx as nx
 import torch
 from torch import Tensor
 
-from conceptlens.concepts.base import ExtractorBase, check_int
+from conceptlens._checks import check_int
+from conceptlens.concepts.base import ExtractorBase
 
 _PAIR_CHUNK = 1 << 22  # (sample, latent, latent) triples scattered per step: bounds memory
 

@@ -14,16 +14,14 @@ and an SAE that never saw it would decide the result alone.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import torch
 from torch import Tensor
 
+from conceptlens.interface import AttachedModel
 from conceptlens.metrics.faithfulness import next_token_loss_sum
 from conceptlens.metrics.quality import ce_loss_recovered
-
-if TYPE_CHECKING:
-    from conceptlens.lens import Lens
 
 Reconstruction = Callable[[Tensor], Tensor]
 """`(N, d)` rows -> `(N, d)` reconstructed rows."""
@@ -77,7 +75,7 @@ def _replacer(fn: Reconstruction, where: Tensor) -> Callable[[Tensor], Tensor]:
     return replace
 
 
-def _check_model(lens: Lens) -> None:
+def _check_model(lens: AttachedModel) -> None:
     model = lens.model
     if getattr(model.config, "is_encoder_decoder", False) or not model.can_generate():
         raise ValueError(f"CE-loss recovered needs a decoder-only language model; {type(model).__name__} "
@@ -85,7 +83,7 @@ def _check_model(lens: Lens) -> None:
 
 
 @torch.no_grad()
-def splice_ce(lens: Lens, site: str, reconstruction: Any, batches: Mapping[str, Tensor] | Iterable[Mapping[str, Tensor]],
+def splice_ce(lens: AttachedModel, site: str, reconstruction: Any, batches: Mapping[str, Tensor] | Iterable[Mapping[str, Tensor]],
               *, skip_first: bool = True) -> SpliceResult:
     """Next-token loss clean, spliced and zero-ablated at `site`, and the fraction recovered.
 

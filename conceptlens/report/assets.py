@@ -34,6 +34,10 @@ th.desc:after { content: " \\2193"; color: var(--fg); }
 .grid { display: grid; grid-template-columns: repeat(auto-fit, minmax(300px, 1fr)); gap: 8px 28px; }
 .tok { font-family: ui-monospace, monospace; background: #eef1f6; border-radius: 3px; padding: 0 4px; margin: 1px; display: inline-block; }
 .good { color: #0a7d32; font-weight: 600; }
+.bad { color: #b3261e; font-weight: 600; }
+h3 { font-size: 14px; margin: 16px 0 4px; }
+table.suite td { font-variant-numeric: tabular-nums; }
+.ci { color: var(--muted); font-size: 12px; white-space: nowrap; }
 svg text { font: 10px system-ui, sans-serif; fill: var(--muted); }
 #map { border: 1px solid var(--line); background: white; }
 #map circle { cursor: pointer; }

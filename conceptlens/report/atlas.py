@@ -5,7 +5,8 @@
         ex.name, ex.site, ex.n, ex.stats["frequency"], ex.contexts()
 
 The layout is the run-folder contract written by `conceptlens fit` / `describe`
-(see DESIGN.md, "Atlas run folder"). Statistics are read as numpy arrays; contexts are
+(see DESIGN.md, "Atlas run folder"), with the evaluation suite's `eval.json` and the peers'
+`peers.json` when present. Statistics are read as numpy arrays; contexts are
 streamed line by line so that 4096 concepts never sit in memory as Python objects at once.
 """
 
@@ -24,6 +25,8 @@ import numpy as np
 from conceptlens import _content
 from conceptlens._content import parse_json, read_json, read_toml
 from conceptlens._names import check_name
+from conceptlens.evaluate.results import Results, load_results
+from conceptlens.report.evaluation import load_peers
 
 DESCRIPTION_FORMAT = "conceptlens.Description"
 CONTROL_METHODS = ("random",)  # as describe.run's: descriptions written before the "control" field
@@ -94,6 +97,10 @@ class Atlas:
     hierarchies: dict[str, dict[str, Any]]
     controls: list[ExtractorView] = field(default_factory=list)
     """Baselines described alongside (random directions): quality-table rows, no pages."""
+    evaluation: Results | None = None
+    """`eval.json`: the evaluation suite's figures (`conceptlens eval`), when it ran"""
+    peers: dict[str, Any] | None = None
+    """`peers.json`: our SAEs next to SAELens's and sparsify's trainers (`benchmarks/peers.py --json`)"""
 
     @classmethod
     def load(cls, run: str | Path) -> Atlas:
@@ -118,6 +125,8 @@ class Atlas:
             fit_report=_read_json(run / "fit_report.json"),
             quality=_read_json(run / "quality.json"),
             hierarchies=_load_hierarchies(run, {v.name: v.n for v in views if not v.control}),
+            evaluation=load_results(run),
+            peers=load_peers(run),
         )
 
     def extractor(self, name: str) -> ExtractorView:

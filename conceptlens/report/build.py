@@ -20,6 +20,7 @@ from typing import NamedTuple
 from conceptlens.report.assets import CSS, JS
 from conceptlens.report.atlas import Atlas
 from conceptlens.report.concept_page import concept_page, top_tokens
+from conceptlens.report.evaluation import Suite, concept_scores
 from conceptlens.report.hierarchy_page import dag_from_json, family, hierarchy_page
 from conceptlens.report.index_page import index_page, write_data_js
 from conceptlens.report.matching import match_extractors, partners
@@ -65,6 +66,8 @@ def _write_pages(atlas: Atlas, tmp: Path, progress: bool) -> int:
     labels = _labels(atlas)
     pairs = match_extractors(atlas.extractors)
     families = {name: family(dag_from_json(data)) for name, data in atlas.hierarchies.items()}
+    suite = Suite.of(atlas)
+    scores = suite.by_concept() if suite is not None else {}
     pages = 0
     for ex in atlas.extractors:
         folder = tmp / "concepts" / ex.name
@@ -75,13 +78,15 @@ def _write_pages(atlas: Atlas, tmp: Path, progress: bool) -> int:
             from tqdm.auto import tqdm
 
             contexts = tqdm(contexts, total=ex.n, desc=f"report {ex.name}", unit="concept")
+        note = suite.note(ex.name) if suite is not None else ""
         for i, ctx in enumerate(contexts):
-            html = concept_page(ex, i, ctx, labels, near, steering.get(i), families.get(ex.name))
+            html = concept_page(ex, i, ctx, labels, near, steering.get(i), families.get(ex.name),
+                                concept_scores(scores.get((ex.name, i), ()), note))
             (folder / f"{i}.html").write_text(html, encoding="utf-8")
             pages += 1
     data_js, shown = write_data_js(atlas, labels)
     files = {"static/style.css": CSS, "static/atlas.js": JS, "static/atlas-data.js": data_js,
-             "index.html": index_page(atlas, shown),
+             "index.html": index_page(atlas, shown, suite),
              "matches.html": matches_page(pairs, {ex.name: ex.site for ex in atlas.extractors}, labels)}
     for name, data in atlas.hierarchies.items():
         files[f"hierarchy/{name}.html"] = hierarchy_page(name, data, labels[name])

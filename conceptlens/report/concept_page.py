@@ -1,4 +1,4 @@
-"""One page per concept: top contexts, histogram, promoted tokens, neighbours, steering."""
+"""One page per concept: top contexts, histogram, the suite's scores, promoted tokens, neighbours, steering."""
 
 from __future__ import annotations
 
@@ -144,8 +144,9 @@ def _hierarchy_block(name: str, i: int, hierarchy: dict[str, list[int]] | None, 
 
 def concept_page(ex: ExtractorView, i: int, contexts: Sequence[dict[str, Any]], labels: dict[str, list[str]],
                  partners: Sequence[tuple[str, np.ndarray, np.ndarray]], steering: dict[str, Any] | None,
-                 hierarchy: dict[str, list[int]] | None = None) -> str:
-    """The HTML of concept `i` of `ex` (written to `concepts/<NAME>/<i>.html`)."""
+                 hierarchy: dict[str, list[int]] | None = None, scores: str = "") -> str:
+    """The HTML of concept `i` of `ex` (written to `concepts/<NAME>/<i>.html`); `scores`: its block of
+    the evaluation suite's figures (`evaluation.concept_scores`)."""
     s = ex.stats
     hist = ""
     if "hist_counts" in s and "hist_edges" in s:
@@ -155,6 +156,6 @@ def concept_page(ex: ExtractorView, i: int, contexts: Sequence[dict[str, Any]], 
     nav += [(f"concepts/{ex.name}/{j}.html", label) for j, label in ((i - 1, "previous"), (i + 1, "next")) if 0 <= j < ex.n]
     label = labels.get(ex.name, [""] * ex.n)[i]
     body = (f'<div class="grid"><div>{_stats_block(ex, i)}</div><div>{hist}</div></div>' + _contexts_block(contexts)
-            + _probe_block(ex, i) + _tokens_block(ex, i) + _neighbours_block(ex, i, labels, partners)
+            + scores + _probe_block(ex, i) + _tokens_block(ex, i) + _neighbours_block(ex, i, labels, partners)
             + _hierarchy_block(ex.name, i, hierarchy, labels) + _steering_block(steering))
     return page(f"{ex.name} #{i}" + (f" \u2014 {label}" if label else ""), body, ROOT, nav)

@@ -1,4 +1,5 @@
-"""The index: run summary, quality table, a 2-D map and a table of every concept.
+"""The index: run summary, the evaluation suite's table (else the quality table), a 2-D map and a
+table of every concept.
 
 The rows live once in `static/atlas-data.js`; the page's script renders, sorts and filters them.
 """
@@ -12,6 +13,7 @@ import numpy as np
 
 from conceptlens.report.atlas import Atlas, ExtractorView
 from conceptlens.report.concept_page import first_tokens
+from conceptlens.report.evaluation import Suite
 from conceptlens.report.html import esc, page, table
 from conceptlens.report.legends import LEGENDS, figure
 from conceptlens.report.quality import duplicates, quality_block
@@ -104,13 +106,14 @@ def _extractors_block(atlas: Atlas) -> str:
     return "<h2>Extractors</h2>" + figure(html, LEGENDS["extractors"] + " " + LEGENDS["activation"])
 
 
-def index_page(atlas: Atlas, shown: Sequence[str]) -> str:
+def index_page(atlas: Atlas, shown: Sequence[str], suite: Suite | None = None) -> str:
     options = "".join(f'<option value="{esc(ex.name)}">{esc(ex.name)}</option>' for ex in atlas.extractors)
     head = "".join(f'<th class="sort" data-col="{c}" data-kind="{kind}">{esc(h)}</th>' for c, kind, h in SHOWN if c in shown)
     heads = {ex.name: first_tokens(ex.contexts()) for ex in atlas.extractors}
     concepts = (f'<table id="concepts"><thead><tr><th>extractor</th><th class="sort num" data-col="concept" '
                 f'data-kind="num">#</th>{head}</tr></thead><tbody></tbody></table>')
-    body = (banners(atlas, heads) + _run_block(atlas) + _extractors_block(atlas) + quality_block(atlas, heads)
+    quality = suite.block() if suite is not None else quality_block(atlas, heads)  # the older table without eval.json
+    body = (banners(atlas, heads) + _run_block(atlas) + _extractors_block(atlas) + quality
             + norms_block(atlas)
             + f'<h2>Map of the directions</h2><div class="controls"><label>extractor <select id="map-extractor">{options}'
             f'</select></label></div>'

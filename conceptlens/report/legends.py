@@ -52,6 +52,22 @@ LEGENDS = {
                "Near-duplicates: concepts with another at cosine > 0.99. Top token: the token that is the first top "
                "token of the most concepts. FVU: fraction of variance unexplained by the reconstruction "
                "(1 = predicting the mean; SAEs, fit's last steps). L0: active latents per token.",
+    "suite": "Each figure of `conceptlens eval` on held-out text with its 95% interval, next to its baselines; the "
+             "matched control comes first (random directions as many as the set has concepts, or zero- and "
+             "mean-ablation) and 'vs control' says wins or loses only when the two intervals do not overlap. "
+             "k-sparse probe accuracy: logistic regression on the k latents with the largest class mean "
+             "difference, balanced one-vs-rest tasks (chance 0.5); diff-of-means: the one supervised direction; "
+             "full probe: all raw activations (the ceiling). FVU, CE loss recovered and KL with the reconstruction "
+             "spliced in. EVALUATION.md defines every figure and names its source.",
+    "suite_concept": "This concept's own figures from `conceptlens eval`, with 95% intervals: for each probing task "
+                     "where it is among the latents with the largest class mean difference, the test accuracy of a "
+                     "logistic probe on it alone (balanced, chance 0.5), next to the same probe on the best of as "
+                     "many random directions as the set has concepts (the matched control) and on the "
+                     "diff-of-means direction; steering scores when the suite recorded them.",
+    "peers": "Final figures of each trainer on the same cached activations, same width and k, each with its own "
+             "recommended hyper-parameters (benchmarks/peers.py): tokens seen, time in optimiser steps, held-out "
+             "FVU and L0, and CE loss recovered with the reconstruction spliced in. Not the run above: its own "
+             "rows and budget.",
     "extractors": "One row per concept set; the activation column says how its activations are measured.",
     "norms": "Token norms of the described rows at each site: the row filter drops rows far above the running "
              "median norm (counted here, with the bar); the share of the variance (sum of |x - mean|^2) carried by the 1% "

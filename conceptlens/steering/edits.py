@@ -16,16 +16,14 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 from torch import Tensor
 
 from conceptlens._checks import known_kwargs
 from conceptlens.concepts.conceptset import ConceptSet
-
-if TYPE_CHECKING:
-    from conceptlens.lens import Lens
+from conceptlens.interface import AttachedModel
 
 Concepts = ConceptSet | Tensor
 Scale = Literal["raw", "unit", "robust_norm", "site_norm"]
@@ -92,7 +90,7 @@ class Edit:
             warnings.warn(f"{type(self).__name__} at {site}: the concepts were recorded for model {self.model!r}; "
                           f"this model is {model!r}", UserWarning, stacklevel=4)
 
-    def bind(self, lens: Lens) -> None:
+    def bind(self, lens: AttachedModel) -> None:
         """Called when a steering scope is built on `lens`: measure what the edit needs of it."""
 
     def apply(self, x: Tensor, mask: Tensor | None) -> Tensor:
@@ -151,7 +149,7 @@ class Add(Edit):
                              f"the edit is applied in (largest {torch.finfo(dtype).max:.3g}); use a smaller alpha")
         return vector
 
-    def bind(self, lens: Lens) -> None:
+    def bind(self, lens: AttachedModel) -> None:
         if self.scale in MEASURED and not self._fixed_norm:
             from conceptlens.steering import units
 

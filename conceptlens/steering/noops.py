@@ -16,15 +16,16 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from conceptlens.interface import AttachedModel
+
 if TYPE_CHECKING:
-    from conceptlens.lens import Lens
     from conceptlens.steering.edits import Edit
 
 ORTHOGONAL = 1e-6
 """Largest |projection| / |activation| (Frobenius, over the probe tokens) that counts as none."""
 
 
-def warn_if_no_effect(lens: Lens, site: Any, edit: Edit, positions: Any) -> None:
+def warn_if_no_effect(lens: AttachedModel, site: Any, edit: Edit, positions: Any) -> None:
     """One UserWarning when `edit` at `site` (a Site) under `positions` provably changes nothing."""
     from conceptlens.steering.ablate import Ablate
     from conceptlens.steering.edits import Add, ProjectOut
@@ -47,7 +48,7 @@ def _every_position(positions: Any) -> bool:
     return positions == "all"
 
 
-def _breaks_shift(lens: Lens, site: Any) -> bool:
+def _breaks_shift(lens: AttachedModel, site: Any) -> bool:
     """Logit softcapping (tanh of the scores) or a learned sink logit make a constant score shift count."""
     config = lens.model.config
     configs = [config, getattr(config, "text_config", None)]
@@ -55,7 +56,7 @@ def _breaks_shift(lens: Lens, site: Any) -> bool:
     return softcap or getattr(site.module, "sinks", None) is not None
 
 
-def _component(lens: Lens, name: str, basis: Any) -> float | None:
+def _component(lens: AttachedModel, name: str, basis: Any) -> float | None:
     """|acts Q^T| / |acts| over the probe tokens at the site, or None when the lens cannot run the probe."""
     from conceptlens.steering.units import probe_ready, site_scale
 

@@ -14,7 +14,7 @@ padding and the KV cache — so an edit gives the same tokens with and without `
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal, Sequence
+from typing import Literal, Sequence
 
 import torch
 from torch import Tensor
@@ -22,11 +22,9 @@ from torch import Tensor
 from conceptlens.hooks.handles import HandleGroup
 from conceptlens.hooks.points import hook_site
 from conceptlens.hooks.tokens import TokenMeta, TokenTracker
+from conceptlens.interface import AttachedModel
 from conceptlens.steering.edits import Add, Edit, add_vector
 from conceptlens.steering.noops import warn_if_no_effect
-
-if TYPE_CHECKING:
-    from conceptlens.lens import Lens
 
 Positions = Literal["all", "prompt", "generated"] | slice
 _NAMED = ("all", "prompt", "generated")
@@ -35,7 +33,7 @@ _NAMED = ("all", "prompt", "generated")
 class Steer:
     """One `lens.steer(...)` scope: its edits, positions and prompt bookkeeping."""
 
-    def __init__(self, lens: Lens, edits: Sequence[Edit], positions: Positions = "all") -> None:
+    def __init__(self, lens: AttachedModel, edits: Sequence[Edit], positions: Positions = "all") -> None:
         if not edits:
             raise ValueError("steer needs at least one edit, e.g. Add(concepts, alpha=4.0)")
         for edit in edits:
@@ -108,7 +106,7 @@ class Steer:
 class _Registry:
     """Per lens: the active scopes, one hook per edited site, one token tracker."""
 
-    def __init__(self, lens: Lens) -> None:
+    def __init__(self, lens: AttachedModel) -> None:
         self.lens = lens
         self.scopes: list[Steer] = []
         self.tracker = TokenTracker(lens.stacks, on_start=self._on_start)
@@ -200,7 +198,7 @@ def _same_positions(a: Steer, b: Steer) -> bool:
     return isinstance(a.positions, slice) and a.positions == b.positions
 
 
-def _registry(lens: Lens) -> _Registry:
+def _registry(lens: AttachedModel) -> _Registry:
     registry = getattr(lens, "_steering", None)
     if registry is None:
         registry = lens._steering = _Registry(lens)

@@ -23,30 +23,16 @@ alpha's generations at once and its numbers are kept in `SweepResult.judged`.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
 
 from conceptlens._io import atomic_write
+from conceptlens.interface import AttachedModel
 from conceptlens.steering.edits import Edit
 from conceptlens.steering.scope import Positions
-from conceptlens.steering.sweep_scores import continuation_perplexity
-
-if TYPE_CHECKING:
-    from conceptlens.lens import Lens
-
-
-class Generation(NamedTuple):
-    """One prompt's continuation, as a score function sees it."""
-
-    prompt: str
-    text: str
-    """The decoded new tokens (special tokens skipped)."""
-    tokens: Tensor
-    """(n,) new token ids, up to and including the first end-of-sequence token."""
-    logits: Tensor
-    """(n, V) raw logits of each step: row i is the distribution `tokens[i]` was chosen from."""
+from conceptlens.steering.sweep_scores import Generation, continuation_perplexity
 
 
 Score = Callable[[Generation], float]
@@ -165,7 +151,7 @@ def token_logprob(tokenizer: Any, words: str | Sequence[str]) -> TokenLogProb:
     return TokenLogProb(tokenizer, words)
 
 
-def sweep(lens: Lens, edits: Edits, alphas: Sequence[float], prompts: Sequence[str],
+def sweep(lens: AttachedModel, edits: Edits, alphas: Sequence[float], prompts: Sequence[str],
           score: Score, *, positions: Positions = "generated", max_new_tokens: int = 32,
           tokenizer: Any = None, plot: str | None = None, fluency: bool = True, budget: float = 2.0,
           judge: Judge | None = None, **generate_kwargs: Any) -> SweepResult:

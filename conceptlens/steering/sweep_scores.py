@@ -10,16 +10,25 @@ after the scope closes), so they judge the steered text with the unsteered model
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
 
 from conceptlens.batching import pad_right
+from conceptlens.interface import AttachedModel
 
-if TYPE_CHECKING:
-    from conceptlens.lens import Lens
-    from conceptlens.steering.sweep import Generation
+
+class Generation(NamedTuple):
+    """One prompt's continuation, as a score function sees it."""
+
+    prompt: str
+    text: str
+    """The decoded new tokens (special tokens skipped)."""
+    tokens: Tensor
+    """(n,) new token ids, up to and including the first end-of-sequence token."""
+    logits: Tensor
+    """(n, V) raw logits of each step: row i is the distribution `tokens[i]` was chosen from."""
 
 
 def _joined(tokenizer: Any, generations: Sequence[Generation]) -> tuple[dict[str, Tensor], list[int]]:
@@ -58,7 +67,7 @@ class ConceptExpression:
 
     label = "concept projection (robust norms)"
 
-    def __init__(self, lens: Lens, direction: Tensor, site: str, mean: Tensor | None = None) -> None:
+    def __init__(self, lens: AttachedModel, direction: Tensor, site: str, mean: Tensor | None = None) -> None:
         from conceptlens.steering.units import robust_norm
 
         direction = torch.as_tensor(direction).detach().double().reshape(-1)

@@ -19,13 +19,12 @@ models whose activation scales differ by 40x.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from conceptlens.lens import Lens
+from conceptlens.interface import AttachedModel
 
 PROBE_TEXT = (
     "The committee met on Tuesday to discuss the new budget for the city's schools and parks.",
@@ -60,17 +59,17 @@ class SiteScale(NamedTuple):
     """(N, d) float32 probe activations (first positions left out), for checks of an edit's span."""
 
 
-def site_norm(lens: Lens, site: str) -> float:
+def site_norm(lens: AttachedModel, site: str) -> float:
     """Median token norm at `site` over the probe text, measured on first use and cached on the lens."""
     return site_scale(lens, site).norm
 
 
-def robust_norm(lens: Lens, site: str) -> float:
+def robust_norm(lens: AttachedModel, site: str) -> float:
     """Median token norm at `site` over the probe text without the site's massive coordinates."""
     return site_scale(lens, site).robust_norm
 
 
-def site_scale(lens: Lens, site: str) -> SiteScale:
+def site_scale(lens: AttachedModel, site: str) -> SiteScale:
     """The probe text's measurements at `site`, cached on the lens; warns once when one
     coordinate dominates the site's norm."""
     name = lens.site(site).name
@@ -100,16 +99,16 @@ def scale_of(acts: Tensor) -> SiteScale:
                      tuple(massive.tolist()), top, acts.float())
 
 
-def probe_ready(lens: Lens) -> bool:
+def probe_ready(lens: AttachedModel) -> bool:
     """Whether the lens can run the probe: it has a tokenizer or a model config with vocab_size."""
     return lens.tokenizer is not None or _vocab(lens) >= 4
 
 
-def _vocab(lens: Lens) -> int:
+def _vocab(lens: AttachedModel) -> int:
     return int(getattr(lens.model.config, "vocab_size", 0) or 0)
 
 
-def _probe_batch(lens: Lens) -> dict[str, torch.Tensor]:
+def _probe_batch(lens: AttachedModel) -> dict[str, torch.Tensor]:
     from conceptlens.batching import pad_right
 
     tok = lens.tokenizer
@@ -126,7 +125,7 @@ def _probe_batch(lens: Lens) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def _measure(lens: Lens, name: str) -> Tensor:
+def _measure(lens: AttachedModel, name: str) -> Tensor:
     batch = _probe_batch(lens)
     model = lens.model
     device = next(model.parameters()).device

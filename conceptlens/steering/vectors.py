@@ -16,17 +16,15 @@ difference's projection on it (`"pca"`, as repeng's pca_diff, without centring).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Literal, Mapping, Sequence
+from typing import Iterator, Literal, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from conceptlens.batching import encode_batch
 from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.interface import AttachedModel
 from conceptlens.steering.edits import Add, Edit, Scale
-
-if TYPE_CHECKING:
-    from conceptlens.lens import Lens
 
 Method = Literal["mean_diff", "pca"]
 METHODS = ("mean_diff", "pca")
@@ -66,7 +64,7 @@ class AddKeepNorm(Add):
         return self._select(x, new.to(x.dtype), mask)
 
 
-def train_vector(lens: Lens, positive: Sequence[str], negative: Sequence[str], *, sites: str | Sequence[str],
+def train_vector(lens: AttachedModel, positive: Sequence[str], negative: Sequence[str], *, sites: str | Sequence[str],
                  method: Method = "mean_diff", batch_size: int = 16, max_length: int = 256,
                  tokenizer=None) -> SteeringVector:
     """A steering vector per site from paired prompts (`positive[i]` pairs with `negative[i]`)."""
@@ -106,7 +104,7 @@ def _principal(diffs: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def last_token_acts(lens: Lens, tokenizer, texts: list[str], sites: list[str], batch_size: int,
+def last_token_acts(lens: AttachedModel, tokenizer, texts: list[str], sites: list[str], batch_size: int,
                     max_length: int) -> dict[str, Tensor]:
     """site -> (len(texts), d) activations of each text's last real token."""
     device = next(lens.model.parameters()).device

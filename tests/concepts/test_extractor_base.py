@@ -5,7 +5,8 @@ import torch
 
 from conceptlens.concepts import (BatchTopKSAE, CLVQTranscoder, Deleuzian, JumpReLUSAE, MatryoshkaSAE, ReLUSAE,
                                   SpaDE, StreamingKMeans, TopKSAE, VQCodebook)
-from conceptlens.concepts.base import ExtractorBase, check_fraction, check_int
+from conceptlens._checks import check_fraction, check_int
+from conceptlens.concepts.base import ExtractorBase
 from conceptlens.metrics.gauge import QueryKeyMoments
 from conceptlens.metrics.hierarchy import CoactivationStats
 from tests.concepts.test_protocol import DICTIONARIES, EXTRACTORS, fitted, roundtrip, stream
@@ -61,7 +62,7 @@ def test_bools_and_bad_values_are_rejected_by_name(make):
 
 
 def test_helpers_name_the_value():
-    with pytest.raises(ValueError, match=r"n must be an int >= 1 or None; got True"):
+    with pytest.raises(ValueError, match=r"n must be a positive integer or None; got True"):
         check_int("n", True, optional=True)
     with pytest.raises(ValueError, match=r"p must be a number in \[0, 1\]; got 1.5"):
         check_fraction("p", 1.5, closed_high=True)

@@ -2,8 +2,9 @@
 
 Checks that the index and a concept page load from file:// with no console errors, that the
 index lists every expected concept with working links both ways, and that sorting and the
-filter act on the table, and that a run folder with hostile names, labels and tokens runs no
-script and keeps numbers in order. On an atlas described for real on a tiny Llama with a byte-level
+filter act on the table, that a run with `eval.json` and `peers.json` shows the suite's table
+on the index and a concept's own scores on its page, and that a run folder with hostile names,
+labels, tokens and suite figures runs no script and keeps numbers in order. On an atlas described for real on a tiny Llama with a byte-level
 tokenizer (every non-ASCII character split into byte tokens): every figure carries its
 legend, no token chip shows U+FFFD, and the random control is a quality-table row, not a
 concept set. Screenshots are kept under tests/artefacts/ (ignored by git).
@@ -19,6 +20,7 @@ import pytest
 
 from conceptlens.report import write_report
 from tests.report.atlas_fixture import write_fake_run
+from tests.report.test_evaluation_report import write_fake_eval, write_fake_peers
 
 ARTEFACTS = Path(__file__).resolve().parents[1] / "artefacts"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -105,6 +107,46 @@ def test_concept_page_loads_and_links(browser, report):
         assert _errors(browser) == [] and browser.find_elements(By.CSS_SELECTOR, "a[href*='concepts/']")
 
 
+@pytest.fixture(scope="module")
+def suite_report(tmp_path_factory) -> Path:
+    run = write_fake_run(tmp_path_factory.mktemp("suite") / "run", EXTRACTORS)
+    write_fake_eval(run, {name: n for name, _, n in EXTRACTORS})
+    write_fake_peers(run)
+    return write_report(run).path.parent
+
+
+VERDICT_COLOURS = """return [...document.querySelectorAll('table.suite tbody td:nth-child(6) span')]
+  .map(s => [s.textContent, getComputedStyle(s).color]);"""
+
+
+def test_suite_table_and_a_concepts_scores_as_a_user_sees_them(browser, suite_report):
+    browser.get((suite_report / "index.html").as_uri())
+    assert _errors(browser) == [] and browser.execute_script(EVERY_FIGURE_HAS_A_LEGEND) == 0
+    headings = [h.text for h in browser.find_elements(By.CSS_SELECTOR, "h2, h3")]
+    assert "Evaluation suite" in headings and "Quality" not in headings
+    rows = [[td.text for td in tr.find_elements(By.TAG_NAME, "td")]
+            for tr in browser.find_elements(By.CSS_SELECTOR, "table.suite tbody tr")]
+    assert len(rows) == 8  # per set: three probe lines and FVU; concept 1's own score is not an index row
+    k1 = next(r for r in rows if r[:2] == ["topk", "toy k=1 accuracy"])
+    assert k1[2:6] == ["0.91 [0.88, 0.94]", "random 12 dirs\n0.7 [0.65, 0.75]", "diff-of-means 0.8 [0.78, 0.83]", "wins"]
+    colours = dict(browser.execute_script(VERDICT_COLOURS))
+    assert colours["wins"] == "rgb(10, 125, 50)" and colours["loses"] == "rgb(179, 38, 30)"  # green, red
+    peers = [tr.text for tr in browser.find_elements(By.CSS_SELECTOR, "table.peers tbody tr")]
+    assert peers == ["ours-topk 49,152 12.5 0.21 32 0.93", "sparsify-topk 49,152 20 0.24 32"]
+    browser.execute_script("document.querySelector('table.suite').scrollIntoView()")
+    _shot(browser, "report_suite_index.png")
+    browser.get((suite_report / "concepts" / "topk" / "1.html").as_uri())
+    assert _errors(browser) == [] and browser.execute_script(EVERY_FIGURE_HAS_A_LEGEND) == 0
+    (row,) = [tr.text for tr in browser.find_elements(By.CSS_SELECTOR, "table.suite tbody tr")]
+    assert row.split("\n") == ["probing toy toy sport: accuracy of this concept alone 0.66 [0.61, 0.7] random 12 dirs, best 1",
+                               "0.55 [0.5, 0.6] diff-of-means 0.8 [0.78, 0.83] wins rank 1"]
+    browser.execute_script("document.querySelector('table.suite').scrollIntoView()")
+    _shot(browser, "report_suite_concept.png")
+    browser.get((suite_report / "concepts" / "topk" / "2.html").as_uri())
+    assert not browser.find_elements(By.CSS_SELECTOR, "table.suite")
+    assert "this one was not among them" in browser.find_element(By.TAG_NAME, "body").text
+
+
 # A run folder from someone else: an extractor folder name that closes an attribute, markup in
 # n_alive, tokens, class labels and the method, and a right-to-left override in every label.
 NAME = "x' autofocus onfocus=window.__pwned=1 tabindex=0 y='<img src=x onerror=window.__pwned=5>"
@@ -135,6 +177,8 @@ def _hostile_run(root: Path) -> Path:
         meta["base_rate_entropy"] = {label: 0.5 for label in meta["labels"]}
         meta["method"] = ATTACKS[2]
         (folder / "description.json").write_text(json.dumps(meta))
+    write_fake_eval(run, {"plain": 6}, text=ATTACKS[0], model=ATTACKS[1])
+    write_fake_peers(run, text=ATTACKS[2])
     return run
 
 
@@ -164,7 +208,7 @@ for (let node = walk.nextNode(); node; node = walk.nextNode()) {
 
 def test_hostile_names_labels_and_tokens_run_no_script(browser, hostile):
     for page in ("index.html", "matches.html", f"hierarchy/{NAME}.html", f"concepts/{NAME}/0.html",
-                 "concepts/plain/0.html"):
+                 "concepts/plain/0.html", "concepts/plain/1.html"):  # plain #1: suite scores with markup in them
         browser.get((hostile / page).as_uri())
         assert browser.execute_script(INJECTED) == [0, True, 0, False], page
     browser.get((hostile / "index.html").as_uri())

@@ -26,7 +26,8 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import Tensor
 
-from conceptlens.concepts.base import ExtractorBase, NotFittedError, check_int
+from conceptlens._checks import check_int
+from conceptlens.concepts.base import ExtractorBase, NotFittedError
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.sae import ddp

@@ -4,8 +4,16 @@
 
 Tokens share a budget of k * B active latents, so a rich token can use more than k and a
 plain one fewer. The batch is not available at inference, so the SAE is exported as a
-JumpReLU with one global threshold: a running estimate of the smallest activation that
-training kept.
+JumpReLU with one global threshold: as in the paper, the expected smallest activation a
+training batch kept, theta = E_B[min{z_ij(B) : z_ij(B) > 0}], estimated by a moving average.
+
+The rate differs from the references' (SAELens 0.01 from 0; dictionary_learning 0.001 after step
+1000), which suit runs of 100k+ steps. While the encoder trains the minimum drifts, and an average
+of rate m lags it by (1 - m) / m steps: on SmolLM2 block 15 (width 2304, k 32, 12 steps of 4096)
+it fell from 1.51 to 1.31 (normalised units), and rate 0.01 kept the threshold at 1.49, firing L0
+13.6 on held-out rows instead of 32. Each batch's minimum is the (k B)-th largest of B * width
+pre-activations, a precise quantile: at fixed weights it varied by 0.4% between batches of 1024.
+So the default rate is 0.5 (lag one step): held-out L0 32.3 after 64 steps of 1024 (0.01: 18.4).
 """
 
 from __future__ import annotations
@@ -24,8 +32,9 @@ from conceptlens.concepts.sae.topk import TopKConfig, TopKSAE
 class BatchTopKConfig(TopKConfig):
     """BatchTopKSAE hyper-parameters."""
 
-    threshold_momentum: float = 0.01
-    """Weight of each step's smallest kept activation in the threshold's moving average."""
+    threshold_momentum: float = 0.5
+    """Weight of each step's smallest kept activation in the threshold's moving average
+    (the first step's is taken as is)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 # the shared validation helpers (re-exported here, where the variants import them from)
-from conceptlens.concepts.base import MAX_CONCEPTS, check_choice, check_dtype, check_float, check_int, config_json
+from conceptlens._checks import check_choice, check_float, check_int
+from conceptlens.concepts.base import MAX_CONCEPTS, check_dtype, config_json
 
 __all__ = ["SAEConfig", "build_config", "check_int", "check_float"]
 

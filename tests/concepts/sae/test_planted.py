@@ -122,3 +122,39 @@ def test_spade_defaults_separate_magnitudes_on_many_rays(seed):
     print(f"SpaDE defaults: best-latent F1 {f1.mean():.3f} (lowest concept {f1.min():.3f})")
     # (before per-feature standardisation, k-means++ prototypes and the nearest-prototype lambda: 0.66)
     assert f1.mean() >= 0.95
+
+
+def test_batch_topk_threshold_fires_k_on_held_out_rows():
+    """The inference threshold estimates the paper's E_B[smallest kept activation]: on held-out rows of
+    a stationary stream it sits at the (k N)-th largest pre-activation of the final encoder, so L0 ~ k."""
+    _, x = planted_dictionary(55_000, seed=3)
+    sae = BatchTopKSAE(**COMMON, k=ACTIVE, seed=0)
+    for chunk in x[:50_000].split(1000):
+        sae.update(chunk)
+    x_test = x[50_000:]
+    raw = sae.concept_set().encoder
+    pre = (x_test - raw["b_dec"]) @ raw["W_enc"] + raw["b_enc"]  # (N, width), raw units
+    kept = pre.relu().flatten().topk(ACTIVE * len(x_test)).values.min()  # the batch top-k's smallest kept
+    l0 = (sae.encode(x_test) != 0).sum(1).float().mean().item()
+    print(f"threshold {raw['threshold'].item():.4f}, held-out batch top-k's smallest kept {kept:.4f}, L0 {l0:.2f}")
+    # (a rate of 0.01 kept the early steps' larger minima: L0 well under k)
+    assert raw["threshold"].item() == pytest.approx(kept.item(), rel=0.05)
+    assert l0 == pytest.approx(ACTIVE, rel=0.15)
+
+
+@pytest.mark.parametrize("offset", [0.0, 18.0])
+def test_jumprelu_defaults_are_sparse_whatever_the_mean(offset):
+    """Threshold and bandwidth are in units of the inputs' spread, so the default L0 stays near the
+    planted 3 atoms when a larger offset carries more of the norm (offset 2 + 18: 99.6% of E||x||^2)."""
+    atoms, x = planted_dictionary(55_000)
+    x = x + offset
+    sae = JumpReLUSAE(**COMMON, seed=0)
+    for chunk in x[:50_000].split(1000):
+        sae.update(chunk)
+    x_test = x[50_000:]
+    l0 = (sae.encode(x_test) != 0).sum(1).float().mean().item()
+    fvu = ((x_test - sae.reconstruct(x_test)).pow(2).sum() / (x_test - x_test.mean(0)).pow(2).sum()).item()
+    print(f"offset {offset + 2}: L0 {l0:.2f}, held-out FVU {fvu:.3f}, atoms {recovered(atoms, sae.concept_set().directions):.0%}")
+    # (thresholds in units of E||x||^2 = d: L0 5.7 at offset 2, 0.0002 at offset 20, every latent dead)
+    assert ACTIVE / 2 <= l0 <= 2 * ACTIVE
+    assert fvu < 0.25

@@ -251,9 +251,9 @@ def test_latent_tracker_marks_latents_dead_after_silence():
 
 @pytest.mark.parametrize("make, match", [
     (lambda: TopKSAE(width=8, k=9), "k must be at most width=8"),
-    (lambda: TopKSAE(width=8, k=0), "k must be an int >= 1"),
-    (lambda: TopKSAE(width=0, k=1), "width must be an int >= 1"),
-    (lambda: TopKSAE(width=8.0, k=1), "width must be an int"),
+    (lambda: TopKSAE(width=8, k=0), "k must be a positive integer"),
+    (lambda: TopKSAE(width=0, k=1), "width must be a positive integer"),
+    (lambda: TopKSAE(width=8.0, k=1), "width must be a positive integer; got 8.0"),
     (lambda: ReLUSAE(width=8, lr=-1.0), "lr must be"),
     (lambda: ReLUSAE(width=8, l1=-0.1), "l1 must be"),
     (lambda: ReLUSAE(width=8, l1_warmup_tokens=-1), "l1_warmup_tokens"),

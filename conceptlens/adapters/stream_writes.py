@@ -28,17 +28,10 @@ import torch
 from torch import Tensor, nn
 
 from conceptlens.adapters.probe import Trace, close
-from conceptlens.adapters.site import Expansion
 from conceptlens.adapters.structure import BlockLayout, is_norm
+from conceptlens.sites.site import Expansion, spread
 
 _KINDS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out", "branch_out")
-
-
-def spread(out: Tensor, weights: Tensor, flat: bool = True) -> Tensor:
-    """A sublayer output (..., d) written to n streams with weights (..., n): (..., n * d), or
-    (..., n, d) where the residual keeps its streams in a dimension of their own (HY-V4)."""
-    both = out.unsqueeze(-2) * weights.unsqueeze(-1)
-    return both.flatten(-2) if flat else both
 
 
 def site_shape(resid: tuple, module: nn.Module, trace: Trace, spread: bool) -> tuple:

@@ -1,4 +1,7 @@
-"""Site: a named place in a model where an activation can be read or edited."""
+"""Site: a named place in a model where an activation can be read or edited.
+
+The lowest layer of the hook stack: `adapters/` finds sites, `hooks/` reads and edits them;
+this module imports neither."""
 
 from __future__ import annotations
 
@@ -26,6 +29,13 @@ class Expansion:
     point: Literal["input", "output", "both"]
     flat: bool = True
     block: nn.Module | None = None
+
+
+def spread(out: Tensor, weights: Tensor, flat: bool = True) -> Tensor:
+    """A sublayer output (..., d) written to n streams with weights (..., n): (..., n * d), or
+    (..., n, d) where the residual keeps its streams in a dimension of their own (HY-V4)."""
+    both = out.unsqueeze(-2) * weights.unsqueeze(-1)
+    return both.flatten(-2) if flat else both
 
 
 @dataclass(frozen=True, eq=False)

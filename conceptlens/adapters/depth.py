@@ -7,7 +7,9 @@ attention function with the positions in the heads' place (heads == T) and a few
 T), and it has no projections (its queries are parameters): it is no sublayer of the block and
 its calls are no attention over tokens. The block itself still adds its sublayers' outputs to
 its input, or, at a block boundary, starts a new sum from them (the stack keeps its input as a
-block state): `verify.repair` checks which.
+block state): `verify.repair` checks which. Per-query attention sinks join the pattern
+(`hooks/pattern.py`). A block input that a later block is passed again: an edit there reaches
+only its own block.
 """
 
 from __future__ import annotations

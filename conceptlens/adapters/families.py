@@ -1,8 +1,14 @@
-"""The few architectures the structural adapter cannot handle alone (see DESIGN.md).
+"""The few architectures the structural adapter cannot handle alone.
 
 Everything else is recognised by `structure.py`. An entry here is a real exception:
-`LAYOUT` overrides block-relative paths of a recognised layout, `REFUSED` names
-architectures whose blocks are not one layer each and says why.
+`LAYOUT` overrides block-relative paths of a recognised layout (ALBERT: its attention adds and
+norms its own residual, so `attn_out` is `attention.dense`; its FFN is two bare Linear children,
+so `mlp_out` is `ffn_output`), `NOTES` adds to site descriptions (DeBERTa's attention does not
+call the attention-function interface: its q/k/v sites are its content projections), `REFUSED`
+names architectures whose blocks are not one layer each and says why (Funnel: it pools the
+sequence between blocks, each layer reads the residual as query, key and value separately, and
+its hidden states have three lengths plus its decoder's). Bloom needs no entry: its sublayers are
+read at their output projections by `repair.py`'s rule.
 """
 
 from __future__ import annotations

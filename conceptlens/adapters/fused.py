@@ -5,6 +5,16 @@ interface) on the output of one fused `query_key_value` / `Wqkv` / `c_attn` proj
 q/k/v sites are *parts* of that output: its last dimension viewed as a grid, cut along one grid
 axis. How each class lays the parts out is read from its own code (an exception table, like
 families.py); tests check every layout against the model's eager attention weights.
+
+Attention that does not call the attention-function interface gets q/k/v from its projections,
+before any rotary embedding (the description says so), and no pattern site. Where the projections
+sit one module below the attention module (GPT-Neo's `attn.attention`, MPNet, Perceiver, the
+BigBird / LED encoders) that child owns them. Fused layouts: `(heads, 3, d)` interleaved for Bloom,
+GPT-NeoX-Japanese and Falcon's one-k/v-per-head layout; `[q | k | v]` for MPT and GPT-1; Falcon's
+multi-query `[h queries | k | v]` and grouped `(groups, h/g + 2, d)`. Each is tested against the
+eager attention weights (softmax of the scores formed from the q/k parts with HF's own ALiBi or
+rotary functions, and each head's output = weights @ v). An edit replaces only its part of the
+projection output; a null edit is bit-identical.
 """
 
 from __future__ import annotations

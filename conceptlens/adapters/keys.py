@@ -11,8 +11,10 @@ Two shapes are recognised from the probe (a forward without cache), each verifie
   returns (DeepSeek V4's compressed KV entries). Verified: the trailing keys are exactly that
   submodule's output. `attn.k` / `attn.v` are the tokens' part; the pattern covers every key.
 
-At run time (hooks/attention.py) the tokens' part is the first T keys without a cache, and
-with one ("stack" only) the keys the self-attention cache returned.
+At run time (hooks/attention.py) the tokens' part is the first T keys without a cache, and with
+one ("stack" only) the keys the self-attention cache returned. Such an attention is `attn_out`
+once, never also `cross_attn_out`. A key and value passed as one tensor (DeepSeek-V4's K = V)
+are edited out of place, so an edit of one leaves the other.
 """
 
 from __future__ import annotations

@@ -3,6 +3,15 @@
     resolver.resolve("blocks.-1.resid_out")          # canonical, negative index
     resolver.resolve("blocks.5.hook_resid_post")     # TransformerLens -> blocks.5.resid_out
     resolver.resolve("model.layers.5")               # HF module path  -> blocks.5.resid_out
+
+TransformerLens names: `blocks.{i}.hook_resid_pre` / `_post`, `hook_attn_out`, `hook_mlp_out`,
+`attn.hook_q` / `hook_k` -> `attn.q_pre` / `k_pre` (pre-rotary; the projection-read `attn.q` / `k`
+where there is no rotary), `attn.hook_rot_q` / `hook_rot_k` -> `attn.q` / `k`, `attn.hook_v`,
+`attn.hook_z`, `attn.hook_pattern`, `mlp.hook_post`, `ln_final.hook_normalized` -> `final`.
+HF module paths from the model or its base model name the site that is that module's output
+(`model.layers.5.mlp` -> `blocks.5.mlp_out`); a path naming one part of a summed site, or a
+shared layer run as several blocks, raises with the site to use. Unknown names raise `KeyError`
+listing close valid names.
 """
 
 from __future__ import annotations

@@ -1,9 +1,26 @@
-"""Exact readings of an additive block whose plain sum fails (see DESIGN.md, "Sites").
+"""Exact readings of an additive block whose plain sum fails.
 
-`repair` tries, on the probe, every exact reading of the block's sublayers before any fitted one:
-a sublayer that adds the residual inside itself is read at its output projection, a module applied
-to a sublayer's output or run beside it joins it, constant residual multipliers are fitted, and a
-block that restarts its residual sums its sublayers alone.
+`repair` tries, on the probe, every exact reading of the block's sublayers before any fitted one,
+each kept only if `resid_in + sum(sites) == resid_out` then holds at 1e-4:
+
+- a sublayer that adds the residual inside itself (MPT's FFN, Bloom) is read at its output
+  projection, the last linear layer to finish inside it;
+- a module applied to a sublayer's output (Inkling's short convolutions) replaces it;
+- a module run beside it on the same input (Granite-MoE's shared MLP next to the routed experts)
+  is added to it: the site hooks the one that finishes last, adds the other's output
+  (`Site.plus`), and an edit's change goes to the hooked one;
+- only then, for a block that scales what it adds (Granite's `residual_multiplier`, MiniCPM's and
+  ESM-C's depth scaling), per-sublayer constants fitted by least squares: the site is
+  `c * output` (its description gives c) and an edit's change is divided by c on the way back,
+  so a null edit stays bit-identical. In low precision a fitted constant is rounded to 1..7
+  significant digits until one reproduces the block's own products and adds in its dtype (the
+  real 0.22, not the least-squares 0.2199x that rounding noise gives);
+- a block that restarts its residual and sums its sublayers alone (Inkling 2's block boundary,
+  the stack keeping the input as a state) gets `resid_coef` 0, said in `resid_out`'s description.
+
+A hybrid layer's temporal block that is attention in that layer counts once. Where nothing
+holds, those sites are left out and `adapter.problems` says why, rather than giving activations
+that are not the contribution.
 """
 
 from __future__ import annotations

@@ -1,8 +1,24 @@
 """Block lists that are not one module per layer, and where the last hidden state comes from.
 
-Pure functions over the probe trace, used by `Adapter`: shared or looped layers unrolled into
-their calls (ALBERT, Dory, HRM), groups of layers flattened, the final site found by call or
-through one more stack-level module, and the row layout of a q/k/v projection.
+Pure functions over the probe trace, used by `Adapter`:
+
+- *Shared and looped layers* (ALBERT's one shared layer, Dory's and HRM's loops; a list of layer
+  groups whose only child is a list of layers is flattened first): where a block module runs
+  several times in one forward and its calls, in the order they finished, give one block per
+  hidden state, block i is the i-th call (`Site.call`, gated by `hooks/calls.py`). The layout is
+  read from the module's first call. Where the calls of the found list do not give one block per
+  hidden state, every module of the block class in the stack is taken and the probe runs again
+  (HRM keeps its L and H layers in two lists and cycles through both: 128 blocks from 32 modules
+  in the tiny config). An HF module path naming a shared layer is refused (it is several blocks).
+- *The final site*: the norm whose input is the last block's output (pre-LN models put its output
+  in their last hidden state, so the last block's `resid_out` is the norm's input); a final norm
+  that also runs inside the stack (Dory and NanoChat normalise the embeddings with it) is the call
+  whose input is the last block's output. Where no norm reads it, the stack-level module (not a
+  norm, list, embedding or rotary table) whose output is HF's last hidden state, at the end of a
+  chain of at most two such modules, the first reading the last block's output exactly
+  (DeepSeek-V4 and HY-V4: hyper-connection head then norm; Qwen4-exp: its stream mixer, so
+  `final` has that module's width). `final` may read the last block's output as any argument.
+- the row layout of a q/k/v projection.
 """
 
 from __future__ import annotations

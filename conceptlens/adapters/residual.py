@@ -14,7 +14,8 @@ order, each kept only if it reproduces the probe at the sum's tolerance (1e-4):
   `b * out_k`, what that add adds; the block is not additive in resid_in.
 
 Either way a site's edit changes the sublayer's output by its change divided by the factor
-(`hooks.points._scaled`), so the add's result moves by exactly the edit's change.
+(`hooks.points._scaled`), so the add's result moves by exactly the edit's change. The factors
+come from the weights at attach: attach again after changing them.
 """
 
 from __future__ import annotations

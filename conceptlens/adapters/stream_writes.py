@@ -12,6 +12,14 @@ sublayer's contribution. It is no module's output, so the adapter finds it on th
 gate (the last module before the sublayer to return a (B, T, n) tensor), and the module that
 reads the streams after the sublayer (the next gate, which passes them on), or the block output
 for the last sublayer; the chain `resid_in + contributions` must give each of those exactly.
+
+An edit's change, which the narrower output cannot hold, is added to the receiver's input (and
+also to the block output where the receiver does not pass the streams on, so the block adds them
+itself: HY-V4), or to the block output for the last sublayer (`hooks/hyper.py`). Such a block
+counts as additive even if no norm reads its input. A residual with its streams in a dimension of
+their own, `(n, d)` (HY-V4, DeepSeek-V4), gives `(B, T, n, d)` residual sites (DeepSeek-V4's
+sublayer sites keep their module's width); a further child adding its full-width output to the
+streams is `branch_out` (Qwen4-exp's `ple`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,12 @@ stream. Detected on the probe and verified there at the sum check's tolerance (1
 split of the sublayers, `resid_in + (this stream's sublayers) == resid_out` and `X1 + (the
 others) == Y1`, X1 a tensor argument of the block and Y1 an element of its output, both of the
 residual's shape. The sublayer sites stay what the sublayer returns (exact, edited at its own
-output); their descriptions and `BlockLayout.other_stream` state the equation.
+output); their descriptions and `BlockLayout.other_stream` state the equation. A namedtuple
+output is rebuilt with its type; the coverage test sums only this stream's sublayers. Reformer
+pads inputs longer than its smallest chunk to its chunk length inside the model, and its hidden
+states (and so its sites, with `keep_shape=True`) keep those positions; the token bookkeeping
+marks every position past the stack's `input_ids` as no token (id -1), so captures and fits get
+one row per real token and position selectors never count the padding.
 """
 
 from __future__ import annotations

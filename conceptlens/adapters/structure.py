@@ -9,6 +9,29 @@ blocks, state-space / hybrid blocks (a `mixer`) — and from one probe forward (
 which module calls the attention function, which norm reads the block input (pre-norm, so
 the sublayer outputs add up to the block output) and which norm follows a sublayer (Gemma 2/3,
 OLMo 2: the sublayer's contribution is that norm's output).
+
+Stacks and block lists are found by `stacks.py`: a stack is the base model, its
+`language_model`, or `encoder` / `decoder` when `is_encoder_decoder`; its block list the
+shallowest ModuleList not inside another, preferring one of the configured layer count. Per
+block (hybrids differ per layer) one of: T5-style (`layer[i].SelfAttention | LocalSelfAttention
+| TransientGlobalSelfAttention`, `EncDecAttention`, `DenseReluDense | mlp`), BERT-style
+(`attention.self`, `attention.output.dense`, `intermediate`, `output.dense`, `crossattention`;
+FNet's token mixer `fourier.self` is `mixer_out`, with no q/k/v), or child-based (attention /
+cross-attention / MLP / mixer children by name, then by class: `*Attention`, `*MLP` / `*MoE` /
+`*SparseMoeBlock`, `*Mamba*` / `*Mixer` / `*GatedDeltaNet` / `*ShortConv`; BART-style `fc1` /
+`fc2` in the block). The probe then decides: the module that calls the attention function is the
+q/k/v module; a norm whose input is the sublayer's output replaces it as the contribution; for a
+post-LN block the contribution is the dense output before the add-and-norm; a block is additive
+(pre-norm) when some norm inside it reads the block input exactly and finishes before the
+sublayer outputs (MRA's attention returns exactly zero without its CUDA kernel, so its post-LN
+norm read the block input exactly); a 2-D MLP output means flat `(B*T, d)` rows (OPT, Llama 4),
+viewed back as `(B, T, d)` from the block's input.
+
+A stack that keeps each sublayer in its own ModuleList (XLM, FlauBERT: `attentions`,
+`layer_norm1`, `ffns`, `layer_norm2`) gets one `ParallelBlock` per index, a container of
+`list[i]` for each sibling list of that length (never called, never attached to the model): its
+`resid_in` is the attention module's input and its `resid_out` the output of the last registered
+list's module; the probe checks both, so another order is refused (FlauBERT's `pre_norm`).
 """
 
 from __future__ import annotations

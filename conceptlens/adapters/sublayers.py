@@ -17,6 +17,14 @@ Each is kept only if the sum then holds on the probe at the tolerance of the pla
 or, where no plain reading does, with constant coefficients on the residual and the sublayers
 (Gemma 4 multiplies its block output by `layer_scalar`); which sites such a block gets, and
 under which equation, `verify.repair` decides as for any block.
+
+Summing was chosen over splitting such a layer into two blocks: HF lists one hidden state per
+layer, the mid-layer residual is no module's output (so a `resid` edit there could not be exact)
+and the shortcut MoE crosses the split. An HF module path naming one summed sublayer maps to no
+site. A further attention's k/v are refused under a cache like the first's (latent attention).
+Where Gemma 4's `layer_scalar` is not 1, the block gets the residual coefficient s like any block
+that scales its residual (`resid_out = s * resid_in + attn_out + mlp_out + branch_out`, each site
+s times its module's output).
 """
 
 from __future__ import annotations

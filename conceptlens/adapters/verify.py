@@ -1,4 +1,32 @@
-"""Finish block layouts from the probe trace, then check them against HF's hidden states."""
+"""Finish block layouts from the probe trace, then check them against HF's hidden states.
+
+The checks: every block runs once (or once per call, for shared layers); `embed` is HF's
+`hidden_states[0]` (position embeddings, Gemma's scaling, BART's embedding norm included); each
+block's `resid_out` is `hidden_states[i + 1]`, except that pre-LN models put the final norm's
+output in their last hidden state (the `final` site); Mamba-style models list only block outputs
+(`hidden_states[i]` is block i's output, the last one normed: `hidden_offset` 0). A mismatch
+raises `LayoutError`, a `ValueError` naming the block. For additive blocks the sublayer sites
+must sum to `resid_out` at 1e-4 (`probe.sums_to`), else `repair.py` and the idiom files try
+their readings.
+
+Stack views, found on block 0's input and applied by the hooks to every site of the stack:
+
+- "time_major": block 0 reads the `(T, B, d)` transpose of `hidden_states[0]` (FSMT, XLNet):
+  readers and edits get the `(B, T, ...)` transpose, edits are transposed back. A projection that
+  runs on the transpose of the block's rows (Longformer's attention) is time-major too; one whose
+  rows are neither gets no q/k/v site.
+- "trim": block 0 reads `hidden_states[0]` followed by more positions (Longformer and LED pad to
+  their attention window; ProphetNet's decoder runs its n-gram streams after the main one): the
+  site is the first T positions (T recorded by a pre-hook on the stack), the rest left as it is.
+- "prefixed": positions the model prepends come first (CPM-Ant's prompt tokens, which HF cuts
+  from its hidden states): the site is the last T.
+- "channels_first": `(B, C, T)` (SqueezeBERT's 1x1 convolutions): readers and edits get
+  `(B, T, C)` (heads split after the transpose), edits go back contiguous.
+- "streams_first": the residual is `(n, B, T, d)`, n streams before the batch (Gemma 3n's AltUp,
+  found where block 0's 4-D input equals `hidden_states[0]` with the probe's one row in dimension
+  1): residual sites are its `(B, T, n, d)` permutation, a capture gives one `(n, d)` row per
+  token; the sublayers run on one stream and stay `(B, T, d)`.
+"""
 
 from __future__ import annotations
 

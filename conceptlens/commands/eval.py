@@ -143,7 +143,6 @@ def _run_folder(args: argparse.Namespace, suites: tuple[str, ...]) -> None:
           f"{args.random_draws} draws. Suites: {', '.join(config.suites)}.")
     for site_name, group in by_site.items():
         _run_site(args, lens, tok, model_name, site_name, group, folders, config)
-    return 0
 
 
 def _run_site(args: argparse.Namespace, lens, tok, model_name: str, site: str, group: dict, folders: dict[str, Path],

@@ -89,13 +89,12 @@ class ShardedKMeans(StreamingKMeans):
 
     @property
     def centres(self) -> Tensor:
-        fitted = self._fitted()
-        c = fitted.shards.gather(fitted._centres)
+        c = self.shards.gather(self._state()[0])
         return _unit(c) if self.config.spherical else c
 
     @property
     def mass(self) -> Tensor:
-        return self.shards.gather(self._fitted()._mass)
+        return self.shards.gather(self._state()[1])
 
     def _update(self, x: Tensor, weight: Tensor) -> None:
         if self.comm is not None:
@@ -117,12 +116,20 @@ class ShardedKMeans(StreamingKMeans):
         self._mass, self._idle = self._mass[lo:hi].to(x.device), self._idle[lo:hi].to(x.device)
         self._steps(x, w, shared=True)
 
+    def _state(self) -> tuple[Tensor, Tensor]:
+        """This rank's centres and masses (fitted)."""
+        fitted = self._fitted()
+        if fitted._centres is None:
+            raise ValueError("ShardedKMeans has no centres yet: update it with rows first")
+        return fitted._centres, fitted._mass
+
     def _step(self, x: Tensor, w: Tensor, synced: bool = False) -> None:
-        view = _unit(self._centres) if self.config.spherical else self._centres
+        centres, _ = self._state()
+        view = _unit(centres) if self.config.spherical else centres
         labels, best = self.shards.nearest(x, view)  # global
         mine = (labels >= self.shards.lo) & (labels < self.shards.hi)
-        sums, received = step_statistics(self._centres, self._mass, x[mine], w[mine], labels[mine] - self.shards.lo)
-        self._centres, self._mass, received = apply_step(self._centres, self._mass, sums, received)
+        sums, received = step_statistics(centres, self._mass, x[mine], w[mine], labels[mine] - self.shards.lo)
+        self._centres, self._mass, received = apply_step(centres, self._mass, sums, received)
         self._idle = torch.where(received > 0, 0, self._idle + x.shape[0])
         self.n_steps += 1
         if self.config.reseed_after is not None:
@@ -143,11 +150,12 @@ class ShardedKMeans(StreamingKMeans):
         n = min(dead.numel(), int((score > 0).sum()))
         if n == 0:
             return
-        rows = torch.multinomial(score, n, replacement=False, generator=self._gen).to(x.device)
+        picked = torch.multinomial(score, n, replacement=False, generator=self._gen).to(x.device)
         dead = dead[:n]
         own = (dead >= self.shards.lo) & (dead < self.shards.hi)
         local = dead[own] - self.shards.lo
-        self._centres[local] = x[rows[own.to(rows.device)]].to(self._centres.dtype)
+        centres, _ = self._state()
+        centres[local] = x[picked[own.to(picked.device)]].to(centres.dtype)
         self._mass[local] = 0.0
         self._idle[local] = 0
         self.n_reseeded += n
@@ -159,8 +167,7 @@ class ShardedKMeans(StreamingKMeans):
 
     def concept_set(self) -> ConceptSet:
         """Every centre (gathered from every rank: call it on all of them)."""
-        fitted = self._fitted()
-        centres, mass = fitted.centres, fitted.shards.gather(fitted._mass)
+        centres, mass = self.centres, self.mass
         return ConceptSet(centres, method=self.method, config=asdict(self.config), stats={"mass": mass.float()},
                           mean=mass_weighted_mean(centres, mass))
 

@@ -21,7 +21,7 @@ ranks first), next to that task's matched random control at k = 1 and its diff-o
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -77,7 +77,7 @@ def top_mean_difference(z: Tensor, y: Tensor, k: int) -> Tensor:
 class SparseProbe(NamedTuple):
     features: Tensor
     """`(k,)` the selected columns"""
-    model: object
+    model: Any
     """a fitted scikit-learn pipeline: StandardScaler then LogisticRegression"""
 
     def predict(self, z: Tensor) -> Tensor:
@@ -85,7 +85,7 @@ class SparseProbe(NamedTuple):
         return torch.from_numpy(self.model.predict(z[:, self.features].double().numpy()))
 
 
-def fit_logistic(x: Tensor, y: Tensor, C: float = 1.0) -> object:
+def fit_logistic(x: Tensor, y: Tensor, C: float = 1.0) -> Any:
     """scikit-learn's LogisticRegression(C) on features standardised with their train mean and deviation."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline

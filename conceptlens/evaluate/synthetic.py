@@ -68,8 +68,12 @@ def set_latents(cs: ConceptSet) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
     if act.sparse:
         return act.directions, act.encode
 
+    assign = act.assign_fn
+    if assign is None:
+        raise ValueError(f"{cs.method}: a dense set without an assignment rule")
+
     def one_hot(x: Tensor) -> Tensor:
-        return torch.nn.functional.one_hot(act.assign_fn(act.encode(x), x), cs.directions.shape[0]).float()
+        return torch.nn.functional.one_hot(assign(act.encode(x), x), cs.directions.shape[0]).float()
     return act.directions, one_hot
 
 
@@ -79,7 +83,7 @@ def extractor(method: str, config: SyntheticConfig, seed: int) -> Any:
     from conceptlens import concepts as c
 
     width, k = config.num_features, config.k
-    sae = dict(width=width, batch_size=config.batch_size, warmup_tokens=config.batch_size, seed=seed)
+    sae: dict[str, Any] = dict(width=width, batch_size=config.batch_size, warmup_tokens=config.batch_size, seed=seed)
     makers: dict[str, Callable[[], Any]] = {
         "topk": lambda: c.TopKSAE(k=k, **sae), "batchtopk": lambda: c.BatchTopKSAE(k=k, **sae),
         "jumprelu": lambda: c.JumpReLUSAE(**sae), "relu": lambda: c.ReLUSAE(**sae),

@@ -42,6 +42,9 @@ class Code(NamedTuple):
     """(N, width) latent activations."""
     pre: Tensor
     """(N, width) pre-activations (for SpaDE: the scaled negative squared distances)."""
+    active: tuple[Tensor, Tensor] | None = None
+    """A training code with at most k nonzeros per row may also give them as (values, indices)
+    `(N, k)` each, the values differentiable: decoded and counted without a pass over `z`."""
 
 
 class SparseAutoencoder(ExtractorBase):
@@ -191,8 +194,13 @@ class SparseAutoencoder(ExtractorBase):
     def _record(self, x: Tensor, x_hat: Tensor, code: Code, loss: Tensor) -> None:
         # per-latent firing counts as a matrix-vector product: on CPU, reductions of a
         # (B, width) bool tensor along either dimension are several times slower
-        fired = code.z.detach().ne(0).float()  # (B, width)
-        counts = x.new_ones(x.shape[0]) @ fired  # (width,)
+        if code.active is not None:  # at most k per row: count those, no pass over (B, width)
+            values, indices = code.active
+            counts = x.new_zeros(self.config.width).index_add_(0, indices.flatten(),
+                                                               values.detach().flatten().ne(0).to(x.dtype))
+        else:
+            fired = code.z.detach().ne(0).float()  # (B, width)
+            counts = x.new_ones(x.shape[0]) @ fired  # (width,)
         self._tracker.observe(counts.long(), x.shape[0])
         sse = (x - x_hat.detach()).pow(2).sum()
         var = (x - x.mean(0)).pow(2).sum().clamp(min=1e-12)

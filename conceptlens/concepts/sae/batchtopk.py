@@ -58,6 +58,12 @@ class BatchTopKSAE(TopKSAE):
     def _weights(self) -> dict[str, Tensor]:
         return {**self.params, "threshold": self.buffers["threshold"]}
 
+    def _select(self, pre: Tensor) -> tuple[Tensor, Tensor]:
+        """batch_topk_relu's picks as (rows, latents), sorted (grouped by row)."""
+        flat = pre.relu().flatten()  # (N * width,)
+        kept = flat.topk(min(self.config.k * pre.shape[0], flat.numel()), sorted=False).indices.sort().values
+        return kept // pre.shape[1], kept % pre.shape[1]
+
     def _activate(self, pre: Tensor, w: dict[str, Tensor], train: bool) -> Tensor:
         if train:
             return batch_topk_relu(pre, self.config.k)

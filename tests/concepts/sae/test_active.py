@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from conceptlens.concepts.sae import MatryoshkaSAE, TopKSAE
+from conceptlens.concepts.sae import BatchTopKSAE, MatryoshkaSAE, TopKSAE
 from conceptlens.concepts.sae import active, topk
-from conceptlens.concepts.sae.active import active_pre
+from conceptlens.concepts.sae.active import active_pre, row_major
 from conceptlens.concepts.sae.nested import ActMSAE
 
 
@@ -21,7 +21,7 @@ def test_active_pre_gradients_equal_the_dense_products():
         with torch.set_grad_enabled(graph):
             pre = (x - w["b_dec"]) @ w["W_enc"] + w["b_enc"]  # (30, 20)
         indices = pre.detach().topk(4, dim=-1).indices
-        values = active_pre(pre, indices, x, w)
+        values = active_pre(pre, *row_major(indices), x, w).view(30, 4)
         ((values - target) ** 3).sum().backward()
         got.append([values.detach()] + [w[name].grad.clone() for name in ("b_dec", "W_enc", "b_enc")])
         for v in w.values():
@@ -31,7 +31,7 @@ def test_active_pre_gradients_equal_the_dense_products():
         torch.testing.assert_close(sparse, dense)
 
 
-@pytest.mark.parametrize("cls", [TopKSAE, MatryoshkaSAE, ActMSAE])
+@pytest.mark.parametrize("cls", [TopKSAE, MatryoshkaSAE, ActMSAE, BatchTopKSAE])
 @pytest.mark.parametrize("dead_after", [10_000_000, 1])  # 1: most latents dead, the AuxK term on
 def test_training_step_equals_the_dense_step(cls, dead_after, monkeypatch):
     x = 1 + 2 * torch.randn(300, 8, generator=torch.Generator().manual_seed(0))
@@ -58,16 +58,18 @@ def test_training_step_equals_the_dense_step(cls, dead_after, monkeypatch):
         torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-6)
 
 
-def test_firing_counts_from_the_active_latents_equal_the_dense_count():
+@pytest.mark.parametrize("cls", [TopKSAE, BatchTopKSAE])
+def test_firing_counts_from_the_active_latents_equal_the_dense_count(cls):
     x = 1 + 2 * torch.randn(400, 8, generator=torch.Generator().manual_seed(1))
     fired = []
     for sparse in (True, False):
-        sae = TopKSAE(width=32, k=3, batch_size=100, warmup_tokens=100, buffer_size=100, seed=0)
+        sae = cls(width=32, k=3, batch_size=100, warmup_tokens=100, buffer_size=100, seed=0)
         with pytest.MonkeyPatch.context() as m:
             m.setattr(topk, "sparse_backward", lambda rows: sparse)
             sae.update(x)
         fired.append((sae._tracker.fired.clone(), sae.stats()))
     assert torch.equal(fired[0][0], fired[1][0]) and fired[0][1].last.l0 == fired[1][1].last.l0
+    assert fired[0][1].last.fvu == pytest.approx(fired[1][1].last.fvu, rel=1e-4)
 
 
 def test_sparse_backward_only_on_cpu():

@@ -78,7 +78,7 @@ class TopKSAE(SparseAutoencoder):
         if not (train and self.sparse_training and sparse_backward(x)):
             return super()._encode(x, w, train)
         with torch.no_grad():  # the dense product only selects; the gradient flows through active_pre
-            pre = (x - w["b_dec"]) @ w["W_enc"] + w["b_enc"]  # (B, width)
+            pre = torch.addmm(w["b_enc"], x - w["b_dec"], w["W_enc"])  # (B, width), the bias added in the product
             rows, latents = self._select(pre)  # (M,) each
             offsets = torch.searchsorted(rows, torch.arange(pre.shape[0], device=rows.device))  # (B,)
         values = active_pre(pre, rows, latents, x, w).relu()  # (M,)

@@ -71,7 +71,7 @@ class BatchTopKSAE(TopKSAE):
 
     def _after_step(self, code: Code) -> None:
         """Move the threshold toward the smallest positive activation this batch kept."""
-        z = code.z.detach()
+        z = code.z.detach() if code.active is None else code.active.values.detach()  # (B, width) or its nonzeros
         smallest = torch.where(z > 0, z, torch.inf).min()  # inf when nothing was kept
         kept = torch.isfinite(smallest)
         threshold, steps = self.buffers["threshold"], self.buffers["threshold_steps"].to(z.device)

@@ -59,7 +59,7 @@ def test_training_step_equals_the_dense_step(cls, dead_after, monkeypatch):
 
 
 @pytest.mark.parametrize("cls", [TopKSAE, BatchTopKSAE])
-def test_firing_counts_from_the_active_latents_equal_the_dense_count(cls):
+def test_counts_and_threshold_from_the_active_latents_equal_the_dense_ones(cls):
     x = 1 + 2 * torch.randn(400, 8, generator=torch.Generator().manual_seed(1))
     fired = []
     for sparse in (True, False):
@@ -67,9 +67,11 @@ def test_firing_counts_from_the_active_latents_equal_the_dense_count(cls):
         with pytest.MonkeyPatch.context() as m:
             m.setattr(topk, "sparse_backward", lambda rows: sparse)
             sae.update(x)
-        fired.append((sae._tracker.fired.clone(), sae.stats()))
+        fired.append((sae._tracker.fired.clone(), sae.stats(), sae.buffers.get("threshold", torch.zeros(()))))
     assert torch.equal(fired[0][0], fired[1][0]) and fired[0][1].last.l0 == fired[1][1].last.l0
     assert fired[0][1].last.fvu == pytest.approx(fired[1][1].last.fvu, rel=1e-4)
+    assert float(fired[0][2]) == pytest.approx(float(fired[1][2]), rel=1e-5)  # BatchTopK's inference threshold
+    assert (float(fired[0][2]) > 0) == (cls is BatchTopKSAE)
 
 
 def test_sparse_backward_only_on_cpu():

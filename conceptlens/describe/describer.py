@@ -148,7 +148,7 @@ class ConceptDescriber(ExtractorBase):
         sub = (sub > 0).float() if self.activations.sparse else sub
         s["sub_rows"] += sub.shape[0]
         s["sub_sum"] += sub.sum(0)
-        s["sub_outer"].addmm_(sub.T, sub)
+        _add_outer(s["sub_outer"], sub, self.activations.sparse)
         if "doc_sum" in s:
             last = tokens.first_doc + ids.shape[0]
             if last > self.config.n_documents:
@@ -206,6 +206,16 @@ class ConceptDescriber(ExtractorBase):
             self.norms.merge(other.norms)
         self.rows += other.rows
         self.documents += other.documents
+
+
+def _add_outer(outer: Tensor, sub: Tensor, sparse: bool) -> None:
+    """outer `(n, n)` += sub.T @ sub for sub `(R, n)`. A sparse set's 0/1 firing rows have few ones:
+    on CPU a sparse product over them, the same exact counts at a fraction of the dense product's
+    R n^2 (on a GPU the dense product, with no size read back to the host)."""
+    if sparse and not sub.is_cuda:
+        outer.addmm_(sub.to_sparse().t(), sub)
+    else:
+        outer.addmm_(sub.T, sub)
 
 
 def _count_bins(hist: Tensor, bins: Tensor) -> None:

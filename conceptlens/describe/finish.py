@@ -63,18 +63,21 @@ def coactivation(sums: dict[str, Tensor], sparse: bool) -> Tensor:
 
 
 def map_xy(directions: Tensor) -> Tensor:
-    """2-D PCA coordinates `(n, 2)` of the unit directions (eigenvectors of the smaller Gram matrix)."""
+    """2-D PCA coordinates `(n, 2)` of the unit directions (the top two eigenvectors of the smaller
+    Gram matrix, computed alone; each axis's sign set so that its largest coordinate is positive)."""
+    from scipy.linalg import eigh
+
     unit = torch.nn.functional.normalize(directions.double(), dim=1)
     centred = unit - unit.mean(0)
     xy = torch.zeros(len(unit), 2, dtype=torch.float64)
     if len(unit) < 2:
         return xy.float()
-    if centred.shape[1] <= centred.shape[0]:
-        _, vectors = torch.linalg.eigh(centred.T @ centred)  # ascending: the last are the principal axes
-        scores = centred @ vectors[:, -2:].flip(1)
-    else:
-        values, vectors = torch.linalg.eigh(centred @ centred.T)
-        scores = vectors[:, -2:].flip(1) * values[-2:].flip(0).clamp(min=0).sqrt()
+    small = centred.shape[1] <= centred.shape[0]
+    gram = (centred.T @ centred if small else centred @ centred.T).numpy()
+    top = max(len(gram) - 2, 0)
+    values, vectors = (torch.from_numpy(a).flip(-1) for a in eigh(gram, subset_by_index=[top, len(gram) - 1]))
+    scores = centred @ vectors if small else vectors * values.clamp(min=0).sqrt()
+    scores = scores * torch.where(scores.gather(0, scores.abs().argmax(0, keepdim=True)) < 0, -1.0, 1.0)
     xy[:, : scores.shape[1]] = scores
     return xy.float()
 

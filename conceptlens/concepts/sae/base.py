@@ -31,6 +31,7 @@ from conceptlens.concepts.base import ExtractorBase, NotFittedError
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.sae import ddp
+from conceptlens.concepts.sae.active import Active
 from conceptlens.concepts.sae.config import SAEConfig, build_config
 from conceptlens.concepts.sae.persist import load_training_state, merge_replicas, training_state
 from conceptlens.concepts.sae.stats import LatentTracker, RunningStats, SAEStats, StepStats, geometric_median
@@ -43,6 +44,9 @@ class Code(NamedTuple):
     """(N, width) latent activations."""
     pre: Tensor
     """(N, width) pre-activations (for SpaDE: the scaled negative squared distances)."""
+    active: Active | None = None
+    """A sparse training code's nonzeros row by row (TopK variants on CPU): decoded and counted
+    without a pass over `z`."""
 
 
 class SparseAutoencoder(ExtractorBase):
@@ -192,8 +196,12 @@ class SparseAutoencoder(ExtractorBase):
     def _record(self, x: Tensor, x_hat: Tensor, code: Code, loss: Tensor) -> None:
         # per-latent firing counts as a matrix-vector product: on CPU, reductions of a
         # (B, width) bool tensor along either dimension are several times slower
-        fired = code.z.detach().ne(0).float()  # (B, width)
-        counts = x.new_ones(x.shape[0]) @ fired  # (width,)
+        if code.active is not None:  # count the active latents only: no pass over (B, width)
+            fired_at = code.active.values.detach().ne(0).to(x.dtype)  # (M,)
+            counts = x.new_zeros(self.config.width).index_add_(0, code.active.latents, fired_at)
+        else:
+            fired = code.z.detach().ne(0).float()  # (B, width)
+            counts = x.new_ones(x.shape[0]) @ fired  # (width,)
         self._tracker.observe(counts.long(), x.shape[0])
         sse = (x - x_hat.detach()).pow(2).sum()
         var = (x - x.mean(0)).pow(2).sum().clamp(min=1e-12)

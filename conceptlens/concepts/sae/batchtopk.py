@@ -67,6 +67,12 @@ class BatchTopKSAE(TopKSAE):
     def _weights(self) -> dict[str, Tensor]:
         return {**self.params, "threshold": self.buffers["threshold"]}
 
+    def _select(self, pre: Tensor) -> tuple[Tensor, Tensor]:
+        """batch_topk_relu's picks as (rows, latents), sorted (grouped by row)."""
+        flat = pre.relu().flatten()  # (N * width,)
+        kept = flat.topk(min(self.config.k * pre.shape[0], flat.numel()), sorted=False).indices.sort().values
+        return kept // pre.shape[1], kept % pre.shape[1]
+
     def _activate(self, pre: Tensor, w: dict[str, Tensor], train: bool) -> Tensor:
         if train:
             return batch_topk_relu(pre, self.config.k)
@@ -74,7 +80,7 @@ class BatchTopKSAE(TopKSAE):
 
     def _after_step(self, code: Code) -> None:
         """Move the threshold toward the smallest positive activation this batch kept."""
-        z = code.z.detach()
+        z = code.z.detach() if code.active is None else code.active.values.detach()  # (B, width) or its nonzeros
         smallest = torch.where(z > 0, z, torch.inf).min()  # inf when nothing was kept
         kept = torch.isfinite(smallest)
         threshold, steps = self.buffers["threshold"], self.buffers["threshold_steps"].to(z.device)

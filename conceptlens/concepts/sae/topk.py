@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from conceptlens.concepts.sae.active import Active, active_pre, row_major, sparse_backward
 from conceptlens.concepts.sae.base import Code, SparseAutoencoder
 from conceptlens.concepts.sae.config import SAEConfig, check_float, check_int
 
@@ -65,6 +66,32 @@ class TopKSAE(SparseAutoencoder):
     config: TopKConfig
     at_most_k_in_training: ClassVar[bool] = True
     """Whether training codes have at most k nonzeros per row (so the decode can gather)."""
+    sparse_training: ClassVar[bool] = True
+    """Whether training codes are the ReLU'd pre-activations `_select` picks: on CPU the
+    encoder's backward touches only those, and the decode gathers their decoder rows."""
+
+    def _select(self, pre: Tensor) -> tuple[Tensor, Tensor]:
+        """The training gate's picks in `pre` `(B, width)`: (rows, latents), grouped by row."""
+        return row_major(pre.topk(self.config.k, dim=-1, sorted=False).indices)  # (B k,) each
+
+    def _encode(self, x: Tensor, w: dict[str, Tensor], train: bool) -> Code:
+        if not (train and self.sparse_training and sparse_backward(x)):
+            return super()._encode(x, w, train)
+        with torch.no_grad():  # the dense product only selects; the gradient flows through active_pre
+            pre = torch.addmm(w["b_enc"], x - w["b_dec"], w["W_enc"])  # (B, width), the bias added in the product
+            rows, latents = self._select(pre)  # (M,) each
+            offsets = torch.searchsorted(rows, torch.arange(pre.shape[0], device=rows.device))  # (B,)
+        values = active_pre(pre, rows, latents, x, w).relu()  # (M,)
+        z = torch.zeros_like(pre).index_put((rows, latents), values)  # (B, width), differentiable through values
+        return Code(z, pre, Active(values, latents, offsets))
+
+    def _forward(self, x: Tensor, w: dict[str, Tensor]) -> tuple[Tensor, Code, Tensor]:
+        code = self._encode(x.to(self.compute_dtype), w, train=True)
+        if code.active is None:
+            return x, code, self._decode(code.z, w, train=True)
+        a = code.active  # the decode gathers the active rows: no second top-k over z
+        x_hat = F.embedding_bag(a.latents, w["W_dec"], a.offsets, mode="sum", per_sample_weights=a.values)
+        return x, code, x_hat + w["b_dec"]
 
     def _activate(self, pre: Tensor, w: dict[str, Tensor], train: bool) -> Tensor:
         return topk_relu(pre, self.config.k)
@@ -93,7 +120,10 @@ class TopKSAE(SparseAutoencoder):
         k_aux = min(self.config.k_aux or max(x.shape[1] // 2, 1), self.config.width)
         e = (x - x_hat).detach()  # (B, d): the residual the dead latents should explain
         values, indices = code.pre.masked_fill(~dead, float("-inf")).topk(k_aux, dim=-1, sorted=False)
-        e_hat = F.embedding_bag(indices, w["W_dec"], per_sample_weights=values.relu(), mode="sum")  # (B, d)
+        live = values == float("-inf")  # (B, k_aux): picked only to fill k_aux; weight 0
+        weights = active_pre(code.pre, *row_major(indices), x.to(code.pre.dtype), w).view_as(values)
+        weights = weights.masked_fill(live, 0).relu()
+        e_hat = F.embedding_bag(indices, w["W_dec"], per_sample_weights=weights, mode="sum")  # (B, d)
         var_e = (e - e.mean(0)).pow(2).sum().clamp(min=1e-12)
         var_x = (x - x.mean(0)).pow(2).sum()
         term = self.config.aux_coef * (e - e_hat).pow(2).sum() / var_e * var_x / x.shape[0]

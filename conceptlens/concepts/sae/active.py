@@ -1,0 +1,78 @@
+"""The active latents of a sparse training code, with an encoder backward that touches only them.
+
+    with torch.no_grad():
+        pre = (x - b_dec) @ W_enc + b_enc                 # (B, width): selection only, no graph
+    rows, latents = row_major(pre.topk(k, dim=-1).indices)  # (B k,) each, grouped by row
+    values = active_pre(pre, rows, latents, x, w)         # (B k,), differentiable in b_dec, W_enc, b_enc
+
+A TopK code keeps k of `width` pre-activations per row (a batch top-k, k B of the batch), so all
+but those entries of the dense product's gradient are zero; its backward (x^T @ grad_pre) still
+costs O(B width d), as much as the forward. Here the encoder weights' gradient is a sparse-dense
+product over the active entries, O(B k d): the same gradient up to float summation order. On CPU
+only: on a GPU the dense product is cheap and the sparse one would read its size back to the host.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class Active(NamedTuple):
+    """The nonzero latents of a training code, row after row: what the decode gathers."""
+
+    values: Tensor
+    """(M,) activations, differentiable."""
+    latents: Tensor
+    """(M,) latent of each value."""
+    offsets: Tensor
+    """(N,) where each row's entries start (`F.embedding_bag`'s offsets)."""
+
+
+class _ActivePre(torch.autograd.Function):
+    """pre[rows, latents] for pre = (x - b_dec) W_enc + b_enc, x without a gradient."""
+
+    @staticmethod
+    def forward(ctx, pre: Tensor, x: Tensor, b_dec: Tensor, W_enc: Tensor, b_enc: Tensor,  # type: ignore[override]
+                rows: Tensor, latents: Tensor) -> Tensor:
+        ctx.save_for_backward(x, b_dec, W_enc, rows, latents)
+        return pre.view(-1).index_select(0, rows * pre.shape[1] + latents)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        x, b_dec, W_enc, rows, latents = ctx.saved_tensors
+        d, width = W_enc.shape
+        dtype = torch.promote_types(W_enc.dtype, torch.float32)  # bfloat16 weights: float32 sums
+        g = grad.to(dtype)  # (M,)
+        g_b_enc = g.new_zeros(width).index_add_(0, latents, g)  # (width,)
+        g_W_enc = None
+        if ctx.needs_input_grad[3]:
+            # (width, B) with M nonzeros, times the centred rows (B, d): (width, d)
+            sparse = torch.sparse_coo_tensor(torch.stack([latents, rows]), g, (width, x.shape[0]),
+                                             check_invariants=False)  # unique (latent, row) pairs
+            g_W_enc = torch.sparse.mm(sparse, (x - b_dec).to(dtype)).T.to(W_enc.dtype)  # (d, width)
+        # d pre / d b_dec = -W_enc for every row: the rows' sum is -W_enc @ (grad summed per latent)
+        g_b_dec = -(W_enc.to(dtype) @ g_b_enc) if ctx.needs_input_grad[2] else None  # (d,)
+        return (None, None, None if g_b_dec is None else g_b_dec.to(b_dec.dtype), g_W_enc,
+                g_b_enc.to(W_enc.dtype) if ctx.needs_input_grad[4] else None, None, None)
+
+
+def sparse_backward(x: Tensor) -> bool:
+    """Whether the encoder's backward goes through `active_pre` for rows on x's device."""
+    return x.device.type == "cpu"
+
+
+def row_major(indices: Tensor) -> tuple[Tensor, Tensor]:
+    """Column indices `(N, k)` per row -> (rows, latents) `(N k,)` each, grouped by row."""
+    n, k = indices.shape
+    return torch.arange(n, device=indices.device).repeat_interleave(k), indices.flatten()
+
+
+def active_pre(pre: Tensor, rows: Tensor, latents: Tensor, x: Tensor, w: dict[str, Tensor]) -> Tensor:
+    """`pre[rows, latents]` `(M,)`, differentiable in w's b_dec, W_enc and b_enc; `pre` `(B, width)`
+    was computed from x `(B, d)` and w without a graph (else it is just the indexing)."""
+    if pre.requires_grad:
+        return pre[rows, latents]
+    return _ActivePre.apply(pre, x, w["b_dec"], w["W_enc"], w["b_enc"], rows, latents)

@@ -1,0 +1,78 @@
+"""The sparse encoder backward of TopK-gated SAEs against the dense product it replaces."""
+
+import pytest
+import torch
+
+from conceptlens.concepts.sae import BatchTopKSAE, MatryoshkaSAE, TopKSAE
+from conceptlens.concepts.sae import active, topk
+from conceptlens.concepts.sae.active import active_pre, row_major
+from conceptlens.concepts.sae.nested import ActMSAE
+
+
+def test_active_pre_gradients_equal_the_dense_products():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(30, 6, generator=g, dtype=torch.float64)
+    w = {"b_dec": torch.randn(6, generator=g, dtype=torch.float64, requires_grad=True),
+         "W_enc": torch.randn(6, 20, generator=g, dtype=torch.float64, requires_grad=True),
+         "b_enc": torch.randn(20, generator=g, dtype=torch.float64, requires_grad=True)}
+    target = torch.randn(30, 4, generator=g, dtype=torch.float64)
+    got = []
+    for graph in (False, True):
+        with torch.set_grad_enabled(graph):
+            pre = (x - w["b_dec"]) @ w["W_enc"] + w["b_enc"]  # (30, 20)
+        indices = pre.detach().topk(4, dim=-1).indices
+        values = active_pre(pre, *row_major(indices), x, w).view(30, 4)
+        ((values - target) ** 3).sum().backward()
+        got.append([values.detach()] + [w[name].grad.clone() for name in ("b_dec", "W_enc", "b_enc")])
+        for v in w.values():
+            v.grad = None
+    assert got[0][0].shape == (30, 4)
+    for sparse, dense in zip(*got):
+        torch.testing.assert_close(sparse, dense)
+
+
+@pytest.mark.parametrize("cls", [TopKSAE, MatryoshkaSAE, ActMSAE, BatchTopKSAE])
+@pytest.mark.parametrize("dead_after", [10_000_000, 1])  # 1: most latents dead, the AuxK term on
+def test_training_step_equals_the_dense_step(cls, dead_after, monkeypatch):
+    x = 1 + 2 * torch.randn(300, 8, generator=torch.Generator().manual_seed(0))
+    kwargs = dict(width=32, k=3, batch_size=100, warmup_tokens=100, buffer_size=100, dead_after=dead_after)
+    if cls is MatryoshkaSAE:
+        kwargs["prefixes"] = (4, 12, 32)
+    results = []
+    for sparse in (True, False):
+        monkeypatch.setattr(topk, "sparse_backward", lambda rows: sparse)
+        sae = cls(seed=0, **kwargs)
+        sae.update(x[:200])  # parameters and a firing record
+        if dead_after == 1:
+            sae._tracker.since_fired[::2] = 10**6  # half the latents dead
+        batch = sae._normalise(x[200:])
+        w = sae._compute_weights()
+        target, code, x_hat = sae._forward(batch, w)
+        assert (code.active is not None) == sparse and code.pre.requires_grad != sparse
+        loss = sae._recon_loss(target, code.z, x_hat, w) + sae._penalty(target, x_hat, code, w)
+        loss.backward()
+        aux = sae._penalty(target, x_hat, code, w).detach()
+        results.append([loss.detach(), aux, x_hat.detach()] + [p.grad.clone() for p in sae.params.values()])
+    assert (results[0][1] > 0) == (dead_after == 1)
+    for sparse, dense in zip(*results):
+        torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", [TopKSAE, BatchTopKSAE])
+def test_counts_and_threshold_from_the_active_latents_equal_the_dense_ones(cls):
+    x = 1 + 2 * torch.randn(400, 8, generator=torch.Generator().manual_seed(1))
+    fired = []
+    for sparse in (True, False):
+        sae = cls(width=32, k=3, batch_size=100, warmup_tokens=100, buffer_size=100, seed=0)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(topk, "sparse_backward", lambda rows: sparse)
+            sae.update(x)
+        fired.append((sae._tracker.fired.clone(), sae.stats(), sae.buffers.get("threshold", torch.zeros(()))))
+    assert torch.equal(fired[0][0], fired[1][0]) and fired[0][1].last.l0 == fired[1][1].last.l0
+    assert fired[0][1].last.fvu == pytest.approx(fired[1][1].last.fvu, rel=1e-4)
+    assert float(fired[0][2]) == pytest.approx(float(fired[1][2]), rel=1e-5)  # BatchTopK's inference threshold
+    assert (float(fired[0][2]) > 0) == (cls is BatchTopKSAE)
+
+
+def test_sparse_backward_only_on_cpu():
+    assert active.sparse_backward(torch.zeros(1)) and not active.sparse_backward(torch.zeros(1, device="meta"))

@@ -1,0 +1,23 @@
+"""The description pass's faster kernels against the plain products they replace."""
+
+import torch
+
+from conceptlens.describe.describer import _add_outer
+from conceptlens.describe.finish import map_xy
+
+
+def test_sparse_outer_counts_equal_the_dense_product():
+    g = torch.Generator().manual_seed(0)
+    fired = (torch.rand(40, 30, generator=g) < 0.1).float()  # (rows, n) 0/1
+    dense, sparse = torch.full((30, 30), 2.0), torch.full((30, 30), 2.0)  # accumulates onto earlier sums
+    _add_outer(dense, fired, sparse=False)
+    _add_outer(sparse, fired, sparse=True)
+    assert torch.equal(sparse, dense) and torch.equal(dense - 2.0, fired.T @ fired)
+
+
+def test_map_xy_axes_have_a_fixed_sign():
+    g = torch.Generator().manual_seed(1)
+    for dirs in (torch.randn(20, 5, generator=g), torch.randn(5, 20, generator=g)):
+        xy = map_xy(dirs)
+        assert torch.all(xy.gather(0, xy.abs().argmax(0, keepdim=True)) > 0)
+        torch.testing.assert_close(map_xy(-dirs), xy)  # every direction negated: the same picture

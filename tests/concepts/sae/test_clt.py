@@ -46,7 +46,7 @@ def recovered(D, directions, cos=0.9):
 
 def test_clt_recovers_planted_cross_layer_features():
     xs, ys, D = planted_clt(14_000)
-    clt = CrossLayerTranscoder(width=L * 48, k=ACTIVE, batch_size=64, warmup_tokens=512, lr=4e-3, seed=0)
+    clt = CrossLayerTranscoder(width=L * 48, k=ACTIVE, batch_size=64, warmup_tokens=512, seed=0)  # default lr
     for _ in range(4):
         for a, b in zip(zip(*[x[:12_000].split(1000) for x in xs]), zip(*[y[:12_000].split(1000) for y in ys])):
             clt.update(a, b)

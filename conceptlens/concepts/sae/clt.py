@@ -116,7 +116,8 @@ class CrossLayerTranscoder(MultiSite, TopKSAE):
     def _init_params(self, x: Tensor) -> dict[str, Tensor]:
         """Latent j of layer l starts at a token r_j of the first batch: its encoder column is the
         token's centred input at layer l (unit norm), its decoder row the token's centred outputs
-        at layers l..L (unit norm); b_enc centres the pre-activations, b_dec at the outputs' centre."""
+        at layers l..L (unit norm); b_enc centres the pre-activations, b_dec at the outputs' centre;
+        then the encoder is scaled so that the first batch's prediction has its targets' norm."""
         L, d_in, d_out, n = self._dims()
         x = x.cpu()
         x_in, y = x[:, : L * d_in].reshape(-1, L, d_in), x[:, L * d_in:]
@@ -130,7 +131,12 @@ class CrossLayerTranscoder(MultiSite, TopKSAE):
         W_dec = W_dec / W_dec.norm(dim=1, keepdim=True).clamp(min=1e-12)
         init = self.config.b_dec_init
         b_dec = geometric_median(y) if init == "geometric_median" else y.mean(0) if init == "mean" else y[0] * 0
-        return {"W_enc": W_enc, "b_enc": b_enc, "W_dec": W_dec, "b_dec": b_dec}
+        params = {"W_enc": W_enc, "b_enc": b_enc, "W_dec": W_dec, "b_dec": b_dec}
+        # one positive scale on the encoder (TopK picks the same latents) so that the first
+        # prediction has the targets' size: latents aligned with tokens overshoot k-fold otherwise
+        y_hat = self._decode(self._encode(x[:, : L * d_in], params, train=False).z, {**params, "b_dec": b_dec * 0})
+        scale = ((y - b_dec).pow(2).sum() / y_hat.pow(2).sum().clamp(min=1e-12)).sqrt()
+        return {**params, "W_enc": W_enc * scale, "b_enc": b_enc * scale}
 
     def _fold(self, w: dict[str, Tensor], scale: float) -> dict[str, Tensor]:
         L, d_in, _, _ = self._dims()

@@ -41,12 +41,10 @@ from conceptlens.devices import input_device
 from conceptlens.distributed import DistributedRun
 from conceptlens.distributed_checks import fingerprint as rank_fingerprint
 from conceptlens.filters import FilterConfig, RowFilter
+from conceptlens.fit_keys import Key, canonical_key, folder, key_name, key_sites, where
 from conceptlens.interface import AttachedModel
 
 log = logging.getLogger(__name__)
-
-Key = str | tuple[str, str]
-
 
 class TokenRows(NamedTuple):
     """Where the rows given to an extractor come from; passed as `update(x, tokens=...)` to
@@ -138,10 +136,6 @@ class FitReport:
             lines.append(f"  {site}: kept {c['kept']:,} of {c['seen']:,} rows (first position {c['first_position']:,}, "
                          f"norm outliers {c['norm_outlier']:,}, non-finite {c['nonfinite']:,})")
         return "\n".join(lines)
-
-
-def key_name(key: Key) -> str:
-    return key if isinstance(key, str) else f"{key[0]}->{key[1]}"
 
 
 def fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any = None,
@@ -240,15 +234,10 @@ def _plan(lens: AttachedModel, extractors: Mapping[Key, Any]) -> _Plan:
     named: dict[str, Any] = {}
     keys: dict[str, tuple[Key, Key]] = {}  # name -> (canonical key, key as written)
     for key, value in extractors.items():
-        if isinstance(key, tuple):
-            if len(key) != 2:
-                raise ValueError(f"a cross-layer key is a (source_site, target_site) pair; got {key!r}")
-            canonical: Key = (lens.site(key[0]).name, lens.site(key[1]).name)
-        else:
-            canonical = lens.site(key).name
+        canonical = canonical_key(lens, key)
         group = value if isinstance(value, Mapping) else {key_name(canonical): value}
         for name, extractor in group.items():
-            if not isinstance(name, str) or not is_name(name.replace("->", "__to__")):
+            if not isinstance(name, str) or not is_name(folder(name)):
                 raise ValueError(f"extractor name {name!r} at {key!r} is not a safe folder name; {NAME_RULE}")
             if not callable(getattr(extractor, "update", None)):
                 raise TypeError(f"extractor {name!r} for {key!r} has no update(x) method: {type(extractor).__name__}")
@@ -257,7 +246,7 @@ def _plan(lens: AttachedModel, extractors: Mapping[Key, Any]) -> _Plan:
                                  f"which read {key_name(keys[name][0])!r} and {key_name(canonical)!r}); give "
                                  "each a distinct name: {site: {name: extractor, ...}}")
             named[name], keys[name] = extractor, (canonical, key)
-    sites = {s for key, _ in keys.values() for s in ((key,) if isinstance(key, str) else key)}
+    sites = {s for key, _ in keys.values() for s in key_sites(key)}
     takes = {name: inspect.signature(e.update).parameters for name, e in named.items()}
     aware = {name for name in named if "sequence_ids" in takes[name]}
     tokens = {name for name in named if "tokens" in takes[name]}
@@ -304,14 +293,17 @@ def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: 
                                             first_doc)
             extractor.update(_as_rows(acts[key][rows]), **extra)
         else:
-            rows = keep[key[0]] & keep[key[1]].to(keep[key[0]].device)  # sites may sit on two devices
+            sites = key_sites(key)
+            rows = keep[sites[0]]
+            for site in sites[1:]:
+                rows = rows & keep[site].to(rows.device)  # sites may sit on several devices
             if not rows.any():
                 continue
             # pair extractors get q/k/v per head, (N, H, d_head); sequence ids = document index
             extra = {"sequence_ids": meta.row[rows.to(meta.row.device)] + first_doc} \
                 if name in plan.sequence_aware else {}
-            target = acts[key[1]]
-            extractor.update(acts[key[0]][rows], target[rows.to(target.device)], **extra)
+            take = lambda s: acts[s][rows.to(acts[s].device)]  # noqa: E731
+            extractor.update(*(take(g) if isinstance(g, str) else tuple(map(take, g)) for g in key), **extra)
     return n_tokens
 
 
@@ -347,14 +339,14 @@ def _report(lens: AttachedModel, plan: _Plan, state: FitState, resumed_from: int
             warnings.warn(f"no concepts from {name}: {err}", stacklevel=3)
             stats[name] = {"error": str(err), "stats": stats[name]}
             continue
-        cs.site = key if isinstance(key, str) else key[0]
+        cs.site, fit_info = where(extractor, key)
         if cs.config.get("space") == "clvq_z_e":  # codes in an encoder space: a label, not a site
             cs.site = f"{key[0]}->{key[1]}:z_e"
         cs.model = cs.model or lens.name
-        cs.config.setdefault("fit", {"tokens": state.tokens, "target_site": None if isinstance(key, str) else key[1]})
+        cs.config.setdefault("fit", {"tokens": state.tokens, **fit_info})
         concepts[name] = cs
         if config.checkpoint_dir and (state.run is None or state.run.writes):
-            cs.save(Path(config.checkpoint_dir) / "concepts" / name.replace("->", "__to__"))
+            cs.save(Path(config.checkpoint_dir) / "concepts" / folder(name))
     return FitReport(state.tokens, state.documents, state.batches, seconds, resumed_from,
                      {k: dict(v) for k, v in state.row_filter.counts.items()}, stats, concepts)
 

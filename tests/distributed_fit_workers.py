@@ -40,6 +40,7 @@ def equal_extractors() -> dict:
     """One of each extractor kind, several at one site; mixing buffers and pairings on; a
     token-aware statistic."""
     from conceptlens.concepts import CLVQTranscoder
+    from conceptlens.concepts.sae import CrossLayerTranscoder, Crosscoder
 
     return {"blocks.1.resid_out": {
                 "km": StreamingKMeans(4, init_size=200, seed=1),
@@ -50,7 +51,11 @@ def equal_extractors() -> dict:
                 "vq": VQCodebook(6, init_size=96, batch_size=64, buffer_size=128, seed=5)},
             "blocks.0.mlp_out": {"tokens": TokenLog()},
             ("blocks.1.attn.q", "blocks.1.attn.k"): QueryKeyMoments(),
-            ("blocks.0.resid_out", "blocks.1.resid_out"): CLVQTranscoder(4, hidden=16, batch_size=64, seed=6)}
+            ("blocks.0.resid_out", "blocks.1.resid_out"): CLVQTranscoder(4, hidden=16, batch_size=64, seed=6),
+            ("blocks.0.resid_out", "blocks.1.resid_out", "blocks.1.mlp_out"):
+                Crosscoder(width=16, k=3, batch_size=32, buffer_size=96, warmup_tokens=32, seed=7),
+            (("blocks.0.mlp.in", "blocks.1.mlp.in"), ("blocks.0.mlp_out", "blocks.1.mlp_out")):
+                CrossLayerTranscoder(width=16, k=2, batch_size=32, buffer_size=96, warmup_tokens=32, seed=8)}
 
 
 EQUAL_FILTERS = FilterConfig(max_norm_ratio=1.15, window=64)  # tight enough that the global median matters

@@ -28,7 +28,7 @@ from conceptlens.adapters.site_notes import attention_notes
 from conceptlens.adapters.stacks import (after_candidates, expected_layers, final_norm_candidates, find_block_list,
                                          find_stacks, parallel_blocks)
 from conceptlens.adapters.stream_writes import site_shape, stream_writes
-from conceptlens.adapters.structure import BlockLayout, children_summary, recognise
+from conceptlens.adapters.structure import BlockLayout, children_summary, mlp_container, recognise
 from conceptlens.adapters.sublayers import extend, more_attention, out_projection, plus_modules
 from conceptlens.adapters.repair import repair
 from conceptlens.adapters.verify import as_hidden, block_view, check_stack, refine
@@ -255,6 +255,10 @@ class Adapter(AttentionSites):
         if lay.mlp_post and not lay.flat_mlp and (module := _get(block, lay.mlp_post)) is not None:
             self._add(f"{b}.mlp.post", module, "input", ("B", "T", in_width(module)), prefix,
                       f"input of {lay.mlp_post} ({type(module).__name__}): the MLP's hidden activations")
+        if (path := mlp_container(lay)) is not None and (module := _get(block, path)) is not None \
+                and (x := trace.inputs.get(module)) is not None and x.ndim == 3:
+            self._add(f"{b}.mlp.in", module, "input", ("B", "T", int(x.shape[-1])), prefix,
+                      f"input of {path} ({type(module).__name__}): what the MLP reads (a transcoder's source)")
 
     def _add_sublayers(self, prefix: str, b: str, i: int, block: nn.Module, lay: BlockLayout, trace: Trace,
                        resid: tuple, readings: tuple, e: str) -> None:

@@ -30,7 +30,7 @@ TRANSFORMER_LENS = {
     "hook_resid_pre": "resid_in", "hook_resid_post": "resid_out", "hook_attn_out": "attn_out",
     "hook_mlp_out": "mlp_out", "attn.hook_q": "attn.q_pre", "attn.hook_k": "attn.k_pre", "attn.hook_v": "attn.v",
     "attn.hook_rot_q": "attn.q", "attn.hook_rot_k": "attn.k", "attn.hook_z": "attn.z",
-    "attn.hook_pattern": "attn.pattern", "mlp.hook_post": "mlp.post",
+    "attn.hook_pattern": "attn.pattern", "mlp.hook_post": "mlp.post", "ln2.hook_normalized": "mlp.in",
 }
 """TransformerLens hook (after `blocks.{i}.`) -> conceptlens site (after `blocks.{i}.`)."""
 _TL_GLOBAL = {"hook_embed_total": "embed", "ln_final.hook_normalized": "final"}

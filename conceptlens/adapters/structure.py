@@ -105,6 +105,17 @@ class BlockLayout:
     """`residual.ResidualAdd`s, where the block is a chain of scaled residual adds instead (not additive)."""
 
 
+def mlp_container(lay: BlockLayout) -> str | None:
+    """Path of the module that holds the MLP's down projection, so that its input is what the
+    MLP reads: the mlp_out sublayer, or the one a post-sublayer norm replaced; else None."""
+    if lay.flat_mlp or not lay.mlp_post or "mlp_out" in lay.dropped or "mlp_out" in lay.inner_calls:
+        return None
+    for path in (lay.mlp_out, lay.replaced.get("mlp_out")):
+        if path and lay.mlp_post.startswith(path + "."):
+            return path
+    return None
+
+
 def _get(root: nn.Module, path: str | None) -> nn.Module | None:
     if path is None:
         return None

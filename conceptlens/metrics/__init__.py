@@ -28,6 +28,7 @@ _EXPORTS = {
     "duality": ["ProbeWeight", "Direction", "InnerProduct", "probe_to_direction", "direction_to_probe"],
     "gauge_sites": ["GaugeWarning", "warn_if_qk", "is_qk_site"],
     "splice": ["splice_ce", "SpliceResult", "splice_mask"],
+    "splice_sites": ["splice_replacement", "splice_crosscoder"],
     "faithfulness": ["faithfulness", "FaithfulnessResult", "ProbeTask", "next_token_loss_sum"],
     "controls": ["covariance_directions", "random_orthonormal", "base_rate_entropy", "majority_accuracy",
                  "unigram_entropy"],
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
                                                 linear_cka, mutual_knn, procrustes, random_element, similarity,
                                                 svcca)
     from conceptlens.metrics.splice import SpliceResult, splice_ce, splice_mask
+    from conceptlens.metrics.splice_sites import splice_crosscoder, splice_replacement
     from conceptlens.metrics.controls import (base_rate_entropy, covariance_directions, majority_accuracy,
                                               random_orthonormal, unigram_entropy)
 

@@ -7,11 +7,15 @@
 
 from conceptlens.concepts.sae.base import Code, SparseAutoencoder
 from conceptlens.concepts.sae.batchtopk import BatchTopKConfig, BatchTopKSAE
+from conceptlens.concepts.sae.clt import CLTConfig, CrossLayerTranscoder
+from conceptlens.concepts.sae.crosscoder import (Crosscoder, CrosscoderConfig, ReLUCrosscoder, ReLUCrosscoderConfig,
+                                                 split_concept_set)
 from conceptlens.concepts.sae.config import SAEConfig
 from conceptlens.concepts.sae.jumprelu import JumpReLUConfig, JumpReLUSAE
 from conceptlens.concepts.sae.hsae import HSAE, HSAEConfig
 from conceptlens.concepts.sae.matryoshka import ArchMSAE, MatryoshkaConfig, MatryoshkaSAE
 from conceptlens.concepts.sae.mpsae import MPConfig, MPSAE
+from conceptlens.concepts.sae.multisite_io import multisite_from_concept_set
 from conceptlens.concepts.sae.nested import ActMSAE, ActMSAEConfig, EWGConfig, EWGSAE
 from conceptlens.concepts.sae.relu import ReLUConfig, ReLUSAE
 from conceptlens.concepts.sae.restore import sae_from_concept_set
@@ -30,5 +34,6 @@ __all__ = [
     "ActMSAE", "ActMSAEConfig", "EWGSAE", "EWGConfig", "MPSAE", "MPConfig", "HSAE", "HSAEConfig",
     "sparsemax", "export_saelens", "import_saelens", "sae_from_concept_set",
     "Transcoder", "SkipTranscoder", "TranscoderConfig", "export_transcoder", "import_transcoder",
-    "transcoder_from_concept_set",
+    "transcoder_from_concept_set", "Crosscoder", "CrosscoderConfig", "ReLUCrosscoder", "ReLUCrosscoderConfig",
+    "CrossLayerTranscoder", "CLTConfig", "split_concept_set", "multisite_from_concept_set",
 ]

@@ -37,12 +37,12 @@ ARCHITECTURE = {"relu_sae": "standard", "topk_sae": "topk", "matryoshka_sae": "t
 METHOD = {"standard": "relu_sae", "topk": "topk_sae", "jumprelu": "jumprelu_sae"}
 # our site names -> TransformerLens hook names, which SAELens configs use
 HOOKS = {"resid_in": "hook_resid_pre", "resid_out": "hook_resid_post",
-         "attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out"}
+         "attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out", "mlp.in": "ln2.hook_normalized"}
 
 
 def hook_name(site: str | None) -> str | None:
     """`blocks.5.resid_out` -> `blocks.5.hook_resid_post`; other names are kept as they are."""
-    match = re.fullmatch(r"blocks\.(-?\d+)\.(\w+)", site or "")
+    match = re.fullmatch(r"blocks\.(-?\d+)\.([\w.]+)", site or "")
     if match and match.group(2) in HOOKS:
         return f"blocks.{match.group(1)}.{HOOKS[match.group(2)]}"
     return site

@@ -48,6 +48,8 @@ class Transcoder(ReLUSAE):
     method = "transcoder"
     distributed = None
     skip: ClassVar[bool] = False
+    directions_at: ClassVar[str] = "target"
+    """The decoder rows live at the output site: a fitted set is labelled with it (fit_keys.where)."""
 
     def __init__(self, config: TranscoderConfig | None = None, /, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)

@@ -40,13 +40,16 @@ def export_transcoder(tc: Transcoder | ConceptSet, directory: str | os.PathLike)
     tensors = {"W_enc": enc["W_enc"], "b_enc": enc["b_enc"], "W_dec": cs.directions, "b_dec": enc["b_dec"]}
     if "W_skip" in enc:
         tensors["W_skip"] = enc["W_skip"].T
-    target = cs.config.get("fit", {}).get("target_site") if isinstance(cs.config.get("fit"), dict) else None
+    fit = cs.config.get("fit") if isinstance(cs.config.get("fit"), dict) else {}
+    # a fitted set is labelled with its target site, where its directions live; older sets with the source
+    target = fit.get("target_site")
+    source = fit.get("source_site", cs.site if target != cs.site else None)
     cfg: dict[str, Any] = {
         "d_in": int(enc["W_enc"].shape[0]), "d_sae": width, "d_out": d_out, "dtype": "float32", "device": "cpu",
         "apply_b_dec_to_input": False, "normalize_activations": "none", "reshape_activations": "none",
         "architecture": ARCHITECTURE[cs.method],
         "metadata": {"sae_lens_version": LAYOUT_VERSION, "sae_lens_training_version": LAYOUT_VERSION,
-                     "model_name": cs.model, "hook_name": hook_name(cs.site), "hook_name_out": hook_name(target),
+                     "model_name": cs.model, "hook_name": hook_name(source), "hook_name_out": hook_name(target),
                      "conceptlens_site": cs.site, "conceptlens_method": cs.method, "conceptlens_config": cs.config},
     }
     directory = Path(directory)

@@ -194,3 +194,4 @@ def test_fit_feeds_a_transcoder_the_same_tokens_at_two_sites():
     assert tc.stats().steps > 0 and tc.d_in == lens.site("blocks.0.resid_in").shape[-1]
     assert cs.directions.shape == (8, lens.site("blocks.0.mlp_out").shape[-1])
     assert cs.config["fit"]["target_site"] == "blocks.0.mlp_out"
+    assert cs.site == "blocks.0.mlp_out" and cs.config["fit"]["source_site"] == "blocks.0.resid_in"  # where W_dec lives

@@ -1,0 +1,71 @@
+"""Fit keys: which sites an extractor reads, how its entry is named, where its directions live.
+
+    key_name(("blocks.0.mlp.in", "blocks.0.mlp_out"))          # "blocks.0.mlp.in->blocks.0.mlp_out"
+    key_sites((("blocks.0.mlp.in", "blocks.1.mlp.in"), ("blocks.0.mlp_out", "blocks.1.mlp_out")))
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from conceptlens.interface import AttachedModel
+
+Key = str | tuple[str, ...] | tuple[tuple[str, ...], tuple[str, ...]]
+"""A site; (source, target) for a transcoder; (site, site, ...) for a crosscoder; ((inputs...),
+(outputs...)) for a cross-layer transcoder. The extractor's update gets one tensor per element,
+a tuple of tensors for a group."""
+
+
+def key_name(key: Key) -> str:
+    """The entry's default name: the site, "source->target", "a+b" (or "first..last" past two
+    sites), "inputs->outputs" for groups."""
+    if isinstance(key, str):
+        return key
+    if len(key) == 2:
+        return f"{_group_name(key[0])}->{_group_name(key[1])}"
+    return _group_name(key)
+
+
+def _group_name(group: str | tuple[str, ...]) -> str:
+    if isinstance(group, str):
+        return group
+    return "+".join(group) if len(group) <= 2 else f"{group[0]}..{group[-1]}"
+
+
+def folder(name: str) -> str:
+    """An extractor's name as a folder name ("->" and "+" spelled out)."""
+    return name.replace("->", "__to__").replace("+", "__and__")
+
+
+def key_sites(key: Key) -> tuple[str, ...]:
+    """Every site a key reads, in order."""
+    return (key,) if isinstance(key, str) else tuple(s for g in key for s in ((g,) if isinstance(g, str) else g))
+
+
+def canonical_key(lens: AttachedModel, key: Any) -> Key:
+    """The key with canonical site names; a one-line error for a malformed cross-layer key."""
+    if isinstance(key, str):
+        return lens.site(key).name
+    flat = all(isinstance(k, str) for k in key)
+    groups = len(key) == 2 and all(isinstance(g, tuple) and g and all(isinstance(s, str) for s in g) for g in key)
+    if len(key) < 2 or not (flat or groups):
+        raise ValueError(f"a cross-layer key is (source_site, target_site), (site, site, ...) or ((input sites...), "
+                         f"(output sites...)); got {key!r}")
+    return tuple(lens.site(k).name if isinstance(k, str) else tuple(lens.site(s).name for s in k) for k in key)
+
+
+def where(extractor: Any, key: Key) -> tuple[str, dict[str, Any]]:
+    """The site a fitted set's directions live at, and what the fit records of its sites. A pair
+    extractor's directions are at the source unless it says `directions_at = "target"` (a
+    transcoder's decoder writes the target); a multi-site set (or `directions_at = "sites"`) gets the key's name as a label
+    (its directions span several sites: `split_concept_set`)."""
+    if isinstance(key, str):
+        return key, {"target_site": None}
+    spans = getattr(extractor, "directions_at", "source") == "sites"  # a crosscoder's, even over two sites
+    if len(key) == 2 and all(isinstance(k, str) for k in key) and not spans:
+        at = key[1] if getattr(extractor, "directions_at", "source") == "target" else key[0]
+        return at, {"source_site": key[0], "target_site": key[1]}
+    if all(isinstance(k, str) for k in key):  # a crosscoder reads and writes every site
+        return key_name(key), {"target_site": None, "sources": list(key), "targets": list(key)}
+    return key_name(key), {"target_site": None, "sources": list(key[0]), "targets": list(key[1])}

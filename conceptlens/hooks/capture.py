@@ -13,6 +13,7 @@ block or inside `on_batch` leaves the model without them.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any, Callable, Sequence
 
 import torch
@@ -20,13 +21,14 @@ from torch import Tensor, nn
 
 from conceptlens.adapters.site import Site
 from conceptlens.hooks.handles import HandleGroup
+from conceptlens.hooks.manager import HookManager
 from conceptlens.hooks.points import hook_site
 from conceptlens.hooks.tokens import TokenMeta, TokenTracker
 
 OnBatch = Callable[[dict[str, Tensor], TokenMeta], Any]
 
 
-_RUN_ORDER = {"": 0, "encoder": 0, "decoder": 1}
+_RUN_ORDER = MappingProxyType({"": 0, "encoder": 0, "decoder": 1})
 
 
 class StopForward(Exception):
@@ -42,7 +44,7 @@ def run_stack(site: Site) -> str:
 class Capture:
     """Context manager that reads sites during forwards; see the module docstring."""
 
-    def __init__(self, model: nn.Module, sites: Sequence[Site], stacks: dict[str, nn.Module],
+    def __init__(self, hooks: HookManager, sites: Sequence[Site], stacks: dict[str, nn.Module],
                  on_batch: OnBatch | None = None, *, keep_shape: bool = False,
                  special_ids: Tensor | None = None, dtype: torch.dtype | str = torch.float32) -> None:
         if not sites:
@@ -63,7 +65,8 @@ class Capture:
         order = sorted(run_stacks, key=_RUN_ORDER.get)
         self.start_stack, self.stack_name = order[0], order[-1]
         self.token_stack = max(token_stacks, key=_RUN_ORDER.get)
-        self.model = model
+        self.hooks = hooks
+        self.model = hooks.model
         self.stacks = stacks
         self.on_batch = on_batch
         self.keep_shape = keep_shape
@@ -81,10 +84,10 @@ class Capture:
             raise RuntimeError("this Capture is already active; create a new one to nest captures")
         handles = HandleGroup()
         try:
-            self.tokens.register(handles)
-            handles.add(self.stacks[self.stack_name].register_forward_hook(self._stack_post_hook))
+            self.tokens.register(self.hooks, handles)
+            handles.add(self.hooks.forward_hook(self.stacks[self.stack_name], self._stack_post_hook))
             for site in self.sites.values():
-                handles.add(hook_site(site, self._reader(site)))
+                handles.add(hook_site(self.hooks, site, self._reader(site)))
         except BaseException:
             handles.remove()
             raise

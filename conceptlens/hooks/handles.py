@@ -55,6 +55,10 @@ class HandleGroup(Handle):
         self._handles.append(handle)
         return handle
 
+    def clear(self) -> None:
+        """Remove the handles added so far; unlike `remove()`, the group takes more afterwards."""
+        self._remove_all()
+
     def __len__(self) -> int:
         return len(self._handles)
 

@@ -35,7 +35,8 @@ _INDEX = MappingProxyType({"q": 0, "k": 1, "v": 2, "pattern": 3})
 def _global_entry(name: str) -> Callable | None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    return ALL_ATTENTION_FUNCTIONS._global_mapping.get(name)
+    fn: Callable | None = ALL_ATTENTION_FUNCTIONS._global_mapping.get(name)
+    return fn
 
 
 def _eager_of(module: nn.Module) -> Callable:

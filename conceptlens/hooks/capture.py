@@ -13,7 +13,6 @@ block or inside `on_batch` leaves the model without them.
 
 from __future__ import annotations
 
-from types import MappingProxyType
 from typing import Any, Callable, Sequence
 
 import torch
@@ -28,7 +27,9 @@ from conceptlens.hooks.tokens import TokenMeta, TokenTracker
 OnBatch = Callable[[dict[str, Tensor], TokenMeta], Any]
 
 
-_RUN_ORDER = MappingProxyType({"": 0, "encoder": 0, "decoder": 1})
+def _run_order(stack: str) -> int:
+    """Stacks run in this order: "" and "encoder" first, then "decoder"."""
+    return int(stack == "decoder")
 
 
 class StopForward(Exception):
@@ -62,9 +63,9 @@ class Capture:
                              "capture them in separate captures or with keep_shape=True")
         # Encoder before decoder: acts are reset when the first stack starts and handed over
         # when the last one ends, so a keep_shape capture across both keeps both.
-        order = sorted(run_stacks, key=_RUN_ORDER.get)
+        order = sorted(run_stacks, key=_run_order)
         self.start_stack, self.stack_name = order[0], order[-1]
-        self.token_stack = max(token_stacks, key=_RUN_ORDER.get)
+        self.token_stack = max(token_stacks, key=_run_order)
         self.hooks = hooks
         self.model = hooks.model
         self.stacks = stacks

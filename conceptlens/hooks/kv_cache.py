@@ -91,7 +91,11 @@ def watch(manager: HookManager, module: nn.Module,
     except BaseException:
         group.remove()
         raise
-    group.add(Handle(lambda: (patched.clear(), manager.kv_calls.pop(module, None))))
+    def forget() -> None:
+        patched.clear()
+        manager.kv_calls.pop(module, None)
+
+    group.add(Handle(forget))
     return group
 
 

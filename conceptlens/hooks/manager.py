@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, NamedTuple
 from weakref import WeakKeyDictionary
@@ -109,7 +110,7 @@ class HookManager:
 
     def to_front(self, module: nn.Module, handle: HookHandle, *, pre: bool = False) -> None:
         """Move one of this manager's hooks in front of the module's other hooks of its kind."""
-        hooks = module._forward_pre_hooks if pre else module._forward_hooks
+        hooks: OrderedDict = module._forward_pre_hooks if pre else module._forward_hooks  # type: ignore[assignment]
         if handle.id in hooks and not handle.removed:
             hooks.move_to_end(handle.id, last=False)
 
@@ -130,7 +131,7 @@ class HookManager:
 
         return self._record("patch", target, name, restore)
 
-    def attention_entry(self, name: str, make: Callable[[Callable[[], object]], Callable]) -> Handle:
+    def attention_entry(self, name: str, make: Callable[[Callable[[], Callable | None]], Callable]) -> Handle:
         """Put `make(previous)` under `name` in transformers' attention registry, above what is
         there (`previous()` reads it at call time: the entry below, or None for the global one).
         Entries of several managers chain; removing one splices it out of the chain."""
@@ -138,9 +139,9 @@ class HookManager:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         mapping = ALL_ATTENTION_FUNCTIONS._local_mapping
-        link: dict[str, object] = {}
+        link: dict[str, Any] = {}
         fn = make(lambda: None if link["below"] is _MISSING else link["below"])
-        fn.__conceptlens_link__ = link
+        setattr(fn, "__conceptlens_link__", link)  # how a later manager's entry finds this one below it
         with _REGISTRY_LOCK:
             link["below"] = mapping.get(name, _MISSING)
             mapping[name] = fn

@@ -84,7 +84,7 @@ class ScopeStack:
                 del self._sites[site]
                 if slot.handle is not None:
                     slot.handle.remove()
-            else:
+            elif self.tracker is not None:
                 slot.fn = slot.build(site, kept, self.tracker)
         if not self.scopes:
             self.forget()

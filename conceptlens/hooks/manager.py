@@ -120,14 +120,16 @@ class HookManager:
         self._check_open()
         saved = vars(target).get(name, _MISSING)
         setattr(target, name, value)
+        ref = weakref.ref(target)
 
         def restore() -> None:
-            if vars(target).get(name, _MISSING) is not value:
-                return  # someone set it again since: theirs stays
+            obj = ref()
+            if obj is None or vars(obj).get(name, _MISSING) is not value:
+                return  # gone, or someone set it again since: theirs stays
             if saved is _MISSING:
-                vars(target).pop(name, None)
+                vars(obj).pop(name, None)
             else:
-                setattr(target, name, saved)
+                setattr(obj, name, saved)
 
         return self._record("patch", target, name, restore)
 

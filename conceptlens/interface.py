@@ -17,6 +17,7 @@ from torch import nn
 
 from conceptlens.hooks.capture import Capture, OnBatch
 from conceptlens.hooks.handles import Handle
+from conceptlens.hooks.manager import HookManager
 from conceptlens.hooks.points import SiteFn
 from conceptlens.sites.site import Site
 
@@ -28,6 +29,8 @@ class AttachedModel(Protocol):
     tokenizer: Any
     stacks: dict[str, nn.Module]
     """Token space ("" for single-stack models, "encoder", "decoder") -> the module that runs its blocks."""
+    hooks: HookManager
+    """Everything put on the model: hooks, patches, the steering scopes and the site-norm cache."""
 
     @property
     def name(self) -> str:

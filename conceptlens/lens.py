@@ -8,7 +8,9 @@
 
 Attaching registers nothing: hooks exist only inside the scopes (`capture`, `hook`, and the
 steering and fitting scopes built on them), so a lens with no scope open leaves the model
-exactly as it was.
+exactly as it was. Every hook goes through the lens's HookManager (`lens.hooks`, one per
+lens); `lens.close()`, or leaving `with conceptlens.attach(model) as lens:`, removes whatever
+is still attached.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from conceptlens.fit import FitConfig, FitReport, fit_config
 from conceptlens.fit import fit as run_fit
 from conceptlens.hooks.capture import Capture, OnBatch
 from conceptlens.hooks.handles import Handle
+from conceptlens.hooks.manager import HookManager
 from conceptlens.hooks.points import SiteFn, hook_site
 from conceptlens.sites.site import Site
 from conceptlens.steering.edits import Edit, ProjectOut
@@ -43,7 +46,9 @@ class Lens:
                             f"got {type(model).__name__}")
         self.model = model
         self.tokenizer = tokenizer
-        self.adapter = Adapter(model)
+        self.hooks = HookManager(model)
+        """Every hook, patch and hook table of this lens on the model (hooks/manager.py)."""
+        self.adapter = Adapter(model, hooks=self.hooks)
         base = getattr(model, "base_model", model)
         self.stacks: dict[str, nn.Module] = {name: get_path(base, path)
                                              for name, path in self.adapter.spec.stacks.items()}
@@ -80,7 +85,7 @@ class Lens:
 
     def hook(self, site: str | Site, fn: SiteFn) -> Handle:
         """Low-level: run `fn(tensor) -> None | tensor` at a site until the handle is removed."""
-        return hook_site(self._site(site), fn)
+        return hook_site(self.hooks, self._site(site), fn)
 
     @known_kwargs
     def capture(self, sites: str | Site | Iterable[str | Site], on_batch: OnBatch | None = None, *,
@@ -102,7 +107,7 @@ class Lens:
             if self.tokenizer is None:
                 raise ValueError("drop_special=True needs a tokenizer: conceptlens.attach(model, tokenizer)")
             special = torch.tensor(sorted(self.tokenizer.all_special_ids), dtype=torch.long)
-        return Capture(self.model, resolved, self.stacks, on_batch, keep_shape=keep_shape, special_ids=special,
+        return Capture(self.hooks, resolved, self.stacks, on_batch, keep_shape=keep_shape, special_ids=special,
                        dtype=dtype)
 
     def fit(self, extractors: Mapping[str | tuple[str, str], Any], data: Any, *, tokenizer: Any = None,
@@ -151,6 +156,17 @@ class Lens:
         from conceptlens.steering.ablate import Ablate
 
         return Steer(self, [Ablate(concepts, mode, site=site)], positions)
+
+    def close(self) -> None:
+        """Remove every hook and patch this lens has on the model (open scopes included); the
+        model is then exactly as before `attach`. Safe to call twice; the lens hooks nothing after."""
+        self.hooks.close()
+
+    def __enter__(self) -> Lens:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _site(self, site: str | Site) -> Site:
         if isinstance(site, Site):

@@ -23,6 +23,7 @@ from conceptlens.adapters.direct import reprobe_direct
 from conceptlens.adapters.names import NameResolver
 from conceptlens.adapters.padded import centre_offset, cut_padded, site_extras
 from conceptlens.adapters.probe import Trace, run_probe
+from conceptlens.hooks.manager import HookManager
 from conceptlens.adapters.repeated import final_after, final_by_input, only_list, same_class, unroll
 from conceptlens.adapters.site_notes import attention_notes
 from conceptlens.adapters.stacks import (after_candidates, expected_layers, final_norm_candidates, find_block_list,
@@ -62,7 +63,7 @@ class Adapter(AttentionSites):
     _final_note: dict[str, str]
     _view = ""
 
-    def __init__(self, model: nn.Module, *, verify: bool = True) -> None:
+    def __init__(self, model: nn.Module, *, verify: bool = True, hooks: HookManager | None = None) -> None:
         self.model = model
         self.config = model.config
         self.model_type = getattr(self.config, "model_type", type(model).__name__)
@@ -85,9 +86,10 @@ class Adapter(AttentionSites):
         afters = {p: [get_path(s, c) for c in after_candidates(s, self._block_paths[p])]
                   for p, s in self.stacks.items()}
         extra = [m for ms in (*finals.values(), *afters.values()) for m in ms]
-        trace = run_probe(model, self.blocks, extra, self.stacks)
-        self.direct, trace = reprobe_direct(self.blocks, trace,  # blocks whose forward the stack calls directly
-                                            lambda: run_probe(model, self.blocks, extra, self.stacks))
+        hooks = hooks or HookManager(model)  # the probes' hooks (a manager of their own if none is given)
+        trace = run_probe(hooks, self.blocks, extra, self.stacks)
+        self.direct, trace = reprobe_direct(hooks, self.blocks, trace,  # blocks whose forward the stack calls directly
+                                            lambda: run_probe(hooks, self.blocks, extra, self.stacks))
         if self._add_same_class(trace):  # looped stacks of one layer class (HRM's two modules): probe again
             for p, stack in self.stacks.items():
                 names = {m: n for n, m in stack.named_modules()}
@@ -95,7 +97,7 @@ class Adapter(AttentionSites):
                     finals[p] += [m for c in final_norm_candidates(stack, path) if (m := get_path(stack, c))
                                   not in finals[p]]
             extra = [m for ms in (*finals.values(), *afters.values()) for m in ms]
-            trace = run_probe(model, self.blocks, extra, self.stacks)
+            trace = run_probe(hooks, self.blocks, extra, self.stacks)
         self._final_call, self._final_note = {}, {}
         for block, (first, last) in self._io.items():  # a block made of parallel lists: its first and last module
             for record, module in ((trace.inputs, first), (trace.outputs, last)):

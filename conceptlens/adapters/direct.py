@@ -9,12 +9,16 @@ their sites route the block's direct calls through `__call__` while they are hoo
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from conceptlens.adapters.probe import Trace
 from conceptlens.hooks.direct import route_through_call
 from conceptlens.hooks.handles import HandleGroup
+
+if TYPE_CHECKING:
+    from conceptlens.hooks.manager import HookManager
 
 
 def direct_blocks(blocks: dict[str, list[nn.Module]], trace: Trace) -> list[nn.Module]:
@@ -29,22 +33,23 @@ def direct_blocks(blocks: dict[str, list[nn.Module]], trace: Trace) -> list[nn.M
 
 
 @contextmanager
-def routed(modules: list[nn.Module]):
+def routed(hooks: HookManager, modules: list[nn.Module]):
     """Direct `forward` calls of `modules` run their hooks inside the `with` (removed after)."""
     group = HandleGroup()
     try:
         for module in modules:
-            group.add(route_through_call(module))
+            group.add(route_through_call(hooks, module))
         yield
     finally:
         group.remove()
 
 
-def reprobe_direct(blocks: dict[str, list[nn.Module]], trace: Trace, probe) -> tuple[list[nn.Module], Trace]:
+def reprobe_direct(hooks: HookManager, blocks: dict[str, list[nn.Module]], trace: Trace,
+                   probe) -> tuple[list[nn.Module], Trace]:
     """(directly called blocks, the trace): where there are any, `probe()` runs again with their
     direct calls routed through their hooks."""
     direct = direct_blocks(blocks, trace)
     if direct:
-        with routed(direct):
+        with routed(hooks, direct):
             trace = probe()
     return direct, trace

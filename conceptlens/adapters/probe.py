@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from conceptlens.hooks.attention import observe_calls
 from conceptlens.hooks.handles import HandleGroup
+
+if TYPE_CHECKING:
+    from conceptlens.hooks.manager import HookManager
 
 ENCODER_TOKENS, DECODER_TOKENS = 5, 3
 
@@ -181,10 +185,11 @@ def _stack_hook(trace: Trace, prefix: str, last: bool):
     return hook
 
 
-def run_probe(model: nn.Module, blocks: dict[str, list[nn.Module]], extra: list[nn.Module] = (),
+def run_probe(hooks: HookManager, blocks: dict[str, list[nn.Module]], extra: list[nn.Module] = (),
               stacks: dict[str, nn.Module] | None = None) -> Trace:
-    """Run the probe forward with every module inside the blocks (and `extra`) recorded; it
-    stops once the last stack has returned (so an offloaded LM head is never touched)."""
+    """Run the probe forward on `hooks.model` with every module inside the blocks (and `extra`)
+    recorded; it stops once the last stack has returned (so an offloaded LM head is never touched)."""
+    model = hooks.model
     trace = Trace()
     handles = HandleGroup()
     out = None
@@ -198,29 +203,27 @@ def run_probe(model: nn.Module, blocks: dict[str, list[nn.Module]], extra: list[
                                         key is value))
 
     training = [(m, m.training) for m in model.modules()]
-    saved = _hook_state(model)
     try:
         model.eval()
-        handles.add(observe_calls(_implementations(model), on_call))
+        handles.add(observe_calls(hooks, _implementations(model), on_call))
         for stack_blocks in blocks.values():
             for block in dict.fromkeys(stack_blocks):
-                handles.add(block.register_forward_hook(_record_calls(trace), with_kwargs=True))
+                handles.add(hooks.forward_hook(block, _record_calls(trace), with_kwargs=True))
                 for module in block.modules():
-                    handles.add(module.register_forward_hook(_record(trace), with_kwargs=True))
+                    handles.add(hooks.forward_hook(module, _record(trace), with_kwargs=True))
         for module in extra:
-            handles.add(module.register_forward_hook(_record(trace), with_kwargs=True))
-            handles.add(module.register_forward_hook(_record_calls(trace), with_kwargs=True))
+            handles.add(hooks.forward_hook(module, _record(trace), with_kwargs=True))
+            handles.add(hooks.forward_hook(module, _record_calls(trace), with_kwargs=True))
         for i, (prefix, stack) in enumerate((stacks or {}).items()):
             hook = _stack_hook(trace, prefix, i == len(stacks) - 1)
-            handles.add(stack.register_forward_hook(hook, with_kwargs=True))
+            handles.add(hooks.forward_hook(stack, hook, with_kwargs=True))
         inputs = probe_inputs(model)
-        with torch.no_grad():
+        with torch.no_grad(), hooks.dropping_new_hooks():  # transformers' output-capturing hooks
             out = model(**inputs, output_hidden_states=True, use_cache=False)
     except _StopProbe:
         pass
     finally:
         handles.remove()
-        _restore_hook_state(saved)
         for module, mode in training:
             module.training = mode
     for prefix in blocks:
@@ -233,32 +236,6 @@ def run_probe(model: nn.Module, blocks: dict[str, list[nn.Module]], extra: list[
         if hidden is not None:
             trace.hidden[prefix] = tuple(h for h in hidden)
     return trace
-
-
-_FLAG = "_output_capturing_hooks_installed"
-_MISSING = object()
-
-
-def _hook_state(model: nn.Module) -> list:
-    return [(m, set(m._forward_hooks), set(m._forward_pre_hooks), m.__dict__.get(_FLAG, _MISSING))
-            for m in model.modules()]
-
-
-def _restore_hook_state(saved: list) -> None:
-    """Remove hooks transformers installs on the first `output_hidden_states=True` forward (its
-    output-capturing hooks), so attaching leaves the model exactly as it was."""
-    for module, forward, pre, flag in saved:
-        for key in set(module._forward_hooks) - forward:
-            module._forward_hooks.pop(key, None)
-            module._forward_hooks_with_kwargs.pop(key, None)
-            module._forward_hooks_always_called.pop(key, None)
-        for key in set(module._forward_pre_hooks) - pre:
-            module._forward_pre_hooks.pop(key, None)
-            module._forward_pre_hooks_with_kwargs.pop(key, None)
-        if flag is _MISSING:
-            module.__dict__.pop(_FLAG, None)
-        else:
-            module.__dict__[_FLAG] = flag
 
 
 def close(a: Tensor | None, b: Tensor | None, tol: float = 1e-5) -> bool:

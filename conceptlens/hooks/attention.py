@@ -4,16 +4,19 @@ Post-rotary q and k are outputs of no module. Attention modules in transformers 
 up their kernel in `ALL_ATTENTION_FUNCTIONS` by `config._attn_implementation` at every
 call, so while at least one q/k/v hook exists we register, under that name, a wrapper that
 runs the hooks of the calling module and then the original kernel. Modules without hooks
-pass straight through; when the last hook goes, the registry is restored exactly.
+pass straight through; when the last hook goes, the registry is restored exactly. The tables
+live on the model's HookManager (hooks/manager.py), which also owns the registry entry.
 
-    handle = add_qkv_hook(model.model.layers[3].self_attn, "k", fn)   # fn((B, T, H, d)) -> None | tensor
+    handle = add_qkv_hook(hooks, model.model.layers[3].self_attn, "k", fn)   # fn((B, T, H, d)) -> None | tensor
     handle.remove()
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Callable
+from weakref import WeakSet
 
 import torch
 from torch import Tensor, nn
@@ -22,22 +25,18 @@ from conceptlens.hooks import kv_cache, split_keys
 from conceptlens.hooks.handles import Handle
 from conceptlens.hooks.pattern import eager_pattern
 
+if TYPE_CHECKING:
+    from conceptlens.hooks.manager import HookManager
+
 QKVHook = Callable[[Tensor], Tensor | None]
-_INDEX = {"q": 0, "k": 1, "v": 2, "pattern": 3}
-_MISSING = object()
-
-_hooks: dict[nn.Module, list[tuple[int, QKVHook, bool]]] = {}
-_installed: dict[str, object] = {}  # implementation name -> previous local entry (or _MISSING)
-_edits: set = set()  # entries registered by steering (run before reads)
-_observers: list[Callable] = []  # fn(module, query, key, value, kwargs) for every call (attach-time probe)
-_watchers: dict[nn.Module, Handle] = {}  # modules with k/v hooks: their cache updates run the hooks
-_kv_shape: dict[tuple[nn.Module, int], tuple[int, int]] = {}  # (module, 1 | 2) -> the site's (heads, head dim)
+_INDEX = MappingProxyType({"q": 0, "k": 1, "v": 2, "pattern": 3})
 
 
-def _registry():
+def _global_entry(name: str) -> Callable | None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    return ALL_ATTENTION_FUNCTIONS
+    fn: Callable | None = ALL_ATTENTION_FUNCTIONS._global_mapping.get(name)
+    return fn
 
 
 def _eager_of(module: nn.Module) -> Callable:
@@ -48,38 +47,36 @@ def _eager_of(module: nn.Module) -> Callable:
     return fn
 
 
-def _wrap(name: str, previous: object) -> Callable:
+def _wrap(manager: HookManager, name: str, previous: Callable[[], Callable | None]) -> Callable:
     def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, *args, **kwargs):
-        for observe in list(_observers):
+        for observe in list(manager.observers):
             observe(module, query, key, value, kwargs)
-        hooks = _hooks.get(module)
+        hooks = manager.qkv.get(module)
         if hooks:
-            query, key, value = _run_hooks(hooks, [query, key, value], args, kwargs, module)
-        if previous is _MISSING:
-            original = _registry()._global_mapping.get(name) or _eager_of(module)
-        else:
-            original = previous
+            query, key, value = _run_hooks(manager, hooks, [query, key, value], args, kwargs, module)
+        original = previous() or _global_entry(name) or _eager_of(module)
         return original(module, query, key, value, *args, **kwargs)
 
     attention.__conceptlens_wrapper__ = True
     return attention
 
 
-def _run_hooks(hooks: list, qkv: list[Tensor], args: tuple, kwargs: dict, module: nn.Module) -> list[Tensor]:
+def _run_hooks(manager: HookManager, hooks: list, qkv: list[Tensor], args: tuple, kwargs: dict,
+               module: nn.Module) -> list[Tensor]:
     length = qkv[0].shape[2]
-    state = kv_cache.call_state(module)
-    layout = split_keys.layout_of(module)
-    own = split_keys.own_length(module, length, state)  # None: the keys end with this call's tokens
+    state = manager.kv_calls.get(module)
+    layout = manager.key_layouts.get(module, "")
+    own = split_keys.own_length(module, layout, length, state)  # None: the keys end with this call's tokens
     for entry in sorted(hooks, key=lambda h: h[0] == 3):  # patterns after every q/k edit
         index, fn, current = entry
         if index in (1, 2) and state is not None and state.cached:
             if layout == "stack":
-                if split_keys.ran_at_update(state, current) or entry in _edits:
+                if split_keys.ran_at_update(state, current) or entry in manager.qkv_edits:
                     continue  # ran at its cache's update, now or when the cache was filled (and edited)
             elif state.updated:
                 state.check(module, qkv[1], qkv[2], "kv"[index - 1])
                 continue  # ran on this call's new keys/values at the cache update
-            elif not current and entry in _edits:
+            elif not current and entry in manager.qkv_edits:
                 continue  # cross-attention reading the cache it filled (and edited) in an earlier step
         if index == 3:
             pattern = eager_pattern(module, qkv[0], qkv[1], args, kwargs)  # (B, H, T, S)
@@ -98,17 +95,17 @@ def _run_hooks(hooks: list, qkv: list[Tensor], args: tuple, kwargs: dict, module
     return qkv
 
 
-def _kv_at_update(module: nn.Module) -> Callable:
+def _kv_at_update(manager: HookManager, module: nn.Module) -> Callable:
     """The k/v hooks of `module`, run on the keys/values a cache `update` is about to store (of a
     module that attends to two stacks' keys, the hooks of the part that cache holds)."""
     def run(key: Tensor, value: Tensor, cache_class: str, part: str = "") -> tuple[Tensor, Tensor]:
-        both = split_keys.layout_of(module) != "stack"
+        both = manager.key_layouts.get(module, "") != "stack"
         kv = [None, key, value]
         for index in (1, 2):
-            shape = _kv_shape.get((module, index))
+            shape = manager.kv_shapes.get(module, {}).get(index)
             if shape is not None and kv[index].ndim == 4 and (kv[index].shape[1], kv[index].shape[3]) != shape:
                 raise kv_cache.changed(module, cache_class, "kv"[index - 1])
-        for index, fn, _ in [h for h in _hooks.get(module, ()) if h[0] in (1, 2) and
+        for index, fn, _ in [h for h in manager.qkv.get(module, ()) if h[0] in (1, 2) and
                              (both or h[2] == (part != "cross"))]:  # edits first
             new = fn(kv[index].transpose(1, 2))  # (B, T, H, d): exactly this call's tokens
             if new is not None:
@@ -136,7 +133,7 @@ def implementation_of(module: nn.Module) -> str:
     return name
 
 
-def add_qkv_hook(module: nn.Module, which: str, fn: QKVHook, *, current: bool = True,
+def add_qkv_hook(manager: HookManager, module: nn.Module, which: str, fn: QKVHook, *, current: bool = True,
                  implementation: str | None = None, edit: bool = False,
                  shape: tuple[int, int] | None = None, key_layout: str = "") -> Handle:
     """Run `fn` on `which` ("q", "k" or "v") each time `module` calls its attention function.
@@ -151,73 +148,73 @@ def add_qkv_hook(module: nn.Module, which: str, fn: QKVHook, *, current: bool = 
     """
     if which not in _INDEX:
         raise ValueError(f"which must be one of 'q', 'k', 'v', 'pattern'; got {which!r}")
-    _install(implementation or implementation_of(module))
+    _install(manager, implementation or implementation_of(module))
     entry = (_INDEX[which], fn, current)
-    hooks = _hooks.setdefault(module, [])
-    split_keys.register(module, key_layout)
-    if (which in ("k", "v") or key_layout == "stack") and module not in _watchers:  # "stack": splits at the cache
-        _watchers[module] = kv_cache.watch(module, _kv_at_update(module))
+    hooks = manager.qkv.setdefault(module, [])
+    if key_layout:
+        manager.key_layouts[module] = key_layout
+    if (which in ("k", "v") or key_layout == "stack") and module not in manager.kv_watchers:  # "stack": splits at the cache
+        manager.kv_watchers[module] = kv_cache.watch(manager, module, _kv_at_update(manager, module))
     if which in ("k", "v") and shape is not None:
-        _kv_shape[(module, _INDEX[which])] = shape
+        manager.kv_shapes.setdefault(module, {})[_INDEX[which]] = shape
     if edit:  # edits before reads; among edits, registration order
-        hooks.insert(sum(1 for h in hooks if h in _edits), entry)
-        _edits.add(entry)
+        hooks.insert(sum(1 for h in hooks if h in manager.qkv_edits), entry)
+        manager.qkv_edits.add(entry)
     else:
         hooks.append(entry)
 
     def remove() -> None:
-        hooks = _hooks.get(module, [])
+        hooks = manager.qkv.get(module, [])
         if entry in hooks:
             hooks.remove(entry)
-        _edits.discard(entry)
-        watched = any(h[0] in (1, 2) for h in hooks) or (hooks and split_keys.layout_of(module) == "stack")
-        if module in _watchers and not watched:
-            _watchers.pop(module).remove()
-            _kv_shape.pop((module, 1), None)
-            _kv_shape.pop((module, 2), None)
+        manager.qkv_edits.discard(entry)
+        watched = any(h[0] in (1, 2) for h in hooks) or (hooks and manager.key_layouts.get(module) == "stack")
+        if module in manager.kv_watchers and not watched:
+            manager.kv_watchers.pop(module).remove()
+            manager.kv_shapes.pop(module, None)
         if not hooks:
-            _hooks.pop(module, None)
-            split_keys.forget(module)
-        if not _hooks and not _observers:
-            _uninstall_all()
+            manager.qkv.pop(module, None)
+            manager.key_layouts.pop(module, None)
+        if not manager.qkv and not manager.observers:
+            _uninstall_all(manager)
 
     return Handle(remove)
 
 
-def _install(name: str) -> None:
-    registry = _registry()
-    if name not in _installed:
-        _installed[name] = registry._local_mapping.get(name, _MISSING)
-        registry._local_mapping[name] = _wrap(name, _installed[name])
+def _install(manager: HookManager, name: str) -> None:
+    if name not in manager.attention_entries:
+        manager.attention_entries[name] = manager.attention_entry(
+            name, lambda previous: _wrap(manager, name, previous))
 
 
-def observe_calls(implementations: set[str], fn: Callable) -> Handle:
+def observe_calls(manager: HookManager, implementations: set[str], fn: Callable) -> Handle:
     """Call `fn(module, query, key, value, kwargs)` on every attention-function call of the
-    given implementations (used once at attach to find which modules call it)."""
+    given implementations by a module of the manager's model (used once at attach to find
+    which modules call it)."""
+    own = WeakSet(manager.model.modules())
+
+    def observe(module: nn.Module, *args) -> None:
+        if module in own:
+            fn(module, *args)
+
     for name in implementations:
-        _install(name)
-    _observers.append(fn)
+        _install(manager, name)
+    manager.observers.append(observe)
 
     def remove() -> None:
-        if fn in _observers:
-            _observers.remove(fn)
-        if not _hooks and not _observers:
-            _uninstall_all()
+        if observe in manager.observers:
+            manager.observers.remove(observe)
+        if not manager.qkv and not manager.observers:
+            _uninstall_all(manager)
 
     return Handle(remove)
 
 
-def _uninstall_all() -> None:
-    registry = _registry()
-    for name, previous in list(_installed.items()):
-        if previous is _MISSING:
-            registry._local_mapping.pop(name, None)
-        else:
-            registry._local_mapping[name] = previous
-        del _installed[name]
+def _uninstall_all(manager: HookManager) -> None:
+    while manager.attention_entries:
+        manager.attention_entries.popitem()[1].remove()
 
 
-def active_hook_count() -> int:
-    """Number of q/k/v hooks currently registered (0 when nothing is attached)."""
-    return sum(len(v) for v in _hooks.values())
-
+def active_hook_count(manager: HookManager) -> int:
+    """Number of q/k/v hooks currently registered on the manager's model (0 when nothing is attached)."""
+    return sum(len(v) for v in manager.qkv.values())

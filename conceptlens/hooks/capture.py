@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from conceptlens.hooks.handles import HandleGroup
+from conceptlens.hooks.manager import HookManager
 from conceptlens.hooks.points import hook_site
 from conceptlens.hooks.tokens import TokenMeta, TokenTracker
 from conceptlens.sites.site import Site
@@ -26,7 +27,9 @@ from conceptlens.sites.site import Site
 OnBatch = Callable[[dict[str, Tensor], TokenMeta], Any]
 
 
-_RUN_ORDER = {"": 0, "encoder": 0, "decoder": 1}
+def _run_order(stack: str) -> int:
+    """Stacks run in this order: "" and "encoder" first, then "decoder"."""
+    return int(stack == "decoder")
 
 
 class StopForward(Exception):
@@ -42,7 +45,7 @@ def run_stack(site: Site) -> str:
 class Capture:
     """Context manager that reads sites during forwards; see the module docstring."""
 
-    def __init__(self, model: nn.Module, sites: Sequence[Site], stacks: dict[str, nn.Module],
+    def __init__(self, hooks: HookManager, sites: Sequence[Site], stacks: dict[str, nn.Module],
                  on_batch: OnBatch | None = None, *, keep_shape: bool = False,
                  special_ids: Tensor | None = None, dtype: torch.dtype | str = torch.float32) -> None:
         if not sites:
@@ -60,10 +63,11 @@ class Capture:
                              "capture them in separate captures or with keep_shape=True")
         # Encoder before decoder: acts are reset when the first stack starts and handed over
         # when the last one ends, so a keep_shape capture across both keeps both.
-        order = sorted(run_stacks, key=_RUN_ORDER.get)
+        order = sorted(run_stacks, key=_run_order)
         self.start_stack, self.stack_name = order[0], order[-1]
-        self.token_stack = max(token_stacks, key=_RUN_ORDER.get)
-        self.model = model
+        self.token_stack = max(token_stacks, key=_run_order)
+        self.hooks = hooks
+        self.model = hooks.model
         self.stacks = stacks
         self.on_batch = on_batch
         self.keep_shape = keep_shape
@@ -81,10 +85,10 @@ class Capture:
             raise RuntimeError("this Capture is already active; create a new one to nest captures")
         handles = HandleGroup()
         try:
-            self.tokens.register(handles)
-            handles.add(self.stacks[self.stack_name].register_forward_hook(self._stack_post_hook))
+            self.tokens.register(self.hooks, handles)
+            handles.add(self.hooks.forward_hook(self.stacks[self.stack_name], self._stack_post_hook))
             for site in self.sites.values():
-                handles.add(hook_site(site, self._reader(site)))
+                handles.add(hook_site(self.hooks, site, self._reader(site)))
         except BaseException:
             handles.remove()
             raise

@@ -7,7 +7,7 @@ forward); a call that already came through `__call__` goes straight to the real 
 last handle restores the instance exactly as it was (an instance `forward` set by someone else,
 e.g. accelerate, is kept and called).
 
-    handle = route_through_call(block)   # block.forward(...) now runs block's hooks
+    handle = route_through_call(hooks, block)   # block.forward(...) now runs block's hooks
     handle.remove()
 
 `channels_last(fn, heads)` gives `fn` the `(B, T, C)` (or `(B, T, H, d_head)`) view of a
@@ -16,29 +16,30 @@ channels-first `(B, C, T)` tensor and hands its edit back in the module's layout
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from torch import Tensor, nn
 
 from conceptlens.hooks.handles import Handle, HandleGroup
 
-_MISSING = object()
+if TYPE_CHECKING:
+    from conceptlens.hooks.manager import HookManager
 
 
 class _Route:
-    def __init__(self, module: nn.Module) -> None:
-        self.module, self.refs, self.depth = module, 0, 0
-        self.saved = module.__dict__.get("forward", _MISSING)
-        inner = self.saved if self.saved is not _MISSING else type(module).forward.__get__(module)
-        self.inner = inner
+    def __init__(self, manager: HookManager, module: nn.Module) -> None:
+        self.refs, self.depth = 0, 0
+        saved = module.__dict__.get("forward")
+        self.inner = saved if saved is not None else type(module).forward.__get__(module)
+        self.call = module.__call__
         self.group = HandleGroup()
         try:  # depth > 0 while `__call__` runs this module: its forward call then goes straight through
-            self.group.add(module.register_forward_pre_hook(self._enter, prepend=True))
-            self.group.add(module.register_forward_hook(self._leave, always_call=True))
+            self.group.add(manager.pre_hook(module, self._enter, prepend=True))
+            self.group.add(manager.forward_hook(module, self._leave, always_call=True))
+            self.group.add(manager.patch(module, "forward", self.forward))
         except BaseException:
             self.group.remove()
             raise
-        module.forward = self.forward
 
     def _enter(self, module, args) -> None:
         self.depth += 1
@@ -49,31 +50,20 @@ class _Route:
     def forward(self, *args, **kwargs):
         if self.depth:
             return self.inner(*args, **kwargs)
-        return self.module(*args, **kwargs)
-
-    def restore(self) -> None:
-        if self.module.__dict__.get("forward") == self.forward:
-            if self.saved is _MISSING:
-                del self.module.__dict__["forward"]
-            else:
-                self.module.forward = self.saved
-        self.group.remove()
+        return self.call(*args, **kwargs)
 
 
-_routes: dict[nn.Module, _Route] = {}
-
-
-def route_through_call(module: nn.Module) -> Handle:
+def route_through_call(manager: HookManager, module: nn.Module) -> Handle:
     """While the handle lives, a direct `module.forward(...)` call runs the module's hooks."""
-    route = _routes.get(module)
+    route = manager.routes.get(module)
     if route is None:
-        route = _routes[module] = _Route(module)
+        route = manager.routes[module] = _Route(manager, module)
     route.refs += 1
 
     def release() -> None:
         route.refs -= 1
-        if route.refs == 0 and _routes.get(module) is route:
-            _routes.pop(module).restore()
+        if route.refs == 0 and manager.routes.get(module) is route:
+            manager.routes.pop(module).group.remove()
 
     return Handle(release)
 

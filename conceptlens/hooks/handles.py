@@ -3,17 +3,20 @@
     with Handle(remove_fn):          # or handle.remove(); safe to call twice
         ...
     group = HandleGroup()            # collects handles; removes all, last first
-    group.add(module.register_forward_hook(fn))
+    group.add(hooks.forward_hook(module, fn))   # hooks: the model's HookManager
     group.remove()
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, TypeVar
 
 
 class Removable(Protocol):
     def remove(self) -> None: ...
+
+
+R = TypeVar("R", bound=Removable)
 
 
 class Handle:
@@ -48,12 +51,16 @@ class HandleGroup(Handle):
         self._handles: list[Removable] = []
         super().__init__(self._remove_all)
 
-    def add(self, handle: Removable) -> Removable:
+    def add(self, handle: R) -> R:
         if self.removed:
             handle.remove()
             raise RuntimeError("this HandleGroup was already removed; the new hook was not kept")
         self._handles.append(handle)
         return handle
+
+    def clear(self) -> None:
+        """Remove the handles added so far; unlike `remove()`, the group takes more afterwards."""
+        self._remove_all()
 
     def __len__(self) -> int:
         return len(self._handles)

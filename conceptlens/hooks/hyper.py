@@ -12,12 +12,15 @@ hook there sees what earlier edits made of it, and a null edit changes nothing.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from torch import Tensor, nn
 
 from conceptlens.hooks.handles import Handle, HandleGroup
 from conceptlens.sites.site import Expansion, Site, spread
+
+if TYPE_CHECKING:
+    from conceptlens.hooks.manager import HookManager
 
 SiteFn = Callable[[Tensor], Tensor | None]
 
@@ -29,20 +32,17 @@ def _first(x):
 class _Writes:
     """Per (sublayer, expansion): this call's weights and the change edits made to the site."""
 
-    def __init__(self, module: nn.Module, exp: Expansion) -> None:
-        self.exp, self.weights, self.pending, self.refs = exp, None, None, 0
+    def __init__(self, manager: HookManager, module: nn.Module, exp: Expansion) -> None:
+        self.manager, self.exp, self.weights, self.pending, self.refs = manager, exp, None, None, 0
         self.handles = HandleGroup()
         self.front, self.block = None, exp.block if exp.block is not None else exp.receiver
         try:
-            self.handles.add(exp.gate.register_forward_hook(self._gate, prepend=True))
-            self.handles.add(module.register_forward_pre_hook(self._start))
+            self.handles.add(manager.forward_hook(exp.gate, self._gate, prepend=True))
+            self.handles.add(manager.pre_hook(module, self._start))
             if exp.point in ("input", "both"):
-                self.handles.add(exp.receiver.register_forward_pre_hook(self._to_input, with_kwargs=True,
-                                                                        prepend=True))
+                self.handles.add(manager.pre_hook(exp.receiver, self._to_input, with_kwargs=True, prepend=True))
             if exp.point in ("output", "both"):
-                handle = self.block.register_forward_hook(self._to_output, prepend=True)
-                self.handles.add(handle)
-                self.front = handle.id
+                self.front = self.handles.add(manager.forward_hook(self.block, self._to_output, prepend=True))
         except BaseException:
             self.handles.remove()
             raise
@@ -52,8 +52,8 @@ class _Writes:
 
     def _start(self, module, args) -> None:
         self.pending = None
-        if self.front is not None and self.front in self.block._forward_hooks:
-            self.block._forward_hooks.move_to_end(self.front, last=False)  # before resid_out's hooks
+        if self.front is not None:
+            self.manager.to_front(self.block, self.front)  # before resid_out's hooks
 
     def site_tensor(self, out: Tensor) -> Tensor:
         seen = spread(out, self.weights, self.exp.flat)
@@ -86,21 +86,22 @@ class _Writes:
         return type(output)([new, *output[1:]]) if isinstance(output, (tuple, list)) else new
 
 
-_states: dict[tuple[nn.Module, nn.Module, nn.Module], _Writes] = {}
-
-
-def stream_hook(site: Site, fn: SiteFn, edit: bool = False) -> Handle:
+def stream_hook(manager: HookManager, site: Site, fn: SiteFn, edit: bool = False) -> Handle:
     """Register `fn` at a site whose tensor is its module's output spread over the streams."""
-    key = (site.module, site.expand.gate, site.expand.receiver)
-    state = _states.get(key)
+    key = (id(site.expand.gate), id(site.expand.receiver))  # both live while the state holds `site.expand`
+    states = manager.streams.setdefault(site.module, {})
+    state = states.get(key)
     if state is None:
-        state = _states[key] = _Writes(site.module, site.expand)
+        state = states[key] = _Writes(manager, site.module, site.expand)
     state.refs += 1
 
     def release() -> None:
         state.refs -= 1
-        if state.refs == 0 and _states.get(key) is state:
-            _states.pop(key).handles.remove()
+        states = manager.streams.get(site.module, {})
+        if state.refs == 0 and states.get(key) is state:
+            states.pop(key).handles.remove()
+            if not states:
+                manager.streams.pop(site.module, None)
 
     def hook(module, args, output) -> None:
         seen = state.site_tensor(_first(output))
@@ -111,7 +112,7 @@ def stream_hook(site: Site, fn: SiteFn, edit: bool = False) -> Handle:
     group = HandleGroup()
     group.add(Handle(release))
     try:
-        group.add(site.module.register_forward_hook(hook, prepend=edit))
+        group.add(manager.forward_hook(site.module, hook, prepend=edit))
     except BaseException:
         group.remove()
         raise

@@ -8,19 +8,20 @@ only in the first case (and only outside autograd). So while a module has k/v ho
 its calls that carries a cache routes that cache's `update` through the hooks: they see
 exactly this call's new keys/values (before storage), and the cache stores the edited ones.
 
-    handle = watch(attention_module, run_kv)   # run_kv(key, value, cache_class, part) -> (key, value), (B, H, T, d)
-    state = call_state(attention_module)       # during the call: did it carry a cache / update it?
+    handle = watch(hooks, attention_module, run_kv)   # run_kv(key, value, cache_class, part) -> (key, value), (B, H, T, d)
+    state = hooks.kv_calls.get(attention_module)      # during the call: did it carry a cache / update it?
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from torch import Tensor, nn
 
-from conceptlens.hooks.handles import Handle
+from conceptlens.hooks.handles import Handle, HandleGroup
 
-_MISSING = object()
+if TYPE_CHECKING:
+    from conceptlens.hooks.manager import HookManager
 
 
 class CallState:
@@ -50,14 +51,6 @@ def changed(module: nn.Module, cache_class: str, which: str) -> ValueError:
                       "use_cache=False, or use the attn.q, attn_out or resid sites")
 
 
-_state: dict[nn.Module, CallState] = {}
-
-
-def call_state(module: nn.Module) -> CallState | None:
-    """The running call's state of a watched module (None outside its forward, or unwatched)."""
-    return _state.get(module)
-
-
 def _caches(args: tuple, kwargs: dict) -> list:
     from transformers.cache_utils import Cache, EncoderDecoderCache
 
@@ -70,42 +63,40 @@ def _caches(args: tuple, kwargs: dict) -> list:
     return found
 
 
-def watch(module: nn.Module, run_kv: Callable[[Tensor, Tensor, str, str], tuple[Tensor, Tensor]]) -> Handle:
+def watch(manager: HookManager, module: nn.Module,
+          run_kv: Callable[[Tensor, Tensor, str, str], tuple[Tensor, Tensor]]) -> Handle:
     """While `module` runs with a cache among its arguments, that cache's `update` first
     passes the new keys and values through `run_kv` (with "self" / "cross" for the two caches
-    of an encoder-decoder cache, "" otherwise); restored when the call ends."""
-    patched: list[tuple[object, object]] = []  # (cache, its own previous `update` attribute)
-
-    def restore() -> None:
-        while patched:
-            cache, previous = patched.pop()
-            if previous is _MISSING:
-                vars(cache).pop("update", None)
-            else:
-                cache.update = previous
+    of an encoder-decoder cache, "" otherwise); restored when the call ends. The running
+    call's CallState is `manager.kv_calls[module]`."""
+    patched = HandleGroup()  # this call's patches of `cache.update`
 
     def pre(mod, args, kwargs):
-        restore()
+        patched.clear()
         caches = _caches(args, kwargs)
-        state = _state[mod] = CallState(bool(caches))
+        state = manager.kv_calls[mod] = CallState(bool(caches))
         for cache, part in caches:
-            patched.append((cache, vars(cache).get("update", _MISSING)))
-            cache.update = _routed(cache.update, run_kv, state, type(cache).__name__, part)
+            patched.add(manager.patch(cache, "update", _routed(cache.update, run_kv, state,
+                                                              type(cache).__name__, part)))
 
     def post(mod, args, kwargs, output):
-        restore()
-        _state.pop(mod, None)
+        patched.clear()
+        manager.kv_calls.pop(mod, None)
 
-    pre_handle = module.register_forward_pre_hook(pre, with_kwargs=True)
-    post_handle = module.register_forward_hook(post, with_kwargs=True, always_call=True)
+    group = HandleGroup()
+    try:
+        group.add(manager.pre_hook(module, pre, with_kwargs=True))
+        # in front: with two managers on one module, the later one's patch is undone first
+        group.add(manager.forward_hook(module, post, with_kwargs=True, always_call=True, prepend=True))
+    except BaseException:
+        group.remove()
+        raise
+    def forget() -> None:
+        patched.clear()
+        manager.kv_calls.pop(module, None)
 
-    def remove() -> None:
-        pre_handle.remove()
-        post_handle.remove()
-        restore()
-        _state.pop(module, None)
-
-    return Handle(remove)
+    group.add(Handle(forget))
+    return group
 
 
 def _routed(original: Callable, run_kv: Callable, state: CallState, cache_class: str, part: str) -> Callable:

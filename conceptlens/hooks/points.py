@@ -2,13 +2,14 @@
 
 `fn` receives the site's tensor in the layout of the site table — `(B, T, d)` or
 `(B, T, H, d_head)` — and returns None (read only) or a tensor of the same shape that
-replaces it in the forward. Capture and steering are both built on this.
+replaces it in the forward. Capture and steering are both built on this; every hook goes
+through the model's HookManager (hooks/manager.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
@@ -20,26 +21,29 @@ from conceptlens.hooks.handles import Handle, HandleGroup
 from conceptlens.hooks.hyper import stream_hook
 from conceptlens.sites.site import Site
 
+if TYPE_CHECKING:
+    from conceptlens.hooks.manager import HookManager
+
 SiteFn = Callable[[Tensor], Tensor | None]
 
 
-def hook_site(site: Site, fn: SiteFn, *, edit: bool = False) -> Handle:
-    """Register `fn` at `site`; the returned handle removes it.
+def hook_site(hooks: HookManager, site: Site, fn: SiteFn, *, edit: bool = False) -> Handle:
+    """Register `fn` at `site` through `hooks`; the returned handle removes it.
 
     `edit=True` (steering) puts the hook before every other hook at the site, so edits at a
     site always run before reads there, whatever order the scopes were opened in. A site of
     one call of a shared layer (`site.call`) acts only during that call of each forward.
     """
     if site.first_call_in is not None:  # a module the block runs more than once: its first call only
-        return gated_hook(site.module, site.first_call_in, 0, fn,
-                          lambda gated: hook_site(replace(site, first_call_in=None), gated, edit=edit))
+        return gated_hook(hooks, site.module, site.first_call_in, 0, fn,
+                          lambda gated: hook_site(hooks, replace(site, first_call_in=None), gated, edit=edit))
     if (site.trimmed or site.prefixed) and site.stack_module is not None or site.row_offset:
         lengths: list[int] = []
         group = HandleGroup()
         if (site.trimmed or site.prefixed) and site.stack_module is not None:
-            group.add(site.stack_module.register_forward_pre_hook(_record_length(lengths), with_kwargs=True))
+            group.add(hooks.pre_hook(site.stack_module, _record_length(lengths), with_kwargs=True))
         try:
-            group.add(hook_site(replace(site, trimmed=False, prefixed=False, row_offset=0),
+            group.add(hook_site(hooks, replace(site, trimmed=False, prefixed=False, row_offset=0),
                                 _trimmed(fn, lengths, site.prefixed, site.row_offset), edit=edit))
         except BaseException:
             group.remove()
@@ -47,49 +51,49 @@ def hook_site(site: Site, fn: SiteFn, *, edit: bool = False) -> Handle:
         return group
     if site.routed:  # the stack calls the module's forward directly: route those calls through its hooks
         group = HandleGroup()
-        group.add(route_through_call(site.module))
+        group.add(route_through_call(hooks, site.module))
         try:
-            group.add(hook_site(replace(site, routed=False), fn, edit=edit))
+            group.add(hook_site(hooks, replace(site, routed=False), fn, edit=edit))
         except BaseException:
             group.remove()
             raise
         return group
     if site.channels_first:
-        return hook_site(replace(site, channels_first=False, heads=None), channels_last(fn, site.heads), edit=edit)
+        return hook_site(hooks, replace(site, channels_first=False, heads=None), channels_last(fn, site.heads),
+                         edit=edit)
     if site.time_major:
         fn = _transposed(fn)
     if site.streams_first:
         fn = _streams_last(fn)
     if site.call is not None and site.block is not None and site.stack_module is not None:
-        return gated_hook(site.block, site.stack_module, site.call, fn, lambda gated: _hook(site, gated, edit))
-    return _hook(site, fn, edit)
+        return gated_hook(hooks, site.block, site.stack_module, site.call, fn,
+                          lambda gated: _hook(hooks, site, gated, edit))
+    return _hook(hooks, site, fn, edit)
 
 
-def _hook(site: Site, fn: SiteFn, edit: bool) -> Handle:
+def _hook(hooks: HookManager, site: Site, fn: SiteFn, edit: bool) -> Handle:
     if isinstance(site.scale, Tensor) or site.scale != 1.0:
         fn = _scaled(fn, site.scale)
     if site.point == "pattern":
         if edit:
             raise ValueError(f"{site.name} is read only (attention probabilities); edit q or k instead")
-        return add_qkv_hook(site.module, "pattern", fn, current=site.shape[3] != "S", key_layout=site.key_layout)
+        return add_qkv_hook(hooks, site.module, "pattern", fn, current=site.shape[3] != "S", key_layout=site.key_layout)
     if site.point in ("q", "k", "v"):
         # "T" in the sequence dimension: aligned with this forward's queries (self-attention)
         shape = tuple(site.shape[2:4]) if all(isinstance(s, int) for s in site.shape[2:4]) else None
-        return add_qkv_hook(site.module, site.point, fn, current=site.shape[1] == "T", edit=edit, shape=shape,
+        return add_qkv_hook(hooks, site.module, site.point, fn, current=site.shape[1] == "T", edit=edit, shape=shape,
                             key_layout=site.key_layout)
     if site.point == "input":
-        return Handle(site.module.register_forward_pre_hook(_input_hook(fn, site.heads), with_kwargs=True,
-                                                            prepend=edit).remove)
+        return hooks.pre_hook(site.module, _input_hook(fn, site.heads), with_kwargs=True, prepend=edit)
     if site.expand is not None:
-        return stream_hook(site, fn, edit)
+        return stream_hook(hooks, site, fn, edit)
     if site.part is not None:
-        return Handle(site.module.register_forward_hook(_output_hook(_parted(fn, site.part, site.heads), None),
-                                                        prepend=edit).remove)
+        return hooks.forward_hook(site.module, _output_hook(_parted(fn, site.part, site.heads), None), prepend=edit)
     if site.flat_in is not None:
-        return _flat_output_hook(site, fn, edit)
+        return _flat_output_hook(hooks, site, fn, edit)
     if site.plus is not None:
-        return _sum_output_hook(site, fn, edit)
-    return Handle(site.module.register_forward_hook(_output_hook(fn, site.heads), prepend=edit).remove)
+        return _sum_output_hook(hooks, site, fn, edit)
+    return hooks.forward_hook(site.module, _output_hook(fn, site.heads), prepend=edit)
 
 
 def _record_length(lengths: list[int]):
@@ -197,7 +201,7 @@ def _output_hook(fn: SiteFn, heads: int | None):
     return hook
 
 
-def _flat_output_hook(site: Site, fn: SiteFn, edit: bool = False) -> Handle:
+def _flat_output_hook(hooks: HookManager, site: Site, fn: SiteFn, edit: bool = False) -> Handle:
     """For a module fed `(B * T, d)` rows: view its output as `(B, T, d)` for `fn`."""
     batch_shape: list[torch.Size] = []
 
@@ -215,15 +219,15 @@ def _flat_output_hook(site: Site, fn: SiteFn, edit: bool = False) -> Handle:
 
     group = HandleGroup()
     try:
-        group.add(site.flat_in.register_forward_pre_hook(remember, with_kwargs=True, prepend=True))
-        group.add(site.module.register_forward_hook(hook, prepend=edit))
+        group.add(hooks.pre_hook(site.flat_in, remember, with_kwargs=True, prepend=True))
+        group.add(hooks.forward_hook(site.module, hook, prepend=edit))
     except BaseException:
         group.remove()
         raise
     return group
 
 
-def _sum_output_hook(site: Site, fn: SiteFn, edit: bool = False) -> Handle:
+def _sum_output_hook(hooks: HookManager, site: Site, fn: SiteFn, edit: bool = False) -> Handle:
     """For a site that is `module`'s output plus `site.plus`'s (a module on the same input, or a
     tuple of modules that finish before it: the other sublayers of its kind): `fn` sees the sum;
     an edit's change is added to `module`'s output (a null edit changes nothing)."""
@@ -249,8 +253,8 @@ def _sum_output_hook(site: Site, fn: SiteFn, edit: bool = False) -> Handle:
     group = HandleGroup()
     try:
         for i, other in enumerate(others):
-            group.add(other.register_forward_hook(remember(i), prepend=True))
-        group.add(site.module.register_forward_hook(_output_hook(call, site.heads), prepend=edit))
+            group.add(hooks.forward_hook(other, remember(i), prepend=True))
+        group.add(hooks.forward_hook(site.module, _output_hook(call, site.heads), prepend=edit))
     except BaseException:
         group.remove()
         raise

@@ -1,6 +1,7 @@
 """Which keys of an attention call are this forward's tokens, for calls that attend to more.
 
-A module registered with a key layout (adapters/keys.py) attends to [its tokens' keys;
+A module registered with a key layout (adapters/keys.py; the layout is kept in its HookManager's
+`key_layouts`) attends to [its tokens' keys;
 others]: "stack", the other stack's tokens (T5Gemma2's merged self- and cross-attention);
 "appended", entries a submodule returns (DeepSeek V4's compressed KV). Its q/k/v hooks then
 act on rows [lo, hi) of the keys:
@@ -16,27 +17,11 @@ from torch import Tensor, nn
 
 from conceptlens.hooks.kv_cache import CallState
 
-_layouts: dict[nn.Module, str] = {}
 
-
-def register(module: nn.Module, layout: str) -> None:
-    if layout:
-        _layouts[module] = layout
-
-
-def forget(module: nn.Module) -> None:
-    _layouts.pop(module, None)
-
-
-def layout_of(module: nn.Module) -> str:
-    return _layouts.get(module, "")
-
-
-def own_length(module: nn.Module, length: int, state: CallState | None) -> int | None:
+def own_length(module: nn.Module, layout: str, length: int, state: CallState | None) -> int | None:
     """Number of keys, from the first, that belong to the module's own stack in this call (None:
-    not a split module, or an "appended" one under a cache, whose k/v hooks refuse it)."""
-    layout = _layouts.get(module)
-    if layout is None:
+    not a split module (`layout` ""), or an "appended" one under a cache, whose k/v hooks refuse it)."""
+    if not layout:
         return None
     if state is None or not state.cached:
         return length

@@ -122,7 +122,7 @@ class InputRecorder:
 class TokenTracker:
     """Records each stack's inputs during forwards and serves `TokenMeta` for its tensors.
 
-    `register(handles)` adds a forward pre-hook on every stack module; `on_start(stack)`
+    `register(hooks, handles)` adds a forward pre-hook on every stack module; `on_start(stack)`
     (optional) runs when a stack's forward begins. Metas are cached until the next forward.
     """
 
@@ -134,9 +134,10 @@ class TokenTracker:
         self.inputs: dict[str, StackInputs] = {}
         self._cache: dict[tuple[str, int, int, torch.device], TokenMeta] = {}
 
-    def register(self, handles) -> None:
+    def register(self, hooks, handles) -> None:
+        """Add a pre-hook on every stack, through `hooks` (the model's HookManager), to `handles`."""
         for name, stack in self.stacks.items():
-            handles.add(stack.register_forward_pre_hook(self._pre_hook(name, InputRecorder(stack)), with_kwargs=True))
+            handles.add(hooks.pre_hook(stack, self._pre_hook(name, InputRecorder(stack)), with_kwargs=True))
 
     def _pre_hook(self, name: str, recorder: InputRecorder):
         def hook(module, args, kwargs):

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from conceptlens.adapters.adapter import Adapter, get_path
 from conceptlens.hooks.capture import Capture
+from conceptlens.hooks.manager import HookManager
 
 QKCapture = Callable[[nn.Module, Mapping[str, Any]], Mapping[Any, tuple[Tensor, Tensor]]]
 """(model, inputs) -> {layer: (q, k)}: post-rotary q `(..., H, d_head)` and k `(..., H_kv, d_head)`,
@@ -47,14 +48,15 @@ def qk_capture(layers: Sequence[int] | None = None, *, stack: str = "") -> QKCap
     """
 
     def capture(model: nn.Module, inputs: Mapping[str, Any]) -> dict[int, tuple[Tensor, Tensor]]:
-        adapter = Adapter(model)
+        hooks = HookManager(model)
+        adapter = Adapter(model, hooks=hooks)
         base = getattr(model, "base_model", model)
         stacks = {name: get_path(base, path) for name, path in adapter.spec.stacks.items()}
         prefix = f"{stack}." if stack else ""
         chosen = qk_layers(adapter, layers, stack)
         names = {i: (f"{prefix}blocks.{i}.attn.q", f"{prefix}blocks.{i}.attn.k") for i in chosen}
         sites = [adapter.resolve(name) for pair in names.values() for name in pair]
-        with Capture(model, sites, stacks) as cap:
+        with hooks, Capture(hooks, sites, stacks) as cap:
             acts = cap.forward(**inputs)
         return {i: (acts[q], acts[k]) for i, (q, k) in names.items()}
 

@@ -3,8 +3,9 @@
     with lens.steer(Add(cs[12], alpha=6.0), positions="generated"):
         model.generate(**inputs)
 
-Each site with active edits has exactly one hook, which applies that site's edits in the
-order they were entered; consecutive `Add`s with the same positions are summed into one
+Each site with active edits has exactly one hook (kept by the model's HookManager, whose scope
+stack adds and removes only the hooks of sites a scope is first or last to edit), which applies
+that site's edits in the order they were entered; consecutive `Add`s with the same positions are summed into one
 vector first (so Add(a) with Add(-a) changes nothing, bit for bit, even across nested
 scopes). Positions are absolute — counted among a sequence's real tokens, through left
 padding and the KV cache — so an edit gives the same tokens with and without `use_cache`.
@@ -19,8 +20,6 @@ from typing import Literal, Sequence
 import torch
 from torch import Tensor
 
-from conceptlens.hooks.handles import HandleGroup
-from conceptlens.hooks.points import hook_site
 from conceptlens.hooks.tokens import TokenMeta, TokenTracker
 from conceptlens.interface import AttachedModel
 from conceptlens.steering.edits import Add, Edit, add_vector
@@ -63,14 +62,14 @@ class Steer:
         if self._active:
             raise RuntimeError("this steering scope is already active")
         self.prompt_length.clear()  # a scope entered again starts a new prompt
-        _registry(self.lens).push(self)
+        self.lens.hooks.steering.enter(self, self.lens.stacks, list(zip(self.sites, self.edits)), _build)
         self._active = True
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._active:
             self._active = False
-            _registry(self.lens).pop(self)
+            self.lens.hooks.steering.leave(self)
 
     def observe(self, stack: str, meta_source: TokenTracker) -> None:
         """Called when a stack's forward starts: the first one defines the prompt."""
@@ -103,81 +102,30 @@ class Steer:
         return in_prompt if self.positions == "prompt" else ~in_prompt
 
 
-class _Registry:
-    """Per lens: the active scopes, one hook per edited site, one token tracker."""
+def _build(site, entries: list[tuple[Steer, Edit]], tracker: TokenTracker):
+    """The function of a site's one edit hook: its open scopes' edits, in entry order."""
+    groups = _fuse(entries)
+    stack = site.stack
+    needs_meta = any(scope.positions != "all" for scope, _ in groups)  # bookkeeping costs ~60 us
+    moved: dict[tuple, Tensor] = {}
 
-    def __init__(self, lens: AttachedModel) -> None:
-        self.lens = lens
-        self.scopes: list[Steer] = []
-        self.tracker = TokenTracker(lens.stacks, on_start=self._on_start)
-        self.handles: HandleGroup | None = None
+    def edit(x: Tensor) -> Tensor:
+        heads = x.shape[2:-1]
+        if heads:  # q/k/v (B, T, H, d): edits see concatenated heads
+            x = x.flatten(2)
+        meta = tracker.meta(stack, x.shape[0], x.shape[1], x.device) if needs_meta else None
+        for scope, item in groups:
+            mask = scope.mask(stack, meta) if needs_meta else None
+            if isinstance(item, Tensor):
+                key = (id(item), x.device, x.dtype)
+                if key not in moved:  # one host-to-device copy per scope, not per step
+                    moved[key] = item.to(device=x.device, dtype=x.dtype)
+                x = add_vector(x, moved[key], mask)
+            else:
+                x = item.apply(x, mask)
+        return x.unflatten(2, (*heads, -1)) if heads else x
 
-    def _on_start(self, stack: str) -> None:
-        for scope in self.scopes:
-            scope.observe(stack, self.tracker)
-
-    def push(self, scope: Steer) -> None:
-        self.scopes.append(scope)
-        try:
-            self._rebuild()
-        except BaseException:
-            self.scopes.remove(scope)
-            self._rebuild()
-            raise
-
-    def pop(self, scope: Steer) -> None:
-        if scope in self.scopes:
-            self.scopes.remove(scope)
-        self._rebuild()
-
-    def _rebuild(self) -> None:
-        """Replace every hook: one per site with edits, plus the tracker's pre-hooks."""
-        old, self.handles = self.handles, None
-        if old is not None:
-            old.remove()
-        if not self.scopes:
-            self.tracker.clear()
-            return
-        handles = HandleGroup()
-        try:
-            self.tracker.register(handles)
-            for site, entries in self._entries().items():
-                handles.add(hook_site(site, self._site_hook(site, entries), edit=True))
-        except BaseException:
-            handles.remove()
-            raise
-        self.handles = handles
-
-    def _entries(self) -> dict:
-        by_site: dict = {}
-        for scope in self.scopes:
-            for site, edit in zip(scope.sites, scope.edits):
-                by_site.setdefault(site, []).append((scope, edit))
-        return by_site
-
-    def _site_hook(self, site, entries: list[tuple[Steer, Edit]]):
-        groups = _fuse(entries)
-        tracker, stack = self.tracker, site.stack
-        needs_meta = any(scope.positions != "all" for scope, _ in groups)  # bookkeeping costs ~60 us
-        moved: dict[tuple, Tensor] = {}
-
-        def edit(x: Tensor) -> Tensor:
-            heads = x.shape[2:-1]
-            if heads:  # q/k/v (B, T, H, d): edits see concatenated heads
-                x = x.flatten(2)
-            meta = tracker.meta(stack, x.shape[0], x.shape[1], x.device) if needs_meta else None
-            for scope, item in groups:
-                mask = scope.mask(stack, meta) if needs_meta else None
-                if isinstance(item, Tensor):
-                    key = (id(item), x.device, x.dtype)
-                    if key not in moved:  # one host-to-device copy per scope, not per step
-                        moved[key] = item.to(device=x.device, dtype=x.dtype)
-                    x = add_vector(x, moved[key], mask)
-                else:
-                    x = item.apply(x, mask)
-            return x.unflatten(2, (*heads, -1)) if heads else x
-
-        return edit
+    return edit
 
 
 def _fuse(entries: list[tuple[Steer, Edit]]) -> list[tuple[Steer, Edit | Tensor]]:
@@ -196,11 +144,4 @@ def _same_positions(a: Steer, b: Steer) -> bool:
     if a is b or a.positions == b.positions == "all":
         return True
     return isinstance(a.positions, slice) and a.positions == b.positions
-
-
-def _registry(lens: AttachedModel) -> _Registry:
-    registry = getattr(lens, "_steering", None)
-    if registry is None:
-        registry = lens._steering = _Registry(lens)
-    return registry
 

@@ -70,10 +70,10 @@ def robust_norm(lens: AttachedModel, site: str) -> float:
 
 
 def site_scale(lens: AttachedModel, site: str) -> SiteScale:
-    """The probe text's measurements at `site`, cached on the lens; warns once when one
+    """The probe text's measurements at `site`, cached by the lens's hook manager; warns once when one
     coordinate dominates the site's norm."""
     name = lens.site(site).name
-    cache = lens.__dict__.setdefault("_site_scales", {})
+    cache = lens.hooks.site_norms
     if name not in cache:
         cache[name] = scale_of(_measure(lens, name))
         if cache[name].top_share > DOMINANT:

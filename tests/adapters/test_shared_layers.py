@@ -7,7 +7,6 @@ import torch
 import transformers as tf
 
 import conceptlens
-from conceptlens.hooks import calls
 from conceptlens.steering import Add
 from tests.adapters import coverage
 from tests.adapters.tiny_configs import build, tiny_config
@@ -45,7 +44,7 @@ def test_every_call_is_a_block(albert):
     coverage.check_model(model, inputs, out)
     coverage.check_attention(model, inputs)  # q/k of each call reproduce that layer's eager weights
     assert "call 3 of this shared AlbertLayer" in lens.site("blocks.3.mlp_out").source
-    assert not calls._counters and (dict(layer._forward_pre_hooks), dict(layer._forward_hooks)) == hooks
+    assert not lens.hooks.counters and (dict(layer._forward_pre_hooks), dict(layer._forward_hooks)) == hooks
 
 
 @pytest.mark.parametrize("site", ["blocks.3.mlp_out", "blocks.3.resid_in", "blocks.3.attn.v"])
@@ -63,7 +62,7 @@ def test_edit_at_one_call_changes_only_what_follows(albert, site):
             assert torch.equal(before[name], after[name]) == unchanged, name
     if site == "blocks.3.mlp_out":  # the edit itself is seen by a read at the same site (edits before reads)
         assert torch.allclose(after["blocks.3.mlp_out"], before["blocks.3.mlp_out"] + 3.0, atol=1e-5)
-    assert not calls._counters
+    assert not lens.hooks.counters
 
 
 def test_stop_early_and_counter_reset(albert):
@@ -84,7 +83,7 @@ def test_stop_early_and_counter_reset(albert):
             assert torch.equal(cap.last[0]["blocks.1.resid_out"], out.hidden_states[2].flatten(0, 1))
     finally:
         handle.remove()
-    assert not calls._counters
+    assert not lens.hooks.counters
 
 
 def test_module_path_of_a_shared_layer_is_ambiguous(albert):
@@ -121,7 +120,7 @@ def test_looped_layers_under_generate():
         with lens.steer(Add(vector, 20.0, site=site)):
             edited = model(tokens, use_cache=False).logits
             again = model(tokens, use_cache=False).logits  # the count restarted: the same edit again
-    assert not torch.allclose(edited, bare) and torch.equal(edited, again) and not calls._counters
+    assert not torch.allclose(edited, bare) and torch.equal(edited, again) and not lens.hooks.counters
 
 
 @pytest.mark.parametrize("groups,inner,layers", [(1, 2, 3), (2, 2, 4), (2, 1, 4)])
@@ -146,7 +145,7 @@ def test_albert_groups_of_several_layers(groups, inner, layers):
     with lens.steer(Add(torch.ones(lens.site(site).shape[-1]), 2.0, site=site)):
         after = coverage.capture_all(lens, model, inputs, names)
     assert [torch.equal(before[k], after[k]) for k in names] == [True] * (n - 2) + [False, False]
-    assert not calls._counters
+    assert not lens.hooks.counters
 
 
 @pytest.mark.parametrize("model_type", ["zamba", "zamba2"])

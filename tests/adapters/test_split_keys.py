@@ -237,4 +237,4 @@ def test_deepseek_v4_q_edits_and_patterns_follow_a_cache_and_k_v_refuse_it(deeps
     with pytest.raises(ValueError, match="attends to other keys/values than it stores"), torch.no_grad(), \
             lens.capture("blocks.1.attn.v", keep_shape=True):
         model(input_ids=ids, use_cache=True)
-    assert active_hook_count() == 0  # nothing stays attached after the refusal
+    assert active_hook_count(lens.hooks) == 0  # nothing stays attached after the refusal

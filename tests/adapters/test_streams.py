@@ -151,7 +151,7 @@ def test_hy_v4_streams_in_their_own_dimension_and_a_residual_the_block_adds_itse
         post, collapsed = layer.ffn_hc(r2)
         f = layer.mlp(layer.post_attention_layernorm(collapsed))
         by_hand = post.unsqueeze(-1) * f.unsqueeze(-2) + r2
-    handle = hook_site(lens.site("blocks.0.attn_out"), lambda x: x + vector, edit=True)  # steering's primitive
+    handle = hook_site(lens.hooks, lens.site("blocks.0.attn_out"), lambda x: x + vector, edit=True)  # steering's primitive
     try:
         with torch.no_grad(), lens.capture(["blocks.0.resid_out"], keep_shape=True) as edited:
             model(input_ids=ids)

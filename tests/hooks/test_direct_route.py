@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from conceptlens.hooks.direct import channels_last, route_through_call
+from conceptlens.hooks.manager import HookManager
 
 
 class _Direct(nn.Module):
@@ -27,7 +28,8 @@ def test_direct_calls_run_hooks_only_while_routed_and_normal_calls_once():
     hook = _counting(model.inner, calls)
     model(x)
     assert calls == []  # the direct call skips the hook
-    with route_through_call(model.inner), route_through_call(model.inner):  # reference counted
+    hooks = HookManager(model)
+    with route_through_call(hooks, model.inner), route_through_call(hooks, model.inner):  # reference counted
         model(x)
         model.inner(x)  # a normal call: hooks once, not twice
         assert len(calls) == 2
@@ -44,7 +46,7 @@ def test_an_instance_forward_set_by_someone_else_is_kept_and_called():
     wrapper = model.inner.forward
     calls = []
     _counting(model.inner, calls)
-    with route_through_call(model.inner):
+    with route_through_call(HookManager(model), model.inner):
         model(x)
     assert calls == [1] and seen == [1] and model.inner.forward is wrapper
 

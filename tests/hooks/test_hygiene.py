@@ -26,9 +26,9 @@ def setup():
     return model, conceptlens.attach(model), inputs, bare, hook_snapshot(model)
 
 
-def _assert_clean(model, inputs, bare, snapshot):
+def _assert_clean(lens, model, inputs, bare, snapshot):
     assert hook_snapshot(model) == snapshot
-    assert attention.active_hook_count() == 0
+    assert attention.active_hook_count(lens.hooks) == 0
     with torch.no_grad():
         assert torch.equal(model(**inputs).logits, bare)
 
@@ -38,7 +38,7 @@ def test_exception_inside_with(setup):
     with pytest.raises(Boom), lens.capture(SITES):
         assert hook_snapshot(model) != snap
         raise Boom
-    _assert_clean(model, inputs, bare, snap)
+    _assert_clean(lens, model, inputs, bare, snap)
 
 
 @pytest.mark.parametrize("error", [Boom, KeyboardInterrupt])
@@ -50,7 +50,7 @@ def test_exception_inside_on_batch(setup, error):
 
     with pytest.raises(error), lens.capture(SITES, on_batch=on_batch), torch.no_grad():
         model(**inputs)
-    _assert_clean(model, inputs, bare, snap)
+    _assert_clean(lens, model, inputs, bare, snap)
 
 
 @pytest.mark.parametrize("fail_at", [0, 2, 5, len(SITES) - 1])
@@ -58,16 +58,16 @@ def test_exception_during_registration(setup, monkeypatch, fail_at):
     model, lens, inputs, bare, snap = setup
     real, calls = capture.hook_site, []
 
-    def flaky(site, fn):
+    def flaky(hooks, site, fn):
         calls.append(site.name)
         if len(calls) == fail_at + 1:
             raise Boom(f"registration of {site.name}")
-        return real(site, fn)
+        return real(hooks, site, fn)
 
     monkeypatch.setattr(capture, "hook_site", flaky)
     with pytest.raises(Boom), lens.capture(SITES):
         pass
-    _assert_clean(model, inputs, bare, snap)
+    _assert_clean(lens, model, inputs, bare, snap)
 
 
 def test_exception_inside_a_hooked_forward(setup):
@@ -84,7 +84,7 @@ def test_exception_inside_a_hooked_forward(setup):
         assert hook_snapshot(model) == snap_with
     finally:
         handle.remove()
-    _assert_clean(model, inputs, bare, snap)
+    _assert_clean(lens, model, inputs, bare, snap)
 
 
 def test_interrupt_in_a_capture_only_forward(setup):
@@ -95,7 +95,7 @@ def test_interrupt_in_a_capture_only_forward(setup):
 
     with pytest.raises(KeyboardInterrupt), lens.capture(["blocks.0.resid_out"], on_batch=on_batch) as cap:
         cap.forward(**inputs)
-    _assert_clean(model, inputs, bare, snap)
+    _assert_clean(lens, model, inputs, bare, snap)
 
 
 def test_nested_and_repeated_captures(setup):
@@ -105,12 +105,12 @@ def test_nested_and_repeated_captures(setup):
             logits = model(**inputs).logits
         assert torch.equal(logits, bare)
         assert torch.equal(outer.last[0]["blocks.0.resid_out"], inner.last[0]["blocks.0.resid_out"])
-        assert attention.active_hook_count() == 1  # inner's q hook is gone, outer's k hook stays
+        assert attention.active_hook_count(lens.hooks) == 1  # inner's q hook is gone, outer's k hook stays
     for _ in range(3):
         with torch.no_grad(), lens.capture(SITES) as cap:
             model(**inputs)
         assert set(cap.last[0]) == set(SITES)
-    _assert_clean(model, inputs, bare, snap)
+    _assert_clean(lens, model, inputs, bare, snap)
 
 
 def test_capture_cannot_be_entered_twice(setup):
@@ -118,7 +118,7 @@ def test_capture_cannot_be_entered_twice(setup):
     cap = lens.capture(["blocks.0.resid_out"])
     with cap, pytest.raises(RuntimeError, match="already active"), cap:
         pass
-    _assert_clean(model, inputs, bare, snap)
+    _assert_clean(lens, model, inputs, bare, snap)
 
 
 def test_attention_registry_restored_with_a_preexisting_entry(setup):
@@ -134,4 +134,4 @@ def test_attention_registry_restored_with_a_preexisting_entry(setup):
         assert ALL_ATTENTION_FUNCTIONS._local_mapping["sdpa"] is marker
     finally:
         del ALL_ATTENTION_FUNCTIONS["sdpa"]
-    _assert_clean(model, inputs, bare, snap)
+    _assert_clean(lens, model, inputs, bare, snap)

@@ -132,7 +132,7 @@ def test_no_hook_remains_after_exceptions(llama):
     with lens.steer(Broken()), torch.no_grad():
         with pytest.raises(RuntimeError, match="boom"):
             model(**inputs)
-    assert hook_snapshot(model) == snap and attention.active_hook_count() == 0
+    assert hook_snapshot(model) == snap and attention.active_hook_count(lens.hooks) == 0
 
 
 def test_edits_compose_across_sites(llama):

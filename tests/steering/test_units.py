@@ -42,7 +42,7 @@ def test_site_norm_is_the_median_token_norm_of_the_probe_tokens_without_the_firs
     ids = torch.randint(3, 99, (len(PROBE_TEXT), PROBE_TOKENS), generator=torch.Generator().manual_seed(0))
     norms = site_acts(lens, ids)[:, 1:].flatten(0, 1).double().norm(dim=1)
     assert site_norm(lens, SITE) == pytest.approx(float(norms.median()), rel=1e-6)
-    assert list(lens._site_scales) == [SITE]  # measured once, under the canonical name
+    assert list(lens.hooks.site_norms) == [SITE]  # measured once, under the canonical name
     assert site_scale(lens, "blocks.-1.resid_out") is site_scale(lens, SITE)
 
 

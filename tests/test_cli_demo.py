@@ -13,10 +13,10 @@ from tests.tiny_folder import save_tiny_llama
 
 def test_sae_batch_scales_with_the_budget():
     assert sae_batch_size(3_000) == 128
-    assert sae_batch_size(40_000) == 256
+    assert sae_batch_size(40_000) == 128
     assert sae_batch_size(10_000_000) == 4096
-    for tokens in (20_000, 60_000, 200_000, 600_000):
-        assert tokens // sae_batch_size(tokens) >= 150
+    for tokens in (40_000, 80_000, 200_000, 1_200_000):
+        assert tokens // sae_batch_size(tokens) >= 300
 
 
 def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
@@ -24,7 +24,8 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["demo", "--model", str(model), "--site", "blocks.1.resid_out", "--max-tokens", "3000",
                  "--describe-tokens", "3000", "--concepts", "8", "--width", "64", "--k", "4", "--out", str(out),
-                 "--no-progress", "--judge-model", str(model)])
+                 "--no-progress", "--judge-model", str(model), "--probe-docs", "60", "40", "--probe-draws", "2",
+                 "--ce-docs", "4"])
     printed = capsys.readouterr().out
     assert code == 0
     for part in ("run.toml", "fit_report.json", "quality.json", "report/index.html", "report/matches.html",
@@ -35,6 +36,15 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
     assert set(quality["extractors"]) == {"deleuzian", "topk", "kmeans", "random/8", "random/64"}  # matched in count
     assert "FVU" in quality["extractors"]["topk"] and "FVU" not in quality["extractors"]["kmeans"]
     assert "base-rate entropy" in printed and "of kept tokens carry" in printed and "optimiser steps" in printed
+    table = printed[printed.index("k = 5 sparse probe per topic"):printed.index("Reconstruction spliced")]
+    for topic in ("business", "entertainment", "politics", "sports", "tech"):
+        assert f"  {topic} k=5 accuracy" in table
+    assert sum(line.strip() == "matched random" or line.strip().startswith("matched random ")
+               for line in table.splitlines()) == 5
+    for name in ("deleuzian", "topk", "kmeans"):
+        assert f"\n{name}: " in table  # the plain verdict per set
+    recon = printed[printed.index("Reconstruction spliced"):]
+    assert "| topk | CE loss recovered |" in recon and "mean-ablation" in recon and "zero-ablation" in recon
     if "no steering example" not in printed:
         table = printed[printed.index("best within budget\n"):]
         rows = table.splitlines()[1:9:2]  # each row: a P(sports) line, then a perplexity line

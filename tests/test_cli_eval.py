@@ -179,8 +179,9 @@ def test_load_concepts_from_a_set_or_a_checkpoint_dir(tmp_path):
 def test_cli_argument_errors(tmp_path, capsys):
     assert main(["eval", str(tmp_path), "--task", "imdb"]) == 2
     assert "unknown task imdb; choose from bbc-news, movie-polarity, wsj-pos" in capsys.readouterr().err
-    assert main(["eval", str(tmp_path), "--suite", "probing,steering"]) == 2
-    assert "unknown suite steering; choose from reconstruction, probing, absorption" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path), "--suite", "probing,axbench"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown suite axbench; choose from reconstruction, probing, absorption" in err and "steering" in err
     assert main(["eval", str(tmp_path), "--task", "bbc-news"]) == 2
     assert "neither a ConceptSet" in capsys.readouterr().err
     assert main(["eval", str(tmp_path), "--task", "bbc-news", "--max-docs", "0"]) == 2

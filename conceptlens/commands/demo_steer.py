@@ -52,8 +52,9 @@ def diff_of_means(lens: Any, tokenizer: Any, site: str, texts: Sequence[str], la
 
 def compare(lens: Any, tokenizer: Any, site: str, norm: float, directions: dict[str, torch.Tensor], judge: Any,
             topic: str, prompts: Sequence[str] = PROMPTS, alphas: Sequence[float] = ALPHAS,
-            max_new_tokens: int = 20) -> list[dict[str, Any]]:
-    """One row per direction (swept over `alphas`) plus the prompt-prefix row (unsteered)."""
+            max_new_tokens: int = 20, prefix: str | None = None) -> list[dict[str, Any]]:
+    """One row per direction (swept over `alphas`) plus the prompt-prefix row (unsteered; `prefix`,
+    by default "Write about TOPIC. "). Each row keeps its per-prompt judged scores (`scores`, per alpha)."""
     from conceptlens.steering import Add, sweep, token_logprob
     from conceptlens.steering.judge import best_within_budget
 
@@ -66,14 +67,16 @@ def compare(lens: Any, tokenizer: Any, site: str, norm: float, directions: dict[
         reference = float(result.reference.nanquantile(0.5))
         best = best_within_budget(result, name)
         rows.append({"row": label, "alphas": result.alphas, "p": result.judged[name].nanmean(1).tolist(),
+                     "scores": result.judged[name].tolist(),
                      "perplexity": result.median_perplexity.tolist(), "best": best, "texts": result.texts})
-    prefix = f"Write about {topic}. "
+    prefix = f"Write about {topic}. " if prefix is None else prefix
     edit = Add(next(iter(directions.values())), 0.0, scale="robust_norm", norm=norm, site=site)  # alpha 0: no edit
     result = sweep(lens, edit, [0.0], [prefix + p for p in prompts], score, max_new_tokens=max_new_tokens,
                    judge=judge, tokenizer=tokenizer)
     p, ppl = float(result.judged[name].nanmean()), float(result.median_perplexity[0])
     fluent = reference is not None and math.isfinite(ppl) and ppl <= 2 * reference
     rows.append({"row": f"prefix {prefix.strip()!r}", "alphas": [0.0], "p": [p], "perplexity": [ppl],
+                 "scores": result.judged[name].tolist(),
                  "best": (0.0, p) if fluent else None, "texts": result.texts})
     return rows
 

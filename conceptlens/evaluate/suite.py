@@ -6,7 +6,8 @@
 
 Parts: `reconstruction` (sets that reconstruct: SAEs, VQ), `probing` (k-sparse probing on the
 labelled sets), `absorption` (first letters; sets that reconstruct) and `quality` (the older
-table of `conceptlens eval --task`: best single concept's probe loss, geometry, LDA cosines).
+table of `conceptlens eval --task`: best single concept's probe loss, geometry, LDA cosines) and
+`steering` (AxBench-style steering toward every bbc-news topic and sentiment, `evaluate.steering`).
 `synthetic` (ground-truth recovery on SAELens's generator, `synthetic.synthetic_lines`) needs no
 model or run folder; `run_parts` leaves it to its caller.
 """
@@ -26,7 +27,7 @@ from conceptlens.evaluate.bootstrap import Estimate
 from conceptlens.evaluate.lines import Line
 from conceptlens.evaluate.probing import CONCEPT_TOP, KS, RANDOM_DRAWS
 
-SUITES = ("reconstruction", "probing", "absorption", "quality", "synthetic")
+SUITES = ("reconstruction", "probing", "absorption", "quality", "steering", "synthetic")
 DEFAULT_SUITES = ("reconstruction", "probing", "absorption")
 PROBE_TASKS = ("bbc-news", "movie-polarity", "wsj-pos", "conll2010-uncertainty")
 
@@ -98,6 +99,12 @@ def run_parts(lens: Any, tok: Any, sets: Mapping[str, ConceptSet], config: Suite
 
             words = alpha_tokens(tok, config.absorption_words, config.seed)
             yield part, absorption_lines(lens, site, decoders, tok, words, seed=config.seed)
+        elif part == "steering":
+            from conceptlens.evaluate.steering import SteeringConfig, steering_lines
+
+            yield part, steering_lines(lens, tok, site, sets, SteeringConfig(max_length=config.max_length,
+                                                                             batch_size=config.batch_size,
+                                                                             seed=config.seed))
         elif part in ("probing", "quality"):
             for task in config.tasks:
                 yield f"{part} {task}", _probing(lens, tok, site, encoders, sets, task, part, config)

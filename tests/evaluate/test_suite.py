@@ -11,8 +11,8 @@ from conceptlens.evaluate.activations import Probed
 
 
 def test_config_names_the_bad_value_and_the_choices():
-    with pytest.raises(ValueError, match=r"unknown suites \['steering'\]; choose from reconstruction, probing"):
-        suite.SuiteConfig(suites=("probing", "steering"))
+    with pytest.raises(ValueError, match=r"unknown suites \['axbench'\]; choose from reconstruction, probing"):
+        suite.SuiteConfig(suites=("probing", "axbench"))
     with pytest.raises(ValueError, match="unknown tasks"):
         suite.SuiteConfig(tasks=("imdb",))
     with pytest.raises(ValueError, match="max_docs must be a positive integer; got 0"):

@@ -1,0 +1,149 @@
+"""The `steering` part of the suite, AxBench-style: can a set's best concept for a label steer
+unrelated prompts toward it, next to a diff-of-means vector, a random direction and a prompt?
+
+    lines = steering_lines(lens, tok, site, {"topk": cs}, SteeringConfig())
+
+Labels: every bbc-news topic, and positive and negative of movie-polarity. Per label:
+- **the set's concept** with the largest difference of mean activation between the label's
+  documents and the others, on `train_docs` documents of the train split only (documents are
+  read as mean activations over their tokens, the probing part's reading via `concept_encoder`);
+  it steers along its direction (centred when the set carries a mean, as the demo does);
+- **diff-of-means**: mean site activation of the label's documents minus the others', same documents;
+- **random**: one seeded Gaussian direction;
+- **prompt prefix**: no edit, the prompts prefixed with "Write about LABEL. " (topics) or
+  "Write something LABEL. " (sentiment).
+Each direction is swept over `alphas` (in robust norms, `Add(..., scale="robust_norm")`) with
+`commands.demo_steer.compare`; the judge (`steering.judge.TopicJudge`: logistic regression on
+mean-pooled MiniLM embeddings, not the steered model) is trained on `judge_docs` documents of the
+test split and its accuracy is measured on as many others (printed as a line of its own); the
+score is the judge's mean P(label) over the prompts at the best alpha within the fluency budget
+(median perplexity under the unsteered model at most 2x the unsteered continuations',
+`best_within_budget`), with a bootstrap interval over prompts at that alpha. The alpha is chosen
+on the same prompts, which flatters every swept row alike (not the prefix row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from conceptlens.evaluate import activations as act
+from conceptlens.evaluate.bootstrap import Estimate, bootstrap
+from conceptlens.evaluate.lines import Line
+
+TASKS = {"bbc-news": "Write about {}. ", "movie-polarity": "Write something {}. "}
+"""Labelled sets whose labels are steered toward, and the prompting baseline's prefix."""
+PROMPTS = ("My favourite recipe for a quick dinner is", "The weather this morning was",
+           "I opened the letter from my bank and", "Yesterday I finally cleaned the garage and",
+           "The best way to learn a new language is", "My neighbour's cat keeps")
+
+
+@dataclass
+class SteeringConfig:
+    prompts: tuple[str, ...] = PROMPTS
+    alphas: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 2.0)
+    max_new_tokens: int = 20
+    train_docs: int = 160
+    """train-split documents the best concept and the diff-of-means vector are chosen on"""
+    judge_docs: int = 200
+    """test-split documents the judge is trained on (and as many others it is scored on)"""
+    judge_model: str = "minilm-l6"
+    max_length: int = 128
+    batch_size: int = 16
+    seed: int = 0
+
+
+def select_concepts(train: act.Probed, label: int) -> dict[str, int]:
+    """Per set, the concept whose document-mean activation is highest on `label`'s documents
+    relative to the others' (mean difference, signed): read from train-split rows only."""
+    pos = train.y == label
+    return {name: int((z[pos].double().mean(0) - z[~pos].double().mean(0)).argmax()) for name, z in train.z.items()}
+
+
+def diff_of_means(train: act.Probed, label: int) -> torch.Tensor:
+    """Mean document activation of `label`'s train documents minus the others'."""
+    pos = train.y == label
+    return (train.x[pos].double().mean(0) - train.x[~pos].double().mean(0)).float()
+
+
+def _steer_direction(cs: Any, j: int) -> torch.Tensor:
+    return (cs.centred() if cs.mean is not None else cs).directions[j]
+
+
+def _at_best(row: dict[str, Any], seed: int) -> Estimate:
+    """The row's mean judged score at its best alpha within the budget, with a bootstrap over prompts."""
+    if row["best"] is None:
+        return Estimate(float("nan"), float("nan"), float("nan"))
+    scores = torch.tensor(row["scores"][row["alphas"].index(row["best"][0])], dtype=torch.float64)
+    per_prompt = torch.stack([scores.nan_to_num(0.0), (~scores.isnan()).double()], 1)
+    return bootstrap(per_prompt, lambda t: t[..., 0] / t[..., 1], seed=seed)
+
+
+def _judge(task: str, encoder: Any, encoder_tok: Any, config: SteeringConfig) -> tuple[Any, Line]:
+    """The task's judge, fitted on test-split documents, and its accuracy on as many others."""
+    from conceptlens import data
+    from conceptlens.steering.judge import TopicJudge
+
+    full = data.load(task, "test")
+    order = act.pick(len(full), 2 * config.judge_docs, config.seed + 1)
+    fit, held = order[:config.judge_docs], order[config.judge_docs:]
+    names = [full.label_names[act.label_of(full, i, False)] for i in range(len(full))]
+    judge = TopicJudge(encoder, encoder_tok, [full.texts[i] for i in fit], [names[i] for i in fit],
+                       max_length=config.max_length, seed=config.seed)
+    right = torch.tensor(judge.classifier.predict(judge.embed([full.texts[i] for i in held]))
+                         == [names[i] for i in held], dtype=torch.float64)
+    accuracy = bootstrap(torch.stack([right, torch.ones_like(right)], 1), lambda t: t[..., 0] / t[..., 1],
+                         seed=config.seed)
+    note = f"{config.judge_model} mean-pooled, logistic regression; {len(fit)} fit, {len(held)} held-out test-split docs"
+    return judge, Line("judge", f"{task} judge held-out accuracy", accuracy, [], note)
+
+
+def steering_lines(lens: Any, tok: Any, site: str, sets: Mapping[str, Any], config: SteeringConfig,
+                   record: list | None = None) -> list[Line]:
+    """Per label of `TASKS`, one line per set: its best concept's judged score within the fluency
+    budget next to random, diff-of-means and prompt-prefix rows; and each judge's own accuracy.
+    `record`, when given, receives (task, label, judge, compare's rows) per label."""
+    from conceptlens import data, models
+    from conceptlens.commands.demo_steer import compare
+    from conceptlens.steering.units import robust_norm
+
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    norm = robust_norm(lens, site)
+    encoders = {name: act.concept_encoder(cs) for name, cs in sets.items()}
+    hidden = next(iter(sets.values())).hidden_size
+    encoder, encoder_tok = models.load(config.judge_model)
+    lines = []
+    for task, prefix in TASKS.items():
+        judge, accuracy = _judge(task, encoder, encoder_tok, config)
+        lines.append(accuracy)
+        full = data.load(task, "train")
+        picked = act.pick(len(full), config.train_docs, config.seed)
+        batches = act.task_batches(tok, [full.texts[i] for i in picked],
+                                   [act.label_of(full, i, False) for i in picked], token_level=False, tag_ids={},
+                                   batch_size=config.batch_size, max_length=config.max_length)
+        train = act.collect(lens, site, encoders, batches)
+        for c, label in enumerate(full.label_names):
+            if not 0 < int((train.y == c).sum()) < len(train.y):
+                continue  # a label absent from (or alone in) the drawn documents has no difference to follow
+            chosen = select_concepts(train, c)
+            directions = {f"{name}:{j}": _steer_direction(sets[name], j) for name, j in chosen.items()}
+            directions["diff-of-means"] = diff_of_means(train, c)
+            g = torch.Generator().manual_seed(3_000_017 + config.seed + c)
+            directions["random"] = torch.randn(hidden, generator=g)
+            rows = compare(lens, tok, site, norm, directions, judge.topic(label), label, config.prompts,
+                           config.alphas, config.max_new_tokens, prefix=prefix.format(label))
+            if record is not None:
+                record.append((task, label, judge, rows))
+            found = {r["row"]: (r, _at_best(r, config.seed)) for r in rows}
+            unsteered = rows[0]["p"][rows[0]["alphas"].index(0.0)] if 0.0 in rows[0]["alphas"] else float("nan")
+            bases = [("random direction", found["random"][1]), ("diff-of-means", found["diff-of-means"][1]),
+                     ("prompt prefix", _at_best(rows[-1], config.seed))]
+            for name, j in chosen.items():
+                row, est = found[f"{name}:{j}"]
+                at = "over budget" if row["best"] is None else f"alpha {row['best'][0]:g}"
+                lines.append(Line(name, f"steer {task} {label}: P({label})", est, bases,
+                                  f"concept {j} at {at}; unsteered {unsteered:.3f}; {len(config.prompts)} prompts"))
+    return lines

@@ -1,0 +1,53 @@
+"""The demo's per-topic probe table: matched controls read as the set is, planted topics win."""
+
+import torch
+import torch.nn.functional as F
+
+from conceptlens.commands.demo_probe import Rows, control_reader, doc_means, summary, topic_lines
+from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.evaluate.lines import verdict
+from conceptlens.evaluate.probing import random_directions
+
+
+def _rows(n_docs: int, d: int, topics: torch.Tensor, seed: int) -> Rows:
+    """Documents of 6 tokens; each token is noise plus its document's topic direction (one per class)."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(3, (n_docs,), generator=g)
+    doc = torch.arange(n_docs).repeat_interleave(6)
+    x = torch.randn(len(doc), d, generator=g) + 2.0 * topics[y[doc]] + 5.0  # an offset, as residuals have
+    return Rows(x, doc, y)
+
+
+def test_doc_means_average_each_documents_rows():
+    z = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 7.0]])
+    assert torch.equal(doc_means(z, torch.tensor([0, 0, 2]), 3), torch.tensor([[2.0, 3.0], [0.0, 0.0], [5.0, 7.0]]))
+
+
+def test_control_is_read_as_the_set_is():
+    g = torch.Generator().manual_seed(0)
+    x, mean = torch.randn(50, 16, generator=g), torch.randn(16, generator=g)
+    dense = ConceptSet(torch.randn(4, 16, generator=g), "s", method="kmeans", mean=mean)
+    r = random_directions(4, 16, 7)
+    expected = F.normalize(x - mean, dim=1) @ r.T  # cosine to the random direction, centred on the set's mean
+    torch.testing.assert_close(control_reader(dense, 4, 7)(x), expected)
+    plain = ConceptSet(torch.randn(4, 16, generator=g), "s", method="random")  # no mean: the projection
+    torch.testing.assert_close(control_reader(plain, 4, 7)(x), x @ r.T)
+
+
+def test_planted_topic_directions_beat_matched_random_and_the_control_matches_the_count():
+    d = 256
+    topics = F.normalize(torch.randn(3, d, generator=torch.Generator().manual_seed(11)), dim=1)
+    train, test = _rows(300, d, topics, 2), _rows(300, d, topics, 3)
+    mean = train.x.mean(0)
+    filler = torch.randn(29, d, generator=torch.Generator().manual_seed(4))
+    planted = ConceptSet(torch.cat([topics + mean, filler + mean]), "s", method="kmeans", mean=mean)
+    lines = topic_lines(train, test, {"planted": planted}, ["a", "b", "c"], k=1, draws=3)
+    assert [ln.metric for ln in lines] == ["a k=1 accuracy", "b k=1 accuracy", "c k=1 accuracy"]
+    assert all(ln.baselines[0][0] == "random 32 dirs x3" for ln in lines)
+    assert all(verdict(ln) == "wins" for ln in lines), [(ln.value, ln.baselines[0][1]) for ln in lines]
+    assert "beats matched random directions on every topic" in summary(lines)
+    noise = ConceptSet(torch.randn(32, d, generator=torch.Generator().manual_seed(5)) + mean, "s", method="kmeans",
+                       mean=mean)
+    lines = topic_lines(train, test, {"noise": noise}, ["a", "b", "c"], k=1, draws=3)
+    assert not any(verdict(ln) == "wins" for ln in lines)
+    assert "does NOT beat" in summary(lines)

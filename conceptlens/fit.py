@@ -138,9 +138,10 @@ class FitReport:
         return "\n".join(lines)
 
 
-def fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any = None,
+def fit(lens: AttachedModel, extractors: Mapping[Any, Any], data: Any, *, tokenizer: Any = None,
         config: FitConfig | None = None) -> FitReport:
     """Stream `data` through the model once, feeding every extractor; see the module docstring.
+    The keys are `Key`s (a mapping's key type is invariant, so any narrower one is accepted; `_plan` checks them).
     The checkpoint_dir is locked while the fit writes it (`conceptlens.runlock`; only rank 0
     of a distributed fit writes it)."""
     config = config or FitConfig()

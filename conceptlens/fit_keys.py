@@ -52,7 +52,9 @@ def canonical_key(lens: AttachedModel, key: Any) -> Key:
     if len(key) < 2 or not (flat or groups):
         raise ValueError(f"a cross-layer key is (source_site, target_site), (site, site, ...) or ((input sites...), "
                          f"(output sites...)); got {key!r}")
-    return tuple(lens.site(k).name if isinstance(k, str) else tuple(lens.site(s).name for s in k) for k in key)
+    if flat:
+        return tuple(lens.site(k).name for k in key)
+    return tuple(lens.site(s).name for s in key[0]), tuple(lens.site(s).name for s in key[1])
 
 
 def where(extractor: Any, key: Key) -> tuple[str, dict[str, Any]]:
@@ -64,8 +66,9 @@ def where(extractor: Any, key: Key) -> tuple[str, dict[str, Any]]:
         return key, {"target_site": None}
     spans = getattr(extractor, "directions_at", "source") == "sites"  # a crosscoder's, even over two sites
     if len(key) == 2 and all(isinstance(k, str) for k in key) and not spans:
-        at = key[1] if getattr(extractor, "directions_at", "source") == "target" else key[0]
-        return at, {"source_site": key[0], "target_site": key[1]}
+        source, target = key_sites(key)
+        at = target if getattr(extractor, "directions_at", "source") == "target" else source
+        return at, {"source_site": source, "target_site": target}
     if all(isinstance(k, str) for k in key):  # a crosscoder reads and writes every site
         return key_name(key), {"target_site": None, "sources": list(key), "targets": list(key)}
     return key_name(key), {"target_site": None, "sources": list(key[0]), "targets": list(key[1])}

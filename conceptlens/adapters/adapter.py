@@ -257,10 +257,10 @@ class Adapter(AttentionSites):
         if lay.mlp_post and not lay.flat_mlp and (module := _get(block, lay.mlp_post)) is not None:
             self._add(f"{b}.mlp.post", module, "input", ("B", "T", in_width(module)), prefix,
                       f"input of {lay.mlp_post} ({type(module).__name__}): the MLP's hidden activations")
-        if (path := mlp_container(lay)) is not None and (module := _get(block, path)) is not None \
+        if (mlp := mlp_container(lay)) is not None and (module := _get(block, mlp)) is not None \
                 and (x := trace.inputs.get(module)) is not None and x.ndim == 3:
             self._add(f"{b}.mlp.in", module, "input", ("B", "T", int(x.shape[-1])), prefix,
-                      f"input of {path} ({type(module).__name__}): what the MLP reads (a transcoder's source)")
+                      f"input of {mlp} ({type(module).__name__}): what the MLP reads (a transcoder's source)")
 
     def _add_sublayers(self, prefix: str, b: str, i: int, block: nn.Module, lay: BlockLayout, trace: Trace,
                        resid: tuple, readings: tuple, e: str) -> None:

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from conceptlens.interface import AttachedModel
 
 Batches = Mapping[str, Tensor] | Iterable[Mapping[str, Tensor]]
+Hooks = dict[str, Callable[[Tensor], Tensor | None]]
 
 
 def _predictor(model: Any, n_inputs: int) -> Callable[[list[Tensor]], list[Tensor]]:
@@ -40,7 +41,7 @@ def _predictor(model: Any, n_inputs: int) -> Callable[[list[Tensor]], list[Tenso
     return lambda xs: list(model.reconstruct(xs))
 
 
-def _loss(lens: AttachedModel, batch: dict[str, Tensor], hooks: dict[str, Callable[[Tensor], Tensor | None]]) -> tuple[float, int]:
+def _loss(lens: AttachedModel, batch: dict[str, Tensor], hooks: Hooks) -> tuple[float, int]:
     handles = [lens.hook(site, fn) for site, fn in hooks.items()]
     try:
         logits = lens.model(**batch).logits
@@ -49,6 +50,18 @@ def _loss(lens: AttachedModel, batch: dict[str, Tensor], hooks: dict[str, Callab
             h.remove()
     total, n = next_token_loss_sum(logits, batch["input_ids"], batch["attention_mask"])
     return float(total), int(n)
+
+
+def _width(lens: AttachedModel, site: str) -> int:
+    shape = lens.site(site).shape
+    if not isinstance(shape[-1], int):
+        raise ValueError(f"site {site!r} has no fixed width (shape {shape}); it cannot be an input of a replacement")
+    return shape[-1]
+
+
+def _moved(new: Tensor) -> Callable[[Tensor], Tensor]:
+    """A reconstruction `new` of the rows, on their device."""
+    return lambda rows: new.to(rows.device)
 
 
 def _prepared(lens: AttachedModel, batches: Batches) -> Iterable[dict[str, Tensor]]:
@@ -77,7 +90,7 @@ def splice_replacement(lens: AttachedModel, inputs: Sequence[str], targets: Sequ
     ins, outs = [lens.site(s).name for s in inputs], [lens.site(s).name for s in targets]
     if set(ins) & set(outs):
         raise ValueError(f"a replacement's inputs and targets must be distinct sites; both hold {set(ins) & set(outs)}")
-    predict, widths = _predictor(model, len(ins)), [lens.site(s).shape[-1] for s in ins]
+    predict, widths = _predictor(model, len(ins)), [_width(lens, s) for s in ins]
     totals, count = torch.zeros(3, dtype=torch.float64), 0
     for batch in _prepared(lens, batches):
         where = splice_mask(batch["attention_mask"], skip_first)
@@ -95,8 +108,9 @@ def splice_replacement(lens: AttachedModel, inputs: Sequence[str], targets: Sequ
                 return predict(xs)[j]
             return fn
 
-        replaced = {s: record(s) for s in ins} | {s: _replacer(predicted(j), where) for j, s in enumerate(outs)}
-        for i, run in enumerate(({}, replaced, {s: _replacer(torch.zeros_like, where) for s in outs})):
+        replaced: Hooks = {s: record(s) for s in ins} | {s: _replacer(predicted(j), where) for j, s in enumerate(outs)}
+        runs: tuple[Hooks, ...] = ({}, replaced, {s: _replacer(torch.zeros_like, where) for s in outs})
+        for i, run in enumerate(runs):
             read.clear()
             total, n = _loss(lens, batch, run)
             totals[i] += total
@@ -121,7 +135,7 @@ def splice_crosscoder(lens: AttachedModel, sites: Sequence[str], model: Any, bat
         totals[:, 0] += clean
         count += n
         for j, site in enumerate(names):
-            spliced = _replacer(lambda rows, new=recon[j]: new.to(rows.device), where)
+            spliced = _replacer(_moved(recon[j]), where)
             totals[j, 1] += _loss(lens, batch, {site: spliced})[0]
             totals[j, 2] += _loss(lens, batch, {site: _replacer(torch.zeros_like, where)})[0]
     return {site: _result(totals[j], count) for j, site in enumerate(names)}

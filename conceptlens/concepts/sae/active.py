@@ -35,13 +35,13 @@ class _ActivePre(torch.autograd.Function):
     """pre[rows, latents] for pre = (x - b_dec) W_enc + b_enc, x without a gradient."""
 
     @staticmethod
-    def forward(ctx, pre: Tensor, x: Tensor, b_dec: Tensor, W_enc: Tensor, b_enc: Tensor,  # type: ignore[override]
+    def forward(ctx, pre: Tensor, x: Tensor, b_dec: Tensor, W_enc: Tensor, b_enc: Tensor,
                 rows: Tensor, latents: Tensor) -> Tensor:
         ctx.save_for_backward(x, b_dec, W_enc, rows, latents)
         return pre.view(-1).index_select(0, rows * pre.shape[1] + latents)
 
     @staticmethod
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
+    def backward(ctx, grad: Tensor):
         x, b_dec, W_enc, rows, latents = ctx.saved_tensors
         d, width = W_enc.shape
         dtype = torch.promote_types(W_enc.dtype, torch.float32)  # bfloat16 weights: float32 sums

@@ -55,7 +55,8 @@ class CrossLayerTranscoder(MultiSite, TopKSAE):
         super().__init__(config, **kwargs)
         self._init_sites()
 
-    def update(self, inputs: Sequence[Tensor], outputs: Sequence[Tensor] | None = None) -> None:
+    # by design a CLT's update takes (inputs, outputs), not one row block
+    def update(self, inputs: Sequence[Tensor], outputs: Sequence[Tensor] | None = None) -> None:  # type: ignore[override]
         """Buffer the same tokens at each layer's MLP input (L tensors `(N, d_in)`) and output (L `(N, d_out)`)."""
         if outputs is None or isinstance(inputs, Tensor) or isinstance(outputs, Tensor):
             raise TypeError(f"{type(self).__name__}.update takes (inputs, outputs): a sequence of L MLP inputs and "
@@ -76,12 +77,12 @@ class CrossLayerTranscoder(MultiSite, TopKSAE):
     # ---- geometry -------------------------------------------------------------------------
     @property
     def layers(self) -> int:
-        return self.shape[0]
+        return self._sites()[0][0]
 
     def _dims(self) -> tuple[int, int, int, int]:
         """(L, d_in, d_out, latents per layer)."""
-        L = self.layers
-        return L, self.widths[0], self.widths[L], self.config.width // L
+        L, widths = self.layers, self._sites()[1]
+        return L, widths[0], widths[L], self.config.width // L
 
     def _mask(self, device: torch.device) -> Tensor:
         """`(width, L * d_out)`: latent of layer l may write target l' iff l <= l'."""
@@ -159,8 +160,8 @@ class CrossLayerTranscoder(MultiSite, TopKSAE):
         """Each layer's raw MLP input -> latents `(N, width)`, layer by layer."""
         return self._encode(self._inputs(inputs), self._raw(), train=False).z
 
-    @torch.no_grad()
-    def reconstruct(self, inputs: Sequence[Tensor] | Tensor) -> list[Tensor]:
+    @torch.no_grad()  # by design the reconstruction is one tensor per layer, not one row block
+    def reconstruct(self, inputs: Sequence[Tensor] | Tensor) -> list[Tensor]:  # type: ignore[override]
         """Each layer's raw MLP input -> each layer's MLP output predicted, L tensors `(N, d_out)`."""
         raw = self._raw()
         y = self._decode(self._encode(self._inputs(inputs), raw, train=False).z, raw)
@@ -174,5 +175,5 @@ class CrossLayerTranscoder(MultiSite, TopKSAE):
         """Decoder rows `(width, L * d_out)`: what each latent writes at every target layer (zero at
         layers before its own); W_enc `(L, d_in, width / L)` comes along."""
         cs = super().concept_set()
-        cs.config.update(widths=list(self.widths[self.layers:]), layers=self.layers)
+        cs.config.update(widths=list(self._sites()[1][self.layers:]), layers=self.layers)
         return cs

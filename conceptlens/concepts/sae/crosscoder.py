@@ -83,8 +83,8 @@ class _Acausal(MultiSite):
         """Raw rows of every site (or their concatenation) -> latents `(N, width)`."""
         return super().encode(self._rows(sites))
 
-    @torch.no_grad()
-    def reconstruct(self, *sites: Tensor) -> list[Tensor]:
+    @torch.no_grad()  # by design the reconstruction is one tensor per site, not one row block
+    def reconstruct(self, *sites: Tensor) -> list[Tensor]:  # type: ignore[override]
         """Raw rows of every site -> each site reconstructed, `[(N, d_1), ..., (N, d_m)]`."""
         return self.split(self.decode(self.encode(*sites)))
 
@@ -96,7 +96,7 @@ class _Acausal(MultiSite):
         """Decoder rows `(width, sum d_i)`: each latent's directions at every site, side by side
         (`config["widths"]` splits them; `split_concept_set` gives one set per site)."""
         cs = super().concept_set()
-        cs.config["widths"] = list(self.widths)
+        cs.config["widths"] = list(self._sites()[1])
         return cs
 
 
@@ -134,7 +134,7 @@ def split_concept_set(cs: ConceptSet, sites: list[str] | None = None) -> dict[st
     widths = cs.config.get("widths")
     if not widths:
         raise ValueError(f"ConceptSet method {cs.method!r} has no per-site widths; it is not a multi-site set")
-    fit = cs.config.get("fit") if isinstance(cs.config.get("fit"), dict) else {}
+    fit = got if isinstance(got := cs.config.get("fit"), dict) else {}
     sites = sites or fit.get("targets") or [f"site_{i}" for i in range(len(widths))]
     if len(sites) != len(widths):
         raise ValueError(f"{len(sites)} site names for a set of {len(widths)} sites")

@@ -14,15 +14,22 @@ float64 and pooled exactly when replicas still warming up merge.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import Tensor
 
+from conceptlens.concepts.base import NotFittedError
+
+if TYPE_CHECKING:  # the mixin always comes before a SparseAutoencoder in the MRO: check it as one
+    from conceptlens.concepts.sae.base import SparseAutoencoder as _SAE
+else:
+    _SAE = object
+
 Groups = Sequence[Tensor | Sequence[Tensor]]
 
 
-class MultiSite:
+class MultiSite(_SAE):
     """Mixin for a `SparseAutoencoder` whose rows are several sites side by side."""
 
     def _init_sites(self) -> None:
@@ -60,6 +67,12 @@ class MultiSite:
 
     def _check_sites(self, shape: list[int], widths: list[int]) -> None:
         """A variant's rule on the sites it reads (how many, which widths must agree)."""
+
+    def _sites(self) -> tuple[list[int], list[int]]:
+        """(sites per group, widths) of the fitted sites; NotFittedError before the first update."""
+        if self.shape is None or self.widths is None:
+            raise NotFittedError(f"{type(self).__name__} has seen no rows yet: its sites are unknown")
+        return self.shape, self.widths
 
     def split(self, x: Tensor) -> list[Tensor]:
         """A concatenated row block `(N, d)` -> one `(N, d_i)` tensor per site."""

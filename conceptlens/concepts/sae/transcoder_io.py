@@ -40,7 +40,7 @@ def export_transcoder(tc: Transcoder | ConceptSet, directory: str | os.PathLike)
     tensors = {"W_enc": enc["W_enc"], "b_enc": enc["b_enc"], "W_dec": cs.directions, "b_dec": enc["b_dec"]}
     if "W_skip" in enc:
         tensors["W_skip"] = enc["W_skip"].T
-    fit = cs.config.get("fit") if isinstance(cs.config.get("fit"), dict) else {}
+    fit = got if isinstance(got := cs.config.get("fit"), dict) else {}
     # a fitted set is labelled with its target site, where its directions live; older sets with the source
     target = fit.get("target_site")
     source = fit.get("source_site", cs.site if target != cs.site else None)

@@ -66,17 +66,17 @@ def compare(lens: Any, tokenizer: Any, site: str, norm: float, directions: dict[
                        judge=judge, tokenizer=tokenizer)
         reference = float(result.reference.nanquantile(0.5))
         best = best_within_budget(result, name)
-        rows.append({"row": label, "alphas": result.alphas, "p": result.judged[name].nanmean(1).tolist(),
-                     "scores": result.judged[name].tolist(),
+        rows.append({"row": label, "alphas": result.alphas, "p": _judged(result, name).nanmean(1).tolist(),
+                     "scores": _judged(result, name).tolist(),
                      "perplexity": result.median_perplexity.tolist(), "best": best, "texts": result.texts})
     prefix = f"Write about {topic}. " if prefix is None else prefix
     edit = Add(next(iter(directions.values())), 0.0, scale="robust_norm", norm=norm, site=site)  # alpha 0: no edit
     result = sweep(lens, edit, [0.0], [prefix + p for p in prompts], score, max_new_tokens=max_new_tokens,
                    judge=judge, tokenizer=tokenizer)
-    p, ppl = float(result.judged[name].nanmean()), float(result.median_perplexity[0])
+    p, ppl = float(_judged(result, name).nanmean()), float(result.median_perplexity[0])
     fluent = reference is not None and math.isfinite(ppl) and ppl <= 2 * reference
     rows.append({"row": f"prefix {prefix.strip()!r}", "alphas": [0.0], "p": [p], "perplexity": [ppl],
-                 "scores": result.judged[name].tolist(),
+                 "scores": _judged(result, name).tolist(),
                  "best": (0.0, p) if fluent else None, "texts": result.texts})
     return rows
 
@@ -124,3 +124,11 @@ def verdict(rows: list[dict[str, Any]], topic: str) -> str:
 
 def write_rows(rows: list[dict[str, Any]], topic: str, accuracy: float, path: Path) -> None:
     Path(path).write_text(json.dumps({"topic": topic, "judge_accuracy": accuracy, "rows": rows}, indent=1))
+
+
+def _judged(result: Any, name: str) -> torch.Tensor:
+    """The sweep's `(alphas, prompts)` scores of judge `name`."""
+    if result.judged is None or name not in result.judged:
+        raise ValueError(f"the sweep has no judged score {name!r}; pass judge=")
+    return result.judged[name]
+

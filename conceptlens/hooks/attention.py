@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, cast
 from weakref import WeakSet
 
 import torch
@@ -35,8 +35,7 @@ _INDEX = MappingProxyType({"q": 0, "k": 1, "v": 2, "pattern": 3})
 def _global_entry(name: str) -> Callable | None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    fn: Callable | None = ALL_ATTENTION_FUNCTIONS._global_mapping.get(name)
-    return fn
+    return cast("Callable | None", ALL_ATTENTION_FUNCTIONS._global_mapping.get(name))  # typed as `function`
 
 
 def _eager_of(module: nn.Module) -> Callable:

@@ -88,11 +88,14 @@ class _Writes:
 
 def stream_hook(manager: HookManager, site: Site, fn: SiteFn, edit: bool = False) -> Handle:
     """Register `fn` at a site whose tensor is its module's output spread over the streams."""
-    key = (id(site.expand.gate), id(site.expand.receiver))  # both live while the state holds `site.expand`
+    expand = site.expand
+    if expand is None:
+        raise ValueError(f"{site.name} is not spread over streams (no expansion)")
+    key = (id(expand.gate), id(expand.receiver))  # both live while the state holds `site.expand`
     states = manager.streams.setdefault(site.module, {})
     state = states.get(key)
     if state is None:
-        state = states[key] = _Writes(manager, site.module, site.expand)
+        state = states[key] = _Writes(manager, site.module, expand)
     state.refs += 1
 
     def release() -> None:

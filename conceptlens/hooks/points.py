@@ -203,6 +203,9 @@ def _output_hook(fn: SiteFn, heads: int | None):
 
 def _flat_output_hook(hooks: HookManager, site: Site, fn: SiteFn, edit: bool = False) -> Handle:
     """For a module fed `(B * T, d)` rows: view its output as `(B, T, d)` for `fn`."""
+    flat_in = site.flat_in
+    if flat_in is None:
+        raise ValueError(f"{site.name} is not read from flattened rows (no flat_in module)")
     batch_shape: list[torch.Size] = []
 
     def remember(module, args, kwargs):
@@ -219,7 +222,7 @@ def _flat_output_hook(hooks: HookManager, site: Site, fn: SiteFn, edit: bool = F
 
     group = HandleGroup()
     try:
-        group.add(hooks.pre_hook(site.flat_in, remember, with_kwargs=True, prepend=True))
+        group.add(hooks.pre_hook(flat_in, remember, with_kwargs=True, prepend=True))
         group.add(hooks.forward_hook(site.module, hook, prepend=edit))
     except BaseException:
         group.remove()
@@ -231,7 +234,7 @@ def _sum_output_hook(hooks: HookManager, site: Site, fn: SiteFn, edit: bool = Fa
     """For a site that is `module`'s output plus `site.plus`'s (a module on the same input, or a
     tuple of modules that finish before it: the other sublayers of its kind): `fn` sees the sum;
     an edit's change is added to `module`'s output (a null edit changes nothing)."""
-    others = site.plus if isinstance(site.plus, tuple) else (site.plus,)
+    others = site.plus if isinstance(site.plus, tuple) else () if site.plus is None else (site.plus,)
     seen: dict[int, Tensor] = {}
 
     def remember(index: int):

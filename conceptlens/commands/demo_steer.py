@@ -14,71 +14,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-import torch
+from conceptlens.steering.compare import ALPHAS, PROMPTS, compare, diff_of_means, mean_activation
 
-from conceptlens.batching import encode_batch
-
-ALPHAS = (0.0, 0.25, 0.5, 1.0, 2.0)
-PROMPTS = ("My favourite recipe for a quick dinner is", "The weather this morning was",
-           "I opened the letter from my bank and")
-
-
-@torch.no_grad()
-def mean_activation(lens: Any, tokenizer: Any, site: str, texts: Sequence[str], max_length: int = 128,
-                    batch_size: int = 16) -> torch.Tensor:
-    """(d,) mean activation at `site` over every (non-padding) token of `texts`."""
-    device = next(lens.model.parameters()).device
-    total, count = None, 0
-    with lens.capture(site) as cap:
-        for start in range(0, len(texts), batch_size):
-            batch = encode_batch(tokenizer, list(texts[start:start + batch_size]), max_length)
-            acts = cap.forward(**{k: v.to(device) for k, v in batch.items()})[site].flatten(1).double().cpu()
-            total = acts.sum(0) if total is None else total + acts.sum(0)
-            count += acts.shape[0]
-    return (total / count).float()
-
-
-def diff_of_means(lens: Any, tokenizer: Any, site: str, texts: Sequence[str], labels: Sequence[Any], topic: Any,
-                  n: int = 48, seed: int = 0) -> torch.Tensor:
-    """Mean activation over `n` `topic` texts minus that over `n` texts of the other topics (seeded draw)."""
-    g = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(texts), generator=g).tolist()
-    pos = [texts[i] for i in order if labels[i] == topic][:n]
-    neg = [texts[i] for i in order if labels[i] != topic][:n]
-    return mean_activation(lens, tokenizer, site, pos) - mean_activation(lens, tokenizer, site, neg)
-
-
-def compare(lens: Any, tokenizer: Any, site: str, norm: float, directions: dict[str, torch.Tensor], judge: Any,
-            topic: str, prompts: Sequence[str] = PROMPTS, alphas: Sequence[float] = ALPHAS,
-            max_new_tokens: int = 20, prefix: str | None = None) -> list[dict[str, Any]]:
-    """One row per direction (swept over `alphas`) plus the prompt-prefix row (unsteered; `prefix`,
-    by default "Write about TOPIC. "). Each row keeps its per-prompt judged scores (`scores`, per alpha)."""
-    from conceptlens.steering import Add, sweep, token_logprob
-    from conceptlens.steering.judge import best_within_budget
-
-    name, score = f"P({topic})", token_logprob(tokenizer, [f" {topic}"])
-    rows, reference = [], None
-    for label, vector in directions.items():
-        edit = Add(vector, 0.0, scale="robust_norm", norm=norm, site=site)
-        result = sweep(lens, edit, alphas, list(prompts), score, max_new_tokens=max_new_tokens,
-                       judge=judge, tokenizer=tokenizer)
-        reference = float(result.reference.nanquantile(0.5))
-        best = best_within_budget(result, name)
-        rows.append({"row": label, "alphas": result.alphas, "p": _judged(result, name).nanmean(1).tolist(),
-                     "scores": _judged(result, name).tolist(),
-                     "perplexity": result.median_perplexity.tolist(), "best": best, "texts": result.texts})
-    prefix = f"Write about {topic}. " if prefix is None else prefix
-    edit = Add(next(iter(directions.values())), 0.0, scale="robust_norm", norm=norm, site=site)  # alpha 0: no edit
-    result = sweep(lens, edit, [0.0], [prefix + p for p in prompts], score, max_new_tokens=max_new_tokens,
-                   judge=judge, tokenizer=tokenizer)
-    p, ppl = float(_judged(result, name).nanmean()), float(result.median_perplexity[0])
-    fluent = reference is not None and math.isfinite(ppl) and ppl <= 2 * reference
-    rows.append({"row": f"prefix {prefix.strip()!r}", "alphas": [0.0], "p": [p], "perplexity": [ppl],
-                 "scores": _judged(result, name).tolist(),
-                 "best": (0.0, p) if fluent else None, "texts": result.texts})
-    return rows
+__all__ = ["ALPHAS", "PROMPTS", "compare", "diff_of_means", "mean_activation", "format_rows", "verdict",
+           "write_rows"]
 
 
 def format_rows(rows: list[dict[str, Any]], topic: str) -> str:
@@ -124,11 +65,3 @@ def verdict(rows: list[dict[str, Any]], topic: str) -> str:
 
 def write_rows(rows: list[dict[str, Any]], topic: str, accuracy: float, path: Path) -> None:
     Path(path).write_text(json.dumps({"topic": topic, "judge_accuracy": accuracy, "rows": rows}, indent=1))
-
-
-def _judged(result: Any, name: str) -> torch.Tensor:
-    """The sweep's `(alphas, prompts)` scores of judge `name`."""
-    if result.judged is None or name not in result.judged:
-        raise ValueError(f"the sweep has no judged score {name!r}; pass judge=")
-    return result.judged[name]
-

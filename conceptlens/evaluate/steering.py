@@ -13,7 +13,7 @@ Labels: every bbc-news topic, and positive and negative of movie-polarity. Per l
 - **prompt prefix**: no edit, the prompts prefixed with "Write about LABEL. " (topics) or
   "Write something LABEL. " (sentiment).
 Each direction is swept over `alphas` (in robust norms, `Add(..., scale="robust_norm")`) with
-`commands.demo_steer.compare`; the judge (`steering.judge.TopicJudge`: logistic regression on
+`steering.compare.compare`; the judge (`steering.judge.TopicJudge`: logistic regression on
 mean-pooled MiniLM embeddings, not the steered model) is trained on `judge_docs` documents of the
 test split and its accuracy is measured on as many others (printed as a line of its own); the
 score is the judge's mean P(label) over the prompts at the best alpha within the fluency budget
@@ -106,7 +106,7 @@ def steering_lines(lens: Any, tok: Any, site: str, sets: Mapping[str, Any], conf
     budget next to random, diff-of-means and prompt-prefix rows; and each judge's own accuracy.
     `record`, when given, receives (task, label, judge, compare's rows) per label."""
     from conceptlens import data, models
-    from conceptlens.commands.demo_steer import compare
+    from conceptlens.steering.compare import compare
     from conceptlens.steering.units import robust_norm
 
     if tok.pad_token_id is None:

@@ -1,6 +1,6 @@
 """Feature absorption, SAEBench's first-letter task on the tokenizer's own vocabulary.
 
-    words = alpha_tokens(tok, 2000)                     # (token id, word) of alphabetic " word" tokens
+    words = alpha_tokens(tok, 2000)                     # (token id, word) of whole-word alphabetic tokens
     lines = absorption_lines(lens, site, {"topk": enc}, tok, words)
 
 Chanin et al.'s metric as SAEBench computes it (`evals/absorption`): the site's activation at
@@ -44,11 +44,46 @@ FULL_COS, FRACTION_COS, PROPORTION, MAX_ABSORBERS = 0.025, 0.1, 0.4, 3
 EPS = 1e-8
 
 
+SPACE_MARKS = (" ", "\u0120", "\u2581")  # a decoded space, byte-level BPE's Ġ, SentencePiece's ▁
+WORD = re.compile(r"[A-Za-z]{2,}")
+
+
+def _pieces(tok: Any) -> tuple[list[str], str | None]:
+    """Each id's vocabulary string and, for a WordPiece tokenizer, its continuation prefix (`##`):
+    there a word starts at every piece without it, elsewhere only at a piece with a space mark."""
+    model = getattr(getattr(tok, "backend_tokenizer", None), "model", None)
+    prefix = getattr(model, "continuing_subword_prefix", None) if type(model).__name__ == "WordPiece" else None
+    if prefix is None and getattr(tok, "wordpiece_tokenizer", None) is not None:  # a slow BERT tokenizer
+        prefix = "##"
+    if hasattr(tok, "convert_ids_to_tokens"):
+        return list(tok.convert_ids_to_tokens(list(range(len(tok))))), prefix
+    return [tok.decode([i]) for i in range(len(tok))], prefix
+
+
+def whole_word(piece: str, prefix: str | None) -> str | None:
+    """The word of a vocabulary piece that is a whole word of two or more ASCII letters, else None:
+    after a space mark (`SPACE_MARKS`), or, in WordPiece (`prefix` given), any piece not starting
+    with the continuation prefix."""
+    if piece[:1] and piece[0] in SPACE_MARKS:
+        word = piece[1:]
+    elif prefix is not None and not piece.startswith(prefix):
+        word = piece
+    else:
+        return None
+    return word if WORD.fullmatch(word) else None
+
+
 def alpha_tokens(tok: Any, limit: int, seed: int = 0) -> list[tuple[int, str]]:
-    """Up to `limit` (token id, word) pairs, drawn with `seed`, of vocabulary tokens that decode to a
-    space and two or more ASCII letters."""
-    pattern = re.compile(r" [A-Za-z]{2,}")
-    found = [(i, text[1:]) for i in range(len(tok)) if pattern.fullmatch(text := tok.decode([i]))]
+    """Up to `limit` (token id, word) pairs, drawn with `seed`, of vocabulary tokens that are whole
+    words of two or more ASCII letters (`whole_word`)."""
+    pieces, prefix = _pieces(tok)
+    found = [(i, word) for i, piece in enumerate(pieces) if (word := whole_word(piece, prefix)) is not None]
+    if not found:
+        looked = (f"WordPiece pieces without the {prefix!r} prefix" if prefix is not None
+                  else "pieces of a space mark (' ', 'Ġ' or '▁')")
+        name = getattr(tok, "name_or_path", "") or type(tok).__name__
+        raise ValueError(f"absorption: no whole-word tokens in the vocabulary of {name} ({len(pieces)} tokens; "
+                         f"looked for {looked} followed by two or more ASCII letters)")
     order = torch.randperm(len(found), generator=torch.Generator().manual_seed(seed))[:limit]
     return [found[i] for i in sorted(order.tolist())]
 

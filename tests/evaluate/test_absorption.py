@@ -1,4 +1,4 @@
-"""First-letter absorption finds a planted absorbing latent; main latents, vocabulary."""
+"""First-letter absorption finds a planted absorbing latent; main latents, vocabulary per tokenizer family."""
 
 import pytest
 import torch
@@ -57,3 +57,34 @@ class _Tokenizer:
 def test_alpha_tokens_keep_spaced_words_of_two_or_more_letters():
     assert alpha_tokens(_Tokenizer(), 10) == [(1, "apple"), (4, "be"), (6, "cat")]
     assert len(alpha_tokens(_Tokenizer(), 2)) == 2
+
+
+def _fast(model):
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(model), unk_token="[UNK]")
+
+
+def test_wordpiece_words_are_the_pieces_without_the_continuation_prefix():
+    from tokenizers.models import WordPiece
+
+    vocab = ["[UNK]", "[CLS]", "apple", "##s", "be", "x", "##ing", "Cat", "a1", "##ly"]
+    tok = _fast(WordPiece({v: i for i, v in enumerate(vocab)}, unk_token="[UNK]"))
+    assert alpha_tokens(tok, 10) == [(2, "apple"), (4, "be"), (7, "Cat")]
+
+
+def test_sentencepiece_and_byte_level_words_follow_their_space_mark():
+    from tokenizers.models import BPE
+
+    vocab = ["[UNK]", "\u2581apple", "apple", "\u2581a", "ing", "\u0120cat", "\u2581be"]
+    tok = _fast(BPE({v: i for i, v in enumerate(vocab)}, [], unk_token="[UNK]"))
+    assert alpha_tokens(tok, 10) == [(1, "apple"), (5, "cat"), (6, "be")]
+
+
+def test_a_vocabulary_without_words_is_a_one_line_error():
+    tok = _Tokenizer()
+    tok.vocab = ["<s>", " a", "Banana", " x1"]
+    with pytest.raises(ValueError, match=r"no whole-word tokens in the vocabulary of _Tokenizer .*' '") as err:
+        alpha_tokens(tok, 10)
+    assert "\n" not in str(err.value)

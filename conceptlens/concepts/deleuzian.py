@@ -170,7 +170,7 @@ class Deleuzian(ExtractorBase):
         self.d: int | None = None
         self._reference: Tensor | None = None  # (reference_size, d) reservoir sample
         self.n_seen = 0
-        self._ready: tuple[int, StreamingKMeans] | None = None  # cached flushed copy for reading
+        self._ready: tuple[int, StreamingKMeans | PaperFit] | None = None  # cached flushed copy for reading
         self.differences = DifferenceReservoir(max_differences, seed=seed + 3)  # paper mode only
         self._paper: PaperFit | None = None  # paper mode: the clusters computed at the last flush
 
@@ -258,14 +258,16 @@ class Deleuzian(ExtractorBase):
         """The inner k-means (paper mode: the flushed clusters) as after `flush()`, without
         changing this object."""
         paper = self.config.mode == "paper"
-        if len(self.buffer) == 0 and (self._paper is not None if paper else self.kmeans.is_initialised):
-            return self._paper if paper else self.kmeans
+        inner = self._paper if paper else self.kmeans
+        if len(self.buffer) == 0 and inner is not None and (paper or self.kmeans.is_initialised):
+            return inner
         if self._ready is None or self._ready[0] != self.n_seen:
             twin = type(self).from_state(self.state_dict())
             twin.flush()
-            if paper and twin._paper is None:
+            fitted = twin._paper if paper else twin.kmeans
+            if fitted is None:  # paper mode without differences
                 raise NotFittedError("Deleuzian (paper mode) has no differences yet; call update(x) first")
-            self._ready = (self.n_seen, twin._paper if paper else twin.kmeans)
+            self._ready = (self.n_seen, fitted)
         return self._ready[1]
 
     @property

@@ -8,6 +8,8 @@ projection (`fused.py`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from torch import nn
 
 from conceptlens.adapters import families
@@ -69,6 +71,16 @@ class AttentionSites:
     """Adds an attention sublayer's sites through the adapter's `_add` (see adapter.py)."""
 
     model_type: str  # the adapter's (its model's `config.model_type`)
+    config: Any  # the model's transformers config (its class varies with the model)
+    problems: dict[str, str]
+    _view: str
+
+    if TYPE_CHECKING:  # the adapter's methods this mixin calls (adapter.py defines them)
+        def _what(self) -> str: ...
+
+        def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
+                 flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: str | None = None,
+                 part=None, row_offset: int = 0, inner: bool = False, expand=None, resid: bool = False) -> None: ...
 
     def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,
                        kv_stack: str, trace: Trace, notes: str) -> None:
@@ -85,7 +97,7 @@ class AttentionSites:
                                                     f"queries to {call.k_len} keys in a forward without cache, so "
                                                     "its keys are not this stack's tokens (merged attention)")
             return
-        if split is not None:
+        if split is not None and call is not None:  # key_layout gives a split only for a call
             heads, v_dim = add_split_attention(self, name, attn, call, split, q_stack, suffix)
         elif call is not None:
             shapes = {"q": ("B", "T", call.heads, call.head_dim), "k": ("B", seq_kv, call.kv_heads, call.head_dim),

@@ -20,6 +20,7 @@ projection output; a null edit is bit-identical.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -70,7 +71,18 @@ def _blocked(width: int) -> dict[str, Part]:  # [q | k | v]
     return {w: Part((3, width), 0, i, i + 1) for i, w in enumerate("qkv")}
 
 
-def _falcon(attn: nn.Module) -> Fused:
+class _FalconAttention(Protocol):
+    """The attributes of transformers' FalconAttention that give its layout."""
+
+    num_heads: int
+    head_dim: int
+    num_kv_heads: int
+    new_decoder_architecture: bool
+    multi_query: bool
+    config: object
+
+
+def _falcon(attn: _FalconAttention) -> Fused:
     h, d = attn.num_heads, attn.head_dim
     if attn.new_decoder_architecture:  # groups of (h / g queries, 1 key, 1 value)
         g = attn.num_kv_heads
@@ -113,7 +125,7 @@ def fused_layout(attn: nn.Module) -> Fused | None:
     fused = make(attn) if make else None
     proj = getattr(attn, fused.projection, None) if fused else None
     width = getattr(proj, "out_features", None) or getattr(proj, "nf", None)  # Linear, or GPT-1's Conv1D
-    if width is None or any(width != _size(p.grid) for p in fused.parts.values()):
+    if fused is None or width is None or any(width != _size(p.grid) for p in fused.parts.values()):
         return None
     return fused
 

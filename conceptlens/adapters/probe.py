@@ -22,6 +22,7 @@ sublayer sites they cannot read exactly, with the reason. The real SmolLM2 in bf
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -185,7 +186,7 @@ def _stack_hook(trace: Trace, prefix: str, last: bool):
     return hook
 
 
-def run_probe(hooks: HookManager, blocks: dict[str, list[nn.Module]], extra: list[nn.Module] = (),
+def run_probe(hooks: HookManager, blocks: dict[str, list[nn.Module]], extra: Sequence[nn.Module] = (),
               stacks: dict[str, nn.Module] | None = None) -> Trace:
     """Run the probe forward on `hooks.model` with every module inside the blocks (and `extra`)
     recorded; it stops once the last stack has returned (so an offloaded LM head is never touched)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, Self, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -142,6 +142,11 @@ class ExtractorBase:
     comm: Any = None
     """A `conceptlens.distributed.Comm` set by a caller that feeds each rank its own rows, else None."""
 
+    if TYPE_CHECKING:  # every subclass defines these (`to` and `from_state` call them)
+        def state_dict(self) -> dict[str, Any]: ...
+
+        def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
     def _set_device(self, device: str | torch.device | None) -> None:
         self.device = None if device is None else torch.device(device)
 
@@ -177,13 +182,13 @@ class ExtractorBase:
             raise ValueError(f"state was saved with a different config: {differ} (key, saved, this)")
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> ExtractorBase:
+    def from_config(cls, config: dict[str, Any]) -> Self:
         """A fresh object from `config_dict()` output (subclasses with other constructors override)."""
         names = {f.name for f in dataclasses.fields(cls.Config)}
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in names})
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> ExtractorBase:
+    def from_state(cls, state: dict[str, Any]) -> Self:
         """A fresh object that has loaded `state`."""
         if not isinstance(state, dict) or "config" not in state:
             raise ValueError(f"not a {cls.__name__} state: expected a dict with a 'config' entry")

@@ -170,7 +170,7 @@ class Deleuzian(ExtractorBase):
         self.d: int | None = None
         self._reference: Tensor | None = None  # (reference_size, d) reservoir sample
         self.n_seen = 0
-        self._ready: tuple[int, StreamingKMeans] | None = None  # cached flushed copy for reading
+        self._ready: tuple[int, StreamingKMeans | PaperFit] | None = None  # cached flushed copy for reading
         self.differences = DifferenceReservoir(max_differences, seed=seed + 3)  # paper mode only
         self._paper: PaperFit | None = None  # paper mode: the clusters computed at the last flush
 
@@ -214,13 +214,13 @@ class Deleuzian(ExtractorBase):
     def _step(self, block: Tensor) -> None:
         # The mixing buffer lives on the CPU; pairing and k-means run where the activations came from.
         if self.config.mode == "paper":  # each row once on the left, a uniform partner on the right
-            block = block.to(self._reference.device).float()
+            block = block.to(self.reference.device).float()
             other = block[torch.randint(block.shape[0], (block.shape[0],), generator=self._gen).to(block.device)]
             diff = block - other
             self.differences.add(diff, (block * diff).sum(1), (other * diff).sum(1))
             self._paper = None
             return
-        diff, weight = oriented_differences(block.to(self._reference.device), self._skew_reference(),
+        diff, weight = oriented_differences(block.to(self.reference.device), self._skew_reference(),
                                             self.config.skew_weighting)
         self.kmeans._update(*self.kmeans._check(diff, weight, validate=False))  # weights finite, >= 0: no host read
 
@@ -244,7 +244,7 @@ class Deleuzian(ExtractorBase):
         blocks = [] if rest is None else [b for b in rest.split(self.config.batch_size) if b.shape[0] >= 2]
         n = len(blocks) if self.comm is None or self.d is None else self.comm.max_int(len(blocks))
         for i in range(n):
-            self._step(blocks[i] if i < len(blocks) else self._reference[:0])
+            self._step(blocks[i] if i < len(blocks) else self.reference[:0])
         if self.config.mode == "paper":
             if self._paper is None and len(self.differences):
                 gen = torch.Generator().manual_seed(self.config.seed + 2)
@@ -258,14 +258,16 @@ class Deleuzian(ExtractorBase):
         """The inner k-means (paper mode: the flushed clusters) as after `flush()`, without
         changing this object."""
         paper = self.config.mode == "paper"
-        if len(self.buffer) == 0 and (self._paper is not None if paper else self.kmeans.is_initialised):
-            return self._paper if paper else self.kmeans
+        inner = self._paper if paper else self.kmeans
+        if len(self.buffer) == 0 and inner is not None and (paper or self.kmeans.is_initialised):
+            return inner
         if self._ready is None or self._ready[0] != self.n_seen:
             twin = type(self).from_state(self.state_dict())
             twin.flush()
-            if paper and twin._paper is None:
+            fitted = twin._paper if paper else twin.kmeans
+            if fitted is None:  # paper mode without differences
                 raise NotFittedError("Deleuzian (paper mode) has no differences yet; call update(x) first")
-            self._ready = (self.n_seen, twin._paper if paper else twin.kmeans)
+            self._ready = (self.n_seen, fitted)
         return self._ready[1]
 
     @property
@@ -290,7 +292,7 @@ class Deleuzian(ExtractorBase):
             return
         if self.d is None:
             self.d = other.d
-            self._reference = other._reference.new_zeros(self.config.reference_size, self.d)
+            self._reference = other.reference.new_zeros(self.config.reference_size, self.d)
         if other.d != self.d:
             raise ValueError(f"cannot merge a Deleuzian of width {other.d} into width {self.d}")
         self._merge_reference(other)
@@ -316,7 +318,7 @@ class Deleuzian(ExtractorBase):
             pick_mine = torch.randperm(mine.shape[0], generator=self._gen)[:n_mine]
             pick_theirs = torch.randperm(theirs.shape[0], generator=self._gen)[: size - n_mine]
             pooled = torch.cat([mine[pick_mine.to(mine.device)], theirs[pick_theirs.to(mine.device)]])
-        self._reference = self._reference.new_zeros(size, self.d)
+        self._reference = mine.new_zeros(size, mine.shape[1])  # mine: a view of the old reservoir
         self._reference[: pooled.shape[0]] = pooled
         self.n_seen = total  # pooled holds min(total, size) rows, as after `total` updates
 

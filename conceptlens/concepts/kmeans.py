@@ -69,7 +69,7 @@ class StreamingKMeans(ExtractorBase):
     @property
     def centres(self) -> Tensor:
         """The centres `(k, d)`; unit vectors when spherical."""
-        c = self._fitted()._centres
+        c = self._fitted()._live()
         return _unit(c) if self.config.spherical else c
 
     @property
@@ -137,9 +137,10 @@ class StreamingKMeans(ExtractorBase):
             self._step(x[i * size:(i + 1) * size], w[i * size:(i + 1) * size], synced)
 
     def _step(self, x: Tensor, w: Tensor, synced: bool = False) -> None:
-        view = _unit(self._centres) if self.config.spherical else self._centres
+        centres = self._live()
+        view = _unit(centres) if self.config.spherical else centres
         labels, best = nearest(x, view)  # chunked fused matmul + argmin, no (N, k) temporaries
-        sums, received = step_statistics(self._centres, self._mass, x, w, labels)
+        sums, received = step_statistics(centres, self._mass, x, w, labels)
         rows = x.shape[0]
         if synced:  # the statistics of the whole step, summed over the ranks, before the update
             k, d = sums.shape
@@ -147,7 +148,7 @@ class StreamingKMeans(ExtractorBase):
                                                received.new_tensor([rows], dtype=torch.float64)]))
             sums, received = packed[: k * d].view(k, d).to(sums.dtype), packed[k * d: k * d + k].to(received.dtype)
             rows = int(packed[-1].item())
-        self._centres, self._mass, received = apply_step(self._centres, self._mass, sums, received)
+        self._centres, self._mass, received = apply_step(centres, self._mass, sums, received)
         self._idle = torch.where(received > 0, 0, self._idle + rows)
         self.n_steps += 1
         if self.config.reseed_after is not None:
@@ -177,13 +178,19 @@ class StreamingKMeans(ExtractorBase):
         n = min(dead.numel(), int((score > 0).sum()))
         if n == 0:
             return
-        rows = torch.multinomial(score, n, replacement=False, generator=self._gen).to(x.device)
-        dead = dead[:n]
-        self._centres[dead] = x[rows].to(self._centres.dtype)
+        picked = torch.multinomial(score, n, replacement=False, generator=self._gen).to(x.device)
+        dead, centres = dead[:n], self._live()
+        centres[dead] = x[picked].to(centres.dtype)
         self._mass[dead] = 0.0
         self._idle[dead] = 0
         self.n_reseeded += n
         self._idle_bound = int(self._idle.max())
+
+    def _live(self) -> Tensor:
+        """The centres `(k, d)` of an initialised object (k-means++ has run)."""
+        if self._centres is None:
+            raise NotFittedError("StreamingKMeans is not initialised yet; call update(x) or flush() first")
+        return self._centres
 
     def _fitted(self) -> StreamingKMeans:
         if self._centres is not None:

@@ -106,9 +106,10 @@ class ConceptDescriber(ExtractorBase):
         self.sums: dict[str, Tensor] | None = None
         self.rows = self.documents = 0
 
-    def _init(self, device: torch.device) -> None:
+    def _init(self, device: torch.device) -> dict[str, Tensor]:
+        """Zero sums on `device`, kept as `self.sums` and returned."""
         n, f64 = self.n, torch.float64
-        self.sums = {
+        sums = {
             "act_sum": torch.zeros(n, dtype=f64, device=device),
             "fire_count": torch.zeros(n, dtype=torch.long, device=device),
             "assign_count": torch.zeros(n, dtype=torch.long, device=device),
@@ -120,15 +121,16 @@ class ConceptDescriber(ExtractorBase):
             "sub_outer": torch.zeros(n, n, device=device),  # float32: addmm in place, no (n, n) copy per batch
         }
         if self.config.n_documents is not None:
-            self.sums["doc_sum"] = torch.zeros(self.config.n_documents, n, dtype=f64, device=device)
-            self.sums["doc_rows"] = torch.zeros(self.config.n_documents, dtype=torch.long, device=device)
+            sums["doc_sum"] = torch.zeros(self.config.n_documents, n, dtype=f64, device=device)
+            sums["doc_rows"] = torch.zeros(self.config.n_documents, dtype=torch.long, device=device)
+        self.sums = sums
+        return sums
 
     @torch.no_grad()
     def update(self, x: Tensor, *, tokens: Any) -> None:
         """x `(N, d)` kept rows; tokens: their `TokenRows` (documents, positions, batch token ids)."""
-        if self.sums is None:
-            self._init(x.device)
-        s, n_rows = self.sums, x.shape[0]
+        s = self.sums if self.sums is not None else self._init(x.device)
+        n_rows = x.shape[0]
         z = self.activations.encode(x).contiguous()  # (N, n)
         local, pos = tokens.doc.to(x.device), tokens.pos.to(x.device)  # documents of this stream
         ids = tokens.ids.to(x.device)
@@ -197,10 +199,9 @@ class ConceptDescriber(ExtractorBase):
                              "described without labels")
         if other.sums is None:
             return
-        if self.sums is None:
-            self._init(other.sums["act_sum"].device)
+        mine = self.sums if self.sums is not None else self._init(other.sums["act_sum"].device)
         for key, value in other.sums.items():
-            self.sums[key] += value.to(self.sums[key].device)
+            mine[key] += value.to(mine[key].device)
         self.top.merge(other.top)
         if self.norms is not None and other.norms is not None:
             self.norms.merge(other.norms)

@@ -83,14 +83,16 @@ class RowStats:
     row sum `(d,)`, active latents, and each latent's firing count `(n,)`."""
 
     def __init__(self, encoder: ConceptEncoder, n_docs: int) -> None:
-        self.encoder, self.n_docs = encoder, n_docs
+        if encoder.decode is None:
+            raise ValueError(f"reconstruction metrics need a set that decodes; this one does not ({encoder.kind})")
+        self.encoder, self.decode, self.n_docs = encoder, encoder.decode, n_docs
         self.scalars: Tensor | None = None  # (D, 4): err, sq, rows, nonzero
         self.sums: Tensor | None = None  # (D, d)
         self.fired: Tensor | None = None  # (D, n)
 
     def update(self, x: Tensor, doc: Tensor) -> None:
         z = self.encoder.encode(x)
-        x_hat = self.encoder.decode(z)
+        x_hat = self.decode(z)
         x = x.double()
         scalars = torch.stack([(x - x_hat.double()).pow(2).sum(1), x.pow(2).sum(1), torch.ones(len(x), dtype=x.dtype),
                                (z != 0).double().sum(1)], 1)
@@ -100,6 +102,12 @@ class RowStats:
             if total is None:
                 total = torch.zeros(self.n_docs, values.shape[1], dtype=torch.float64)
             setattr(self, key, total.index_add_(0, doc, values))
+
+    def totals(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(scalars, sums, fired) once rows have been added."""
+        if self.scalars is None or self.sums is None or self.fired is None:
+            raise ValueError("no rows reached the site: the held-out batches are empty")
+        return self.scalars, self.sums, self.fired
 
 
 def _fvu(t: Tensor) -> Tensor:
@@ -116,10 +124,15 @@ def reconstruction_lines(lens: Any, site: str, encoders: Mapping[str, ConceptEnc
     """FVU, CE-loss recovered, KL, L0, dead and dense fractions of every set in `encoders` (all must decode)."""
     n_docs = sum(len(b["input_ids"]) for b in batches)
     stats = {name: RowStats(enc, n_docs) for name, enc in encoders.items()}
-    edits: dict[str, Callable[[Tensor], Tensor]] = {name: (lambda e: lambda x: e.decode(e.encode(x)))(enc)
-                                                    for name, enc in encoders.items()}
+    edits: dict[str, Callable[[Tensor], Tensor]] = {name: (lambda s: lambda x: s.decode(s.encoder.encode(x)))(s)
+                                                    for name, s in stats.items()}
     edits |= {" zero": torch.zeros_like, " mean": lambda x: site_mean.to(x).expand_as(x)}
-    terms = splice_terms(lens, site, edits, batches, lambda x, doc: [s.update(x, doc) for s in stats.values()])
+
+    def on_rows(x: Tensor, doc: Tensor) -> None:
+        for s in stats.values():
+            s.update(x, doc)
+
+    terms = splice_terms(lens, site, edits, batches, on_rows)
     clean, tokens = terms["clean"][:, :1], terms["clean"][:, 1:]
 
     def ce(key: str) -> Tensor:  # (D, 3): clean, zero, edited CE sums
@@ -132,11 +145,12 @@ def reconstruction_lines(lens: Any, site: str, encoders: Mapping[str, ConceptEnc
     clean_ce = float(clean.sum() / tokens.sum())
     lines = []
     for name, s in stats.items():
-        rows = s.scalars[:, 2:3]
-        per_latent = torch.cat([s.fired, rows], 1)
+        scalars, sums, fired = s.totals()
+        rows = scalars[:, 2:3]
+        per_latent = torch.cat([fired, rows], 1)
         spliced_ce = float(terms[name][:, 0].sum() / tokens.sum())
         lines += [
-            Line(name, "FVU", bootstrap(torch.cat([s.scalars, s.sums], 1), _fvu, seed=seed),
+            Line(name, "FVU", bootstrap(torch.cat([scalars, sums], 1), _fvu, seed=seed),
                  [("mean predictor", Estimate(1.0, math.nan, math.nan))], f"{int(rows.sum()):,} held-out tokens",
                  higher_is_better=False),
             Line(name, "CE loss recovered", bootstrap(ce(name), _recovered, seed=seed),
@@ -144,7 +158,7 @@ def reconstruction_lines(lens: Any, site: str, encoders: Mapping[str, ConceptEnc
                  f"clean {clean_ce:.3f}, spliced {spliced_ce:.3f} nats/token over {int(tokens.sum()):,} predictions"),
             Line(name, "KL to clean (nats/token)", kl(name), [("mean-ablation", mean_kl), ("zero-ablation", zero_kl)],
                  "KL(clean, spliced) of the next-token distributions", higher_is_better=False),
-            Line(name, "L0", bootstrap(s.scalars[:, [3, 2]], lambda t: t[..., 0] / t[..., 1], seed=seed), [],
+            Line(name, "L0", bootstrap(scalars[:, [3, 2]], lambda t: t[..., 0] / t[..., 1], seed=seed), [],
                  "active latents per token"),
             Line(name, "dead fraction", bootstrap(per_latent, lambda t: (t[..., :-1] == 0).double().mean(-1), seed=seed),
                  [], "latents that never fired on the held-out tokens", higher_is_better=False),

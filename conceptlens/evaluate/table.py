@@ -54,12 +54,16 @@ class ReconStats:
         self.fired = fired if self.fired is None else self.fired | fired
 
     def fvu(self) -> float:
+        if self.sum is None:
+            raise ValueError("no rows yet: call update first")
         return self.err / (self.sq - float(self.sum.pow(2).sum()) / self.n)
 
     def l0(self) -> float:
         return self.nonzero / self.n
 
     def dead_fraction(self) -> float:
+        if self.fired is None:
+            raise ValueError("no rows yet: call update first")
         return float((~self.fired).double().mean())
 
 

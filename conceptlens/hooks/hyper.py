@@ -33,7 +33,8 @@ class _Writes:
     """Per (sublayer, expansion): this call's weights and the change edits made to the site."""
 
     def __init__(self, manager: HookManager, module: nn.Module, exp: Expansion) -> None:
-        self.manager, self.exp, self.weights, self.pending, self.refs = manager, exp, None, None, 0
+        self.manager, self.exp, self.weights, self.refs = manager, exp, None, 0
+        self.pending: Tensor | None = None
         self.handles = HandleGroup()
         self.front, self.block = None, exp.block if exp.block is not None else exp.receiver
         try:

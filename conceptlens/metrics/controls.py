@@ -55,22 +55,33 @@ class SiteMoments:
     """Streamed mean `(d,)` and covariance `(d, d)` of activation rows `(N, d)`, in float64."""
 
     def __init__(self) -> None:
-        self.n, self.sum, self.outer = 0, None, None
+        self.n = 0
+        self.sum: Tensor | None = None
+        self.outer: Tensor | None = None
 
     def update(self, x: Tensor) -> None:
         x = x.double()
         s, o = x.sum(0), x.T @ x
-        self.sum, self.outer = (s, o) if self.sum is None else (self.sum + s, self.outer + o)
+        if self.sum is None or self.outer is None:
+            self.sum, self.outer = s, o
+        else:
+            self.sum, self.outer = self.sum + s, self.outer + o
         self.n += len(x)
+
+    def _sums(self) -> tuple[Tensor, Tensor]:
+        if self.sum is None or self.outer is None:
+            raise ValueError("no activation rows yet: call update(x) first")
+        return self.sum, self.outer
 
     @property
     def mean(self) -> Tensor:
-        return (self.sum / self.n).float()
+        return (self._sums()[0] / self.n).float()
 
     @property
     def cov(self) -> Tensor:
-        mean = self.sum / self.n
-        return self.outer / self.n - torch.outer(mean, mean)
+        total, outer = self._sums()
+        mean = total / self.n
+        return outer / self.n - torch.outer(mean, mean)
 
 
 def _frequencies(y: Tensor, n_classes: int) -> Tensor:

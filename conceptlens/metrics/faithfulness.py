@@ -133,6 +133,8 @@ def _control_directions(kind: str, directions: Tensor, concepts: Any, control_se
     if kind == "random":
         return [random_orthonormal(rank, d, generator) for _ in range(n)]
     if kind == "covariance":
+        if moments is None:
+            raise ValueError("covariance controls need the site's moments; got moments=None")
         return [covariance_directions(rank, moments.cov, generator) for _ in range(n)]
     if control_set is None:
         raise ValueError("controls='concepts' needs control_set=, the full ConceptSet the concepts were chosen from")

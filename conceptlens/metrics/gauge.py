@@ -88,10 +88,13 @@ class QueryKeyMoments(ExtractorBase):
             raise ValueError(f"k has {h_kv} heads but n_kv_heads={self.n_kv_heads}")
         if h % h_kv:
             raise ValueError(f"query heads ({h}) must be a multiple of key heads ({h_kv})")
-        if self.sum_qq is not None and (self.sum_qq.shape[0], self.sum_kk.shape[0], self.d_head) != (h, h_kv, dq):
+        if self.sum_qq is None:
+            return
+        sum_qq, sum_kk, _, _ = self._sums()
+        if (sum_qq.shape[0], sum_kk.shape[0], self.d_head) != (h, h_kv, dq):
             raise ValueError(
                 f"got (H={h}, H_kv={h_kv}, d_head={dq}) but earlier batches had "
-                f"(H={self.sum_qq.shape[0]}, H_kv={self.sum_kk.shape[0]}, d_head={self.d_head})"
+                f"(H={sum_qq.shape[0]}, H_kv={sum_kk.shape[0]}, d_head={self.d_head})"
             )
 
     def update(self, q: Tensor, k: Tensor) -> None:
@@ -104,33 +107,31 @@ class QueryKeyMoments(ExtractorBase):
             self.sum_qq, self.sum_kk = qq, kk
             self.sum_q, self.sum_k = q.sum(0), k.sum(0)
         else:
-            self.sum_qq += qq
-            self.sum_kk += kk
-            self.sum_q += q.sum(0)
-            self.sum_k += k.sum(0)
+            for total, part in zip(self._sums(), (qq, kk, q.sum(0), k.sum(0))):
+                total.add_(part)
         self.n_q += q.shape[0]
         self.n_k += k.shape[0]
 
-    def _fitted(self) -> None:
-        if self.sum_qq is None:
+    def _sums(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(sum_qq, sum_kk, sum_q, sum_k), all set by the first update."""
+        if self.sum_qq is None or self.sum_kk is None or self.sum_q is None or self.sum_k is None:
             raise NotFittedError("QueryKeyMoments has seen no data; call update(q, k) first")
+        return self.sum_qq, self.sum_kk, self.sum_q, self.sum_k
 
     @property
     def d_head(self) -> int:
-        self._fitted()
-        return self.sum_qq.shape[-1]
+        return self._sums()[0].shape[-1]
 
     @property
     def group_size(self) -> int:
         """g: query heads per key head."""
-        self._fitted()
-        return self.sum_qq.shape[0] // self.sum_kk.shape[0]
+        sum_qq, sum_kk, _, _ = self._sums()
+        return sum_qq.shape[0] // sum_kk.shape[0]
 
     @property
     def S_q_per_head(self) -> Tensor:
         """E[q q^T] per query head, `(H, d_head, d_head)` float64."""
-        self._fitted()
-        return self.sum_qq / self.n_q
+        return self._sums()[0] / self.n_q
 
     @property
     def S_q(self) -> Tensor:
@@ -141,20 +142,17 @@ class QueryKeyMoments(ExtractorBase):
     @property
     def S_k(self) -> Tensor:
         """E[k k^T] per key head, `(H_kv, d_head, d_head)` float64."""
-        self._fitted()
-        return self.sum_kk / self.n_k
+        return self._sums()[1] / self.n_k
 
     @property
     def mean_q(self) -> Tensor:
         """`(H, d_head)` float64."""
-        self._fitted()
-        return self.sum_q / self.n_q
+        return self._sums()[2] / self.n_q
 
     @property
     def mean_k(self) -> Tensor:
         """`(H_kv, d_head)` float64."""
-        self._fitted()
-        return self.sum_k / self.n_k
+        return self._sums()[3] / self.n_k
 
     def stats(self) -> QKMomentsStats:
         return QKMomentsStats(self.n_q, self.n_k)
@@ -177,11 +175,10 @@ class QueryKeyMoments(ExtractorBase):
     def merge(self, other: QueryKeyMoments | dict[str, Any]) -> None:
         """Add another worker's sums (an object or its state dict, whatever its `n_kv_heads`):
         the result equals one run over both streams."""
-        if isinstance(other, dict):
-            other = QueryKeyMoments.from_state(other)
-        if not isinstance(other, QueryKeyMoments):
-            raise TypeError(f"can only merge a QueryKeyMoments with another; got {type(other).__name__}")
-        self._merge(other)
+        theirs = QueryKeyMoments.from_state(other) if isinstance(other, dict) else other
+        if not isinstance(theirs, QueryKeyMoments):
+            raise TypeError(f"can only merge a QueryKeyMoments with another; got {type(theirs).__name__}")
+        self._merge(theirs)
 
     def _merge(self, other: QueryKeyMoments) -> None:
         if other.sum_qq is None:
@@ -189,15 +186,14 @@ class QueryKeyMoments(ExtractorBase):
         if self.sum_qq is None:
             self.load_state_dict({**other.state_dict(), "config": self.config_dict()})
             return
-        if other.sum_qq.shape != self.sum_qq.shape or other.sum_kk.shape != self.sum_kk.shape:
+        mine, theirs = self._sums(), other._sums()
+        if theirs[0].shape != mine[0].shape or theirs[1].shape != mine[1].shape:
             raise ValueError(
-                f"cannot merge moments of shapes {tuple(other.sum_qq.shape)}/{tuple(other.sum_kk.shape)} "
-                f"into {tuple(self.sum_qq.shape)}/{tuple(self.sum_kk.shape)}"
+                f"cannot merge moments of shapes {tuple(theirs[0].shape)}/{tuple(theirs[1].shape)} "
+                f"into {tuple(mine[0].shape)}/{tuple(mine[1].shape)}"
             )
-        self.sum_qq += other.sum_qq.to(self.sum_qq.device)
-        self.sum_kk += other.sum_kk.to(self.sum_qq.device)
-        self.sum_q += other.sum_q.to(self.sum_qq.device)
-        self.sum_k += other.sum_k.to(self.sum_qq.device)
+        for total, part in zip(mine, theirs):
+            total.add_(part.to(mine[0].device))
         self.n_q += other.n_q
         self.n_k += other.n_k
 

@@ -108,13 +108,15 @@ def _model_type(model: nn.Module) -> str:
 
 def _projection(name: str, m: nn.Module, model_type: str) -> _QKProjection | None:
     """The q/k projections of module `m` if it is an attention module we know, else None."""
-    if all(isinstance(getattr(m, a, None), nn.Linear) for a in ("q_proj", "k_proj")) and hasattr(m, "head_dim"):
+    q_proj, k_proj = getattr(m, "q_proj", None), getattr(m, "k_proj", None)
+    if isinstance(q_proj, nn.Linear) and isinstance(k_proj, nn.Linear) and hasattr(m, "head_dim"):
         if hasattr(m, "q_norm") or hasattr(m, "k_norm"):
             raise NotImplementedError(
                 f"{model_type}: {name} normalises q/k (q_norm/k_norm); a gauge of W_Q/W_K would change "
                 "the normalised vectors, and the smaller group the norm leaves is not implemented"
             )
-        return _QKProjection(name, m.q_proj, m.k_proj, int(m.head_dim))
+        # head_dim is a plain int attribute, which nn.Module's __getattr__ typing (parameters, buffers, children) misses
+        return _QKProjection(name, q_proj, k_proj, int(m.head_dim))  # type: ignore[arg-type]
     if isinstance(getattr(m, "query", None), nn.Linear) and hasattr(m, "attention_head_size"):
         return _QKProjection(name, m.query, m.key, int(m.attention_head_size))
     if type(getattr(m, "c_attn", None)).__name__ == "Conv1D" and hasattr(m, "head_dim"):
@@ -182,7 +184,7 @@ def random_gauge(model: nn.Module, seed: int = 0, group: Group = "auto") -> Gaug
         raise ValueError(f"group must be one of {GROUPS}; got {group!r}")
     projections = _projections(model)
     rotary = _is_rotary(model) if group != "general" else False
-    chosen = "rotary" if group == "rotary" or (group == "auto" and rotary) else "general"
+    chosen: Literal["general", "rotary"] = "rotary" if group == "rotary" or (group == "auto" and rotary) else "general"
     gen = torch.Generator().manual_seed(seed)
     sample = _random_rotary if chosen == "rotary" else _random_general
     matrices = {p.name: sample(p.n_kv_heads, p.d_head, gen) for p in projections}

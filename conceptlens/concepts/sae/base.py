@@ -161,7 +161,7 @@ class SparseAutoencoder(ExtractorBase):
         x, code, x_hat = self._forward(x, w)  # target (B, d), code, x_hat (B, d)
         recon = self._recon_loss(x, code.z, x_hat, w)
         loss = recon + self._penalty(x, x_hat, code, w)
-        self._opt.zero_grad(set_to_none=True)
+        self._optimiser().zero_grad(set_to_none=True)
         loss.backward()
         with torch.no_grad():
             self._apply_gradients()
@@ -183,9 +183,15 @@ class SparseAutoencoder(ExtractorBase):
         if self.unit_decoder:
             W, g = self.params["W_dec"], self.params["W_dec"].grad  # (width, d)
             g -= (g * W).sum(1, keepdim=True) * W
-        self._opt.step()
+        self._optimiser().step()
         if self.unit_decoder:
             W /= W.norm(dim=1, keepdim=True).clamp(min=1e-12)
+
+    def _optimiser(self) -> torch.optim.Adam:
+        """The Adam optimiser, made by `_start` on the first step (or restored from a state)."""
+        if self._opt is None:
+            raise NotFittedError(f"{type(self).__name__} has no optimiser before its first step")
+        return self._opt
 
     def _start(self, x: Tensor) -> None:
         if not self.params:  # (a rebuilt SAE already has its parameters)

@@ -31,7 +31,7 @@ def step(sae: SparseAutoencoder, x: Tensor) -> None:
     if sae._opt is None:
         _start(sae, x)
     w = sae._compute_weights()
-    sae._opt.zero_grad(set_to_none=True)
+    sae._optimiser().zero_grad(set_to_none=True)
     code = None
     counts = x.new_zeros(sae.config.width)
     numbers = x.new_zeros(3, dtype=torch.float64)

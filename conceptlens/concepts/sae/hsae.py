@@ -120,7 +120,7 @@ class HSAE(SparseAutoencoder):
         z = x.new_zeros(x.shape[0], self.config.width)
         z = z.scatter(1, idx, values).scatter(1, M + idx * C + which, best)
         if train:
-            self._train_parts = (top, gated, idx, values, which, best)
+            self._train_parts: tuple[Tensor, ...] = (top, gated, idx, values, which, best)
         return Code(z, z)
 
     def _decode(self, z: Tensor, w: dict[str, Tensor], train: bool = False) -> Tensor:

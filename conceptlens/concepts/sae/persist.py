@@ -107,7 +107,7 @@ def average_replicas(sae: SparseAutoencoder, other: SparseAutoencoder) -> None:
     for name, p in sae.params.items():
         q = other.params[name]
         p.add_(q.to(p.device)).mul_(0.5)
-        mine, theirs = sae._opt.state[p], other._opt.state[q]
+        mine, theirs = sae._optimiser().state[p], other._optimiser().state[q]
         for key in ("exp_avg", "exp_avg_sq"):
             mine[key].add_(theirs[key].to(p.device)).mul_(0.5)
         mine["step"] = torch.maximum(mine["step"], theirs["step"].to(mine["step"].device))

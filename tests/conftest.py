@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 
 import pytest
@@ -101,6 +102,14 @@ class CharTokenizer:
         if truncation and max_length:
             ids = [row[:max_length] for row in ids]
         return {"input_ids": ids}
+
+
+def roundtrip(state):
+    """`state` through `torch.save` and a weights-only `torch.load`, as a checkpoint file carries it."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
 
 
 def assert_same_state(a, b, path: str = "state") -> None:

@@ -5,7 +5,6 @@ builds a fresh object from nothing (same arguments every call), sized for a few 
 rows of width <= 12.
 """
 
-import io
 import json
 
 import pytest
@@ -17,7 +16,7 @@ from conceptlens.concepts.deleuzian import Deleuzian
 from conceptlens.concepts.kmeans import StreamingKMeans
 from conceptlens.concepts.sae import BatchTopKSAE, JumpReLUSAE, MatryoshkaSAE, ReLUSAE, SpaDE, TopKSAE
 from conceptlens.concepts.vq import VQCodebook
-from tests.conftest import assert_same_state
+from tests.conftest import assert_same_state, roundtrip
 
 EXTRACTORS = [
     pytest.param(lambda: StreamingKMeans(6, batch_size=128, init_size=500, reseed_after=1.0, seed=3), id="kmeans"),
@@ -55,13 +54,6 @@ def fitted(factory, chunks):
         ext.update(x)
     return ext
 
-
-def roundtrip(state):
-    """Save and reload as a checkpoint would: torch.save, then torch.load(weights_only=True)."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 @pytest.mark.parametrize("factory", EXTRACTORS + DICTIONARIES)

@@ -1,13 +1,13 @@
 """The Extractor protocol for every SAE variant: resume, raw-space export, merge, errors."""
 
-import io
-
 import pytest
 import torch
 
 from conceptlens.concepts import ConceptSet, Extractor
 from conceptlens.concepts.sae import (ActMSAE, BatchTopKSAE, EWGSAE, JumpReLUSAE, MatryoshkaSAE, ReLUSAE, SpaDE,
                                       TopKSAE, sae_from_concept_set)
+
+from tests.conftest import roundtrip
 
 SMALL = dict(width=24, batch_size=64, warmup_tokens=100, buffer_size=128, dead_after=200)
 VARIANTS = {
@@ -35,12 +35,6 @@ def feed(sae, chunks):
         sae.update(x)
     return sae
 
-
-def roundtrip(state: dict) -> dict:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 def assert_same(a, b):

@@ -1,14 +1,14 @@
 """Cross-layer transcoders: planted features of a synthetic multi-layer MLP, causal writes,
 bit-identical resume, exact merges, raw-space folding."""
 
-import io
-
 import pytest
 import torch
 
 from conceptlens.concepts import ConceptSet
 from conceptlens.concepts.sae.clt import CrossLayerTranscoder
 from conceptlens.concepts.sae.multisite_io import multisite_from_concept_set
+
+from tests.conftest import roundtrip
 
 L, N_FEATURES, ACTIVE, D_IN, D_OUT = 3, 16, 2, 24, 20
 SMALL = dict(width=16, k=2, batch_size=64, warmup_tokens=100, buffer_size=128, dead_after=200)
@@ -77,12 +77,6 @@ def feed(clt, parts):
         clt.update(xs, ys)
     return clt
 
-
-def roundtrip(state):
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 @pytest.mark.parametrize("cut", [1, 6])  # during warm-up, and after several steps

@@ -1,13 +1,13 @@
 """Crosscoders: planted features shared by several sites, bit-identical resume, exact merges, raw-space folding."""
 
-import io
-
 import pytest
 import torch
 
 from conceptlens.concepts import ConceptSet
 from conceptlens.concepts.sae.crosscoder import Crosscoder, ReLUCrosscoder, split_concept_set
 from conceptlens.concepts.sae.multisite_io import multisite_from_concept_set
+
+from tests.conftest import roundtrip
 
 DIMS, SCALES, N_FEATURES, ACTIVE = (16, 12, 8), (1.0, 5.0, 0.3), 24, 3
 SMALL = dict(width=16, batch_size=64, warmup_tokens=100, buffer_size=128, dead_after=200)
@@ -65,12 +65,6 @@ def make(name):
     cls, extra = CLASSES[name]
     return cls(**SMALL, **extra)
 
-
-def roundtrip(state):
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 @pytest.mark.parametrize("name", CLASSES)

@@ -1,13 +1,12 @@
 """Transcoders: planted sparse MLP features, bit-identical resume, merges, raw-space folding, SAELens files."""
 
-import io
-
 import pytest
 import torch
 
 from conceptlens.concepts import ConceptSet
 from conceptlens.concepts.sae.transcoder import SkipTranscoder, Transcoder
 from conceptlens.concepts.sae.transcoder_io import export_transcoder, import_transcoder, transcoder_from_concept_set
+from tests.conftest import roundtrip
 
 D_IN, D_OUT, N_FEATURES, ACTIVE = 32, 24, 64, 3
 SMALL = dict(width=16, batch_size=64, warmup_tokens=100, buffer_size=128, dead_after=200)
@@ -77,12 +76,6 @@ def feed(tc, chunks):
         tc.update(x, y)
     return tc
 
-
-def roundtrip(state):
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 @pytest.mark.parametrize("name", CLASSES)

@@ -95,16 +95,20 @@ class StreamingKMeans(ExtractorBase):
             return
         self._steps(x, weight)
 
+    def _seed_rows(self, x: Tensor, w: Tensor) -> Tensor:
+        """`(k,)` indices of the rows that seed the centres."""
+        # k-means++ costs O(k N d): seed on the first init_size rows even if more arrived at once.
+        head, k = self.config.rows_to_init, self.config.n_concepts
+        seeds = batched_seeds if self.config.batched_init and min(head, x.shape[0]) >= k else kmeans_plusplus
+        return seeds(x[:head], k, self._gen, w[:head])
+
     def flush(self) -> None:
         """Initialise now on the buffered rows, if not yet initialised (no-op otherwise)."""
         if self._centres is not None or self._pending is None:
             return
         x, w = self._pending
         self._pending = None
-        # k-means++ costs O(k N d): seed on the first init_size rows even if more arrived at once.
-        head, k = self.config.rows_to_init, self.config.n_concepts
-        seeds = batched_seeds if self.config.batched_init and min(head, x.shape[0]) >= k else kmeans_plusplus
-        self._centres = x[seeds(x[:head], k, self._gen, w[:head])].float().clone()  # float32 whatever the rows
+        self._centres = x[self._seed_rows(x, w)].float().clone()  # float32 whatever the rows
         self._mass = self._mass.to(x.device)
         self._idle = self._idle.to(x.device)
         self._steps(x, w, shared=True)  # distributed: these rows are the same on every rank

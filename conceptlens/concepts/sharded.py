@@ -30,8 +30,7 @@ from torch import Tensor
 
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.kmeans import StreamingKMeans
-from conceptlens.concepts.kmeans_math import (_unit, apply_step, batched_seeds, kmeans_plusplus, mass_weighted_mean,
-                                              nearest, step_statistics)
+from conceptlens.concepts.kmeans_math import _unit, apply_step, mass_weighted_mean, nearest, step_statistics
 
 
 def shard_range(n: int, world: int, rank: int) -> tuple[int, int]:
@@ -108,9 +107,7 @@ class ShardedKMeans(StreamingKMeans):
             return
         x, w = self._pending
         self._pending = None
-        head, k = self.config.rows_to_init, self.config.n_concepts
-        seeds = batched_seeds if self.config.batched_init and min(head, x.shape[0]) >= k else kmeans_plusplus
-        chosen = seeds(x[:head], k, self._gen, w[:head])  # (k,) the same on every rank
+        chosen = self._seed_rows(x, w)  # (k,) the same on every rank
         lo, hi = self.shards.lo, self.shards.hi
         self._centres = x[chosen[lo:hi]].float().clone()
         self._mass, self._idle = self._mass[lo:hi].to(x.device), self._idle[lo:hi].to(x.device)

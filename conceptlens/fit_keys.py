@@ -72,3 +72,41 @@ def where(extractor: Any, key: Key) -> tuple[str, dict[str, Any]]:
     if all(isinstance(k, str) for k in key):  # a crosscoder reads and writes every site
         return key_name(key), {"target_site": None, "sources": list(key), "targets": list(key)}
     return key_name(key), {"target_site": None, "sources": list(key[0]), "targets": list(key[1])}
+
+
+FORMS = {
+    "site": "one site, e.g. blocks.15.resid_out",
+    "pair": "a source and a target site joined by '->', e.g. blocks.0.mlp.in->blocks.0.mlp_out",
+    "sites": "two or more sites joined by '+', e.g. blocks.3.resid_out+blocks.6.resid_out",
+    "groups": "input sites joined by '+', '->', as many output sites, e.g. "
+              "blocks.0.mlp.in+blocks.1.mlp.in->blocks.0.mlp_out+blocks.1.mlp_out",
+}
+"""How a key is spelled in a run config, by the form an extractor reads: one site, a (source,
+target) pair (transcoders), several sites (crosscoders), input and output groups (cross-layer
+transcoders)."""
+
+
+def parse_key(text: Any, form: str, what: str = "site") -> Key:
+    """A run config's spelling of a key -> the `Key` of that form; a one-line error naming the
+    text and the spelling the form needs (the site names themselves are checked by the model)."""
+    need = f"{what} must be {FORMS[form]}; got {text!r}"
+    if not isinstance(text, str):
+        raise ValueError(need)
+    sides = [[s.strip() for s in side.split("+")] for side in text.split("->")]
+    if any(not s for side in sides for s in side) or len(sides) > 2:
+        raise ValueError(need)
+    if form == "site" and sides == [sides[0][:1]]:
+        return sides[0][0]
+    if form == "pair" and len(sides) == 2 and all(len(side) == 1 for side in sides):
+        return sides[0][0], sides[1][0]
+    if form == "sites" and len(sides) == 1 and len(sides[0]) >= 2:
+        return tuple(sides[0])
+    if form == "groups" and len(sides) == 2 and len(sides[0]) == len(sides[1]):
+        return tuple(sides[0]), tuple(sides[1])
+    raise ValueError(need)
+
+
+def cross_layer(fit_info: Any) -> bool:
+    """Whether a set's fit record (`config["fit"]`) says it reads other sites than its directions'
+    (a transcoder's source, a crosscoder's or cross-layer transcoder's several sites)."""
+    return isinstance(fit_info, dict) and ("source_site" in fit_info or "sources" in fit_info)

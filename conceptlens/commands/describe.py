@@ -54,7 +54,15 @@ def describe_run(lens: Any, cfg: rc.RunConfig, concept_sets: Mapping[str, Any], 
     from conceptlens.commands.sources import source
     from conceptlens.describe import SteeringRequest
 
+    from conceptlens.fit_keys import cross_layer
+
     d = cfg.describe
+    for name in [n for n, cs in concept_sets.items() if cross_layer(cs.config.get("fit"))]:
+        print(f"not describing {name}: it reads other sites than those its directions live at (a transcoder's "
+              "source, a crosscoder's several sites); its latents' contexts need its encoder, not its directions")
+    concept_sets = {n: cs for n, cs in concept_sets.items() if not cross_layer(cs.config.get("fit"))}
+    if not concept_sets:
+        return {}
     data = source(d.data or cfg.data, cfg.shuffle)
     skip = 0 if d.data else consumed
     prompts = (d.prompt, *SteeringRequest.prompts[1:])

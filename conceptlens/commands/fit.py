@@ -3,6 +3,7 @@
     conceptlens fit --model smollm2-135m --data bbc-news --site blocks.15.resid_out \\
         --extractor "topk:width=4608,k=32" --extractor "kmeans:n_concepts=512" --max-tokens 50000 --out runs/x
     conceptlens fit run.toml --max-tokens 100000          # flags override the file
+    conceptlens fit ... --extractor "crosscoder:site=blocks.3.resid_out+blocks.6.resid_out,width=4096,k=32"
 
 Writes RUN/run.toml (the resolved config), RUN/checkpoint.pt (every --checkpoint-every tokens),
 RUN/concepts/<NAME>/ (one ConceptSet per extractor), RUN/fit_report.json, and unless
@@ -44,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="run folder (default runs/fit)")
     parser.add_argument("--site", action="append", help="site to read (repeatable), e.g. blocks.15.resid_out")
     parser.add_argument("--extractor", action="append", metavar="SPEC",
-                        help=f"METHOD:key=value,... (repeatable; name= and site= optional); methods: "
+                        help=f"METHOD:key=value,... (repeatable; name= and site= optional, site= required for "
+                             f"several sites: A->B, A+B, A+B->C+D); methods: "
                              f"{', '.join(rc.METHODS)}")
     parser.add_argument("--batch-size", type=int, help="documents per forward (16)")
     parser.add_argument("--max-length", type=int, help="tokens per document (128)")
@@ -141,11 +143,14 @@ def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, te
     from conceptlens.commands._common import load_model
     from conceptlens.commands.describe import describe_run
     from conceptlens.fit import FitConfig
+    from conceptlens.fit_keys import canonical_key
 
     model, tok = load_model(args, cfg.model)
     lens = conceptlens.attach(model, tok)
     for site in cfg.sites:
         lens.site(site)
+    for spec in cfg.extractors:  # the sites an extractor of several sites names, before anything is written
+        canonical_key(lens, rc.extractor_key(spec))
     if writes:
         out.mkdir(parents=True, exist_ok=True)
         written = dataclasses.replace(cfg, fit=dataclasses.replace(cfg.fit, resume=True))  # a rerun of it resumes

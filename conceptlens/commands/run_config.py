@@ -14,7 +14,9 @@
     width = 4608
     k = 32
 
-Flags override the file (`--site` / `--extractor` replace the file's lists). Everything is
+An extractor of several sites names them in its `site`: "SOURCE->TARGET" for a transcoder,
+"A+B+C" for a crosscoder, "IN1+IN2->OUT1+OUT2" for a cross-layer transcoder (`sites` may then be
+left out). Flags override the file (`--site` / `--extractor` replace the file's lists). Everything is
 checked here, before any model is loaded: unknown keys, methods and hyper-parameters, bad
 numbers, a data source that does not exist, two extractors with one name. Site names are
 checked by the model's own name resolver (`lens.site`) as soon as the model is attached, before
@@ -34,6 +36,7 @@ from conceptlens._checks import check_int
 from conceptlens._content import read_toml as read_checked_toml
 from conceptlens._names import check_name
 from conceptlens.fit import FitConfig
+from conceptlens.fit_keys import Key, parse_key
 
 METHODS = {
     "kmeans": "conceptlens.concepts.kmeans:StreamingKMeans",
@@ -45,7 +48,16 @@ METHODS = {
     "spade": "conceptlens.concepts.sae:SpaDE",
     "matryoshka": "conceptlens.concepts.sae:MatryoshkaSAE",
     "vq": "conceptlens.concepts.vq:VQCodebook",
+    "transcoder": "conceptlens.concepts.sae:Transcoder",
+    "skip_transcoder": "conceptlens.concepts.sae:SkipTranscoder",
+    "crosscoder": "conceptlens.concepts.sae:Crosscoder",
+    "relu_crosscoder": "conceptlens.concepts.sae:ReLUCrosscoder",
+    "cross_layer_transcoder": "conceptlens.concepts.sae:CrossLayerTranscoder",
 }
+KEY_FORMS = {"transcoder": "pair", "skip_transcoder": "pair", "crosscoder": "sites", "relu_crosscoder": "sites",
+             "cross_layer_transcoder": "groups"}
+"""The methods that read several sites, and how their `site` is spelled (`fit_keys.FORMS`); the
+others read one site."""
 
 
 @dataclass
@@ -96,10 +108,15 @@ def method_class(method: str) -> type:
 
 
 def hyper_parameters(cls: type) -> list[str]:
-    """Keyword arguments a method accepts (its Config's fields for SAEs)."""
-    params = inspect.signature(cls).parameters  # the constructor's, without self
-    names = [p for p, v in params.items() if p != "self" and v.kind not in (v.VAR_KEYWORD, v.VAR_POSITIONAL)
-             and v.kind != v.POSITIONAL_ONLY]
+    """Keyword arguments a method accepts (its Config's fields for SAEs): its constructor's, and
+    while a constructor passes **kwargs on, those of the classes it inherits from."""
+    names: list[str] = []
+    for klass in (k for k in cls.__mro__ if "__init__" in vars(k)):
+        params = inspect.signature(klass.__init__).parameters
+        names += [p for p, v in params.items() if p != "self" and p not in names
+                  and v.kind not in (v.VAR_KEYWORD, v.VAR_POSITIONAL, v.POSITIONAL_ONLY)]
+        if not any(v.kind == v.VAR_KEYWORD for v in params.values()):
+            break
     config = getattr(cls, "Config", None)
     if config is not None and dataclasses.is_dataclass(config):
         names += [f.name for f in dataclasses.fields(config) if f.name not in names]
@@ -166,7 +183,8 @@ def from_dict(raw: dict[str, Any]) -> RunConfig:
     sites = raw.get("sites") or []
     if isinstance(sites, str):
         sites = [sites]
-    if not sites:
+    specs = raw.get("extractor") or []
+    if not sites and (not specs or not all(isinstance(e, dict) and e.get("method") in KEY_FORMS for e in specs)):
         raise ValueError("no site given: pass --site blocks.15.resid_out (repeatable) or sites = [...] in the file")
     for site in sites:  # which names are sites depends on the model: its own resolver checks them once it loads
         if not isinstance(site, str) or not site.strip():
@@ -181,7 +199,7 @@ def from_dict(raw: dict[str, Any]) -> RunConfig:
     cfg = RunConfig(raw["model"], raw["data"], list(sites), [], out=out,
                     shuffle=None if shuffle is False else shuffle, fit=_section(FitSection, raw.get("fit", {}), "fit"),
                     describe=_section(DescribeSection, raw.get("describe", {}), "describe"))
-    cfg.extractors = _extractors(raw.get("extractor") or [], cfg.sites)
+    cfg.extractors = _extractors(specs, cfg.sites)
     _check_numbers(cfg)
     _check_steer(cfg)
     return cfg
@@ -215,19 +233,37 @@ def _extractors(specs: list[dict[str, Any]], sites: list[str]) -> list[dict[str,
         for key in spec:
             if key not in valid:
                 raise ValueError(f"{method} has no option {key!r}; valid: name, site, {', '.join(valid)}")
+        if method in KEY_FORMS:  # several sites: one entry, at the key its site spells
+            what = f"extractor {name or method!r} ({method}) site"
+            parse_key(site, KEY_FORMS[method], what)
+            full = check_name(name or method, "extractor name")
+            _claim(names, full, method)
+            out.append({"method": method, "name": full, "site": site, **spec})
+            continue
+        if isinstance(site, str) and ("->" in site or "+" in site):
+            raise ValueError(f"{method} reads one site; {site!r} names several (methods of several sites: "
+                             f"{', '.join(KEY_FORMS)})")
         if site is not None and site not in sites:
             raise ValueError(f"extractor {name or method!r} reads site {site!r}, which is not among the sites "
                              f"{sites}")
         for s in [site] if site else sites:
             full = name or (method if len(sites) == 1 else f"{s}__{method}")
             full = full if site or len(sites) == 1 or not name else f"{s}__{name}"
-            check_name(full, "extractor name")
-            if full in names:
-                raise ValueError(f"two extractors are named {full!r}; give each its own name= "
-                                 f"(e.g. --extractor '{method}:name={method}_2,...')")
-            names[full] = True
+            _claim(names, check_name(full, "extractor name"), method)
             out.append({"method": method, "name": full, "site": s, **spec})
     return out
+
+
+def _claim(names: dict[str, bool], full: str, method: str) -> None:
+    if full in names:
+        raise ValueError(f"two extractors are named {full!r}; give each its own name= "
+                         f"(e.g. --extractor '{method}:name={method}_2,...')")
+    names[full] = True
+
+
+def extractor_key(spec: dict[str, Any]) -> Key:
+    """The fit key of a checked extractor entry: its site, or the sites its `site` spells."""
+    return parse_key(spec["site"], KEY_FORMS.get(spec["method"], "site"))
 
 
 def _check_numbers(cfg: RunConfig) -> None:
@@ -241,8 +277,8 @@ def _check_numbers(cfg: RunConfig) -> None:
         raise ValueError(f"describe.window must be two integers >= 0 (tokens left, right); got {list(window)}")
 
 
-def build(cfg: RunConfig) -> dict[str, dict[str, Any]]:
-    """{site: {name: extractor}} (constructing them checks their hyper-parameters; no model needed)."""
+def build(cfg: RunConfig) -> dict[Key, dict[str, Any]]:
+    """{key: {name: extractor}} (constructing them checks their hyper-parameters; no model needed)."""
     plan: dict[str, dict[str, Any]] = {}
     for spec in cfg.extractors:
         options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()
@@ -251,7 +287,7 @@ def build(cfg: RunConfig) -> dict[str, dict[str, Any]]:
             extractor = method_class(spec["method"])(**options)
         except TypeError as err:
             raise ValueError(f"extractor {spec['name']!r} ({spec['method']}): {err}") from None
-        plan.setdefault(spec["site"], {})[spec["name"]] = extractor
+        plan.setdefault(extractor_key(spec), {})[spec["name"]] = extractor
     return plan
 
 

@@ -8,11 +8,16 @@ import torch
 
 from conceptlens.concepts.sae.sharded import ShardedTopKSAE
 from conceptlens.concepts.sharded import ShardedKMeans
-from conceptlens.concepts import StreamingKMeans, TopKSAE
+from conceptlens.concepts import ShardedVQ, StreamingKMeans, TopKSAE, VQCodebook
 from tests.distributed_workers import global_batches, sae_batches
 
 KMEANS = dict(init_size=150, reseed_after=0.5, seed=3)  # reseeding happens: idle centres are moved
 SAE = dict(width=41, k=3, batch_size=32, buffer_size=32, warmup_tokens=64, dead_after=40, k_aux=4, seed=5)
+VQ = {  # 15 codes (shards of 8 and 7); dead codes are reseeded; top_k 9 is more than a shard holds
+    "vq": dict(init_size=128, top_k=3, reseed_after=4, reseed_threshold=0.5, seed=2),
+    "vq-spherical": dict(init="spherical_kmeans", top_k=9, batch_size=40, init_size=128, reseed_after=3,
+                         reseed_threshold=0.5, seed=1),
+    "vq-random": dict(init="random", init_size=100, top_k=1, seed=0)}
 
 
 def kmeans(sharded: bool, k: int = 15) -> StreamingKMeans:
@@ -23,31 +28,46 @@ def sae(sharded: bool) -> TopKSAE:
     return (ShardedTopKSAE if sharded else TopKSAE)(**SAE)
 
 
-def feed(km: StreamingKMeans, ae: TopKSAE, steps: slice = slice(None)) -> None:
-    """The same rows on every rank, as fit(..., distributed=True) gives them."""
+def vqs(sharded: bool) -> dict[str, VQCodebook]:
+    return {name: (ShardedVQ if sharded else VQCodebook)(15, **kw) for name, kw in VQ.items()}
+
+
+def feed(km: StreamingKMeans, ae: TopKSAE, steps: slice = slice(None), codebooks: dict | None = None) -> None:
+    """The same rows on every rank, as fit(..., distributed=True) gives them (flushed at the end)."""
     for x, _ in global_batches()[steps]:
         km.update(x)
+        for vq in (codebooks or {}).values():
+            vq.update(x)
     for x in sae_batches()[steps]:
         ae.update(x)
+    for vq in (codebooks or {}).values():
+        if steps.stop is None:
+            vq.flush()
 
 
-def outcome(km: StreamingKMeans, ae: TopKSAE) -> dict:
+def outcome(km: StreamingKMeans, ae: TopKSAE, codebooks: dict | None = None) -> dict:
     cs = ae.concept_set()
-    return {"centres": km.concept_set().directions, "mass": km.mass, "reseeded": km.n_reseeded,
-            "directions": cs.directions, "encoder": cs.encoder, "frequency": cs.stats["firing_frequency"],
-            "stats": ae.stats(), "encode": ae.encode(sae_batches()[0][:5])}
+    out = {"centres": km.concept_set().directions, "mass": km.mass, "reseeded": km.n_reseeded,
+           "directions": cs.directions, "encoder": cs.encoder, "frequency": cs.stats["firing_frequency"],
+           "stats": ae.stats(), "encode": ae.encode(sae_batches()[0][:5])}
+    for name, vq in (codebooks or {}).items():
+        book, x = vq.concept_set(), global_batches()[0][0]
+        out[name] = {"codes": book.directions, "stats": book.stats, "mean": book.mean, "fit": vq.stats(),
+                     "fvu": vq.state_dict()["fitted"]["fvu"], "assign": vq.assign(x), "quantize": vq.quantize(x)}
+    return out
 
 
 def sharded_body(comm, out: Path, resume_at: int | None = None) -> dict:
     """Sharded k-means and TopK SAE on the global rows; with `resume_at`, stopped there, saved,
     rebuilt from each rank's state and continued."""
-    km, ae = kmeans(True), sae(True)
+    km, ae, books = kmeans(True), sae(True), vqs(True)
     if resume_at is None:
-        feed(km, ae)
+        feed(km, ae, codebooks=books)
     else:
-        feed(km, ae, slice(None, resume_at))
+        feed(km, ae, slice(None, resume_at), books)
         states = km.state_dict(), ae.state_dict()
         km, ae = ShardedKMeans.from_state(states[0]), ShardedTopKSAE.from_state(states[1])
-        feed(km, ae, slice(resume_at, None))
-    return {**outcome(km, ae), "shard_rows": (km.state_dict()["centres"].shape[0], ae.params["W_dec"].shape[0]),
-            "dead_steps": ae.stats().steps}
+        books = {name: ShardedVQ.from_state(vq.state_dict()) for name, vq in books.items()}
+        feed(km, ae, slice(resume_at, None), books)
+    rows = (km.state_dict()["centres"].shape[0], ae.params["W_dec"].shape[0], books["vq"].fitted.codes.shape[0])
+    return {**outcome(km, ae, books), "shard_rows": rows, "dead_steps": ae.stats().steps}

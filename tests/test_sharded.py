@@ -13,21 +13,23 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 
 
 def _alone() -> dict:
-    km, ae = S.kmeans(False), S.sae(False)
-    S.feed(km, ae)
-    return S.outcome(km, ae)
+    km, ae, books = S.kmeans(False), S.sae(False), S.vqs(False)
+    S.feed(km, ae, codebooks=books)
+    return S.outcome(km, ae, books)
 
 
 @pytest.mark.parametrize("resume_at", [None, 5])
 def test_two_shards_equal_one_unsharded_dictionary(tmp_path, resume_at):
-    """k-means (15 centres: shards of 8 and 7, with reseeding) and a TopK SAE (41 latents, AuxK
-    on dead latents): each rank holds its slice, and the gathered dictionary, the statistics
-    and the encodings equal one unsharded process's, also after a resume from each rank's state."""
+    """k-means (15 centres: shards of 8 and 7, with reseeding), a TopK SAE (41 latents, AuxK
+    on dead latents) and VQ codebooks (15 codes; k-means, spherical and random initialisation,
+    sampling among more nearest codes than a shard holds, a mixing buffer, dead codes reseeded):
+    each rank holds its slice, and the gathered dictionary, the statistics and the encodings
+    equal one unsharded process's, also after a resume from each rank's state."""
     codes, results, _ = W.spawn(S.sharded_body, 2, tmp_path, resume_at)
     assert codes == [0, 0], results
     alone = _alone()
     assert alone["reseeded"] > 0 and alone["stats"].last.dead_fraction > 0  # reseeding and AuxK were exercised
-    assert [r["shard_rows"] for r in results] == [(8, 21), (7, 20)]
+    assert [r["shard_rows"] for r in results] == [(8, 21, 8), (7, 20, 7)]
     for r in results:
         shards = r.pop("shard_rows"), r.pop("dead_steps")
         assert shards
@@ -36,11 +38,13 @@ def test_two_shards_equal_one_unsharded_dictionary(tmp_path, resume_at):
 
 def test_one_process_sharded_is_unsharded():
     """Without a process group a sharded extractor is the unsharded one, bit for bit."""
-    km, ae = S.kmeans(True), S.sae(True)
-    S.feed(km, ae)
-    mine, alone = S.outcome(km, ae), _alone()
+    km, ae, books = S.kmeans(True), S.sae(True), S.vqs(True)
+    S.feed(km, ae, codebooks=books)
+    mine, alone = S.outcome(km, ae, books), _alone()
     for key in ("centres", "directions"):
         torch.testing.assert_close(mine[key], alone[key], rtol=1e-6, atol=1e-7)
+    for name in S.VQ:
+        torch.testing.assert_close(mine[name]["codes"], alone[name]["codes"], rtol=1e-6, atol=1e-7)
 
 
 def _torchrun(script: str, *args) -> None:

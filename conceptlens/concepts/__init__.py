@@ -29,6 +29,7 @@ from conceptlens.concepts.sae import (
 from conceptlens.concepts.sae.sharded import ShardedTopKSAE
 from conceptlens.concepts.sharded import ShardedKMeans
 from conceptlens.concepts.vq import VQCodebook, VQConfig
+from conceptlens.concepts.vq_sharded import ShardedVQ
 
 __all__ = [
     "Extractor", "ExtractorBase", "NotFittedError", "ConceptSet", "MixingBuffer",
@@ -36,4 +37,5 @@ __all__ = [
     "SparseAutoencoder", "SAEConfig", "ReLUSAE", "TopKSAE", "BatchTopKSAE", "JumpReLUSAE", "SpaDE",
     "MatryoshkaSAE", "ArchMSAE", "ActMSAE", "EWGSAE", "MPSAE", "HSAE", "export_saelens", "import_saelens",
     "VQCodebook", "VQConfig", "CLVQTranscoder", "CLVQConfig", "ShardedKMeans", "ShardedTopKSAE",
+    "ShardedVQ",
 ]

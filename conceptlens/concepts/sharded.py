@@ -53,10 +53,21 @@ class Shards:
         if n < self.world:
             raise ValueError(f"cannot shard {n} {what} over {self.world} processes: use at least {self.world}")
         self.lo, self.hi = shard_range(n, self.world, self.rank)
+        self.sizes = [b - a for a, b in (shard_range(n, self.world, r) for r in range(self.world))]
+        """Every rank's number of items, in rank order."""
 
-    def gather(self, t: Tensor) -> Tensor:
-        """Every rank's `t` concatenated along dim 0 in rank order (the whole dictionary)."""
-        return t if self.comm is None else self.comm.gather_rows(t)
+    def gather(self, t: Tensor, sizes: list[int] | None = None) -> Tensor:
+        """Every rank's `t` concatenated along dim 0 in rank order (the whole dictionary);
+        `sizes`: every rank's `len(t)` when known (`self.sizes` for a shard; saves a collective)."""
+        return t if self.comm is None else self.comm.gather_rows(t, sizes)
+
+    def total(self, t: Tensor) -> Tensor:
+        """The sum of `t` over every shard, the same on every rank (the ranks' sums added in rank order)."""
+        if self.comm is None:
+            return t.sum()
+        part = torch.zeros(self.world, dtype=torch.float64)
+        part[self.rank] = t.sum().double()
+        return self.comm.sum_(part).sum().to(t.device, t.dtype)
 
     def nearest(self, x: Tensor, shard: Tensor) -> tuple[Tensor, Tensor]:
         """(global labels (N,), squared distance (N,)) of rows x `(N, d)` to the nearest centre over every shard."""
@@ -64,7 +75,8 @@ class Shards:
         labels = labels + self.lo
         if self.comm is None:
             return labels, best
-        both = self.gather(torch.stack([best.double(), labels.double()]).cpu()).view(self.world, 2, -1)  # (W, 2, N)
+        both = self.gather(torch.stack([best.double(), labels.double()]).cpu(), [2] * self.world)
+        both = both.view(self.world, 2, -1)  # (W, 2, N)
         owner = both[:, 0].argmin(0)  # (N,) the first of equal minima: the lowest centre index
         pick = both[owner, :, torch.arange(owner.numel())]  # (N, 2) the winning rank's (distance, label)
         return pick[:, 1].long().to(x.device), pick[:, 0].to(best.dtype).to(x.device)
@@ -88,12 +100,12 @@ class ShardedKMeans(StreamingKMeans):
 
     @property
     def centres(self) -> Tensor:
-        c = self.shards.gather(self._state()[0])
+        c = self.shards.gather(self._state()[0], self.shards.sizes)
         return _unit(c) if self.config.spherical else c
 
     @property
     def mass(self) -> Tensor:
-        return self.shards.gather(self._state()[1])
+        return self.shards.gather(self._state()[1], self.shards.sizes)
 
     def _update(self, x: Tensor, weight: Tensor) -> None:
         if self.comm is not None:
@@ -138,7 +150,7 @@ class ShardedKMeans(StreamingKMeans):
         self._idle_bound += x.shape[0]
         if self._idle_bound < limit:
             return
-        idle = self.shards.gather(self._idle)  # (k,) the same on every rank
+        idle = self.shards.gather(self._idle, self.shards.sizes)  # (k,) the same on every rank
         self._idle_bound = int(idle.max())
         if self._idle_bound < limit:
             return
@@ -176,4 +188,4 @@ class ShardedKMeans(StreamingKMeans):
                              f"{self.shards.hi - self.shards.lo}: load each rank's state on the same world size")
         super().load_state_dict(state)
         if self._idle is not None and self._idle.numel():  # one bound on every rank (they take the same branches)
-            self._idle_bound = int(self.shards.gather(self._idle).max())
+            self._idle_bound = int(self.shards.gather(self._idle, self.shards.sizes).max())

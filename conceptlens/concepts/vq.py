@@ -273,7 +273,7 @@ class VQCodebook(ExtractorBase):
         """Usage, perplexity and quantisation FVU for the fit report (nan before init)."""
         if self.fitted is None:
             return VQStats(float("nan"), float("nan"), float("nan"), self.steps, self.tokens)
-        counts = self.fitted.counts
+        counts = self.counts  # (a sharded codebook's gathered from every rank)
         share = counts.sum() / self.config.n_codes
         usage = (counts >= self.config.reseed_threshold * share).float().mean().item()
         return VQStats(usage, perplexity(counts).item(), fvu_from_sums(self.fitted.fvu), self.steps,

@@ -20,13 +20,14 @@ InitMethod = Literal["kmeans", "spherical_kmeans", "random"]
 INIT_METHODS = ("kmeans", "spherical_kmeans", "random")
 
 
-def laplace_smooth(counts: Tensor, eps: float) -> Tensor:
+def laplace_smooth(counts: Tensor, eps: float, total: Tensor | None = None, n_codes: int | None = None) -> Tensor:
     """Laplace-smoothed counts (K,) -> (K,): n_i = (N_i + eps) / (N + K eps) * N, N = sum N_i.
 
     The total N is kept and empty codes stay above zero, so sums / counts stays finite.
+    `total`, `n_codes`: N and K of the whole codebook when `counts` is one shard of it.
     """
-    n = counts.sum()
-    return (counts + eps) / (n + len(counts) * eps) * n
+    n = counts.sum() if total is None else total
+    return (counts + eps) / (n + (len(counts) if n_codes is None else n_codes) * eps) * n
 
 
 def ema_update(counts: Tensor, sums: Tensor, batch_counts: Tensor, batch_sums: Tensor,
@@ -35,9 +36,10 @@ def ema_update(counts: Tensor, sums: Tensor, batch_counts: Tensor, batch_sums: T
     return decay * counts + (1 - decay) * batch_counts, decay * sums + (1 - decay) * batch_sums
 
 
-def codes_from_ema(counts: Tensor, sums: Tensor, eps: float) -> Tensor:
-    """Codes (K, d) = EMA sums (K, d) / Laplace-smoothed EMA counts (K,)."""
-    return sums / laplace_smooth(counts, eps)[:, None]
+def codes_from_ema(counts: Tensor, sums: Tensor, eps: float, total: Tensor | None = None,
+                   n_codes: int | None = None) -> Tensor:
+    """Codes (K, d) = EMA sums (K, d) / Laplace-smoothed EMA counts (K,) (`total`, `n_codes`: see `laplace_smooth`)."""
+    return sums / laplace_smooth(counts, eps, total, n_codes)[:, None]
 
 
 def samples_randomly(k: int, temperature: float, n_codes: int) -> bool:
@@ -54,12 +56,19 @@ def sample_top_k(dist: Tensor, k: int, temperature: float,
     `u` `(N, 1)` (a distributed step's slice of the uniforms of the whole step).
     """
     neg, index = (-dist).topk(min(k, dist.shape[1]), dim=1)          # (N, k), nearest first
+    return sample_nearest(neg, index, temperature, generator, u)
+
+
+def sample_nearest(neg: Tensor, index: Tensor, temperature: float,
+                   generator: torch.Generator | None = None, u: Tensor | None = None) -> Tensor:
+    """`sample_top_k` given each row's k nearest codes `index` (N, k), nearest first, and
+    their negated distances `neg` (N, k) (a sharded codebook merges them from every shard)."""
     if temperature == 0 or index.shape[1] == 1:
         return index[:, 0]
     cdf = torch.softmax(neg / temperature, dim=1).cumsum(1)         # (N, k)
     if u is None:
-        u = torch.rand(len(dist), 1, generator=generator, dtype=cdf.dtype)
-    u = u.to(dist.device, cdf.dtype)
+        u = torch.rand(len(neg), 1, generator=generator, dtype=cdf.dtype)
+    u = u.to(neg.device, cdf.dtype)
     choice = (cdf < u).sum(1).clamp(max=index.shape[1] - 1)         # inverse CDF
     return index.gather(1, choice[:, None]).squeeze(1)
 

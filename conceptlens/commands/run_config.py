@@ -24,7 +24,6 @@ anything is written. `to_toml` writes the resolved config back as `RUN/run.toml`
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,19 +32,11 @@ from typing import Any
 from conceptlens._checks import check_int
 from conceptlens._content import read_toml as read_checked_toml
 from conceptlens._names import check_name
+from conceptlens.concepts import registry
 from conceptlens.fit import FitConfig
 
-METHODS = {
-    "kmeans": "conceptlens.concepts.kmeans:StreamingKMeans",
-    "deleuzian": "conceptlens.concepts.deleuzian:Deleuzian",
-    "topk": "conceptlens.concepts.sae:TopKSAE",
-    "batchtopk": "conceptlens.concepts.sae:BatchTopKSAE",
-    "relu": "conceptlens.concepts.sae:ReLUSAE",
-    "jumprelu": "conceptlens.concepts.sae:JumpReLUSAE",
-    "spade": "conceptlens.concepts.sae:SpaDE",
-    "matryoshka": "conceptlens.concepts.sae:MatryoshkaSAE",
-    "vq": "conceptlens.concepts.vq:VQCodebook",
-}
+METHODS = registry.names(rows="site")
+"""The methods `--extractor` fits (those reading one site; the registry declares each one's rows)."""
 
 
 @dataclass
@@ -89,10 +80,12 @@ class RunConfig:
 
 
 def method_class(method: str) -> type:
-    if method not in METHODS:
-        raise ValueError(f"unknown extractor method {method!r}; choose one of {', '.join(METHODS)}")
-    module, name = METHODS[method].split(":")
-    return getattr(importlib.import_module(module), name)
+    found = registry.METHODS.get(registry.canonical(method))
+    if found is None or found.rows != "site":
+        why = (f"unknown extractor method {method!r}" if found is None else
+               f"extractor method {method!r} reads {found.reads}, and a run's extractors read one site each")
+        raise ValueError(f"{why}; choose one of {', '.join(METHODS)}")
+    return found.load()
 
 
 def hyper_parameters(cls: type) -> list[str]:

@@ -15,7 +15,6 @@ that was never interrupted.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import os
@@ -35,6 +34,7 @@ from conceptlens._checks import check_int, unknown_message
 from conceptlens._names import RULE as NAME_RULE, is_name
 from conceptlens.batching import check_max_length, encode_batch
 from conceptlens.checkpoint import CHECKPOINT, FitState, fit_fingerprint
+from conceptlens.concepts import registry
 from conceptlens.concepts.base import NotFittedError
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.devices import input_device
@@ -248,9 +248,8 @@ def _plan(lens: AttachedModel, extractors: Mapping[Key, Any]) -> _Plan:
                                  "each a distinct name: {site: {name: extractor, ...}}")
             named[name], keys[name] = extractor, (canonical, key)
     sites = {s for key, _ in keys.values() for s in key_sites(key)}
-    takes = {name: inspect.signature(e.update).parameters for name, e in named.items()}
-    aware = {name for name in named if "sequence_ids" in takes[name]}
-    tokens = {name for name in named if "tokens" in takes[name]}
+    aware = {name for name, e in named.items() if registry.takes(e, "sequence_ids")}
+    tokens = {name for name, e in named.items() if registry.takes(e, "tokens")}
     return _Plan(named, {name: k for name, (k, _) in keys.items()}, sites, aware, tokens)
 
 

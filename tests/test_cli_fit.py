@@ -13,6 +13,8 @@ import conceptlens.fit
 from conceptlens import models
 from conceptlens.cli import main
 from conceptlens.commands import run_config as rc
+from conceptlens.concepts import ConceptSet, registry
+from conceptlens.concepts.sae import SparseAutoencoder
 from tests.conftest import tiny_model
 from tests.steering.test_sweep import word_tokenizer
 
@@ -136,6 +138,8 @@ def test_describe_command_redoes_the_pass_with_other_options(files, tmp_path, ca
 
 @pytest.mark.parametrize("change, message", [
     (["--extractor", "topq:width=4"], "unknown extractor method 'topq'; choose one of kmeans, deleuzian, topk"),
+    (["--extractor", "clvq:n_codes=4"], "extractor method 'clvq' reads a (source, target) pair of sites, and a "
+                                        "run's extractors read one site each; choose one of kmeans, deleuzian, topk"),
     (["--extractor", "topk:widht=4"], "topk has no option 'widht'; valid: name, site, seed"),
     (["--extractor", "topk:width"], "bad extractor option 'width'"),
     (["--extractor", "topk:width=4,k=9"], "k must be at most width=4; got k=9"),
@@ -247,3 +251,30 @@ def test_extractor_dtype_from_flags_and_a_bad_one_in_one_line():
     raw["extractor"] = [rc.parse_extractor("vq:n_codes=8,dtype=float16")]
     with pytest.raises(ValueError, match=r"^dtype must be one of \('float32', 'bfloat16'\); got 'float16'$"):
         rc.build(rc.from_dict(raw))
+
+
+TINY = {  # every method the CLI fits, at sizes the tiny model's 600 tokens train
+    "kmeans": "n_concepts=4,init_size=64", "deleuzian": "n_concepts=4,reference_size=64,buffer_size=128",
+    "vq": "n_codes=4,init_size=64", "relu": "width=8", "topk": "width=8,k=2", "jumprelu": "width=8",
+    "batchtopk": "width=8,k=2", "spade": "width=8", "matryoshka": "width=8,k=2,prefixes=2/4/8",
+    "actmsae": "width=8,k=2,ks=2/4/8", "ewg": "width=8,groups=2/4/8", "mpsae": "width=8,k=2",
+    "hsae": "parents=4,children=2,subspace=3,k=2",
+}
+SAE_SIZES = ",batch_size=64,warmup_tokens=64"
+
+
+def test_the_cli_fits_every_one_site_method_of_the_registry(files, tmp_path):
+    assert set(TINY) == set(registry.names(rows="site"))
+    assert set(rc.METHODS) == set(registry.names())  # the methods of several sites: test_cli_fit_multisite.py
+    argv = [a for i, a in enumerate(base(files, tmp_path / "all", "--no-describe"))
+            if a != "--extractor" and argv_prev(base(files, tmp_path), i) != "--extractor"]
+    for method, options in TINY.items():
+        sae = issubclass(registry.method(method).load(), SparseAutoencoder)
+        argv += ["--extractor", f"{method}:{options}{SAE_SIZES if sae else ''}"]
+    assert main(argv) == 0
+    for method in TINY:
+        assert ConceptSet.load(tmp_path / "all" / "concepts" / method).method == method
+
+
+def argv_prev(argv, i):
+    return argv[i - 1] if i else None

@@ -26,7 +26,6 @@ anything is written. `to_toml` writes the resolved config back as `RUN/run.toml`
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,27 +34,13 @@ from typing import Any
 from conceptlens._checks import check_int
 from conceptlens._content import read_toml as read_checked_toml
 from conceptlens._names import check_name
+from conceptlens.concepts import registry
 from conceptlens.fit import FitConfig
 from conceptlens.fit_keys import Key, parse_key
 
-METHODS = {
-    "kmeans": "conceptlens.concepts.kmeans:StreamingKMeans",
-    "deleuzian": "conceptlens.concepts.deleuzian:Deleuzian",
-    "topk": "conceptlens.concepts.sae:TopKSAE",
-    "batchtopk": "conceptlens.concepts.sae:BatchTopKSAE",
-    "relu": "conceptlens.concepts.sae:ReLUSAE",
-    "jumprelu": "conceptlens.concepts.sae:JumpReLUSAE",
-    "spade": "conceptlens.concepts.sae:SpaDE",
-    "matryoshka": "conceptlens.concepts.sae:MatryoshkaSAE",
-    "vq": "conceptlens.concepts.vq:VQCodebook",
-    "transcoder": "conceptlens.concepts.sae:Transcoder",
-    "skip_transcoder": "conceptlens.concepts.sae:SkipTranscoder",
-    "crosscoder": "conceptlens.concepts.sae:Crosscoder",
-    "relu_crosscoder": "conceptlens.concepts.sae:ReLUCrosscoder",
-    "cross_layer_transcoder": "conceptlens.concepts.sae:CrossLayerTranscoder",
-}
-KEY_FORMS = {"transcoder": "pair", "skip_transcoder": "pair", "crosscoder": "sites", "relu_crosscoder": "sites",
-             "cross_layer_transcoder": "groups"}
+METHODS = registry.names()
+"""The methods `--extractor` fits: every registered one (the registry declares the rows each reads)."""
+KEY_FORMS = {m.name: m.rows for m in registry.METHODS.values() if m.rows != "site"}
 """The methods that read several sites, and how their `site` is spelled (`fit_keys.FORMS`); the
 others read one site."""
 
@@ -101,10 +86,10 @@ class RunConfig:
 
 
 def method_class(method: str) -> type:
-    if method not in METHODS:
+    found = registry.METHODS.get(registry.canonical(method))
+    if found is None:
         raise ValueError(f"unknown extractor method {method!r}; choose one of {', '.join(METHODS)}")
-    module, name = METHODS[method].split(":")
-    return getattr(importlib.import_module(module), name)
+    return found.load()
 
 
 def hyper_parameters(cls: type) -> list[str]:
@@ -184,7 +169,8 @@ def from_dict(raw: dict[str, Any]) -> RunConfig:
     if isinstance(sites, str):
         sites = [sites]
     specs = raw.get("extractor") or []
-    if not sites and (not specs or not all(isinstance(e, dict) and e.get("method") in KEY_FORMS for e in specs)):
+    if not sites and (not specs or not all(isinstance(e, dict) and registry.canonical(str(e.get("method"))) in KEY_FORMS
+                                  for e in specs)):
         raise ValueError("no site given: pass --site blocks.15.resid_out (repeatable) or sites = [...] in the file")
     for site in sites:  # which names are sites depends on the model: its own resolver checks them once it loads
         if not isinstance(site, str) or not site.strip():
@@ -225,6 +211,7 @@ def _extractors(specs: list[dict[str, Any]], sites: list[str]) -> list[dict[str,
         spec = dict(spec)
         method = spec.pop("method", None)
         cls = method_class(str(method))
+        method = registry.canonical(str(method))
         name, site = spec.pop("name", None), spec.pop("site", None)
         if not isinstance(name, (str, type(None))):  # 'name=a/b' parses as a tuple
             raise ValueError(f"extractor name {'/'.join(map(str, name)) if isinstance(name, tuple) else name!r} is "

@@ -22,15 +22,16 @@ from torch import Tensor
 
 from conceptlens._content import MAX_COUNT, check_concept_tensors, field, parse_json
 from conceptlens._io import atomic_write, remove_leftovers, tensor_digest
+from conceptlens.concepts.registry import canonical, names
 
 FORMAT = "conceptlens.ConceptSet"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1: no checksum, no config copy inside the tensor file
-DIFFERENCE_METHODS = frozenset({"deleuzian", "random"})  # directions, not points near the mean
+DIFFERENCE_METHODS = frozenset({*names(concepts="differences"), "random"})  # directions, not points near the mean
 """Methods whose directions are differences of activations, not points among them (see `centred`)."""
 TENSOR_FILE = "concepts.safetensors"
 CONFIG_FILE = "config.json"
-K_PAST_WIDTH = frozenset({"mp_sae"})
+K_PAST_WIDTH = frozenset(names(k_past_width=True))
 """Methods whose `k` (pursuit steps) may exceed the number of concepts; elsewhere k <= width."""
 REQUIRED_KEYS = ("n_concepts", "hidden_size", "site", "method", "model", "config", "encoder_keys", "stats_keys")
 
@@ -71,7 +72,7 @@ class ConceptSet:
                 raise ValueError(f"stats[{key!r}] has shape {tuple(value.shape)}; its first dimension must be n={n}")
         self.directions = directions.detach().float()
         self.site = site
-        self.method = method
+        self.method = canonical(method)  # sets saved under a method's older name read as its one name
         self.config = dict(config or {})
         self.model = model
         self.hidden_size = d
@@ -95,9 +96,7 @@ class ConceptSet:
         along the mean instead: `c - (c . m) m / |m|^2`. Raises if the set carries no mean.
         """
         if self.mean is None:
-            from conceptlens.concepts.sae.restore import CLASSES as SAE_METHODS
-
-            if self.method in SAE_METHODS:
+            if self.method in names(concepts="decoder"):
                 raise ValueError(f"{self!r} is an SAE's: its decoder rows are directions already, with no centred "
                                  "form; steer and ablate with the set as it is")
             raise ValueError(f"{self!r} carries no mean activation: only sets fitted by k-means, Deleuzian or VQ "
@@ -269,5 +268,5 @@ def _check_types(path: Path, config: dict[str, Any]) -> None:
     field(path, "sha256", config.get("sha256"), str, optional=True)
     width = field(path, "config.width", inner.get("width"), int, low=1, high=MAX_COUNT, optional=True)
     field(path, "config.n_concepts", inner.get("n_concepts"), int, low=1, high=MAX_COUNT, optional=True)
-    k_high = MAX_COUNT if config["method"] in K_PAST_WIDTH else width or max(n, 1)
+    k_high = MAX_COUNT if canonical(config["method"]) in K_PAST_WIDTH else width or max(n, 1)
     field(path, "config.k", inner.get("k"), int, low=1, high=k_high, optional=True)

@@ -28,8 +28,9 @@ import torch
 from torch import Tensor
 
 from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.concepts.registry import names
 
-NEAREST = ("kmeans", "vq", "clvq")
+NEAREST = names(concepts="points")
 
 
 @dataclass

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from conceptlens.concepts import registry
 from conceptlens.metrics.faithfulness import next_token_loss_sum
 from conceptlens.metrics.quality import ce_loss_recovered
 from conceptlens.metrics.splice import SpliceResult, _check_model, _replacer, splice_mask
@@ -36,7 +37,7 @@ Hooks = dict[str, Callable[[Tensor], Tensor | None]]
 
 def _predictor(model: Any, n_inputs: int) -> Callable[[list[Tensor]], list[Tensor]]:
     """inputs -> predicted targets, for a transcoder (one input) or anything whose reconstruct takes a list."""
-    if n_inputs == 1 and getattr(model, "method", "") in ("transcoder", "skip_transcoder"):
+    if n_inputs == 1 and getattr(model, "method", "") in registry.names(rows="pair", concepts="decoder"):
         return lambda xs: [model.reconstruct(xs[0])]
     return lambda xs: list(model.reconstruct(xs))
 

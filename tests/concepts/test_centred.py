@@ -70,7 +70,7 @@ def test_mean_survives_indexing_saving_and_centring_once(tmp_path):
     assert ConceptSet.load(cs.centred().save(tmp_path / "c")).config["centred"] is True
     with pytest.raises(ValueError, match="carries no mean"):
         ConceptSet(torch.randn(2, 8)).centred()
-    for method in ("topk_sae", "jumprelu_sae"):  # an SAE set says what to do instead
+    for method in ("topk", "jumprelu"):  # an SAE set says what to do instead
         with pytest.raises(ValueError, match=r"is an SAE's: its decoder rows are directions already.*as it is$"):
             ConceptSet(torch.randn(2, 8), method=method).centred()
     with pytest.raises(ValueError, match=r"mean has shape \(7,\)"):

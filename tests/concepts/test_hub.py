@@ -57,7 +57,7 @@ def test_hub_cache_offline_ours_and_saelens(tmp_path, monkeypatch):
     assert torch.equal(ours.directions, cs.directions)
     theirs = ConceptSet.from_pretrained(SAES_REPO, subfolder="layer_1", cache_dir=cache,
                                         local_files_only=True)
-    assert theirs.method == "topk_sae" and theirs.site == "blocks.1.resid_out"
+    assert theirs.method == "topk" and theirs.site == "blocks.1.resid_out"
     assert torch.equal(theirs.directions, sae_cs.directions)
     with pytest.raises(FileNotFoundError, match="not in the Hub cache"):
         ConceptSet.from_pretrained(MISSING_REPO, cache_dir=cache, local_files_only=True)

@@ -124,7 +124,7 @@ def test_sae_set_fires_on_positive_latents_and_jaccard_neighbours(lens):
     jac = torch.where(union > 0, both / union.clamp(min=1), 0.0)
     jac.fill_diagonal_(-1)
     torch.testing.assert_close(d.stats["nearest_coact_score"][:, 0], jac.max(1).values.float())
-    assert d.info["coact_kind"] == "jaccard" and d.info["activation"] == "topk_sae encoder"
+    assert d.info["coact_kind"] == "jaccard" and d.info["activation"] == "topk encoder"
     top = d.stats["top_values"]
     assert torch.all((top > 0) | ((top == -torch.inf) & (d.stats["top_doc"] == -1)))  # zero is no context
     for c in range(16):

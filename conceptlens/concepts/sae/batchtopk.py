@@ -54,7 +54,7 @@ class BatchTopKSAE(TopKSAE):
     """Training: batch top-k of ReLU((x - b_dec) W_enc + b_enc); inference: z = pre * (pre > theta)."""
 
     Config = BatchTopKConfig
-    method = "batchtopk_sae"
+    method = "batchtopk"
     config: BatchTopKConfig
     at_most_k_in_training = False  # a token may keep more than k of the batch's k * B
 

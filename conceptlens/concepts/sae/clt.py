@@ -48,7 +48,7 @@ class CrossLayerTranscoder(MultiSite, TopKSAE):
     """z_l = TopK(x_l W_enc^l + b_enc^l); y_hat_l' = sum_{l <= l'} z_l W_dec^{l->l'} + b_dec^l'."""
 
     Config = CLTConfig
-    method = "cross_layer_transcoder"
+    method = "clt"
     distributed = None
 
     def __init__(self, config: CLTConfig | None = None, /, **kwargs: Any) -> None:

@@ -72,7 +72,7 @@ class HSAE(SparseAutoencoder):
     """Top-level TopK of offset-ReLU codes; one child (of `children`) per kept parent, in its subspace."""
 
     Config = HSAEConfig
-    method = "h_sae"
+    method = "hsae"
     config: HSAEConfig
     unit_decoder = False
     folded_by_scale = ("b_dec", "offset")

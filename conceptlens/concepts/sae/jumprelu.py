@@ -93,7 +93,7 @@ class JumpReLUSAE(SparseAutoencoder):
     """z = JumpReLU_theta((x - b_dec) W_enc + b_enc); loss ||x - x_hat||^2 + l0 * ||z||_0."""
 
     Config = JumpReLUConfig
-    method = "jumprelu_sae"
+    method = "jumprelu"
     config: JumpReLUConfig
 
     def _init_params(self, x: Tensor) -> dict[str, Tensor]:

@@ -54,7 +54,7 @@ class MatryoshkaSAE(TopKSAE):
     """TopK encoding; loss sum_m weight_m ||x - (z[:, :m] W_dec[:m] + b_dec)||^2 + AuxK."""
 
     Config = MatryoshkaConfig
-    method = "matryoshka_sae"
+    method = "matryoshka"
     config: MatryoshkaConfig
 
     def _recon_loss(self, x: Tensor, z: Tensor, x_hat: Tensor, w: dict[str, Tensor]) -> Tensor:

@@ -49,7 +49,7 @@ class MPSAE(SparseAutoencoder):
     """z = MP_k(x - b_dec; W); x_hat = z W + b_dec; loss ||x - x_hat||^2 (no sparsity term: k sets it)."""
 
     Config = MPConfig
-    method = "mp_sae"
+    method = "mpsae"
     config: MPConfig
     folded_by_scale = ("b_dec",)
 

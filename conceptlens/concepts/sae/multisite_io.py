@@ -17,11 +17,13 @@ import torch
 
 from conceptlens._content import check_concept_tensors
 from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.concepts.registry import METHODS, names
 from conceptlens.concepts.sae.clt import CrossLayerTranscoder
 from conceptlens.concepts.sae.crosscoder import Crosscoder, ReLUCrosscoder
 from conceptlens.concepts.sae.stats import LatentTracker
 
-CLASSES = {cls.method: cls for cls in (Crosscoder, ReLUCrosscoder, CrossLayerTranscoder)}
+CLASSES: dict[str, type[Crosscoder | ReLUCrosscoder | CrossLayerTranscoder]] = {
+    name: METHODS[name].load() for name in (*names(rows="sites"), *names(rows="groups"))}
 
 
 def multisite_from_concept_set(cs: ConceptSet) -> Crosscoder | ReLUCrosscoder | CrossLayerTranscoder:

@@ -123,7 +123,7 @@ class EWGSAE(SparseAutoencoder):
     """z = ReLU((x - b_dec) W_enc + b_enc); loss ||x - x_hat||^2 + l1 sum_g w_g mean(|z_g|_1 / |x|)."""
 
     Config = EWGConfig
-    method = "ewg_sae"
+    method = "ewg"
     config: EWGConfig
 
     def _activate(self, pre: Tensor, w: dict[str, Tensor], train: bool) -> Tensor:

@@ -59,7 +59,7 @@ class ReLUSAE(SparseAutoencoder):
     """z = ReLU((x - b_dec) W_enc + b_enc); loss ||x - x_hat||^2 + l1 sum_i z_i ||W_dec,i||."""
 
     Config = ReLUConfig
-    method = "relu_sae"
+    method = "relu"
     unit_decoder = False
     config: ReLUConfig
 

@@ -16,21 +16,18 @@ import torch
 
 from conceptlens._content import check_concept_tensors, field
 from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.concepts.registry import METHODS, names
 from conceptlens.concepts.sae.base import SparseAutoencoder
 from conceptlens.concepts.sae.batchtopk import BatchTopKSAE
 from conceptlens.concepts.sae.jumprelu import JumpReLUSAE
 from conceptlens.concepts.sae.hsae import HSAE
-from conceptlens.concepts.sae.matryoshka import MatryoshkaSAE
 from conceptlens.concepts.sae.mpsae import MPSAE
-from conceptlens.concepts.sae.nested import ActMSAE, EWGSAE
-from conceptlens.concepts.sae.relu import ReLUSAE
 from conceptlens.concepts.sae.spade import SpaDE
 from conceptlens.concepts.sae.stats import LatentTracker
-from conceptlens.concepts.sae.topk import TopKSAE
 
-CLASSES: dict[str, type[SparseAutoencoder]] = {
-    cls.method: cls for cls in (ReLUSAE, TopKSAE, BatchTopKSAE, JumpReLUSAE, SpaDE, MatryoshkaSAE, ActMSAE, EWGSAE,
-                                MPSAE, HSAE)}
+CLASSES: dict[str, type[SparseAutoencoder]] = {name: METHODS[name].load()
+                                                for name in names(rows="site", concepts="decoder")}
+"""The SAE classes a one-site set rebuilds into, by method."""
 
 
 def sae_from_concept_set(cs: ConceptSet) -> SparseAutoencoder:

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from conceptlens._content import MAX_COUNT, check_tensor, field, read_json
 from conceptlens._io import atomic_write
 from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.concepts.registry import names, saelens_architectures
 from conceptlens.concepts.sae.base import SparseAutoencoder
 
 CFG_FILE = "cfg.json"
@@ -32,9 +33,9 @@ WEIGHTS_FILE = "sae_weights.safetensors"
 # (older ones are renamed field by field); this names the layout, not a dependency.
 LAYOUT_VERSION = "6.0.0"
 
-ARCHITECTURE = {"relu_sae": "standard", "topk_sae": "topk", "matryoshka_sae": "topk",
-                "jumprelu_sae": "jumprelu", "batchtopk_sae": "jumprelu"}
-METHOD = {"standard": "relu_sae", "topk": "topk_sae", "jumprelu": "jumprelu_sae"}
+# method -> SAELens architecture, and back (an architecture reads as the first method declaring it)
+ARCHITECTURE = saelens_architectures(rows="site")
+METHOD = {arch: next(iter(names(saelens=arch))) for arch in ("standard", "topk", "jumprelu")}
 # our site names -> TransformerLens hook names, which SAELens configs use
 HOOKS = {"resid_in": "hook_resid_pre", "resid_out": "hook_resid_post",
          "attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out", "mlp.in": "ln2.hook_normalized"}

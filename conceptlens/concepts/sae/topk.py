@@ -62,7 +62,7 @@ class TopKSAE(SparseAutoencoder):
     """z = ReLU(TopK((x - b_dec) W_enc + b_enc)); loss ||x - x_hat||^2 + AuxK."""
 
     Config = TopKConfig
-    method = "topk_sae"
+    method = "topk"
     config: TopKConfig
     at_most_k_in_training: ClassVar[bool] = True
     """Whether training codes have at most k nonzeros per row (so the decode can gather)."""

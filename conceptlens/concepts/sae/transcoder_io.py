@@ -22,12 +22,13 @@ from safetensors.torch import load_file, save_file
 
 from conceptlens._io import atomic_write
 from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.concepts.registry import METHODS, names, saelens_architectures
 from conceptlens.concepts.sae.saelens import CFG_FILE, LAYOUT_VERSION, WEIGHTS_FILE, hook_name
 from conceptlens.concepts.sae.stats import LatentTracker
 from conceptlens.concepts.sae.transcoder import SkipTranscoder, Transcoder
 
-ARCHITECTURE = {"transcoder": "transcoder", "skip_transcoder": "skip_transcoder"}
-CLASSES = {"transcoder": Transcoder, "skip_transcoder": SkipTranscoder}
+ARCHITECTURE = saelens_architectures(rows="pair")
+CLASSES: dict[str, type[Transcoder]] = {name: METHODS[name].load() for name in ARCHITECTURE}
 
 
 def export_transcoder(tc: Transcoder | ConceptSet, directory: str | os.PathLike) -> Path:
@@ -69,8 +70,8 @@ def import_transcoder(directory: str | os.PathLike) -> ConceptSet:
             raise FileNotFoundError(f"{directory / name} not found: a SAELens folder holds {CFG_FILE} and {WEIGHTS_FILE}")
     cfg = json.loads((directory / CFG_FILE).read_text())
     arch = cfg.get("architecture")
-    if arch not in CLASSES:
-        raise ValueError(f"architecture {arch!r} is not a transcoder; supported: {sorted(CLASSES)}")
+    if arch not in ARCHITECTURE.values():
+        raise ValueError(f"architecture {arch!r} is not a transcoder; supported: {sorted(ARCHITECTURE.values())}")
     if cfg.get("normalize_activations", "none") not in ("none", None, False):
         raise ValueError(f"normalize_activations={cfg['normalize_activations']!r} is not supported; fold it first")
     w = {k: v.float() for k, v in load_file(directory / WEIGHTS_FILE).items()}
@@ -88,7 +89,7 @@ def import_transcoder(directory: str | os.PathLike) -> ConceptSet:
     meta = cfg.get("metadata") or {}
     config = {"width": width, "d_in": d_in, "source": "saelens", "hook_name": meta.get("hook_name"),
               "hook_name_out": meta.get("hook_name_out")}
-    return ConceptSet(w["W_dec"], meta.get("conceptlens_site"), method=arch, config=config,
+    return ConceptSet(w["W_dec"], meta.get("conceptlens_site"), method=names(saelens=arch)[0], config=config,
                       model=meta.get("model_name"), encoder=encoder)
 
 

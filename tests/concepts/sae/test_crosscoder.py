@@ -160,4 +160,4 @@ def test_saved_set_rebuilds_the_same_crosscoder(name, tmp_path):
     for a, b in zip(rebuilt.reconstruct(*xs), cc.reconstruct(*xs)):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="not a multi-site set"):
-        multisite_from_concept_set(ConceptSet(torch.eye(3), method="topk_sae"))
+        multisite_from_concept_set(ConceptSet(torch.eye(3), method="topk"))

@@ -171,7 +171,7 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="input width 10"):
         tc.update(torch.ones(4, 9), torch.ones(4, 6))
     with pytest.raises(ValueError, match="not a transcoder"):
-        transcoder_from_concept_set(ConceptSet(torch.eye(3), method="topk_sae"))
+        transcoder_from_concept_set(ConceptSet(torch.eye(3), method="topk"))
 
 
 def test_fit_feeds_a_transcoder_the_same_tokens_at_two_sites():

@@ -13,6 +13,7 @@ import conceptlens
 from conceptlens import models
 from conceptlens.cli import main
 from conceptlens.commands import run_config as rc
+from conceptlens.concepts.clvq import CLVQTranscoder
 from conceptlens.concepts.sae import Crosscoder, CrossLayerTranscoder, Transcoder
 from tests.test_cli_fit import files  # noqa: F401 - the module's saved tiny Llama and documents
 
@@ -32,22 +33,24 @@ def test_cli_fits_multi_site_keys_as_the_library_does(files, tmp_path, capsys): 
     out = tmp_path / "run"
     code = main(argv(files, out, f"transcoder:site={PAIR},width=8,{SMALL}",
                      f"crosscoder:site={SITES},width=8,k=2,{SMALL}",
-                     f"cross_layer_transcoder:site={GROUPS},width=8,k=2,name=clt,{SMALL}", sites=()))
+                     f"cross_layer_transcoder:site={GROUPS},width=8,k=2,name=clt,{SMALL}",
+                     f"clvq:site={PAIR},n_codes=4,seed=3", sites=()))
     assert code == 0, capsys.readouterr().err
     small = dict(batch_size=32, warmup_tokens=32, buffer_size=64, seed=3)
     plan = {("blocks.0.mlp.in", "blocks.0.mlp_out"): {"transcoder": Transcoder(width=8, **small)},
             ("blocks.0.resid_out", "blocks.1.resid_out"): {"crosscoder": Crosscoder(width=8, k=2, **small)},
             (("blocks.0.mlp.in", "blocks.1.mlp.in"), ("blocks.0.mlp_out", "blocks.1.mlp_out")):
                 {"clt": CrossLayerTranscoder(width=8, k=2, **small)}}
+    plan[("blocks.0.mlp.in", "blocks.0.mlp_out")]["clvq"] = CLVQTranscoder(n_codes=4, seed=3)
     model, tok = models.load(str(files / "model"))
     texts = (files / "docs.txt").read_text().splitlines()
     report = conceptlens.attach(model, tok).fit(plan, texts, batch_size=8, max_length=16, max_tokens=400,
                                                 progress=False)
-    for name in ("transcoder", "crosscoder", "clt"):
+    for name in ("transcoder", "crosscoder", "clt", "clvq"):
         saved = load_file(out / "concepts" / name / "concepts.safetensors")
         assert torch.equal(saved["directions"], report.concepts[name].directions), name
     cfg = rc.from_dict(tomllib.loads((out / "run.toml").read_text()))
-    assert cfg.sites == [] and [e["site"] for e in cfg.extractors] == [PAIR, SITES, GROUPS]
+    assert cfg.sites == [] and [e["site"] for e in cfg.extractors] == [PAIR, SITES, GROUPS, PAIR]
 
 
 def test_describe_leaves_out_sets_that_read_other_sites(files, tmp_path, capsys):  # noqa: F811

@@ -33,8 +33,8 @@ def block15(n_articles: int, max_length: int) -> torch.Tensor:
     with torch.inference_mode(), lens.capture("blocks.15.resid_out") as cap:  # stops after block 15
         for i in range(0, len(texts), 8):
             batch = tok(texts[i:i + 8], return_tensors="pt", padding=True, truncation=True, max_length=max_length)
-            acts = cap.forward(**batch)["blocks.15.resid_out"]
-            acts = acts[cap.last[1].position > 0]  # the first token is an attention sink
+            captured, meta = cap.forward(**batch)
+            acts = captured["blocks.15.resid_out"][meta.position > 0]  # the first token is an attention sink
             norms = acts.norm(dim=1)
             rows.append(acts[norms < 10 * norms.median()])
     return torch.cat(rows).clone()

@@ -271,8 +271,7 @@ def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: 
     if n_tokens == 0:  # distributed, nothing real on this rank: a stub gives the sites' shapes, no rows
         batch = encode_batch(tokenizer, ["."], max_length)
     device = input_device(model)  # with a device map: the input embeddings' device
-    acts = cap.forward(**{k: v.to(device) for k, v in batch.items()})  # no_grad inside
-    meta = cap.last[1]
+    acts, meta = cap.forward(**{k: v.to(device) for k, v in batch.items()})  # no_grad inside
     first_doc = state.documents
     if run is not None:
         step = run.gather_step(acts, meta, ids, n_tokens, state.documents, with_ids=bool(plan.token_aware))

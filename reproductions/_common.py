@@ -83,8 +83,8 @@ def token_rows(model: str, texts: list[str], site: str, max_length: int = 64, ba
     with lens.capture(site) as cap:
         for start in range(0, len(texts), batch_size):
             batch = encode_batch(tok, texts[start:start + batch_size], max_length)
-            x = cap.forward(**batch)[site].flatten(1).float()
-            meta = cap.last[1]
+            acts, meta = cap.forward(**batch)
+            x = acts[site].flatten(1).float()
             inner = meta.position > 0
             xs.append(x[inner])
             rows.append(meta.row[inner] + start)

@@ -43,8 +43,8 @@ def held_out(lens, tok, texts: list[str], sites: list[str]) -> dict[str, torch.T
     rows: dict[str, list[torch.Tensor]] = {s: [] for s in sites}
     with lens.capture(sites) as cap:
         for start in range(0, len(texts), 16):
-            acts = cap.forward(**encode_batch(tok, texts[start:start + 16], 64))
-            inner = cap.last[1].position > 0
+            acts, meta = cap.forward(**encode_batch(tok, texts[start:start + 16], 64))
+            inner = meta.position > 0
             for s in sites:
                 rows[s].append(acts[s][inner].float())
     return {s: torch.cat(v) for s, v in rows.items()}

@@ -85,6 +85,22 @@ def hook_snapshot(model: torch.nn.Module) -> dict:
     return snap
 
 
+class Batches(list):
+    """An `on_batch` that keeps every `(acts, meta)` a capture hands over during full forwards;
+    `.acts` and `.meta` are the latest (capture-only forwards return them instead)."""
+
+    def __call__(self, acts, meta) -> None:
+        self.append((acts, meta))
+
+    @property
+    def acts(self) -> dict[str, torch.Tensor]:
+        return self[-1][0]
+
+    @property
+    def meta(self):
+        return self[-1][1]
+
+
 @pytest.fixture(params=FAMILIES)
 def family(request) -> str:
     return request.param

@@ -10,7 +10,7 @@ import conceptlens
 from conceptlens.concepts.kmeans import StreamingKMeans
 from conceptlens.devices import input_device
 from conceptlens.steering.edits import Add, ProjectOut
-from tests.conftest import CharTokenizer, assert_same_state, hook_snapshot, tiny_inputs, tiny_model
+from tests.conftest import Batches, CharTokenizer, assert_same_state, hook_snapshot, tiny_inputs, tiny_model
 
 SITES = ["embed", "blocks.0.resid_out", "blocks.1.attn.k", "blocks.1.mlp_out", "blocks.1.resid_out", "final"]
 DOCS = [f"document {i} " + "abc" * (i % 5) for i in range(24)]
@@ -35,12 +35,14 @@ def test_capture_through_disk_offload_equals_capture_without(pair):
     got = []
     for model in pair:
         lens = conceptlens.attach(model)
-        with lens.capture(SITES) as cap:
+        seen = Batches()
+        with lens.capture(SITES, on_batch=seen) as cap:
             full = model(**inputs).logits
-            acts_full, meta = cap.last
-            acts = cap.forward(**inputs)  # stops after the last site
+            acts_full, meta_full = seen.acts, seen.meta
+            acts, meta = cap.forward(**inputs)  # stops after the last site
         for name in SITES:
             assert torch.equal(acts[name], acts_full[name])
+        assert all(torch.equal(x, y) for x, y in zip(meta, meta_full))
         got.append((acts, meta, full))
     (a, meta_a, logits_a), (b, meta_b, logits_b) = got
     for name in SITES:
@@ -96,9 +98,9 @@ def test_capture_in_the_models_dtype_on_request(dtype):
         hidden = model(**inputs, output_hidden_states=True).hidden_states
     keep = inputs["attention_mask"].bool()
     with lens.capture(["blocks.0.resid_out", "blocks.1.attn.q"], dtype="model") as cap:
-        own = cap.forward(**inputs)
+        own, _ = cap.forward(**inputs)
     with lens.capture(["blocks.0.resid_out"]) as cap:
-        default = cap.forward(**inputs)
+        default, _ = cap.forward(**inputs)
     assert own["blocks.0.resid_out"].dtype == dtype and own["blocks.1.attn.q"].dtype == dtype
     assert torch.equal(own["blocks.0.resid_out"], hidden[1][keep])
     assert default["blocks.0.resid_out"].dtype == torch.float32  # float32 stays the default

@@ -33,7 +33,7 @@ def test_smollm2_loads_generates_and_captures(smollm2):
     with torch.no_grad():
         hidden = model(**batch, output_hidden_states=True).hidden_states
         with lens.capture(["blocks.15.resid_out", "blocks.15.attn.k"]) as cap:
-            acts = cap.forward(**batch)
+            acts, _ = cap.forward(**batch)
     keep = batch["attention_mask"].bool()
     assert torch.equal(acts["blocks.15.resid_out"], hidden[16][keep])
     assert acts["blocks.15.attn.k"].shape == (int(keep.sum()), 3, 64)
@@ -47,8 +47,7 @@ def test_minilm_loads_and_captures():
     with torch.no_grad():
         hidden = model(**batch, output_hidden_states=True).hidden_states
         with lens.capture(["embed", "blocks.5.resid_out"], drop_special=True) as cap:
-            model(**batch)
-    acts, meta = cap.last
+            acts, meta = cap.forward(**batch)  # stops after block 5, the last of MiniLM's blocks
     keep = batch["attention_mask"].bool() & ~torch.isin(batch["input_ids"], torch.tensor(tok.all_special_ids))
     assert torch.equal(acts["blocks.5.resid_out"], hidden[6][keep])
     assert torch.equal(meta.token, batch["input_ids"][keep])

@@ -12,7 +12,7 @@ import torch
 import conceptlens
 from conceptlens.concepts.kmeans import StreamingKMeans
 from conceptlens.steering.edits import Add
-from tests.conftest import assert_same_state, hook_snapshot, tiny_inputs, tiny_model
+from tests.conftest import Batches, assert_same_state, hook_snapshot, tiny_inputs, tiny_model
 
 nnsight = pytest.importorskip("nnsight")  # a test dependency (pyproject dev extra, scripts/setup.sh)
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "nnsight_trace.py"
@@ -52,10 +52,11 @@ def test_capture_and_steering_inside_a_trace_match_nnsight():
     inputs = tiny_inputs("llama")
     keep = inputs["attention_mask"].bool()
     before = hook_snapshot(model)
-    with lens.capture(["blocks.0.resid_out", "blocks.1.resid_out"]) as cap:
+    cap = Batches()
+    with lens.capture(["blocks.0.resid_out", "blocks.1.resid_out"], on_batch=cap):
         with wrapper.trace(**inputs):
             theirs = wrapper.model.layers[1].output.save()
-    assert torch.equal(cap.last[0]["blocks.1.resid_out"], theirs[keep])
+    assert torch.equal(cap.acts["blocks.1.resid_out"], theirs[keep])
     vector = torch.randn(32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), lens.steer(Add(vector, site="blocks.0.resid_out")):
         ours = model(**inputs).logits

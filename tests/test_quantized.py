@@ -40,7 +40,7 @@ def test_quantized_capture_steering_and_fit(quantized):
     with torch.no_grad():
         out = model(**batch, output_hidden_states=True)
         with lens.capture(["blocks.15.resid_out", "blocks.15.attn.k"]) as cap:
-            acts = cap.forward(**batch)
+            acts, _ = cap.forward(**batch)
     assert torch.equal(acts["blocks.15.resid_out"], out.hidden_states[16][keep].float())
     assert acts["blocks.15.attn.k"].shape == (int(keep.sum()), 3, 64)
 
@@ -74,6 +74,6 @@ def test_models_load_passes_dtype_and_device_map_to_registered_names(tmp_path):
     got = []
     for model in (plain, mapped):
         with conceptlens.attach(model).capture(["blocks.2.resid_out", "final"], dtype="model") as cap:
-            got.append(cap.forward(input_ids=ids))
+            got.append(cap.forward(input_ids=ids)[0])
     for name in ("blocks.2.resid_out", "final"):
         assert got[0][name].dtype == torch.bfloat16 and torch.equal(got[0][name], got[1][name])

@@ -131,8 +131,8 @@ def sample_keys(lens: Any, site: str, batch: dict[str, Tensor]) -> Tensor:
     """Keys `(N, H_kv, d_head)` of the batch's real tokens, each sequence's first token left out
     (the attention sink, as in fits)."""
     with lens.capture(site) as cap:
-        keys = cap.forward(**batch)[site]
-    return keys[cap.last[1].position > 0]
+        acts, meta = cap.forward(**batch)
+    return acts[site][meta.position > 0]
 
 
 def run(args: argparse.Namespace) -> int:

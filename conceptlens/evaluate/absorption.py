@@ -97,8 +97,8 @@ def word_activations(lens: Any, site: str, tok: Any, ids: list[int], batch_size:
     with lens.capture(site) as cap:
         for i in range(0, len(ids), batch_size):
             batch = torch.tensor([prefix + [w] for w in ids[i:i + batch_size]], device=device)
-            x = cap.forward(input_ids=batch, attention_mask=torch.ones_like(batch))[site].flatten(1).cpu()
-            out.append(x[cap.last[1].position.cpu() == len(prefix)])
+            acts, meta = cap.forward(input_ids=batch, attention_mask=torch.ones_like(batch))
+            out.append(acts[site].flatten(1).cpu()[meta.position.cpu() == len(prefix)])
     return torch.cat(out)
 
 

@@ -175,8 +175,8 @@ def collect(lens: Any, site: str, encoders: dict[str, ConceptEncoder],
     offset = 0
     with lens.capture(site) as cap:
         for batch, labels in batches:
-            x = cap.forward(**{k: v.to(device) for k, v in batch.items()})[site].flatten(1).cpu()
-            meta = cap.last[1]
+            acts, meta = cap.forward(**{k: v.to(device) for k, v in batch.items()})
+            x = acts[site].flatten(1).cpu()
             inner = (meta.position > 0).cpu()  # the first token is an attention sink
             x, rows = x[inner], meta.row.cpu()[inner]
             if on_tokens is not None and len(x):

@@ -4,7 +4,7 @@
         km.update(acts["blocks.3.resid_out"])
     with lens.capture(["blocks.3.resid_out"], on_batch=on_batch) as cap:
         model(**batch)                        # full forward; on_batch runs once at its end
-        acts = cap.forward(**batch)           # capture-only: stops after the last site needed
+        acts, meta = cap.forward(**batch)     # capture-only: stops after the last site needed
 
 Padding is dropped (and special tokens, if asked) so every site gives the same rows in the
 same order. Hooks live only inside the `with`; any error while registering, inside the
@@ -25,6 +25,8 @@ from conceptlens.hooks.tokens import TokenMeta, TokenTracker
 from conceptlens.sites.site import Site
 
 OnBatch = Callable[[dict[str, Tensor], TokenMeta], Any]
+Captured = tuple[dict[str, Tensor], TokenMeta]
+"""One forward's capture: site name -> rows (or (B, T, ...) tensors with keep_shape), and their bookkeeping."""
 
 
 def _run_order(stack: str) -> int:
@@ -52,8 +54,6 @@ class Capture:
             raise ValueError("capture needs at least one site")
         if not (isinstance(dtype, torch.dtype) or dtype == "model"):
             raise ValueError(f"capture dtype must be a torch.dtype or 'model' (keep the model's); got {dtype!r}")
-        if not sites:
-            raise ValueError("capture needs at least one site")
         self.sites = {site.name: site for site in sites}
         token_stacks = {site.stack for site in sites}
         run_stacks = {run_stack(site) for site in sites}
@@ -72,7 +72,7 @@ class Capture:
         self.on_batch = on_batch
         self.keep_shape = keep_shape
         self.dtype = None if dtype == "model" else dtype  # None: each site's own dtype
-        self.last: tuple[dict[str, Tensor], TokenMeta] | None = None
+        self._captured: Captured | None = None  # the latest flush, for forward() to return
         self.tokens = TokenTracker(stacks, special_ids, on_start=self._on_stack_start)
         self._acts: dict[str, Tensor] = {}
         self._shapes: dict[str, tuple[int, int]] = {}  # token stack -> (B, T) read this forward
@@ -140,23 +140,26 @@ class Capture:
         if not self.keep_shape:
             keep = meta.keep
             meta = TokenMeta(meta.row[keep], meta.position[keep], meta.token[keep], keep)
-        self.last = (acts, meta)
+        if self._stopping:  # inside forward(), which returns them; full forwards keep nothing
+            self._captured = (acts, meta)
         if self.on_batch is not None:
             self.on_batch(acts, meta)
 
     # -- capture-only forward -------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
-        """Run the model only as far as the last requested site; return the captured acts."""
+    def forward(self, *args: Any, **kwargs: Any) -> Captured:
+        """Run the model only as far as the last requested site; return `(acts, meta)` as
+        `on_batch` gets them (which also runs)."""
         if self._handles is None:
             raise RuntimeError("Capture.forward must be called inside `with lens.capture(...)`")
-        self._stopping, self.last = True, None
+        self._stopping, self._captured = True, None
         try:
             self.model(*args, **kwargs)
         except StopForward:
             self._flush()
         finally:
             self._stopping = False
-        if self.last is None:
+        captured, self._captured = self._captured, None
+        if captured is None:
             raise RuntimeError(f"the forward reached none of the sites {list(self.sites)}")
-        return self.last[0]
+        return captured

@@ -57,7 +57,7 @@ def qk_capture(layers: Sequence[int] | None = None, *, stack: str = "") -> QKCap
         names = {i: (f"{prefix}blocks.{i}.attn.q", f"{prefix}blocks.{i}.attn.k") for i in chosen}
         sites = [adapter.resolve(name) for pair in names.values() for name in pair]
         with hooks, Capture(hooks, sites, stacks) as cap:
-            acts = cap.forward(**inputs)
+            acts, _ = cap.forward(**inputs)
         return {i: (acts[q], acts[k]) for i, (q, k) in names.items()}
 
     return capture

@@ -188,8 +188,8 @@ def _site_moments(lens: AttachedModel, batches: list[dict[str, Tensor]], site: s
     moments = SiteMoments()
     with lens.capture(site) as capture:
         for batch in batches:
-            acts = capture.forward(**{k: v.to(device) for k, v in batch.items()})[site]
-            moments.update(acts.flatten(1)[capture.last[1].position > 0].cpu())
+            acts, meta = capture.forward(**{k: v.to(device) for k, v in batch.items()})
+            moments.update(acts[site].flatten(1)[meta.position > 0].cpu())
     if moments.n < 2:
         raise ValueError("the texts leave fewer than 2 tokens after the first position to measure the site with")
     return moments
@@ -251,7 +251,7 @@ def _features(lens: AttachedModel, batches: list[dict[str, Tensor]], site: str, 
     pooled = []
     with _ablating(lens, edit, positions), lens.capture(site) as capture:
         for batch in batches:
-            acts = capture.forward(**{k: v.to(device) for k, v in batch.items()})[site].cpu()
-            meta = capture.last[1]
-            pooled.append(pool(acts.flatten(1), meta.row.cpu(), meta.position.cpu(), len(batch["input_ids"]), how))
+            acts, meta = capture.forward(**{k: v.to(device) for k, v in batch.items()})
+            pooled.append(pool(acts[site].cpu().flatten(1), meta.row.cpu(), meta.position.cpu(),
+                               len(batch["input_ids"]), how))
     return torch.cat(pooled)

@@ -130,7 +130,7 @@ def splice_crosscoder(lens: AttachedModel, sites: Sequence[str], model: Any, bat
     for batch in _prepared(lens, batches):
         where = splice_mask(batch["attention_mask"], skip_first)
         with lens.capture(names, keep_shape=True) as cap:
-            acts = cap.forward(**batch)
+            acts, _ = cap.forward(**batch)
         recon = model.reconstruct(*[acts[s][where.to(acts[s].device)].flatten(1).float() for s in names])
         clean, n = _loss(lens, batch, {})
         totals[:, 0] += clean

@@ -33,7 +33,7 @@ def mean_activation(lens: Any, tokenizer: Any, site: str, texts: Sequence[str], 
     with lens.capture(site) as cap:
         for start in range(0, len(texts), batch_size):
             batch = encode_batch(tokenizer, list(texts[start:start + batch_size]), max_length)
-            acts = cap.forward(**{k: v.to(device) for k, v in batch.items()})[site].flatten(1).double().cpu()
+            acts = cap.forward(**{k: v.to(device) for k, v in batch.items()})[0][site].flatten(1).double().cpu()
             total = acts.sum(0) if total is None else total + acts.sum(0)
             count += acts.shape[0]
     if total is None:

@@ -85,6 +85,6 @@ class ConceptExpression:
         batch, (start,) = _joined(self.lens.tokenizer, [generation])
         device = next(self.lens.model.parameters()).device
         with self.lens.capture(self.site) as capture:
-            acts = capture.forward(**{k: v.to(device) for k, v in batch.items()})[self.site]  # (T, d)
-        new = acts.flatten(1)[start:].double().cpu()  # the continuation's tokens
+            acts, _ = capture.forward(**{k: v.to(device) for k, v in batch.items()})
+        new = acts[self.site].flatten(1)[start:].double().cpu()  # (T, d) -> the continuation's tokens
         return float(((new @ self.unit) - self.offset).mean() / self.norm)

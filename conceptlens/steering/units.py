@@ -132,9 +132,9 @@ def _measure(lens: AttachedModel, name: str) -> Tensor:
     if getattr(model.config, "is_encoder_decoder", False):
         batch["decoder_input_ids"] = batch["input_ids"]
     with lens.capture(name) as capture:
-        acts = capture.forward(**{k: v.to(device) for k, v in batch.items()})[name]
-    meta = capture.last[1]
-    rows = acts.flatten(1)[(meta.position > 0).to(acts.device)].float().cpu()  # (N, d)
+        acts, meta = capture.forward(**{k: v.to(device) for k, v in batch.items()})
+    x = acts[name]
+    rows = x.flatten(1)[(meta.position > 0).to(x.device)].float().cpu()  # (N, d)
     if not len(rows):
         raise ValueError(f"the probe text left no token at {name} after the first position")
     return rows

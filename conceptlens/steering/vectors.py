@@ -114,7 +114,7 @@ def last_token_acts(lens: AttachedModel, tokenizer, texts: list[str], sites: lis
             batch = encode_batch(tokenizer, texts[start:start + batch_size], max_length)
             if (batch["attention_mask"].sum(-1) == 0).any():
                 raise ValueError("an empty prompt has no last token; every prompt needs at least one token")
-            acts = cap.forward(**{k: v.to(device) for k, v in batch.items()})
+            acts, _ = cap.forward(**{k: v.to(device) for k, v in batch.items()})
             last = batch["attention_mask"].sum(-1) - 1  # right-padded: index of the last real token
             for s in sites:
                 x = acts[s]

@@ -13,6 +13,7 @@ import torch
 import conceptlens
 from conceptlens.adapters.probe import first_tensor
 from tests.adapters.tiny_configs import build
+from tests.conftest import Batches
 
 
 # a block's self-attention sites: `attn.*`, and `attn_1.*`, ... for its further attention sublayers
@@ -113,9 +114,10 @@ def hidden(out, stack: str):
 
 
 def capture_all(lens, model, inputs, names):
-    with lens.capture(names, keep_shape=True) as cap, torch.no_grad():
+    cap = Batches()
+    with lens.capture(names, keep_shape=True, on_batch=cap), torch.no_grad():
         model(**inputs)
-    return cap.last[0]
+    return cap.acts
 
 
 def close(a, b, tol=1e-5) -> bool:
@@ -272,17 +274,19 @@ def check_kv_cache(model, inputs, refused: bool = False, one_decoder_token: bool
         return ledger.skip(what, "transformers refuses use_cache")
     if getattr(out, "cache", getattr(out, "past_key_values", None)) is None:
         return ledger.skip(what, "the forward returns no cache")
-    with lens.capture(names, keep_shape=True) as fresh, torch.no_grad():
+    fresh = Batches()
+    with lens.capture(names, keep_shape=True, on_batch=fresh), torch.no_grad():
         model(**inputs, use_cache=False)
     if refused:
         with pytest.raises(ValueError, match="attends to other keys/values than it stores"), torch.no_grad(), \
                 lens.capture(names, keep_shape=True):
             model(**inputs, use_cache=True)
         return ledger.did(what, len(names))
-    with lens.capture(names, keep_shape=True) as cached, torch.no_grad():
+    cached = Batches()
+    with lens.capture(names, keep_shape=True, on_batch=cached), torch.no_grad():
         model(**inputs, use_cache=True)
     for name in names:
-        assert close(cached.last[0][name], fresh.last[0][name], 1e-6), f"{name} differs with a KV cache"
+        assert close(cached.acts[name], fresh.acts[name], 1e-6), f"{name} differs with a KV cache"
     ledger.did(what, len(names))
 
 
@@ -302,7 +306,8 @@ def check_attention(model, inputs, sink_scaled: bool = False, ledger: Ledger | N
         if not names:
             ledger.skip(what, "no attention pattern site")
             continue
-        with lens.capture(names, keep_shape=True) as cap, torch.no_grad():
+        cap = Batches()
+        with lens.capture(names, keep_shape=True, on_batch=cap), torch.no_grad():
             out = model(**inputs, output_attentions=True)
         attentions = {"encoder": getattr(out, "encoder_attentions", None),
                       "decoder": getattr(out, "decoder_attentions", None)}.get(stack, getattr(out, "attentions", None))
@@ -317,7 +322,7 @@ def check_attention(model, inputs, sink_scaled: bool = False, ledger: Ledger | N
             if ref is None:
                 ledger.skip(what, "HF's attention list does not match the blocks")
                 continue
-            got = cap.last[0][name].transpose(1, 2)
+            got = cap.acts[name].transpose(1, 2)
             if sink_scaled:  # HF returns the weights before its post-softmax sink scaling; ours include the sink
                 assert bool((got.sum(-1) < 1).all())
                 got = got / got.sum(-1, keepdim=True)

@@ -13,6 +13,7 @@ import conceptlens
 from conceptlens.steering import Add
 from tests.adapters import coverage
 from tests.adapters.tiny_configs import build, tiny_config
+from tests.conftest import Batches
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +31,10 @@ def test_a_boundary_block_restarts_its_sum_and_final_is_the_last_hidden_state(in
     assert not lens.adapter.problems
     assert [lens.adapter.layout("", i).resid_coef for i in range(2)] == [0.0, 1.0]  # layer 0 is a block boundary
     names = [f"blocks.{i}.{k}" for i in range(2) for k in ("resid_in", "attn_out", "mlp_out", "resid_out")]
-    with torch.no_grad(), lens.capture(names + ["final"], keep_shape=True) as cap:
+    cap = Batches()
+    with torch.no_grad(), lens.capture(names + ["final"], keep_shape=True, on_batch=cap):
         out = model(input_ids=_ids(), output_hidden_states=True)
-    acts = cap.last[0]
+    acts = cap.acts
     torch.testing.assert_close(acts["blocks.0.attn_out"] + acts["blocks.0.mlp_out"], acts["blocks.0.resid_out"])
     with_input = acts["blocks.0.resid_in"] + acts["blocks.0.attn_out"] + acts["blocks.0.mlp_out"]
     assert not torch.allclose(with_input, acts["blocks.0.resid_out"], atol=1e-2)  # the input is not carried
@@ -46,10 +48,11 @@ def test_a_boundary_block_restarts_its_sum_and_final_is_the_last_hidden_state(in
 def test_the_pattern_includes_the_per_query_sinks_as_eager_attention_does(inkling2):
     model, lens = inkling2
     names = ["blocks.0.attn.pattern", "blocks.1.attn.pattern"]
-    with torch.no_grad(), lens.capture(names, keep_shape=True) as cap:
+    cap = Batches()
+    with torch.no_grad(), lens.capture(names, keep_shape=True, on_batch=cap):
         out = model(input_ids=_ids(), output_attentions=True)
     for i, name in enumerate(names):
-        got = cap.last[0][name].transpose(1, 2)
+        got = cap.acts[name].transpose(1, 2)
         assert bool((got.sum(-1) < 1).all())  # the sink took some mass
         torch.testing.assert_close(got, out.attentions[i], rtol=0, atol=1e-6)
 
@@ -122,10 +125,11 @@ def test_a_later_boundary_keeps_its_input_as_a_state_as_the_description_says():
     hook = model.model.layers[3].register_forward_pre_hook(lambda m, a: states.update(kept=a[1][..., -1, :]))
     try:
         for site in ("blocks.1.resid_out", "blocks.2.resid_in"):
+            cap = Batches()
             with torch.no_grad(), lens.steer(Add(vector, site=site)), \
-                    lens.capture(["blocks.2.resid_in"], keep_shape=True) as cap:
+                    lens.capture(["blocks.2.resid_in"], keep_shape=True, on_batch=cap):
                 model(input_ids=ids)
             # the state block 3 attends over is block 2's input only when the edit came before the stack kept it
-            assert torch.equal(states["kept"], cap.last[0]["blocks.2.resid_in"]) == (site == "blocks.1.resid_out")
+            assert torch.equal(states["kept"], cap.acts["blocks.2.resid_in"]) == (site == "blocks.1.resid_out")
     finally:
         hook.remove()

@@ -11,6 +11,7 @@ import conceptlens
 from conceptlens.steering import Add
 from tests.adapters import coverage
 from tests.adapters.tiny_configs import build
+from tests.conftest import Batches
 
 
 def _logits(model, inputs):
@@ -102,7 +103,8 @@ def test_a_stopped_forward_leaves_the_route_working(squeezebert):
     other = {"input_ids": inputs["input_ids"].flip(-1)}
     with torch.no_grad():
         out = model(**other, output_hidden_states=True)
-    with lens.capture(["blocks.0.resid_out"], keep_shape=True) as cap, torch.no_grad():
+    seen = Batches()
+    with lens.capture(["blocks.0.resid_out"], keep_shape=True, on_batch=seen) as cap, torch.no_grad():
         cap.forward(**inputs)  # stops inside block 0's routed call
         model(**other)  # the next forward still runs block 0's hooks
-        assert torch.equal(cap.last[0]["blocks.0.resid_out"], out.hidden_states[1])
+        assert len(seen) == 2 and torch.equal(seen.acts["blocks.0.resid_out"], out.hidden_states[1])

@@ -7,7 +7,7 @@ import torch
 
 import conceptlens
 from tests.adapters.coverage import hidden as _hidden_states
-from tests.conftest import ENCODER_DECODERS, tiny_inputs, tiny_model
+from tests.conftest import ENCODER_DECODERS, Batches, tiny_inputs, tiny_model
 
 # Pre-LN families return the *final norm's output* as their last hidden state; their last
 # block's resid_out is the input of that norm. Post-LN families have no final norm.
@@ -26,9 +26,10 @@ def test_resid_out_and_embed_match_hidden_states(family):
         n = lens.adapter.n_blocks[stack]
         names = [f"{p}embed"] + [f"{p}blocks.{i}.resid_out" for i in range(n)] + \
             ([f"{p}final"] if f"{p}final" in lens.sites else [])
-        with lens.capture(names, keep_shape=True) as cap, torch.no_grad():
+        cap = Batches()
+        with lens.capture(names, keep_shape=True, on_batch=cap), torch.no_grad():
             model(**inputs)
-        acts, _ = cap.last
+        acts, _ = cap[-1]
         hs = _hidden_states(ref, stack)
         assert len(hs) == n + 1
         torch.testing.assert_close(acts[f"{p}embed"], hs[0], rtol=0, atol=0)
@@ -48,18 +49,19 @@ def test_logits_bit_identical_while_capturing_every_site(family):
     stacks = {}
     for site in lens.sites.values():  # one capture per token stream
         stacks.setdefault(site.stack + "|" + site.name.split(".")[0], []).append(site.name)
-    captures = [lens.capture(names, keep_shape=True) for names in stacks.values()]
+    seen = [Batches() for _ in stacks]
+    captures = [lens.capture(names, keep_shape=True, on_batch=cap) for names, cap in zip(stacks.values(), seen)]
     with torch.no_grad():
-        for cap in captures:
-            cap.__enter__()
+        for capture in captures:
+            capture.__enter__()
         try:
             logits = model(**inputs).logits
         finally:
-            for cap in captures:
-                cap.__exit__(None, None, None)
+            for capture in captures:
+                capture.__exit__(None, None, None)
     assert torch.equal(bare, logits)
-    for cap in captures:
-        acts, _ = cap.last
+    for cap in seen:
+        acts, _ = cap[-1]
         for name, tensor in acts.items():
             shape = lens.sites[name].shape
             concrete = tuple(tensor.shape)
@@ -116,6 +118,7 @@ def test_structural_adapter_finds_blocks_without_a_family_entry():
     inputs = tiny_inputs("llama")
     with torch.no_grad():
         ref = model(**inputs, output_hidden_states=True).hidden_states
-        with lens.capture(["blocks.0.resid_out"], keep_shape=True) as cap:
+        cap = Batches()
+        with lens.capture(["blocks.0.resid_out"], keep_shape=True, on_batch=cap):
             model(**inputs)
-    assert torch.equal(cap.last[0]["blocks.0.resid_out"], ref[1])
+    assert torch.equal(cap.acts["blocks.0.resid_out"], ref[1])

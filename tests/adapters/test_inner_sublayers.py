@@ -11,6 +11,7 @@ import torch
 import conceptlens
 from conceptlens.steering import Add
 from tests.adapters import coverage
+from tests.conftest import Batches
 
 
 def _vector(width: int, seed: int = 1) -> torch.Tensor:
@@ -53,9 +54,10 @@ def test_mra_is_post_ln_and_its_sublayer_sites_are_the_dense_outputs():
             expected = _logits(model, inputs)
         finally:
             handle.remove()
-        with lens.capture([site], keep_shape=True) as cap, torch.no_grad():
+        cap = Batches()
+        with lens.capture([site], keep_shape=True, on_batch=cap), torch.no_grad():
             model(**inputs)
-        torch.testing.assert_close(cap.last[0][site], seen[0], rtol=0, atol=0)
+        torch.testing.assert_close(cap.acts[site], seen[0], rtol=0, atol=0)
         with torch.no_grad(), lens.steer(Add(vector, site=site)):
             assert torch.equal(_logits(model, inputs), expected)
 
@@ -76,13 +78,14 @@ def test_xlnet_attn_out_is_the_second_dropout_call_of_its_relative_attention():
     norm_in = []
     handle = attn.layer_norm.register_forward_pre_hook(lambda m, args: norm_in.append(args[0]))
     try:
-        with lens.capture(["blocks.1.attn_out", "blocks.1.resid_in"], keep_shape=True) as cap, torch.no_grad():
+        cap = Batches()
+        with lens.capture(["blocks.1.attn_out", "blocks.1.resid_in"], keep_shape=True, on_batch=cap), torch.no_grad():
             logits = model(**inputs).logits
     finally:
         handle.remove()
-    got = cap.last[0]["blocks.1.attn_out"]
+    got = cap.acts["blocks.1.attn_out"]
     assert torch.equal(got, seen[1].transpose(0, 1))  # (T, B, d) inside the model
-    assert torch.equal(got + cap.last[0]["blocks.1.resid_in"], norm_in[0].transpose(0, 1))  # what the norm adds to
+    assert torch.equal(got + cap.acts["blocks.1.resid_in"], norm_in[0].transpose(0, 1))  # what the norm adds to
     with torch.no_grad(), lens.steer(Add(vector, site="blocks.1.attn_out")):
         assert torch.equal(_logits(model, inputs), expected)
     with torch.no_grad(), lens.steer(Add(vector, 0.0, site="blocks.1.attn_out")):
@@ -113,12 +116,13 @@ def test_reformer_attention_adds_to_the_other_stream_of_its_reversible_block():
     assert "other residual stream" in lens.site("blocks.1.attn_out").source
     handles, seen = _reformer_streams(layer)
     try:
-        with lens.capture(names, keep_shape=True) as cap, torch.no_grad():
+        cap = Batches()
+        with lens.capture(names, keep_shape=True, on_batch=cap), torch.no_grad():
             logits = model(**inputs).logits
     finally:
         for h in handles:
             h.remove()
-    acts = {n.rpartition(".")[2]: cap.last[0][n] for n in names}
+    acts = {n.rpartition(".")[2]: cap.acts[n] for n in names}
     assert torch.equal(acts["resid_in"], seen["x2"]) and torch.equal(acts["resid_out"], seen["y2"])
     assert torch.equal(seen["x1"] + acts["attn_out"], seen["y1"])  # Y1 = X1 + attn(X2)
     assert torch.equal(acts["resid_in"] + acts["mlp_out"], acts["resid_out"])  # Y2 = X2 + ffn(Y1)
@@ -148,10 +152,11 @@ def test_xlnet_attn_out_stays_the_content_stream_when_the_query_stream_runs():
     norm_in = []
     handle = attn.layer_norm.register_forward_pre_hook(lambda m, args: norm_in.append(args[0]))
     try:
-        with lens.capture(["blocks.1.attn_out", "blocks.1.resid_in"], keep_shape=True) as cap, torch.no_grad():
+        cap = Batches()
+        with lens.capture(["blocks.1.attn_out", "blocks.1.resid_in"], keep_shape=True, on_batch=cap), torch.no_grad():
             model(input_ids=ids, perm_mask=perm, target_mapping=target)
     finally:
         handle.remove()
     assert len(norm_in) == 2  # the content stream h, then the query stream g (dropout runs four times)
-    acts = cap.last[0]
+    acts = cap.acts
     assert torch.equal(acts["blocks.1.attn_out"] + acts["blocks.1.resid_in"], norm_in[0].transpose(0, 1))

@@ -25,7 +25,7 @@ def test_mlp_in_is_what_the_mlp_reads(family):
     norm, mlp, post = LAYOUTS[family]
     sites = [f"blocks.{i}.{s}" for i in range(2) for s in ("resid_in", "attn_out", "mlp.in", "mlp_out")]
     with lens.capture(sites, keep_shape=True) as cap:
-        acts = cap.forward(**tiny_inputs(family))
+        acts, _ = cap.forward(**tiny_inputs(family))
     layers = [m for m in model.modules() if hasattr(m, mlp) and hasattr(m, norm)]
     assert len(layers) == 2
     with torch.no_grad():

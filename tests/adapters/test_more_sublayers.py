@@ -14,6 +14,7 @@ import transformers as tf
 
 from tests.adapters import coverage
 from tests.adapters.tiny_configs import build, tiny_config
+from tests.conftest import Batches
 
 IDS = torch.randint(4, 100, (2, 6), generator=torch.Generator().manual_seed(0))
 
@@ -26,12 +27,13 @@ def _capture_with(lens, model, names, modules):
             store[key] = (output[0] if isinstance(output, tuple) else output).detach().clone()
         handles.append(module.register_forward_hook(hook))
     try:
-        with torch.no_grad(), lens.capture(names, keep_shape=True) as cap:
+        cap = Batches()
+        with torch.no_grad(), lens.capture(names, keep_shape=True, on_batch=cap):
             model(input_ids=IDS)
     finally:
         for h in handles:
             h.remove()
-    return cap.last[0], store
+    return cap.acts, store
 
 
 def _manual_add(module, vector):
@@ -138,12 +140,14 @@ def test_gemma4_a_layer_scalar_other_than_one_is_the_detected_residual_coefficie
         total = lay.resid_coef * acts[f"blocks.{i}.resid_in"] + sum(acts[f"blocks.{i}.{k}"] for k in kinds)
         torch.testing.assert_close(total, acts[f"blocks.{i}.resid_out"], rtol=0, atol=1e-4)
     vector = torch.randn(64, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad(), lens.capture(["blocks.1.resid_out"], keep_shape=True) as bare:
+    bare = Batches()
+    with torch.no_grad(), lens.capture(["blocks.1.resid_out"], keep_shape=True, on_batch=bare):
         model(input_ids=IDS)
+    cap = Batches()
     with torch.no_grad(), lens.steer(Add(vector, site="blocks.1.branch_out")), \
-            lens.capture(["blocks.1.resid_out"], keep_shape=True) as cap:
+            lens.capture(["blocks.1.resid_out"], keep_shape=True, on_batch=cap):
         model(input_ids=IDS)
-    torch.testing.assert_close(cap.last[0]["blocks.1.resid_out"], bare.last[0]["blocks.1.resid_out"] + vector,
+    torch.testing.assert_close(cap.acts["blocks.1.resid_out"], bare.acts["blocks.1.resid_out"] + vector,
                                rtol=0, atol=1e-5)  # the edit moves the residual by exactly its change
 
 
@@ -176,11 +180,12 @@ def test_longcat_each_attention_sublayer_has_its_pattern(longcat):
     model, lens = longcat
     names = [f"blocks.{i}.{a}.pattern" for i in range(2) for a in ("attn", "attn_1")]
     assert lens.site("blocks.1.attn_1.q").module is model.model.layers[1].self_attn[1]
-    with torch.no_grad(), lens.capture(names, keep_shape=True) as cap:
+    cap = Batches()
+    with torch.no_grad(), lens.capture(names, keep_shape=True, on_batch=cap):
         out = model(input_ids=IDS, output_attentions=True, use_cache=False)
     assert len(out.attentions) == 4  # HF lists both attentions of each layer, in order
     for name, ref in zip(names, out.attentions):
-        torch.testing.assert_close(cap.last[0][name].transpose(1, 2), ref, rtol=0, atol=1e-5)
+        torch.testing.assert_close(cap.acts[name].transpose(1, 2), ref, rtol=0, atol=1e-5)
 
 
 def test_longcat_second_attention_kv_refuses_a_cache(longcat):
@@ -210,10 +215,11 @@ def test_longcat_second_attention_z_is_its_pattern_times_its_v(longcat):
     handle = model.model.layers[1].self_attn[1].o_proj.register_forward_pre_hook(
         lambda m, args: seen.update(z=args[0].detach().clone()))
     try:
-        with torch.no_grad(), lens.capture(names, keep_shape=True) as cap:
+        cap = Batches()
+        with torch.no_grad(), lens.capture(names, keep_shape=True, on_batch=cap):
             model(input_ids=IDS, use_cache=False)
     finally:
         handle.remove()
-    pattern, v, z = (cap.last[0][n] for n in names)  # (B, T, H, S), (B, S, H, d), (B, T, H, d)
+    pattern, v, z = (cap.acts[n] for n in names)  # (B, T, H, S), (B, S, H, d), (B, T, H, d)
     torch.testing.assert_close(z.flatten(-2), seen["z"], rtol=0, atol=0)
     torch.testing.assert_close(torch.einsum("bths,bshd->bthd", pattern, v), z, rtol=0, atol=1e-5)

@@ -19,6 +19,7 @@ import conceptlens
 from conceptlens.steering import Add
 from tests.adapters import coverage
 from tests.adapters.tiny_configs import tiny_config
+from tests.conftest import Batches
 
 FUSED = ["bloom", "falcon", "falcon-grouped", "falcon-per-head", "mpt", "openai-gpt", "gpt_neox_japanese"]
 # Falcon's three layouts: multi-query (the tiny default), groups of k/v heads (Falcon-40B), one k/v per head
@@ -86,12 +87,13 @@ def _run(model_type):
     block = lens.adapter.blocks[stack][0]
     handle = block.get_submodule(OUT_PROJ[model_type]).register_forward_pre_hook(lambda m, a: z.append(a[0]))
     try:
-        with lens.capture(names, keep_shape=True) as cap, torch.no_grad():
+        cap = Batches()
+        with lens.capture(names, keep_shape=True, on_batch=cap), torch.no_grad():
             out = model(**inputs, output_attentions=True)
     finally:
         handle.remove()
     attentions = out.encoder_attentions if stack else out.attentions
-    q, k, v = (cap.last[0][n] for n in names)
+    q, k, v = (cap.acts[n] for n in names)
     return model, lens, inputs, names, q, k, v, z[0], attentions[0]
 
 
@@ -164,7 +166,8 @@ def test_cpmant_qkv_are_its_projections_on_the_tokens_after_its_prompt():
     seen = []
     handle = attn.project_v.register_forward_hook(lambda m, a, o: seen.append(o.detach().clone()))
     try:
-        with lens.capture(["blocks.0.attn.v"], keep_shape=True) as cap, torch.no_grad():
+        cap = Batches()
+        with lens.capture(["blocks.0.attn.v"], keep_shape=True, on_batch=cap), torch.no_grad():
             model(**inputs)
         with lens.steer(Add(torch.ones(heads * dim), 1.0, site="blocks.0.attn.v")), torch.no_grad():
             model(**inputs)
@@ -172,6 +175,6 @@ def test_cpmant_qkv_are_its_projections_on_the_tokens_after_its_prompt():
         handle.remove()
     length = inputs["input_ids"].shape[1]
     full = seen[0].view(*seen[0].shape[:2], heads, dim)
-    assert torch.equal(cap.last[0]["blocks.0.attn.v"], full[:, -length:])
+    assert torch.equal(cap.acts["blocks.0.attn.v"], full[:, -length:])
     changed = seen[1] != seen[0]
     assert not changed[:, :-length].any() and changed[:, -length:].all()

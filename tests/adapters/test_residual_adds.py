@@ -16,6 +16,7 @@ import transformers as tf
 
 from tests.adapters import coverage
 from tests.adapters.tiny_configs import build, tiny_config
+from tests.conftest import Batches
 
 IDS = torch.randint(4, 100, (2, 6), generator=torch.Generator().manual_seed(0))
 
@@ -74,11 +75,12 @@ def _check_site(model, site, module, call, factor):
     seen = []
     handle = _on_call(module, call, lambda x: seen.append(x.clone()))
     try:
-        with torch.no_grad(), lens.capture([site], keep_shape=True) as cap:
+        cap = Batches()
+        with torch.no_grad(), lens.capture([site], keep_shape=True, on_batch=cap):
             bare = model(input_ids=IDS, use_cache=False).logits
     finally:
         handle.remove()
-    torch.testing.assert_close(cap.last[0][site], factor * seen[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(cap.acts[site], factor * seen[0], rtol=1e-5, atol=1e-6)
     vector = torch.randn(lens.site(site).width, generator=torch.Generator().manual_seed(1))
     with lens.steer(Add(vector, site=site)):
         edited = _logits(model)
@@ -142,9 +144,10 @@ def test_rwkv_block_0_resid_in_is_its_pre_ln_output():
     _check_site(model, "blocks.0.attn_out", block.attention, 0, 1.0)
     _check_site(model, "blocks.0.mlp_out", block.feed_forward, 0, 1.0)
     names = ["embed", "blocks.0.resid_in", "blocks.0.attn_out", "blocks.0.mlp_out", "blocks.0.resid_out"]
-    with torch.no_grad(), lens.capture(names, keep_shape=True) as cap:
+    cap = Batches()
+    with torch.no_grad(), lens.capture(names, keep_shape=True, on_batch=cap):
         model(input_ids=IDS, use_cache=False)
-    got = cap.last[0]
+    got = cap.acts
     torch.testing.assert_close(got["blocks.0.resid_in"], block.pre_ln(got["embed"]))
     torch.testing.assert_close(got["blocks.0.resid_in"] + got["blocks.0.attn_out"] + got["blocks.0.mlp_out"],
                                got["blocks.0.resid_out"], rtol=0, atol=1e-5)

@@ -12,6 +12,7 @@ from conceptlens.steering import Add
 import transformers as tf
 
 from tests.adapters.tiny_configs import build, tiny_config
+from tests.conftest import Batches
 
 
 def _model(model_type):
@@ -36,11 +37,13 @@ def test_an_add_at_the_last_mlp_out_moves_resid_out_by_exactly_the_vector(model_
     assert note in lens.site(site).source
     ids = torch.randint(4, 100, (2, 6), generator=torch.Generator().manual_seed(0))
     vector = torch.randn(lens.site(site).width, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad(), lens.capture([site, out], keep_shape=True) as bare:
+    bare = Batches()
+    with torch.no_grad(), lens.capture([site, out], keep_shape=True, on_batch=bare):
         logits = model(input_ids=ids).logits
-    with torch.no_grad(), lens.steer(Add(vector, site=site)), lens.capture([site, out], keep_shape=True) as cap:
+    cap = Batches()
+    with torch.no_grad(), lens.steer(Add(vector, site=site)), lens.capture([site, out], keep_shape=True, on_batch=cap):
         model(input_ids=ids)
-    torch.testing.assert_close(cap.last[0][site], bare.last[0][site] + vector, rtol=0, atol=1e-5)
-    torch.testing.assert_close(cap.last[0][out], bare.last[0][out] + vector, rtol=0, atol=1e-5)
+    torch.testing.assert_close(cap.acts[site], bare.acts[site] + vector, rtol=0, atol=1e-5)
+    torch.testing.assert_close(cap.acts[out], bare.acts[out] + vector, rtol=0, atol=1e-5)
     with torch.no_grad(), lens.steer(Add(vector, 0.0, site=site)):
         assert torch.equal(model(input_ids=ids).logits, logits)  # a null edit is bit-identical

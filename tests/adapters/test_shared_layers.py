@@ -10,6 +10,7 @@ import conceptlens
 from conceptlens.steering import Add
 from tests.adapters import coverage
 from tests.adapters.tiny_configs import build, tiny_config
+from tests.conftest import Batches
 
 N = 5
 
@@ -72,15 +73,16 @@ def test_stop_early_and_counter_reset(albert):
     ran = []
     handle = layer.register_forward_hook(lambda *a: ran.append(1))
     try:
-        with lens.capture(["blocks.1.resid_out"]) as cap:
+        seen = Batches()
+        with lens.capture(["blocks.1.resid_out"], on_batch=seen) as cap:
             for _ in range(2):  # the count restarts at every forward, also after a stopped one
                 ran.clear()
-                acts = cap.forward(**inputs)
+                acts, _ = cap.forward(**inputs)
                 assert len(ran) == 2  # stopped after the second call: nothing later ran
                 assert torch.equal(acts["blocks.1.resid_out"], out.hidden_states[2].flatten(0, 1))
             with torch.no_grad():
                 model(**inputs)  # a full forward inside the same capture: still call 1
-            assert torch.equal(cap.last[0]["blocks.1.resid_out"], out.hidden_states[2].flatten(0, 1))
+            assert len(seen) == 3 and torch.equal(seen.acts["blocks.1.resid_out"], out.hidden_states[2].flatten(0, 1))
     finally:
         handle.remove()
     assert not lens.hooks.counters

@@ -18,6 +18,7 @@ import conceptlens
 from conceptlens.hooks.attention import active_hook_count
 from conceptlens.steering import Add
 from tests.adapters.tiny_configs import build
+from tests.conftest import Batches
 
 
 def _ids(length, seed=0):
@@ -47,11 +48,12 @@ def test_t5gemma2_merged_attention_sites_are_its_two_parts(t5gemma2):
     seen = {}
     handle = attn.k_norm.register_forward_hook(lambda m, a, out: seen.setdefault("k", []).append(out))
     try:
-        with torch.no_grad(), lens.capture(names, keep_shape=True) as cap:
+        cap = Batches()
+        with torch.no_grad(), lens.capture(names, keep_shape=True, on_batch=cap):
             out = model(**_t5_inputs(), output_attentions=True)
     finally:
         handle.remove()
-    acts = cap.last[0]
+    acts = cap.acts
     encoder = out.encoder_last_hidden_state
     with torch.no_grad():  # the encoder part by hand: k_norm(k_proj(encoder)), v_proj(encoder); no rotary
         cross_v = attn.v_proj(encoder).view(2, 6, -1, attn.head_dim)
@@ -131,12 +133,14 @@ def test_t5gemma2_reads_with_a_cache_equal_reads_without(t5gemma2):
     model, lens = t5gemma2
     names = ["decoder.blocks.1.cross_attn.k", "decoder.blocks.1.attn.pattern", "decoder.blocks.1.cross_attn.pattern"]
     inputs = {k: v for k, v in _t5_inputs().items() if k != "use_cache"}
-    with torch.no_grad(), lens.capture(names, keep_shape=True) as fresh:
+    fresh = Batches()
+    with torch.no_grad(), lens.capture(names, keep_shape=True, on_batch=fresh):
         model(**inputs, use_cache=False)
-    with torch.no_grad(), lens.capture(names, keep_shape=True) as cached:
+    cached = Batches()
+    with torch.no_grad(), lens.capture(names, keep_shape=True, on_batch=cached):
         model(**inputs, use_cache=True)
     for name in names:
-        torch.testing.assert_close(cached.last[0][name], fresh.last[0][name], rtol=0, atol=1e-6)
+        torch.testing.assert_close(cached.acts[name], fresh.acts[name], rtol=0, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -195,11 +199,12 @@ def test_deepseek_v4_reads_are_the_tokens_keys_and_the_full_pattern(deepseek_v4,
     handle = attn.compressor.register_forward_hook(lambda m, a, out: seen.update(entries=out[0]))
     names = [f"blocks.{layer}.attn.{w}" for w in ("k", "v", "pattern")]
     try:
-        with torch.no_grad(), lens.capture(names, keep_shape=True) as cap:
+        cap = Batches()
+        with torch.no_grad(), lens.capture(names, keep_shape=True, on_batch=cap):
             out = model(input_ids=_ids(length), use_cache=False, output_attentions=True)
     finally:
         handle.remove()
-    acts = cap.last[0]
+    acts = cap.acts
     assert seen["entries"].shape[2] == entries and seen["key"].shape[2] == length + entries  # tokens, then entries
     torch.testing.assert_close(seen["key"][:, :, length:], seen["entries"], rtol=0, atol=0)
     for which in "kv":  # the tokens' rows (K = V), not the last T keys
@@ -230,9 +235,10 @@ def test_deepseek_v4_q_edits_and_patterns_follow_a_cache_and_k_v_refuse_it(deeps
     cached, cached_scores = generate()
     assert torch.equal(cached, fresh)
     torch.testing.assert_close(cached_scores, fresh_scores, rtol=0, atol=1e-5)
-    with torch.no_grad(), lens.capture("blocks.1.attn.pattern", keep_shape=True) as cap:
+    cap = Batches()
+    with torch.no_grad(), lens.capture("blocks.1.attn.pattern", keep_shape=True, on_batch=cap):
         out = model(input_ids=ids, use_cache=True, output_attentions=True)
-    torch.testing.assert_close(cap.last[0]["blocks.1.attn.pattern"].transpose(1, 2), out.attentions[1],
+    torch.testing.assert_close(cap.acts["blocks.1.attn.pattern"].transpose(1, 2), out.attentions[1],
                                rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="attends to other keys/values than it stores"), torch.no_grad(), \
             lens.capture("blocks.1.attn.v", keep_shape=True):

@@ -17,6 +17,7 @@ from conceptlens.hooks.points import hook_site
 from conceptlens.steering import Add
 from tests.adapters import coverage
 from tests.adapters.tiny_configs import build, tiny_config
+from tests.conftest import Batches
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,8 @@ def test_the_sublayer_sites_are_the_outputs_spread_over_the_streams(qwen4):
                layer.mlp_hyper_connection.register_forward_hook(lambda m, a, o: seen.update(w2=o[2]))]
     names = ["blocks.0.mixer_out", "blocks.0.mlp_out"]
     try:
-        with torch.no_grad(), lens.capture(names, keep_shape=True) as cap:
+        cap = Batches()
+        with torch.no_grad(), lens.capture(names, keep_shape=True, on_batch=cap):
             model(input_ids=_ids())
     finally:
         for h in handles:
@@ -48,8 +50,8 @@ def test_the_sublayer_sites_are_the_outputs_spread_over_the_streams(qwen4):
     by_hand = {"blocks.0.mixer_out": (seen["a"].unsqueeze(-2) * seen["w"].unsqueeze(-1)).flatten(-2),
                "blocks.0.mlp_out": (seen["f"].unsqueeze(-2) * seen["w2"].unsqueeze(-1)).flatten(-2)}
     for name in names:
-        assert cap.last[0][name].shape == (2, 6, 256)
-        assert torch.equal(cap.last[0][name], by_hand[name])  # the model's own tensor, bit for bit
+        assert cap.acts[name].shape == (2, 6, 256)
+        assert torch.equal(cap.acts[name], by_hand[name])  # the model's own tensor, bit for bit
     assert lens.site("final").width == 64  # the stream mixer merges the 4 streams
 
 
@@ -81,22 +83,24 @@ def test_an_add_at_a_spread_site_equals_adding_it_to_the_streams_by_hand(qwen4, 
     with torch.no_grad():
         bare = model(input_ids=ids).logits
     names = [site, f"blocks.{i}.resid_out"]
+    cap = Batches()
     with torch.no_grad(), contextlib.ExitStack() as scopes:
         if capture_first:  # edits run before reads at a site, whatever order the scopes open in
-            cap = scopes.enter_context(lens.capture(names, keep_shape=True))
+            scopes.enter_context(lens.capture(names, keep_shape=True, on_batch=cap))
         scopes.enter_context(lens.steer(Add(vector, site=site)))
         if not capture_first:
-            cap = scopes.enter_context(lens.capture(names, keep_shape=True))
+            scopes.enter_context(lens.capture(names, keep_shape=True, on_batch=cap))
         logits = model(input_ids=ids).logits
     assert not torch.allclose(logits, bare, atol=1e-3)  # the edit did something
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
-    with torch.no_grad(), lens.capture([site, f"blocks.{i}.resid_out"], keep_shape=True) as plain:
+    plain = Batches()
+    with torch.no_grad(), lens.capture([site, f"blocks.{i}.resid_out"], keep_shape=True, on_batch=plain):
         model(input_ids=ids)
     # a read after an edit at the site sees the edit; in the last sublayer, so does resid_out
-    torch.testing.assert_close(cap.last[0][site], plain.last[0][site] + vector, rtol=0, atol=1e-5)
+    torch.testing.assert_close(cap.acts[site], plain.acts[site] + vector, rtol=0, atol=1e-5)
     if where == "output":
         out = f"blocks.{i}.resid_out"
-        torch.testing.assert_close(cap.last[0][out], plain.last[0][out] + vector, rtol=0, atol=1e-5)
+        torch.testing.assert_close(cap.acts[out], plain.acts[out] + vector, rtol=0, atol=1e-5)
     with torch.no_grad(), lens.steer(Add(vector, 0.0, site=site)):
         assert torch.equal(model(input_ids=ids).logits, bare)  # a null edit is bit-identical
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules())  # none left behind
@@ -139,12 +143,13 @@ def test_hy_v4_streams_in_their_own_dimension_and_a_residual_the_block_adds_itse
                layer.attn_hc.register_forward_hook(lambda m, a, o: seen.update(post=o[0])),
                layer.ffn_hc.register_forward_hook(lambda m, a, o: seen.update(r2=a[0]))]
     try:
-        with torch.no_grad(), lens.capture(["blocks.0.attn_out", "blocks.0.resid_out"], keep_shape=True) as cap:
+        cap = Batches()
+        with torch.no_grad(), lens.capture(["blocks.0.attn_out", "blocks.0.resid_out"], keep_shape=True, on_batch=cap):
             model(input_ids=ids)
     finally:
         for h in handles:
             h.remove()
-    assert torch.equal(cap.last[0]["blocks.0.attn_out"], seen["post"].unsqueeze(-1) * seen["a"].unsqueeze(-2))
+    assert torch.equal(cap.acts["blocks.0.attn_out"], seen["post"].unsqueeze(-1) * seen["a"].unsqueeze(-2))
     vector = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))  # one direction per stream
     with torch.no_grad():  # the block's second half by hand, from the residual after attention moved by vector
         r2 = seen["r2"] + vector
@@ -153,11 +158,12 @@ def test_hy_v4_streams_in_their_own_dimension_and_a_residual_the_block_adds_itse
         by_hand = post.unsqueeze(-1) * f.unsqueeze(-2) + r2
     handle = hook_site(lens.hooks, lens.site("blocks.0.attn_out"), lambda x: x + vector, edit=True)  # steering's primitive
     try:
-        with torch.no_grad(), lens.capture(["blocks.0.resid_out"], keep_shape=True) as edited:
+        edited = Batches()
+        with torch.no_grad(), lens.capture(["blocks.0.resid_out"], keep_shape=True, on_batch=edited):
             model(input_ids=ids)
     finally:
         handle.remove()
-    torch.testing.assert_close(edited.last[0]["blocks.0.resid_out"], by_hand, rtol=0, atol=1e-5)
+    torch.testing.assert_close(edited.acts["blocks.0.resid_out"], by_hand, rtol=0, atol=1e-5)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules())
 
 

@@ -8,6 +8,7 @@ import torch
 import conceptlens
 from conceptlens.steering import Add
 from tests.adapters import coverage
+from tests.conftest import Batches
 
 
 def test_streams_first_residual_sites():
@@ -21,9 +22,10 @@ def test_streams_first_residual_sites():
     assert torch.equal(acts["embed"], out.hidden_states[0].permute(1, 2, 0, 3))
     assert torch.equal(acts["blocks.0.resid_out"], out.hidden_states[1].permute(1, 2, 0, 3))
     assert torch.equal(acts["blocks.1.resid_in"], acts["blocks.0.resid_out"])
-    with lens.capture(["blocks.0.resid_out"]) as cap, torch.no_grad():  # rows: one per token
+    cap = Batches()
+    with lens.capture(["blocks.0.resid_out"], on_batch=cap), torch.no_grad():  # rows: one per token
         model(**inputs)
-    assert tuple(cap.last[0]["blocks.0.resid_out"].shape) == (inputs["input_ids"].numel(), n, d)
+    assert tuple(cap.acts["blocks.0.resid_out"].shape) == (inputs["input_ids"].numel(), n, d)
 
 
 def test_streams_first_edit_equals_a_manual_hook():

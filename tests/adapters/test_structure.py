@@ -8,7 +8,7 @@ import torch
 import transformers as tf
 
 import conceptlens
-from tests.conftest import tiny_inputs, tiny_model
+from tests.conftest import Batches, tiny_inputs, tiny_model
 
 
 def _gemma3(window: int = 4):
@@ -27,9 +27,10 @@ def test_gemma3_sublayer_outputs_are_after_their_post_norms_and_add_up():
     assert lens.site("blocks.0.mlp_out").module is layer.post_feedforward_layernorm
     ids = torch.randint(3, 99, (2, 9), generator=torch.Generator().manual_seed(0))  # longer than the window
     names = [f"blocks.{i}.{k}" for i in range(2) for k in ("resid_in", "attn_out", "mlp_out", "resid_out")]
-    with torch.no_grad(), lens.capture(names, keep_shape=True) as cap:
+    cap = Batches()
+    with torch.no_grad(), lens.capture(names, keep_shape=True, on_batch=cap):
         model(input_ids=ids)
-    acts = cap.last[0]
+    acts = cap.acts
     for i in range(2):
         total = acts[f"blocks.{i}.resid_in"] + acts[f"blocks.{i}.attn_out"] + acts[f"blocks.{i}.mlp_out"]
         torch.testing.assert_close(total, acts[f"blocks.{i}.resid_out"], rtol=1e-5, atol=1e-5)
@@ -64,9 +65,10 @@ def test_pre_rotary_q_is_the_projection_and_rotary_q_differs():
     model = tiny_model("llama")
     lens = conceptlens.attach(model)
     ids = torch.randint(3, 99, (1, 6), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad(), lens.capture(["blocks.0.attn.q_pre", "blocks.0.attn.q"], keep_shape=True) as cap:
+    cap = Batches()
+    with torch.no_grad(), lens.capture(["blocks.0.attn.q_pre", "blocks.0.attn.q"], keep_shape=True, on_batch=cap):
         model(input_ids=ids)
-    pre, rot = cap.last[0]["blocks.0.attn.q_pre"], cap.last[0]["blocks.0.attn.q"]
+    pre, rot = cap.acts["blocks.0.attn.q_pre"], cap.acts["blocks.0.attn.q"]
     torch.testing.assert_close(pre[:, 0], rot[:, 0])  # position 0: rotation by angle 0
     assert not torch.allclose(pre[:, 1:], rot[:, 1:])
     torch.testing.assert_close(pre.norm(dim=-1), rot.norm(dim=-1), rtol=1e-5, atol=1e-5)  # rotations keep norms
@@ -79,9 +81,10 @@ def test_z_post_and_pattern_sites(family):
     inputs = tiny_inputs(family)
     p = "decoder." if family in ("t5", "bart") else ""
     names = [f"{p}blocks.0.attn.z", f"{p}blocks.0.mlp.post", f"{p}blocks.0.attn.pattern", f"{p}blocks.0.attn.v"]
-    with torch.no_grad(), lens.capture(names, keep_shape=True) as cap:
+    cap = Batches()
+    with torch.no_grad(), lens.capture(names, keep_shape=True, on_batch=cap):
         out = model(**inputs, output_attentions=True)
-    acts = cap.last[0]
+    acts = cap.acts
     weights = out.decoder_attentions[0] if p else out.attentions[0]  # (B, H, T, S)
     pattern = acts[f"{p}blocks.0.attn.pattern"].transpose(1, 2)
     torch.testing.assert_close(pattern, weights, rtol=1e-5, atol=1e-6)

@@ -34,8 +34,8 @@ def block15(texts: list[str]) -> torch.Tensor:
     with lens.capture("blocks.15.resid_out") as cap:        # the forward stops after block 15
         for i in range(0, len(texts), 10):
             batch = tok(texts[i:i + 10], return_tensors="pt", padding=True, truncation=True, max_length=64)
-            acts = cap.forward(**batch)["blocks.15.resid_out"]
-            rows.append(acts[cap.last[1].position > 0])     # the first token is an attention sink
+            acts, meta = cap.forward(**batch)
+            rows.append(acts["blocks.15.resid_out"][meta.position > 0])  # the first token is an attention sink
     return torch.cat(rows)
 
 

@@ -63,10 +63,9 @@ def captured(lens, docs, max_length=16):
     """Every kept row (position > 0) of SITE with its (doc, pos), and the batch ids: the reference."""
     batch = encode_batch(lens.tokenizer, docs, max_length)
     with lens.capture(SITE) as cap:
-        x = cap.forward(**batch)[SITE]
-    meta = cap.last[1]
+        acts, meta = cap.forward(**batch)
     keep = meta.position > 0
-    return x[keep], meta.row[keep], meta.position[keep], batch["input_ids"]
+    return acts[SITE][keep], meta.row[keep], meta.position[keep], batch["input_ids"]
 
 
 def run(lens, sets, docs=DOCS, **kw):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import conceptlens
-from tests.conftest import tiny_inputs, tiny_model
+from tests.conftest import Batches, tiny_inputs, tiny_model
 
 
 def test_flat_rows_are_real_tokens_aligned_across_sites():
@@ -17,7 +17,8 @@ def test_flat_rows_are_real_tokens_aligned_across_sites():
     batches = []
     with torch.no_grad(), lens.capture(names, on_batch=lambda a, m: batches.append((a, m))):
         model(**inputs)
-    with torch.no_grad(), lens.capture(names, keep_shape=True) as full:
+    full = Batches()
+    with torch.no_grad(), lens.capture(names, keep_shape=True, on_batch=full):
         model(**inputs)
     assert len(batches) == 1
     acts, meta = batches[0]
@@ -26,7 +27,7 @@ def test_flat_rows_are_real_tokens_aligned_across_sites():
     assert acts["blocks.0.resid_out"].shape == (n, 32)
     assert acts["blocks.1.attn.q"].shape == (n, 4, 8) and acts["blocks.1.attn.k"].shape == (n, 2, 8)
     for name in names:
-        assert torch.equal(acts[name], full.last[0][name][keep])
+        assert torch.equal(acts[name], full.acts[name][keep])
         assert acts[name].dtype == torch.float32
     rows, cols = keep.nonzero(as_tuple=True)
     assert torch.equal(meta.row, rows)
@@ -43,13 +44,17 @@ def test_stop_early_runs_nothing_after_the_deepest_site():
     spies = [model.model.layers[1].register_forward_pre_hook(lambda *a: calls.append("block1")),
              model.lm_head.register_forward_pre_hook(lambda *a: calls.append("head"))]
     try:
-        with lens.capture(["blocks.0.resid_out", "blocks.0.attn.k"]) as cap:
-            acts = cap.forward(**inputs)
-            assert calls == []
+        seen = Batches()
+        with lens.capture(["blocks.0.resid_out", "blocks.0.attn.k"], on_batch=seen) as cap:
+            acts, meta = cap.forward(**inputs)
+            assert calls == [] and len(seen) == 1 and seen.acts is acts and seen.meta is meta  # on_batch ran too
             with torch.no_grad():
                 model(**inputs)
             assert calls == ["block1", "head"]
-            assert torch.equal(acts["blocks.0.resid_out"], cap.last[0]["blocks.0.resid_out"])
+            for name in acts:
+                assert torch.equal(acts[name], seen.acts[name])
+            for got, full in zip(meta, seen.meta):  # row, position, token, keep: as the full forward's
+                assert torch.equal(got, full)
     finally:
         for spy in spies:
             spy.remove()
@@ -85,9 +90,10 @@ def test_keep_shape_meta_and_drop_special():
     lens = conceptlens.attach(model, Tok())
     inputs = tiny_inputs("gpt2")
     inputs["input_ids"][1, 3] = 5
-    with torch.no_grad(), lens.capture("blocks.0.resid_out", drop_special=True) as cap:
+    seen = Batches()
+    with torch.no_grad(), lens.capture("blocks.0.resid_out", drop_special=True, on_batch=seen):
         model(**inputs)
-    acts, meta = cap.last
+    acts, meta = seen[-1]
     expected = inputs["attention_mask"].bool() & (inputs["input_ids"] != 5) & (inputs["input_ids"] != 6)
     assert torch.equal(meta.keep, expected)
     assert acts["blocks.0.resid_out"].shape[0] == int(expected.sum())
@@ -109,19 +115,21 @@ def test_encoder_decoder_streams_and_generate():
         model.generate(**prompt, max_new_tokens=3, do_sample=False)
     assert len(enc) == 1 and int(enc[0].keep.sum()) == int(inputs["attention_mask"].sum())
     assert len(dec) == 3 and all(a["decoder.blocks.0.resid_out"].shape == (3, 32) for a in dec)
-    with torch.no_grad(), lens.capture("decoder.blocks.0.cross_attn.k") as cap:
+    seen = Batches()
+    with torch.no_grad(), lens.capture("decoder.blocks.0.cross_attn.k", on_batch=seen):
         model(**inputs)
-    assert cap.last[0]["decoder.blocks.0.cross_attn.k"].shape == (int(inputs["attention_mask"].sum()), 4, 8)
+    assert seen.acts["decoder.blocks.0.cross_attn.k"].shape == (int(inputs["attention_mask"].sum()), 4, 8)
 
 
 def test_inputs_embeds_give_unknown_token_ids():
     model = tiny_model("llama")
     lens = conceptlens.attach(model)
     embeds = model.model.embed_tokens(torch.tensor([[4, 5, 6]]))
-    with torch.no_grad(), lens.capture("blocks.0.resid_out") as cap:
+    seen = Batches()
+    with torch.no_grad(), lens.capture("blocks.0.resid_out", on_batch=seen):
         model(inputs_embeds=embeds)
-    assert cap.last[1].token.tolist() == [-1, -1, -1]
-    assert cap.last[1].position.tolist() == [0, 1, 2]
+    assert seen.meta.token.tolist() == [-1, -1, -1]
+    assert seen.meta.position.tolist() == [0, 1, 2]
 
 
 def test_positions_a_model_pads_inside_are_no_tokens():
@@ -132,11 +140,12 @@ def test_positions_a_model_pads_inside_are_no_tokens():
     model = build("reformer")  # chunk length 8: 10 tokens run as 16 positions
     lens = conceptlens.attach(model)
     ids = torch.randint(4, 100, (2, 10), generator=torch.Generator().manual_seed(0))
-    with lens.capture(["blocks.0.resid_out"]) as cap, torch.no_grad():
+    seen = Batches()
+    with lens.capture(["blocks.0.resid_out"], on_batch=seen), torch.no_grad():
         model(input_ids=ids)
-    rows, meta = cap.last
+    rows, meta = seen[-1]
     assert rows["blocks.0.resid_out"].shape[0] == ids.numel()
     assert torch.equal(meta.token, ids.reshape(-1)) and torch.equal(meta.position, torch.arange(10).repeat(2))
-    with lens.capture(["blocks.0.resid_out"], keep_shape=True) as cap, torch.no_grad():
+    with lens.capture(["blocks.0.resid_out"], keep_shape=True, on_batch=seen), torch.no_grad():
         model(input_ids=ids)
-    assert cap.last[0]["blocks.0.resid_out"].shape[1] == 16 and int(cap.last[1].keep.sum()) == ids.numel()
+    assert seen.acts["blocks.0.resid_out"].shape[1] == 16 and int(seen.meta.keep.sum()) == ids.numel()

@@ -7,7 +7,7 @@ import torch
 
 import conceptlens
 from conceptlens.hooks import attention, capture
-from tests.conftest import hook_snapshot, tiny_inputs, tiny_model
+from tests.conftest import Batches, hook_snapshot, tiny_inputs, tiny_model
 
 SITES = ["embed", "blocks.0.resid_in", "blocks.0.attn.q", "blocks.1.attn.k", "blocks.1.attn_out",
          "blocks.1.mlp_out", "blocks.1.resid_out", "final"]
@@ -100,16 +100,18 @@ def test_interrupt_in_a_capture_only_forward(setup):
 
 def test_nested_and_repeated_captures(setup):
     model, lens, inputs, bare, snap = setup
-    with torch.no_grad(), lens.capture(["blocks.0.resid_out", "blocks.1.attn.k"]) as outer:
-        with lens.capture(["blocks.0.resid_out", "blocks.1.attn.q"]) as inner:
+    outer, inner = Batches(), Batches()
+    with torch.no_grad(), lens.capture(["blocks.0.resid_out", "blocks.1.attn.k"], on_batch=outer):
+        with lens.capture(["blocks.0.resid_out", "blocks.1.attn.q"], on_batch=inner):
             logits = model(**inputs).logits
         assert torch.equal(logits, bare)
-        assert torch.equal(outer.last[0]["blocks.0.resid_out"], inner.last[0]["blocks.0.resid_out"])
+        assert torch.equal(outer.acts["blocks.0.resid_out"], inner.acts["blocks.0.resid_out"])
         assert attention.active_hook_count(lens.hooks) == 1  # inner's q hook is gone, outer's k hook stays
     for _ in range(3):
-        with torch.no_grad(), lens.capture(SITES) as cap:
+        seen = Batches()
+        with torch.no_grad(), lens.capture(SITES, on_batch=seen):
             model(**inputs)
-        assert set(cap.last[0]) == set(SITES)
+        assert len(seen) == 1 and set(seen.acts) == set(SITES)
     _assert_clean(lens, model, inputs, bare, snap)
 
 

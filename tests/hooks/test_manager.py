@@ -18,7 +18,7 @@ import conceptlens
 import conceptlens.hooks
 from conceptlens.steering import Add
 from tests.adapters.tiny_configs import build
-from tests.conftest import hook_snapshot, tiny_inputs, tiny_model
+from tests.conftest import Batches, hook_snapshot, tiny_inputs, tiny_model
 
 SITES = ["blocks.0.resid_in", "blocks.0.attn.q", "blocks.1.attn.k", "blocks.1.attn.v", "blocks.1.attn.pattern",
          "blocks.1.mlp_out", "final"]
@@ -109,12 +109,13 @@ def test_two_lenses_on_two_models_share_nothing():
     registry = hook_snapshot(a)["attention_registry"]
     ref_a, ref_b = _logits(a, inputs), _logits(b, inputs)
     lens_a, lens_b = conceptlens.attach(a), conceptlens.attach(b)
-    with lens_a.capture("blocks.1.attn.k") as cap_a:
+    seen_a, seen_b = Batches(), Batches()
+    with lens_a.capture("blocks.1.attn.k", on_batch=seen_a):
         assert lens_b.hooks.attached() == [] and not lens_b.hooks.qkv
-        with lens_b.capture("blocks.1.attn.k") as cap_b, torch.no_grad():
+        with lens_b.capture("blocks.1.attn.k", on_batch=seen_b), torch.no_grad():
             lens_a.close()  # a's registry entry lies under b's: it is spliced out, b's keeps working
             assert torch.equal(b(**inputs).logits, ref_b) and torch.equal(a(**inputs).logits, ref_a)
-        assert cap_a.last is None and cap_b.last is not None  # a's capture read nothing after the close
+        assert not seen_a and len(seen_b) == 1  # a's capture read nothing after the close
     assert hook_snapshot(a)["attention_registry"] == registry == hook_snapshot(b)["attention_registry"]
 
 
@@ -126,10 +127,11 @@ def test_two_threads_with_a_lens_each_share_nothing():
     def run(i, out):
         lens = conceptlens.attach(models[i])
         for _ in range(5):
+            seen = Batches()
             with lens.steer(Add(vectors[i], 1.0, site="blocks.0.attn.v")), \
-                    lens.capture(["blocks.1.attn.q", "blocks.1.attn.k"]) as cap, torch.no_grad():
+                    lens.capture(["blocks.1.attn.q", "blocks.1.attn.k"], on_batch=seen), torch.no_grad():
                 logits = models[i](**inputs).logits
-            out.append((logits, cap.last[0]["blocks.1.attn.k"]))
+            out.append((logits, seen.acts["blocks.1.attn.k"]))
         lens.close()
 
     alone = [[], []]

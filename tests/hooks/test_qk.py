@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import conceptlens
-from tests.conftest import tiny_inputs, tiny_model
+from tests.conftest import Batches, tiny_inputs, tiny_model
 
 
 def _softmax_masked(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -17,9 +17,10 @@ def _softmax_masked(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor
 
 
 def _capture(model, lens, names, inputs):
-    with torch.no_grad(), lens.capture(names, keep_shape=True) as cap:
+    seen = Batches()
+    with torch.no_grad(), lens.capture(names, keep_shape=True, on_batch=seen):
         out = model(**inputs, output_attentions=True)
-    return cap.last[0], out
+    return seen.acts, out
 
 
 def _pad_and_causal(inputs, length, causal):
@@ -82,8 +83,9 @@ def test_qk_same_under_eager_and_sdpa(family):
     captured = []
     for attn in ("eager", "sdpa"):  # flat capture: padded rows legitimately differ between kernels
         model = tiny_model(family, attn=attn)
-        with torch.no_grad(), conceptlens.attach(model).capture(names) as cap:
+        seen = Batches()
+        with torch.no_grad(), conceptlens.attach(model).capture(names, on_batch=seen):
             model(**inputs)
-        captured.append(cap.last[0])
+        captured.append(seen.acts)
     for name in names:
         torch.testing.assert_close(captured[0][name], captured[1][name], atol=1e-6, rtol=0)

@@ -6,7 +6,7 @@ import torch
 
 import conceptlens
 from conceptlens.hooks.tokens import StackInputs, TokenTracker
-from tests.conftest import tiny_inputs, tiny_model
+from tests.conftest import Batches, tiny_inputs, tiny_model
 
 
 def test_keep_shape_capture_across_encoder_and_decoder_keeps_both():
@@ -18,9 +18,10 @@ def test_keep_shape_capture_across_encoder_and_decoder_keeps_both():
     with torch.no_grad():
         ref = model(**inputs, output_hidden_states=True)
         for order in (names, names[::-1]):
-            with lens.capture(order, keep_shape=True) as cap:
+            seen = Batches()
+            with lens.capture(order, keep_shape=True, on_batch=seen):
                 model(**inputs)
-            acts, meta = cap.last
+            acts, meta = seen[-1]
             assert set(acts) == set(names)
             assert torch.equal(acts["encoder.blocks.0.resid_out"], ref.encoder_hidden_states[1])
             assert torch.equal(acts["decoder.blocks.0.resid_out"], ref.decoder_hidden_states[1])

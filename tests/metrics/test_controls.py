@@ -12,7 +12,7 @@ from conceptlens import ConceptSet
 from conceptlens.metrics.controls import (SiteMoments, base_rate_entropy, concept_subsets, covariance_directions,
                                           majority_accuracy, unigram_entropy)
 from conceptlens.metrics.faithfulness import FaithfulnessResult, ProbeTask, faithfulness
-from tests.conftest import tiny_model
+from tests.conftest import Batches, tiny_model
 
 SITE = "blocks.0.resid_out"
 
@@ -133,9 +133,10 @@ def test_raw_centroids_ablate_the_planted_mean_centred_ones_do_not():
                                pad_token_id=0)
     lens = conceptlens.attach(model)
     km = StreamingKMeans(n_concepts=4, seed=0)
-    with torch.no_grad(), lens.capture(SITE) as cap:
+    seen = Batches()
+    with torch.no_grad(), lens.capture(SITE, on_batch=seen):
         model(texts)
-    km.update(cap.last[0][SITE][cap.last[1].position > 0])
+    km.update(seen.acts[SITE][seen.meta.position > 0])
     km.flush()
     cs = km.concept_set()
     cs.site = SITE

@@ -11,7 +11,7 @@ import conceptlens
 from conceptlens import ConceptSet
 from conceptlens.metrics.faithfulness import (FaithfulnessResult, ProbeTask, faithfulness, fit_probe, pool,
                                               probe_scores, random_orthonormal)
-from tests.conftest import tiny_model
+from tests.conftest import Batches, tiny_model
 
 SITE = "blocks.0.resid_out"
 
@@ -61,9 +61,10 @@ def probe_setup():
     model = tiny_model("llama")
     lens = conceptlens.attach(model)
     texts = torch.randint(3, 99, (200, 8), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad(), lens.capture(SITE, keep_shape=True) as cap:
+    seen = Batches()
+    with torch.no_grad(), lens.capture(SITE, keep_shape=True, on_batch=seen):
         model(texts)
-    pooled = cap.last[0][SITE][:, 1:].mean(1)  # (200, 32): equal lengths, first token skipped
+    pooled = seen.acts[SITE][:, 1:].mean(1)  # (200, 32): equal lengths, first token skipped
     u = torch.linalg.svd(pooled - pooled.mean(0), full_matrices=False).Vh[0]
     labels = (pooled @ u > (pooled @ u).median()).long()
     return lens, texts.tolist(), labels, u
@@ -101,9 +102,10 @@ def test_next_token_loss_needs_the_directions_it_uses():
         texts = model.generate(start, attention_mask=torch.ones_like(start), max_new_tokens=11, do_sample=True,
                                pad_token_id=0)
     lens = conceptlens.attach(model)
-    with torch.no_grad(), lens.capture("final") as cap:
+    seen = Batches()
+    with torch.no_grad(), lens.capture("final", on_batch=seen):
         model(texts)
-    acts = cap.last[0]["final"]
+    acts = seen.acts["final"]
     top = torch.linalg.svd(acts - acts.mean(0), full_matrices=False).Vh[:2]
     result = faithfulness(lens, ConceptSet(top, site="final"), texts.tolist(), batch_size=32)
     assert result.n_directions == 2 and result.harm > 2 * result.control_harm > 0 and result.z > 3

@@ -10,7 +10,7 @@ from transformers.cache_utils import DynamicCache, QuantizedCache, StaticCache
 
 import conceptlens
 from conceptlens.steering import Add
-from tests.conftest import _LLAMA_LIKE, hook_snapshot, tiny_model
+from tests.conftest import _LLAMA_LIKE, Batches, hook_snapshot, tiny_model
 
 POSITIONS = ["all", "prompt", "generated", slice(2, 6)]
 
@@ -75,11 +75,12 @@ def test_k_v_reads_see_this_forwards_tokens_with_a_static_cache(which):
     lens = conceptlens.attach(model)
     site = f"blocks.0.attn.{which}"
     ids = torch.randint(3, 99, (2, 5), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad(), lens.capture(site, keep_shape=True) as bare:
+    bare, cached = Batches(), Batches()
+    with torch.no_grad(), lens.capture(site, keep_shape=True, on_batch=bare):
         model(input_ids=ids)
-    with torch.no_grad(), lens.capture(site, keep_shape=True) as cap:
+    with torch.no_grad(), lens.capture(site, keep_shape=True, on_batch=cached):
         model(input_ids=ids, cache=StaticCache(config=model.config, max_cache_len=12), use_cache=True)
-    torch.testing.assert_close(cap.last[0][site], bare.last[0][site], rtol=0, atol=1e-6)
+    torch.testing.assert_close(cached.acts[site], bare.acts[site], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("which", ["k", "v"])
@@ -89,13 +90,14 @@ def test_the_quantised_cache_stores_the_edited_keys_and_values(which):
     site = f"blocks.0.attn.{which}"
     edit = _edit(lens, site)
     ids = torch.randint(3, 99, (2, 5), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad(), lens.steer(edit), lens.capture(site, keep_shape=True) as cap:
+    seen = Batches()
+    with torch.no_grad(), lens.steer(edit), lens.capture(site, keep_shape=True, on_batch=seen):
         model(input_ids=ids)  # the edited k/v, as an uncached forward uses them
         cache = QuantizedCache("fp8", model.config)
         model(input_ids=ids, cache=cache, use_cache=True)
     layer = cache.layers[0]
     stored = layer._dequantize(layer._quantized_keys if which == "k" else layer._quantized_values)
-    expected = cap.last[0][site].transpose(1, 2)
+    expected = seen.acts[site].transpose(1, 2)
     torch.testing.assert_close(stored, layer._dequantize(layer._quantize(expected)), rtol=0, atol=0)
 
 

@@ -8,7 +8,7 @@ import torch
 
 import conceptlens
 from conceptlens.steering import Add
-from tests.conftest import tiny_model
+from tests.conftest import Batches, tiny_model
 
 SITE = "blocks.0.resid_out"
 
@@ -18,21 +18,22 @@ def test_a_capture_reads_after_the_edit_whatever_the_scope_order():
     lens = conceptlens.attach(model)
     ids = torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(0))
     vector = torch.randn(32)
-    with torch.no_grad(), lens.capture(SITE, keep_shape=True) as bare:
+    bare, early, late, middle = Batches(), Batches(), Batches(), Batches()
+    with torch.no_grad(), lens.capture(SITE, keep_shape=True, on_batch=bare):
         model(input_ids=ids)
-    expected = bare.last[0][SITE] + vector
+    expected = bare.acts[SITE] + vector
     with torch.no_grad():
-        with lens.capture(SITE, keep_shape=True) as early, lens.steer(Add(vector, site=SITE)):
+        with lens.capture(SITE, keep_shape=True, on_batch=early), lens.steer(Add(vector, site=SITE)):
             model(input_ids=ids)
-        with lens.steer(Add(vector, site=SITE)), lens.capture(SITE, keep_shape=True) as late:
+        with lens.steer(Add(vector, site=SITE)), lens.capture(SITE, keep_shape=True, on_batch=late):
             model(input_ids=ids)
         # a capture opened between two steering scopes: entering the second re-registers the edits
         other = "blocks.1.resid_out"
-        with lens.steer(Add(vector, site=SITE)), lens.capture(SITE, keep_shape=True) as middle, \
+        with lens.steer(Add(vector, site=SITE)), lens.capture(SITE, keep_shape=True, on_batch=middle), \
                 lens.steer(Add(torch.randn(32), 0.0, site=other)):
             model(input_ids=ids)
-    for cap in (early, late, middle):
-        torch.testing.assert_close(cap.last[0][SITE], expected, rtol=0, atol=1e-6)
+    for seen in (early, late, middle):
+        torch.testing.assert_close(seen.acts[SITE], expected, rtol=0, atol=1e-6)
 
 
 def test_q_k_v_read_after_their_edit():
@@ -43,11 +44,12 @@ def test_q_k_v_read_after_their_edit():
         site = f"blocks.0.attn.{which}"
         width = lens.site(site).shape[2] * lens.site(site).shape[3]
         vector = torch.randn(width)
-        with torch.no_grad(), lens.capture(site, keep_shape=True) as bare:
+        bare, seen = Batches(), Batches()
+        with torch.no_grad(), lens.capture(site, keep_shape=True, on_batch=bare):
             model(input_ids=ids)
-        with torch.no_grad(), lens.capture(site, keep_shape=True) as cap, lens.steer(Add(vector, site=site)):
+        with torch.no_grad(), lens.capture(site, keep_shape=True, on_batch=seen), lens.steer(Add(vector, site=site)):
             model(input_ids=ids)
-        torch.testing.assert_close(cap.last[0][site], bare.last[0][site] + vector.view(lens.site(site).shape[2], -1),
+        torch.testing.assert_close(seen.acts[site], bare.acts[site] + vector.view(lens.site(site).shape[2], -1),
                                    rtol=0, atol=1e-6)
 
 

@@ -11,7 +11,7 @@ from conceptlens.hooks import attention
 from conceptlens.concepts import TopKSAE, VQCodebook
 from conceptlens.steering import Add, Clamp, CodeAblate, ProjectOut
 from conceptlens.steering.edits import Edit
-from tests.conftest import hook_snapshot, tiny_inputs, tiny_model
+from tests.conftest import Batches, hook_snapshot, tiny_inputs, tiny_model
 
 SITE = "blocks.0.resid_out"
 
@@ -64,10 +64,11 @@ def test_project_out_leaves_no_component(llama):
     _, post, _ = _pre_post(lens, model, inputs, [ProjectOut(directions, site=SITE)])
     unit = directions / directions.norm(dim=1, keepdim=True)
     assert (post[0] @ unit.T).abs().max() < 1e-5 * post[0].norm(dim=-1).max()
+    seen = Batches()
     with torch.no_grad(), lens.ablate(ConceptSet(directions, site=SITE)), \
-            lens.capture(SITE, keep_shape=True) as cap:
+            lens.capture(SITE, keep_shape=True, on_batch=seen):
         model(**inputs)
-    torch.testing.assert_close(cap.last[0][SITE], post[0], rtol=0, atol=0)
+    torch.testing.assert_close(seen.acts[SITE], post[0], rtol=0, atol=0)
 
 
 def _generate(model, lens, inputs, edit, positions, use_cache):
@@ -179,9 +180,10 @@ def test_clamp_keeps_the_reconstruction_error(llama):
     model, lens = llama
     inputs = tiny_inputs("llama")
     sae = _fitted(TopKSAE(width=64, k=4, batch_size=256, warmup_tokens=256))
-    with torch.no_grad(), lens.capture(SITE, keep_shape=True) as cap:
+    seen = Batches()
+    with torch.no_grad(), lens.capture(SITE, keep_shape=True, on_batch=seen):
         bare = model(**inputs).logits
-    z = sae.encode(cap.last[0][SITE].reshape(-1, 32))
+    z = sae.encode(seen.acts[SITE].reshape(-1, 32))
     silent = int((z.abs().sum(0) == 0).nonzero()[0])  # a latent off on every token here
     active = int(z.abs().sum(0).argmax())
     with torch.no_grad():
@@ -199,11 +201,11 @@ def test_code_ablate_removes_the_assigned_code_only(llama):
     vq = VQCodebook(8, init_size=64)
     with torch.no_grad(), lens.capture(SITE) as cap:  # fit the codes on this site's own activations
         for seed in range(8):
-            vq.update(cap.forward(**tiny_inputs("llama", batch=4, length=12, seed=seed))[SITE])
+            vq.update(cap.forward(**tiny_inputs("llama", batch=4, length=12, seed=seed))[0][SITE])
     vq.flush()
     with torch.no_grad(), lens.capture(SITE, keep_shape=True) as cap:
-        model(**inputs)
-    common = int(vq.assign(cap.last[0][SITE].reshape(-1, 32)).mode().values)
+        acts, _ = cap.forward(**inputs)
+    common = int(vq.assign(acts[SITE].reshape(-1, 32)).mode().values)
     pre, post, _ = _pre_post(lens, model, inputs, [CodeAblate(vq, [common], site=SITE)])
     x = pre[0].reshape(-1, 32)
     hit = vq.assign(x) == common

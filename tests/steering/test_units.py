@@ -12,7 +12,7 @@ import conceptlens
 from conceptlens import ConceptSet
 from conceptlens.steering import Ablate, Add, ProjectOut, SteeringVector, robust_norm, site_norm
 from conceptlens.steering.units import PROBE_TEXT, PROBE_TOKENS, site_scale
-from tests.conftest import tiny_model
+from tests.conftest import Batches, tiny_model
 
 SITE = "blocks.1.resid_out"
 
@@ -27,14 +27,15 @@ def scaled_model(factor: float) -> torch.nn.Module:
 
 def site_acts(lens, ids, *edits):
     """(B, T, d) activations at SITE for token ids `(B, T)`, under `edits` if any."""
+    seen = Batches()
     with torch.no_grad():
         if edits:
-            with lens.steer(*edits), lens.capture(SITE, keep_shape=True) as cap:
+            with lens.steer(*edits), lens.capture(SITE, keep_shape=True, on_batch=seen):
                 lens.model(ids)
         else:
-            with lens.capture(SITE, keep_shape=True) as cap:
+            with lens.capture(SITE, keep_shape=True, on_batch=seen):
                 lens.model(ids)
-    return cap.last[0][SITE]
+    return seen.acts[SITE]
 
 
 def test_site_norm_is_the_median_token_norm_of_the_probe_tokens_without_the_first():
@@ -111,10 +112,11 @@ def test_lens_ablate_modes_edit_the_model():
     cs = ConceptSet(torch.randn(1, 32, generator=torch.Generator().manual_seed(3)), site=SITE,
                     mean=clean[:, 1:].flatten(0, 1).mean(0))
     u = cs.directions[0] / cs.directions[0].norm()
+    seen = Batches()
     with torch.no_grad(), lens.ablate(cs, mode="mean", positions=slice(1, None)), \
-            lens.capture(SITE, keep_shape=True) as cap:
+            lens.capture(SITE, keep_shape=True, on_batch=seen):
         lens.model(ids)
-    edited = cap.last[0][SITE]
+    edited = seen.acts[SITE]
     torch.testing.assert_close(edited[:, 0], clean[:, 0])  # position 0 left alone
     torch.testing.assert_close(edited[:, 1:] @ u, (cs.mean @ u).expand(2, 5), atol=1e-4, rtol=0)
 

@@ -18,8 +18,8 @@ def test_site_norm_matches_the_median_token_norm_of_news_text(site):
     lens = conceptlens.attach(model, tok)
     batch = encode_batch(tok, data.load("bbc-news", "test").texts[:8], 96)
     with torch.no_grad(), lens.capture(site) as cap:
-        acts = cap.forward(**batch)[site]
-    typical = float(acts[cap.last[1].position > 0].norm(dim=1).median())
+        acts, meta = cap.forward(**batch)
+    typical = float(acts[site][meta.position > 0].norm(dim=1).median())
     assert site_norm(lens, site) == pytest.approx(typical, rel=0.15)
     direction = torch.randn(576, generator=torch.Generator().manual_seed(0))
     with lens.steer(Add(direction, 0.5, scale="site_norm", site=site)) as scope:

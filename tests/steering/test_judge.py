@@ -105,3 +105,29 @@ def test_demo_comparison_has_four_rows_and_names_the_loser(setup):
     rows[0]["best"], rows[1]["best"], rows[2]["best"] = (1.0, 0.2), (4.0, 0.7), (0.0, 0.1)
     said = demo_steer.verdict(rows, "high")
     assert "Winner: diff-of-means" in said and "loses to the diff-of-means vector (0.200 vs 0.700)" in said
+
+
+def test_batched_comparison_rows_equal_each_direction_swept_alone(setup):
+    """compare() steers every direction in one batched generation per alpha (`RowsAdd`); each
+    row must be what a sweep of that direction's own `Add(v, scale="robust_norm")` gives."""
+    model, tok, lens = setup
+    texts, labels = _texts()
+    judge = TopicJudge(model, tok, texts, labels)
+    g = torch.Generator().manual_seed(1)
+    directions = {"a": torch.randn(model.config.hidden_size, generator=g),
+                  "b": 3 * torch.randn(model.config.hidden_size, generator=g)}
+    alphas = (0.0, 1.0, 4.0)
+    rows = demo_steer.compare(lens, tok, "blocks.1.resid_out", 1.0, directions, judge.topic("high"), "high",
+                              PROMPTS, alphas=alphas, max_new_tokens=4)
+    score = token_logprob(tok, [" high"])
+    for row, (name, v) in zip(rows, directions.items()):
+        alone = sweep(lens, Add(v, 0.0, scale="robust_norm", norm=1.0, site="blocks.1.resid_out"), alphas, PROMPTS,
+                      score, max_new_tokens=4, judge=judge.topic("high"), tokenizer=tok)
+        assert row["row"] == name and row["texts"] == alone.texts
+        torch.testing.assert_close(torch.tensor(row["scores"], dtype=torch.float64), alone.judged["P(high)"],
+                                   atol=1e-6, rtol=0, equal_nan=True)
+        torch.testing.assert_close(torch.tensor(row["perplexity"], dtype=torch.float64), alone.median_perplexity,
+                                   atol=0, rtol=1e-5, equal_nan=True)
+        best = best_within_budget(alone, "P(high)")
+        assert row["best"][0] == best[0] and row["best"][1] == pytest.approx(best[1], abs=1e-6)
+    assert rows[0]["texts"][1] != rows[1]["texts"][1]  # the two directions did steer apart

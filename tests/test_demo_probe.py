@@ -1,9 +1,11 @@
 """The demo's per-topic probe table: matched controls read as the set is, planted topics win."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from conceptlens.commands.demo_probe import Rows, control_reader, doc_means, summary, topic_lines
+from conceptlens.commands.demo_probe import (Rows, control_reader, diff_of_means, doc_max, doc_means, summary,
+                                             topic_lines)
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.evaluate.lines import verdict
 from conceptlens.evaluate.probing import random_directions
@@ -21,6 +23,24 @@ def _rows(n_docs: int, d: int, topics: torch.Tensor, seed: int) -> Rows:
 def test_doc_means_average_each_documents_rows():
     z = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 7.0]])
     assert torch.equal(doc_means(z, torch.tensor([0, 0, 2]), 3), torch.tensor([[2.0, 3.0], [0.0, 0.0], [5.0, 7.0]]))
+
+
+def test_doc_max_takes_each_documents_largest_row_value():
+    z = torch.tensor([[1.0, -2.0], [3.0, -4.0], [5.0, 7.0]])
+    assert torch.equal(doc_max(z, torch.tensor([0, 0, 2]), 3), torch.tensor([[3.0, -2.0], [0.0, 0.0], [5.0, 7.0]]))
+
+
+def test_diff_of_means_is_the_difference_of_document_means():
+    x = torch.tensor([[1.0, 0.0], [3.0, 2.0], [0.0, 4.0], [2.0, 2.0]])
+    rows = Rows(x, torch.tensor([0, 0, 1, 2]), torch.tensor([1, 0, 0]))
+    # document means: [2, 1], [0, 4], [2, 2]; class 1 is document 0, the others average to [1, 3]
+    torch.testing.assert_close(diff_of_means(rows, 1), torch.tensor([1.0, -2.0]))
+
+
+def test_unknown_pooling_is_named():
+    rows = _rows(12, 8, torch.eye(8)[:3], 0)
+    with pytest.raises(ValueError, match="'median'.*mean, max"):
+        topic_lines(rows, rows, {}, ["a", "b", "c"], pool="median")
 
 
 def test_control_is_read_as_the_set_is():

@@ -98,16 +98,33 @@ def _per_topic(read: Reader, train: Rows, test: Rows, tasks: list, k: int, pool:
     return [sparse_probe_accuracy(z_train, z_test, [t], k, docs, len(test.y)) for t in tasks]
 
 
+def _ceiling(train: Rows, test: Rows, tasks: list, pool: str) -> list[Tensor]:
+    """Per task, `(test docs, 2)` (correct, count) of the supervised ceiling: a logistic probe on every
+    coordinate of the pooled site activations (`evaluate.probing.fit_logistic`)."""
+    from conceptlens.evaluate.bootstrap import per_document
+    from conceptlens.evaluate.probing import fit_logistic
+
+    x_train = POOLS[pool](train.x, train.doc, len(train.y))
+    x_test = POOLS[pool](test.x, test.doc, len(test.y))
+    out = []
+    for t in tasks:
+        pred = torch.from_numpy(fit_logistic(x_train[t.train], t.y_train).predict(x_test[t.test].double().numpy()))
+        rows = torch.stack([(pred == t.y_test).double(), torch.ones(len(pred), dtype=torch.float64)], 1)
+        out.append(per_document(rows, t.test, len(test.y)))
+    return out
+
+
 def topic_lines(train: Rows, test: Rows, sets: dict[str, Any], class_names: list[str], *, k: int = 5,
                 draws: int = 5, seed: int = 0, pool: str = "mean") -> list[Line]:
-    """One line per (set, topic): the set's k-sparse probe accuracy next to its matched control,
-    documents pooled by `pool` (a key of `POOLS`) for both."""
+    """One line per (set, topic): the set's k-sparse probe accuracy next to its matched control and
+    the supervised ceiling (`_ceiling`), documents pooled by `pool` (a key of `POOLS`) for all."""
     if pool not in POOLS:
         raise ValueError(f"unknown pooling {pool!r}; choose one of {', '.join(POOLS)}")
     from conceptlens.evaluate.activations import concept_encoder
     from conceptlens.evaluate.probing import binary_tasks, mean_accuracy
 
     tasks = binary_tasks(train.y, test.y, class_names, seed)
+    ceilings = [bootstrap(c, mean_accuracy, seed=seed) for c in _ceiling(train, test, tasks, pool)]
     lines = []
     for name, cs in sets.items():
         ours = _per_topic(concept_encoder(cs).encode, train, test, tasks, k, pool)
@@ -116,12 +133,17 @@ def topic_lines(train: Rows, test: Rows, sets: dict[str, Any], class_names: list
         for i, t in enumerate(tasks):
             control = bootstrap_draws([c[i] for c in controls], mean_accuracy, seed=seed)
             lines.append(Line(name, f"{t.name} k={k} accuracy", bootstrap(ours[i], mean_accuracy, seed=seed),
-                              [(f"random {len(cs)} dirs x{draws}", control)], f"{len(t.test)} test documents"))
+                              [(f"random {len(cs)} dirs x{draws}", control), (CEILING, ceilings[i])],
+                              f"{len(t.test)} test documents"))
     return lines
 
 
+CEILING = "full probe, all coordinates"
+
+
 def format_topics(lines: list[Line]) -> str:
-    """Topics down, sets across: `value [interval]` over the control's, and the verdict."""
+    """Topics down, sets across: `value [interval]` over the control's, and the verdict; then the
+    topic's supervised ceiling, once."""
     sets = list(dict.fromkeys(ln.extractor for ln in lines))
     topics = list(dict.fromkeys(ln.metric for ln in lines))
     cell = {(ln.extractor, ln.metric): ln for ln in lines}
@@ -138,6 +160,10 @@ def format_topics(lines: list[Line]) -> str:
             ours += f"{f'{v.value:.3f} [{v.low:.3f}, {v.high:.3f}] {verdict(ln)}':>{width}}"
             control += f"{f'{c.value:.3f} [{c.low:.3f}, {c.high:.3f}]':>{width}}"
         out += [ours, control]
+        ceiling = next((dict(ln.baselines).get(CEILING) for ln in lines if ln.metric == topic), None)
+        if ceiling is not None:
+            out.append(f"  {'  ceiling (full probe)':<22}"
+                       f"{f'{ceiling.value:.3f} [{ceiling.low:.3f}, {ceiling.high:.3f}]':>{width}}")
     return "\n".join(out)
 
 
@@ -152,7 +178,19 @@ def summary(lines: list[Line]) -> str:
         else:
             out.append(f"{name}: does NOT beat matched random directions outside the intervals on "
                        f"{len(short)} of {len(mine)} topics: {', '.join(short)}")
+            out.append(f"  room between the control's upper bound and the full probe's accuracy: {_room(mine)}")
     return "\n".join(out)
+
+
+def _room(lines: list[Line]) -> str:
+    """Per topic, the full probe's accuracy minus the control's upper bound: how much a k-sparse probe
+    could at most gain over its control's interval if it reached the supervised ceiling."""
+    cells = []
+    for ln in lines:
+        ceiling = dict(ln.baselines).get(CEILING)
+        if ceiling is not None:
+            cells.append(f"{ln.metric.split(' ')[0]} {ceiling.value - ln.baselines[0][1].high:+.3f}")
+    return ", ".join(cells) or "no ceiling measured"
 
 
 def diff_of_means(rows: Rows, label: int) -> Tensor:

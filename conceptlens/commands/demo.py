@@ -27,8 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=positive_int, default=40_000, help="tokens of the fit pass")
     parser.add_argument("--describe-tokens", type=positive_int, default=30_000, help="tokens of the description pass")
     parser.add_argument("--concepts", type=positive_int, default=128, help="Deleuzian and k-means concepts")
-    parser.add_argument("--width", type=positive_int, default=1024, help="TopK SAE latents")
-    parser.add_argument("--k", type=positive_int, default=32, help="TopK SAE active latents per token")
+    parser.add_argument("--width", type=positive_int, default=SHORT_FIT_WIDTH, help="TopK SAE latents")
+    parser.add_argument("--k", type=positive_int, default=16, help="TopK SAE active latents per token")
     parser.add_argument("--probe-docs", type=positive_int, nargs=2, default=[240, 444], metavar=("TRAIN", "TEST"),
                         help="bbc-news articles of the k-sparse probe table (train split, test split)")
     parser.add_argument("--probe-length", type=positive_int, default=64, help="tokens per probed article")
@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=count, default=0)
     parser.add_argument("--no-progress", action="store_true")
 
+
+SHORT_FIT_WIDTH = 256
+"""The demo's SAE width (k 16): on ~47k bbc-news train tokens at block 15 (batch 128, lr 2e-3),
+width 256 k 16 reached held-out FVU 0.381 where width 1024 k 32 reached 0.420, with k = 5 probe
+accuracies as high on train-split validation articles, and its matched control is 256 random
+directions, not 1024: a 40k-token fit does not train 1024 latents."""
 
 SHORT_FIT_LR = 2e-3
 """Adam learning rate of the demo's SAE when its fit has fewer than 1000 steps. The width-scaled

@@ -1,12 +1,14 @@
 """The demo's per-topic probe table: matched controls read as the set is, planted topics win."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from conceptlens.commands.demo_probe import Rows, control_reader, doc_means, summary, topic_lines
+from conceptlens.commands.demo_probe import (CEILING, Rows, control_reader, diff_of_means, doc_max, doc_means,
+                                             format_topics, summary, topic_lines)
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.evaluate.lines import verdict
-from conceptlens.evaluate.probing import random_directions
+from conceptlens.evaluate.probing import binary_tasks, random_directions
 
 
 def _rows(n_docs: int, d: int, topics: torch.Tensor, seed: int) -> Rows:
@@ -21,6 +23,24 @@ def _rows(n_docs: int, d: int, topics: torch.Tensor, seed: int) -> Rows:
 def test_doc_means_average_each_documents_rows():
     z = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 7.0]])
     assert torch.equal(doc_means(z, torch.tensor([0, 0, 2]), 3), torch.tensor([[2.0, 3.0], [0.0, 0.0], [5.0, 7.0]]))
+
+
+def test_doc_max_takes_each_documents_largest_row_value():
+    z = torch.tensor([[1.0, -2.0], [3.0, -4.0], [5.0, 7.0]])
+    assert torch.equal(doc_max(z, torch.tensor([0, 0, 2]), 3), torch.tensor([[3.0, -2.0], [0.0, 0.0], [5.0, 7.0]]))
+
+
+def test_diff_of_means_is_the_difference_of_document_means():
+    x = torch.tensor([[1.0, 0.0], [3.0, 2.0], [0.0, 4.0], [2.0, 2.0]])
+    rows = Rows(x, torch.tensor([0, 0, 1, 2]), torch.tensor([1, 0, 0]))
+    # document means: [2, 1], [0, 4], [2, 2]; class 1 is document 0, the others average to [1, 3]
+    torch.testing.assert_close(diff_of_means(rows, 1), torch.tensor([1.0, -2.0]))
+
+
+def test_unknown_pooling_is_named():
+    rows = _rows(12, 8, torch.eye(8)[:3], 0)
+    with pytest.raises(ValueError, match="'median'.*mean, max"):
+        topic_lines(rows, rows, {}, ["a", "b", "c"], pool="median")
 
 
 def test_control_is_read_as_the_set_is():
@@ -51,3 +71,26 @@ def test_planted_topic_directions_beat_matched_random_and_the_control_matches_th
     lines = topic_lines(train, test, {"noise": noise}, ["a", "b", "c"], k=1, draws=3)
     assert not any(verdict(ln) == "wins" for ln in lines)
     assert "does NOT beat" in summary(lines)
+
+
+def test_ceiling_is_sklearns_logistic_probe_on_every_pooled_coordinate():
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    d = 16
+    topics = F.normalize(torch.randn(3, d, generator=torch.Generator().manual_seed(1)), dim=1)
+    train, test = _rows(90, d, topics, 2), _rows(90, d, topics, 3)
+    planted = ConceptSet(torch.randn(4, d, generator=torch.Generator().manual_seed(4)), "s", method="random")
+    lines = topic_lines(train, test, {"p": planted}, ["a", "b", "c"], k=1, draws=2)
+    x_train, x_test = doc_means(train.x, train.doc, 90).double(), doc_means(test.x, test.doc, 90).double()
+    for line, task in zip(lines, binary_tasks(train.y, test.y, ["a", "b", "c"], 0)):
+        model = make_pipeline(StandardScaler(), LogisticRegression(C=1.0, max_iter=1000))
+        model.fit(x_train[task.train].numpy(), task.y_train.numpy())
+        expected = (model.predict(x_test[task.test].numpy()) == task.y_test.numpy()).mean()
+        ceiling = dict(line.baselines)[CEILING]
+        assert abs(ceiling.value - expected) < 1e-12 and ceiling.low <= ceiling.value <= ceiling.high
+    printed = format_topics(lines) + "\n" + summary(lines)
+    assert printed.count("ceiling (full probe)") == 3
+    assert "p: does NOT beat" in printed  # random directions against random directions
+    assert "room between the control's upper bound and the full probe's accuracy: a " in printed

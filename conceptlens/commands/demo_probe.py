@@ -60,6 +60,16 @@ def doc_means(z: Tensor, doc: Tensor, n_docs: int) -> Tensor:
     return (total / torch.bincount(doc, minlength=n_docs).clamp_min(1)[:, None]).float()
 
 
+def doc_max(z: Tensor, doc: Tensor, n_docs: int) -> Tensor:
+    """`(n_docs, n)` largest value of each column over the rows `z` `(N, n)` of each document (0 without rows)."""
+    out = torch.full((n_docs, z.shape[1]), -torch.inf).scatter_reduce_(0, doc[:, None].expand_as(z), z.float(), "amax")
+    return torch.where(torch.isinf(out), 0.0, out)
+
+
+POOLS = {"mean": doc_means, "max": doc_max}
+"""How a document's token activations become its one probe row (the same for a set and its control)."""
+
+
 Reader = Callable[[Tensor], Tensor]
 
 
@@ -78,36 +88,62 @@ def control_reader(cs: Any, n: int, seed: int) -> Reader:
     return concept_encoder(randoms).encode
 
 
-def _per_topic(read: Reader, train: Rows, test: Rows, tasks: list, k: int) -> list[Tensor]:
-    """Per task, `(test docs, 2)` (correct, count) of the k-sparse probe on `read`'s document means."""
+def _per_topic(read: Reader, train: Rows, test: Rows, tasks: list, k: int, pool: str) -> list[Tensor]:
+    """Per task, `(test docs, 2)` (correct, count) of the k-sparse probe on `read`'s pooled documents."""
     from conceptlens.evaluate.probing import sparse_probe_accuracy
 
-    z_train = doc_means(read(train.x), train.doc, len(train.y))
-    z_test = doc_means(read(test.x), test.doc, len(test.y))
+    z_train = POOLS[pool](read(train.x), train.doc, len(train.y))
+    z_test = POOLS[pool](read(test.x), test.doc, len(test.y))
     docs = torch.arange(len(test.y))
     return [sparse_probe_accuracy(z_train, z_test, [t], k, docs, len(test.y)) for t in tasks]
 
 
+def _ceiling(train: Rows, test: Rows, tasks: list, pool: str) -> list[Tensor]:
+    """Per task, `(test docs, 2)` (correct, count) of the supervised ceiling: a logistic probe on every
+    coordinate of the pooled site activations (`evaluate.probing.fit_logistic`)."""
+    from conceptlens.evaluate.bootstrap import per_document
+    from conceptlens.evaluate.probing import fit_logistic
+
+    x_train = POOLS[pool](train.x, train.doc, len(train.y))
+    x_test = POOLS[pool](test.x, test.doc, len(test.y))
+    out = []
+    for t in tasks:
+        pred = torch.from_numpy(fit_logistic(x_train[t.train], t.y_train).predict(x_test[t.test].double().numpy()))
+        rows = torch.stack([(pred == t.y_test).double(), torch.ones(len(pred), dtype=torch.float64)], 1)
+        out.append(per_document(rows, t.test, len(test.y)))
+    return out
+
+
 def topic_lines(train: Rows, test: Rows, sets: dict[str, Any], class_names: list[str], *, k: int = 5,
-                draws: int = 5, seed: int = 0) -> list[Line]:
-    """One line per (set, topic): the set's k-sparse probe accuracy next to its matched control."""
+                draws: int = 5, seed: int = 0, pool: str = "mean") -> list[Line]:
+    """One line per (set, topic): the set's k-sparse probe accuracy next to its matched control and
+    the supervised ceiling (`_ceiling`), documents pooled by `pool` (a key of `POOLS`) for all."""
+    if pool not in POOLS:
+        raise ValueError(f"unknown pooling {pool!r}; choose one of {', '.join(POOLS)}")
     from conceptlens.evaluate.activations import concept_encoder
     from conceptlens.evaluate.probing import binary_tasks, mean_accuracy
 
     tasks = binary_tasks(train.y, test.y, class_names, seed)
+    ceilings = [bootstrap(c, mean_accuracy, seed=seed) for c in _ceiling(train, test, tasks, pool)]
     lines = []
     for name, cs in sets.items():
-        ours = _per_topic(concept_encoder(cs).encode, train, test, tasks, k)
-        controls = [_per_topic(control_reader(cs, len(cs), seed + 1 + r), train, test, tasks, k) for r in range(draws)]
+        ours = _per_topic(concept_encoder(cs).encode, train, test, tasks, k, pool)
+        controls = [_per_topic(control_reader(cs, len(cs), seed + 1 + r), train, test, tasks, k, pool)
+                    for r in range(draws)]
         for i, t in enumerate(tasks):
             control = bootstrap_draws([c[i] for c in controls], mean_accuracy, seed=seed)
             lines.append(Line(name, f"{t.name} k={k} accuracy", bootstrap(ours[i], mean_accuracy, seed=seed),
-                              [(f"random {len(cs)} dirs x{draws}", control)], f"{len(t.test)} test documents"))
+                              [(f"random {len(cs)} dirs x{draws}", control), (CEILING, ceilings[i])],
+                              f"{len(t.test)} test documents"))
     return lines
 
 
+CEILING = "full probe, all coordinates"
+
+
 def format_topics(lines: list[Line]) -> str:
-    """Topics down, sets across: `value [interval]` over the control's, and the verdict."""
+    """Topics down, sets across: `value [interval]` over the control's, and the verdict; then the
+    topic's supervised ceiling, once."""
     sets = list(dict.fromkeys(ln.extractor for ln in lines))
     topics = list(dict.fromkeys(ln.metric for ln in lines))
     cell = {(ln.extractor, ln.metric): ln for ln in lines}
@@ -124,6 +160,10 @@ def format_topics(lines: list[Line]) -> str:
             ours += f"{f'{v.value:.3f} [{v.low:.3f}, {v.high:.3f}] {verdict(ln)}':>{width}}"
             control += f"{f'{c.value:.3f} [{c.low:.3f}, {c.high:.3f}]':>{width}}"
         out += [ours, control]
+        ceiling = next((dict(ln.baselines).get(CEILING) for ln in lines if ln.metric == topic), None)
+        if ceiling is not None:
+            out.append(f"  {'  ceiling (full probe)':<22}"
+                       f"{f'{ceiling.value:.3f} [{ceiling.low:.3f}, {ceiling.high:.3f}]':>{width}}")
     return "\n".join(out)
 
 
@@ -138,25 +178,49 @@ def summary(lines: list[Line]) -> str:
         else:
             out.append(f"{name}: does NOT beat matched random directions outside the intervals on "
                        f"{len(short)} of {len(mine)} topics: {', '.join(short)}")
+            out.append(f"  room between the control's upper bound and the full probe's accuracy: {_room(mine)}")
     return "\n".join(out)
 
 
+def _room(lines: list[Line]) -> str:
+    """Per topic, the full probe's accuracy minus the control's upper bound: how much a k-sparse probe
+    could at most gain over its control's interval if it reached the supervised ceiling."""
+    cells = []
+    for ln in lines:
+        ceiling = dict(ln.baselines).get(CEILING)
+        if ceiling is not None:
+            cells.append(f"{ln.metric.split(' ')[0]} {ceiling.value - ln.baselines[0][1].high:+.3f}")
+    return ", ".join(cells) or "no ceiling measured"
+
+
+def diff_of_means(rows: Rows, label: int) -> Tensor:
+    """The steering baseline from the probe's train rows (no model pass of its own): the mean document
+    activation of `label`'s documents minus the others' (`evaluate.steering.diff_of_means`)."""
+    from conceptlens.evaluate.activations import Probed
+    from conceptlens.evaluate.steering import diff_of_means as of_probed
+
+    docs = torch.arange(len(rows.y))
+    return of_probed(Probed(doc_means(rows.x, rows.doc, len(rows.y)), {}, rows.y, docs), label)
+
+
 def run_probes(lens: Any, tok: Any, sets: dict[str, Any], site: str, *, n_train: int, n_test: int,
-               max_length: int, draws: int, seed: int, k: int = 5) -> list[Line]:
-    """Capture the probe documents, print the per-topic table and its plain summary; the lines."""
+               max_length: int, draws: int, seed: int, k: int = 5, pool: str = "mean") -> tuple[list[Line], Rows]:
+    """Capture the probe documents, print the per-topic table and its plain summary; the lines and
+    the train rows (which the demo's steering baseline reuses)."""
     from conceptlens import data
 
     names = list(data.load("bbc-news", "test").label_names)
     print(f"\nk = {k} sparse probe per topic (SAEBench's protocol) on held-out documents: concepts chosen and "
           f"probes fitted on {n_train} train-split articles, scored on {n_test} test-split articles (first "
-          f"{max_length} tokens each, balanced one-vs-rest); control: as many random directions as the set has "
-          f"concepts, read the same way, {draws} draws; 95% bootstrap intervals over test documents")
+          f"{max_length} tokens each, {pool}-pooled, balanced one-vs-rest); control: as many random directions as "
+          f"the set has concepts, read and pooled the same way, {draws} draws; 95% bootstrap intervals over test "
+          f"documents")
     train = probe_rows(lens, tok, site, "train", n_train, max_length, seed)
     test = probe_rows(lens, tok, site, "test", n_test, max_length, seed)
-    lines = topic_lines(train, test, sets, names, k=k, draws=draws, seed=seed)
+    lines = topic_lines(train, test, sets, names, k=k, draws=draws, seed=seed, pool=pool)
     print(format_topics(lines))
     print(summary(lines))
-    return lines
+    return lines, train
 
 
 def reconstruction(lens: Any, tok: Any, sets: dict[str, Any], docs: int, seed: int) -> list[Line]:

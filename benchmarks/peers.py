@@ -197,6 +197,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes for a first pass")
     parser.add_argument("--tokens", type=int, default=CAPTURED, help="training rows (bbc-news train split)")
+    parser.add_argument("--epochs", type=int, default=1,
+                        help="passes over the training rows, each in a new seeded order (tokens then count rows seen)")
     parser.add_argument("--held-out", type=int, default=4096, help="FVU rows (bbc-news test split)")
     parser.add_argument("--width", type=int, default=4 * 576)
     parser.add_argument("--k", type=int, default=32)
@@ -217,7 +219,11 @@ def main() -> None:
 
     if args.tokens > CAPTURED:
         parser.error(f"--tokens must be at most {CAPTURED} (the rows captured); got {args.tokens}")
-    train = block15_rows(CAPTURED, split="train")[:args.tokens]
+    if args.epochs < 1:
+        parser.error(f"--epochs must be a positive integer; got {args.epochs}")
+    rows = block15_rows(CAPTURED, split="train")[:args.tokens]
+    train = torch.cat([rows] + [rows[torch.randperm(len(rows), generator=torch.Generator().manual_seed(e))]
+                                for e in range(1, args.epochs)])
     held_out = block15_rows(16384, split="test")[:args.held_out]
     available = makers(train.shape[1], args.width, args.k, args.batch)
     names = args.trainers.split(",")
@@ -232,7 +238,8 @@ def main() -> None:
     curves = compare(trainers, train, held_out, args.batch, args.evals, ce, args.ce_evals)
     print(f"load after: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     report(curves, args.batch)
-    setup = f"{train.shape[0]} bbc-news tokens, width {args.width}, k {args.k}, batch {args.batch}"
+    passes = f" ({args.epochs} passes over {rows.shape[0]})" if args.epochs > 1 else ""
+    setup = f"{train.shape[0]} bbc-news tokens{passes}, width {args.width}, k {args.k}, batch {args.batch}"
     plot(curves, args.png, f"SmolLM2 {SITE}, {setup}")
     if args.json:
         write_json(curves, args.json, setup)

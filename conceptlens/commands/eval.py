@@ -171,3 +171,8 @@ def _run_site(args: argparse.Namespace, lens, tok, model_name: str, site: str, g
         losses = [f"{ln.extractor} {ln.metric}" for ln in lines if verdict(ln) == "loses"]
         if losses:
             print(f"\nloses to its matched control (intervals apart): {'; '.join(losses)}", flush=True)
+        if part == "steering":
+            from conceptlens.evaluate.steering import against_diff_of_means
+
+            print(f"\nsteering against the supervised vector (AxBench found SAEs lose to it):\n"
+                  f"{against_diff_of_means(lines)}", flush=True)

@@ -24,6 +24,7 @@ on the same prompts, which flatters every swept row alike (not the prefix row).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -141,9 +142,31 @@ def steering_lines(lens: Any, tok: Any, site: str, sets: Mapping[str, Any], conf
             unsteered = rows[0]["p"][rows[0]["alphas"].index(0.0)] if 0.0 in rows[0]["alphas"] else float("nan")
             bases = [("random direction", found["random"][1]), ("diff-of-means", found["diff-of-means"][1]),
                      ("prompt prefix", _at_best(rows[-1], config.seed))]
+            dom = found["diff-of-means"][0]["best"]
             for name, j in chosen.items():
                 row, est = found[f"{name}:{j}"]
                 at = "over budget" if row["best"] is None else f"alpha {row['best'][0]:g}"
                 lines.append(Line(name, f"steer {task} {label}: P({label})", est, bases,
-                                  f"concept {j} at {at}; unsteered {unsteered:.3f}; {len(config.prompts)} prompts"))
+                                  f"concept {j} at {at}; diff-of-means at "
+                                  f"{'over budget' if dom is None else f'alpha {dom[0]:g}'}; unsteered {unsteered:.3f}; "
+                                  f"intervals: bootstrap over the {len(config.prompts)} prompts"))
     return lines
+
+
+def against_diff_of_means(lines: list[Line]) -> str:
+    """One plain sentence per set: on how many labels its concept steers worse than the label's
+    diff-of-means vector (lower P(label) within the budget; how many with the 95% intervals
+    apart), as AxBench found of SAEs. Empty without steering lines."""
+    tally: dict[str, list[int]] = {}
+    for ln in lines:
+        base = dict(ln.baselines).get("diff-of-means")
+        if not ln.metric.startswith("steer ") or base is None or ln.concept is not None:
+            continue
+        counts = tally.setdefault(ln.extractor, [0, 0, 0])
+        counts[0] += 1
+        value = -math.inf if math.isnan(ln.value.value) else ln.value.value  # over budget: no steering at all
+        counts[1] += not math.isnan(base.value) and value < base.value
+        counts[2] += not math.isnan(base.value) and (math.isnan(ln.value.high) or ln.value.high < base.low)
+    return "\n".join(f"{name}: its chosen concept steers worse than diff-of-means on {worse} of {n} labels ({apart} "
+                      f"with the 95% intervals apart){'; it steers worse than the supervised vector' if 2 * worse > n else ''}"
+                      for name, (n, worse, apart) in tally.items())

@@ -15,7 +15,9 @@ from conceptlens import data
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.evaluate import activations as act
 from conceptlens.evaluate.activations import Probed
-from conceptlens.evaluate.steering import SteeringConfig, select_concepts, steering_lines
+from conceptlens.evaluate.bootstrap import Estimate
+from conceptlens.evaluate.lines import Line
+from conceptlens.evaluate.steering import SteeringConfig, against_diff_of_means, select_concepts, steering_lines
 from tests.tiny_folder import save_tiny_llama
 
 
@@ -25,6 +27,24 @@ def test_selection_is_the_largest_signed_mean_difference():
     probed = Probed(torch.zeros(4, 2), {"s": z}, y, torch.arange(4))
     assert select_concepts(probed, 1) == {"s": 1}
     assert select_concepts(probed, 0) == {"s": 0}
+
+
+def test_against_diff_of_means_counts_labels_by_hand():
+    def line(name, label, value, dom):
+        bases = [("random direction", Estimate(0.1, 0.0, 0.2)), ("diff-of-means", dom)]
+        return Line(name, f"steer bbc-news {label}: P({label})", value, bases)
+
+    dom = Estimate(0.6, 0.5, 0.7)
+    lines = [line("topk", "a", Estimate(0.2, 0.1, 0.3), dom),      # worse, intervals apart
+             line("topk", "b", Estimate(0.55, 0.4, 0.65), dom),    # worse, intervals overlap
+             line("topk", "c", Estimate(0.8, 0.75, 0.9), dom),     # better
+             line("kmeans", "a", Estimate(0.9, 0.8, 1.0), dom),
+             Line("judge", "bbc-news judge held-out accuracy", Estimate(0.9, 0.8, 1.0), [])]
+    said = against_diff_of_means(lines).splitlines()
+    assert said[0] == ("topk: its chosen concept steers worse than diff-of-means on 2 of 3 labels (1 with the 95% "
+                       "intervals apart); it steers worse than the supervised vector")
+    assert said[1] == "kmeans: its chosen concept steers worse than diff-of-means on 0 of 1 labels (0 with the 95% intervals apart)"
+    assert len(said) == 2
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ def test_cli_fits_multi_site_keys_as_the_library_does(files, tmp_path, capsys): 
     assert cfg.sites == [] and [e["site"] for e in cfg.extractors] == [PAIR, SITES, GROUPS]
 
 
-def test_describe_leaves_out_sets_that_read_other_sites(files, tmp_path, capsys):  # noqa: F811
+def test_describe_and_report_leave_out_sets_that_read_other_sites(files, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "run"
     args = [a for a in argv(files, out, "kmeans:n_concepts=4,init_size=64", f"crosscoder:site={SITES},width=8,k=2,"
                             f"{SMALL}") if a != "--no-describe"]
@@ -58,6 +58,7 @@ def test_describe_leaves_out_sets_that_read_other_sites(files, tmp_path, capsys)
     assert "not describing crosscoder" in capsys.readouterr().out
     assert (out / "describe" / "kmeans" / "description.json").is_file()
     assert not (out / "describe" / "crosscoder").exists()
+    assert main(["report", str(out), "--no-progress"]) == 0  # the atlas of the described sets
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -1,7 +1,7 @@
 """Claim (Deleuzian, 000; issue 23): Deleuzian's probe loss below the SAE's, checked in the demo's
 own setting, and the streaming mode (what `fit` and the demo use) against the paper mode there.
 
-    python reproductions/deleuzian_demo.py              # seed 0; 37 min under load 20-25 reading activations, then cached
+    python reproductions/deleuzian_demo.py              # seed 0; 37 min under load 20-25 (28 reading activations, then cached)
     python reproductions/deleuzian_demo.py 0 1 2        # seeds (the demo's --seed: document order and extractors)
 
 The demo's setting (`conceptlens demo` defaults): SmolLM2 block 15; the fit reads the first 40k

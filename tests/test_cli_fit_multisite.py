@@ -30,10 +30,9 @@ def argv(files, out, *extractors, sites=("--site", "blocks.1.resid_out")):  # no
 
 def test_cli_fits_multi_site_keys_as_the_library_does(files, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "run"
-    code = main(argv(files, out, f"transcoder:site={PAIR},width=8,{SMALL}",
-                     f"crosscoder:site={SITES},width=8,k=2,{SMALL}",
-                     f"cross_layer_transcoder:site={GROUPS},width=8,k=2,name=clt,{SMALL}", sites=()))
-    assert code == 0, capsys.readouterr().err
+    args = argv(files, out, f"transcoder:site={PAIR},width=8,{SMALL}", f"crosscoder:site={SITES},width=8,k=2,{SMALL}",
+                f"cross_layer_transcoder:site={GROUPS},width=8,k=2,name=clt,{SMALL}", sites=())
+    assert main(args) == 0, capsys.readouterr().err
     small = dict(batch_size=32, warmup_tokens=32, buffer_size=64, seed=3)
     plan = {("blocks.0.mlp.in", "blocks.0.mlp_out"): {"transcoder": Transcoder(width=8, **small)},
             ("blocks.0.resid_out", "blocks.1.resid_out"): {"crosscoder": Crosscoder(width=8, k=2, **small)},
@@ -48,6 +47,10 @@ def test_cli_fits_multi_site_keys_as_the_library_does(files, tmp_path, capsys): 
         assert torch.equal(saved["directions"], report.concepts[name].directions), name
     cfg = rc.from_dict(tomllib.loads((out / "run.toml").read_text()))
     assert cfg.sites == [] and [e["site"] for e in cfg.extractors] == [PAIR, SITES, GROUPS]
+    assert main(args) == 0  # a rerun reads the same keys from run.toml and resumes the finished fit
+    for name in ("transcoder", "crosscoder", "clt"):
+        again = load_file(out / "concepts" / name / "concepts.safetensors")
+        assert torch.equal(again["directions"], report.concepts[name].directions), name
 
 
 def test_describe_and_report_leave_out_sets_that_read_other_sites(files, tmp_path, capsys):  # noqa: F811

@@ -31,11 +31,10 @@ def argv(files, out, *extractors, sites=("--site", "blocks.1.resid_out")):  # no
 
 def test_cli_fits_multi_site_keys_as_the_library_does(files, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "run"
-    code = main(argv(files, out, f"transcoder:site={PAIR},width=8,{SMALL}",
-                     f"crosscoder:site={SITES},width=8,k=2,{SMALL}",
-                     f"cross_layer_transcoder:site={GROUPS},width=8,k=2,name=clt,{SMALL}",
-                     f"clvq:site={PAIR},n_codes=4,seed=3", sites=()))
-    assert code == 0, capsys.readouterr().err
+    args = argv(files, out, f"transcoder:site={PAIR},width=8,{SMALL}", f"crosscoder:site={SITES},width=8,k=2,{SMALL}",
+                f"cross_layer_transcoder:site={GROUPS},width=8,k=2,name=clt,{SMALL}", f"clvq:site={PAIR},n_codes=4,seed=3",
+                sites=())
+    assert main(args) == 0, capsys.readouterr().err
     small = dict(batch_size=32, warmup_tokens=32, buffer_size=64, seed=3)
     plan = {("blocks.0.mlp.in", "blocks.0.mlp_out"): {"transcoder": Transcoder(width=8, **small)},
             ("blocks.0.resid_out", "blocks.1.resid_out"): {"crosscoder": Crosscoder(width=8, k=2, **small)},
@@ -51,9 +50,13 @@ def test_cli_fits_multi_site_keys_as_the_library_does(files, tmp_path, capsys): 
         assert torch.equal(saved["directions"], report.concepts[name].directions), name
     cfg = rc.from_dict(tomllib.loads((out / "run.toml").read_text()))
     assert cfg.sites == [] and [e["site"] for e in cfg.extractors] == [PAIR, SITES, GROUPS, PAIR]
+    assert main(args) == 0  # a rerun reads the same keys from run.toml and resumes the finished fit
+    for name in ("transcoder", "crosscoder", "clt", "clvq"):
+        again = load_file(out / "concepts" / name / "concepts.safetensors")
+        assert torch.equal(again["directions"], report.concepts[name].directions), name
 
 
-def test_describe_leaves_out_sets_that_read_other_sites(files, tmp_path, capsys):  # noqa: F811
+def test_describe_and_report_leave_out_sets_that_read_other_sites(files, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "run"
     args = [a for a in argv(files, out, "kmeans:n_concepts=4,init_size=64", f"crosscoder:site={SITES},width=8,k=2,"
                             f"{SMALL}") if a != "--no-describe"]
@@ -61,6 +64,7 @@ def test_describe_leaves_out_sets_that_read_other_sites(files, tmp_path, capsys)
     assert "not describing crosscoder" in capsys.readouterr().out
     assert (out / "describe" / "kmeans" / "description.json").is_file()
     assert not (out / "describe" / "crosscoder").exists()
+    assert main(["report", str(out), "--no-progress"]) == 0  # the atlas of the described sets
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -96,8 +96,8 @@ def hyper_parameters(cls: type) -> list[str]:
     """Keyword arguments a method accepts (its Config's fields for SAEs): its constructor's, and
     while a constructor passes **kwargs on, those of the classes it inherits from."""
     names: list[str] = []
-    for klass in (k for k in cls.__mro__ if "__init__" in vars(k)):
-        params = inspect.signature(klass.__init__).parameters
+    for init in (vars(k)["__init__"] for k in cls.__mro__ if "__init__" in vars(k)):
+        params = inspect.signature(init).parameters
         names += [p for p, v in params.items() if p != "self" and p not in names
                   and v.kind not in (v.VAR_KEYWORD, v.VAR_POSITIONAL, v.POSITIONAL_ONLY)]
         if not any(v.kind == v.VAR_KEYWORD for v in params.values()):
@@ -206,7 +206,8 @@ def _extractors(specs: list[dict[str, Any]], sites: list[str]) -> list[dict[str,
     if not specs:
         raise ValueError(f"no extractor given: pass --extractor 'topk:width=4608,k=32' (repeatable) or an "
                          f"[[extractor]] table; methods: {', '.join(METHODS)}")
-    out, names = [], {}
+    out: list[dict[str, Any]] = []
+    names: dict[str, bool] = {}
     for spec in specs:
         spec = dict(spec)
         method = spec.pop("method", None)
@@ -266,7 +267,7 @@ def _check_numbers(cfg: RunConfig) -> None:
 
 def build(cfg: RunConfig) -> dict[Key, dict[str, Any]]:
     """{key: {name: extractor}} (constructing them checks their hyper-parameters; no model needed)."""
-    plan: dict[str, dict[str, Any]] = {}
+    plan: dict[Key, dict[str, Any]] = {}
     for spec in cfg.extractors:
         options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()
                    if k not in ("method", "name", "site")}

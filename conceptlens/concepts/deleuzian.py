@@ -44,9 +44,11 @@ weights of the same differences over 32,768 held-out rows, the Spearman correlat
 whole reservoir, 261 unweighted) and differ from the whole-reservoir concepts less than a
 change of seed does (mean matched cosine 0.58 with the same blocks vs 0.46 between seeds).
 Probe loss (reproductions/deleuzian_probe.py, bbc-news document means, k 256) does not
-suffer from these: streaming 0.241 / 0.226 against paper mode 0.300 / 0.247 on MiniLM block 5 /
-SmolLM2 block 15, both below the TopK SAE's 0.459 / 0.308; on SmolLM2 wsj-pos tokens (k 512)
-0.133 against 0.131 (SAE 0.191).
+suffer from these: streaming 0.245 / 0.216 against paper mode 0.297 / 0.247 on MiniLM block 5 /
+SmolLM2 block 15, both below the TopK SAE's 0.442 / 0.307; on SmolLM2 wsj-pos tokens (k 512)
+0.133 against 0.131 (SAE 0.191). Nor at the demo's short budget (reproductions/deleuzian_demo.py:
+40k bbc-news tokens, k 128, 20 k-means steps, probed on held-out document means): streaming
+0.318 against paper mode 0.306, where both lose to the TopK SAE (0.206) in either mode.
 A shared Gram product (x_ref . x_i - x_ref . x_j) would not help here: each row is in two
 differences, so projecting the rows costs as much as projecting the differences.
 """

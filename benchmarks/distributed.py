@@ -1,15 +1,16 @@
 """1-, 2- and 4-process fit throughput on CPU (gloo), the cost of the collectives, memory per rank.
 
-    python benchmarks/distributed.py [--docs 400] [--hidden 128] [--worlds 1 2 4] [--centres 1024]
+    PYTHONPATH=. python benchmarks/distributed.py [--docs 400] [--hidden 128] [--worlds 1 2 4] [--centres 1024]
 
 A random 4-block Llama (hidden 128 by default), 400 synthetic documents of <= 64 tokens,
-one k-means (`--centres`) and one TopK SAE (width 32 * hidden) at two sites, unsharded
-(every rank holds the whole dictionaries) and sharded (`ShardedKMeans`, `ShardedTopKSAE`:
-each rank 1/W). The same fit runs on each world size (each rank with 1 thread); per rank we
-time the fit, and, by wrapping the communicator, the seconds spent in collectives and their
-number. Tokens/s is the global token count over the slowest rank's fit time. Memory per
-rank: the bytes of the extractors' states (parameters, Adam moments, counts, buffered rows)
-and the process's peak resident set.
+one k-means (`--centres`), one TopK SAE (width 32 * hidden) and one VQ codebook (`--centres`
+codes, batch 512) at three sites, unsharded (each dictionary updated on one rank, and every
+rank holds it whole at the end) and sharded (`ShardedKMeans`, `ShardedTopKSAE`, `ShardedVQ`:
+each rank updates and holds 1/W of each); run from the repository root. The same fit runs on
+each world size (each rank with 1 thread); per rank we time the fit, and, by wrapping the
+communicator, the seconds spent in collectives and their number. Tokens/s is the global token
+count over the slowest rank's fit time. Memory per rank: the bytes of the extractors' states
+(parameters, Adam moments, counts, buffered rows) and the process's peak resident set.
 """
 
 from __future__ import annotations
@@ -45,12 +46,12 @@ def _body(comm, out: Path, docs: int, hidden: int, centres: int = 32, sharded: b
 
     import conceptlens
     from conceptlens import distributed
-    from conceptlens.concepts import StreamingKMeans, TopKSAE
+    from conceptlens.concepts import ShardedVQ, StreamingKMeans, TopKSAE, VQCodebook
     from conceptlens.filters import FilterConfig
     from tests.conftest import CharTokenizer
 
     spent = {"seconds": 0.0, "calls": 0}
-    for name in ("sum_", "max_", "gather_rows", "broadcast_", "gather_objects"):
+    for name in ("sum_", "max_", "gather_rows", "broadcast_", "gather_objects", "gather_objects_on", "broadcast_object"):
         inner = getattr(distributed.Comm, name)
 
         def timed(self, *args, _inner=inner, **kwargs):
@@ -66,9 +67,10 @@ def _body(comm, out: Path, docs: int, hidden: int, centres: int = 32, sharded: b
                             num_attention_heads=4, num_key_value_heads=2, vocab_size=99, max_position_embeddings=128)
     lens = conceptlens.attach(tf.AutoModelForCausalLM.from_config(config).eval(), CharTokenizer())
     corpus = [f"doc {i} " + "the quick brown fox jumps over a lazy dog "[i % 9:] * 2 for i in range(docs)]
-    kmeans, sae = (ShardedKMeans, ShardedTopKSAE) if sharded else (StreamingKMeans, TopKSAE)
+    kmeans, sae, vq = (ShardedKMeans, ShardedTopKSAE, ShardedVQ) if sharded else (StreamingKMeans, TopKSAE, VQCodebook)
     extractors = {"blocks.2.resid_out": kmeans(centres, init_size=max(512, centres), seed=0),
-                  "blocks.1.resid_out": sae(width=32 * hidden, k=16, batch_size=512, warmup_tokens=512, seed=0)}
+                  "blocks.1.resid_out": sae(width=32 * hidden, k=16, batch_size=512, warmup_tokens=512, seed=0),
+                  "blocks.3.resid_out": vq(centres, init_size=2 * centres, batch_size=512, seed=0)}
     start = time.perf_counter()
     report = lens.fit(extractors, corpus, batch_size=8, max_length=64, progress=False,
                       filters=FilterConfig(max_norm_ratio=None), distributed=True)
@@ -76,6 +78,7 @@ def _body(comm, out: Path, docs: int, hidden: int, centres: int = 32, sharded: b
     return {"seconds": seconds, "tokens": report.tokens, "batches": report.batches,
             "sae_steps": extractors["blocks.1.resid_out"].stats().steps, "comm": spent,
             "state_mib": round(sum(_state_bytes(e.state_dict()) for e in extractors.values()) / 2**20, 2),
+            "state_mib_by_site": {k: round(_state_bytes(e.state_dict()) / 2**20, 3) for k, e in extractors.items()},
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
 
 
@@ -129,7 +132,8 @@ def main() -> None:
             "steps_per_rank": done[0]["batches"], "sae_steps": done[0]["sae_steps"],
             "collectives_per_rank": done[0]["comm"]["calls"], "collective_seconds_rank0": round(spent, 3),
             "collective_ms_per_step": round(1000 * spent / max(done[0]["batches"], 1), 2),
-            "state_mib_per_rank": done[-1]["state_mib_ranks"], "peak_rss_mib_per_rank": done[-1]["peak_rss_mib_ranks"]}
+            "state_mib_per_rank": done[-1]["state_mib_ranks"], "state_mib_rank0_by_site": done[-1]["state_mib_by_site"],
+            "peak_rss_mib_per_rank": done[-1]["peak_rss_mib_ranks"]}
     print(json.dumps(rows, indent=2))
 
 

@@ -63,7 +63,8 @@ class FitState:
             "progress": {"tokens": self.tokens, "documents": self.documents, "batches": self.batches},
             "rows": self.row_filter.state_dict(),  # the key files have always used
             "torch_rng": torch.get_rng_state(),
-            "extractors": {name: e.state_dict() for name, e in self.extractors.items()},
+            "extractors": {name: e.state_dict() for name, e in self.extractors.items()
+                           if self.run is None or self.run.updates(name)},  # (distributed: the ones this rank updates)
         }
         if self.run is not None:  # every rank's state in one file, written by rank 0
             state = self.run.gather_checkpoint(state)

@@ -6,13 +6,16 @@ A distributed fit equals one process fed the same documents with W times the bat
 reads documents r, r + W, ... of the stream, so each global step holds the W*B documents one
 process would take; each rank forwards its B documents, and the captured rows of every rank
 are all-gathered and put back in document order. Every rank then runs the single-process
-step (row filter, extractor updates) on the same global rows, so the extractors, the row
-filter and every buffer are identical on every rank and equal to one process's, whatever
-the extractor. The forward is divided W ways; the extractor updates are not (each rank
-repeats them). The ranks advance in lockstep: each batch starts with a "who still has data"
+step (row filter, extractor updates) on the same global rows, so the row filter and every
+extractor equal one process's, whatever the extractor. The forward is divided W ways, and so
+are the extractors: each one not sharded is updated on one rank only (`DistributedRun.place`;
+the others would repeat the same work) and its state is broadcast to every rank at the end,
+so the ranks end identical; a sharded one (`ShardedKMeans`, ...) is updated on every rank,
+each on its own slice. The ranks advance in lockstep: each batch starts with a "who still has data"
 all-reduce, and a rank whose shard ran out contributes no rows until every rank is done.
 Before the first step the ranks compare a fingerprint of the fit (`distributed_checks`).
-Rank 0 writes the checkpoints (one file holding every rank's state) and the run folder.
+Rank 0 writes the checkpoints (one file holding every rank's state, each extractor's sent
+by the rank that updates it and stored once unless sharded) and the run folder.
 Every collective runs under the process group's timeout; a failure (a dead rank, a timeout)
 raises `DistributedError` naming the operation and the ranks that are gone.
 
@@ -33,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from conceptlens.distributed_checks import disagreement, failure, join_error
+from conceptlens.distributed_placement import fill_ranks, owners, share
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -118,6 +122,22 @@ class Comm:
         out: list[Any] = [None] * self.world
         self._call("all_gather_object", lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
+
+    def gather_objects_on(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every rank's picklable `obj`, in rank order, on rank `dst` only (None elsewhere)."""
+        if self.world == 1:
+            return [obj]
+        out: list[Any] | None = [None] * self.world if self.rank == dst else None
+        self._call("gather_object", lambda: dist.gather_object(obj, out, dst=dst, group=self.group))
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank `src`'s picklable `obj`, on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj if self.rank == src else None]
+        self._call("broadcast_object_list", lambda: dist.broadcast_object_list(box, src=src, group=self.group))
+        return box[0]
 
     def barrier(self) -> None:
         if self.world > 1:
@@ -206,6 +226,8 @@ class DistributedRun:
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
+        self.owners: dict[str, int | None] = {}
+        """Extractor name -> the rank that updates it (None: every rank; see `place`)."""
 
     @classmethod
     def start(cls) -> DistributedRun:
@@ -255,12 +277,28 @@ class DistributedRun:
         return GlobalStep(gathered, where[order, 0], where[order, 1], int(head[:, 2].sum()),
                           int(head[:, 3].sum()), every)
 
+    def place(self, extractors: dict[str, Any]) -> None:
+        """Decide which rank updates each extractor (`distributed_placement.owners`)."""
+        self.owners = owners(extractors, self.comm.world)
+
+    def updates(self, name: str) -> bool:
+        """Whether this rank updates extractor `name`."""
+        owner = self.owners.get(name)
+        return owner is None or owner == self.comm.rank
+
+    def share(self, extractors: dict[str, Any]) -> None:
+        """After the last update: every rank's copy of an extractor becomes its owner's."""
+        share(self.comm, self.owners, extractors)
+
     def gather_checkpoint(self, state: dict[str, Any]) -> dict[str, Any] | None:
-        """Every rank's checkpoint state, on rank 0 (None elsewhere)."""
-        states = self.comm.gather_objects(state)
-        if not self.writes:
+        """Every rank's checkpoint state, on rank 0 (None elsewhere). `state["extractors"]`
+        holds the extractors this rank updates; rank 0 fills each rank's entry with the owner's
+        state (`distributed_placement.fill_ranks`): an extractor not sharded is sent once and
+        stored once, and every rank resumes from its current state."""
+        states = self.comm.gather_objects_on(state, dst=0)
+        if states is None:
             return None
-        return {"world_size": self.comm.world, "ranks": states}
+        return {"world_size": self.comm.world, "ranks": fill_ranks(states, self.owners)}
 
 
 def _take(x: Tensor, order: Tensor) -> Tensor:

@@ -170,6 +170,8 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
     check_max_length(lens.model, config.max_length)
     state = FitState(RowFilter(config.filters), plan.extractors, fit_fingerprint(lens.model, plan.extractors, batching))
     run = state.run = DistributedRun.start() if config.distributed else None
+    if run is not None:
+        run.place(plan.extractors)  # an extractor not sharded is updated on one rank, shared at the end
     checkpoint = Path(config.checkpoint_dir) / CHECKPOINT if config.checkpoint_dir else None
     texts = datasets.iter_texts(data)
     if run is not None:  # the ranks agree on model, data, extractors and options before any step
@@ -205,10 +207,12 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
     if ctrl_c is not None and ctrl_c.pressed:  # Ctrl-C: the batches done are saved, then it stops
         raise KeyboardInterrupt(f"stopped after {state.tokens:,} tokens, saved in {checkpoint}; run it again "
                                 f"to resume from {state.tokens:,} tokens")
-    for extractor in plan.extractors.values():  # train on rows still held in mixing buffers
+    for name, extractor in plan.extractors.items():  # train on rows still held in mixing buffers
         flush = getattr(extractor, "flush", None)
-        if callable(flush):
+        if callable(flush) and (run is None or run.updates(name)):
             flush()
+    if run is not None:
+        run.share(plan.extractors)
     return _report(lens, plan, state, resumed_from, time.perf_counter() - start, config)
 
 
@@ -280,6 +284,8 @@ def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: 
             return 0
     keep = {site: state.row_filter(site, acts[site], meta.position) for site in plan.sites}
     for name, extractor in plan.extractors.items():
+        if run is not None and not run.updates(name):
+            continue  # another rank updates it (see DistributedRun.place)
         key = plan.keys[name]
         if isinstance(key, str):
             rows = keep[key]

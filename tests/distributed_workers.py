@@ -199,4 +199,5 @@ def fit_body(comm: Comm, out: Path, run_dir: str | None, kill: dict | None = Non
                       checkpoint_every=None if run_dir is None else 300, progress=False,
                       filters=FilterConfig(max_norm_ratio=None), distributed=True)
     return {"states": {str(k): e.state_dict() for k, e in extractors.items()}, "tokens": report.tokens,
-            "documents": report.documents, "batches": report.batches, "resumed_from": report.resumed_from}
+            "documents": report.documents, "batches": report.batches, "resumed_from": report.resumed_from,
+            "kmeans_updates": extractors["blocks.1.resid_out"].calls}

@@ -100,10 +100,13 @@ def _fvu(sae: TopKSAE, x: torch.Tensor) -> float:
 
 def test_fit_shards_documents_and_ranks_agree(tmp_path):
     """41 documents on 2 ranks: rank 0 has 6 batches of 4, rank 1 has 5; the fit ends on both,
-    the ranks hold the same extractors, the q/k moments equal those of one process."""
+    the ranks hold the same extractors, the q/k moments equal those of one process. Each
+    extractor is updated on one rank only (the k-means on rank 1), and the checkpoint stores
+    each extractor's state once."""
     codes, results, _ = W.spawn(W.fit_body, 2, tmp_path / "out", str(tmp_path / "run"))
     r0, r1 = _ok(codes, results)
     assert (r0["documents"], r1["documents"]) == (21, 20) and r0["batches"] == r1["batches"] == 6
+    assert (r0["kmeans_updates"], r1["kmeans_updates"]) == (0, 6)
     assert r0["tokens"] == r1["tokens"] == sum(min(len(d), 24) for d in W.CORPUS)
     for key in r0["states"]:
         if "KillSwitch" in key or "resid" in key:
@@ -120,10 +123,21 @@ def test_fit_shards_documents_and_ranks_agree(tmp_path):
     assert (run / "checkpoint.pt").is_file() and (run / "concepts").is_dir()
     saved = torch.load(run / "checkpoint.pt", weights_only=True)["state"]
     assert saved["world_size"] == 2 and len(saved["ranks"]) == 2
+    for name, state in saved["ranks"][1]["extractors"].items():  # the same on both ranks: stored once
+        assert _storages(state) == _storages(saved["ranks"][0]["extractors"][name]) != [], name
     codes, results, _ = W.spawn(W.fit_body, 1, tmp_path / "one", str(run))  # resumed on 1 process: refused
     assert codes == [1] and results[0].splitlines()[0] == (
         f"ValueError: checkpoint {run / 'checkpoint.pt'} was written by a fit on 2 process(es); this fit runs on 1: "
         "resume with the same world size, or use resume=False")
+
+
+def _storages(state) -> list[int]:
+    """Where the tensors of a nested state keep their data."""
+    if isinstance(state, torch.Tensor):
+        return [state.untyped_storage().data_ptr()] if state.numel() else []
+    if isinstance(state, dict):
+        return [p for v in state.values() for p in _storages(v)]
+    return [p for v in state for p in _storages(v)] if isinstance(state, (list, tuple)) else []
 
 
 def _single_process_moments() -> dict:

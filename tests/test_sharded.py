@@ -62,9 +62,9 @@ def _torchrun(script: str, *args) -> None:
 
 
 def test_sharded_fit_under_torchrun_resumes_and_equals_one_unsharded_process(tmp_path):
-    """torchrun, 2 ranks of batch 4, sharded k-means and TopK SAE, stopped half-way (each rank's
+    """torchrun, 2 ranks of batch 4, sharded k-means, TopK SAE and VQ, stopped half-way (each rank's
     shard in the checkpoint) and resumed: the concept sets equal one unsharded process with batch 8."""
-    from tests import torchrun_fit
+    from tests import torchrun_sharded_fit
 
     total = sum(min(len(d), 24) for d in W.CORPUS)
     _torchrun("torchrun_sharded_fit.py", tmp_path, total // 2)
@@ -72,8 +72,8 @@ def test_sharded_fit_under_torchrun_resumes_and_equals_one_unsharded_process(tmp
     _torchrun("torchrun_sharded_fit.py", tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     assert 0 < first["tokens"] < total and ranks[0]["resumed_from"] == first["tokens"]
-    assert [r["rows"] for r in ranks] == [(2, 8), (2, 8)]  # 4 centres, 16 latents: half on each rank
-    alone, report = torchrun_fit.fit(8, False)
+    assert [r["rows"] for r in ranks] == [(2, 8, 3), (2, 8, 3)]  # 4 centres, 16 latents, 6 codes: half on each rank
+    report = torchrun_sharded_fit.fit_alone(8)
     assert ranks[0]["tokens"] == report.tokens
     for name, cs in report.concepts.items():
         for rank in ranks:

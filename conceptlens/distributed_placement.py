@@ -1,0 +1,51 @@
+"""Which rank of a distributed fit updates which extractor, and how the others get its state.
+
+    owners({"a": km, "b": sae, "c": sharded_vq}, world=2)   # {"a": 1, "b": 0, "c": None}
+
+The rows of a step are the same on every rank, so an extractor not sharded would be updated W
+times to the same result: it is updated on one rank, the i-th in name order on rank
+W - 1 - i % W (rank 0, which also writes the files, gets the fewest), and its state reaches
+the other ranks at a checkpoint (on rank 0, `fill_ranks`) and at the end of the fit (`share`,
+one broadcast each), so the ranks end identical. A sharded extractor (one with a `shards`
+split: `ShardedKMeans`, `ShardedVQ`, `ShardedTopKSAE`) is updated on every rank, each on its
+slice; so is one without `state_dict` and `load_state_dict` (its state could not travel).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def sharded(extractor: Any) -> bool:
+    """Whether the extractor holds a different part on each rank (its class has a `shards` split)."""
+    return isinstance(getattr(type(extractor), "shards", None), property)
+
+
+def owners(extractors: dict[str, Any], world: int) -> dict[str, int | None]:
+    """Extractor name -> the rank that updates it (None: every rank)."""
+    movable = sorted(name for name, e in extractors.items() if not sharded(e) and all(
+        callable(getattr(e, method, None)) for method in ("state_dict", "load_state_dict")))
+    out: dict[str, int | None] = {name: None for name in extractors}
+    out.update({name: world - 1 - i % world for i, name in enumerate(movable)})
+    return out
+
+
+def share(comm: Any, owned: dict[str, int | None], extractors: dict[str, Any]) -> None:
+    """Every rank's copy of each extractor with an owner becomes the owner's (a `Comm` broadcast each)."""
+    for name in sorted(extractors):
+        owner = owned.get(name)
+        if owner is None:
+            continue
+        mine = owner == comm.rank
+        state = comm.broadcast_object(extractors[name].state_dict() if mine else None, src=owner)
+        if not mine:
+            extractors[name].load_state_dict(state)
+
+
+def fill_ranks(states: list[dict[str, Any]], owned: dict[str, int | None]) -> list[dict[str, Any]]:
+    """Every rank's checkpoint state (`states[r]["extractors"]` holding what rank r updates),
+    each rank's entry completed with the owners' states: the same objects, which torch.save
+    writes once."""
+    sent = [state["extractors"] for state in states]
+    return [{**state, "extractors": {name: sent[rank if owner is None else owner][name] for name, owner in owned.items()}}
+            for rank, state in enumerate(states)]

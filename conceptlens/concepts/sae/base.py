@@ -94,7 +94,7 @@ class SparseAutoencoder(ExtractorBase, nn.Module):
 
     # ---- the module's tensors ---------------------------------------------------------
     @property
-    def params(self) -> dict[str, nn.Parameter]:
+    def params(self) -> dict[str, Tensor]:
         """The trainable tensors (the module's parameters, in the normalised space), by name."""
         return {k: p for k, p in self._parameters.items() if p is not None}
 
@@ -117,8 +117,8 @@ class SparseAutoencoder(ExtractorBase, nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """The reconstruction `(N, d)` of raw activations `(N, d)`, differentiable in the parameters."""
-        if not self.params:
-            self._raw()  # raises NotFittedError
+        if not self.params or self.scale is None:
+            raise self._not_fitted()
         w = self._fold(self._weights(), self.scale)
         return self._decode(self._encode(x.to(self._device).float(), w, train=False).z, w, train=False)
 
@@ -309,12 +309,14 @@ class SparseAutoencoder(ExtractorBase, nn.Module):
     # ---- inference on raw activations -------------------------------------------------
     def _raw(self) -> dict[str, Tensor]:
         if not self.params:
-            seen = self._warm[1] + self._tracker.tokens
-            raise NotFittedError(f"{type(self).__name__} has not taken a step yet ({seen} tokens seen, warm-up "
-                               f"{self.config.warmup_tokens}, batch {self.config.batch_size}); "
-                               "call update() or flush()")
+            raise self._not_fitted()
         with torch.no_grad():
             return {k: v.detach() for k, v in self._fold(self._weights(), self.scale).items()}
+
+    def _not_fitted(self) -> NotFittedError:
+        seen = self._warm[1] + self._tracker.tokens
+        return NotFittedError(f"{type(self).__name__} has not taken a step yet ({seen} tokens seen, warm-up "
+                              f"{self.config.warmup_tokens}, batch {self.config.batch_size}); call update() or flush()")
 
     @torch.no_grad()
     def encode(self, x: Tensor) -> Tensor:
@@ -344,6 +346,16 @@ class SparseAutoencoder(ExtractorBase, nn.Module):
     # optimiser, buffered rows, RNG and statistics: enough to resume bit for bit.
     def get_extra_state(self) -> dict[str, Any]:
         return extra_state(self)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return nn.Module.state_dict(self, *args, **kwargs)
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """`sae.to(device)` as every extractor (later inputs are placed there too); any other
+        arguments as nn.Module's."""
+        if len(args) == 1 and not kwargs and isinstance(args[0], (str, torch.device)):
+            return ExtractorBase.to(self, args[0])
+        return nn.Module.to(self, *args, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Restore a `state_dict()` (also one written before the SAEs were modules); creates the

@@ -76,3 +76,10 @@ def test_an_unfitted_sae_has_no_parameters_and_says_so():
     with pytest.raises(ValueError, match="has not taken a step yet"):
         sae(torch.randn(2, 4))
     assert isinstance(BatchTopKSAE(width=8, k=2), nn.Module)
+
+
+def test_torch_compile_traces_the_forward():
+    sae = _fitted("topk")
+    x = stream("topk")[0][0]
+    compiled = torch.compile(sae, backend="eager")  # dynamo's capture, without a C++ toolchain
+    torch.testing.assert_close(compiled(x), sae(x), rtol=0, atol=0)

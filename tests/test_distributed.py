@@ -66,7 +66,7 @@ def test_mixing_extractors_reach_the_same_quality_on_uneven_shards(tmp_path):
     shards = [data[:14000], data[14000:]]  # rank 0 has more batches than rank 1
     codes, results, _ = W.spawn(W.quality_body, 2, tmp_path, shards)
     r0, r1 = _ok(codes, results)
-    assert_same_state(r0["sae"]["params"], r1["sae"]["params"])
+    assert_same_state(_tensors(r0["sae"]), _tensors(r1["sae"]))
     assert torch.equal(r0["deleuzian"]["kmeans"]["centres"], r1["deleuzian"]["kmeans"]["centres"])
     held = _planted(3000, 2)
     inertia, fvu = [], []
@@ -112,8 +112,8 @@ def test_fit_shards_documents_and_ranks_agree(tmp_path):
         if "KillSwitch" in key or "resid" in key:
             assert torch.equal(r0["states"][key]["centres"], r1["states"][key]["centres"])
     sae0, sae1 = (r["states"]["blocks.0.mlp_out"] for r in (r0, r1))
-    assert_same_state(sae0["params"], sae1["params"])
-    assert_same_state(sae0["optimizer"], sae1["optimizer"])
+    assert_same_state(_tensors(sae0), _tensors(sae1))
+    assert_same_state(sae0["_extra_state"]["optimizer"], sae1["_extra_state"]["optimizer"])
     moments = r0["states"][str(("blocks.1.attn.q", "blocks.1.attn.k"))]
     single = _single_process_moments()
     for name in ("sum_qq", "sum_kk", "sum_q", "sum_k"):
@@ -193,7 +193,7 @@ def test_torchrun_starts_a_distributed_fit_from_its_environment(tmp_path):
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     assert r0["tokens"] == r1["tokens"] == sum(min(len(d), 24) for d in W.CORPUS)
     assert (r0["documents"], r1["documents"]) == (21, 20)
-    assert_same_state(r0["states"]["blocks.0.mlp_out"]["params"], r1["states"]["blocks.0.mlp_out"]["params"])
+    assert_same_state(_tensors(r0["states"]["blocks.0.mlp_out"]), _tensors(r1["states"]["blocks.0.mlp_out"]))
     assert torch.equal(r0["states"]["blocks.1.resid_out"]["centres"], r1["states"]["blocks.1.resid_out"]["centres"])
 
 
@@ -217,3 +217,8 @@ def test_shutdown_destroys_only_the_group_init_created(monkeypatch):
         assert dist.is_initialized()  # the caller's group is the caller's to destroy
     finally:
         dist.destroy_process_group()
+
+
+def _tensors(sae_state):
+    """An SAE state's parameters and buffers (its module tensors, without the training state)."""
+    return {k: v for k, v in sae_state.items() if k != "_extra_state"}

@@ -103,9 +103,4 @@ def concept_activations(cs: ConceptSet) -> ConceptActivations:
 
 def _on(sae, x: Tensor):
     """The restored SAE on x's device (moved once; it lives only inside this pass)."""
-    if sae._device != x.device:
-        sae.params = {k: v.detach().to(x.device) for k, v in sae.params.items()}
-        if getattr(sae, "buffers", None):
-            sae.buffers = {k: v.to(x.device) for k, v in sae.buffers.items()}
-        sae._device = x.device
-    return sae
+    return sae if next(sae.parameters()).device == x.device else sae.to(x.device)

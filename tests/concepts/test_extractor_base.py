@@ -72,7 +72,8 @@ def test_helpers_name_the_value():
 def test_state_of_another_config_is_refused_with_the_difference(factory):
     ext = fitted(factory, stream(n_chunks=2))
     state = ext.state_dict()
-    state["config"] = {**state["config"], "seed": 99} if "seed" in state["config"] else {**state["config"], "k": 1}
+    held = state["_extra_state"] if "_extra_state" in state else state  # (an SAE keeps it beside its tensors)
+    held["config"] = {**held["config"], "seed": 99} if "seed" in held["config"] else {**held["config"], "k": 1}
     with pytest.raises(ValueError, match="different config"):
         factory().load_state_dict(state)
 

@@ -69,5 +69,5 @@ def test_batchtopk_threshold_follows_the_smallest_kept_activation():
     expected = smallest[0]
     for value in smallest[1:]:
         expected = expected + 0.5 * (value - expected)
-    torch.testing.assert_close(sae.buffers["threshold"], expected)
-    assert int(sae.buffers["threshold_steps"]) == 3
+    torch.testing.assert_close(sae.buffer_dict["threshold"], expected)
+    assert int(sae.buffer_dict["threshold_steps"]) == 3

@@ -16,24 +16,32 @@ homogeneous, which ReLU, TopK and JumpReLU gates are):
 
 A variant overrides the encoding (`_activate`) and its loss term (`_penalty`); the buffer,
 optimiser, decoder constraint, statistics and checkpointing live here.
+
+An SAE is an `nn.Module`: its trainable tensors are parameters and its non-trainable ones
+buffers (created at the first step, once d is known), so `named_parameters()`, `.to()`,
+`.cuda()`, `state_dict()` / `load_state_dict()` (the rest of the training state rides along as
+torch's `_extra_state`), nesting in another module and DDP work as they do for any module;
+`sae(x)` is the differentiable raw-space reconstruction.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from conceptlens._checks import check_int
-from conceptlens.concepts.base import ExtractorBase, NotFittedError
+from conceptlens.concepts.base import ExtractorBase, NotFittedError, map_tensors
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.sae import ddp
 from conceptlens.concepts.sae.active import Active
+from conceptlens.concepts.sae.buffers import Buffers
 from conceptlens.concepts.sae.config import SAEConfig, build_config
-from conceptlens.concepts.sae.persist import load_training_state, merge_replicas, training_state
+from conceptlens.concepts.sae.persist import EXTRA, extra_state, load_training_state, merge_replicas, module_layout
 from conceptlens.concepts.sae.stats import LatentTracker, RunningStats, SAEStats, StepStats, geometric_median
 
 
@@ -49,7 +57,7 @@ class Code(NamedTuple):
     without a pass over `z`."""
 
 
-class SparseAutoencoder(ExtractorBase):
+class SparseAutoencoder(ExtractorBase, nn.Module):
     """Base of the SAE variants: implements the Extractor protocol around `_activate`.
 
     Subclasses set `Config` and `method`, and override `_activate(pre, w, train)` and, if
@@ -66,14 +74,13 @@ class SparseAutoencoder(ExtractorBase):
 
     def __init__(self, config: SAEConfig | None = None, /, *, seed: int = 0,
                  device: str | torch.device | None = None, **kwargs: Any) -> None:
+        nn.Module.__init__(self)
         self.config = build_config(self.Config, config, kwargs)
         check_int("seed", seed, 0)
         self._set_device(device)
         self.seed = seed
         self.d: int | None = None
         self.scale: float | None = None
-        self.params: dict[str, Tensor] = {}  # trainable leaves, in the normalised space
-        self.buffers: dict[str, Tensor] = {}  # non-trainable state a variant keeps
         self._gen = torch.Generator().manual_seed(seed)
         self._mixer = MixingBuffer(size=self.config.mixing_size(), seed=seed)
         self._warm = [0.0, 0]  # sum of ||x||^2 (float64 accumulated) and rows, during warm-up
@@ -84,6 +91,36 @@ class SparseAutoencoder(ExtractorBase):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config}, d={self.d}, steps={self._running.steps})"
+
+    # ---- the module's tensors ---------------------------------------------------------
+    @property
+    def params(self) -> dict[str, Tensor]:
+        """The trainable tensors (the module's parameters, in the normalised space), by name."""
+        return {k: p for k, p in self._parameters.items() if p is not None}
+
+    @params.setter
+    def params(self, values: dict[str, Tensor]) -> None:
+        self._parameters.clear()
+        for k, v in values.items():
+            self.register_parameter(k, v if isinstance(v, nn.Parameter) else nn.Parameter(v))
+
+    @property
+    def buffer_dict(self) -> Buffers:
+        """The non-trainable tensors a variant keeps (the module's buffers), as a mutable dict."""
+        return Buffers(self)
+
+    @buffer_dict.setter
+    def buffer_dict(self, values: dict[str, Tensor]) -> None:
+        self._buffers.clear()
+        for k, v in values.items():
+            self.register_buffer(k, v)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The reconstruction `(N, d)` of raw activations `(N, d)`, differentiable in the parameters."""
+        if not self.params or self.scale is None:
+            raise self._not_fitted()
+        w = self._fold(self._weights(), self.scale)
+        return self._decode(self._encode(x.to(self._device).float(), w, train=False).z, w, train=False)
 
     # ---- streaming -------------------------------------------------------------------
     def update(self, x: Tensor) -> None:
@@ -232,7 +269,7 @@ class SparseAutoencoder(ExtractorBase):
 
     def _weights(self) -> dict[str, Tensor]:
         """The weights the encoding uses, derived from `params` and `buffers` (differentiable)."""
-        return {**self.params, **self.buffers}
+        return {**self.params, **self.buffer_dict}
 
     def _compute_weights(self) -> dict[str, Tensor]:
         """`_weights()` cast to the compute dtype (differentiable casts of the float32 masters,
@@ -272,12 +309,14 @@ class SparseAutoencoder(ExtractorBase):
     # ---- inference on raw activations -------------------------------------------------
     def _raw(self) -> dict[str, Tensor]:
         if not self.params:
-            seen = self._warm[1] + self._tracker.tokens
-            raise NotFittedError(f"{type(self).__name__} has not taken a step yet ({seen} tokens seen, warm-up "
-                               f"{self.config.warmup_tokens}, batch {self.config.batch_size}); "
-                               "call update() or flush()")
+            raise self._not_fitted()
         with torch.no_grad():
             return {k: v.detach() for k, v in self._fold(self._weights(), self.scale).items()}
+
+    def _not_fitted(self) -> NotFittedError:
+        seen = self._warm[1] + self._tracker.tokens
+        return NotFittedError(f"{type(self).__name__} has not taken a step yet ({seen} tokens seen, warm-up "
+                              f"{self.config.warmup_tokens}, batch {self.config.batch_size}); call update() or flush()")
 
     @torch.no_grad()
     def encode(self, x: Tensor) -> Tensor:
@@ -303,13 +342,39 @@ class SparseAutoencoder(ExtractorBase):
                           stats={"firing_frequency": self._tracker.frequency().cpu()})
 
     # ---- checkpoints and replicas ------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Parameters, Adam state, buffered rows, RNG and statistics: enough to resume bit for bit."""
-        return training_state(self)
+    # state_dict() is nn.Module's: parameters and buffers by name, and under "_extra_state" the
+    # optimiser, buffered rows, RNG and statistics: enough to resume bit for bit.
+    def get_extra_state(self) -> dict[str, Any]:
+        return extra_state(self)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.check_state(state)
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return nn.Module.state_dict(self, *args, **kwargs)
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """`sae.to(device)` as every extractor (later inputs are placed there too); any other
+        arguments as nn.Module's."""
+        if len(args) == 1 and not kwargs and isinstance(args[0], (str, torch.device)):
+            return ExtractorBase.to(self, args[0])
+        return nn.Module.to(self, *args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Restore a `state_dict()` (also one written before the SAEs were modules); creates the
+        parameters and buffers it holds. `strict` and `assign` are accepted for nn.Module's callers."""
+        state = module_layout(state_dict)
+        self.check_state(state[EXTRA])
         load_training_state(self, self._placed(state))
+        return nn.modules.module._IncompatibleKeys([], [])
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        """As a submodule of another module: this SAE's entries of the parent's state dict."""
+        self.load_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
+
+    def _apply(self, fn: Any, recurse: bool = True) -> SparseAutoencoder:
+        """`.cuda()`, `.cpu()`, `.to(...)` through nn.Module: every tensor of the training state
+        (Adam's moments and the buffered rows included) goes where the parameters go."""
+        self.load_state_dict(map_tensors(self.state_dict(), fn))
+        return self
 
     @classmethod
     def from_config(cls, config: dict[str, Any], seed: int = 0) -> SparseAutoencoder:
@@ -318,9 +383,10 @@ class SparseAutoencoder(ExtractorBase):
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> SparseAutoencoder:
-        if not isinstance(state, dict) or "config" not in state:
+        extra = module_layout(state)[EXTRA]
+        if "config" not in extra:
             raise ValueError(f"not a {cls.__name__} state: expected a dict with a 'config' entry")
-        obj = cls.from_config(state["config"], seed=state.get("seed", 0))
+        obj = cls.from_config(extra["config"], seed=extra.get("seed", 0))
         obj.load_state_dict(state)
         return obj
 

@@ -60,12 +60,12 @@ class BatchTopKSAE(TopKSAE):
 
     def _init_params(self, x: Tensor) -> dict[str, Tensor]:
         # the inference threshold (normalised units) and how many steps have moved it
-        self.buffers = {"threshold": torch.zeros((), device=x.device),
+        self.buffer_dict = {"threshold": torch.zeros((), device=x.device),
                         "threshold_steps": torch.zeros((), dtype=torch.int64, device=x.device)}
         return super()._init_params(x)
 
     def _weights(self) -> dict[str, Tensor]:
-        return {**self.params, "threshold": self.buffers["threshold"]}
+        return {**self.params, "threshold": self.buffer_dict["threshold"]}
 
     def _select(self, pre: Tensor) -> tuple[Tensor, Tensor]:
         """batch_topk_relu's picks as (rows, latents), sorted (grouped by row)."""
@@ -83,9 +83,9 @@ class BatchTopKSAE(TopKSAE):
         z = code.z.detach() if code.active is None else code.active.values.detach()  # (B, width) or its nonzeros
         smallest = torch.where(z > 0, z, torch.inf).min()  # inf when nothing was kept
         kept = torch.isfinite(smallest)
-        threshold, steps = self.buffers["threshold"], self.buffers["threshold_steps"].to(z.device)
+        threshold, steps = self.buffer_dict["threshold"], self.buffer_dict["threshold_steps"].to(z.device)
         # the first estimate is taken as is, rather than averaged with the initial zero; all on
         # the device (no host read per step); a step that kept nothing leaves both unchanged
         rate = torch.where(steps == 0, 1.0, self.config.threshold_momentum).to(threshold.dtype)
         threshold.lerp_(torch.where(kept, smallest, threshold), rate)
-        self.buffers["threshold_steps"] = steps + kept.long()
+        self.buffer_dict["threshold_steps"] = steps + kept.long()

@@ -111,7 +111,7 @@ class CrossLayerTranscoder(MultiSite, TopKSAE):
         return z @ w["W_dec"] + w["b_dec"]
 
     def _weights(self) -> dict[str, Tensor]:
-        w = {**self.params, **self.buffers}
+        w = {**self.params, **self.buffer_dict}
         return {**w, "W_dec": w["W_dec"] * self._mask(w["W_dec"].device)}
 
     def _init_params(self, x: Tensor) -> dict[str, Tensor]:

@@ -73,16 +73,16 @@ def _start(sae: SparseAutoencoder, x: Tensor) -> None:
     sae._start(x if x.shape[0] else x.new_zeros(1, x.shape[1]))
     src = comm.world - comm.max_int(comm.world - comm.rank if x.shape[0] else 0)
     with torch.no_grad():
-        for t in [*sae.params.values(), *sae.buffers.values()]:
+        for t in [*sae.params.values(), *sae.buffer_dict.values()]:
             t.copy_(comm.broadcast_(t, src))
 
 
 def _sync_buffers(sae: SparseAutoencoder, n: int) -> None:
     """Float buffers: the mean over the ranks that had rows; integer buffers: the largest."""
-    if not sae.buffers:
+    if not sae.buffer_dict:
         return
     comm, has = sae.comm, 1.0 if n else 0.0
-    floats = [b for b in sae.buffers.values() if b.is_floating_point()]
+    floats = [b for b in sae.buffer_dict.values() if b.is_floating_point()]
     if floats:
         flat = comm.sum_(torch.cat([b.detach().flatten().double().cpu() * has for b in floats]
                                    + [torch.tensor([has], dtype=torch.float64)]))
@@ -92,6 +92,6 @@ def _sync_buffers(sae: SparseAutoencoder, n: int) -> None:
             if count > 0:
                 b.copy_(flat[offset:offset + b.numel()].view_as(b).to(b))
             offset += b.numel()
-    for b in sae.buffers.values():
+    for b in sae.buffer_dict.values():
         if not b.is_floating_point():
             b.copy_(comm.max_(b))

@@ -89,12 +89,12 @@ class HSAE(SparseAutoencoder):
         W_down = _unit_rows(torch.randn(M, s, d, generator=g))
         E_child = _unit_rows(torch.randn(M, C, s, generator=g))
         base = super()._init_params(x)
-        self.buffers = {"offset": torch.tensor(1 / math.sqrt(d)).to(self._device)}
+        self.buffer_dict = {"offset": torch.tensor(1 / math.sqrt(d)).to(self._device)}
         return {"W_enc": W_top.T.clone(), "W_top": W_top, "W_down": W_down, "W_up": W_down.transpose(1, 2).clone(),
                 "E_child": E_child, "D_child": E_child.transpose(1, 2).clone(), "b_dec": base["b_dec"]}
 
     def _weights(self) -> dict[str, Tensor]:
-        w = {**self.params, **self.buffers}
+        w = {**self.params, **self.buffer_dict}
         children = torch.einsum("mds,msc->mcd", w["W_up"], w["D_child"]).reshape(-1, w["W_top"].shape[1])
         return {**w, "W_dec": torch.cat([w["W_top"], children])}  # (width, d): the composed directions
 

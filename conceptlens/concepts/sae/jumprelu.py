@@ -99,14 +99,14 @@ class JumpReLUSAE(SparseAutoencoder):
     def _init_params(self, x: Tensor) -> dict[str, Tensor]:
         """Thresholds start at `threshold_init` spread units of the first normalised batch `x`."""
         spread = ((x - x.mean(0)).pow(2).sum(1).mean() / x.shape[1]).sqrt().float()  # RMS spread per feature
-        self.buffers = {"spread": spread}
+        self.buffer_dict = {"spread": spread}
         log_theta = torch.full((self.config.width,), math.log(self.config.threshold_init * float(spread)))
         return {**super()._init_params(x), "log_threshold": log_theta}
 
     def _bandwidth(self) -> Tensor | float:
         """The kernel's width in the normalised space: `bandwidth` spread units (a 0-dim tensor on
         the device, so no host read per step; a set restored for inference has no spread)."""
-        spread = self.buffers.get("spread")
+        spread = self.buffer_dict.get("spread")
         return self.config.bandwidth * (1.0 if spread is None else spread)
 
     def _weights(self) -> dict[str, Tensor]:

@@ -14,12 +14,14 @@ float64 and pooled exactly when replicas still warming up merge.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import Tensor
 
 from conceptlens.concepts.base import NotFittedError
+from conceptlens.concepts.sae.persist import EXTRA, module_layout
 
 if TYPE_CHECKING:  # the mixin always comes before a SparseAutoencoder in the MRO: check it as one
     from conceptlens.concepts.sae.base import SparseAutoencoder as _SAE
@@ -80,35 +82,37 @@ class MultiSite(_SAE):
 
     def columns(self) -> Tensor:
         """`(d,)` the per-site warm-up scales, one per column of a row."""
-        scales = self.buffers["site_scale"]
+        scales = self.buffer_dict["site_scale"]
         return torch.repeat_interleave(scales, torch.tensor(self.widths, device=scales.device))
 
     # ---- per-site warm-up scales ----------------------------------------------------------
     def _warm_up(self, x: Tensor) -> None:
         rows = x[: self.config.warmup_tokens - self._warm[1]].double()
         sums = torch.stack([t.pow(2).sum() for t in self.split(rows)]).cpu()
-        self.buffers["warm_sq"] = self.buffers["warm_sq"] + sums if "warm_sq" in self.buffers else sums
+        self.buffer_dict["warm_sq"] = self.buffer_dict["warm_sq"] + sums if "warm_sq" in self.buffer_dict else sums
         super()._warm_up(x)
 
     def _set_scale(self) -> None:
         super()._set_scale()
-        n, sums = self._warm[1], self.buffers.pop("warm_sq")
+        n, sums = self._warm[1], self.buffer_dict.pop("warm_sq")
         if not (sums > 0).all():
             bad = int((sums <= 0).nonzero()[0])
             raise ValueError(f"the first {n} rows are all zero at site {bad}; cannot normalise its scale")
         widths = torch.tensor(self.widths, dtype=torch.float64)
-        self.buffers["site_scale"] = (widths * n / sums).sqrt().float().to(self._device)
+        self.buffer_dict["site_scale"] = (widths * n / sums).sqrt().float().to(self._device)
 
     def _normalise(self, x: Tensor) -> Tensor:
         return x * self.columns().to(x.device)
 
     # ---- checkpoints and replicas ---------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "widths": self.widths, "shape": self.shape}
+    def get_extra_state(self) -> dict[str, Any]:
+        return {**super().get_extra_state(), "widths": self.widths, "shape": self.shape}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.widths, self.shape = state.get("widths"), state.get("shape")
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        result = super().load_state_dict(state_dict)
+        extra = module_layout(state_dict)[EXTRA]
+        self.widths, self.shape = extra.get("widths"), extra.get("shape")
+        return result
 
     def _merge(self, other: Any) -> None:
         if self.widths is not None and other.widths is not None and other.widths != self.widths:
@@ -117,7 +121,7 @@ class MultiSite(_SAE):
             self.widths, self.shape = other.widths, other.shape
         if not self.params and not other.params and self.scale is None and other.d is not None:
             if other.scale is not None:  # it finished its warm-up: take its scales
-                self.buffers = {k: v.clone() for k, v in other.buffers.items()}
-            elif "warm_sq" in other.buffers:  # both warming up: pool the per-site sums too
-                self.buffers["warm_sq"] = other.buffers["warm_sq"] + self.buffers.get("warm_sq", 0)
+                self.buffer_dict = {k: v.clone() for k, v in other.buffer_dict.items()}
+            elif "warm_sq" in other.buffer_dict:  # both warming up: pool the per-site sums too
+                self.buffer_dict["warm_sq"] = other.buffer_dict["warm_sq"] + self.buffer_dict.get("warm_sq", 0)
         super()._merge(other)

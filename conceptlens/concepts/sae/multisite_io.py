@@ -45,7 +45,7 @@ def multisite_from_concept_set(cs: ConceptSet) -> Crosscoder | ReLUCrosscoder | 
         model.widths, model.shape = widths, [1] * len(widths)
     params = {k: cs.encoder[k].float().clone() for k in ("W_enc", "b_enc", "b_dec")}
     model.params = {k: v.requires_grad_(True) for k, v in {**params, "W_dec": cs.directions.float().clone()}.items()}
-    model.buffers = {"site_scale": torch.ones(len(model.widths))}
+    model.buffer_dict = {"site_scale": torch.ones(len(model.widths))}
     model.d, model.scale = sum(model.widths), 1.0
     model._warm = [float(model.d), 1]
     model._tracker = LatentTracker(model.config.width, model.config.dead_after)

@@ -3,11 +3,16 @@
     state = training_state(sae)             # what sae.state_dict() returns
     load_training_state(fresh_sae, state)   # resumes bit for bit
     average_replicas(sae, other_replica)    # what sae.merge(other) does
+
+An SAE's state is its module state dict: parameters and buffers by name, and the rest of the
+training state under "_extra_state" (torch's `get_extra_state`). States written before the
+SAEs became modules, {"params": ..., "buffers": ..., ...}, are read too (`module_layout`).
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,8 +23,21 @@ if TYPE_CHECKING:
     from conceptlens.concepts.sae.base import SparseAutoencoder
 
 
+EXTRA = "_extra_state"
+"""The key of everything but the module's tensors in an SAE's state dict (torch's `get_extra_state`)."""
+
+
 def training_state(sae: SparseAutoencoder) -> dict[str, Any]:
-    """Tensors, scalars and nested dicts only, so `torch.load(weights_only=True)` reads it."""
+    """What `sae.state_dict()` returns: the module's parameters and buffers by name and, under
+    `_extra_state`, `extra_state(sae)`. Tensors, scalars and nested dicts only, so
+    `torch.load(weights_only=True)` reads it."""
+    return {**{k: v.detach().clone() for k, v in sae.params.items()},
+            **{k: v.clone() for k, v in sae.buffer_dict.items()}, EXTRA: extra_state(sae)}
+
+
+def extra_state(sae: SparseAutoencoder) -> dict[str, Any]:
+    """The training state beside the module's tensors: config, warm-up, optimiser, buffered rows, RNG,
+    statistics, and which of the tensors are parameters (the rest are buffers)."""
     return {
         "class": type(sae).__name__,
         "config": sae.config.to_json(),
@@ -27,8 +45,7 @@ def training_state(sae: SparseAutoencoder) -> dict[str, Any]:
         "d": sae.d,
         "scale": sae.scale,
         "warm": list(sae._warm),
-        "params": {k: v.detach().clone() for k, v in sae.params.items()},
-        "buffers": {k: v.clone() for k, v in sae.buffers.items()},
+        "parameters": list(sae.params),
         # deep copy: Adam's state_dict shares its moment tensors with the live optimiser
         "optimizer": None if sae._opt is None else copy.deepcopy(sae._opt.state_dict()),
         "generator": sae._gen.get_state(),
@@ -38,23 +55,39 @@ def training_state(sae: SparseAutoencoder) -> dict[str, Any]:
     }
 
 
-def load_training_state(sae: SparseAutoencoder, state: dict[str, Any]) -> None:
+def module_layout(state: Mapping[str, Any]) -> dict[str, Any]:
+    """`state` in the module layout; a state written before the SAEs were modules (its parameters
+    under "params", its buffers under "buffers", the rest beside them) is converted."""
+    if not isinstance(state, Mapping) or ("params" not in state and EXTRA not in state):
+        raise ValueError("not an SAE state: expected the dict of an SAE's state_dict()")
+    if EXTRA in state:
+        return dict(state)
+    extra = {k: v for k, v in state.items() if k not in ("params", "buffers")}
+    return {**state["params"], **state["buffers"], EXTRA: {**extra, "parameters": list(state["params"])}}
+
+
+def load_training_state(sae: SparseAutoencoder, state: Mapping[str, Any]) -> None:
     """Restore `training_state` into an SAE constructed with the same class and config."""
-    if state.get("class") != type(sae).__name__:
-        raise ValueError(f"state is for a {state.get('class')!r}; this is a {type(sae).__name__!r}")
-    sae.check_state(state)
-    sae.seed, sae.d, sae.scale, sae._warm = state["seed"], state["d"], state["scale"], list(state["warm"])
-    sae.params = {k: v.clone().requires_grad_(True) for k, v in state["params"].items()}
-    sae.buffers = {k: v.clone() for k, v in state["buffers"].items()}
+    state = module_layout(state)
+    extra = state[EXTRA]
+    if extra.get("class") != type(sae).__name__:
+        raise ValueError(f"state is for a {extra.get('class')!r}; this is a {type(sae).__name__!r}")
+    sae.check_state(extra)
+    sae.seed, sae.d, sae.scale, sae._warm = extra["seed"], extra["d"], extra["scale"], list(extra["warm"])
+    names = extra["parameters"]
+    sae.params = {k: state[k].clone().requires_grad_(True) for k in names}
+    sae.buffer_dict = {k: v.clone() for k, v in state.items() if k != EXTRA and k not in names}
     if sae.params:
         sae._device = next(iter(sae.params.values())).device
+    sae._opt = None  # (a set rebuilt from its concepts has parameters and no optimiser yet)
+    if sae.params and extra["optimizer"] is not None:
         sae._opt = torch.optim.Adam(list(sae.params.values()), lr=sae.config.learning_rate(), betas=sae.config.betas)
-        sae._opt.load_state_dict(copy.deepcopy(state["optimizer"]))
-    sae._gen.set_state(state["generator"])
-    sae._mixer.load_state_dict(state["mixer"])
+        sae._opt.load_state_dict(copy.deepcopy(extra["optimizer"]))
+    sae._gen.set_state(extra["generator"])
+    sae._mixer.load_state_dict(extra["mixer"])
     sae._tracker = LatentTracker(sae.config.width, sae.config.dead_after, sae._device)
-    sae._tracker.load_state_dict(state["tracker"])
-    sae._running.load_state_dict(state["running"])
+    sae._tracker.load_state_dict(extra["tracker"])
+    sae._running.load_state_dict(extra["running"])
 
 
 @torch.no_grad()
@@ -111,9 +144,9 @@ def average_replicas(sae: SparseAutoencoder, other: SparseAutoencoder) -> None:
         for key in ("exp_avg", "exp_avg_sq"):
             mine[key].add_(theirs[key].to(p.device)).mul_(0.5)
         mine["step"] = torch.maximum(mine["step"], theirs["step"].to(mine["step"].device))
-    for name, b in sae.buffers.items():
+    for name, b in sae.buffer_dict.items():
         if b.is_floating_point():
-            b.add_(other.buffers[name].to(b.device)).mul_(0.5)
+            b.add_(other.buffer_dict[name].to(b.device)).mul_(0.5)
     if sae.unit_decoder:
         W = sae.params["W_dec"]
         W /= W.norm(dim=1, keepdim=True).clamp(min=1e-12)

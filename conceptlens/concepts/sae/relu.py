@@ -72,9 +72,9 @@ class ReLUSAE(SparseAutoencoder):
         """Also fix the L1's unit from the first batch (a rebuilt SAE too): the RMS spread
         sqrt(E||x - mean||^2 / d) of the normalised inputs."""
         super()._start(x)
-        if "l1_unit" not in self.buffers:
+        if "l1_unit" not in self.buffer_dict:
             spread = (x - x.mean(0)).pow(2).sum(1).mean() / x.shape[1]
-            self.buffers["l1_unit"] = spread.sqrt().float()
+            self.buffer_dict["l1_unit"] = spread.sqrt().float()
 
     def _activate(self, pre: Tensor, w: dict[str, Tensor], train: bool) -> Tensor:
         return pre.relu()

@@ -44,7 +44,7 @@ def sae_from_concept_set(cs: ConceptSet) -> SparseAutoencoder:
     if cls is JumpReLUSAE:
         params["log_threshold"] = raw["threshold"].log()
     elif cls is BatchTopKSAE:
-        sae.buffers = {"threshold": raw["threshold"].clone().reshape(()),
+        sae.buffer_dict = {"threshold": raw["threshold"].clone().reshape(()),
                        "threshold_steps": torch.ones((), dtype=torch.int64)}
     elif cls is SpaDE:
         lam = float(raw["lambda"])
@@ -52,10 +52,10 @@ def sae_from_concept_set(cs: ConceptSet) -> SparseAutoencoder:
         std = raw.get("input_std", torch.ones(cs.hidden_size)).float()
         params = {"prototypes": (raw["prototypes"] - mean) / std, "W_dec": raw["W_dec"] / std,
                   "lambda_pre": torch.tensor(math.log(math.expm1(lam)))}
-        sae.buffers = {"input_mean": mean.clone(), "input_std": std.clone()}
+        sae.buffer_dict = {"input_mean": mean.clone(), "input_std": std.clone()}
     elif cls is HSAE:
         params = {k: raw[k].clone() for k in ("W_enc", "W_top", "W_down", "W_up", "E_child", "D_child", "b_dec")}
-        sae.buffers = {"offset": raw["offset"].clone().reshape(())}
+        sae.buffer_dict = {"offset": raw["offset"].clone().reshape(())}
     sae.params = {k: v.float().requires_grad_(True) for k, v in params.items()}
     sae.d, sae.scale = cs.hidden_size, 1.0
     sae._warm = [float(cs.hidden_size), 1]

@@ -22,6 +22,7 @@ not. `concept_set()` and `encode()` gather every shard (collectives: every rank 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 from torch import Tensor
 
 from conceptlens.concepts.sae.base import Code
+from conceptlens.concepts.sae.persist import module_layout
 from conceptlens.concepts.sae.topk import TopKSAE
 from conceptlens.concepts.sharded import Shards
 
@@ -135,10 +137,10 @@ class ShardedTopKSAE(TopKSAE):
     def _merge(self, other: Any) -> None:
         raise ValueError("a ShardedTopKSAE is not merged: its ranks hold different latents of one fit")
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """This rank's shard (a fit's checkpoint gives each rank its own state)."""
-        W_dec = state.get("params", {}).get("W_dec")
+        W_dec = module_layout(state_dict).get("W_dec")
         if W_dec is not None and W_dec.shape[0] != self.shards.hi - self.shards.lo:
             raise ValueError(f"state holds {W_dec.shape[0]} latents; rank {self.shards.rank} of {self.shards.world} "
                              f"holds {self.shards.hi - self.shards.lo}: load each rank's state on the same world size")
-        super().load_state_dict(state)
+        return super().load_state_dict(state_dict)

@@ -115,38 +115,38 @@ class SpaDE(SparseAutoencoder):
         moments = torch.stack([rows.sum(0), rows.pow(2).sum(0)]).cpu()  # (2, d)
         if self.comm is not None:
             moments = self.comm.sum_(moments)
-        if "warm_moments" in self.buffers:
-            moments = self.buffers["warm_moments"] + moments
-        self.buffers["warm_moments"] = moments
+        if "warm_moments" in self.buffer_dict:
+            moments = self.buffer_dict["warm_moments"] + moments
+        self.buffer_dict["warm_moments"] = moments
         super()._warm_up(x)
 
     def _set_scale(self) -> None:
         """mu and sigma from the warm-up sums; a constant feature (or input) keeps sigma = 1."""
         super()._set_scale()
-        n, moments = self._warm[1], self.buffers.pop("warm_moments")
+        n, moments = self._warm[1], self.buffer_dict.pop("warm_moments")
         mean = moments[0] / n  # (d,)
         var = (moments[1] / n - mean.pow(2)).clamp(min=0)  # (d,)
         std = var.sqrt() if self.config.standardise == "features" else var.mean().sqrt().expand_as(var).clone()
         std = torch.where(std > 1e-6 * std.max(), std, torch.ones_like(std))
-        self.buffers = {"input_mean": mean.float().to(self._device), "input_std": std.float().to(self._device)}
+        self.buffer_dict = {"input_mean": mean.float().to(self._device), "input_std": std.float().to(self._device)}
 
     def _normalise(self, x: Tensor) -> Tensor:
-        return (x - self.buffers["input_mean"]) / self.buffers["input_std"]
+        return (x - self.buffer_dict["input_mean"]) / self.buffer_dict["input_std"]
 
     def _merge(self, other: SparseAutoencoder) -> None:
         """As the base; two replicas still warming up also pool their per-feature sums."""
         if not self.params and not other.params and self.scale is None and other.d is not None:
             if other.scale is not None:
-                self.buffers = {k: v.clone() for k, v in other.buffers.items()}
-            elif "warm_moments" in other.buffers:
-                theirs = other.buffers["warm_moments"]
-                self.buffers["warm_moments"] = theirs.clone() + self.buffers.get("warm_moments", 0)
+                self.buffer_dict = {k: v.clone() for k, v in other.buffer_dict.items()}
+            elif "warm_moments" in other.buffer_dict:
+                theirs = other.buffer_dict["warm_moments"]
+                self.buffer_dict["warm_moments"] = theirs.clone() + self.buffer_dict.get("warm_moments", 0)
         super()._merge(other)
 
     def _fold(self, w: dict[str, Tensor], scale: float) -> dict[str, Tensor]:
         """x_n = (x - mu) / sigma: ||x_n - w||^2 = ||(x - (mu + sigma w)) / sigma||^2 and
         x_hat = mu + sigma (z A); `scale` (the scalar the other SAEs use) plays no part."""
-        mean, std = self.buffers["input_mean"], self.buffers["input_std"]
+        mean, std = self.buffer_dict["input_mean"], self.buffer_dict["input_std"]
         return {"prototypes": mean + std * w["prototypes"], "lambda": w["lambda"], "W_dec": std * w["W_dec"],
                 "input_mean": mean, "input_std": std}
 

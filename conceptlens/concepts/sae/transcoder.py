@@ -25,6 +25,7 @@ rows (`comm`) assumes one site and is not offered; replicas merge by averaging a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -32,6 +33,7 @@ from torch import Tensor
 
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.sae.base import Code
+from conceptlens.concepts.sae.persist import EXTRA, module_layout
 from conceptlens.concepts.sae.relu import ReLUConfig, ReLUSAE
 from conceptlens.concepts.sae.stats import geometric_median
 
@@ -81,21 +83,21 @@ class Transcoder(ReLUSAE):
         rows = x[: self.config.warmup_tokens - self._warm[1]].double()
         x_in, y = self._split(rows)
         sums = torch.stack([x_in.pow(2).sum(), y.pow(2).sum()]).cpu()
-        self.buffers["warm_sq"] = self.buffers["warm_sq"] + sums if "warm_sq" in self.buffers else sums
+        self.buffer_dict["warm_sq"] = self.buffer_dict["warm_sq"] + sums if "warm_sq" in self.buffer_dict else sums
         super()._warm_up(x)
 
     def _set_scale(self) -> None:
         super()._set_scale()
-        n, sums = self._warm[1], self.buffers.pop("warm_sq")
+        n, sums = self._warm[1], self.buffer_dict.pop("warm_sq")
         widths = torch.tensor([self.d_in, self.d - self.d_in], dtype=torch.float64)
         if not (sums > 0).all():
             raise ValueError(f"the first {n} rows are all zero on one side; cannot normalise their scale")
         scales = (widths * n / sums).sqrt().float().to(self._device)  # (2,) s_in, s_out
-        self.buffers = {"scale_in": scales[0], "scale_out": scales[1]}
+        self.buffer_dict = {"scale_in": scales[0], "scale_out": scales[1]}
 
     def _normalise(self, x: Tensor) -> Tensor:
         x_in, y = self._split(x)
-        return torch.cat([x_in * self.buffers["scale_in"], y * self.buffers["scale_out"]], 1)
+        return torch.cat([x_in * self.buffer_dict["scale_in"], y * self.buffer_dict["scale_out"]], 1)
 
     def _forward(self, x: Tensor, w: dict[str, Tensor]) -> tuple[Tensor, Code, Tensor]:
         x_in, y = self._split(x)
@@ -103,9 +105,9 @@ class Transcoder(ReLUSAE):
         return y, code, self._output(x_in.to(self.compute_dtype), code.z, w, train=True)
 
     def _start(self, x: Tensor) -> None:
-        if "l1_unit" not in self.buffers:  # the L1's unit: the target's spread
+        if "l1_unit" not in self.buffer_dict:  # the L1's unit: the target's spread
             y = self._split(x)[1]
-            self.buffers["l1_unit"] = ((y - y.mean(0)).pow(2).sum(1).mean() / y.shape[1]).sqrt().float()
+            self.buffer_dict["l1_unit"] = ((y - y.mean(0)).pow(2).sum(1).mean() / y.shape[1]).sqrt().float()
         super()._start(x)
 
     # ---- the model ----------------------------------------------------------------------
@@ -132,7 +134,7 @@ class Transcoder(ReLUSAE):
         return params
 
     def _weights(self) -> dict[str, Tensor]:
-        return {**self.params, "l1_unit": self.buffers.get("l1_unit", torch.ones(()))}
+        return {**self.params, "l1_unit": self.buffer_dict.get("l1_unit", torch.ones(()))}
 
     def _encode(self, x: Tensor, w: dict[str, Tensor], train: bool) -> Code:
         pre = x @ w["W_enc"] + w["b_enc"]  # (N, width): no b_dec shift, it has the output's width
@@ -143,7 +145,7 @@ class Transcoder(ReLUSAE):
         return y_hat + x_in @ w["W_skip"] if "W_skip" in w else y_hat
 
     def _fold(self, w: dict[str, Tensor], scale: float) -> dict[str, Tensor]:
-        s_in, s_out = self.buffers["scale_in"], self.buffers["scale_out"]
+        s_in, s_out = self.buffer_dict["scale_in"], self.buffer_dict["scale_out"]
         raw = {"W_enc": w["W_enc"], "b_enc": w["b_enc"] / s_in, "W_dec": w["W_dec"] * (s_in / s_out),
                "b_dec": w["b_dec"] / s_out}
         if "W_skip" in w:
@@ -165,12 +167,13 @@ class Transcoder(ReLUSAE):
         cs.config["d_in"] = self.d_in
         return cs
 
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "d_in": self.d_in}
+    def get_extra_state(self) -> dict[str, Any]:
+        return {**super().get_extra_state(), "d_in": self.d_in}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.d_in = state.get("d_in")
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        result = super().load_state_dict(state_dict)
+        self.d_in = module_layout(state_dict)[EXTRA].get("d_in")
+        return result
 
     def _merge(self, other: Transcoder) -> None:
         if self.d_in is not None and other.d_in is not None and other.d_in != self.d_in:
@@ -178,9 +181,9 @@ class Transcoder(ReLUSAE):
         self.d_in = self.d_in if self.d_in is not None else other.d_in
         if not self.params and not other.params and self.scale is None and other.d is not None:
             if other.scale is not None:  # it finished its warm-up: take its scales
-                self.buffers = {k: v.clone() for k, v in other.buffers.items()}
-            elif "warm_sq" in other.buffers:  # both warming up: pool the per-side sums too
-                self.buffers["warm_sq"] = other.buffers["warm_sq"] + self.buffers.get("warm_sq", 0)
+                self.buffer_dict = {k: v.clone() for k, v in other.buffer_dict.items()}
+            elif "warm_sq" in other.buffer_dict:  # both warming up: pool the per-side sums too
+                self.buffer_dict["warm_sq"] = other.buffer_dict["warm_sq"] + self.buffer_dict.get("warm_sq", 0)
         super()._merge(other)
 
 

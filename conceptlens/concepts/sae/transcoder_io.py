@@ -105,7 +105,7 @@ def transcoder_from_concept_set(cs: ConceptSet) -> Transcoder:
     tc.params = {k: v.requires_grad_(True) for k, v in tc.params.items()}
     tc.d_in = int(cs.encoder["W_enc"].shape[0])
     tc.d, tc.scale = tc.d_in + cs.hidden_size, 1.0
-    tc.buffers = {"scale_in": torch.ones(()), "scale_out": torch.ones(())}
+    tc.buffer_dict = {"scale_in": torch.ones(()), "scale_out": torch.ones(())}
     tc._warm = [float(tc.d), 1]
     tc._tracker = LatentTracker(tc.config.width, tc.config.dead_after)
     return tc

@@ -67,7 +67,7 @@ def test_counts_and_threshold_from_the_active_latents_equal_the_dense_ones(cls):
         with pytest.MonkeyPatch.context() as m:
             m.setattr(topk, "sparse_backward", lambda rows: sparse)
             sae.update(x)
-        fired.append((sae._tracker.fired.clone(), sae.stats(), sae.buffers.get("threshold", torch.zeros(()))))
+        fired.append((sae._tracker.fired.clone(), sae.stats(), sae.buffer_dict.get("threshold", torch.zeros(()))))
     assert torch.equal(fired[0][0], fired[1][0]) and fired[0][1].last.l0 == fired[1][1].last.l0
     assert fired[0][1].last.fvu == pytest.approx(fired[1][1].last.fvu, rel=1e-4)
     assert float(fired[0][2]) == pytest.approx(float(fired[1][2]), rel=1e-5)  # BatchTopK's inference threshold

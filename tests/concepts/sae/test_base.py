@@ -41,8 +41,8 @@ def assert_same(a, b):
     assert a.params.keys() == b.params.keys() and a.params
     for key in a.params:
         assert torch.equal(a.params[key], b.params[key]), key
-    for key in a.buffers:
-        assert torch.equal(a.buffers[key], b.buffers[key]), key
+    for key in a.buffer_dict:
+        assert torch.equal(a.buffer_dict[key], b.buffer_dict[key]), key
     for pa, pb in zip(a.params.values(), b.params.values()):
         for key, value in a._opt.state[pa].items():
             assert torch.equal(value, b._opt.state[pb][key]), key
@@ -74,7 +74,7 @@ def test_concept_set_and_encode_work_on_raw_activations(name):
     with torch.no_grad():
         w = sae._weights()
         if name == "spade":  # standardised per feature: x_n = (x - mu) / sigma
-            mean, std = sae.buffers["input_mean"], sae.buffers["input_std"]
+            mean, std = sae.buffer_dict["input_mean"], sae.buffer_dict["input_std"]
             code = sae._encode((x - mean) / std, w, train=False).z
             x_hat = sae._decode(code, w) * std + mean
         else:

@@ -115,7 +115,7 @@ def test_merge_averages_replicas_and_pools_warm_ups():
     c, d = feed(CrossLayerTranscoder(**SMALL), [cut(0, 60)]), feed(CrossLayerTranscoder(**SMALL), [cut(60, 100)])
     assert c.scale is None and d.scale is None
     c.merge(d)
-    torch.testing.assert_close(c.buffers["site_scale"], one.buffers["site_scale"], rtol=0, atol=0)
+    torch.testing.assert_close(c.buffer_dict["site_scale"], one.buffer_dict["site_scale"], rtol=0, atol=0)
 
 
 def test_raw_space_matches_the_definition():

@@ -105,7 +105,7 @@ def test_merge_averages_replicas_and_pools_warm_ups(name):
     c, d = feed(make(name), [[x[:60] for x in xs]]), feed(make(name), [[x[60:100] for x in xs]])
     assert c.scale is None and d.scale is None
     c.merge(d)
-    torch.testing.assert_close(c.buffers["site_scale"], one.buffers["site_scale"], rtol=0, atol=0)
+    torch.testing.assert_close(c.buffer_dict["site_scale"], one.buffer_dict["site_scale"], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", CLASSES)

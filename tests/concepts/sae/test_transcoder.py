@@ -115,7 +115,7 @@ def test_merge_averages_replicas_and_pools_warm_ups(name):
     assert c.scale is None and d.scale is None
     c.merge(d)
     for key in ("scale_in", "scale_out"):
-        torch.testing.assert_close(c.buffers[key], one.buffers[key])
+        torch.testing.assert_close(c.buffer_dict[key], one.buffer_dict[key])
 
 
 @pytest.mark.parametrize("name", CLASSES)
@@ -125,7 +125,7 @@ def test_raw_space_fold_matches_the_training_space(name):
         for p in tc.params.values():
             p.add_(0.01)
     x = pairs(1, seed=5)[0][0]
-    s_in, s_out = tc.buffers["scale_in"], tc.buffers["scale_out"]
+    s_in, s_out = tc.buffer_dict["scale_in"], tc.buffer_dict["scale_out"]
     w = tc._weights()
     with torch.no_grad():
         z_n = (x * s_in @ w["W_enc"] + w["b_enc"]).relu()

@@ -76,13 +76,13 @@ def test_batch_topk_keeps_k_times_batch_over_the_whole_batch():
 
 def test_batch_topk_threshold_is_a_moving_average_of_the_smallest_kept():
     sae = trained(BatchTopKSAE, k=2, threshold_momentum=0.25)
-    sae.buffers = {"threshold": torch.zeros(()), "threshold_steps": torch.zeros((), dtype=torch.int64)}
+    sae.buffer_dict = {"threshold": torch.zeros(()), "threshold_steps": torch.zeros((), dtype=torch.int64)}
     z1, z2 = torch.tensor([[0.0, 2.0, 0.5]]), torch.tensor([[1.5, 0.0, 3.0]])
     sae._after_step(Code(z1, z1))
-    assert sae.buffers["threshold"].item() == 0.5  # the first estimate is taken as is
+    assert sae.buffer_dict["threshold"].item() == 0.5  # the first estimate is taken as is
     sae._after_step(Code(z2, z2))
-    assert sae.buffers["threshold"].item() == pytest.approx(0.75 * 0.5 + 0.25 * 1.5)
-    sae.buffers["threshold"].fill_(0.7)
+    assert sae.buffer_dict["threshold"].item() == pytest.approx(0.75 * 0.5 + 0.25 * 1.5)
+    sae.buffer_dict["threshold"].fill_(0.7)
     pre = torch.tensor([[0.5, 0.7, 0.9, -1.0]])
     torch.testing.assert_close(sae._activate(pre, sae._weights(), train=False), torch.tensor([[0.0, 0.0, 0.9, 0.0]]))
 
@@ -121,7 +121,7 @@ def test_relu_penalty_weights_latents_by_decoder_norms():
     w = {**sae._weights(), "W_dec": unit * torch.arange(1, 17.0)[:, None]}
     x = data(20, seed=2) * sae.scale
     code = sae._encode(x, w, train=True)
-    expected = 2.0 * sae.buffers["l1_unit"] * (code.z * torch.arange(1, 17.0)).sum(1).mean()
+    expected = 2.0 * sae.buffer_dict["l1_unit"] * (code.z * torch.arange(1, 17.0)).sum(1).mean()
     torch.testing.assert_close(sae._penalty(x, sae._decode(code.z, w), code, w), expected)
 
 
@@ -133,7 +133,7 @@ def test_relu_l1_unit_is_the_first_batch_spread_and_its_warm_up_is_linear():
     sae.flush()  # one step on the 100 buffered rows
     first = x[:100] * sae.scale
     spread = ((first - first.mean(0)).pow(2).sum(1).mean() / 8).sqrt()
-    torch.testing.assert_close(sae.buffers["l1_unit"], spread)
+    torch.testing.assert_close(sae.buffer_dict["l1_unit"], spread)
     assert sae.l1_now() == pytest.approx(2.0 * 100 / 250)
     sae.update(x[100:300])
     assert sae.l1_now() == 2.0  # 300 trained tokens: past the ramp
@@ -209,8 +209,8 @@ def test_spade_standardises_inputs_over_the_warm_up(standardise):
         std[5] = 1.0  # a constant feature keeps sigma = 1
     else:  # one sigma: E||x_n||^2 = d after centring
         std = var.mean().sqrt().expand(6)
-    torch.testing.assert_close(sae.buffers["input_mean"], warm.mean(0).float())
-    torch.testing.assert_close(sae.buffers["input_std"], std.float())
+    torch.testing.assert_close(sae.buffer_dict["input_mean"], warm.mean(0).float())
+    torch.testing.assert_close(sae.buffer_dict["input_std"], std.float())
     raw = sae.concept_set().encoder
     torch.testing.assert_close(raw["input_std"], std.float())
     torch.testing.assert_close(raw["prototypes"], sae.params["prototypes"].detach() * std.float() + warm.mean(0).float())
@@ -227,7 +227,7 @@ def test_spade_replicas_warming_up_pool_their_feature_sums():
     b.update(x[60:100])
     a.merge(b.state_dict())
     for key in ("input_mean", "input_std"):
-        torch.testing.assert_close(a.buffers[key], one.buffers[key])
+        torch.testing.assert_close(a.buffer_dict[key], one.buffer_dict[key])
 
 
 def test_geometric_median_minimises_summed_distances():

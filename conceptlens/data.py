@@ -26,7 +26,7 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal
+from typing import Any, Callable, Iterable, Iterator, Literal
 
 from conceptlens._cache import cache_dir
 
@@ -63,7 +63,7 @@ def load(name: str, split: str = "train") -> TextSet:
     `split` is one of SPLITS (checked here: it often comes from a user)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
-    readers = {"bbc-news": _read_bbc, "movie-polarity": _read_polarity, "wsj-pos": _read_wsj,
+    readers: dict[str, Callable[[], tuple[list[str], list[Any], list[str]]]] = {"bbc-news": _read_bbc, "movie-polarity": _read_polarity, "wsj-pos": _read_wsj,
                "conll2010-uncertainty": _read_uncertainty}
     if name not in readers:
         raise KeyError(f"no text set {name!r}; available: {', '.join(SET_NAMES)}")

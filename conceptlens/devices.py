@@ -27,7 +27,8 @@ def input_device(model: nn.Module) -> torch.device:
     """The device a model's `input_ids` should be on before its forward."""
     device_map = getattr(model, "hf_device_map", None)
     if device_map:
-        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        get_embeddings = getattr(model, "get_input_embeddings", None)  # a transformers model's
+        embed = get_embeddings() if callable(get_embeddings) else None
         names = {module: name for name, module in model.named_modules()}
         name = names.get(embed, "")
         # the longest device-map entry that contains the embedding (or "" for the whole model)

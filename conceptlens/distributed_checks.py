@@ -34,7 +34,8 @@ def fingerprint(model_digest: str, first_docs: list[str], extractors: dict[str, 
                            "extractors": sorted(extractors)}
     for name, extractor in extractors.items():
         config = getattr(extractor, "config", None)
-        options_of = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else {}
+        options_of = dataclasses.asdict(config) if dataclasses.is_dataclass(config) and not isinstance(config, type) \
+            else {}
         out[f"extractor {name!r}"] = {"type": type(extractor).__qualname__, **options_of,
                                       "state": _state(extractor)}
     out["data (the first global batch)"] = f"{len(first_docs)} documents, sha256 {docs.hexdigest()[:16]}"

@@ -145,8 +145,8 @@ def fit(lens: AttachedModel, extractors: Mapping[Any, Any], data: Any, *, tokeni
     The checkpoint_dir is locked while the fit writes it (`conceptlens.runlock`; only rank 0
     of a distributed fit writes it)."""
     config = config or FitConfig()
-    writes = config.checkpoint_dir is not None and (not config.distributed or _rank() == 0)
-    with runlock.lock(config.checkpoint_dir, "fit") if writes else nullcontext():
+    writes = config.checkpoint_dir if not config.distributed or _rank() == 0 else None  # the folder this rank writes
+    with runlock.lock(writes, "fit") if writes is not None else nullcontext():
         return _fit(lens, extractors, data, tokenizer=tokenizer, config=config)
 
 
@@ -196,7 +196,7 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
             n_tokens = _step(cap, tokenizer, docs, config.max_length, plan, state, lens.model)
             state.advance(docs, n_tokens)  # (distributed: the global step's tokens)
             bar.update(n_tokens)
-            if next_checkpoint is not None and state.tokens >= next_checkpoint:
+            if checkpoint is not None and next_checkpoint is not None and state.tokens >= next_checkpoint:
                 state.save(checkpoint)
                 next_checkpoint = _next_mark(state.tokens, config.checkpoint_every)
             if ctrl_c is not None and ctrl_c.pressed:

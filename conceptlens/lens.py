@@ -16,7 +16,7 @@ is still attached.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +34,9 @@ from conceptlens.sites.site import Site
 from conceptlens.steering.edits import Edit, ProjectOut
 from conceptlens.steering.scope import Positions, Steer
 from conceptlens.wrappers import unwrap
+
+if TYPE_CHECKING:
+    from conceptlens.steering.ablate import Mode
 
 
 class Lens:
@@ -148,7 +151,7 @@ class Lens:
 
     @known_kwargs
     def ablate(self, concepts: ConceptSet | Tensor, *, site: str | None = None,
-               positions: Positions = "all", mode: str = "projection") -> Steer:
+               positions: Positions = "all", mode: Mode = "projection") -> Steer:
         """Ablate the concept directions at their site: `mode` "projection" (ProjectOut, the
         default), "mean" (component replaced by the set's mean) or "zero" (see `steering.ablate`)."""
         if mode == "projection":

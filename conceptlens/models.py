@@ -77,7 +77,7 @@ def _cache_fp32(gguf: Path, target: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
                                                  **NO_REMOTE_CODE)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, **NO_REMOTE_CODE)
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # set per instance by transformers, undeclared on the class
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)

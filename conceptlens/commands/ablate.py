@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Literal
 
 from conceptlens.commands._args import concept_dir, data_source, positive_int, seed
 from conceptlens.metrics.faithfulness_result import CONTROLS
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     pool = test.texts if test is not None else list(data.iter_texts(args.data))
     picked = torch.randperm(len(pool), generator=torch.Generator().manual_seed(args.seed))[:args.max_docs].tolist()
     texts = [pool[i] for i in picked]
-    task = "next_token"
+    task: Literal["next_token"] | ProbeTask = "next_token"
     if args.task == "probe":
         if test is None or not test.label_names or isinstance(test.labels[0], list):
             raise ValueError(f"--task probe needs a bundled set with one label per document "

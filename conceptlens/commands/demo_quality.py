@@ -30,7 +30,7 @@ def best_per_class(description: Any, n: int | None = None) -> dict[str, tuple[fl
     loss = description.stats.get("probe_loss")
     loss = None if loss is None else loss[:n]
     labels = description.info.get("labels") or []
-    out = {}
+    out: dict[str, tuple[float, int]] = {}
     if loss is None:
         return out
     for c, label in enumerate(labels):

@@ -78,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"score: {result.label} (mean +- std over prompts); perplexity: median over prompts, under the "
           f"unsteered model (* within {args.budget:g}x the unsteered continuations')\n")
     print(result.table())
+    if result.reference is None:  # sweep measures fluency unless told not to
+        raise RuntimeError("the sweep measured no fluency, so there is no unsteered perplexity to report")
     reference = float(result.reference.nanquantile(0.5))
     if result.best_alpha is None:
         print(f"\nno alpha keeps the median perplexity within {args.budget:g}x the unsteered {reference:.2f}")

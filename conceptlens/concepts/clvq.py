@@ -206,7 +206,7 @@ class CLVQTranscoder(ExtractorBase):
         self.vq.flush()     # initialises on fewer than init_size rows when called by flush()
         # The paper's EMA codebook starts every count at 1 (sums = codes), so the first batches
         # move the codes at once; the codebook's own init weighs the init_size rows as one step.
-        fit = self.vq.fitted
+        fit = self.vq._fitted()
         fit.counts = torch.ones_like(fit.counts)
         fit.sums = fit.codes * laplace_smooth(fit.counts, self.vq.config.eps)[:, None]
 

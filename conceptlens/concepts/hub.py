@@ -48,7 +48,8 @@ def _download(repo_id: str, subfolder: str | None, revision: str | None, local_f
 
     patterns = [f"{subfolder.strip('/')}/*"] if subfolder else None
     try:
-        root = snapshot_download(repo_id, revision=revision, allow_patterns=patterns, cache_dir=cache_dir,
+        root = snapshot_download(repo_id, revision=revision, allow_patterns=patterns,
+                                 cache_dir=None if cache_dir is None else Path(cache_dir),
                                  local_files_only=local_files_only, token=token)
     except HFValidationError:
         raise FileNotFoundError(f"{repo_id!r} is neither a local folder nor a Hub repo id ('user/name')") from None

@@ -275,8 +275,9 @@ class StreamingKMeans(ExtractorBase):
         state = self._placed(state)
         self.d, self.n_seen, self.n_reseeded = state["d"], state["n_seen"], state["n_reseeded"]
         self.n_steps = state.get("steps", 0)
-        clone = (lambda t: None if t is None else t.clone())
-        self._centres, self._mass, self._idle = clone(state["centres"]), clone(state["mass"]), clone(state["idle"])
+        centres = state["centres"]  # None before the first batch
+        self._centres = None if centres is None else centres.clone()
+        self._mass, self._idle = state["mass"].clone(), state["idle"].clone()
         has_pending = state["pending_x"] is not None
         self._pending = (state["pending_x"].clone(), state["pending_w"].clone()) if has_pending else None
         self._gen.set_state(state["generator"])

@@ -192,6 +192,8 @@ def weighted_lloyd(points: Tensor, weight: Tensor, k: int, generator: torch.Gene
         mass = torch.zeros(k, dtype=torch.float64, device=points.device).index_add_(0, labels, weight.double())
         sums = torch.zeros_like(centres).index_add_(0, labels, points * weight[:, None].to(points.dtype))
         centres = torch.where(mass[:, None] > 0, sums / mass.clamp_min(1e-300)[:, None].to(points.dtype), centres)
+    if labels is None:  # max_iter=0: the seeds as they are, with the mass they are nearest to
+        labels = squared_distances(view, _unit(centres) if spherical else centres).argmin(1)
     mass = torch.zeros(k, dtype=torch.float64, device=points.device).index_add_(0, labels, weight.double())
     return centres, mass
 

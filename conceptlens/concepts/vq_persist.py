@@ -55,10 +55,11 @@ def merge_codebooks(vq: VQCodebook, other: VQCodebook) -> None:
         _join_buffer(vq, other)
         return
     mine, theirs, decay = vq.fitted, other.fitted, vq.config.decay
-    origin = other._origin
-    shared = origin is not None and vq._origin is not None and all(
-        torch.equal(origin[k], vq._origin[k]) for k in ("counts", "sums", "hits"))
-    if shared:  # subtract the other's decayed copy of the start both share
+    origin, own_origin = other._origin, vq._origin
+    if origin is None or own_origin is None or not all(
+            torch.equal(origin[k], own_origin[k]) for k in ("counts", "sums", "hits")):
+        origin = None  # no start both share
+    if origin is not None:  # subtract the other's decayed copy of the start both share
         w = decay ** (other.steps - origin["steps"])
         dev = mine.counts.device
         mine.counts = mine.counts + theirs.counts.to(dev) - w * origin["counts"].to(dev)

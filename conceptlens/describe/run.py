@@ -57,16 +57,18 @@ def describe(lens: AttachedModel, concept_sets: Mapping[str, ConceptSet], data: 
             not isinstance(data.labels[0], list):
         labels, label_names = data.labels, data.label_names
     classes = _class_ids(labels, label_names)
-    n_docs = None if classes is None else len(classes[0]) - skip_documents
-    if n_docs is not None and n_docs < 1:
-        raise ValueError(f"skip_documents={skip_documents} leaves no labelled document of {len(classes[0])}")
+    n_docs = None
+    if classes is not None:
+        n_docs = len(classes[0]) - skip_documents
+        if n_docs < 1:
+            raise ValueError(f"skip_documents={skip_documents} leaves no labelled document of {len(classes[0])}")
     config = DescribeConfig(top_n=top_n, window=window, coact_rows=coact_rows, n_documents=n_docs)
     describers: dict[str, ConceptDescriber] = {}
     plan: dict[str, dict[str, ConceptDescriber]] = {}
     for name, cs in _checked(lens, concept_sets).items():  # the first describer of each site watches its norms
         describers[name] = d = ConceptDescriber(cs, config, first_document=skip_documents,
-                                                watch_norms=cs.site not in plan)
-        plan.setdefault(cs.site, {})[name] = d
+                                                watch_norms=_site(cs) not in plan)
+        plan.setdefault(_site(cs), {})[name] = d
     steered = steering.chosen({name: d.n for name, d in describers.items()}) if steering is not None else {}
     texts = islice(datasets.iter_texts(data), skip_documents, None)
     if out is not None:
@@ -81,7 +83,7 @@ def describe(lens: AttachedModel, concept_sets: Mapping[str, ConceptSet], data: 
         results[name] = finish(d, name=name, lens=lens, tokenizer=tokenizer,
                                classes=None if classes is None else (classes[0][skip_documents:], classes[1]),
                                options=options)
-        site = d.concepts.site
+        site = _site(d.concepts)
         watch = next(w.norms for w in plan[site].values() if w.norms is not None)
         results[name].info["norms"] = {**watch.summary(lambda ids: fin.whole(tokenizer, ids)),
                                        "filtered": report.rows.get(site, {}), "filter_ratio": filters.max_norm_ratio}
@@ -107,6 +109,13 @@ def _forget_other_pass(out: Path, source: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     text = json.dumps(source)
     atomic_write(marker, lambda p: Path(p).write_text(text))
+
+
+def _site(cs: ConceptSet) -> str:
+    """The site of a checked set (`_checked` refuses sets without one)."""
+    if cs.site is None:
+        raise ValueError(f"{cs!r} names no site; set cs.site")
+    return cs.site
 
 
 def _checked(lens: AttachedModel, concept_sets: Mapping[str, ConceptSet]) -> dict[str, ConceptSet]:
@@ -152,7 +161,8 @@ def _class_ids(labels: Sequence[Any] | None, names: Sequence[str] | None) -> tup
 def unembedding(lens: AttachedModel, site: str, width: int) -> torch.Tensor | None:
     """The decoder's output embedding `(V, d)` when the site lives in its residual width, else None."""
     model = lens.model
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)  # a transformers model's
+    head = get_head() if callable(get_head) else None
     can_generate = getattr(model, "can_generate", lambda: False)()
     if head is None or not can_generate or site.startswith("encoder.") or head.weight.shape[1] != width:
         return None
@@ -179,7 +189,7 @@ def finish(d: ConceptDescriber, *, name: str, lens: AttachedModel, tokenizer: An
     stats["nearest_direction"], stats["nearest_direction_cos"] = fin.nearest(unit @ unit.T, o.n_nearest)
     stats["nearest_coact"], stats["nearest_coact_score"] = fin.nearest(
         fin.coactivation(s, d.activations.sparse), o.n_nearest)
-    w_u = unembedding(lens, cs.site, cs.hidden_size)
+    w_u = unembedding(lens, _site(cs), cs.hidden_size)
     tokens = None
     if w_u is not None:
         stats |= fin.logit_tokens(unit, w_u, min(o.n_tokens, w_u.shape[0]))

@@ -20,6 +20,8 @@ from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.interface import AttachedModel
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from conceptlens.steering.sweep import SweepResult
 
 
@@ -73,15 +75,18 @@ def steering_samples(lens: AttachedModel, tokenizer: Any, concepts: ConceptSet, 
 
     if not indices or not getattr(lens.model, "can_generate", lambda: False)():
         return []
+    site = concepts.site
+    if site is None:
+        raise ValueError(f"steering samples of {name!r} need the site its concepts live at; the set names none")
     directions = (concepts.centred() if concepts.mean is not None else concepts).directions
-    norm = robust_norm(lens, concepts.site)
+    norm = robust_norm(lens, site)
     prompts = list(request.prompts)
     groups = [prompts] if getattr(tokenizer, "pad_token_id", None) is not None else [[p] for p in prompts]
     samples = []
     for index in indices:
         direction = directions[int(index)]
-        score = ConceptExpression(lens, direction, concepts.site, mean=concepts.mean)
-        edit = Add(direction, 1.0, scale="robust_norm", norm=norm, site=concepts.site)
+        score = ConceptExpression(lens, direction, site, mean=concepts.mean)
+        edit = Add(direction, 1.0, scale="robust_norm", norm=norm, site=site)
         result = _joined([sweep(lens, edit, request.alphas, group, score, positions="all",
                                 max_new_tokens=request.max_new_tokens, tokenizer=tokenizer,
                                 budget=request.budget) for group in groups])
@@ -99,18 +104,28 @@ def _joined(results: list[SweepResult]) -> SweepResult:
     first = results[0]
     return first._replace(scores=torch.cat([r.scores for r in results], 1),
                           texts=[sum((r.texts[a] for r in results), []) for a in range(len(first.alphas))],
-                          perplexity=torch.cat([r.perplexity for r in results], 1),
-                          reference=torch.cat([r.reference for r in results]))
+                          perplexity=_cat([r.perplexity for r in results], 1),
+                          reference=_cat([r.reference for r in results], 0))
+
+
+def _cat(parts: list[Tensor | None], dim: int) -> Tensor | None:
+    """The parts side by side; None where a sweep measured no fluency."""
+    import torch
+
+    tensors = [p for p in parts if p is not None]
+    return torch.cat(tensors, dim) if len(tensors) == len(parts) else None
 
 
 def _record(result: SweepResult, label: str, index: int, prompts: list[str], norm: float) -> dict[str, Any]:
-    ppl, fluent = result.median_perplexity, result.fluent
+    ppl, fluent, reference = result.median_perplexity, result.fluent, result.reference
+    if ppl is None or fluent is None or reference is None:
+        raise ValueError("steering samples need sweeps that measure fluency (fluency=True)")
     runs = [{"alpha": alpha, "scale": "robust_norm", "text": texts[0], "texts": texts, "score": _finite(mean),
              "perplexity": _finite(ppl[a]), "fluent": fluent[a]}
             for a, (alpha, texts, mean) in enumerate(zip(result.alphas, result.texts, result.mean.tolist()))]
     return {"concept": index, "name": label, "prompt": prompts[0], "prompts": prompts, "scale": "robust_norm",
             "norm": norm, "score": result.label, "budget": result.budget,
-            "reference_perplexity": _finite(result.reference.nanquantile(0.5)),
+            "reference_perplexity": _finite(reference.nanquantile(0.5)),
             "chosen_alpha": result.best_alpha, "samples": runs}
 
 

@@ -45,7 +45,14 @@ class TopN:
         if k < 1 or n_concepts < 1 or min(window) < 0:
             raise ValueError(f"need n_concepts >= 1, k >= 1 and window sizes >= 0; got {n_concepts}, {k}, {window}")
         self.n, self.k, self.window = n_concepts, k, (int(window[0]), int(window[1]))
-        self.values: Tensor | None = None
+        self._values: Tensor | None = None  # None until the first batch sets every table up
+
+    @property
+    def values(self) -> Tensor:
+        """`(n, k)` the largest activations of each concept, -inf in unused slots."""
+        if self._values is None:
+            raise RuntimeError("the top-N has seen no batch yet: it holds no values")
+        return self._values
 
     @property
     def width(self) -> int:
@@ -53,7 +60,7 @@ class TopN:
 
     def _init(self, device: torch.device) -> None:
         n, k, w = self.n, self.k, self.width
-        self.values = torch.full((n, k), -torch.inf, device=device)
+        self._values = torch.full((n, k), -torch.inf, device=device)
         self.doc = torch.full((n, k), -1, dtype=torch.long, device=device)
         self.pos = torch.full((n, k), -1, dtype=torch.long, device=device)
         self.window_ids = torch.full((n, k, w), -1, dtype=torch.long, device=device)
@@ -63,7 +70,7 @@ class TopN:
                key32: Tensor | None = None) -> None:
         """z `(N, n)` rows in stream order with their doc/pos `(N,)` (doc counted in the source);
         ids `(B, T)` token ids of the batch (-1 = padding; batch row b is document first_doc + b)."""
-        if self.values is None:
+        if self._values is None:
             self._init(z.device)
         if z.shape[0] == 0:
             return
@@ -89,7 +96,7 @@ class TopN:
             first = torch.argsort(cat[1] * (1 << 32) + cat[2].clamp(min=0), dim=1, stable=True)
             cat = [c.gather(1, first if c.ndim == 2 else first[..., None].expand_as(c)) for c in cat]
         order = torch.sort(cat[0], dim=1, descending=True, stable=True).indices[:, :self.k]
-        self.values, self.doc, self.pos = (c.gather(1, order) for c in cat[:3])
+        self._values, self.doc, self.pos = (c.gather(1, order) for c in cat[:3])
         wide = order[..., None].expand(-1, -1, self.width)
         self.window_ids, self.window_acts = cat[3].gather(1, wide), cat[4].gather(1, wide)
 
@@ -98,9 +105,9 @@ class TopN:
         if (other.n, other.k, other.window) != (self.n, self.k, self.window):
             raise ValueError(f"cannot merge top-N of n={other.n}, k={other.k}, window={other.window} into "
                              f"n={self.n}, k={self.k}, window={self.window}")
-        if other.values is None:
+        if other._values is None:
             return
-        if self.values is None:
+        if self._values is None:
             self._init(other.values.device)
         unused = other.doc < 0  # -inf slots sort last either way; keep them last after the (doc, pos) sort
         doc = other.doc.masked_fill(unused, 1 << 30)
@@ -109,7 +116,7 @@ class TopN:
         self.doc = self.doc.masked_fill(self.doc == 1 << 30, -1)
 
     def state_dict(self) -> dict[str, Any]:
-        tensors = {} if self.values is None else {
+        tensors = {} if self._values is None else {
             "values": self.values, "doc": self.doc, "pos": self.pos,
             "window_ids": self.window_ids, "window_acts": self.window_acts}
         return {"n": self.n, "k": self.k, "window": list(self.window), **tensors}
@@ -120,4 +127,4 @@ class TopN:
                              f"fit n={self.n}, k={self.k}, window={self.window}")
         if "values" in state:
             for name in ("values", "doc", "pos", "window_ids", "window_acts"):
-                setattr(self, name, state[name].clone())
+                setattr(self, "_values" if name == "values" else name, state[name].clone())

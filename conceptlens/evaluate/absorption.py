@@ -36,6 +36,7 @@ from torch import Tensor
 from conceptlens.evaluate.activations import ConceptEncoder
 from conceptlens.evaluate.bootstrap import bootstrap
 from conceptlens.evaluate.lines import Line
+from conceptlens.interface import AttachedModel
 
 PROMPT = "tree has the first letter: T\nmoon has the first letter: M\n"
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -89,7 +90,7 @@ def alpha_tokens(tok: Any, limit: int, seed: int = 0) -> list[tuple[int, str]]:
 
 
 @torch.no_grad()
-def word_activations(lens: Any, site: str, tok: Any, ids: list[int], batch_size: int = 64) -> Tensor:
+def word_activations(lens: AttachedModel, site: str, tok: Any, ids: list[int], batch_size: int = 64) -> Tensor:
     """`(N, d)` activations at `site` of each token id placed after `PROMPT`."""
     prefix = tok(PROMPT, add_special_tokens=True)["input_ids"]
     device = next(lens.model.parameters()).device
@@ -186,7 +187,7 @@ def _letter_mean(column: int) -> Any:
     return stat
 
 
-def absorption_lines(lens: Any, site: str, encoders: Mapping[str, ConceptEncoder], tok: Any,
+def absorption_lines(lens: AttachedModel, site: str, encoders: Mapping[str, ConceptEncoder], tok: Any,
                      words: list[tuple[int, str]], *, max_k: int = 10, seed: int = 0) -> list[Line]:
     """Mean absorption fraction and full-absorption rate of every set that reconstructs."""
     x = word_activations(lens, site, tok, [i for i, _ in words])
@@ -196,6 +197,8 @@ def absorption_lines(lens: Any, site: str, encoders: Mapping[str, ConceptEncoder
     probes = {c: letter_probe(x[~test], (letter[~test] == c).long()) for c in letter[~test].unique().tolist()}
     lines = []
     for name, enc in encoders.items():
+        if enc.decode is None:
+            raise ValueError(f"absorption needs a set that decodes; {name!r} does not ({enc.kind})")
         z = enc.encode(x)
         n = z.shape[1]
         decoder = enc.decode(torch.eye(n)) - enc.decode(torch.zeros(1, n))

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from conceptlens.batching import encode_batch
 from conceptlens.concepts.conceptset import CONFIG_FILE, ConceptSet
+from conceptlens.interface import AttachedModel
 
 TOKEN_TASKS = ("wsj-pos",)
 """Labelled sets probed per token; the others are probed per document."""
@@ -164,7 +165,7 @@ class Probed(NamedTuple):
 
 
 @torch.no_grad()
-def collect(lens: Any, site: str, encoders: dict[str, ConceptEncoder],
+def collect(lens: AttachedModel, site: str, encoders: dict[str, ConceptEncoder],
             batches: Iterable[tuple[dict[str, Tensor], Tensor]],
             on_tokens: Callable[[Tensor, Tensor], None] | None = None) -> Probed:
     """Activations at `site` of every batch -> probe rows for every set in `encoders`;

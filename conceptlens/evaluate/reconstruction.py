@@ -13,7 +13,7 @@ row sum and how often each latent fired. Intervals: bootstrap over the documents
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,7 @@ from torch import Tensor
 from conceptlens.evaluate.activations import ConceptEncoder
 from conceptlens.evaluate.bootstrap import Estimate, bootstrap
 from conceptlens.evaluate.lines import Line
+from conceptlens.interface import AttachedModel
 from conceptlens.metrics.splice import _check_model, _replacer, splice_mask
 
 DENSE = 0.1
@@ -46,7 +47,7 @@ def next_token_terms(logits: Tensor, clean: Tensor, ids: Tensor, mask: Tensor) -
 
 
 @torch.no_grad()
-def splice_terms(lens: Any, site: str, edits: Mapping[str, Callable[[Tensor], Tensor]],
+def splice_terms(lens: AttachedModel, site: str, edits: Mapping[str, Callable[[Tensor], Tensor]],
                  batches: Iterable[Mapping[str, Tensor]], on_rows: Callable[[Tensor, Tensor], None] | None = None
                  ) -> dict[str, Tensor]:
     """Per document: `"clean"` `(D, 2)` (CE sum, predicted tokens) and, per edit, `(D, 2)` (CE sum,
@@ -119,8 +120,8 @@ def _recovered(t: Tensor) -> Tensor:  # columns: clean CE, zero CE, edited CE
     return (t[..., 1] - t[..., 2]) / (t[..., 1] - t[..., 0])
 
 
-def reconstruction_lines(lens: Any, site: str, encoders: Mapping[str, ConceptEncoder],
-                         batches: list[Mapping[str, Tensor]], site_mean: Tensor, seed: int = 0) -> list[Line]:
+def reconstruction_lines(lens: AttachedModel, site: str, encoders: Mapping[str, ConceptEncoder],
+                         batches: Sequence[Mapping[str, Tensor]], site_mean: Tensor, seed: int = 0) -> list[Line]:
     """FVU, CE-loss recovered, KL, L0, dead and dense fractions of every set in `encoders` (all must decode)."""
     n_docs = sum(len(b["input_ids"]) for b in batches)
     stats = {name: RowStats(enc, n_docs) for name, enc in encoders.items()}

@@ -33,6 +33,7 @@ import torch
 from conceptlens.evaluate import activations as act
 from conceptlens.evaluate.bootstrap import Estimate, bootstrap
 from conceptlens.evaluate.lines import Line
+from conceptlens.interface import AttachedModel
 
 TASKS = {"bbc-news": "Write about {}. ", "movie-polarity": "Write something {}. "}
 """Labelled sets whose labels are steered toward, and the prompting baseline's prefix."""
@@ -101,7 +102,7 @@ def _judge(task: str, encoder: Any, encoder_tok: Any, config: SteeringConfig) ->
     return judge, Line("judge", f"{task} judge held-out accuracy", accuracy, [], note)
 
 
-def steering_lines(lens: Any, tok: Any, site: str, sets: Mapping[str, Any], config: SteeringConfig,
+def steering_lines(lens: AttachedModel, tok: Any, site: str, sets: Mapping[str, Any], config: SteeringConfig,
                    record: list | None = None) -> list[Line]:
     """Per label of `TASKS`, one line per set: its best concept's judged score within the fluency
     budget next to random, diff-of-means and prompt-prefix rows; and each judge's own accuracy.

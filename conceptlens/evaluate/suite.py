@@ -26,6 +26,7 @@ from conceptlens.evaluate import activations as act
 from conceptlens.evaluate.bootstrap import Estimate
 from conceptlens.evaluate.lines import Line
 from conceptlens.evaluate.probing import CONCEPT_TOP, KS, RANDOM_DRAWS
+from conceptlens.interface import AttachedModel
 
 SUITES = ("reconstruction", "probing", "absorption", "quality", "steering", "synthetic")
 DEFAULT_SUITES = ("reconstruction", "probing", "absorption")
@@ -78,17 +79,18 @@ class SuiteConfig:
             raise ValueError(f"ks must be positive integers; got {list(self.ks)}")
 
 
-def run_suite(lens: Any, tok: Any, sets: Mapping[str, ConceptSet], config: SuiteConfig) -> list[Line]:
+def run_suite(lens: AttachedModel, tok: Any, sets: Mapping[str, ConceptSet], config: SuiteConfig) -> list[Line]:
     """Every part of `config.suites` on `sets` (all at one site), in order."""
     return [line for _, lines in run_parts(lens, tok, sets, config) for line in lines]
 
 
-def run_parts(lens: Any, tok: Any, sets: Mapping[str, ConceptSet], config: SuiteConfig) -> Iterator[tuple[str, list[Line]]]:
+def run_parts(lens: AttachedModel, tok: Any, sets: Mapping[str, ConceptSet], config: SuiteConfig) -> Iterator[tuple[str, list[Line]]]:
     """(part, lines) as each part of `config.suites` finishes: `run_suite` one part at a time."""
     sites = {cs.site for cs in sets.values()}
-    if len(sites) != 1 or None in sites:
+    only = next(iter(sites)) if len(sites) == 1 else None
+    if only is None:
         raise ValueError(f"run_suite takes sets of one site; got sites {sorted(map(str, sites))}")
-    site = lens.site(sites.pop()).name
+    site = lens.site(only).name
     encoders = {name: act.concept_encoder(cs) for name, cs in sets.items()}
     decoders = {name: enc for name, enc in encoders.items() if enc.decode is not None}
     for part in config.suites:
@@ -117,7 +119,7 @@ def _docs(task: str, split: str, n: int, seed: int) -> Any:
     return full, act.pick(len(full), n, seed)
 
 
-def _reconstruction(lens: Any, tok: Any, site: str, decoders: Mapping[str, act.ConceptEncoder],
+def _reconstruction(lens: AttachedModel, tok: Any, site: str, decoders: Mapping[str, act.ConceptEncoder],
                     config: SuiteConfig) -> list[Line]:
     from conceptlens.evaluate.reconstruction import reconstruction_lines
 
@@ -127,17 +129,19 @@ def _reconstruction(lens: Any, tok: Any, site: str, decoders: Mapping[str, act.C
         return [encode_batch(tok, texts[i:i + config.batch_size], config.max_length)
                 for i in range(0, len(texts), config.batch_size)]
 
-    total, count = 0.0, 0
+    total, count = torch.zeros((), dtype=torch.float64), 0
 
     def add(x: torch.Tensor, _: torch.Tensor) -> None:
         nonlocal total, count
         total, count = total + x.double().sum(0), count + len(x)
 
     act.collect(lens, site, {}, ((b, torch.zeros(len(b["input_ids"]))) for b in batches("train")), add)
+    if count == 0:
+        raise ValueError(f"the {config.recon_data} training documents left no token at {site} to take its mean from")
     return reconstruction_lines(lens, site, decoders, batches("test"), (total / count).float(), config.seed)
 
 
-def _probing(lens: Any, tok: Any, site: str, encoders: Mapping[str, act.ConceptEncoder], sets: Mapping[str, ConceptSet],
+def _probing(lens: AttachedModel, tok: Any, site: str, encoders: Mapping[str, act.ConceptEncoder], sets: Mapping[str, ConceptSet],
              task: str, part: str, config: SuiteConfig) -> list[Line]:
     token_level = task in act.TOKEN_TASKS
     splits = {s: _docs(task, s, config.max_docs, config.seed) for s in ("train", "test")}

@@ -56,7 +56,6 @@ def _wrap(manager: HookManager, name: str, previous: Callable[[], Callable | Non
         original = previous() or _global_entry(name) or _eager_of(module)
         return original(module, query, key, value, *args, **kwargs)
 
-    attention.__conceptlens_wrapper__ = True
     return attention
 
 
@@ -99,7 +98,7 @@ def _kv_at_update(manager: HookManager, module: nn.Module) -> Callable:
     module that attends to two stacks' keys, the hooks of the part that cache holds)."""
     def run(key: Tensor, value: Tensor, cache_class: str, part: str = "") -> tuple[Tensor, Tensor]:
         both = manager.key_layouts.get(module, "") != "stack"
-        kv = [None, key, value]
+        kv = {1: key, 2: value}  # indexed as the q/k/v hooks' index
         for index in (1, 2):
             shape = manager.kv_shapes.get(module, {}).get(index)
             if shape is not None and kv[index].ndim == 4 and (kv[index].shape[1], kv[index].shape[3]) != shape:

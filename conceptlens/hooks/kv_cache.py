@@ -54,7 +54,7 @@ def changed(module: nn.Module, cache_class: str, which: str) -> ValueError:
 def _caches(args: tuple, kwargs: dict) -> list:
     from transformers.cache_utils import Cache, EncoderDecoderCache
 
-    found = []
+    found: list[tuple[Cache, str]] = []
     for value in (*args, *kwargs.values()):
         if isinstance(value, EncoderDecoderCache):  # the module updates one of its two caches (or both)
             found += [(value.self_attention_cache, "self"), (value.cross_attention_cache, "cross")]

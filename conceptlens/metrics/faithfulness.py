@@ -104,7 +104,7 @@ def faithfulness(lens: AttachedModel, concepts: ConceptSet | Tensor, texts: Text
         metric = task.metric
     else:
         raise ValueError(f"task must be 'next_token' or a ProbeTask; got {task!r}")
-    mean = concepts.mean if hasattr(concepts, "directions") else None  # a ConceptSet's fit mean, if any
+    mean = None if isinstance(concepts, Tensor) else concepts.mean  # a ConceptSet's fit mean, if any
     moments = _site_moments(lens, batches, site) if controls == "covariance" or (mode == "mean" and mean is None) \
         else None
     mean = mean if mean is not None else (moments.mean if moments is not None else None)

@@ -81,15 +81,16 @@ class _FusedConv1DQK(_QKProjection):
     """GPT-2's `c_attn`: a Conv1D with weight `(d, 3d)` (x @ W), columns q | k | v."""
 
     def __init__(self, name: str, c_attn: nn.Module, d_head: int) -> None:
-        self.name, self.c_attn, self.d_head = name, c_attn, d_head
-        self.width = c_attn.weight.shape[1] // 3
+        self.name, self.d_head = name, d_head
+        self.weight, self.bias = c_attn.get_parameter("weight"), c_attn.get_parameter("bias")
+        self.width = self.weight.shape[1] // 3
         self.n_heads = self.n_kv_heads = self.width // d_head
 
     def params(self) -> list[Tensor]:
-        return [self.c_attn.weight, self.c_attn.bias]
+        return [self.weight, self.bias]
 
     def read(self) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
-        w, b, d = self.c_attn.weight.double(), self.c_attn.bias.double(), self.width
+        w, b, d = self.weight.double(), self.bias.double(), self.width
         def heads(cols: slice) -> tuple[Tensor, Tensor]:
             return w[:, cols].T.reshape(-1, self.d_head, w.shape[0]), b[cols].view(-1, self.d_head)
 
@@ -98,8 +99,10 @@ class _FusedConv1DQK(_QKProjection):
     def write(self, wq: Tensor, bq: Tensor | None, wk: Tensor, bk: Tensor | None) -> None:
         d = self.width
         for cols, w_new, b_new in ((slice(0, d), wq, bq), (slice(d, 2 * d), wk, bk)):
-            self.c_attn.weight[:, cols] = w_new.reshape(d, -1).T
-            self.c_attn.bias[cols] = b_new.reshape(-1)
+            if b_new is None:  # read() gives both biases: a fused c_attn always has one
+                raise ValueError(f"{self.name}: c_attn has a bias; the gauge must give its new value")
+            self.weight[:, cols] = w_new.reshape(d, -1).T
+            self.bias[cols] = b_new.reshape(-1)
 
 
 def _model_type(model: nn.Module) -> str:
@@ -115,15 +118,22 @@ def _projection(name: str, m: nn.Module, model_type: str) -> _QKProjection | Non
                 f"{model_type}: {name} normalises q/k (q_norm/k_norm); a gauge of W_Q/W_K would change "
                 "the normalised vectors, and the smaller group the norm leaves is not implemented"
             )
-        # head_dim is a plain int attribute, which nn.Module's __getattr__ typing (parameters, buffers, children) misses
-        return _QKProjection(name, q_proj, k_proj, int(m.head_dim))  # type: ignore[arg-type]
-    if isinstance(getattr(m, "query", None), nn.Linear) and hasattr(m, "attention_head_size"):
-        return _QKProjection(name, m.query, m.key, int(m.attention_head_size))
-    if type(getattr(m, "c_attn", None)).__name__ == "Conv1D" and hasattr(m, "head_dim"):
+        return _QKProjection(name, q_proj, k_proj, _int_attr(m, "head_dim"))
+    query, key = getattr(m, "query", None), getattr(m, "key", None)
+    if isinstance(query, nn.Linear) and isinstance(key, nn.Linear) and hasattr(m, "attention_head_size"):
+        return _QKProjection(name, query, key, _int_attr(m, "attention_head_size"))
+    c_attn = getattr(m, "c_attn", None)
+    if isinstance(c_attn, nn.Module) and type(c_attn).__name__ == "Conv1D" and hasattr(m, "head_dim"):
         if getattr(m, "is_cross_attention", False):
             raise NotImplementedError(f"{model_type}: cross-attention {name} (split q_attn/c_attn) is not supported")
-        return _FusedConv1DQK(name, m.c_attn, int(m.head_dim))
+        return _FusedConv1DQK(name, c_attn, _int_attr(m, "head_dim"))
     return None
+
+
+def _int_attr(m: nn.Module, name: str) -> int:
+    """A plain int attribute of a module (a head size): nn.Module's attribute typing knows only
+    parameters, buffers and submodules."""
+    return int(getattr(m, name))
 
 
 def _projections(model: nn.Module) -> list[_QKProjection]:

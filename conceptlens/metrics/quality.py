@@ -241,7 +241,7 @@ def lda_directions(x: Tensor, y: Tensor, shrinkage: float = 0.1) -> LDADirection
         groups = [x[y == c], x[y != c]]
         if any(len(g) == 0 for g in groups):
             raise ValueError(f"class {c.item()} needs examples on both sides; labels are {classes.tolist()}")
-        cov = sum(len(g) / len(x) * torch.cov(g.T, correction=0).reshape(d, d) for g in groups)
+        cov = torch.stack([len(g) / len(x) * torch.cov(g.T, correction=0).reshape(d, d) for g in groups]).sum(0)
         cov = (1 - shrinkage) * cov + shrinkage * cov.trace() / d * torch.eye(d, dtype=x.dtype)
         w = torch.linalg.lstsq(cov, groups[0].mean(0) - groups[1].mean(0)).solution
         out.append(w / w.norm())

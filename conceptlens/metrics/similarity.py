@@ -150,18 +150,18 @@ def random_element(group: GroupName, d: int, gen: torch.Generator) -> tuple[Tens
 class GroupAuditReport:
     """Largest relative change of each measure under random elements of each group."""
 
-    change: dict[str, dict[str, float]]
+    change: dict[str, dict[GroupName, float]]
     invariant_to: dict[str, GroupName]
     rtol: float
 
-    def moved(self, measure: str, group: str) -> bool:
+    def moved(self, measure: str, group: GroupName) -> bool:
         return self.change[measure][group] > self.rtol
 
     @property
     def consistent(self) -> bool:
         """No measure moved under a group it declares invariance to."""
         return not any(self.moved(m, g) for m, row in self.change.items() for g in row
-                       if MEASURES[m].invariant_under(g))  # type: ignore[arg-type]
+                       if MEASURES[m].invariant_under(g))
 
     def __str__(self) -> str:
         groups = list(next(iter(self.change.values())))

@@ -77,7 +77,7 @@ def _replacer(fn: Reconstruction, where: Tensor) -> Callable[[Tensor], Tensor]:
 
 def _check_model(lens: AttachedModel) -> None:
     model = lens.model
-    if getattr(model.config, "is_encoder_decoder", False) or not model.can_generate():
+    if getattr(model.config, "is_encoder_decoder", False) or not getattr(model, "can_generate", lambda: False)():
         raise ValueError(f"CE-loss recovered needs a decoder-only language model; {type(model).__name__} "
                          "is not one (use FVU for encoders)")
 

@@ -16,6 +16,7 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the run config is shown only when tomllib exists
     tomllib = None  # type: ignore[assignment]
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -103,7 +104,7 @@ class Atlas:
     """`peers.json`: our SAEs next to SAELens's and sparsify's trainers (`benchmarks/peers.py --json`)"""
 
     @classmethod
-    def load(cls, run: str | Path) -> Atlas:
+    def load(cls, run: str | os.PathLike) -> Atlas:
         run = Path(run)
         if not run.is_dir():
             raise FileNotFoundError(f"no run folder {run}")

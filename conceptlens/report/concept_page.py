@@ -28,11 +28,13 @@ def top_tokens(contexts: Sequence[dict[str, Any]], k: int = 4) -> list[str]:
 
 def first_tokens(contexts_per_concept: Any) -> list[str | None]:
     """Each concept's first top token (the centre of its strongest context), None without contexts."""
-    out = []
+    out: list[str | None] = []
     for contexts in contexts_per_concept:
         c = contexts[0] if contexts else None
-        ok = c is not None and 0 <= c.get("center", -1) < len(c.get("tokens", []))
-        out.append((c["tokens"][c["center"]].strip() or c["tokens"][c["center"]]) if ok else None)
+        if c is not None and 0 <= c.get("center", -1) < len(c.get("tokens", [])):
+            out.append(c["tokens"][c["center"]].strip() or c["tokens"][c["center"]])
+        else:
+            out.append(None)
     return out
 
 

@@ -31,7 +31,8 @@ def _href(name: str, node: object) -> str:
 
 def _svg(dag: nx.DiGraph, name: str, labels: list[str]) -> str:
     layers = [sorted(layer) for layer in nx.topological_generations(dag)]
-    drawn, kept = set(), []
+    drawn: set[int] = set()  # latent indices
+    kept = []
     for layer in layers:
         if len(drawn) + len(layer) > MAX_DRAWN:
             break

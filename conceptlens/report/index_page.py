@@ -56,17 +56,18 @@ def extractor_rows(k: int, ex: ExtractorView, labels: Sequence[str]) -> list[lis
     dups = duplicates(ex)
     rows = []
     for i in range(n):
-        best = [None, None, None, None]
+        best: list[str | float | None] = [None, None, None, None]  # class, probe loss, base rate, gain
         if probe is not None and ex.labels:
             gains = [base.get(c, math.nan) - float(probe[i, j]) for j, c in enumerate(ex.labels)]
             if not all(math.isnan(g) for g in gains):
                 j = int(np.nanargmax(gains))
                 best = [ex.labels[j], probe[i, j], base.get(ex.labels[j]), gains[j]]
+        dup = dups[i]
         rows.append([_clean(v) for v in [
             k, i, *(s[key][i] if key in s else None for key in ("frequency", "mean_activation", "max_activation")),
             labels[i], " ".join(t.strip() or t for t in promoted[i][:5]) if promoted else None, *best,
             *(xy[i] if xy is not None else (None, None)), s["assigned"][i] if "assigned" in s else None,
-            f"#{dups[i][0]} ({dups[i][1]:.4f})" if dups[i] else None]])
+            f"#{dup[0]} ({dup[1]:.4f})" if dup else None]])
     return rows
 
 
@@ -76,11 +77,11 @@ def write_data_js(atlas: Atlas, labels: dict[str, list[str]]) -> tuple[str, list
     classes = sorted({c for ex in atlas.extractors for c in ex.labels or []})
     rows = [r for k, ex in enumerate(atlas.extractors) for r in extractor_rows(k, ex, labels[ex.name])]
     present = {c for c in COLUMNS if any(r[COLUMNS.index(c)] is not None for r in rows)}
-    data = {"columns": COLUMNS, "shown": [[c, kind] for c, kind, _ in SHOWN if c in present],
-            "labels": classes or None, "rows": rows,
+    shown = [[c, kind] for c, kind, _ in SHOWN if c in present]
+    data = {"columns": COLUMNS, "shown": shown, "labels": classes or None, "rows": rows,
             "extractors": [{"name": ex.name, "site": ex.site, "method": ex.method, "n": ex.n} for ex in atlas.extractors]}
     text = "window.ATLAS_DATA = " + esc(data, "js") + ";\n"
-    return text, [c for c, _ in data["shown"]]
+    return text, [c for c, _ in shown]
 
 
 def _run_block(atlas: Atlas) -> str:

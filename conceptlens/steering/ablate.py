@@ -59,6 +59,6 @@ class Ablate(Edit):
         basis = self.basis.to(x.device)
         xf = x.float()  # in bf16 the projection would leave ~1e-2 of the component
         new = xf - (xf @ basis.T) @ basis
-        if self.mode == "mean":
+        if self.mode == "mean" and self.offset is not None:  # mean mode always has one (checked when made)
             new = new + self.offset.to(x.device)
         return self._select(x, new.to(x.dtype), mask)

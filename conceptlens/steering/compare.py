@@ -21,13 +21,14 @@ import torch
 
 from conceptlens.batching import encode_batch
 from conceptlens.steering.edits import Add, add_vector
+from conceptlens.interface import AttachedModel
 
 ALPHAS = (0.0, 0.25, 0.5, 1.0, 2.0)
 PROMPTS = ("My favourite recipe for a quick dinner is", "The weather this morning was",
            "I opened the letter from my bank and")
 
 @torch.no_grad()
-def mean_activation(lens: Any, tokenizer: Any, site: str, texts: Sequence[str], max_length: int = 128,
+def mean_activation(lens: AttachedModel, tokenizer: Any, site: str, texts: Sequence[str], max_length: int = 128,
                     batch_size: int = 16) -> torch.Tensor:
     """(d,) mean activation at `site` over every (non-padding) token of `texts`."""
     device = next(lens.model.parameters()).device
@@ -43,7 +44,7 @@ def mean_activation(lens: Any, tokenizer: Any, site: str, texts: Sequence[str], 
         raise ValueError(f"mean_activation: no tokens in the {len(texts)} texts")
     return (total / count).float()
 
-def diff_of_means(lens: Any, tokenizer: Any, site: str, texts: Sequence[str], labels: Sequence[Any], topic: Any,
+def diff_of_means(lens: AttachedModel, tokenizer: Any, site: str, texts: Sequence[str], labels: Sequence[Any], topic: Any,
                   n: int = 48, seed: int = 0) -> torch.Tensor:
     """Mean activation over `n` `topic` texts minus that over `n` texts of the other topics (seeded draw)."""
     g = torch.Generator().manual_seed(seed)
@@ -72,7 +73,7 @@ class RowsAdd(Add):
         return add_vector(x, (self.alpha * self.norm * self.rows)[:, None, :], mask)
 
 
-def compare(lens: Any, tokenizer: Any, site: str, norm: float, directions: dict[str, torch.Tensor], judge: Any,
+def compare(lens: AttachedModel, tokenizer: Any, site: str, norm: float, directions: dict[str, torch.Tensor], judge: Any,
             topic: str, prompts: Sequence[str] = PROMPTS, alphas: Sequence[float] = ALPHAS,
             max_new_tokens: int = 20, prefix: str | None = None) -> list[dict[str, Any]]:
     """One row per direction (swept over `alphas`) plus the prompt-prefix row (unsteered; `prefix`,

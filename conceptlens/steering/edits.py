@@ -142,7 +142,13 @@ class Add(Edit):
     def _scaled(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """alpha * scale * direction, refused when it overflows `dtype` (float32 here; the model's
         dtype when bound): alpha is checked finite where it is used, not in float64."""
-        vector = self.alpha * (self.norm if self.scale in MEASURED else 1.0) * self.direction
+        factor = 1.0
+        if self.scale in MEASURED:
+            if self.norm is None:
+                raise RuntimeError(f"scale={self.scale!r} multiplies the site's measured norm, which this edit has "
+                                   "not got yet: it is measured when a lens steers with the edit")
+            factor = self.norm
+        vector = self.alpha * factor * self.direction
         if not bool(torch.isfinite(vector.to(dtype)).all()):
             unit = f" x {self.scale} {self.norm:.4g}" if self.scale in MEASURED else ""
             raise ValueError(f"alpha={self.alpha:g}{unit} overflows {str(dtype).removeprefix('torch.')}, the dtype "

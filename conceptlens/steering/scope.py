@@ -115,7 +115,7 @@ def _build(site, entries: list[tuple[Steer, Edit]], tracker: TokenTracker):
             x = x.flatten(2)
         meta = tracker.meta(stack, x.shape[0], x.shape[1], x.device) if needs_meta else None
         for scope, item in groups:
-            mask = scope.mask(stack, meta) if needs_meta else None
+            mask = scope.mask(stack, meta) if meta is not None else None  # meta: read when a scope needs it
             if isinstance(item, Tensor):
                 key = (id(item), x.device, x.dtype)
                 if key not in moved:  # one host-to-device copy per scope, not per step

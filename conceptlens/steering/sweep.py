@@ -23,7 +23,7 @@ alpha's generations at once and its numbers are kept in `SweepResult.judged`.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -172,7 +172,8 @@ def sweep(lens: AttachedModel, edits: Edits, alphas: Sequence[float], prompts: S
     batch = _left_padded(tokenizer, list(prompts))
     generate_kwargs = {"do_sample": False, "max_new_tokens": max_new_tokens, **generate_kwargs}
     at = _edits_at(edits)
-    scores, texts, perplexity, judged = [], [], [], {}
+    scores, texts, perplexity = [], [], []
+    judged: dict[str, list[list[float]]] = {}
     for alpha in alphas:
         with lens.steer(*at(float(alpha)), positions=positions):
             generations = _generate(lens.model, tokenizer, batch, list(prompts), generate_kwargs)
@@ -206,11 +207,20 @@ def _edits_at(edits: Edits) -> Callable[[float], list[Edit]]:
     fixed = [edits] if isinstance(edits, Edit) else list(edits)
     if not fixed:
         raise ValueError("no edits to sweep; give an edit, a list of edits or a function alpha -> edits")
+    scalable: list[_Scalable] = []
     for edit in fixed:
-        if not callable(getattr(edit, "at", None)):
+        if not isinstance(edit, _Scalable):
             raise TypeError(f"sweep varies alpha, and {type(edit).__name__} has none: give edits with a strength "
                             "(Add, AddKeepNorm) or a function alpha -> edits")
-    return lambda alpha: [edit.at(alpha) for edit in fixed]
+        scalable.append(edit)
+    return lambda alpha: [edit.at(alpha) for edit in scalable]
+
+
+@runtime_checkable
+class _Scalable(Protocol):
+    """An edit with a strength: `at(alpha)` is the same edit at strength alpha."""
+
+    def at(self, alpha: float) -> Edit: ...
 
 
 def _left_padded(tokenizer: Any, prompts: list[str]) -> dict[str, Tensor]:

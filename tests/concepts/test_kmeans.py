@@ -5,6 +5,7 @@ from sklearn.cluster import KMeans
 from sklearn.datasets import make_blobs
 
 from conceptlens.concepts.kmeans import StreamingKMeans, minibatch_step, squared_distances, weighted_lloyd
+from conceptlens.concepts.kmeans_math import kmeans_plusplus
 
 
 def blobs(n=3000, d=16, centers=12, std=2.5, seed=0):
@@ -147,6 +148,18 @@ def test_weighted_lloyd_matches_sklearn_with_sample_weight():
     ours = float((squared_distances(pts, centres).min(1).values * w).sum())
     assert ours <= 1.02 * ref.inertia_
     assert float(mass.sum()) == pytest.approx(float(w.sum()))
+
+
+def test_weighted_lloyd_without_iterations_keeps_the_seeds_and_their_nearest_mass():
+    """max_iter=0: the k-means++ seeds, each with the weight of the points nearest to it (this raised a TypeError)."""
+    g = torch.Generator().manual_seed(1)
+    pts, w = torch.from_numpy(blobs(n=60, d=3, centers=3, std=1.0)[0]), torch.rand(60, generator=g)
+    centres, mass = weighted_lloyd(pts, w, 3, torch.Generator().manual_seed(0), max_iter=0)
+    seeds = pts[kmeans_plusplus(pts, 3, torch.Generator().manual_seed(0), w)]
+    assert torch.equal(centres, seeds)
+    nearest = torch.cdist(pts.double(), seeds.double()).argmin(1)
+    expected = torch.stack([w[nearest == j].double().sum() for j in range(3)])
+    torch.testing.assert_close(mass, expected)
 
 
 def test_reading_before_initialisation_leaves_the_object_unchanged():

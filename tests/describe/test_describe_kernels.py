@@ -21,3 +21,18 @@ def test_map_xy_axes_have_a_fixed_sign():
         xy = map_xy(dirs)
         assert torch.all(xy.gather(0, xy.abs().argmax(0, keepdim=True)) > 0)
         torch.testing.assert_close(map_xy(-dirs), xy)  # every direction negated: the same picture
+
+
+def test_coarse_bin_counts_equal_the_fine_bins_of_every_value():
+    from conceptlens.describe.describer import FINE, _count_bins, fine_bins
+    from conceptlens.describe.topn import order_key
+
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(300, 7, generator=g) * torch.exp2(torch.randint(-24, 24, (300, 7), generator=g).float())
+    z[::5] = 0.0  # exact zeros, signed zeros and values past both ends of the fine range
+    z[1, :3] = torch.tensor([-0.0, 1e30, -1e-30])
+    key = order_key(z)
+    hist = torch.full((7, FINE), 3, dtype=torch.long)  # adds onto earlier counts
+    _count_bins(hist, key)
+    by_hand = torch.stack([torch.bincount(fine_bins(key[:, c]), minlength=FINE) for c in range(7)])
+    assert torch.equal(hist - 3, by_hand)

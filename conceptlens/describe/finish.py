@@ -66,6 +66,7 @@ def map_xy(directions: Tensor) -> Tensor:
     """2-D PCA coordinates `(n, 2)` of the unit directions (the top two eigenvectors of the smaller
     Gram matrix, computed alone; each axis's sign set so that its largest coordinate is positive)."""
     from scipy.linalg import eigh
+    from threadpoolctl import threadpool_limits
 
     unit = torch.nn.functional.normalize(directions.double(), dim=1)
     centred = unit - unit.mean(0)
@@ -75,7 +76,9 @@ def map_xy(directions: Tensor) -> Tensor:
     small = centred.shape[1] <= centred.shape[0]
     gram = (centred.T @ centred if small else centred @ centred.T).numpy()
     top = max(len(gram) - 2, 0)
-    values, vectors = (torch.from_numpy(a).flip(-1) for a in eigh(gram, subset_by_index=[top, len(gram) - 1]))
+    with threadpool_limits(1, user_api="blas"):  # a small eigh: threaded BLAS only waits (100x on a busy machine)
+        pairs = eigh(gram, subset_by_index=[top, len(gram) - 1])
+    values, vectors = (torch.from_numpy(a).flip(-1) for a in pairs)
     scores = centred @ vectors if small else vectors * values.clamp(min=0).sqrt()
     scores = scores * torch.where(scores.gather(0, scores.abs().argmax(0, keepdim=True)) < 0, -1.0, 1.0)
     xy[:, : scores.shape[1]] = scores

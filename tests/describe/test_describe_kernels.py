@@ -36,3 +36,14 @@ def test_coarse_bin_counts_equal_the_fine_bins_of_every_value():
     _count_bins(hist, key)
     by_hand = torch.stack([torch.bincount(fine_bins(key[:, c]), minlength=FINE) for c in range(7)])
     assert torch.equal(hist - 3, by_hand)
+
+
+def test_map_xy_is_the_two_leading_principal_components():
+    g = torch.Generator().manual_seed(3)
+    for dirs in (torch.randn(40, 6, generator=g) * torch.arange(1, 7), torch.randn(6, 40, generator=g)):
+        unit = torch.nn.functional.normalize(dirs.double(), dim=1)
+        centred = unit - unit.mean(0)
+        u, s, _ = torch.linalg.svd(centred, full_matrices=False)
+        ref = u[:, :2] * s[:2]  # PCA scores, up to each axis's sign
+        ref = ref * torch.where(ref.gather(0, ref.abs().argmax(0, keepdim=True)) < 0, -1.0, 1.0)
+        torch.testing.assert_close(map_xy(dirs).double(), ref, atol=1e-5, rtol=1e-4)

@@ -40,7 +40,8 @@ def display_histogram(fine: Tensor, zeros: Tensor, bins: int) -> tuple[Tensor, T
 
 def nearest(scores: Tensor, m: int) -> tuple[Tensor, Tensor]:
     """Top-m other concepts per row of a square score matrix (the diagonal left out)."""
-    scores = scores.clone().float()
+    own = scores.float()  # a copy unless it is float32 already
+    scores = own.clone() if own is scores else own
     scores.fill_diagonal_(-math.inf)
     m = min(m, scores.shape[0] - 1)
     if m < 1:

@@ -107,3 +107,15 @@ def test_contexts_equal_the_plain_loop_over_every_slot():
         assert got == _contexts_before(d, lens.tokenizer)
     assert any("\u00e9" in t for line in decode_contexts(describers["dense"], lens.tokenizer)
                for ctx in line["contexts"] for t in ctx["tokens"])
+
+
+def test_nearest_leaves_its_scores_alone_and_skips_the_diagonal():
+    from conceptlens.describe.finish import nearest
+
+    g = torch.Generator().manual_seed(5)
+    for scores in (torch.randn(9, 9, generator=g), torch.randn(9, 9, generator=g).double()):
+        before = scores.clone()
+        ids, values = nearest(scores, 3)
+        assert torch.equal(scores, before)
+        ref = scores.float().masked_fill(torch.eye(9, dtype=torch.bool), -torch.inf).topk(3, dim=1)
+        assert torch.equal(ids, ref.indices) and torch.equal(values, ref.values)

@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from _floors import encoder_floor
 from _suite import Context, sync, timed
 
 SITE = "blocks.15.resid_out"
@@ -172,6 +173,9 @@ def fit_overhead(ctx: Context) -> None:
             lo, hi = spread[name]
             ctx.add("fit", f"lens.fit at {site}: {name}", f"{s:.2f} s ({lo:.2f}-{hi:.2f})", s / base,
                     "of capture-only to the same site", "" if name.startswith("capture") else "<= 1.10x")
+        floor = encoder_floor(lens, site, docs, 16 * model.config.hidden_size, 32, rounds, ctx.device)
+        ctx.add("fit", f"lens.fit at {site}: floor of a TopK SAE 16x, k=32 (capture-only + x @ W_enc + top-k)",
+                f"{base + floor:.2f} s (+{floor:.2f} s)", (base + floor) / base, "of capture-only to the same site")
 
 
 def _interleaved_spread(fns: dict, rounds: int, device) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:

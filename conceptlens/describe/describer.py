@@ -35,6 +35,7 @@ from conceptlens.describe.topn import TopN, order_key
 
 HALF_BINS = 128  # fine bins per sign: 32 octaves x 4
 FINE = 2 * HALF_BINS
+COARSE = 2048  # values of an order key's top 11 bits (key >> 21): each falls in one fine bin
 _LOWEST = (127 - 16) * 4  # order key >> 21 of 2^-16: the first positive fine bin
 
 
@@ -144,7 +145,7 @@ class ConceptDescriber(ExtractorBase):
         if assigned is not None:
             s["assign_count"] += assigned
         s["zeros"] += torch.count_nonzero(key32 == 0, dim=0)
-        _count_bins(s["hist"], fine_bins(key32))
+        _count_bins(s["hist"], key32)
         s["norm_sum"] += x.norm(dim=1).sum(dtype=torch.float64)
         sub = z[::max(1, -(-n_rows // self.config.coact_rows))]  # evenly strided rows
         sub = (sub > 0).float() if self.activations.sparse else sub
@@ -219,11 +220,21 @@ def _add_outer(outer: Tensor, sub: Tensor, sparse: bool) -> None:
         outer.addmm_(sub.T, sub)
 
 
-def _count_bins(hist: Tensor, bins: Tensor) -> None:
-    """hist `(n, FINE)` += counts of bins `(N, n)` per column (bincount on CPU; index_add on a GPU: no sync)."""
+def _count_bins(hist: Tensor, key32: Tensor) -> None:
+    """hist `(n, FINE)` += the fine-bin counts of `order_key`s `(N, n)` per column. The fine bin is a
+    function of the key's top 11 bits alone, so the values are counted once into those 2048 coarse
+    bins (one shift, one multiply-add and one bincount over the keys; coarse bin major, so a column's
+    zeros, most of a sparse set's values, share one cache line with its neighbours'), and the small
+    `(2048, n)` table is folded onto the fine bins by `fine_bins` of each coarse bin (bincount on CPU;
+    index_add on a GPU: no sync)."""
     n = hist.shape[0]
-    flat = (bins + FINE * torch.arange(n, device=bins.device, dtype=bins.dtype)).view(-1).long()
+    wide = torch.int32 if n * COARSE < 2**31 else torch.int64
+    column = COARSE // 2 * n + torch.arange(n, device=key32.device, dtype=wide)  # (n,)
+    flat = torch.add(column, (key32 >> 21).to(wide), alpha=n).view(-1)  # (N n,) coarse bin * n + column
     if flat.is_cuda:
-        hist.view(-1).index_add_(0, flat, torch.ones(1, dtype=torch.long, device=flat.device).expand(flat.numel()))
+        coarse = torch.zeros(n * COARSE, dtype=torch.long, device=flat.device)
+        coarse.index_add_(0, flat, torch.ones(1, dtype=torch.long, device=flat.device).expand(flat.numel()))
     else:
-        hist.view(-1).add_(torch.bincount(flat, minlength=n * FINE))
+        coarse = torch.bincount(flat, minlength=n * COARSE)
+    fold = fine_bins(torch.arange(-COARSE // 2, COARSE // 2, dtype=torch.int32, device=hist.device) << 21)
+    hist.T.index_add_(0, fold.long(), coarse.view(COARSE, n))

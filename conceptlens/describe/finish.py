@@ -7,6 +7,7 @@ Pure tensor math on the describer's state, plus decoding token ids with the toke
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Sequence
 
@@ -39,7 +40,8 @@ def display_histogram(fine: Tensor, zeros: Tensor, bins: int) -> tuple[Tensor, T
 
 def nearest(scores: Tensor, m: int) -> tuple[Tensor, Tensor]:
     """Top-m other concepts per row of a square score matrix (the diagonal left out)."""
-    scores = scores.clone().float()
+    own = scores.float()  # a copy unless it is float32 already
+    scores = own.clone() if own is scores else own
     scores.fill_diagonal_(-math.inf)
     m = min(m, scores.shape[0] - 1)
     if m < 1:
@@ -66,6 +68,7 @@ def map_xy(directions: Tensor) -> Tensor:
     """2-D PCA coordinates `(n, 2)` of the unit directions (the top two eigenvectors of the smaller
     Gram matrix, computed alone; each axis's sign set so that its largest coordinate is positive)."""
     from scipy.linalg import eigh
+    from threadpoolctl import threadpool_limits
 
     unit = torch.nn.functional.normalize(directions.double(), dim=1)
     centred = unit - unit.mean(0)
@@ -75,7 +78,9 @@ def map_xy(directions: Tensor) -> Tensor:
     small = centred.shape[1] <= centred.shape[0]
     gram = (centred.T @ centred if small else centred @ centred.T).numpy()
     top = max(len(gram) - 2, 0)
-    values, vectors = (torch.from_numpy(a).flip(-1) for a in eigh(gram, subset_by_index=[top, len(gram) - 1]))
+    with threadpool_limits(1, user_api="blas"):  # a small eigh: threaded BLAS only waits (100x on a busy machine)
+        pairs = eigh(gram, subset_by_index=[top, len(gram) - 1])
+    values, vectors = (torch.from_numpy(a).flip(-1) for a in pairs)
     scores = centred @ vectors if small else vectors * values.clamp(min=0).sqrt()
     scores = scores * torch.where(scores.gather(0, scores.abs().argmax(0, keepdim=True)) < 0, -1.0, 1.0)
     xy[:, : scores.shape[1]] = scores
@@ -137,31 +142,40 @@ def used_slots(describer: ConceptDescriber) -> tuple[Tensor, Tensor, Tensor]:
 
 def decode_contexts(describer: ConceptDescriber, tokenizer: Any) -> list[dict[str, Any]]:
     """contexts.jsonl lines: each concept's top windows, trimmed to their document, tokens decoded,
-    activations to 5 significant digits."""
+    activations to 5 significant digits. Only the used slots (those before a concept's first unused
+    one) are read back and decoded; a window's chips are grouped only when one of its tokens is part
+    of a character."""
     top = describer.top
     values, doc, pos = used_slots(describer)
-    ids = top.window_ids.cpu()
-    acts = top.window_acts.cpu().double()
+    used = (doc >= 0).int().cumprod(1).bool()  # (n, k)
+    ids = top.window_ids.cpu()[used]  # (M, W) the used windows, concept by concept
+    acts = top.window_acts.cpu()[used].double()
     magnitude = torch.floor(torch.log10(acts.abs().clamp(min=1e-30)))
     scale = torch.pow(10.0, 4 - magnitude)
     acts = torch.where(acts == 0, 0.0, torch.round(acts * scale) / scale)
-    vocab = decoder(tokenizer, ids[ids >= 0].unique().tolist())
+    present = ids[ids >= 0]
+    vocab = decoder(tokenizer, torch.bincount(present).nonzero().squeeze(1).tolist() if len(present) else [])
+    broken = {t for t, text in vocab.items() if REPLACEMENT in text}
     left = top.window[0]
-    lines = []
     all_ids, all_acts = ids.tolist(), acts.tolist()
-    all_values, all_doc, all_pos = values.tolist(), doc.tolist(), pos.tolist()
-    for c in range(describer.n):
-        contexts = []
-        for j in range(top.k):
-            if all_doc[c][j] < 0:
-                break
-            row = all_ids[c][j]
-            keep = [t >= 0 for t in row]
-            kept_acts = [a for a, k in zip(all_acts[c][j], keep) if k]
-            tokens, row_acts, center = chips(tokenizer, [t for t in row if t >= 0], kept_acts,
-                                             left - keep.index(True), vocab)
-            contexts.append({"value": all_values[c][j], "doc": all_doc[c][j], "pos": all_pos[c][j],
-                             "center": center, "tokens": tokens, "acts": row_acts})
+    all_values, all_doc, all_pos = values[used].tolist(), doc[used].tolist(), pos[used].tolist()
+
+    def context(r: int) -> dict[str, Any]:
+        row = all_ids[r]
+        kept = [t for t in row if t >= 0]
+        kept_acts = [a for a, t in zip(all_acts[r], row) if t >= 0]
+        center = left - next(i for i, t in enumerate(row) if t >= 0)
+        if broken and not broken.isdisjoint(kept):
+            tokens, kept_acts, center = chips(tokenizer, kept, kept_acts, center, vocab)
+        else:
+            tokens = [vocab[t] for t in kept]
+        return {"value": all_values[r], "doc": all_doc[r], "pos": all_pos[r], "center": center, "tokens": tokens,
+                "acts": kept_acts}
+
+    lines, start = [], 0
+    for c, m in enumerate(used.sum(1).tolist()):
+        contexts = [context(r) for r in range(start, start + m)]
+        start += m
         lines.append({"concept": c, "contexts": contexts})
     return lines
 
@@ -198,17 +212,23 @@ def byte_text(tokenizer: Any, token_id: int) -> str:
     """A token that is part of a character, shown by its bytes: `<0xE2 0x80>` for a byte-level BPE
     piece (GPT-2's byte-to-character table), the tokenizer's own piece for SentencePiece byte
     tokens (`<0xE2>`), else the id in angle brackets."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
     piece = tokenizer.convert_ids_to_tokens(token_id) if hasattr(tokenizer, "convert_ids_to_tokens") else None
     if not isinstance(piece, str) or not piece:
         return f"<{token_id}>"
     if piece.startswith("<0x") and piece.endswith(">"):
         return piece
-    table = {ch: b for b, ch in bytes_to_unicode().items()}
+    table = _byte_of_character()
     if all(ch in table for ch in piece):
         return "<" + " ".join(f"0x{table[ch]:02X}" for ch in piece) + ">"
     return f"<{token_id}>"
+
+
+@functools.cache
+def _byte_of_character() -> dict[str, int]:
+    """GPT-2's byte-level BPE table, character -> byte (built once: it was most of `byte_text`'s time)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {ch: b for b, ch in bytes_to_unicode().items()}
 
 
 def decoder(tokenizer: Any, ids: Sequence[int]) -> dict[int, str]:

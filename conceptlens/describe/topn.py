@@ -24,8 +24,8 @@ _LOW = (1 << 32) - 1
 
 def order_key(values: Tensor) -> Tensor:
     """float32 -> int32 whose signed order equals the float order (-0.0 counts as +0.0)."""
-    bits = (values.float() + 0.0).contiguous().view(torch.int32)
-    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    bits = (values.float() + 0.0).contiguous().view(torch.int32)  # a copy: flipped in place below
+    return bits.bitwise_xor_((bits >> 31).bitwise_and_(0x7FFFFFFF))  # negatives: all bits but the sign flipped
 
 
 def batch_top(z: Tensor, k: int, key32: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -21,3 +21,101 @@ def test_map_xy_axes_have_a_fixed_sign():
         xy = map_xy(dirs)
         assert torch.all(xy.gather(0, xy.abs().argmax(0, keepdim=True)) > 0)
         torch.testing.assert_close(map_xy(-dirs), xy)  # every direction negated: the same picture
+
+
+def test_coarse_bin_counts_equal_the_fine_bins_of_every_value():
+    from conceptlens.describe.describer import FINE, _count_bins, fine_bins
+    from conceptlens.describe.topn import order_key
+
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(300, 7, generator=g) * torch.exp2(torch.randint(-24, 24, (300, 7), generator=g).float())
+    z[::5] = 0.0  # exact zeros, signed zeros and values past both ends of the fine range
+    z[1, :3] = torch.tensor([-0.0, 1e30, -1e-30])
+    key = order_key(z)
+    hist = torch.full((7, FINE), 3, dtype=torch.long)  # adds onto earlier counts
+    _count_bins(hist, key)
+    by_hand = torch.stack([torch.bincount(fine_bins(key[:, c]), minlength=FINE) for c in range(7)])
+    assert torch.equal(hist - 3, by_hand)
+
+
+def test_map_xy_is_the_two_leading_principal_components():
+    g = torch.Generator().manual_seed(3)
+    for dirs in (torch.randn(40, 6, generator=g) * torch.arange(1, 7), torch.randn(6, 40, generator=g)):
+        unit = torch.nn.functional.normalize(dirs.double(), dim=1)
+        centred = unit - unit.mean(0)
+        u, s, _ = torch.linalg.svd(centred, full_matrices=False)
+        ref = u[:, :2] * s[:2]  # PCA scores, up to each axis's sign
+        ref = ref * torch.where(ref.gather(0, ref.abs().argmax(0, keepdim=True)) < 0, -1.0, 1.0)
+        torch.testing.assert_close(map_xy(dirs).double(), ref, atol=1e-5, rtol=1e-4)
+
+
+def _contexts_before(describer, tokenizer):
+    """decode_contexts as it was before the used slots were read back alone (the reference)."""
+    from conceptlens.describe.finish import chips, decoder, used_slots
+
+    top = describer.top
+    values, doc, pos = used_slots(describer)
+    ids, acts = top.window_ids.cpu(), top.window_acts.cpu().double()
+    scale = torch.pow(10.0, 4 - torch.floor(torch.log10(acts.abs().clamp(min=1e-30))))
+    acts = torch.where(acts == 0, 0.0, torch.round(acts * scale) / scale)
+    vocab = decoder(tokenizer, ids[ids >= 0].unique().tolist())
+    lines = []
+    for c in range(describer.n):
+        contexts = []
+        for j in range(top.k):
+            if doc[c, j] < 0:
+                break
+            row = ids[c, j].tolist()
+            keep = [t >= 0 for t in row]
+            kept_acts = [a for a, k in zip(acts[c, j].tolist(), keep) if k]
+            tokens, row_acts, center = chips(tokenizer, [t for t in row if t >= 0], kept_acts,
+                                             top.window[0] - keep.index(True), vocab)
+            contexts.append({"value": float(values[c, j]), "doc": int(doc[c, j]), "pos": int(pos[c, j]),
+                             "center": center, "tokens": tokens, "acts": row_acts})
+        lines.append({"concept": c, "contexts": contexts})
+    return lines
+
+
+def test_contexts_equal_the_plain_loop_over_every_slot():
+    import conceptlens
+    from conceptlens import ConceptSet
+    from conceptlens.concepts.sae import TopKSAE
+    from conceptlens.describe import ConceptDescriber
+    from conceptlens.describe.finish import decode_contexts
+    from tests.conftest import tiny_model
+    from tests.describe.test_describe import DOCS, NO_NORM, SITE, Tok
+
+    class Split(Tok):
+        """Two ids decode alone to U+FFFD (parts of one character) and together to one."""
+
+        def decode(self, ids, skip_special_tokens=False):
+            ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+            text = super().decode([i for i in ids if i not in (11, 12)])
+            return text + ("\u00e9" if 11 in ids and 12 in ids else "\ufffd" if {11, 12} & set(ids) else "")
+
+    lens = conceptlens.attach(tiny_model("llama"), Split())
+    g = torch.Generator().manual_seed(4)
+    sae = TopKSAE(width=24, k=2, batch_size=64, warmup_tokens=64, seed=0)
+    sae.update(torch.randn(256, 32, generator=g))
+    sae.flush()
+    sets = {"sae": sae.concept_set(), "dense": ConceptSet(torch.randn(5, 32, generator=g), SITE, method="custom")}
+    describers = {name: ConceptDescriber(cs, top_n=6, window=(3, 2)) for name, cs in sets.items()}
+    docs = [d[:3] + "hi" + d[3:] for d in DOCS]  # 'h' 'i' are ids 11 and 12
+    lens.fit({SITE: describers}, docs, max_length=16, progress=False, filters=NO_NORM)
+    for d in describers.values():
+        got = decode_contexts(d, lens.tokenizer)
+        assert got == _contexts_before(d, lens.tokenizer)
+    assert any("\u00e9" in t for line in decode_contexts(describers["dense"], lens.tokenizer)
+               for ctx in line["contexts"] for t in ctx["tokens"])
+
+
+def test_nearest_leaves_its_scores_alone_and_skips_the_diagonal():
+    from conceptlens.describe.finish import nearest
+
+    g = torch.Generator().manual_seed(5)
+    for scores in (torch.randn(9, 9, generator=g), torch.randn(9, 9, generator=g).double()):
+        before = scores.clone()
+        ids, values = nearest(scores, 3)
+        assert torch.equal(scores, before)
+        ref = scores.float().masked_fill(torch.eye(9, dtype=torch.bool), -torch.inf).topk(3, dim=1)
+        assert torch.equal(ids, ref.indices) and torch.equal(values, ref.values)

@@ -20,8 +20,8 @@ from typing import Any, Sequence
 import torch
 
 from conceptlens.batching import encode_batch
-from conceptlens.steering.edits import Add, add_vector
 from conceptlens.interface import AttachedModel
+from conceptlens.steering.edits import Add, add_vector
 
 ALPHAS = (0.0, 0.25, 0.5, 1.0, 2.0)
 PROMPTS = ("My favourite recipe for a quick dinner is", "The weather this morning was",

@@ -96,8 +96,8 @@ def compare(lens: AttachedModel, tokenizer: Any, site: str, norm: float, directi
                      "scores": _judged(result, name).tolist(), "perplexity": _fluency(result)[0].tolist(),
                      "best": best_within_budget(result, name), "texts": result.texts})
     prefix = f"Write about {topic}. " if prefix is None else prefix
-    edit = Add(next(iter(directions.values())), 0.0, scale="robust_norm", norm=norm, site=site)  # alpha 0: no edit
-    result = sweep(lens, edit, [0.0], [prefix + p for p in prompts], score, max_new_tokens=max_new_tokens,
+    unsteered = Add(next(iter(directions.values())), 0.0, scale="robust_norm", norm=norm, site=site)  # alpha 0: no edit
+    result = sweep(lens, unsteered, [0.0], [prefix + p for p in prompts], score, max_new_tokens=max_new_tokens,
                    judge=judge, tokenizer=tokenizer)
     p, ppl = float(_judged(result, name).nanmean()), float(_fluency(result)[0][0])
     fluent = reference is not None and math.isfinite(ppl) and ppl <= 2 * reference

@@ -43,7 +43,6 @@ class ShardedVQ(VQCodebook):
     `codes`, `counts`, `assign`, `encode`, `quantize`, `stats` and `concept_set` are global
     (collectives: every rank calls them); `fitted` holds this rank's shard."""
 
-    method = "vq"
     _shards: Shards | None = None
 
     @property

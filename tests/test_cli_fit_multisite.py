@@ -13,6 +13,7 @@ import conceptlens
 from conceptlens import models
 from conceptlens.cli import main
 from conceptlens.commands import run_config as rc
+from conceptlens.commands.eval import _sets as eval_sets
 from conceptlens.concepts.clvq import CLVQTranscoder
 from conceptlens.concepts.sae import Crosscoder, CrossLayerTranscoder, Transcoder
 from tests.test_cli_fit import files  # noqa: F401 - the module's saved tiny Llama and documents
@@ -56,7 +57,7 @@ def test_cli_fits_multi_site_keys_as_the_library_does(files, tmp_path, capsys): 
         assert torch.equal(again["directions"], report.concepts[name].directions), name
 
 
-def test_describe_and_report_leave_out_sets_that_read_other_sites(files, tmp_path, capsys):  # noqa: F811
+def test_describe_report_and_eval_leave_out_sets_that_read_other_sites(files, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "run"
     args = [a for a in argv(files, out, "kmeans:n_concepts=4,init_size=64", f"crosscoder:site={SITES},width=8,k=2,"
                             f"{SMALL}") if a != "--no-describe"]
@@ -65,6 +66,9 @@ def test_describe_and_report_leave_out_sets_that_read_other_sites(files, tmp_pat
     assert (out / "describe" / "kmeans" / "description.json").is_file()
     assert not (out / "describe" / "crosscoder").exists()
     assert main(["report", str(out), "--no-progress"]) == 0  # the atlas of the described sets
+    assert list(eval_sets(str(out), None)[0]) == ["kmeans"]  # and the evaluation suites, of the one-site sets
+    with pytest.raises(ValueError, match="crosscoder reads other sites than its directions'"):
+        eval_sets(str(out), "kmeans,crosscoder")
 
 
 @pytest.mark.parametrize("spec, message", [

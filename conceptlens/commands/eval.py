@@ -73,13 +73,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _sets(run_dir: str, names: str | None) -> tuple[dict, dict[str, Path]]:
     """name -> ConceptSet, and name -> its folder."""
     from conceptlens.evaluate.activations import concept_set_names, load_concepts
+    from conceptlens.fit_keys import cross_layer
 
     found = concept_set_names(run_dir)
     if not found:
         return {Path(run_dir).name: load_concepts(run_dir)}, {Path(run_dir).name: Path(run_dir)}
     wanted = found if names is None else [n.strip() for n in names.split(",") if n.strip()]
-    return ({name: load_concepts(run_dir, name) for name in wanted},
-            {name: Path(run_dir) / "concepts" / name for name in wanted})
+    sets = {name: load_concepts(run_dir, name) for name in wanted}
+    for name in [n for n, cs in sets.items() if cross_layer(cs.config.get("fit"))]:  # the suites read one site
+        if names is not None:
+            raise ValueError(f"{name} reads other sites than its directions' (a transcoder or crosscoder); the "
+                             "suites evaluate sets of one site")
+        print(f"not evaluating {name}: it reads other sites than its directions' (a transcoder or crosscoder)")
+        del sets[name]
+    if not sets:
+        raise ValueError(f"{run_dir} holds no set of one site to evaluate (found {', '.join(found)})")
+    return sets, {name: Path(run_dir) / "concepts" / name for name in sets}
 
 
 def run(args: argparse.Namespace) -> int:

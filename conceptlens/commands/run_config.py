@@ -222,11 +222,9 @@ def _extractors(specs: list[dict[str, Any]], sites: list[str]) -> list[dict[str,
             if key not in valid:
                 raise ValueError(f"{method} has no option {key!r}; valid: name, site, {', '.join(valid)}")
         if method in KEY_FORMS:  # several sites: one entry, at the key its site spells
-            what = f"extractor {name or method!r} ({method}) site"
-            parse_key(site, KEY_FORMS[method], what)
-            full = check_name(name or method, "extractor name")
-            _claim(names, full, method)
-            out.append({"method": method, "name": full, "site": site, **spec})
+            parse_key(site, KEY_FORMS[method], f"extractor {name or method!r} ({method}) site")
+            _claim(names, check_name(name or method, "extractor name"), method)
+            out.append({"method": method, "name": name or method, "site": site, **spec})
             continue
         if isinstance(site, str) and ("->" in site or "+" in site):
             raise ValueError(f"{method} reads one site; {site!r} names several (methods of several sites: "

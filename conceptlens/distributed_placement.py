@@ -17,8 +17,9 @@ from typing import Any
 
 
 def sharded(extractor: Any) -> bool:
-    """Whether the extractor holds a different part on each rank (its class has a `shards` split)."""
-    return isinstance(getattr(type(extractor), "shards", None), property)
+    """Whether the extractor holds a different part on each rank (it has a `shards` split; read
+    inside the fit, where the process group exists)."""
+    return hasattr(extractor, "shards")
 
 
 def owners(extractors: dict[str, Any], world: int) -> dict[str, int | None]:
@@ -47,5 +48,5 @@ def fill_ranks(states: list[dict[str, Any]], owned: dict[str, int | None]) -> li
     each rank's entry completed with the owners' states: the same objects, which torch.save
     writes once."""
     sent = [state["extractors"] for state in states]
-    return [{**state, "extractors": {name: sent[rank if owner is None else owner][name] for name, owner in owned.items()}}
-            for rank, state in enumerate(states)]
+    return [{**state, "extractors": {name: sent[rank if owner is None else owner][name]
+                                     for name, owner in owned.items()}} for rank, state in enumerate(states)]

@@ -219,6 +219,39 @@ def test_shutdown_destroys_only_the_group_init_created(monkeypatch):
         dist.destroy_process_group()
 
 
+def test_each_extractor_not_sharded_is_updated_on_one_rank_rank_0_last():
+    """The i-th movable extractor by name goes to rank W - 1 - i % W; a sharded one, and one whose
+    state cannot travel, run on every rank (None)."""
+    from conceptlens.distributed_placement import owners
+
+    class Sharded(TopKSAE):
+        shards = None  # stands for a Shards split
+
+    class Stateless:
+        def update(self, x):
+            pass
+
+    fitted = {name: TopKSAE(width=4, k=1) for name in ("e", "a", "c", "b", "d")}
+    fitted |= {"s": Sharded(width=4, k=1), "t": Stateless()}
+    assert owners(fitted, 2) == {"a": 1, "b": 0, "c": 1, "d": 0, "e": 1, "s": None, "t": None}
+    assert owners(fitted, 3) == {"a": 2, "b": 1, "c": 0, "d": 2, "e": 1, "s": None, "t": None}
+    assert set(owners(fitted, 1).values()) == {0, None}
+
+
+def test_a_checkpoint_stores_the_owners_states_shared():
+    """Rank 0 completes every rank's entry with the owner's state (the same objects) and keeps each
+    rank's own state of a sharded extractor."""
+    from conceptlens.distributed_placement import fill_ranks
+
+    sent = [{"rows": 0, "extractors": {"a": {"w": torch.zeros(2)}, "s": {"w": torch.zeros(1)}}},
+            {"rows": 1, "extractors": {"b": {"w": torch.ones(2)}, "s": {"w": torch.ones(1)}}}]
+    ranks = fill_ranks(sent, {"a": 0, "b": 1, "s": None})
+    assert [r["rows"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["extractors"]["a"] is sent[0]["extractors"]["a"] and r["extractors"]["b"] is sent[1]["extractors"]["b"]
+    assert [r["extractors"]["s"]["w"].tolist() for r in ranks] == [[0.0], [1.0]]
+
+
 def _tensors(sae_state):
     """An SAE state's parameters and buffers (its module tensors, without the training state)."""
     return {k: v for k, v in sae_state.items() if k != "_extra_state"}

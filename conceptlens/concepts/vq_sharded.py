@@ -78,7 +78,8 @@ class ShardedVQ(VQCodebook):
         mine = (code >= lo) & (code < hi)
         quantized = torch.zeros(x.shape, dtype=fit.codes.dtype, device=x.device)
         quantized[mine] = fit.codes[code[mine] - lo]
-        counts = torch.zeros_like(fit.counts).index_add_(0, code[mine] - lo, x.new_ones(int(mine.sum())).to(fit.counts.dtype))
+        ones = torch.ones(int(mine.sum()), dtype=fit.counts.dtype, device=x.device)
+        counts = torch.zeros_like(fit.counts).index_add_(0, code[mine] - lo, ones)
         sums = torch.zeros_like(fit.sums).index_add_(0, code[mine] - lo, x[mine].to(fit.sums.dtype))
         nearest = index[:, 0]
         near = (nearest >= lo) & (nearest < hi)

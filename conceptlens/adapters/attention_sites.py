@@ -58,9 +58,9 @@ def head_layout(attn: nn.Module, config) -> tuple[int, int, int] | None:
 def in_width(module: nn.Module) -> int:
     weight = getattr(module, "weight", None)
     if hasattr(module, "in_channels"):  # a 1x1 Conv1d projection (SqueezeBERT)
-        return int(module.in_channels)
+        return int(getattr(module, "in_channels"))
     if hasattr(module, "in_features"):
-        return int(module.in_features)
+        return int(getattr(module, "in_features"))
     if weight is not None and weight.ndim == 2:
         # Conv1D (GPT-2) stores (in, out); Linear stores (out, in)
         return int(weight.shape[0] if type(module).__name__ == "Conv1D" else weight.shape[1])

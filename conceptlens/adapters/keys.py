@@ -68,7 +68,7 @@ def _appending_child(attn: nn.Module, call: Call, trace: Trace) -> tuple[str, nn
         if out is None or out.ndim != 4 or out.shape[1] != call.kv_heads or out.shape[3] != call.head_dim \
                 or out.shape[2] != extra:
             continue
-        if not extra or close(out, call.key[:, :, call.q_len:]):
+        if not extra or (call.key is not None and close(out, call.key[:, :, call.q_len:])):  # keys: checked above
             return name, child
     return None
 

@@ -149,7 +149,8 @@ def _implementations(model: nn.Module) -> set[str]:
 
 
 def probe_inputs(model: nn.Module) -> dict[str, Tensor]:
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    get_embeddings = getattr(model, "get_input_embeddings", None)  # a transformers model's
+    embeddings = get_embeddings() if callable(get_embeddings) else None
     weight = getattr(embeddings, "weight", None)
     device = weight.device if isinstance(weight, Tensor) and weight.device.type != "meta" else \
         next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
@@ -215,7 +216,8 @@ def run_probe(hooks: HookManager, blocks: dict[str, list[nn.Module]], extra: Seq
         for module in extra:
             handles.add(hooks.forward_hook(module, _record(trace), with_kwargs=True))
             handles.add(hooks.forward_hook(module, _record_calls(trace), with_kwargs=True))
-        for i, (prefix, stack) in enumerate((stacks or {}).items()):
+        stacks = stacks or {}
+        for i, (prefix, stack) in enumerate(stacks.items()):
             hook = _stack_hook(trace, prefix, i == len(stacks) - 1)
             handles.add(hooks.forward_hook(stack, hook, with_kwargs=True))
         inputs = probe_inputs(model)

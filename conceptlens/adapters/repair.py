@@ -25,6 +25,7 @@ that are not the contribution.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -75,7 +76,7 @@ def _alternatives(block: nn.Module, path: str, trace: Trace, shape, assigned=())
     if inner:
         alts.append((inner, None, f"{path} adds the residual inside itself"))
     module = submodule(block, path)
-    out, inp = trace.outputs.get(module), trace.inputs.get(module)
+    out, inp = (trace.outputs.get(module), trace.inputs.get(module)) if module is not None else (None, None)
     for name, child in block.named_children():
         cin, cout = trace.inputs.get(child), trace.outputs.get(child)
         if child is module or cout is None or cout.shape != shape:
@@ -129,18 +130,19 @@ def repair(block: nn.Module, lay: BlockLayout, trace: Trace):
             chosen = {k: c for k, c in zip(kinds, combo)}
             taken = {c[0] for c in combo if c[2]} | {c[1] for c in combo if c[1]}
             chosen = {k: c for k, c in chosen.items() if c[2] or getattr(lay, k) not in taken}  # a follower counts once
-            outs = {k: _contribution(block, trace, x, c[0], c[1], lay.flat_mlp and k == "mlp_out")
+            read = {k: _contribution(block, trace, x, c[0], c[1], lay.flat_mlp and k == "mlp_out")
                     for k, c in chosen.items()}
-            if not outs or any(o is None for o in outs.values()):
+            outs = {k: o for k, o in read.items() if o is not None}
+            if not outs or len(outs) < len(read):
                 continue
             scales = _scales(x, y, outs, y0) if scaled else None
             plain = scaled is False and sums_to(x0, list(outs.values()), y0)  # in the model's dtype too
-            if scales or plain or (scaled is None and close(sum(outs.values()), y, 1e-4)):
+            if scales or plain or (scaled is None and close(functools.reduce(torch.add, outs.values()), y, 1e-4)):
                 lay.resid_coef = 1.0 if scaled is not None else 0.0
                 _apply(lay, kinds, chosen)
                 return None, scales, {k: c[1] for k, c in chosen.items() if c[1]}
-    outs = _contributions(block, lay, trace)
-    if isinstance(outs, dict) and other_stream(block, lay, outs, trace):  # a reversible block (Reformer)
+    contributions = _contributions(block, lay, trace)
+    if isinstance(contributions, dict) and other_stream(block, lay, contributions, trace):  # a reversible block (Reformer)
         return None, None, None
     return problem, None, None
 

@@ -59,7 +59,8 @@ def unroll(blocks: list[nn.Module], trace: Trace, hidden: tuple | None) -> tuple
     sequence = [m for m in trace.sequence if m in own]
     if not sequence or hidden is None or len(sequence) + 1 != len(hidden):
         return None  # check_stack names the block that did not run once
-    calls, seen = [], {}
+    calls: list[int] = []
+    seen: dict[nn.Module, int] = {}  # block -> its calls so far
     for m in sequence:
         calls.append(seen.get(m, 0))
         seen[m] = calls[-1] + 1

@@ -65,6 +65,8 @@ def _norms(block: nn.Module, trace: Trace) -> list[str]:
 
 def _tensor(block: nn.Module, trace: Trace, point: Point) -> Tensor | None:
     module = block if not point[0] else submodule(block, point[0])
+    if module is None:
+        return None
     out = (trace.inputs if point[1] == "input" else trace.outputs).get(module)
     return None if out is None else out.float()
 
@@ -77,8 +79,10 @@ def _snap(c: float) -> float:
     return 1.0 if abs(c - 1.0) < 1e-5 else c
 
 
-def _linear(block, lay, trace, outs) -> dict[str, float] | None:
+def _linear(block, lay, trace, outs) -> dict[str, float | Tensor] | None:
     x, y = _tensor(block, trace, ("", "input")), _tensor(block, trace, ("", "output"))
+    if x is None or y is None:
+        return None
     sources = [("", "input")] + [(n, "output") for n in _norms(block, trace)
                                  if _same(_tensor(block, trace, (n, "input")), x)]
     for source in sources:
@@ -92,7 +96,7 @@ def _linear(block, lay, trace, outs) -> dict[str, float] | None:
         if not bool(torch.isfinite(c).all()) or bool((c.abs() < 1e-3).any()):
             continue
         c0, *cs = (_snap(float(v)) for v in c)
-        scales = dict(zip(outs, cs))
+        scales: dict[str, float | Tensor] = dict(zip(outs, cs))
         if close(c0 * r + sum(scales[k] * o for k, o in outs.items()), y, 1e-4):
             lay.resid_coef, lay.resid_in = c0, source[0] or None
             if source[0]:

@@ -94,7 +94,10 @@ def parallel_blocks(stack: nn.Module, path: str) -> list[tuple[nn.Module, nn.Mod
     checks the blocks against the hidden states); None when it does not look like that."""
     parent_path = path.rpartition(".")[0]
     parent = stack.get_submodule(parent_path) if parent_path else stack
-    n = len(stack.get_submodule(path))
+    blocks = stack.get_submodule(path)  # the ModuleList find_block_list found
+    if not isinstance(blocks, nn.ModuleList):
+        return None
+    n = len(blocks)
     lists = {name: m for name, m in parent.named_children() if isinstance(m, nn.ModuleList) and len(m) == n}
     kinds = [_kind(name, m[0]) for name, m in lists.items()]
     if "attn" not in kinds or "mlp" not in kinds:

@@ -87,7 +87,7 @@ def _gather_parts(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
         listed = isinstance(submodule(block, current), nn.ModuleList)
         if len(paths) < 2 or not (listed or current in paths):
             continue  # one sublayer of this kind, or one replaced by a post-sublayer norm: not ours
-        paths = sorted(paths, key=lambda p: order[submodule(block, p)])
+        paths = sorted(paths, key=lambda p: order[block.get_submodule(p)])  # paths of modules that ran
         setattr(lay, key, paths[-1])
         lay.parts[key] = tuple(paths[:-1])
         changed.append(key)
@@ -182,7 +182,7 @@ def more_attention(block: nn.Module, lay: BlockLayout, trace: Trace) -> list[str
     """Paths of the modules calling the attention function in each summed attention sublayer
     after the one holding `lay.attn` (LongCat-Flash's `self_attn.1`), in the order they run."""
     first = submodule(block, lay.attn)
-    sublayers = [submodule(block, p) for p in (*lay.parts.get("attn_out", ()), lay.attn_out)]
+    sublayers = [s for p in (*lay.parts.get("attn_out", ()), lay.attn_out) if (s := submodule(block, p)) is not None]
     if first is None or len(sublayers) < 2:
         return []
     names = {m: n for n, m in block.named_modules()}

@@ -66,13 +66,11 @@ def refine(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
     own = {c.module: c for c in calls}
     self_calls = [c for c in own.values() if c.q_len == c.k_len]
     cross_calls = [c for c in own.values() if c.q_len != c.k_len]
-    if self_calls:
-        path = _path_in(block, self_calls[0].module)
+    if self_calls and (path := _path_in(block, self_calls[0].module)) is not None:
         if lay.attn is None or lay.attn != path:
             lay.attn = path
             lay.attn_out = lay.attn_out or _top(path, block)
-    if cross_calls:
-        path = _path_in(block, cross_calls[0].module)
+    if cross_calls and (path := _path_in(block, cross_calls[0].module)) is not None:
         lay.cross_attn = path
         lay.cross_attn_out = lay.cross_attn_out or _top(path, block)
     if lay.mixer_out is not None and lay.mixer_out == lay.attn_out:
@@ -129,13 +127,16 @@ def _norm_inside(block: nn.Module, lay: BlockLayout, trace: Trace) -> None:
     for key in ("attn_out", "cross_attn_out", "mixer_out", "mlp_out"):
         path = getattr(lay, key)
         module = submodule(block, path)
+        if module is None:
+            continue
         out, inp = trace.outputs.get(module), trace.inputs.get(module)
         norm = next((m for n, m in module.named_modules() if n and is_norm(n.rpartition(".")[2], m) and
-                     _same(trace.outputs.get(m), out)), None) if module is not None else None
+                     _same(trace.outputs.get(m), out)), None)
         if norm is None or inp is None:
             continue
         inner = _last_projection(block, path, trace)
-        proj = trace.outputs.get(submodule(block, inner)) if inner else None
+        inner_module = submodule(block, inner) if inner else None
+        proj = trace.outputs.get(inner_module) if inner_module is not None else None
         if proj is not None and proj.shape == inp.shape and close(inp + proj, trace.inputs.get(norm)):
             setattr(lay, key, inner)
             lay.notes[key] = f"{path} adds and norms the residual inside itself: its output projection, before that"
@@ -204,6 +205,8 @@ def _contributions(block: nn.Module, lay: BlockLayout, trace: Trace) -> dict[str
     """The probe's output of each sublayer site of an additive block (float, residual-shaped),
     or why one cannot be used."""
     x = trace.inputs.get(block)
+    if x is None:
+        return "the block did not run"
     outs: dict[str, torch.Tensor] = {}
     for key in ("attn_out", "cross_attn_out", "mixer_out", "mlp_out", "branch_out"):
         module = submodule(block, getattr(lay, key))
@@ -211,7 +214,8 @@ def _contributions(block: nn.Module, lay: BlockLayout, trace: Trace) -> dict[str
             continue
         out = trace.outputs.get(module)
         for part in lay.parts.get(key, ()):  # several sublayers of one kind: their outputs summed
-            more = trace.outputs.get(submodule(block, part))
+            sub = submodule(block, part)
+            more = trace.outputs.get(sub) if sub is not None else None
             out = out + more if out is not None and more is not None and more.shape == out.shape else None
         if out is None and key == "cross_attn_out":
             continue  # a decoder run without an encoder (e.g. WhisperForCausalLM) skips cross-attention

@@ -13,7 +13,7 @@ row sum and how often each latent fired. Intervals: bootstrap over the documents
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F

@@ -11,7 +11,7 @@ probe forward on a few tokens against the model's own `output_hidden_states` (`v
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -34,6 +34,8 @@ from conceptlens.adapters.sublayers import extend, more_attention, out_projectio
 from conceptlens.adapters.repair import repair
 from conceptlens.adapters.verify import as_hidden, block_view, check_stack, refine
 from conceptlens.adapters.verify import submodule as _get
+from conceptlens.adapters.views import Readings, site_views
+from conceptlens.sites.hooked_views import CallOf, Trim
 from conceptlens.sites.site import Site
 
 _OUT_KINDS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out", "branch_out")
@@ -286,16 +288,8 @@ class Adapter(AttentionSites):
                       flat_in=block if kind == "mlp_out" and lay.flat_mlp else None, scale=scale,
                       plus=plus_modules(block, lay, kind, plus), expand=spread.get(kind) if spread else None,
                       row_offset=centre_offset(trace.outputs.get(module), trace.inputs.get(block)),
-                      inner=kind in lay.inner_calls)
-            if kind in lay.inner_calls:  # one call of a module inside the sublayer (inner.py)
-                self._inner_call(f"{b}.{kind}", block, *lay.inner_calls[kind])
-
-    def _inner_call(self, name: str, block: nn.Module, call: int, sublayer: str) -> None:
-        site = self.sites.pop(name)
-        if site.call is None:  # (a shared layer's site is already gated on the layer's calls)
-            self.sites[name] = replace(site, call=call, block=site.module, stack_module=block.get_submodule(sublayer))
-        else:
-            self.problems[name] = f"{self._what()}: {name} is one call of a module inside a shared layer's sublayer"
+                      inner=CallOf(module, block.get_submodule(lay.inner_calls[kind][1]), lay.inner_calls[kind][0])
+                      if kind in lay.inner_calls else None)  # one call of a module inside the sublayer (inner.py)
 
     def _hidden_size(self) -> int:
         text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
@@ -303,29 +297,34 @@ class Adapter(AttentionSites):
 
     def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
              flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: str | None = None,
-             part=None, row_offset: int = 0, inner: bool = False, expand=None, resid: bool = False) -> None:
-        block, call, stack_module = self._current or (None, None, None)
-        if block is not None:
-            source += f" (call {call} of this shared {type(block).__name__} in each forward)"
+             part=None, row_offset: int = 0, inner: CallOf | None = None, expand=None, resid: bool = False) -> None:
+        """Add a site; its views come from the readings (adapters/views.py) and describe themselves."""
+        shared = self._shared_call()
+        if shared is not None and inner is not None:  # (a shared layer's site is already gated on its calls)
+            self.problems[name] = f"{self._what()}: {name} is one call of a module inside a shared layer's sublayer"
+            return
         view = self._view if view is None else view
-        if "time_major" in view:
-            source += "; the module's tensor is time-major (T, B, ...), the site is its (B, T, ...) transpose"
-        if "streams_first" in view and resid:
-            source += "; the residual is several streams first, (n, B, T, d) in the model: the site is (B, T, n, d)"
-        if "trim" in view:
-            source += "; the module runs on more positions than this forward's tokens (padding to an attention " \
-                      "window, or n-gram streams after the main one): the site is the first T, edits leave the rest"
-            stack_module = self.stacks[stack] if stack in self.stacks else self.stacks[self._stack_of(name)]
-        if "prefixed" in view:
-            stack_module = self.stacks[stack] if stack in self.stacks else self.stacks[self._stack_of(name)]
-        trace = None if inner else self._trace  # one chosen call of a module inside the sublayer (inner.py)
+        prefixed, trim = "prefixed" in view, Trim(None, offset=row_offset) if row_offset else None
+        if "trim" in view or prefixed:  # T: the length of this forward's input to the site's stack
+            own = self.stacks[stack] if stack in self.stacks else self.stacks[self._stack_of(name)]
+            trim = Trim(own, last=prefixed, offset=row_offset)
+        trace = None if inner is not None else self._trace  # one chosen call of a module inside the sublayer
         extras = site_extras(module, point, view, self.direct, self._block, trace, row_offset, shape[1] == "T")
         if extras is None:  # a module the block runs more than once, first on other rows: left out
             return
-        note, fields = extras
-        self.sites[name] = Site(name, module, point, shape, stack, source + note, heads, flat_in, scale, plus,
-                                call, block, stack_module, "time_major" in view, part, "trim" in view, expand=expand,
-                                streams_first="streams_first" in view and resid, **fields)
+        readings = Readings(heads=heads, part=part, expand=expand, flat_in=flat_in, plus=plus, scale=scale,
+                            call=inner if shared is None else shared, streams_first="streams_first" in view and resid,
+                            time_major="time_major" in view, trim=trim, **extras)
+        views = site_views(point, readings)
+        notes = "".join(f"; {note}" for v in views if (note := v.describe()))
+        self.sites[name] = Site(name, module, point, shape, stack, source + notes, views)
+
+    def _shared_call(self) -> CallOf | None:
+        """Sites of a block that is one call of a layer run several times per forward: that call."""
+        if self._current is None or self._current[0] is None:
+            return None
+        block, call, stack = self._current
+        return CallOf(block, stack, call, f"call {call} of this shared {type(block).__name__} in each forward")
 
     def _stack_of(self, name: str) -> str:
         head = name.split(".", 1)[0]

@@ -80,7 +80,7 @@ class AttentionSites:
 
         def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
                  flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: str | None = None,
-                 part=None, row_offset: int = 0, inner: bool = False, expand=None, resid: bool = False) -> None: ...
+                 part=None, row_offset: int = 0, inner=None, expand=None, resid: bool = False) -> None: ...
 
     def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,
                        kv_stack: str, trace: Trace, notes: str) -> None:

@@ -27,6 +27,7 @@ from torch import nn
 from conceptlens.adapters.probe import ENCODER_TOKENS, Call, Trace, close, first_tensor
 from conceptlens.adapters.structure import BlockLayout
 from conceptlens.adapters.verify import call_of, submodule
+from conceptlens.adapters.views import with_split_keys
 
 _V_NAMES = ("v_proj", "value", "v", "value_proj", "v_lin")
 
@@ -140,5 +141,5 @@ def add_split_attention(adapter, name: str, attn: nn.Module, call: Call, layout:
         adapter._add(f"{cross}.pattern", attn, "pattern", ("B", "T", call.heads, "S"), stack,
                      f"{merged} the encoder's keys (attn.pattern has the rest)")
     for site in [s for s in adapter.sites.values() if s.module is attn and s.point in ("q", "k", "v", "pattern")]:
-        adapter.sites[site.name] = replace(site, key_layout=kind)
+        adapter.sites[site.name] = replace(site, views=with_split_keys(site.views, kind))
     return call.heads, call.v_head_dim

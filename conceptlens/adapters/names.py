@@ -22,6 +22,7 @@ from typing import Protocol
 
 from torch import nn
 
+from conceptlens.sites.hooked_views import CallOf, Plus
 from conceptlens.sites.site import Site
 
 _BLOCK_NAME = re.compile(r"^((?:encoder|decoder)\.)?blocks\.(-?\d+)\.(.+)$")
@@ -91,10 +92,10 @@ class NameResolver:
         module = self._module(name)
         if module is not None:
             outputs = [s.name for s in self.sites.values() if s.module is module and s.point == "output"
-                       and s.plus is None]  # a summed site is not that module's output alone
+                       and s.find(Plus) is None]  # a summed site is not that module's output alone
             inputs = [s.name for s in self.sites.values() if s.module is module and s.point == "input"]
             found = [n for n in outputs if ".resid_out" in n] or outputs or inputs
-            if any(self.sites[n].call is not None for n in found):
+            if any(self.sites[n].find(CallOf) is not None for n in found):
                 return None  # one shared layer is several blocks: the module path names none of them
             if found:
                 return found[0]
@@ -115,12 +116,12 @@ class NameResolver:
         if module is None:
             return None
         for site in self.sites.values():
-            plus = site.plus if isinstance(site.plus, tuple) else (site.plus,)
-            if site.point == "output" and site.plus is not None and (site.module is module or module in plus):
+            plus = site.find(Plus)
+            if site.point == "output" and plus is not None and (site.module is module or module in plus.others):
                 return (f"no site {name!r}: its output is one part of {site.name}, which is the sum of "
-                        f"{len(plus) + 1} modules' outputs; read or edit {site.name}")
+                        f"{len(plus.others) + 1} modules' outputs; read or edit {site.name}")
         blocks = sorted({s.name.rsplit(".", 1)[0] for s in self.sites.values()
-                         if s.module is module and s.call is not None and s.name.endswith(".resid_out")},
+                         if s.module is module and s.find(CallOf) is not None and s.name.endswith(".resid_out")},
                         key=lambda b: int(b.rsplit(".", 1)[1]))
         if blocks:
             return (f"no site {name!r}: that module is one shared layer run as {len(blocks)} blocks "

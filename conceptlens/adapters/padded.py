@@ -70,31 +70,18 @@ def repeated(module: nn.Module, block: nn.Module | None, trace: Trace, point: st
 
 
 def site_extras(module: nn.Module, point: str, view: str, direct: list[nn.Module], block: nn.Module | None,
-                trace: Trace | None, row_offset: int = 0, own_rows: bool = True) -> tuple[str, dict] | None:
-    """(words for the site's description, Site fields) for the views of this module and the
+                trace: Trace | None, row_offset: int = 0, own_rows: bool = True) -> dict | None:
+    """The readings (adapters/views.py's `Readings` fields) for the views of this module and the
     readings above; None where the site must be left out (a module the block runs more than
     once whose first call is not on the block's rows, or whose site is not on them: `own_rows`
     False, e.g. cross-attention keys of a projection shared with self-attention)."""
-    note, fields = "", {"prefixed": "prefixed" in view}
-    if fields["prefixed"]:
-        note += "; the module also runs on positions the model prepends (prompt tokens): the site is the last T, " \
-                "edits leave the rest"
-    if "channels_first" in view and point in ("input", "output"):
-        note += "; the module's tensor is channels-first (B, C, T), the site is its (B, T, C) transpose"
-        fields["channels_first"] = True
+    fields: dict = {"channels_first": "channels_first" in view and point in ("input", "output")}
     if module in direct and point in ("input", "output"):
-        note += f"; the stack calls {type(module).__name__}.forward directly, so while hooked such calls go " \
-                "through its hooks"
-        fields["routed"] = True
-    if row_offset:
-        note += f"; the module runs on the block's rows with {row_offset} padding rows on both sides: the site " \
-                f"starts {row_offset} rows in"
-        fields["row_offset"] = row_offset
+        fields["routed"] = module
     if trace is not None and point in ("input", "output"):
         again, rows = repeated(module, block, trace, point)
         if again and not ((rows and own_rows) or row_offset):
             return None
         if again:
-            note += "; the block runs it more than once per call: the site is its first call in each"
             fields["first_call_in"] = block
-    return note, fields
+    return fields

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from conceptlens.adapters.probe import Trace, close
 from conceptlens.adapters.structure import BlockLayout, is_norm
-from conceptlens.sites.site import Expansion, spread
+from conceptlens.sites.hooked_views import Expansion, spread
 
 _KINDS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out", "branch_out")
 

@@ -151,6 +151,7 @@ def add_qkv_hook(manager: HookManager, module: nn.Module, which: str, fn: QKVHoo
     hooks = manager.qkv.setdefault(module, [])
     if key_layout:
         manager.key_layouts[module] = key_layout
+    key_layout = manager.key_layouts.get(module, "")  # or as declared by set_key_layout
     if (which in ("k", "v") or key_layout == "stack") and module not in manager.kv_watchers:  # "stack": splits at the cache
         manager.kv_watchers[module] = kv_cache.watch(manager, module, _kv_at_update(manager, module))
     if which in ("k", "v") and shape is not None:
@@ -175,6 +176,19 @@ def add_qkv_hook(manager: HookManager, module: nn.Module, which: str, fn: QKVHoo
             manager.key_layouts.pop(module, None)
         if not manager.qkv and not manager.observers:
             _uninstall_all(manager)
+
+    return Handle(remove)
+
+
+def set_key_layout(manager: HookManager, module: nn.Module, kind: str) -> Handle:
+    """Declare, before adding its hooks, that `module`'s calls attend to their tokens' keys followed
+    by others ("stack" or "appended", as `add_qkv_hook`'s `key_layout`); the declaration goes with
+    the module's last q/k/v hook, or with this handle where none was added."""
+    manager.key_layouts[module] = kind
+
+    def remove() -> None:
+        if not manager.qkv.get(module):
+            manager.key_layouts.pop(module, None)
 
     return Handle(remove)
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 from torch import Tensor, nn
 
-from conceptlens.hooks.handles import Handle, HandleGroup
+from conceptlens.hooks.handles import Handle, HandleGroup, Removable
 
 if TYPE_CHECKING:
     from conceptlens.hooks.manager import HookManager
@@ -51,7 +51,7 @@ def current_call(manager: HookManager, block: nn.Module) -> int | None:
 
 
 def gated_hook(manager: HookManager, block: nn.Module, stack: nn.Module, call: int,
-               fn: Callable[[Tensor], Tensor | None], register: Callable[[Callable], Handle]) -> Handle:
+               fn: Callable[[Tensor], Tensor | None], register: Callable[[Callable], Removable]) -> Handle:
     """Register `register(gated)` where `gated` runs `fn` only during the `call`-th call of
     `block` in each forward of `stack` (and does nothing on its other calls)."""
     counter = manager.counters.get(block)

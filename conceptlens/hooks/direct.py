@@ -1,4 +1,4 @@
-"""Blocks whose stack calls `block.forward(...)` directly, and blocks with channels-first tensors.
+"""Blocks whose stack calls `block.forward(...)` directly (the `Routed` view).
 
 SqueezeBERT's encoder runs `layer.forward(hidden, mask, ...)`, which skips `nn.Module.__call__`,
 so no hook on the layer ever runs. While a hook needs it, `route_through_call(module)` sets an
@@ -9,16 +9,13 @@ e.g. accelerate, is kept and called).
 
     handle = route_through_call(hooks, block)   # block.forward(...) now runs block's hooks
     handle.remove()
-
-`channels_last(fn, heads)` gives `fn` the `(B, T, C)` (or `(B, T, H, d_head)`) view of a
-channels-first `(B, C, T)` tensor and hands its edit back in the module's layout.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
-from torch import Tensor, nn
+from torch import nn
 
 from conceptlens.hooks.handles import Handle, HandleGroup
 
@@ -66,16 +63,3 @@ def route_through_call(manager: HookManager, module: nn.Module) -> Handle:
             manager.routes.pop(module).group.remove()
 
     return Handle(release)
-
-
-def channels_last(fn: Callable[[Tensor], Tensor | None], heads: int | None) -> Callable[[Tensor], Tensor | None]:
-    """`fn` sees the `(B, T, C)` transpose of a `(B, C, T)` tensor (split into `heads` if set);
-    its edit comes back as a contiguous `(B, C, T)` tensor (a null edit has the same values)."""
-    def call(x: Tensor) -> Tensor | None:
-        y = x.transpose(1, 2)
-        new = fn(y.unflatten(-1, (heads, -1)) if heads else y)
-        if new is None:
-            return None
-        return (new.flatten(-2) if heads else new).transpose(1, 2).contiguous()
-
-    return call

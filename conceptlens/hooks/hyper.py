@@ -1,4 +1,4 @@
-"""Hooks for a sublayer output spread over several residual streams (`Site.expand`).
+"""Hooks for a sublayer output spread over several residual streams (the `Expansion` view).
 
 The site's tensor, `(out[..., None, :] * w[..., :, None]).flatten(-2)`, is formed from the
 sublayer's output and the weights its gate returned earlier in the same call, with the same
@@ -12,17 +12,15 @@ hook there sees what earlier edits made of it, and a null edit changes nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 
 from conceptlens.hooks.handles import Handle, HandleGroup
-from conceptlens.sites.site import Expansion, Site, spread
+from conceptlens.sites.hooked_views import Expansion, spread
 
 if TYPE_CHECKING:
     from conceptlens.hooks.manager import HookManager
-
-SiteFn = Callable[[Tensor], Tensor | None]
 
 
 def _first(x):
@@ -87,37 +85,30 @@ class _Writes:
         return type(output)([new, *output[1:]]) if isinstance(output, (tuple, list)) else new
 
 
-def stream_hook(manager: HookManager, site: Site, fn: SiteFn, edit: bool = False) -> Handle:
-    """Register `fn` at a site whose tensor is its module's output spread over the streams."""
-    expand = site.expand
-    if expand is None:
-        raise ValueError(f"{site.name} is not spread over streams (no expansion)")
-    key = (id(expand.gate), id(expand.receiver))  # both live while the state holds `site.expand`
-    states = manager.streams.setdefault(site.module, {})
+class StreamState(Handle):
+    """One hook's share of a (sublayer, expansion)'s state: `site_tensor(out)` and `add(change)`;
+    `remove()` gives it up (the state's hooks go with the last share)."""
+
+    def __init__(self, writes: _Writes, release) -> None:
+        super().__init__(release)
+        self.site_tensor, self.add = writes.site_tensor, writes.add
+
+
+def stream_state(manager: HookManager, module: nn.Module, expand: Expansion) -> StreamState:
+    """The state shared by every hook at `module`'s output spread over the streams by `expand`."""
+    key = (id(expand.gate), id(expand.receiver))  # both live while the state holds `expand`
+    states = manager.streams.setdefault(module, {})
     state = states.get(key)
     if state is None:
-        state = states[key] = _Writes(manager, site.module, expand)
+        state = states[key] = _Writes(manager, module, expand)
     state.refs += 1
 
     def release() -> None:
         state.refs -= 1
-        states = manager.streams.get(site.module, {})
+        states = manager.streams.get(module, {})
         if state.refs == 0 and states.get(key) is state:
             states.pop(key).handles.remove()
             if not states:
-                manager.streams.pop(site.module, None)
+                manager.streams.pop(module, None)
 
-    def hook(module, args, output) -> None:
-        seen = state.site_tensor(_first(output))
-        new = fn(seen)
-        if new is not None:
-            state.add(new - seen)
-
-    group = HandleGroup()
-    group.add(Handle(release))
-    try:
-        group.add(manager.forward_hook(site.module, hook, prepend=edit))
-    except BaseException:
-        group.remove()
-        raise
-    return group
+    return StreamState(state, release)

@@ -12,6 +12,8 @@ import torch
 
 import conceptlens
 from conceptlens.adapters.probe import first_tensor
+from conceptlens.sites.hooked_views import CallOf, Trim
+from conceptlens.sites.views import ChannelsFirst, StreamsFirst, TimeMajor
 from tests.adapters.tiny_configs import build
 from tests.conftest import Batches
 
@@ -135,7 +137,7 @@ def check_model(model, inputs, out, partial: bool = False, ledger: Ledger | None
         if stack in lens.adapter.padded_hidden:  # HF keeps the model's own padding (PEGASUS-X): the tokens are first
             length = inputs["decoder_input_ids" if stack == "decoder" else "input_ids"].shape[1]
             hs = [h[:, :length] if isinstance(h, torch.Tensor) else h for h in hs]
-        if lens.sites[f"{p}embed"].streams_first:  # (n, B, T, d) in HF's list: the sites are (B, T, n, d)
+        if lens.sites[f"{p}embed"].find(StreamsFirst):  # (n, B, T, d) in HF's list: the sites are (B, T, n, d)
             hs = [h.permute(1, 2, 0, 3) if isinstance(h, torch.Tensor) else h for h in hs]
         names = [f"{p}embed"] + [f"{p}blocks.{i}.{k}" for i in range(n)
                                  for k in ("resid_in", "resid_out") + SUBLAYERS
@@ -196,15 +198,16 @@ def check_mlp_post(lens, model, inputs, ledger: Ledger) -> None:
     for name in names:
         site, got = lens.sites[name], acts[name]
         calls = seen[name]
-        raw = calls[site.call if site.call is not None else 0] if calls else None
-        if raw is None or (len(calls) > 1 and site.call is None):
+        call, trim = site.find(CallOf), site.find(Trim)
+        raw = calls[call.call if call is not None else 0] if calls else None
+        if raw is None or (len(calls) > 1 and call is None):
             ledger.skip("mlp.post = down projection's input", f"its module ran {len(calls)} times")
             continue
-        if site.time_major:
+        if site.find(TimeMajor):
             raw = raw.transpose(0, 1)
-        if site.channels_first:  # (B, d, T): Conv1d blocks (SqueezeBERT)
+        if site.find(ChannelsFirst):  # (B, d, T): Conv1d blocks (SqueezeBERT)
             raw = raw.transpose(1, -1)
-        if raw.numel() != got.numel() or site.prefixed or site.row_offset:
+        if raw.numel() != got.numel() or trim is not None and (trim.last and trim.stack is not None or trim.offset):
             ledger.skip("mlp.post = down projection's input", "the module sees other rows than the tokens")
             continue
         assert close(got, raw.reshape(got.shape).float()), f"{name} differs from its down projection's input"

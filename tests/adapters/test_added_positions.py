@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 import conceptlens
+from conceptlens.sites.hooked_views import Trim
 from conceptlens.steering import Add
 from tests.adapters import coverage
 from tests.adapters.tiny_configs import build
@@ -31,7 +32,8 @@ def test_cpmant_sites_are_the_tokens_after_its_prompt():
     finally:
         handle.remove()
     acts = coverage.capture_all(lens, model, inputs, ["embed", "blocks.0.attn_out", "blocks.1.resid_out", "final"])
-    assert lens.site("blocks.0.resid_out").prefixed
+    trim = lens.site("blocks.0.resid_out").find(Trim)
+    assert trim is not None and trim.last
     assert seen["attn"].shape[1] == prompt + 6 and acts["blocks.0.attn_out"].shape == (2, 6, 64)
     assert torch.equal(acts["blocks.0.attn_out"], seen["attn"][:, prompt:])  # the tokens, not the prompt
     assert torch.equal(acts["embed"], out.hidden_states[0])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 import conceptlens
+from conceptlens.sites.hooked_views import CallOf
 from conceptlens.steering import Add
 from tests.adapters import coverage
 from tests.conftest import Batches
@@ -68,7 +69,7 @@ def test_xlnet_attn_out_is_the_second_dropout_call_of_its_relative_attention():
     assert not lens.adapter.problems
     attn = model.transformer.layer[1].rel_attn
     site = lens.site("blocks.1.attn_out")
-    assert site.module is attn.dropout and site.call == 1 and "adds and norms the residual inside itself" in site.source
+    assert site.module is attn.dropout and site.find(CallOf).call == 1 and "adds and norms the residual inside itself" in site.source
     vector = _vector(site.width)
     handle, seen = _manual(attn.dropout, lambda x: x + vector, call=1)  # call 0 drops attention probabilities
     try:

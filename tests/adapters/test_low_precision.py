@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import conceptlens
+from conceptlens.sites.views import Scale
 from conceptlens.steering import Add
 from tests.adapters import coverage
 from tests.adapters.tiny_configs import build
@@ -85,7 +86,7 @@ def test_bfloat16_block_constants_are_the_config_constants():
     model = tf.GraniteForCausalLM._from_config(config, attn_implementation="eager").eval().to(torch.bfloat16)
     lens = conceptlens.attach(model)
     assert not lens.adapter.problems
-    assert lens.site("blocks.0.attn_out").scale == lens.site("blocks.1.mlp_out").scale == 0.22
+    assert lens.site("blocks.0.attn_out").find(Scale).factor == lens.site("blocks.1.mlp_out").find(Scale).factor == 0.22
     inputs = coverage.inputs_for(model)
     names = [f"blocks.0.{k}" for k in ("resid_in", "attn_out", "mlp_out", "resid_out")]
     seen = {}

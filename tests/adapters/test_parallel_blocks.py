@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import conceptlens
+from conceptlens.sites.views import TimeMajor
 from conceptlens.steering import Add
 from tests.adapters import coverage
 from tests.adapters.tiny_configs import build
@@ -49,7 +50,7 @@ def test_time_major_blocks_fsmt():
     assert torch.allclose(change[:, 2], vector.expand(2, 64), atol=1e-5)  # only position 2 of each row
     assert torch.equal(change[:, :2], torch.zeros_like(change[:, :2])) and not change[:, 3:].any()
     decoder_k = [n for n in lens.sites if n.startswith("decoder.") and n.endswith(".attn.k")]
-    assert decoder_k and lens.site(decoder_k[0]).time_major
+    assert decoder_k and lens.site(decoder_k[0]).find(TimeMajor)
 
 
 def test_longformer_sites_are_the_tokens_before_its_window_padding():

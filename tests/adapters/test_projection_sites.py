@@ -16,6 +16,7 @@ from transformers.models.gpt_neox_japanese import modeling_gpt_neox_japanese as 
 import transformers as tf
 
 import conceptlens
+from conceptlens.sites.views import FusedPart
 from conceptlens.steering import Add
 from tests.adapters import coverage
 from tests.adapters.tiny_configs import tiny_config
@@ -130,20 +131,21 @@ def test_edit_one_part_of_a_fused_projection(model_type, which):
     finally:
         handle.remove()
     null, edited, clean = seen[0], seen[1], seen[3]
+    part = site.find(FusedPart).part
     assert torch.equal(null, clean)
     changed = (edited != clean)
-    assert torch.equal(site.part.take(changed), torch.ones_like(site.part.take(changed)))
-    assert int(changed.sum()) == site.part.take(changed).numel()  # nothing outside the part moved
-    assert torch.allclose(site.part.take(edited), site.part.take(clean) + 1.5, atol=1e-6)
+    assert torch.equal(part.take(changed), torch.ones_like(part.take(changed)))
+    assert int(changed.sum()) == part.take(changed).numel()  # nothing outside the part moved
+    assert torch.allclose(part.take(edited), part.take(clean) + 1.5, atol=1e-6)
     # positions 1 on: a shift of every key would cancel in the softmax; of all but the first, it does not
     direction = torch.randn(width, generator=torch.Generator().manual_seed(0))
     with lens.steer(Add(direction, 20.0, site=site.name), positions=slice(1, None)), torch.no_grad():
         steered = model(**inputs).logits
 
     def by_hand(module, args, output):
-        part = site.part.take(output).clone()
-        part[:, 1:] += 20.0 * direction
-        return site.part.put(output, part)
+        cut = part.take(output).clone()
+        cut[:, 1:] += 20.0 * direction
+        return part.put(output, cut)
 
     handle = site.module.register_forward_hook(by_hand)
     try:

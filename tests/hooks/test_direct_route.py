@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from conceptlens.hooks.direct import channels_last, route_through_call
+from conceptlens.hooks.direct import route_through_call
 from conceptlens.hooks.manager import HookManager
+from conceptlens.sites.views import ChannelsFirst, Heads
 
 
 class _Direct(nn.Module):
@@ -51,11 +52,19 @@ def test_an_instance_forward_set_by_someone_else_is_kept_and_called():
     assert calls == [1] and seen == [1] and model.inner.forward is wrapper
 
 
-def test_channels_last_hands_b_t_c_and_puts_edits_back():
+def _through(views, fn):
+    for view in reversed(views):  # the first view is nearest the module, as hook_site composes them
+        fn = view.wrap(fn)
+    return fn
+
+
+def test_channels_first_hands_b_t_c_and_puts_edits_back():
     x = torch.arange(2 * 8 * 3, dtype=torch.float32).view(2, 8, 3)  # (B, C, T)
     got = {}
-    read = channels_last(lambda y: got.update(y=y), heads=2)
+    read = _through((ChannelsFirst(), Heads(2)), lambda y: got.update(y=y))
     assert read(x) is None and torch.equal(got["y"], x.transpose(1, 2).unflatten(-1, (2, 4)))
-    edit = channels_last(lambda y: y + 1, heads=None)
+    both = _through((ChannelsFirst(), Heads(2)), lambda y: y + 1)(x)
+    assert both.is_contiguous() and torch.equal(both, x + 1)
+    edit = _through((ChannelsFirst(),), lambda y: y + 1)
     out = edit(x)
     assert out.is_contiguous() and torch.equal(out, x + 1)

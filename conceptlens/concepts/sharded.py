@@ -22,7 +22,7 @@ Outside a process group (or with one rank) a sharded extractor is the unsharded 
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -82,21 +82,30 @@ class Shards:
         return pick[:, 1].long().to(x.device), pick[:, 0].to(best.dtype).to(x.device)
 
 
-class ShardedKMeans(StreamingKMeans):
+class SplitOverRanks:
+    """Mixin of a sharded extractor: `shards`, the ranks' split of its `config.<_split[0]>` items
+    (`_split[1]` names them), read from the process group at first use (the fit starts the group
+    after the extractors are made)."""
+
+    _split: ClassVar[tuple[str, str]]
+    _shards: Shards | None = None
+    config: Any
+
+    @property
+    def shards(self) -> Shards:
+        if self._shards is None:
+            field, what = self._split
+            self._shards = Shards(getattr(self.config, field), what)
+        return self._shards
+
+
+class ShardedKMeans(SplitOverRanks, StreamingKMeans):
     """`StreamingKMeans` whose centres are split across the ranks (see the module docstring).
 
     Needs the same rows on every rank (`fit(..., distributed=True)` gives them), not per-rank
     rows (`comm` set); `centres`, `mass`, `encode` and `concept_set` gather every shard."""
 
-    _shards: Shards | None = None
-
-    @property
-    def shards(self) -> Shards:
-        """The ranks' split, read from the process group at first use (the fit starts the group
-        after the extractors are made)."""
-        if self._shards is None:
-            self._shards = Shards(self.config.n_concepts, "centres")
-        return self._shards
+    _split = ("n_concepts", "centres")
 
     @property
     def centres(self) -> Tensor:

@@ -31,26 +31,19 @@ from torch import Tensor
 
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.kmeans_math import _unit, kmeans_plusplus, squared_distances
-from conceptlens.concepts.sharded import Shards
+from conceptlens.concepts.sharded import SplitOverRanks
 from conceptlens.concepts.vq import VQCodebook
 from conceptlens.concepts.vq_config import CodebookState, VQStep
 from conceptlens.concepts.vq_math import codes_from_ema, ema_update, fvu_sums, laplace_smooth, sample_nearest
 
 
-class ShardedVQ(VQCodebook):
+class ShardedVQ(SplitOverRanks, VQCodebook):
     """`VQCodebook` whose codes are split across the ranks (see the module docstring).
 
     `codes`, `counts`, `assign`, `encode`, `quantize`, `stats` and `concept_set` are global
     (collectives: every rank calls them); `fitted` holds this rank's shard."""
 
-    _shards: Shards | None = None
-
-    @property
-    def shards(self) -> Shards:
-        """The ranks' split, read from the process group at first use (the fit starts it after the extractors)."""
-        if self._shards is None:
-            self._shards = Shards(self.config.n_codes, "codes")
-        return self._shards
+    _split = ("n_codes", "codes")
 
     @property
     def codes(self) -> Tensor:

@@ -5,6 +5,7 @@ non-trainable tensors (`sae.buffer_dict["threshold"] = t` registers a buffer).
 from __future__ import annotations
 
 from collections.abc import Iterator, MutableMapping
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -32,3 +33,14 @@ class Buffers(MutableMapping[str, Tensor]):
 
     def __len__(self) -> int:
         return sum(v is not None for v in self._module._buffers.values())
+
+
+def merge_warm_up(sae: Any, other: Any) -> None:
+    """Before either SAE has trained (no parameters yet): take `other`'s per-site scales if it
+    finished its warm-up, or pool the warm-up sums of squares if both are still warming up."""
+    if sae.params or other.params or sae.scale is not None or other.d is None:
+        return
+    if other.scale is not None:
+        sae.buffer_dict = {k: v.clone() for k, v in other.buffer_dict.items()}
+    elif "warm_sq" in other.buffer_dict:
+        sae.buffer_dict["warm_sq"] = other.buffer_dict["warm_sq"] + sae.buffer_dict.get("warm_sq", 0)

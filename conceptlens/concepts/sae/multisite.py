@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from conceptlens.concepts.base import NotFittedError
+from conceptlens.concepts.sae.buffers import merge_warm_up
 from conceptlens.concepts.sae.persist import EXTRA, module_layout
 
 if TYPE_CHECKING:  # the mixin always comes before a SparseAutoencoder in the MRO: check it as one
@@ -119,9 +120,5 @@ class MultiSite(_SAE):
             raise ValueError(f"cannot merge sites of widths {other.widths} into sites of widths {self.widths}")
         if self.widths is None:
             self.widths, self.shape = other.widths, other.shape
-        if not self.params and not other.params and self.scale is None and other.d is not None:
-            if other.scale is not None:  # it finished its warm-up: take its scales
-                self.buffer_dict = {k: v.clone() for k, v in other.buffer_dict.items()}
-            elif "warm_sq" in other.buffer_dict:  # both warming up: pool the per-site sums too
-                self.buffer_dict["warm_sq"] = other.buffer_dict["warm_sq"] + self.buffer_dict.get("warm_sq", 0)
+        merge_warm_up(self, other)
         super()._merge(other)

@@ -32,7 +32,7 @@ from torch import Tensor
 from conceptlens.concepts.sae.base import Code
 from conceptlens.concepts.sae.persist import module_layout
 from conceptlens.concepts.sae.topk import TopKSAE
-from conceptlens.concepts.sharded import Shards
+from conceptlens.concepts.sharded import Shards, SplitOverRanks
 
 _SHARDED = MappingProxyType({"W_enc": 1, "b_enc": 0, "W_dec": 0})  # parameter -> the dimension split across ranks
 
@@ -49,18 +49,10 @@ class _SumRanks(torch.autograd.Function):
         return grad, None
 
 
-class ShardedTopKSAE(TopKSAE):
+class ShardedTopKSAE(SplitOverRanks, TopKSAE):
     """`TopKSAE` with its latents sharded across ranks (see the module docstring)."""
 
-    _shards: Shards | None = None
-
-    @property
-    def shards(self) -> Shards:
-        """The ranks' split, read from the process group at first use (the fit starts the group
-        after the extractors are made)."""
-        if self._shards is None:
-            self._shards = Shards(self.config.width, "latents")
-        return self._shards
+    _split = ("width", "latents")
 
     def _init_params(self, x: Tensor) -> dict[str, Tensor]:
         whole = super()._init_params(x)

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.sae.base import Code
+from conceptlens.concepts.sae.buffers import merge_warm_up
 from conceptlens.concepts.sae.persist import EXTRA, module_layout
 from conceptlens.concepts.sae.relu import ReLUConfig, ReLUSAE
 from conceptlens.concepts.sae.stats import geometric_median
@@ -179,11 +180,7 @@ class Transcoder(ReLUSAE):
         if self.d_in is not None and other.d_in is not None and other.d_in != self.d_in:
             raise ValueError(f"cannot merge a transcoder with input width {other.d_in} into one of width {self.d_in}")
         self.d_in = self.d_in if self.d_in is not None else other.d_in
-        if not self.params and not other.params and self.scale is None and other.d is not None:
-            if other.scale is not None:  # it finished its warm-up: take its scales
-                self.buffer_dict = {k: v.clone() for k, v in other.buffer_dict.items()}
-            elif "warm_sq" in other.buffer_dict:  # both warming up: pool the per-side sums too
-                self.buffer_dict["warm_sq"] = other.buffer_dict["warm_sq"] + self.buffer_dict.get("warm_sq", 0)
+        merge_warm_up(self, other)
         super()._merge(other)
 
 

@@ -91,10 +91,10 @@ class ShardedTopKSAE(SplitOverRanks, TopKSAE):
 
     def _penalty(self, x: Tensor, x_hat: Tensor, code: Code, w: dict[str, Tensor]) -> Tensor:
         """AuxK over the dead latents of every shard (the global top k_aux of their pre-activations)."""
-        tracker = self._tracker
+        tracker = self.trainer.tracker
         if self.config.aux_coef == 0 or tracker.none_dead():
             return x.new_zeros(())
-        if self._running.steps % 256 == 0:
+        if self.trainer.running.steps % 256 == 0:
             tracker.refresh()
         dead = tracker.dead()  # (width,) whole on every rank
         k_aux = min(self.config.k_aux or max(x.shape[1] // 2, 1), self.config.width)
@@ -107,16 +107,15 @@ class ShardedTopKSAE(SplitOverRanks, TopKSAE):
         term = self.config.aux_coef * (e - e_hat).pow(2).sum() / var_e * var_x / x.shape[0]
         return torch.where(dead.any(), term, term.new_zeros(()))
 
-    def _apply_gradients(self) -> None:
+    def _reduce_gradients(self) -> None:
         b_dec = self.params["b_dec"]
         if self.shards.comm is not None and b_dec.grad is not None:
             b_dec.grad = self.shards.comm.sum_(b_dec.grad)
-        super()._apply_gradients()
 
-    def _record(self, x: Tensor, x_hat: Tensor, code: Code, loss: Tensor) -> None:
+    def _counted(self, code: Code) -> Code:
         whole = code.z.detach().ne(0).float()
         z = self.shards.gather(whole.T.contiguous()).T if self.shards.comm is not None else whole  # (N, width)
-        super()._record(x, x_hat, Code(z, z), loss)
+        return Code(z, z)
 
     def _raw(self) -> dict[str, Tensor]:
         """The whole raw-space weights, gathered from every shard."""

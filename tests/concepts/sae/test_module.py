@@ -19,7 +19,7 @@ def test_the_trained_tensors_are_parameters_and_buffers_of_the_module():
     assert isinstance(sae, nn.Module)
     assert [n for n, _ in sae.named_parameters()] == ["W_enc", "b_enc", "W_dec", "b_dec"]
     assert dict(sae.named_buffers()).keys() == {"threshold", "threshold_steps"}
-    assert sae._opt.param_groups[0]["params"] == list(sae.parameters())  # Adam steps the module's own
+    assert sae.trainer.optimizer.param_groups[0]["params"] == list(sae.parameters())  # Adam steps the module's own
     state = sae.state_dict()
     assert [k for k in state if k != "_extra_state"] == ["W_enc", "b_enc", "W_dec", "b_dec", "threshold",
                                                          "threshold_steps"]

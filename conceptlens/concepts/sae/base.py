@@ -1,4 +1,4 @@
-"""SparseAutoencoder: the streaming training loop every SAE variant shares.
+"""SparseAutoencoder: the model every SAE variant shares, an `nn.Module` trained by its `SAETrainer`.
 
     sae = TopKSAE(width=4608, k=32, seed=0)     # a variant; d is read from the first batch
     for x in stream:                            # x: (N, d) float32 raw activations
@@ -14,16 +14,13 @@ unit-norm decoder rows (for the linear variants this needs the activation to be 
 homogeneous, which ReLU, TopK and JumpReLU gates are):
     z_raw = z_n / s,  W_enc, W_dec unchanged,  b_enc, b_dec, threshold divided by s.
 
-A variant overrides the encoding (`_activate`) and its loss term (`_penalty`); the module holds
-the model (parameters, buffers, d, scale, the math) and the Extractor protocol, and its
-`SAETrainer` (`sae.trainer`, trainer.py) the training: mixing buffer, warm-up, Adam, distributed
-steps, statistics. `update`, `flush`, `stats` and `merge` hand over to the trainer.
-
-An SAE is an `nn.Module`: its trainable tensors are parameters and its non-trainable ones
-buffers (created at the first step, once d is known), so `named_parameters()`, `.to()`,
-`.cuda()`, `state_dict()` / `load_state_dict()` (the trainer's state rides along as torch's
-`_extra_state`, an `SAEState`), nesting in another module, DDP and `torch.compile` work as they
-do for any module; `sae(x)` is the differentiable raw-space reconstruction.
+A variant overrides the encoding (`_activate`) and its loss term (`_penalty`). The module holds
+the model (parameters and buffers, created at the first step once d is known; d, scale, the math)
+and the Extractor protocol; `sae.trainer` (trainer.py) the mixing buffer, warm-up, Adam,
+distributed steps and statistics, to which `update`, `flush`, `stats` and `merge` hand over.
+`.to()`, `state_dict()` / `load_state_dict()` (the trainer's state rides along as `_extra_state`,
+an `SAEState`), nesting, DDP and `torch.compile` work as for any module; `sae(x)` is the
+differentiable raw-space reconstruction.
 """
 
 from __future__ import annotations
@@ -122,14 +119,11 @@ class SparseAutoencoder(ExtractorBase, TensorModule):
     def _set_scale(self, sum_sq: float, rows: int) -> None:
         """The input scale s with E||s x||^2 = d, from the warm-up's sum of ||x||^2 over `rows` rows."""
         mean_sq = sum_sq / rows
-        if not mean_sq > 0:
-            raise ValueError(f"the first {rows} rows are all zero; cannot normalise their scale")
-        self.scale = (self._width() / mean_sq) ** 0.5
-
-    def _width(self) -> int:
         if self.d is None:
             raise self._not_fitted()
-        return self.d
+        if not mean_sq > 0:
+            raise ValueError(f"the first {rows} rows are all zero; cannot normalise their scale")
+        self.scale = (self.d / mean_sq) ** 0.5
 
     def _normalise(self, x: Tensor) -> Tensor:
         """Raw rows `(B, d)` -> the training space (x times the warm-up scale; SpaDE standardises)."""
@@ -241,17 +235,13 @@ class SparseAutoencoder(ExtractorBase, TensorModule):
                           stats={"firing_frequency": self.trainer.tracker.frequency().cpu()})
 
     def adopt_raw(self, params: dict[str, Tensor], buffers: dict[str, Tensor], d: int) -> None:
-        """Become the SAE of raw-space weights (from a ConceptSet): input scale 1, no optimiser state,
-        so a further `update` starts a fresh Adam."""
+        """Take raw-space weights (a ConceptSet's): scale 1, no optimiser state (`update` starts Adam)."""
         self.params = {k: v.float().clone().requires_grad_(True) for k, v in params.items()}
         self.buffer_dict = buffers
         self.d, self.scale = d, 1.0
         self.trainer.warm = WarmUp(float(d), 1)  # the warm-up that gives scale 1
 
-    # ---- checkpoints and replicas ------------------------------------------------------
-    # state_dict() is nn.Module's: parameters and buffers by name, and under "_extra_state" an
-    # SAEState: the trainer's state (optimiser, buffered rows, RNG, statistics) and the module's
-    # d and scale: enough to resume bit for bit.
+    # ---- checkpoints and replicas: nn.Module's state_dict(), an SAEState as its extra state ----
     def get_extra_state(self) -> dict[str, Any]:
         return self.extra_state().to_dict()
 

@@ -105,10 +105,13 @@ def config_differences(saved: dict[str, Any], mine: dict[str, Any]) -> list[tupl
 
 
 def map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
-    """`fn` applied to every tensor of a nested state (dicts, lists, tuples); RNG states
-    (uint8 tensors) are left alone, since generators live on the CPU."""
+    """`fn` applied to every tensor of a nested state (dicts, lists, tuples, state dataclasses);
+    RNG states (uint8 tensors) are left alone, since generators live on the CPU."""
     if isinstance(obj, Tensor):
         return obj if obj.dtype == torch.uint8 else fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: map_tensors(getattr(obj, f.name), fn)
+                                           for f in dataclasses.fields(obj) if f.init})
     if isinstance(obj, dict):
         return {k: map_tensors(v, fn) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -160,8 +163,9 @@ class ExtractorBase:
         """`x` on this extractor's device (unchanged when it follows its inputs)."""
         return x if self.device is None else x.to(self.device)
 
-    def _placed(self, state: dict[str, Any]) -> dict[str, Any]:
-        """`state` with its tensors on this extractor's device (unchanged when it has none)."""
+    def _placed(self, state: Any) -> Any:
+        """`state` (a dict or a state dataclass) with its tensors on this extractor's device
+        (unchanged when it has none)."""
         return state if self.device is None else map_tensors(state, lambda t: t.to(self.device))
 
     # ---- config -------------------------------------------------------------------------

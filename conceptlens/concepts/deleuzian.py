@@ -194,13 +194,9 @@ class Deleuzian(ExtractorBase):
 
     def update(self, x: Tensor) -> None:
         """Consume activations x `(N, d)`."""
-        if x.ndim != 2:
-            raise ValueError(f"update expects x of shape (N, d); got {tuple(x.shape)}")
-        if self.d is None:
-            self.d = x.shape[1]
-            self._reference = self._place(x.new_zeros(self.config.reference_size, self.d, dtype=self._storage))
-        elif x.shape[1] != self.d:
-            raise ValueError(f"this Deleuzian was fitted on width d={self.d}; got width {x.shape[1]}")
+        self._check_width(x)
+        if self._reference is None:  # the first rows
+            self._reference = self._place(x.new_zeros(self.config.reference_size, x.shape[1], dtype=self._storage))
         x = self._place(x.detach()).to(self._storage)
         self.n_seen = reservoir_update(self._reference, self.n_seen, x, self._gen)
         self.buffer.add(x)

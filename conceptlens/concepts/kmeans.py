@@ -14,7 +14,6 @@ rate, applied to a whole batch at once).
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,7 +40,7 @@ class StreamingKMeans(ExtractorBase):
     buffering initialises a copy on what it has, leaving the object itself unchanged.
     """
 
-    Config = KMeansConfig
+    Config, State = KMeansConfig, KMeansState
     method = "kmeans"
 
     @known_kwargs
@@ -114,12 +113,7 @@ class StreamingKMeans(ExtractorBase):
         self._steps(x, w, shared=True)  # distributed: these rows are the same on every rank
 
     def _check(self, x: Tensor, weight: Tensor | None, validate: bool = True) -> tuple[Tensor, Tensor]:
-        if x.ndim != 2:
-            raise ValueError(f"update expects x of shape (N, d); got {tuple(x.shape)}")
-        if self.d is None:
-            self.d = x.shape[1]
-        elif x.shape[1] != self.d:
-            raise ValueError(f"this StreamingKMeans was fitted on width d={self.d}; got width {x.shape[1]}")
+        self._check_width(x)
         x = self._place(x.detach())
         x = (_unit(x.float()) if self.config.spherical else x).to(self.compute_dtype)  # rows in the compute dtype
         if weight is None:
@@ -280,10 +274,3 @@ class StreamingKMeans(ExtractorBase):
         self._pending = None if state.pending is None else (state.pending[0].clone(), state.pending[1].clone())
         self._gen.set_state(state.generator)
         self._idle_bound = int(self._idle.max()) if self._idle.numel() else 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.state().to_dict(self.config_dict())
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.check_state(state)
-        self.load_state(KMeansState.from_dict(state))

@@ -259,7 +259,7 @@ class CLVQTranscoder(ExtractorBase):
 
     def load_state(self, state: CLVQState) -> None:
         """Continue from `state` (copied, on this extractor's device when it has one)."""
-        state = self._placed(state)
+        state = copy.deepcopy(self._placed(state))  # Adam would keep (and count on) the given step tensors
         self.vq.load_state(state.vq)
         self.steps = state.steps
         if self._mixer is not None:
@@ -272,9 +272,7 @@ class CLVQTranscoder(ExtractorBase):
         parts.encoder.load_state_dict(saved.encoder)
         parts.decoder.load_state_dict(saved.decoder)
         parts.optimizer.load_state_dict(saved.optimizer)
-        parts.pending = [p.clone() for p in saved.pending]
-        parts.fvu = saved.fvu.clone()
-        parts.scales = {k: v.clone() for k, v in saved.scales.items()}
+        parts.pending, parts.fvu, parts.scales = saved.pending, saved.fvu, saved.scales
 
     def state_dict(self) -> dict[str, Any]:
         return self.state().to_dict(self.config_dict(), self.vq.config_dict())

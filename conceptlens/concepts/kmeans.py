@@ -76,13 +76,14 @@ class StreamingKMeans(ExtractorBase):
         """Total weight `(k,)` each centre has received (float64)."""
         return self._fitted()._mass
 
-    def update(self, x: Tensor, weight: Tensor | None = None) -> None:
-        """Consume rows x `(N, d)` with optional non-negative weights `(N,)` (default 1)."""
-        self._update(*self._check(x, weight))
+    def update(self, x: Tensor, weight: Tensor | None = None, *, validate: bool = True) -> None:
+        """Consume rows x `(N, d)` with optional non-negative weights `(N,)` (default 1).
+        `validate=False` skips the check of the weights, a host read of the device, for
+        weights valid by construction (Deleuzian's, every block)."""
+        self._update(*self._check(x, weight, validate))
 
     def _update(self, x: Tensor, weight: Tensor) -> None:
-        """`update` on rows and weights already through `_check` (Deleuzian's weights are valid
-        by construction: it skips their check, a host read of the device every block)."""
+        """`update` on rows and weights already through `_check`."""
         if self.comm is not None and self._centres is None:  # every rank buffers the same rows
             x, weight = self._gather(x, weight)
         self.n_seen += x.shape[0]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conceptlens.concepts import ConceptSet
-from tests.concepts.data.old_states import CASES, CUT, FIT, TEXTS, feed, fit_state, make, stream, written
+from tests.concepts.data.old_states import CASES, CUT, FIT, TEXTS, feed, fit_state, make, merged, stream, written
 from tests.conftest import assert_same_state
 
 V1 = Path(__file__).parent / "data" / "v1"
@@ -48,6 +48,12 @@ def test_an_old_checkpoint_loads_exactly_and_resumes_to_its_result(case):
     assert_close_state({k: got[k] for k in ("directions", "encoder", "state")},
                        {k: want[k] for k in ("directions", "encoder", "state")})
     assert got["stats"] == pytest.approx(want["stats"], rel=1e-4, abs=1e-6, nan_ok=True)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not c.startswith("sharded")])
+def test_replicas_of_an_old_checkpoint_merge_as_the_old_code_merged_them(case):
+    saved = torch.load(V1 / f"{case}.pt", weights_only=True)
+    assert_close_state(merged(case, saved["state"]), saved["merged"])
 
 
 def test_an_old_fit_checkpoint_resumes():

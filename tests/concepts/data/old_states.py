@@ -5,12 +5,13 @@ that later code still reads them and continues to the same result (tests/concept
     cd /work/main && python tests/concepts/data/old_states.py tests/concepts/data/v1
 
 writes `v1/<case>.pt` (the state after the first chunks; the concept set, statistics and state
-after the rest), `v1/vq_set/` (the codebook's saved ConceptSet) and `v1/fit_checkpoint.pt` (a
+after the rest; the state of two replicas of the first state, fed the rest, merged), `v1/vq_set/` (the codebook's saved ConceptSet) and `v1/fit_checkpoint.pt` (a
 fit checkpoint holding a k-means, a codebook and a Deleuzian, as `FitState.save` writes it).
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -82,6 +83,20 @@ def _numbers(stats) -> list[float]:
     return [x for v in stats for x in (_numbers(v) if isinstance(v, tuple) else [float(v)])]
 
 
+def merged(case: str, state: dict) -> dict:
+    """Two replicas of `state` (a shared start), each fed half of the later chunks, merged."""
+    chunks = stream(case)[CUT:]
+    a, b = make(case), make(case)
+    a.load_state_dict(copy.deepcopy(state))  # (b2b0d37's CLVQ kept Adam's step counters of the dict it loaded)
+    b.load_state_dict(copy.deepcopy(state))
+    if hasattr(a, "mark_shared_start"):
+        a.mark_shared_start()
+        b.mark_shared_start()
+    feed(a, chunks[::2])
+    a.merge(feed(b, chunks[1::2]))
+    return a.state_dict()
+
+
 def fit_state(extractors: dict):
     """A `FitState` over `extractors` as a fit makes one (a fixed fingerprint: no model)."""
     from conceptlens.checkpoint import FitState
@@ -99,7 +114,8 @@ def main(out: Path) -> None:
         first = feed(make(case), chunks[:CUT])
         state = first.state_dict()
         later = feed(first, chunks[CUT:])
-        torch.save({"state": state, "after": written(later)}, out / f"{case}.pt")
+        merge = None if case.startswith("sharded") else merged(case, state)
+        torch.save({"state": state, "after": written(later), "merged": merge}, out / f"{case}.pt")
         if case == "vq":
             later.concept_set().save(out / "vq_set")
     run = fit_state({case: feed(make(case), stream(case)[:CUT]) for case in FIT})

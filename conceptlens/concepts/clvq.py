@@ -262,7 +262,7 @@ class CLVQTranscoder(ExtractorBase):
         state = copy.deepcopy(self._placed(state))  # Adam would keep (and count on) the given step tensors
         self.vq.load_state(state.vq)
         self.steps = state.steps
-        if self._mixer is not None:
+        if self._mixer is not None and state.mixer is not None:  # (a state without one leaves it as it is)
             self._mixer.load_state_dict(state.mixer)
         saved = state.parts
         if saved is None:

@@ -37,16 +37,16 @@ class PaperFit(NamedTuple):
     """(k,) float64 total weight of each cluster"""
 
 
-def skewness_with_endpoints(reference: Tensor, diff: Tensor, p_a: Tensor | None, p_b: Tensor | None, n_total: int,
-                            exact: bool = False, chunk_elements: int = 1 << 25) -> Tensor:
+def skewness_with_endpoints(reference: Tensor, diff: Tensor, p_a: Tensor | None, p_b: Tensor | None,
+                            n_total: int, exact: bool = False, chunk_elements: int = 1 << 25) -> Tensor:
     """Skewness `(M,)` of p_j = d . x_j over n_total samples, as the released code computes it:
     mean(((p - mean p) / (std_pop p + 1e-20))^3).
 
     `reference` `(R, d)` stands for the n_total - 2 samples other than each difference's
     endpoints, whose projections `p_a`, `p_b` `(M,)` enter exactly; with `exact` (the reference
-    IS every sample, endpoints included) the reference alone is used (`p_a`, `p_b` may be None). The `(R, M)` projections
-    are formed in column chunks of about `chunk_elements` entries, so memory stays bounded
-    when every sample is kept (R = M = 65536 would otherwise need 34 GB in float64).
+    IS every sample, endpoints included) the reference alone is used (`p_a`, `p_b` may be None).
+    The `(R, M)` projections are formed in column chunks of about `chunk_elements` entries, so
+    memory stays bounded when every sample is kept (R = M = 65536 would otherwise need 34 GB in float64).
     """
     step = max(1, chunk_elements // max(reference.shape[0], 1))
     ref = reference.double()

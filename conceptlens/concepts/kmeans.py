@@ -27,8 +27,9 @@ from conceptlens.concepts.kmeans_math import (_unit, apply_step, batched_seeds, 
                                               weighted_lloyd)
 from conceptlens.concepts.conceptset import ConceptSet
 
-__all__ = ["KMeansConfig", "KMeansState", "KMeansStats", "StreamingKMeans", "apply_step", "batched_seeds", "kmeans_plusplus",
-           "mass_weighted_mean", "minibatch_step", "nearest", "squared_distances", "step_statistics", "weighted_lloyd"]
+__all__ = ["KMeansConfig", "KMeansState", "KMeansStats", "StreamingKMeans", "apply_step", "batched_seeds",
+           "kmeans_plusplus", "mass_weighted_mean", "minibatch_step", "nearest", "squared_distances", "step_statistics",
+           "weighted_lloyd"]
 
 class StreamingKMeans(ExtractorBase):
     distributed = "step"
@@ -68,13 +69,13 @@ class StreamingKMeans(ExtractorBase):
     @property
     def centres(self) -> Tensor:
         """The centres `(k, d)`; unit vectors when spherical."""
-        c = self._fitted()._live()
+        c = self._fitted()[0]
         return _unit(c) if self.config.spherical else c
 
     @property
     def mass(self) -> Tensor:
         """Total weight `(k,)` each centre has received (float64)."""
-        return self._fitted()._mass
+        return self._fitted()[1]
 
     def update(self, x: Tensor, weight: Tensor | None = None, *, validate: bool = True) -> None:
         """Consume rows x `(N, d)` with optional non-negative weights `(N,)` (default 1).
@@ -191,14 +192,18 @@ class StreamingKMeans(ExtractorBase):
             raise NotFittedError("StreamingKMeans is not initialised yet; call update(x) or flush() first")
         return self._centres
 
-    def _fitted(self) -> StreamingKMeans:
+    def _fitted(self) -> tuple[Tensor, Tensor]:
+        """The centres `(k, d)` and masses `(k,)`; of a copy initialised on the rows buffered so far
+        when k-means++ has not run yet (the object itself unchanged)."""
         if self._centres is not None:
-            return self
+            return self._centres, self._mass
         if self._pending is None:
             raise NotFittedError("StreamingKMeans has seen no data yet; call update(x) first")
         twin = type(self).from_state(self.state_dict())
         twin.flush()
-        return twin
+        state = twin.state()
+        assert state.centres is not None  # flush() ran k-means++ on the buffered rows
+        return state.centres, state.mass
 
     def encode(self, x: Tensor) -> Tensor:
         """Concept activations `(N, k)`: -|x - c|^2, or cos(x, c) when spherical."""
@@ -256,15 +261,17 @@ class StreamingKMeans(ExtractorBase):
             self._steps(*pending)
 
     def concept_set(self) -> ConceptSet:
-        fitted = self._fitted()
-        return ConceptSet(fitted.centres, method=self.method, config=asdict(self.config),
-                          stats={"mass": fitted.mass.float()}, mean=mass_weighted_mean(fitted.centres, fitted.mass))
+        centres, mass = self._fitted()
+        centres = _unit(centres) if self.config.spherical else centres
+        return ConceptSet(centres, method=self.method, config=asdict(self.config), stats={"mass": mass.float()},
+                          mean=mass_weighted_mean(centres, mass))
 
     def state(self) -> KMeansState:
         """A copy of everything a checkpoint or a merge needs."""
         pending = None if self._pending is None else (self._pending[0].clone(), self._pending[1].clone())
-        return KMeansState(self.d, None if self._centres is None else self._centres.clone(), self._mass.clone(),
-                           self._idle.clone(), pending, self.n_seen, self.n_reseeded, self.n_steps, self._gen.get_state())
+        centres = None if self._centres is None else self._centres.clone()
+        return KMeansState(self.d, centres, self._mass.clone(), self._idle.clone(), pending, self.n_seen,
+                           self.n_reseeded, self.n_steps, self._gen.get_state())
 
     def load_state(self, state: KMeansState) -> None:
         """Continue from `state` (copied, on this extractor's device when it has one)."""

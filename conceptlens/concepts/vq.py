@@ -283,7 +283,7 @@ class VQCodebook(ExtractorBase):
         self.d, self.fitted, self._pending, self._origin = state.d, state.fitted, state.pending, state.origin
         self._init_calls, self.steps, self.tokens = state.init_calls, state.steps, state.tokens
         self._gen.set_state(state.generator)
-        if self._mixer is not None:
+        if self._mixer is not None and state.mixer is not None:  # (a state without one leaves it as it is)
             self._mixer.load_state_dict(state.mixer)
 
     def _merge(self, other: VQCodebook) -> None:

@@ -2,11 +2,13 @@
 dataclasses (commit b2b0d37), and what that code produced after resuming from them: the test
 that later code still reads them and continues to the same result (tests/concepts/test_old_states.py).
 
-    cd /work/main && python tests/concepts/data/old_states.py tests/concepts/data/v1
+    git archive b2b0d37 | tar -x -C old && cp -r tests/concepts/data old/tests/concepts/
+    cd old && python tests/concepts/data/old_states.py v1       # then copy v1/ here
 
 writes `v1/<case>.pt` (the state after the first chunks; the concept set, statistics and state
-after the rest; the state of two replicas of the first state, fed the rest, merged), `v1/vq_set/` (the codebook's saved ConceptSet) and `v1/fit_checkpoint.pt` (a
-fit checkpoint holding a k-means, a codebook and a Deleuzian, as `FitState.save` writes it).
+after the rest; the state of two replicas of the first state, fed the rest, merged),
+`v1/vq_set/` (the codebook's saved ConceptSet) and `v1/fit_checkpoint.pt` (a fit checkpoint
+holding a k-means, a codebook and a Deleuzian, as `FitState.save` writes it).
 """
 
 from __future__ import annotations

@@ -136,10 +136,7 @@ class ShardedKMeans(SplitOverRanks, StreamingKMeans):
 
     def _state(self) -> tuple[Tensor, Tensor]:
         """This rank's centres and masses (fitted)."""
-        fitted = self._fitted()
-        if fitted._centres is None:
-            raise ValueError("ShardedKMeans has no centres yet: update it with rows first")
-        return fitted._centres, fitted._mass
+        return self._fitted()
 
     def _step(self, x: Tensor, w: Tensor, synced: bool = False) -> None:
         centres, _ = self._state()

@@ -71,3 +71,25 @@ def sharded_body(comm, out: Path, resume_at: int | None = None) -> dict:
         feed(km, ae, slice(resume_at, None), books)
     rows = (km.state_dict()["centres"].shape[0], ae.params["W_dec"].shape[0], books["vq"].fitted.codes.shape[0])
     return {**outcome(km, ae, books), "shard_rows": rows, "dead_steps": ae.stats().steps}
+
+
+def init_body(comm, out: Path, width: int, d: int) -> dict:
+    """A ShardedTopKSAE's initial parameters, and the most numbers any tensor made while drawing them held."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            sizes = [t.numel() for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+            self.numel = max([self.numel, *sizes])
+            return result
+
+    sae = ShardedTopKSAE(width=width, k=4, seed=7)
+    x = torch.randn(64, d, generator=torch.Generator().manual_seed(1))
+    with Largest() as seen:
+        params = sae._init_params(x)
+    return {"params": params, "largest": seen.numel, "slice": (sae.shards.lo, sae.shards.hi),
+            "after": torch.rand(4, generator=sae._gen)}

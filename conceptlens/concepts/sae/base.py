@@ -260,12 +260,16 @@ class SparseAutoencoder(ExtractorBase, nn.Module):
     def _init_params(self, x: Tensor) -> dict[str, Tensor]:
         """Initial parameters from the first normalised batch `x` `(B, d)`: tied W_enc = W_dec^T."""
         width, d = self.config.width, x.shape[1]
-        W_dec = torch.randn(width, d, generator=self._gen)
+        W_dec = self._init_rows(width, d)  # (width, d); a sharded SAE draws only its rows
         W_dec /= W_dec.norm(dim=1, keepdim=True)
         init = self.config.b_dec_init
         b_dec = (geometric_median(x) if init == "geometric_median" else x.mean(0) if init == "mean"
                  else torch.zeros(d))
-        return {"W_enc": W_dec.T.clone(), "b_enc": torch.zeros(width), "W_dec": W_dec, "b_dec": b_dec.cpu()}
+        return {"W_enc": W_dec.T.clone(), "b_enc": torch.zeros(len(W_dec)), "W_dec": W_dec, "b_dec": b_dec.cpu()}
+
+    def _init_rows(self, width: int, d: int) -> Tensor:
+        """The initial decoder rows `(width, d)`, before normalisation (standard normal)."""
+        return torch.randn(width, d, generator=self._gen)
 
     def _weights(self) -> dict[str, Tensor]:
         """The weights the encoding uses, derived from `params` and `buffers` (differentiable)."""

@@ -15,9 +15,10 @@ and W_dec's rows (with their Adam moments); b_dec is whole on every rank. One st
 - the firing counts of every shard are all-gathered, so the dead-latent records (width
   int64s) and the statistics are whole and the same on every rank.
 Adam and the decoder-row constraint act per latent, so the shard's updates equal one
-process's. The parameters are initialised whole on every rank (the same generator as one
-process) and sliced: the steady state is 1/W of the dictionary per rank, the first step is
-not. `concept_set()` and `encode()` gather every shard (collectives: every rank calls them).
+process's. Each rank draws only its rows of one process's initial decoder (`randn_rows`: the
+same generator stream, the other rows dropped block by block), so a rank never holds more than
+about 2/W of the decoder, at the first step as after it. `concept_set()` and `encode()` gather
+every shard (collectives: every rank calls them).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from torch import Tensor
 from conceptlens.concepts.sae.base import Code
 from conceptlens.concepts.sae.persist import module_layout
 from conceptlens.concepts.sae.topk import TopKSAE
-from conceptlens.concepts.sharded import Shards, SplitOverRanks
+from conceptlens.concepts.sharded import Shards, SplitOverRanks, randn_rows
 
 _SHARDED = MappingProxyType({"W_enc": 1, "b_enc": 0, "W_dec": 0})  # parameter -> the dimension split across ranks
 
@@ -54,10 +55,9 @@ class ShardedTopKSAE(SplitOverRanks, TopKSAE):
 
     _split = ("width", "latents")
 
-    def _init_params(self, x: Tensor) -> dict[str, Tensor]:
-        whole = super()._init_params(x)
-        lo, hi = self.shards.lo, self.shards.hi
-        return {k: v.narrow(_SHARDED[k], lo, hi - lo).clone() if k in _SHARDED else v for k, v in whole.items()}
+    def _init_rows(self, width: int, d: int) -> Tensor:
+        """This shard's rows of one process's initial decoder (drawn from the same generator stream)."""
+        return randn_rows(width, d, self.shards.lo, self.shards.hi, self._gen)  # (width/W, d)
 
     def _global_topk(self, pre: Tensor, k: int) -> Tensor:
         """`(N, width/W)` mask of this shard's latents among each row's global top k of `pre`."""

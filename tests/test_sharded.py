@@ -58,6 +58,21 @@ def test_each_rank_draws_only_its_slice_of_the_initial_sae(tmp_path, width, d):
         assert torch.equal(r["after"], after)
 
 
+def test_sharded_sae_step_takes_three_collectives_and_equals_one_process(tmp_path):
+    """3 ranks (41 latents: shards of 14, 14 and 13): every step, AuxK or not, is one all-gather of
+    the top-k candidates, one all-reduce of the partial reconstructions and firing counts and one
+    of b_dec's gradient; the SAE equals one unsharded process's."""
+    codes, results, _ = W.spawn(S.traffic_body, 3, tmp_path)
+    assert codes == [0, 0, 0], results
+    alone = S.sae(False)
+    for x in W.sae_batches():
+        alone.update(x)
+    for r in results:
+        assert r["steps"] == alone.stats().steps and 0 < r["aux_steps"] < r["steps"]
+        assert r["collectives"] == 3 * r["steps"]
+        assert_close_state(r["outcome"], S.sae_outcome(alone))
+
+
 @pytest.mark.parametrize("n, d", [(41, 3), (1000, 7), (17, 1), (5, 3), (100, 33)])
 def test_randn_rows_is_a_slice_of_one_draw(n, d):
     """`randn_rows` gives rows [lo, hi) of one `torch.randn(n, d)` draw bit for bit and leaves the

@@ -288,7 +288,7 @@ class DistributedRun:
                 mine = comm.gather_rows_on(acts[site][:n_rows], rows, readers[0])
             else:
                 mine = comm.gather_rows(acts[site][:n_rows], rows)
-            if self.reads(site):
+            if mine is not None and self.reads(site):
                 gathered[site] = _take(mine, order)
         every = None
         if with_ids:

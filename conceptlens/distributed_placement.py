@@ -6,11 +6,12 @@ The rows of a step are the same on every rank, so an extractor not sharded would
 times to the same result: it is updated on one rank, the i-th in name order on rank
 W - 1 - i % W (rank 0, which also writes the files, gets the fewest), and its state reaches
 the other ranks at a checkpoint (on rank 0, `fill_ranks`) and at the end of the fit (`share`,
-one broadcast each), so the ranks end identical. The rows of a site read only by extractors of
-one rank go to that rank alone (`readers`), which alone filters them; the row filter's state
-of each site is taken from its first reader at a checkpoint and at the end (`merge_rows`). A sharded extractor (one with a `shards`
+one broadcast each), so the ranks end identical. A sharded extractor (one with a `shards`
 split: `ShardedKMeans`, `ShardedVQ`, `ShardedTopKSAE`) is updated on every rank, each on its
 slice; so is one without `state_dict` and `load_state_dict` (its state could not travel).
+The rows of a site read only by extractors of one rank go to that rank alone (`readers`),
+which alone filters them; the row filter's state of each site is taken from its first reader
+at a checkpoint and at the end (`first_reads`, `merge_rows`).
 """
 
 from __future__ import annotations

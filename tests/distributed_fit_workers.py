@@ -90,8 +90,9 @@ def routed_fit(batch_size: int, distributed: bool, run_dir: str | None = None) -
     lens = conceptlens.attach(tiny_model("llama"), CharTokenizer())
     extractors = {"blocks.0.resid_out": StreamingKMeans(3, init_size=60, seed=1),
                   "blocks.1.resid_out": StreamingKMeans(3, init_size=60, seed=2)}
-    report = lens.fit(extractors, CORPUS, batch_size=batch_size, max_length=24, progress=False, filters=EQUAL_FILTERS,
-                      distributed=distributed, checkpoint_dir=run_dir, checkpoint_every=None if run_dir is None else 400)
+    report = lens.fit(extractors, CORPUS, batch_size=batch_size, max_length=24, progress=False,
+                      filters=EQUAL_FILTERS, distributed=distributed, checkpoint_dir=run_dir,
+                      checkpoint_every=None if run_dir is None else 400)
     return {"states": {k: e.state_dict() for k, e in extractors.items()}, "rows": report.rows, "tokens": report.tokens}
 
 

@@ -142,7 +142,10 @@ class ShardedTopKSAE(SplitOverRanks, TopKSAE):
     def _record(self, x: Tensor, x_hat: Tensor, code: Code, loss: Tensor) -> None:
         # every shard's firing counts (summed in `_forward`) as the nonzeros of a sparse code,
         # which the base counts per latent: `counts[i]` ones at latent i
-        latents = torch.repeat_interleave(torch.arange(self.config.width, device=self._fired.device), self._fired)
+        fired = self._fired
+        if fired is None:
+            raise RuntimeError("ShardedTopKSAE._record runs after _forward, which sums the firing counts")
+        latents = torch.repeat_interleave(torch.arange(self.config.width, device=fired.device), fired)
         ones = torch.ones(latents.shape, device=latents.device)
         super()._record(x, x_hat, Code(code.z, code.pre, Active(ones, latents, latents[:0])), loss)
 

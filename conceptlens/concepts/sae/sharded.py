@@ -154,7 +154,8 @@ class ShardedTopKSAE(SplitOverRanks, TopKSAE):
         raw = super()._raw()
         if self.shards.comm is None:
             return raw
-        return {k: self.shards.gather(v.transpose(0, _SHARDED[k]).contiguous()).transpose(0, _SHARDED[k])
+        sizes = self.shards.sizes  # every shard's latents: no collective for the sizes
+        return {k: self.shards.gather(v.transpose(0, _SHARDED[k]).contiguous(), sizes).transpose(0, _SHARDED[k])
                 if k in _SHARDED else v for k, v in raw.items()}
 
     def _merge(self, other: Any) -> None:

@@ -299,12 +299,12 @@ class DistributedRun:
         return GlobalStep(gathered, where[order, 0], where[order, 1], int(head[:, 2].sum()),
                           int(head[:, 3].sum()), every)
 
-    def place(self, extractors: dict[str, Any], keys: dict[str, Any] | None = None) -> None:
+    def place(self, extractors: dict[str, Any], sites: dict[str, tuple[str, ...]] | None = None) -> None:
         """Decide which rank updates each extractor (`distributed_placement.owners`) and, given
-        each one's key (a site or sites), which ranks read each site (the others never receive
-        its rows nor filter them)."""
+        the sites each one reads, which ranks read each site (the others never receive its
+        rows nor filter them)."""
         self.owners = owners(extractors, self.comm.world)
-        self.readers = readers(self.owners, keys or {}, self.comm.world)
+        self.readers = readers(self.owners, sites or {}, self.comm.world)
 
     def updates(self, name: str) -> bool:
         """Whether this rank updates extractor `name`."""

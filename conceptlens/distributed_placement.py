@@ -55,15 +55,13 @@ def fill_ranks(states: list[dict[str, Any]], owned: dict[str, int | None]) -> li
                                      for name, owner in owned.items()}} for rank, state in enumerate(states)]
 
 
-def readers(owned: dict[str, int | None], keys: dict[str, Any], world: int) -> dict[str, list[int] | None]:
-    """Site -> the ranks that update an extractor reading it (None: every rank). `keys`: extractor
-    name -> its key (a site, or a tuple of sites or of groups of sites)."""
-    from conceptlens.fit_keys import key_sites
-
+def readers(owned: dict[str, int | None], sites: dict[str, tuple[str, ...]], world: int) -> dict[str, list[int] | None]:
+    """Site -> the ranks that update an extractor reading it (None: every rank). `sites`: extractor
+    name -> the sites it reads."""
     out: dict[str, set[int] | None] = {}
-    for name, key in keys.items():
+    for name, read in sites.items():
         owner = owned.get(name)
-        for site in key_sites(key):
+        for site in read:
             ranks = out.setdefault(site, set())
             out[site] = None if owner is None or ranks is None else ranks | {owner}
     return {site: None if ranks is None or len(ranks) == world else sorted(ranks) for site, ranks in out.items()}

@@ -171,7 +171,8 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
     state = FitState(RowFilter(config.filters), plan.extractors, fit_fingerprint(lens.model, plan.extractors, batching))
     run = state.run = DistributedRun.start() if config.distributed else None
     if run is not None:
-        run.place(plan.extractors, plan.keys)  # an extractor not sharded is updated on one rank, shared at the end
+        # an extractor not sharded is updated on one rank, shared at the end; its sites go to that rank
+        run.place(plan.extractors, {name: key_sites(key) for name, key in plan.keys.items()})
     checkpoint = Path(config.checkpoint_dir) / CHECKPOINT if config.checkpoint_dir else None
     texts = datasets.iter_texts(data)
     if run is not None:  # the ranks agree on model, data, extractors and options before any step

@@ -171,7 +171,8 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
     state = FitState(RowFilter(config.filters), plan.extractors, fit_fingerprint(lens.model, plan.extractors, batching))
     run = state.run = DistributedRun.start() if config.distributed else None
     if run is not None:
-        run.place(plan.extractors)  # an extractor not sharded is updated on one rank, shared at the end
+        # an extractor not sharded is updated on one rank, shared at the end; its sites go to that rank
+        run.place(plan.extractors, {name: key_sites(key) for name, key in plan.keys.items()})
     checkpoint = Path(config.checkpoint_dir) / CHECKPOINT if config.checkpoint_dir else None
     texts = datasets.iter_texts(data)
     if run is not None:  # the ranks agree on model, data, extractors and options before any step
@@ -212,7 +213,7 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
         if callable(flush) and (run is None or run.updates(name)):
             flush()
     if run is not None:
-        run.share(plan.extractors)
+        run.share(plan.extractors, state.row_filter)
     return _report(lens, plan, state, resumed_from, time.perf_counter() - start, config)
 
 
@@ -282,7 +283,7 @@ def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: 
         acts, meta, n_tokens, first_doc, ids = step.acts, step, step.tokens, step.first_doc, step.ids
         if n_tokens == 0:
             return 0
-    keep = {site: state.row_filter(site, acts[site], meta.position) for site in plan.sites}
+    keep = {site: state.row_filter(site, acts[site], meta.position) for site in plan.sites if site in acts}
     for name, extractor in plan.extractors.items():
         if run is not None and not run.updates(name):
             continue  # another rank updates it (see DistributedRun.place)

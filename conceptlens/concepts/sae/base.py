@@ -14,13 +14,11 @@ unit-norm decoder rows (for the linear variants this needs the activation to be 
 homogeneous, which ReLU, TopK and JumpReLU gates are):
     z_raw = z_n / s,  W_enc, W_dec unchanged,  b_enc, b_dec, threshold divided by s.
 
-A variant overrides the encoding (`_activate`) and its loss term (`_penalty`). The module holds
-the model (parameters and buffers, created at the first step once d is known; d, scale, the math)
-and the Extractor protocol; `sae.trainer` (trainer.py) the mixing buffer, warm-up, Adam,
-distributed steps and statistics, to which `update`, `flush`, `stats` and `merge` hand over.
-`.to()`, `state_dict()` / `load_state_dict()` (the trainer's state rides along as `_extra_state`,
-an `SAEState`), nesting, DDP and `torch.compile` work as for any module; `sae(x)` is the
-differentiable raw-space reconstruction.
+A variant overrides `_activate` and `_penalty`. The module holds the model (parameters and
+buffers, made at the first step once d is known; d, scale, the math) and the Extractor protocol;
+`sae.trainer` (trainer.py: mixing buffer, warm-up, Adam, distributed steps, statistics) does
+`update`, `flush`, `stats` and `merge`. `.to()`, `state_dict()` (the trainer's state rides along as
+`_extra_state`, an `SAEState`), DDP and `torch.compile` work; `sae(x)` reconstructs in raw space.
 """
 
 from __future__ import annotations
@@ -139,12 +137,16 @@ class SparseAutoencoder(ExtractorBase, TensorModule):
     def _init_params(self, x: Tensor) -> dict[str, Tensor]:
         """Initial parameters from the first normalised batch `x` `(B, d)`: tied W_enc = W_dec^T."""
         width, d = self.config.width, x.shape[1]
-        W_dec = torch.randn(width, d, generator=self.trainer.generator)
+        W_dec = self._init_rows(width, d)  # (width, d); a sharded SAE draws only its rows
         W_dec /= W_dec.norm(dim=1, keepdim=True)
         init = self.config.b_dec_init
         b_dec = (geometric_median(x) if init == "geometric_median" else x.mean(0) if init == "mean"
                  else torch.zeros(d))
-        return {"W_enc": W_dec.T.clone(), "b_enc": torch.zeros(width), "W_dec": W_dec, "b_dec": b_dec.cpu()}
+        return {"W_enc": W_dec.T.clone(), "b_enc": torch.zeros(len(W_dec)), "W_dec": W_dec, "b_dec": b_dec.cpu()}
+
+    def _init_rows(self, width: int, d: int) -> Tensor:
+        """The initial decoder rows `(width, d)`, before normalisation (standard normal)."""
+        return torch.randn(width, d, generator=self.trainer.generator)
 
     def _forward(self, x: Tensor, w: dict[str, Tensor]) -> tuple[Tensor, Code, Tensor]:
         """The target, the code and its reconstruction for a normalised batch (a transcoder

@@ -11,11 +11,11 @@ probe forward on a few tokens against the model's own `output_hidden_states` (`v
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 
 from torch import nn
 
 from conceptlens.adapters import families, residual
+from conceptlens.adapters.block_view import BlockView, as_hidden, block_view, resid_shape
 from conceptlens.adapters.depth import again_note, later_reads
 from conceptlens.adapters.attention_sites import AttentionSites, in_width
 from conceptlens.adapters.keys import relayout
@@ -26,33 +26,19 @@ from conceptlens.adapters.probe import Trace, run_probe
 from conceptlens.hooks.manager import HookManager
 from conceptlens.adapters.repeated import final_after, final_by_input, only_list, same_class, unroll
 from conceptlens.adapters.site_notes import attention_notes
-from conceptlens.adapters.stacks import (after_candidates, expected_layers, final_norm_candidates, find_block_list,
-                                         find_stacks, parallel_blocks)
+from conceptlens.adapters.stacks import (StackPaths, after_candidates, block_list, expected_layers,
+                                         final_norm_candidates, find_block_list, find_stacks, get_path, parallel_blocks)
 from conceptlens.adapters.stream_writes import site_shape, stream_writes
 from conceptlens.adapters.structure import BlockLayout, children_summary, mlp_container, recognise
 from conceptlens.adapters.sublayers import extend, more_attention, out_projection, plus_modules
 from conceptlens.adapters.repair import repair
-from conceptlens.adapters.verify import as_hidden, block_view, check_stack, refine
+from conceptlens.adapters.verify import check_stack, refine
 from conceptlens.adapters.verify import submodule as _get
 from conceptlens.adapters.views import Readings, site_views
 from conceptlens.sites.hooked_views import CallOf, Trim
 from conceptlens.sites.site import Site
 
 _OUT_KINDS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out", "branch_out")
-
-
-def get_path(root: nn.Module, path: str) -> nn.Module:
-    """`root.get_submodule(path)`, also accepting negative indices into ModuleLists."""
-    module = root
-    for part in path.split(".") if path else []:
-        module = module[int(part)] if part.lstrip("-").isdigit() else getattr(module, part)
-    return module
-
-
-@dataclass(frozen=True)
-class StackPaths:
-    stacks: dict[str, str]
-    """Stack prefix ("" for single-stack models) -> path of the stack from the base model."""
 
 
 class Adapter(AttentionSites):
@@ -63,7 +49,7 @@ class Adapter(AttentionSites):
     _trace: Trace | None = None
     _final_call: dict[str, int]
     _final_note: dict[str, str]
-    _view = ""
+    _view = BlockView()
 
     def __init__(self, model: nn.Module, *, verify: bool = True, hooks: HookManager | None = None) -> None:
         self.model = model
@@ -144,24 +130,24 @@ class Adapter(AttentionSites):
         if path is None:
             raise ValueError(f"cannot find the list of blocks in {type(stack).__name__} ({self._what()}): "
                              "no ModuleList of layers")
-        blocks = list(get_path(stack, path))
+        blocks = block_list(stack, path)
         if all(recognise(b) is None for b in blocks):  # groups of layers (ALBERT's layer groups)
-            inner = [only_list(b) for b in blocks]
-            if all(inner):
-                blocks = [m for group in inner for m in group]
+            groups = [group for b in blocks if (group := only_list(b)) is not None]
+            if len(groups) == len(blocks):
+                blocks = [m for group in groups for m in group]
             elif (synth := parallel_blocks(stack, path)) is not None:  # XLM: one ModuleList per sublayer
                 blocks = [b for b, _, _ in synth]
                 self._io.update({b: (first, last) for b, first, last in synth})
-        layouts = []
-        for i, block in enumerate(blocks):
-            lay = recognise(block)
-            if lay is None:
-                raise ValueError(f"cannot recognise the layout of {type(block).__name__} (block {i} of "
-                                 f"{self._what()}; children: {children_summary(block)}): no attention, mixer "
-                                 "or MLP module found")
-            layouts.append(lay)
         self._block_paths[prefix] = path
-        self.blocks[prefix], self.layouts[prefix] = blocks, layouts
+        self.blocks[prefix], self.layouts[prefix] = blocks, [self._recognise(b, i) for i, b in enumerate(blocks)]
+
+    def _recognise(self, block: nn.Module, i: int) -> BlockLayout:
+        lay = recognise(block)
+        if lay is None:
+            raise ValueError(f"cannot recognise the layout of {type(block).__name__} (block {i} of "
+                             f"{self._what()}; children: {children_summary(block)}): no attention, mixer "
+                             "or MLP module found")
+        return lay
 
     def _add_same_class(self, trace: Trace) -> bool:
         changed = False
@@ -169,7 +155,8 @@ class Adapter(AttentionSites):
             more = same_class(blocks, self.stacks[prefix], trace, trace.hidden.get(prefix))
             if more:
                 self.blocks[prefix] = blocks + more
-                self.layouts[prefix] = self.layouts[prefix] + [recognise(m) for m in more]
+                self.layouts[prefix] = self.layouts[prefix] + [self._recognise(m, i) for i, m in
+                                                               enumerate(more, len(blocks))]
                 changed = True
         return changed
 
@@ -179,7 +166,7 @@ class Adapter(AttentionSites):
         if found is None:
             return None
         self.blocks[prefix], calls = found
-        self.layouts[prefix] = [recognise(m) for m in self.blocks[prefix]]
+        self.layouts[prefix] = [self._recognise(m, i) for i, m in enumerate(self.blocks[prefix])]
         return calls
 
     def _last_output(self, prefix: str, trace: Trace):
@@ -202,19 +189,16 @@ class Adapter(AttentionSites):
     def _add_stack(self, prefix: str, final: nn.Module | None, trace: Trace) -> None:
         p = f"{prefix}." if prefix else ""
         blocks = self.blocks[prefix]
-        x0 = as_hidden(trace.inputs[blocks[0]], self._view, 1) if blocks[0] in trace.inputs else None
-        streams = x0 is not None and x0.ndim == 4 and x0.shape[0] == 1  # (B, T, n, d) on the probe's one row (HY-V4)
-        resid = ("B", "T", *(int(s) for s in x0.shape[2:])) if streams else \
-            ("B", "T", int(x0.shape[-1]) if x0 is not None else self._hidden_size())
-        if self._view == "streams_first":  # (n, B, T, d) in the model: sites are its (B, T, n, d) permutation
-            resid = ("B", "T", int(x0.shape[0]), int(x0.shape[-1]))
+        x0 = as_hidden(trace.inputs.get(blocks[0]), self._view, 1)
+        resid = resid_shape(x0, self._view) if x0 is not None else ("B", "T", self._hidden_size())
         calls, again = self.calls.get(prefix), later_reads(blocks, trace)
         self._trace = trace
         for i, (block, lay) in enumerate(zip(blocks, self.layouts[prefix])):
             self._current, self._block = (block, calls[i], self.stacks[prefix]) if calls else None, block
             self._add_block(prefix, i, block, lay, trace, resid, again)
         k = self._final_call.get(prefix)
-        self._current, self._block = (final, k, self.stacks[prefix]) if k is not None else None, None
+        self._current = (final, k, self.stacks[prefix]) if final is not None and k is not None else None
+        self._block = None
         if final is not None:
             note, out = self._final_note.get(prefix), trace.io(final, k)[1]
             shape = ("B", "T", int(out.shape[-1])) if out is not None and out.ndim == 3 else resid  # streams merged
@@ -248,9 +232,10 @@ class Adapter(AttentionSites):
                   resid=True)
         self._add_sublayers(prefix, b, i, block, lay, trace, resid, (problem, scales, plus, spread), e)
         notes, more = attention_notes(self.config, i, _get(block, lay.attn)), more_attention(block, lay, trace)
-        self._add_attention(f"{b}.attn", block, lay.attn, lay.attn_z or (more and out_projection(block, lay.attn)),
-                            prefix, prefix, trace,
-                            "; ".join(filter(None, (notes, more and f"the block's attention sublayer {lay.attn}"))))
+        z_path = lay.attn_z or (out_projection(block, lay.attn) if more else None)
+        sublayer = f"the block's attention sublayer {lay.attn}" if more else ""
+        self._add_attention(f"{b}.attn", block, lay.attn, z_path, prefix, prefix, trace,
+                            "; ".join(filter(None, (notes, sublayer))))
         for j, path in enumerate(more, 1):  # further attention sublayers: attn_1, ...
             self._add_attention(f"{b}.attn_{j}", block, path, out_projection(block, path), prefix, prefix, trace,
                                 "; ".join(filter(None, (notes, f"the block's attention sublayer {path}"))))
@@ -296,7 +281,7 @@ class Adapter(AttentionSites):
         return int(getattr(text, "hidden_size", None) or getattr(text, "d_model"))
 
     def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
-             flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: str | None = None,
+             flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: BlockView | None = None,
              part=None, row_offset: int = 0, inner: CallOf | None = None, expand=None, resid: bool = False) -> None:
         """Add a site; its views come from the readings (adapters/views.py) and describe themselves."""
         shared = self._shared_call()
@@ -304,24 +289,25 @@ class Adapter(AttentionSites):
             self.problems[name] = f"{self._what()}: {name} is one call of a module inside a shared layer's sublayer"
             return
         view = self._view if view is None else view
-        prefixed, trim = "prefixed" in view, Trim(None, offset=row_offset) if row_offset else None
-        if "trim" in view or prefixed:  # T: the length of this forward's input to the site's stack
+        trim = Trim(None, offset=row_offset) if row_offset else None
+        if view.added != "none":  # T: the length of this forward's input to the site's stack
             own = self.stacks[stack] if stack in self.stacks else self.stacks[self._stack_of(name)]
-            trim = Trim(own, last=prefixed, offset=row_offset)
+            trim = Trim(own, last=view.added == "before", offset=row_offset)
         trace = None if inner is not None else self._trace  # one chosen call of a module inside the sublayer
-        extras = site_extras(module, point, view, self.direct, self._block, trace, row_offset, shape[1] == "T")
+        extras = site_extras(module, point, view.channels_first, self.direct, self._block, trace, row_offset,
+                             shape[1] == "T")
         if extras is None:  # a module the block runs more than once, first on other rows: left out
             return
         readings = Readings(heads=heads, part=part, expand=expand, flat_in=flat_in, plus=plus, scale=scale,
-                            call=inner if shared is None else shared, streams_first="streams_first" in view and resid,
-                            time_major="time_major" in view, trim=trim, **extras)
+                            call=inner if shared is None else shared, streams_first=view.streams_first and resid,
+                            time_major=view.time_major, trim=trim, **extras)
         views = site_views(point, readings)
         notes = "".join(f"; {note}" for v in views if (note := v.describe()))
         self.sites[name] = Site(name, module, point, shape, stack, source + notes, views)
 
     def _shared_call(self) -> CallOf | None:
         """Sites of a block that is one call of a layer run several times per forward: that call."""
-        if self._current is None or self._current[0] is None:
+        if self._current is None:
             return None
         block, call, stack = self._current
         return CallOf(block, stack, call, f"call {call} of this shared {type(block).__name__} in each forward")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from conceptlens.adapters.block_view import BlockView
 from conceptlens.adapters.probe import Trace, close
 from conceptlens.adapters.structure import recognise
 
@@ -99,7 +100,7 @@ def final_after(last, hidden: tuple | None, pool: list[nn.Module], trace: Trace)
     return None, ""
 
 
-def projection_view(view: str, block: nn.Module, proj: nn.Module, trace: Trace) -> str | None:
+def projection_view(view: BlockView, block: nn.Module, proj: nn.Module, trace: Trace) -> BlockView | None:
     """The block's view, with time-major toggled where the projection runs on the transpose of
     the block's rows (Longformer's attention); None when its rows are neither."""
     x, y = trace.inputs.get(block), trace.outputs.get(proj)
@@ -108,5 +109,5 @@ def projection_view(view: str, block: nn.Module, proj: nn.Module, trace: Trace) 
     if y.shape[:2] == x.shape[:2]:
         return view
     if y.shape[:2] == (x.shape[1], x.shape[0]):
-        return " ".join(sorted(set(view.split()) ^ {"time_major"}))
+        return view.transposed()
     return None

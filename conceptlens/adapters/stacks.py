@@ -7,10 +7,37 @@ model, or an encoder / decoder); `structure.py` recognises the layout inside eac
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from torch import nn
 
 from conceptlens.adapters.structure import _get, _kind, is_norm
+
+
+@dataclass(frozen=True)
+class StackPaths:
+    stacks: dict[str, str]
+    """Stack prefix ("" for single-stack models) -> path of the stack from the base model."""
+
+
+def get_path(root: nn.Module, path: str) -> nn.Module:
+    """`root.get_submodule(path)`, also accepting negative indices into ModuleLists."""
+    module = root
+    for part in path.split(".") if path else []:
+        if part.lstrip("-").isdigit() and isinstance(module, (nn.ModuleList, nn.Sequential)):
+            module = module[int(part)]
+        else:
+            module = getattr(module, part)
+    return module
+
+
+def block_list(stack: nn.Module, path: str) -> list[nn.Module]:
+    """The blocks of the ModuleList at `path` (`find_block_list`'s)."""
+    found = get_path(stack, path)
+    if not isinstance(found, nn.ModuleList):
+        raise ValueError(f"the block list {path!r} of {type(stack).__name__} is a {type(found).__name__}, "
+                        "not a ModuleList")
+    return list(found)
 
 
 def find_stacks(model: nn.Module) -> dict[str, str]:

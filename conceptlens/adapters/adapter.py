@@ -24,17 +24,18 @@ from conceptlens.adapters.names import NameResolver
 from conceptlens.adapters.padded import centre_offset, cut_padded, site_extras
 from conceptlens.adapters.probe import Trace, run_probe
 from conceptlens.hooks.manager import HookManager
-from conceptlens.adapters.repeated import final_after, final_by_input, only_list, same_class, unroll
+from conceptlens.adapters.repeated import Final, find_final, only_list, same_class, unroll
 from conceptlens.adapters.site_notes import attention_notes
 from conceptlens.adapters.stacks import (StackPaths, after_candidates, block_list, expected_layers,
-                                         final_norm_candidates, find_block_list, find_stacks, get_path, parallel_blocks)
+                                         final_norm_candidates, find_block_list, find_stacks, get_path, hidden_size,
+                                         norms_beside, parallel_blocks, parallel_records)
 from conceptlens.adapters.stream_writes import site_shape, stream_writes
 from conceptlens.adapters.structure import BlockLayout, children_summary, mlp_container, recognise
 from conceptlens.adapters.sublayers import extend, more_attention, out_projection, plus_modules
 from conceptlens.adapters.repair import repair
 from conceptlens.adapters.verify import check_stack, refine
 from conceptlens.adapters.verify import submodule as _get
-from conceptlens.adapters.views import Readings, site_views
+from conceptlens.adapters.readings import Readings, site_views
 from conceptlens.sites.hooked_views import CallOf, Trim
 from conceptlens.sites.site import Site
 
@@ -47,8 +48,6 @@ class Adapter(AttentionSites):
     _current: tuple[nn.Module, int, nn.Module] | None = None
     _block: nn.Module | None = None
     _trace: Trace | None = None
-    _final_call: dict[str, int]
-    _final_note: dict[str, str]
     _view = BlockView()
 
     def __init__(self, model: nn.Module, *, verify: bool = True, hooks: HookManager | None = None) -> None:
@@ -79,19 +78,10 @@ class Adapter(AttentionSites):
         self.direct, trace = reprobe_direct(hooks, self.blocks, trace,  # blocks whose forward the stack calls directly
                                             lambda: run_probe(hooks, self.blocks, extra, self.stacks))
         if self._add_same_class(trace):  # looped stacks of one layer class (HRM's two modules): probe again
-            for p, stack in self.stacks.items():
-                names = {m: n for n, m in stack.named_modules()}
-                for path in dict.fromkeys(names[b].rpartition(".")[0] for b in self.blocks[p] if b in names):
-                    finals[p] += [m for c in final_norm_candidates(stack, path) if (m := get_path(stack, c))
-                                  not in finals[p]]
+            finals = {p: norms_beside(stack, self.blocks[p], finals[p]) for p, stack in self.stacks.items()}
             extra = [m for ms in (*finals.values(), *afters.values()) for m in ms]
             trace = run_probe(hooks, self.blocks, extra, self.stacks)
-        self._final_call, self._final_note = {}, {}
-        for block, (first, last) in self._io.items():  # a block made of parallel lists: its first and last module
-            for record, module in ((trace.inputs, first), (trace.outputs, last)):
-                if module in record:
-                    record[block] = record[module]
-            trace.calls[block] = trace.calls.get(first, 0)
+        parallel_records(trace, self._io)
         self.calls: dict[str, list[int] | None] = {p: self._unroll(p, trace) for p in self.stacks}
         """Stack -> for each block, which call of its module it is (None: every block is its own module)."""
         self.sites: dict[str, Site] = {}
@@ -102,17 +92,16 @@ class Adapter(AttentionSites):
         self.padded_hidden = cut_padded(trace)
         """Stacks whose HF hidden states keep padding the model adds (PEGASUS-X): sites are their first T."""
         for prefix in self.stacks:
-            final = self._final(prefix, finals[prefix], trace) or self._final_after(prefix, finals[prefix] +
-                                                                                  afters[prefix], trace)
+            final = find_final(self._last_output(prefix, trace), finals[prefix], afters[prefix],
+                               trace.hidden.get(prefix), trace)
             for block, lay in zip(self.blocks[prefix], self.layouts[prefix]):
                 refine(block, lay, trace)
                 relayout(block, lay, trace, prefix)
                 for key, path in families.LAYOUT.get(self.model_type, {}).items():
                     setattr(lay, key, path)
             self._view = block_view(self.blocks[prefix][0], trace, trace.hidden.get(prefix))
-            self.hidden_offset[prefix] = check_stack(prefix, self.blocks[prefix], final, trace, self._what(),
-                                                     self.calls[prefix], self._final_call.get(prefix),
-                                                     self._view) if verify else 1
+            self.hidden_offset[prefix] = check_stack(prefix, self.blocks[prefix], final.module, trace, self._what(),
+                                                     self.calls[prefix], final.call, self._view) if verify else 1
             self._add_stack(prefix, final, trace)
 
     @property
@@ -174,36 +163,25 @@ class Adapter(AttentionSites):
         last = trace.io(self.blocks[prefix][-1], calls[-1] if calls else None)[1]
         return last[:, :trace.lengths[prefix]] if prefix in self.padded_hidden and last is not None else last
 
-    def _final(self, prefix: str, candidates: list[nn.Module], trace: Trace) -> nn.Module | None:
-        module, call = final_by_input(self._last_output(prefix, trace), candidates, trace)
-        if call is not None:
-            self._final_call[prefix] = call
-        return module
-
-    def _final_after(self, prefix: str, pool: list[nn.Module], trace: Trace) -> nn.Module | None:
-        module, note = final_after(self._last_output(prefix, trace), trace.hidden.get(prefix), pool, trace)
-        if module is not None:
-            self._final_note[prefix] = note
-        return module
-
-    def _add_stack(self, prefix: str, final: nn.Module | None, trace: Trace) -> None:
+    def _add_stack(self, prefix: str, final: Final, trace: Trace) -> None:
         p = f"{prefix}." if prefix else ""
         blocks = self.blocks[prefix]
         x0 = as_hidden(trace.inputs.get(blocks[0]), self._view, 1)
-        resid = resid_shape(x0, self._view) if x0 is not None else ("B", "T", self._hidden_size())
+        resid = resid_shape(x0, self._view) if x0 is not None else ("B", "T", hidden_size(self.config))
         calls, again = self.calls.get(prefix), later_reads(blocks, trace)
         self._trace = trace
         for i, (block, lay) in enumerate(zip(blocks, self.layouts[prefix])):
             self._current, self._block = (block, calls[i], self.stacks[prefix]) if calls else None, block
             self._add_block(prefix, i, block, lay, trace, resid, again)
-        k = self._final_call.get(prefix)
-        self._current = (final, k, self.stacks[prefix]) if final is not None and k is not None else None
+        module, k, note = final.module, final.call, final.note
+        self._current = (module, k, self.stacks[prefix]) if module is not None and k is not None else None
         self._block = None
-        if final is not None:
-            note, out = self._final_note.get(prefix), trace.io(final, k)[1]
+        if module is not None:
+            out = trace.io(module, k)[1]
             shape = ("B", "T", int(out.shape[-1])) if out is not None and out.ndim == 3 else resid  # streams merged
-            self._add(f"{p}final", final, "output", shape, prefix, f"output of the final norm ({type(final).__name__})"
-                      if note is None else f"output of {type(final).__name__}, the stack's last hidden state; {note}")
+            cls = type(module).__name__
+            self._add(f"{p}final", module, "output", shape, prefix, f"output of the final norm ({cls})"
+                      if note is None else f"output of {cls}, the stack's last hidden state; {note}")
         self._current = None
 
     def _add_block(self, prefix: str, i: int, block: nn.Module, lay: BlockLayout, trace: Trace, resid: tuple,
@@ -230,7 +208,7 @@ class Adapter(AttentionSites):
                   again_note(i, again, p), resid=True)
         self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}{eq}",
                   resid=True)
-        self._add_sublayers(prefix, b, i, block, lay, trace, resid, (problem, scales, plus, spread), e)
+        self._add_sublayers(prefix, b, i, block, lay, trace, resid, (problem, scales, plus, spread))
         notes, more = attention_notes(self.config, i, _get(block, lay.attn)), more_attention(block, lay, trace)
         z_path = lay.attn_z or (out_projection(block, lay.attn) if more else None)
         sublayer = f"the block's attention sublayer {lay.attn}" if more else ""
@@ -250,7 +228,7 @@ class Adapter(AttentionSites):
                       f"input of {mlp} ({type(module).__name__}): what the MLP reads (a transcoder's source)")
 
     def _add_sublayers(self, prefix: str, b: str, i: int, block: nn.Module, lay: BlockLayout, trace: Trace,
-                       resid: tuple, readings: tuple, e: str) -> None:
+                       resid: tuple, readings: tuple) -> None:
         """attn_out, mlp_out, ...: each sublayer's contribution, as `repair` and the residual rules read it."""
         problem, scales, plus, spread = readings
         for kind in _OUT_KINDS:
@@ -262,11 +240,7 @@ class Adapter(AttentionSites):
                 continue
             module = block.get_submodule(path)
             scale = scales.get(kind, 1.0) if scales is not None else 1.0
-            note = lay.notes.get(kind) or ("what it adds to the residual" if lay.additive else "")
-            note += f"; the block does not add its input: {e}" if lay.resid_coef == 0.0 and not scales else ""
-            if scales:
-                note = (lay.notes.get(kind, "") + "; " if kind in lay.notes else "") + \
-                    f"times {residual.fmt(scale)}, the block's scaling of it: {residual.added(lay, kind)}"
+            note = residual.sublayer_note(lay, kind, scales, scale)
             shape = site_shape(resid, module, trace, bool(spread) and kind in spread)
             self._add(f"{b}.{kind}", module, "output", shape, prefix,
                       f"output of {path} ({type(module).__name__})" + (f"; {note}" if note else ""),
@@ -276,14 +250,10 @@ class Adapter(AttentionSites):
                       inner=CallOf(module, block.get_submodule(lay.inner_calls[kind][1]), lay.inner_calls[kind][0])
                       if kind in lay.inner_calls else None)  # one call of a module inside the sublayer (inner.py)
 
-    def _hidden_size(self) -> int:
-        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
-        return int(getattr(text, "hidden_size", None) or getattr(text, "d_model"))
-
     def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
              flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: BlockView | None = None,
              part=None, row_offset: int = 0, inner: CallOf | None = None, expand=None, resid: bool = False) -> None:
-        """Add a site; its views come from the readings (adapters/views.py) and describe themselves."""
+        """Add a site; its views come from the readings (adapters/readings.py) and describe themselves."""
         shared = self._shared_call()
         if shared is not None and inner is not None:  # (a shared layer's site is already gated on its calls)
             self.problems[name] = f"{self._what()}: {name} is one call of a module inside a shared layer's sublayer"

@@ -68,9 +68,9 @@ def repeated(module: nn.Module, block: nn.Module | None, trace: Trace, point: st
     return True, first_call_rows_match(module, block, trace, point)
 
 
-def site_extras(module: nn.Module, point: str, channels_first: bool, direct: list[nn.Module],
-                block: nn.Module | None, trace: Trace | None, row_offset: int = 0, own_rows: bool = True) -> dict | None:
-    """The readings (adapters/views.py's `Readings` fields) for the views of this module and the
+def site_extras(module: nn.Module, point: str, channels_first: bool, direct: list[nn.Module], block: nn.Module | None,
+                trace: Trace | None, row_offset: int = 0, own_rows: bool = True) -> dict | None:
+    """The readings (adapters/readings.py's `Readings` fields) for the views of this module and the
     readings above; None where the site must be left out (a module the block runs more than
     once whose first call is not on the block's rows, or whose site is not on them: `own_rows`
     False, e.g. cross-attention keys of a projection shared with self-attention)."""

@@ -23,6 +23,8 @@ Pure functions over the probe trace, used by `Adapter`:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -98,6 +100,26 @@ def final_after(last, hidden: tuple | None, pool: list[nn.Module], trace: Trace)
                     close(trace.outputs.get(second), target):
                 return second, f"it reads the output of {type(first).__name__}, which reads the last block's output"
     return None, ""
+
+
+@dataclass(frozen=True)
+class Final:
+    """A stack's `final` site: its module (None: none found), which call of it (None: its only
+    one) and, where no norm reads the last block's output, how the module was found."""
+
+    module: nn.Module | None
+    call: int | None = None
+    note: str | None = None
+
+
+def find_final(last, norms: list[nn.Module], after: list[nn.Module], hidden: tuple | None, trace: Trace) -> Final:
+    """The norm whose input is the last block's output `last`, else the module of the norms and
+    the modules `after` the blocks that gives HF's last hidden state (`final_after`)."""
+    module, call = final_by_input(last, norms, trace)
+    if module is not None:
+        return Final(module, call)
+    module, note = final_after(last, hidden, norms + after, trace)
+    return Final(module, None, note if module is not None else None)
 
 
 def projection_view(view: BlockView, block: nn.Module, proj: nn.Module, trace: Trace) -> BlockView | None:

@@ -26,7 +26,6 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator, Mapping, NamedTuple
 
-import torch
 from torch import Tensor
 
 from conceptlens import interrupts, runlock
@@ -37,8 +36,8 @@ from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.devices import input_device
 from conceptlens.distributed import DistributedRun
 from conceptlens.distributed_checks import fingerprint as rank_fingerprint
-from conceptlens.filters import FilterConfig, RowFilter  # noqa: F401 (FilterConfig: callers take it from here)
-from conceptlens.fit_config import FitConfig, fit_config
+from conceptlens.filters import FilterConfig, RowFilter  # noqa: F401 (FilterConfig and fit_config: imported from here)
+from conceptlens.fit_config import FitConfig, fit_config  # noqa: F401
 from conceptlens.fit_keys import Key, Plan, folder, key_name, key_sites, plan_extractors, where
 from conceptlens.interface import AttachedModel
 

@@ -9,8 +9,7 @@ are all-gathered and put back in document order. Every rank then runs the single
 step (row filter, extractor updates) on the same global rows, so the row filter and every
 extractor equal one process's, whatever the extractor. A site whose extractors are all updated
 on one rank (below) is gathered to that rank alone, which alone filters it. The forward is
-divided W ways, and so
-are the extractors: each one not sharded is updated on one rank only (`DistributedRun.place`;
+divided W ways, and so are the extractors: each one not sharded is updated on one rank only (`DistributedRun.place`;
 the others would repeat the same work) and its state is broadcast to every rank at the end,
 so the ranks end identical; a sharded one (`ShardedKMeans`, ...) is updated on every rank,
 each on its own slice. The ranks advance in lockstep: each batch starts with a "who still has data"

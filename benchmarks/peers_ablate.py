@@ -4,8 +4,9 @@
 
 Same rows, batches and interleaved timing as `peers.py` (FVU only, no CE). Variants: ours
 at its default Adam lr (2e-4 sqrt(16384 / width)) and at 4x / 10x / 25x it, ours with a mean
-b_dec; sparsify at its default (schedule-free SignSGD), evaluated at its training weights
-instead of the schedule-free average, and with plain Adam at our default lr.
+b_dec, ours at 10x lr with the encoder started at sparsify's scale (1/sqrt(3) of the
+decoder's); sparsify at its default (schedule-free SignSGD), evaluated at its training weights
+instead of the schedule-free average, and with plain Adam at our default lr and at 10x it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ from peers import compare
 def variants(d: int, width: int, k: int, batch: int) -> dict[str, object]:
     from conceptlens.concepts.sae import TopKSAE
 
+    class SmallEncoderTopK(TopKSAE):
+        """Encoder rows started at sparsify's scale: nn.Linear's U(+-1/sqrt(d)) rows have norm ~1/sqrt(3)."""
+
+        def _init_params(self, x):  # type: ignore[no-untyped-def]
+            params = super()._init_params(x)
+            params["W_enc"] = params["W_enc"] / 3 ** 0.5
+            return params
+
     lr = 2e-4 * math.sqrt(16384 / width)
 
     def sparsify(adam_lr: float | None = None, average: bool = True) -> Trainer:
@@ -35,10 +44,12 @@ def variants(d: int, width: int, k: int, batch: int) -> dict[str, object]:
         "ours-lr4x": lambda: Ours(TopKSAE, d, width, k, batch, lr=4 * lr),
         "ours-lr10x": lambda: Ours(TopKSAE, d, width, k, batch, lr=10 * lr),
         "ours-lr25x": lambda: Ours(TopKSAE, d, width, k, batch, lr=25 * lr),
+        "ours-lr10x-small-enc": lambda: Ours(SmallEncoderTopK, d, width, k, batch, lr=10 * lr),
         "ours-mean-bdec": lambda: Ours(TopKSAE, d, width, k, batch, b_dec_init="mean"),
         "sparsify": lambda: sparsify(),
         "sparsify-no-average": lambda: sparsify(average=False),
         "sparsify-adam": lambda: sparsify(adam_lr=lr),
+        "sparsify-adam10x": lambda: sparsify(adam_lr=10 * lr),
     }
 
 

@@ -6,7 +6,7 @@ The train split of all four bundled sets (bbc-news, movie-polarity, wsj-pos,
 conll2010-uncertainty: about 1.09M tokens) is cut into windows of at most `--window` tokens;
 the model runs in bf16 by default (about 2x faster here than fp32; rows differ from an fp32
 capture by about 1% of their norm); each window is one sequence, its position 0 (the attention sink), padding, and rows over 10x
-the batch's median norm dropped. Rows are written as float16 shards of about 65k rows under
+the batch's median norm dropped. Rows are written as float16 shards of about 33k rows under
 `--cache` (default $CONCEPTLENS_PEERS_CACHE or /work/cache/peers-rows; never the repository),
 so an interrupted capture resumes at the next unwritten shard. `load_rows` reads them back
 shuffled with a fixed seed.
@@ -24,8 +24,9 @@ import torch
 SITE = "blocks.15.resid_out"
 SETS = ("bbc-news", "movie-polarity", "wsj-pos", "conll2010-uncertainty")
 CACHE = Path(os.environ.get("CONCEPTLENS_PEERS_CACHE", "/work/cache/peers-rows"))
-SHARD_TOKENS = 65536  # window tokens per shard (rows kept are a few fewer)
+SHARD_TOKENS = 32768  # window tokens per shard (rows kept are a few fewer)
 BATCH_TOKENS = 4096  # padded tokens per forward
+BUCKET = 64  # sequence lengths are padded to a multiple of this
 
 
 def windows(tok, split: str, window: int) -> list[list[int]]:
@@ -59,18 +60,22 @@ def shards(pieces: list[list[int]]) -> list[list[list[int]]]:
 
 @torch.inference_mode()
 def capture_shard(lens, tok, pieces: list[list[int]]) -> torch.Tensor:
-    """float16 rows of SITE over `pieces`, BATCH_TOKENS padded tokens per forward."""
+    """float16 rows of SITE over `pieces`, about BATCH_TOKENS padded tokens per forward. Lengths
+    are padded to a multiple of BUCKET so that few distinct shapes reach the kernels (with one
+    shape per batch, the CPU's bf16 kernel caches grew by gigabytes within a shard)."""
+    buckets: dict[int, list[list[int]]] = {}
+    for p in pieces:
+        buckets.setdefault(-(-len(p) // BUCKET) * BUCKET, []).append(p)
     rows = []
-    i = 0
     with lens.capture(SITE) as cap:  # stops after block 15
-        while i < len(pieces):
-            n = max(1, BATCH_TOKENS // len(pieces[min(len(pieces) - 1, i + 7)]))
-            batch = tok.pad({"input_ids": pieces[i:i + n]}, return_tensors="pt")
-            i += n
-            captured, meta = cap.forward(**batch)
-            acts = captured[SITE][meta.position > 0]
-            norms = acts.norm(dim=1)
-            rows.append(acts[norms < 10 * norms.median()].half())
+        for length, group in buckets.items():
+            n = max(1, BATCH_TOKENS // length)
+            for i in range(0, len(group), n):
+                batch = tok.pad({"input_ids": group[i:i + n]}, pad_to_multiple_of=BUCKET, return_tensors="pt")
+                captured, meta = cap.forward(**batch)
+                acts = captured[SITE][meta.position > 0]
+                norms = acts.norm(dim=1)
+                rows.append(acts[norms < 10 * norms.median()].half())
     return torch.cat(rows)
 
 

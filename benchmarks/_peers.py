@@ -5,7 +5,8 @@ own recommended hyper-parameters, and gives raw-unit reconstructions for evaluat
 
 - ours: `conceptlens.concepts.sae` TopK / BatchTopK / JumpReLU with their default config
   (Adam, lr 2e-4 * sqrt(16384 / width), geometric-median b_dec, inputs scaled to E||x||^2 = d,
-  AuxK for TopK); the mixing buffer is one batch since the rows come shuffled.
+  AuxK for TopK); the mixing buffer is one batch since the rows come shuffled. `ours-topk-lr10x`
+  is TopK at 10x that lr, the short-budget setting `peers_ablate.py` supports (not a default).
 - SAELens: its own `SAETrainer.step` (the seam its `fit` loop and `MultiSAETrainer` call) on
   a `TopKTrainingSAE` / `BatchTopKTrainingSAE`, with `SAETrainerConfig`'s defaults (Adam lr
   3e-4, constant schedule, grad-norm clip 1, no activation normalisation).
@@ -143,6 +144,9 @@ def makers(d: int, width: int, k: int, batch: int) -> dict[str, Callable[[], Tra
 
     out: dict[str, Callable[[], Trainer]] = {
         "ours-topk": lambda: Ours(TopKSAE, d, width, k, batch),
+        # 10x the default lr: what peers_ablate.py found for fits of < ~1000 steps (not a library default)
+        "ours-topk-lr10x": lambda: Ours(TopKSAE, d, width, k, batch,
+                                        lr=10 * TopKSAE.Config(width=width, k=k).learning_rate()),
         "ours-batchtopk": lambda: Ours(BatchTopKSAE, d, width, k, batch),
         "ours-jumprelu": lambda: Ours(JumpReLUSAE, d, width, k, batch),
     }

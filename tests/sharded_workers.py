@@ -92,7 +92,7 @@ def init_body(comm, out: Path, width: int, d: int) -> dict:
     with Largest() as seen:
         params = sae._init_params(x)
     return {"params": params, "largest": seen.numel, "slice": (sae.shards.lo, sae.shards.hi),
-            "after": torch.rand(4, generator=sae._gen)}
+            "after": torch.rand(4, generator=sae.trainer.generator)}
 
 
 def sae_outcome(ae: TopKSAE) -> dict:

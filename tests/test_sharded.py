@@ -47,7 +47,7 @@ def test_each_rank_draws_only_its_slice_of_the_initial_sae(tmp_path, width, d):
     assert codes == [0, 0], results
     alone = TopKSAE(width=width, k=4, seed=7)
     whole = alone._init_params(torch.randn(64, d, generator=torch.Generator().manual_seed(1)))
-    after = torch.rand(4, generator=alone._gen)
+    after = torch.rand(4, generator=alone.trainer.generator)
     assert [r["slice"] for r in results] == [(0, (width + 1) // 2), ((width + 1) // 2, width)]
     for r in results:
         (lo, hi), p = r["slice"], r["params"]

@@ -66,11 +66,12 @@ from conceptlens._checks import check_bool, check_choice, check_float, check_int
 from conceptlens.concepts.base import ExtractorBase, NotFittedError, check_dtype
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
-from conceptlens.concepts.deleuzian_math import oriented_differences, reservoir_update, skewness
+from conceptlens.concepts.deleuzian_math import group_means, oriented_differences, reservoir_update, skewness
 from conceptlens.concepts.deleuzian_paper import DifferenceReservoir, PaperFit, paper_clusters
 from conceptlens.concepts.kmeans import KMeansStats, StreamingKMeans
 
 MODES = ("streaming", "paper")
+UNITS = ("token", "document")
 __all__ = ["Deleuzian", "DeleuzianConfig", "DeleuzianStats", "oriented_differences", "reservoir_update", "skewness"]
 
 
@@ -112,6 +113,10 @@ class DeleuzianConfig:
     are stored in it and the skewness projections run in it; moments are summed in float32 and
     the inner k-means keeps float32 centres and float64 masses (see `StreamingKMeans`). Paper
     mode keeps its differences, reference and skewness in float32 / float64 whatever it is."""
+    unit: str = "token"
+    """One sample: "token" (each row) or "document": the mean of each document's rows (`update(x,
+    tokens=...)`, which `fit` passes; a document's rows in one call), as the paper clusters
+    differences of sentence or document representations."""
 
     def __post_init__(self) -> None:
         for name in ("n_concepts", "reference_size", "buffer_size"):
@@ -121,6 +126,7 @@ class DeleuzianConfig:
         check_float("reseed_after", self.reseed_after, strict=True, optional=True)
         check_int("seed", self.seed, 0)
         check_choice("mode", self.mode, MODES)
+        check_choice("unit", self.unit, UNITS)
         check_int("max_differences", self.max_differences)
         check_int("max_iter", self.max_iter)
         check_int("skew_rows", self.skew_rows, optional=True)
@@ -160,10 +166,10 @@ class Deleuzian(ExtractorBase):
     def __init__(self, n_concepts: int, *, reference_size: int = 4096, buffer_size: int = 16384,
                  batch_size: int = 2048, skew_weighting: bool = True, reseed_after: float | None = 50.0,
                  seed: int = 0, mode: str = "streaming", max_differences: int = 65536, max_iter: int = 300,
-                 skew_rows: int | None = None, dtype: str = "float32",
+                 skew_rows: int | None = None, dtype: str = "float32", unit: str = "token",
                  device: str | torch.device | None = None) -> None:
         self.config = DeleuzianConfig(n_concepts, reference_size, buffer_size, batch_size, skew_weighting,
-                                      reseed_after, seed, mode, max_differences, max_iter, skew_rows, dtype)
+                                      reseed_after, seed, mode, max_differences, max_iter, skew_rows, dtype, unit)
         self._set_device(device)
         self._gen = torch.Generator().manual_seed(seed)
         self.buffer = MixingBuffer(buffer_size, seed=seed + 1)
@@ -192,10 +198,14 @@ class Deleuzian(ExtractorBase):
             raise NotFittedError("Deleuzian has seen no data yet; call update(x) first")
         return self._reference[: min(self.n_seen, self.config.reference_size)]
 
-    def update(self, x: Tensor) -> None:
-        """Consume activations x `(N, d)`."""
+    def update(self, x: Tensor, tokens: Any = None) -> None:
+        """Consume activations x `(N, d)` (with `unit="document"`, their means per `tokens.doc`)."""
         if x.ndim != 2:
             raise ValueError(f"update expects x of shape (N, d); got {tuple(x.shape)}")
+        if self.config.unit == "document":
+            if tokens is None:
+                raise ValueError('unit="document" needs update(x, tokens=...) naming each row\'s document')
+            x = group_means(x, tokens.doc.to(x.device))
         if self.d is None:
             self.d = x.shape[1]
             self._reference = self._place(x.new_zeros(self.config.reference_size, self.d, dtype=self._storage))
@@ -337,6 +347,8 @@ class Deleuzian(ExtractorBase):
                 "kmeans": self.kmeans.state_dict(), "differences": self.differences.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if isinstance(state, dict) and isinstance(state.get("config"), dict):  # states saved before `unit`
+            state = {**state, "config": {"unit": "token", **state["config"]}}
         self.check_state(state)
         state = self._placed(state)
         self.d, self.n_seen = state["d"], state["n_seen"]

@@ -49,6 +49,10 @@ SmolLM2 block 15, both below the TopK SAE's 0.442 / 0.307; on SmolLM2 wsj-pos to
 0.133 against 0.131 (SAE 0.191). Nor at the demo's short budget (reproductions/deleuzian_demo.py:
 40k bbc-news tokens, k 128, 20 k-means steps, probed on held-out document means): streaming
 0.318 against paper mode 0.306, where both lose to the TopK SAE (0.206) in either mode.
+What was lost there is the unit, not the mode: fitted on the means of the same 320 documents
+(`unit="document"`, the paper's unit, what the demo uses), the paper mode reaches 0.203 on
+train-split articles outside the fit (TopK SAE 0.252); streaming on them reaches only 0.239, since
+one mini-batch pass over as few samples as concepts does not settle as full k-means does.
 A shared Gram product (x_ref . x_i - x_ref . x_j) would not help here: each row is in two
 differences, so projecting the rows costs as much as projecting the differences.
 """

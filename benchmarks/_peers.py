@@ -5,7 +5,8 @@ own recommended hyper-parameters, and gives raw-unit reconstructions for evaluat
 
 - ours: `conceptlens.concepts.sae` TopK / BatchTopK / JumpReLU with their default config
   (Adam, lr 2e-4 * sqrt(16384 / width), geometric-median b_dec, inputs scaled to E||x||^2 = d,
-  AuxK for TopK); the mixing buffer is one batch since the rows come shuffled.
+  AuxK for TopK); the mixing buffer is one batch since the rows come shuffled. `ours-topk-lr10x`
+  is TopK at 10x that lr, the short-budget setting `peers_ablate.py` supports (not a default).
 - SAELens: its own `SAETrainer.step` (the seam its `fit` loop and `MultiSAETrainer` call) on
   a `TopKTrainingSAE` / `BatchTopKTrainingSAE`, with `SAETrainerConfig`'s defaults (Adam lr
   3e-4, constant schedule, grad-norm clip 1, no activation normalisation).
@@ -43,9 +44,10 @@ def l0(trainer: Trainer, x: Tensor) -> float:
 
 
 class Ours:
-    def __init__(self, cls: type, d: int, width: int, k: int, batch: int) -> None:
+    def __init__(self, cls: type, d: int, width: int, k: int, batch: int, **overrides: object) -> None:
         sparsity = {"k": k} if "k" in {f for f in cls.Config.__dataclass_fields__} else {}
-        self.sae = cls(width=width, batch_size=batch, buffer_size=batch, warmup_tokens=batch, seed=0, **sparsity)
+        self.sae = cls(width=width, batch_size=batch, buffer_size=batch, warmup_tokens=batch, seed=0,
+                       **{**sparsity, **overrides})
 
     def step(self, batch: Tensor) -> None:
         self.sae.update(batch)
@@ -86,7 +88,8 @@ class SAELens:
 
 
 class Sparsify:
-    def __init__(self, d: int, width: int, k: int, batch: int) -> None:
+    def __init__(self, d: int, width: int, k: int, batch: int, adam_lr: float | None = None) -> None:
+        """sparsify's default ("signum"); `adam_lr` swaps in plain Adam at that lr (an ablation)."""
         from schedulefree import ScheduleFreeWrapper
         from sparsify import SparseCoder, SparseCoderConfig
         from sparsify.sign_sgd import SignSGD
@@ -94,9 +97,13 @@ class Sparsify:
         torch.manual_seed(0)
         self.sae = SparseCoder(d, SparseCoderConfig(num_latents=width, k=k), "cpu", dtype=torch.float32)
         lr = 5e-3 / (width / 2**14) ** 0.5  # sparsify's default for its default optimiser, "signum"
-        self.opt = ScheduleFreeWrapper(SignSGD([dict(params=self.sae.parameters(), lr=lr)]), momentum=0.95)
-        self.opt.train()
+        self.opt: torch.optim.Optimizer = (torch.optim.Adam(self.sae.parameters(), lr=adam_lr) if adam_lr else
+                                           ScheduleFreeWrapper(SignSGD([dict(params=self.sae.parameters(), lr=lr)]),
+                                                               momentum=0.95))
+        if not adam_lr:
+            self.opt.train()
         self.steps = 0
+        self.average = True  # evaluate at the schedule-free average (False: at the training weights)
 
     def step(self, batch: Tensor) -> None:
         if self.steps == 0:
@@ -110,6 +117,8 @@ class Sparsify:
 
     @torch.no_grad()
     def _at_average(self, fn: Callable[[], Tensor]) -> Tensor:
+        if not self.average or not hasattr(self.opt, "eval"):  # plain Adam: no average to swap in
+            return fn()
         training = [p.detach().clone() for p in self.sae.parameters()]
         self.opt.eval()  # swap in the schedule-free average, as sparsify's trainer does to save
         try:
@@ -135,6 +144,9 @@ def makers(d: int, width: int, k: int, batch: int) -> dict[str, Callable[[], Tra
 
     out: dict[str, Callable[[], Trainer]] = {
         "ours-topk": lambda: Ours(TopKSAE, d, width, k, batch),
+        # 10x the default lr: what peers_ablate.py found for fits of < ~1000 steps (not a library default)
+        "ours-topk-lr10x": lambda: Ours(TopKSAE, d, width, k, batch,
+                                        lr=10 * TopKSAE.Config(width=width, k=k).learning_rate()),
         "ours-batchtopk": lambda: Ours(BatchTopKSAE, d, width, k, batch),
         "ours-jumprelu": lambda: Ours(JumpReLUSAE, d, width, k, batch),
     }

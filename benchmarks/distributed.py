@@ -1,29 +1,36 @@
 """1-, 2- and 4-process fit throughput on CPU (gloo), the cost of the collectives, memory per rank.
 
-    PYTHONPATH=. python benchmarks/distributed.py [--docs 400] [--hidden 128] [--worlds 1 2 4] [--centres 1024]
+    python benchmarks/distributed.py            # the full run (3 interleaved rounds, a few minutes idle)
+    python benchmarks/distributed.py --quick    # one round of a smaller fit: < 5 minutes on 2 idle cores
+    python benchmarks/distributed.py --tiny     # 1 and 2 processes on 16 documents (the test suite runs it)
 
 A random 4-block Llama (hidden 128 by default), 400 synthetic documents of <= 64 tokens,
 one k-means (`--centres`), one TopK SAE (width 32 * hidden) and one VQ codebook (`--centres`
 codes, batch 512) at three sites, unsharded (each dictionary updated on one rank, and every
 rank holds it whole at the end) and sharded (`ShardedKMeans`, `ShardedTopKSAE`, `ShardedVQ`:
-each rank updates and holds 1/W of each); run from the repository root. The same fit runs on
-each world size (each rank with 1 thread); per rank we time the fit, and, by wrapping the
-communicator, the seconds spent in collectives and their number. Tokens/s is the global token
-count over the slowest rank's fit time. Memory per rank: the bytes of the extractors' states
-(parameters, Adam moments, counts, buffered rows) and the process's peak resident set.
+each rank updates and holds 1/W of each). The same documents on each world size (each rank
+with 1 thread); per rank we time the fit, and, by wrapping the communicator, the seconds spent
+in all-reduces and in every collective and their number. Tokens/s is the global token count
+over the slowest rank's fit time. Memory per rank: the bytes of the extractors' states
+(parameters, Adam moments, counts, buffered rows) and the process's peak resident set. The
+table puts each figure next to its baseline: tokens/s against 1 unsharded process, memory
+against the unsharded fit on as many processes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from tests import distributed_workers as W
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests import distributed_workers as W  # noqa: E402
 
 
 def _state_bytes(state) -> int:
@@ -50,17 +57,23 @@ def _body(comm, out: Path, docs: int, hidden: int, centres: int = 32, sharded: b
     from conceptlens.filters import FilterConfig
     from tests.conftest import CharTokenizer
 
-    spent = {"seconds": 0.0, "calls": 0}
+    spent = {"seconds": 0.0, "calls": 0, "allreduce_seconds": 0.0, "depth": 0}
     for name in ("sum_", "max_", "gather_rows", "broadcast_", "gather_objects", "gather_objects_on", "broadcast_object"):
         inner = getattr(distributed.Comm, name)
 
-        def timed(self, *args, _inner=inner, **kwargs):
+        def timed(self, *args, _inner=inner, _name=name, **kwargs):
             start = time.perf_counter()
+            spent["depth"] += 1
             try:
                 return _inner(self, *args, **kwargs)
             finally:
-                spent["seconds"] += time.perf_counter() - start
-                spent["calls"] += 1
+                seconds = time.perf_counter() - start
+                spent["depth"] -= 1
+                if spent["depth"] == 0:  # outermost (gather_rows may all-reduce the sizes first)
+                    spent["seconds"] += seconds
+                    spent["calls"] += 1
+                if _name in ("sum_", "max_"):
+                    spent["allreduce_seconds"] += seconds
         setattr(distributed.Comm, name, timed)
     torch.manual_seed(0)
     config = tf.LlamaConfig(num_hidden_layers=4, hidden_size=hidden, intermediate_size=4 * hidden,
@@ -98,8 +111,14 @@ def _allreduce_body(comm, out: Path, sizes: list[int], repeats: int) -> dict:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+PRESETS = {"quick": dict(docs=96, hidden=64, centres=256, rounds=1, skip_allreduce=True),
+           "tiny": dict(docs=16, hidden=32, centres=16, rounds=1, worlds=[1, 2], skip_allreduce=True)}
+"""Smaller runs: --quick (< 5 minutes on 2 idle cores), --tiny (the test suite's; without 1 sharded process,
+which is the unsharded one)."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, default=400)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the world sizes (medians)")
@@ -107,12 +126,22 @@ def main() -> None:
     parser.add_argument("--centres", type=int, default=1024)
     parser.add_argument("--allreduce-only", action="store_true", help="only time bare all-reduces")
     parser.add_argument("--skip-allreduce", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help=f"preset {PRESETS['quick']}")
+    parser.add_argument("--tiny", action="store_true", help=f"preset {PRESETS['tiny']}")
+    parser.add_argument("--json", type=Path, help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    for name in ("quick", "tiny"):
+        if getattr(args, name):
+            vars(args).update(PRESETS[name])
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
+          f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}, {args.docs} documents, hidden "
+          f"{args.hidden}, {args.centres} centres, {args.rounds} round(s)")
     if not args.skip_allreduce:
         _allreduce_table(args.hidden)
     if args.allreduce_only:
         return
-    runs: dict[tuple[int, bool], list[dict]] = {(w, s): [] for w in args.worlds for s in (False, True)}
+    runs: dict[tuple[int, bool], list[dict]] = {(w, s): [] for w in args.worlds for s in (False, True)
+                                                if not (args.tiny and w == 1 and s)}  # (1 sharded = unsharded)
     for _ in range(args.rounds):  # interleaved, so a change of machine load hits every world size alike
         for world, sharded in runs:
             codes, results, _ = W.spawn(_body, world, Path(f"/tmp/conceptlens_bench_dist{world}"), args.docs,
@@ -122,19 +151,50 @@ def main() -> None:
             runs[world, sharded].append({"seconds": max(r["seconds"] for r in results), **results[0],
                                          "state_mib_ranks": [r["state_mib"] for r in results],
                                          "peak_rss_mib_ranks": [r["peak_rss_mib"] for r in results]})
-    rows: dict[str, object] = {}
-    for (world, sharded), done in runs.items():
-        seconds = statistics.median(r["seconds"] for r in done)
-        spent = statistics.median(r["comm"]["seconds"] for r in done)
-        rows[f"{world} rank(s){' sharded' if sharded else ''}"] = {
-            "tokens": done[0]["tokens"], "median_seconds": round(seconds, 2),
+    rows = {f"{world} rank(s){' sharded' if sharded else ''}": _row(world, sharded, done)
+            for (world, sharded), done in runs.items()}
+    print(_table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+def _row(world: int, sharded: bool, done: list[dict]) -> dict:
+    seconds = statistics.median(r["seconds"] for r in done)
+    spent = statistics.median(r["comm"]["seconds"] for r in done)
+    reduce = statistics.median(r["comm"]["allreduce_seconds"] for r in done)
+    steps = max(done[0]["batches"], 1)
+    return {"world": world, "sharded": sharded, "tokens": done[0]["tokens"], "median_seconds": round(seconds, 2),
             "tokens_per_s": round(done[0]["tokens"] / seconds), "all_seconds": [round(r["seconds"], 2) for r in done],
             "steps_per_rank": done[0]["batches"], "sae_steps": done[0]["sae_steps"],
             "collectives_per_rank": done[0]["comm"]["calls"], "collective_seconds_rank0": round(spent, 3),
-            "collective_ms_per_step": round(1000 * spent / max(done[0]["batches"], 1), 2),
+            "collective_ms_per_step": round(1000 * spent / steps, 2),
+            "allreduce_ms_per_step": round(1000 * reduce / steps, 2),
             "state_mib_per_rank": done[-1]["state_mib_ranks"], "state_mib_rank0_by_site": done[-1]["state_mib_by_site"],
             "peak_rss_mib_per_rank": done[-1]["peak_rss_mib_ranks"]}
-    print(json.dumps(rows, indent=2))
+
+
+def _table(rows: dict[str, dict]) -> str:
+    """One markdown row per run, each figure next to its baseline: tokens/s next to 1 unsharded
+    process's, memory next to the unsharded fit's on as many processes."""
+    base = {(r["world"], r["sharded"]): r for r in rows.values()}
+    head = ("| processes | sharded | tokens/s | x 1 process | all-reduce ms/step | all collectives ms/step "
+            "| state MiB/rank (max) | x unsharded | peak RSS MiB/rank (max) | x unsharded |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows.values():
+        one, flat = base.get((1, False)), base.get((r["world"], False))
+        state, rss = max(r["state_mib_per_rank"]), max(r["peak_rss_mib_per_rank"])
+        lines.append(
+            f"| {r['world']} | {'yes' if r['sharded'] else 'no'} | {r['tokens_per_s']:,} "
+            f"| {_ratio(r['tokens_per_s'], one and one['tokens_per_s'])} | {r['allreduce_ms_per_step']} "
+            f"| {r['collective_ms_per_step']} | {state} | {_ratio(state, flat and max(flat['state_mib_per_rank']))} "
+            f"| {rss} | {_ratio(rss, flat and max(flat['peak_rss_mib_per_rank']))} |")
+    tokens = sorted({r["tokens"] for r in rows.values()})
+    steps = "; ".join(f"{k}: {r['steps_per_rank']}" for k, r in rows.items())
+    return "\n".join(lines + [f"\n(every run: {', '.join(map(str, tokens))} tokens; fit steps per rank: {steps})"])
+
+
+def _ratio(value: float, baseline: float | None) -> str:
+    return "" if not baseline else f"{value / baseline:.2f}x"
 
 
 def _allreduce_table(hidden: int) -> None:

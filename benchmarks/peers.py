@@ -1,9 +1,11 @@
 """Our TopK, BatchTopK and JumpReLU SAEs side by side with SAELens's and sparsify's trainers.
 
-    python benchmarks/peers.py [--quick] [--tokens 49152] [--width 2304] [--k 32] [--png PATH] [--json RUN/peers.json]
+    python benchmarks/peers_rows.py      # once: ~1.07M rows of every bundled set's train split
+    python benchmarks/peers.py [--quick] [--rows peers|bbc] [--tokens N] [--width 2304] [--k 32] [--png PATH] [--json RUN/peers.json]
 
 Every trainer gets the same rows in the same order: SmolLM2-135M blocks.15.resid_out over the
-bbc-news train split (captured once and cached, see `_rows.py`), one optimiser step per
+train splits of the four bundled text sets (`--rows peers`, captured once by `peers_rows.py`) or
+49k rows of bbc-news's (`--rows bbc`, `_rows.py`), one optimiser step per
 `--batch` rows, each with its own recommended hyper-parameters (see `_peers.py`). Steps are
 interleaved (trainer A, B, C on batch 1, then on batch 2, ...) in one process with one thread
 count, so machine load hits all alike; only the steps are timed. At `--evals` points each
@@ -55,7 +57,7 @@ def compare(trainers: Mapping[str, Trainer], train: Tensor, held_out: Tensor, ba
     first = dict.fromkeys(trainers, 0.0)
     curves: dict[str, list[Point]] = {name: [] for name in trainers}
     for step in range(n_steps):
-        rows = train[step * batch:(step + 1) * batch]
+        rows = train[step * batch:(step + 1) * batch].float()
         for name, trainer in trainers.items():
             start = time.perf_counter()
             trainer.step(rows)
@@ -196,7 +198,11 @@ def plot(curves: dict[str, list[Point]], path: Path, title: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes for a first pass")
-    parser.add_argument("--tokens", type=int, default=CAPTURED, help="training rows (bbc-news train split)")
+    parser.add_argument("--rows", choices=("peers", "bbc"), default="peers",
+                        help="peers: every bundled set's train split, ~1.07M rows (peers_rows.py captures them once); "
+                             f"bbc: {CAPTURED} bbc-news train rows")
+    parser.add_argument("--tokens", type=int, help="training rows (a prefix of the shuffled capture; default all)")
+    parser.add_argument("--partial", action="store_true", help="take a --rows peers capture still under way")
     parser.add_argument("--epochs", type=int, default=1,
                         help="passes over the training rows, each in a new seeded order (tokens then count rows seen)")
     parser.add_argument("--held-out", type=int, default=4096, help="FVU rows (bbc-news test split)")
@@ -213,15 +219,19 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the final figures here (RUN/peers.json: the atlas shows them)")
     args = parser.parse_args()
     if args.quick:
-        args.tokens, args.held_out, args.width, args.batch, args.evals, args.ce_docs = 8192, 2048, 1152, 1024, 4, 4
+        args.rows, args.tokens, args.held_out, args.width, args.batch, args.evals, args.ce_docs = "bbc", 8192, 2048, 1152, 1024, 4, 4
     torch.set_num_threads(args.threads)
     from _rows import block15_rows
 
-    if args.tokens > CAPTURED:
+    if args.rows == "bbc" and (args.tokens or 0) > CAPTURED:
         parser.error(f"--tokens must be at most {CAPTURED} (the rows captured); got {args.tokens}")
     if args.epochs < 1:
         parser.error(f"--epochs must be a positive integer; got {args.epochs}")
-    rows = block15_rows(CAPTURED, split="train")[:args.tokens]
+    if args.rows == "bbc":
+        rows = block15_rows(CAPTURED, split="train")[:args.tokens]
+    else:
+        from peers_rows import load_rows
+        rows = load_rows(limit=args.tokens, complete=not args.partial)  # float16; each batch becomes float32
     train = torch.cat([rows] + [rows[torch.randperm(len(rows), generator=torch.Generator().manual_seed(e))]
                                 for e in range(1, args.epochs)])
     held_out = block15_rows(16384, split="test")[:args.held_out]
@@ -239,7 +249,8 @@ def main() -> None:
     print(f"load after: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     report(curves, args.batch)
     passes = f" ({args.epochs} passes over {rows.shape[0]})" if args.epochs > 1 else ""
-    setup = f"{train.shape[0]} bbc-news tokens{passes}, width {args.width}, k {args.k}, batch {args.batch}"
+    text = "bbc-news" if args.rows == "bbc" else "bundled-text"
+    setup = f"{train.shape[0]} {text} tokens{passes}, width {args.width}, k {args.k}, batch {args.batch}"
     plot(curves, args.png, f"SmolLM2 {SITE}, {setup}")
     if args.json:
         write_json(curves, args.json, setup)

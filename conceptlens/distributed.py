@@ -7,8 +7,9 @@ reads documents r, r + W, ... of the stream, so each global step holds the W*B d
 process would take; each rank forwards its B documents, and the captured rows of every rank
 are all-gathered and put back in document order. Every rank then runs the single-process
 step (row filter, extractor updates) on the same global rows, so the row filter and every
-extractor equal one process's, whatever the extractor. The forward is divided W ways, and so
-are the extractors: each one not sharded is updated on one rank only (`DistributedRun.place`;
+extractor equal one process's, whatever the extractor. A site whose extractors are all updated
+on one rank (below) is gathered to that rank alone, which alone filters it. The forward is
+divided W ways, and so are the extractors: each one not sharded is updated on one rank only (`DistributedRun.place`;
 the others would repeat the same work) and its state is broadcast to every rank at the end,
 so the ranks end identical; a sharded one (`ShardedKMeans`, ...) is updated on every rank,
 each on its own slice. The ranks advance in lockstep: each batch starts with a "who still has data"
@@ -35,115 +36,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from conceptlens.distributed_checks import disagreement, failure, join_error
-from conceptlens.distributed_placement import fill_ranks, owners, share
-
-DEFAULT_TIMEOUT_S = 300.0
-
-
-class DistributedError(RuntimeError):
-    """A collective failed: another rank died, or did not answer within the timeout."""
-
-
-class Comm:
-    """The collectives extractors and the fit loop use, over one process group.
-
-    Tensors are moved to the backend's device (CPU for gloo, the current GPU for nccl) and
-    back; every call turns a backend failure into a `DistributedError`.
-    """
-
-    def __init__(self, group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise DistributedError("no torch.distributed process group: start under torchrun "
-                                   "or call conceptlens.distributed.init() first")
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        self.timeout_s = timeout_s
-        backend = dist.get_backend(group)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-
-    def __repr__(self) -> str:
-        return f"Comm(rank={self.rank}, world={self.world})"
-
-    def _call(self, what: str, fn: Any) -> Any:
-        try:
-            return fn()
-        except (RuntimeError, ValueError) as err:
-            raise DistributedError(failure(self.rank, self.world, what, err, self.timeout_s)) from None
-
-    def sum_(self, t: Tensor) -> Tensor:
-        """All-reduce (sum) `t`; returns the summed tensor on `t`'s device and dtype."""
-        if self.world == 1:
-            return t
-        buf = t.detach().to(self.device).clone()
-        self._call("all_reduce", lambda: dist.all_reduce(buf, group=self.group))
-        return buf.to(t.device, t.dtype)
-
-    def max_(self, t: Tensor) -> Tensor:
-        if self.world == 1:
-            return t
-        buf = t.detach().to(self.device).clone()
-        self._call("all_reduce(max)", lambda: dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group))
-        return buf.to(t.device, t.dtype)
-
-    def max_int(self, value: int) -> int:
-        return int(self.max_(torch.tensor([value], dtype=torch.int64)).item())
-
-    def sizes(self, n: int) -> list[int]:
-        """Every rank's `n`, in rank order."""
-        one = torch.zeros(self.world, dtype=torch.int64)
-        one[self.rank] = n
-        return self.sum_(one).tolist()
-
-    def gather_rows(self, x: Tensor, sizes: list[int] | None = None) -> Tensor:
-        """The rows `(n_r, ...)` of every rank concatenated in rank order (same on every rank);
-        `sizes`: every rank's n_r when already known (saves a collective)."""
-        if self.world == 1:
-            return x
-        sizes = self.sizes(x.shape[0]) if sizes is None else sizes
-        pad = x.new_zeros(max(sizes), *x.shape[1:]).to(self.device)
-        pad[: x.shape[0]] = x.to(self.device)
-        parts = [torch.empty_like(pad) for _ in range(self.world)]
-        self._call("all_gather", lambda: dist.all_gather(parts, pad, group=self.group))
-        return torch.cat([p[:n] for p, n in zip(parts, sizes)]).to(x.device)
-
-    def broadcast_(self, t: Tensor, src: int = 0) -> Tensor:
-        if self.world == 1:
-            return t
-        buf = t.detach().to(self.device).clone()
-        self._call("broadcast", lambda: dist.broadcast(buf, src=src, group=self.group))
-        return buf.to(t.device, t.dtype)
-
-    def gather_objects(self, obj: Any) -> list[Any]:
-        """Every rank's picklable `obj`, in rank order, on every rank."""
-        if self.world == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        self._call("all_gather_object", lambda: dist.all_gather_object(out, obj, group=self.group))
-        return out
-
-    def gather_objects_on(self, obj: Any, dst: int = 0) -> list[Any] | None:
-        """Every rank's picklable `obj`, in rank order, on rank `dst` only (None elsewhere)."""
-        if self.world == 1:
-            return [obj]
-        out: list[Any] | None = [None] * self.world if self.rank == dst else None
-        self._call("gather_object", lambda: dist.gather_object(obj, out, dst=dst, group=self.group))
-        return out
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Rank `src`'s picklable `obj`, on every rank."""
-        if self.world == 1:
-            return obj
-        box = [obj if self.rank == src else None]
-        self._call("broadcast_object_list", lambda: dist.broadcast_object_list(box, src=src, group=self.group))
-        return box[0]
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            # a tiny all-reduce rather than dist.barrier: it honours the group's timeout on gloo
-            self.sum_(torch.zeros(1))
-
+from conceptlens.distributed_checks import disagreement, join_error
+from conceptlens.distributed_comm import DEFAULT_TIMEOUT_S, Comm, DistributedError
+from conceptlens.distributed_placement import fill_ranks, first_reads, merge_rows, owners, readers, share
 
 def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Comm:
     """Join (or reuse) the default process group from torchrun's environment variables
@@ -228,6 +123,8 @@ class DistributedRun:
         self.comm = comm
         self.owners: dict[str, int | None] = {}
         """Extractor name -> the rank that updates it (None: every rank; see `place`)."""
+        self.readers: dict[str, list[int] | None] = {}
+        """Site -> the ranks that receive its rows (None or absent: every rank; see `place`)."""
 
     @classmethod
     def start(cls) -> DistributedRun:
@@ -254,9 +151,10 @@ class DistributedRun:
 
     def gather_step(self, acts: dict[str, Tensor], meta: Any, ids: Tensor, n_tokens: int, documents: int,
                     with_ids: bool = False) -> GlobalStep:
-        """Every rank's rows of this step in document order: rank r's batch row j is document
-        j*W + r of the global batch. `meta`: the capture's (row, position) of `acts`; `ids`:
-        `(B, T)` token ids of this rank's documents, -1 on padding; n_tokens 0: no rows here."""
+        """Every rank's rows of this step in document order, at the sites this rank reads
+        (`place`): rank r's batch row j is document j*W + r of the global batch. `meta`: the
+        capture's (row, position) of `acts`; `ids`: `(B, T)` token ids of this rank's documents,
+        -1 on padding; n_tokens 0: no rows here."""
         comm, world = self.comm, self.comm.world
         n_rows = int(meta.row.numel()) if n_tokens else 0
         n_docs = int(ids.shape[0])
@@ -267,7 +165,15 @@ class DistributedRun:
         local = torch.stack([meta.row[:n_rows].cpu() * world + comm.rank, meta.position[:n_rows].cpu()], 1)
         where = comm.gather_rows(local.long(), rows)
         order = torch.argsort(where[:, 0], stable=True)  # rank order -> document order
-        gathered = {site: _take(comm.gather_rows(acts[site][:n_rows], rows), order) for site in sorted(acts)}
+        gathered = {}
+        for site in sorted(acts):  # a site read on one rank only goes to that rank
+            readers = self.readers.get(site)
+            if readers is not None and len(readers) == 1:
+                mine = comm.gather_rows_on(acts[site][:n_rows], rows, readers[0])
+            else:
+                mine = comm.gather_rows(acts[site][:n_rows], rows)
+            if mine is not None and self.reads(site):
+                gathered[site] = _take(mine, order)
         every = None
         if with_ids:
             width = int(head[:, 4].max())
@@ -277,18 +183,35 @@ class DistributedRun:
         return GlobalStep(gathered, where[order, 0], where[order, 1], int(head[:, 2].sum()),
                           int(head[:, 3].sum()), every)
 
-    def place(self, extractors: dict[str, Any]) -> None:
-        """Decide which rank updates each extractor (`distributed_placement.owners`)."""
+    def place(self, extractors: dict[str, Any], sites: dict[str, tuple[str, ...]] | None = None) -> None:
+        """Decide which rank updates each extractor (`distributed_placement.owners`) and, given
+        the sites each one reads, which ranks read each site (the others never receive its
+        rows nor filter them)."""
         self.owners = owners(extractors, self.comm.world)
+        self.readers = readers(self.owners, sites or {}, self.comm.world)
 
     def updates(self, name: str) -> bool:
         """Whether this rank updates extractor `name`."""
         owner = self.owners.get(name)
         return owner is None or owner == self.comm.rank
 
-    def share(self, extractors: dict[str, Any]) -> None:
-        """After the last update: every rank's copy of an extractor becomes its owner's."""
+    def reads(self, site: str) -> bool:
+        """Whether this rank receives (and filters) the rows of `site`."""
+        ranks = self.readers.get(site)
+        return ranks is None or self.comm.rank in ranks
+
+    @property
+    def routed(self) -> bool:
+        """Whether some site's rows go to some ranks only."""
+        return any(ranks is not None for ranks in self.readers.values())
+
+    def share(self, extractors: dict[str, Any], row_filter: Any = None) -> None:
+        """After the last update: every rank's copy of an extractor becomes its owner's, and
+        its row filter holds every site's counts and norms (each from the first rank that reads it)."""
         share(self.comm, self.owners, extractors)
+        if row_filter is not None and self.routed:
+            mine = first_reads(row_filter.state_dict(), self.readers, self.comm.rank)
+            row_filter.load_state_dict(merge_rows(self.comm.gather_objects(mine)))
 
     def gather_checkpoint(self, state: dict[str, Any]) -> dict[str, Any] | None:
         """Every rank's checkpoint state, on rank 0 (None elsewhere). `state["extractors"]`
@@ -298,6 +221,9 @@ class DistributedRun:
         states = self.comm.gather_objects_on(state, dst=0)
         if states is None:
             return None
+        if self.routed:  # every rank resumes with every site's filter state (one process's)
+            rows = merge_rows([first_reads(state["rows"], self.readers, r) for r, state in enumerate(states)])
+            states = [{**state, "rows": rows} for state in states]
         return {"world_size": self.comm.world, "ranks": fill_ranks(states, self.owners)}
 
 

@@ -21,27 +21,24 @@ import os
 import time
 import warnings
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator, Mapping, NamedTuple
 
-import torch
 from torch import Tensor
 
 from conceptlens import interrupts, runlock
-from conceptlens._checks import check_int, unknown_message
-from conceptlens._names import RULE as NAME_RULE, is_name
 from conceptlens.batching import check_max_length, encode_batch
 from conceptlens.checkpoint import CHECKPOINT, FitState, fit_fingerprint
-from conceptlens.concepts import registry
 from conceptlens.concepts.base import NotFittedError
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.devices import input_device
 from conceptlens.distributed import DistributedRun
 from conceptlens.distributed_checks import fingerprint as rank_fingerprint
-from conceptlens.filters import FilterConfig, RowFilter
-from conceptlens.fit_keys import Key, canonical_key, folder, key_name, key_sites, where
+from conceptlens.filters import FilterConfig, RowFilter  # noqa: F401 (FilterConfig and fit_config: imported from here)
+from conceptlens.fit_config import FitConfig, fit_config  # noqa: F401
+from conceptlens.fit_keys import Key, Plan, folder, key_name, key_sites, plan_extractors, where
 from conceptlens.interface import AttachedModel
 
 log = logging.getLogger(__name__)
@@ -58,54 +55,6 @@ class TokenRows(NamedTuple):
     """`(B, T)` token ids of the whole batch, -1 on padding (right-padded: column = position)."""
     first_doc: int
     """Document index of batch row 0."""
-
-
-@dataclass
-class FitConfig:
-    """How texts become batches and how often the fit is saved."""
-
-    batch_size: int = 16
-    """Documents per forward."""
-    max_length: int = 128
-    """Tokens per document; longer documents are truncated."""
-    max_tokens: int | None = None
-    """Stop after the batch that reaches this many real tokens (None: the whole source)."""
-    checkpoint_dir: str | None = None
-    """Folder for `checkpoint.pt` and, at the end, one ConceptSet folder per extractor."""
-    checkpoint_every: int | None = None
-    """Write a checkpoint each time this many more tokens have been seen."""
-    resume: bool = True
-    """Continue from `checkpoint_dir/checkpoint.pt` when it exists."""
-    progress: bool = True
-    """Show a tqdm bar of tokens and tokens/s."""
-    filters: FilterConfig = field(default_factory=FilterConfig)
-    """Token hygiene: attention sinks and non-finite rows never reach extractors."""
-    dtype: torch.dtype | str = torch.float32
-    """dtype of the rows extractors get: float32, or "model" for the model's own (e.g. bf16)."""
-    distributed: bool = False
-    """Fit across the processes of a torch.distributed group (see conceptlens/distributed.py):
-    documents sharded by rank, `batch_size` documents per rank per step, rank 0 writes."""
-
-    def __post_init__(self) -> None:
-        check_int("batch_size", self.batch_size)
-        check_int("max_length", self.max_length)
-        check_int("max_tokens", self.max_tokens, optional=True)
-        check_int("checkpoint_every", self.checkpoint_every, optional=True)
-        if self.checkpoint_every is not None and self.checkpoint_dir is None:
-            raise ValueError("checkpoint_every needs checkpoint_dir")
-
-
-def fit_config(config: FitConfig | None = None, what: str = "fit", /, **overrides: Any) -> FitConfig:
-    """`config` (default `FitConfig()`) with `overrides` replacing its fields: the one place the
-    fit options are named, for `Lens.fit`, `describe` and the CLI. `filters=None` keeps the
-    default filters; an unknown name is a TypeError listing the fields (`what`: who took them)."""
-    names = [f.name for f in fields(FitConfig)]
-    unknown = [key for key in overrides if key not in names]
-    if unknown:
-        raise TypeError(unknown_message(what, unknown, names))
-    if "filters" in overrides and overrides["filters"] is None:
-        overrides["filters"] = FilterConfig()
-    return replace(config or FitConfig(), **overrides)
 
 
 @dataclass
@@ -141,7 +90,8 @@ class FitReport:
 def fit(lens: AttachedModel, extractors: Mapping[Any, Any], data: Any, *, tokenizer: Any = None,
         config: FitConfig | None = None) -> FitReport:
     """Stream `data` through the model once, feeding every extractor; see the module docstring.
-    The keys are `Key`s (a mapping's key type is invariant, so any narrower one is accepted; `_plan` checks them).
+    The keys are `Key`s (a mapping's key type is invariant, so any narrower one is accepted;
+    `plan_extractors` checks them).
     The checkpoint_dir is locked while the fit writes it (`conceptlens.runlock`; only rank 0
     of a distributed fit writes it)."""
     config = config or FitConfig()
@@ -162,7 +112,7 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
     tokenizer = tokenizer or lens.tokenizer
     if tokenizer is None:
         raise ValueError("fit needs a tokenizer: conceptlens.attach(model, tokenizer) or fit(..., tokenizer=...)")
-    plan = _plan(lens, extractors)
+    plan = plan_extractors(lens, extractors)
     batching = {"batch_size": config.batch_size, "max_length": config.max_length, "filters": asdict(config.filters)}
     moved = {name: key_name(key) for name, key in plan.keys.items() if name != key_name(key)}
     if moved:  # named extractors: which site each reads is part of what must not change
@@ -171,7 +121,8 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
     state = FitState(RowFilter(config.filters), plan.extractors, fit_fingerprint(lens.model, plan.extractors, batching))
     run = state.run = DistributedRun.start() if config.distributed else None
     if run is not None:
-        run.place(plan.extractors)  # an extractor not sharded is updated on one rank, shared at the end
+        # an extractor not sharded is updated on one rank, shared at the end; its sites go to that rank
+        run.place(plan.extractors, {name: key_sites(key) for name, key in plan.keys.items()})
     checkpoint = Path(config.checkpoint_dir) / CHECKPOINT if config.checkpoint_dir else None
     texts = datasets.iter_texts(data)
     if run is not None:  # the ranks agree on model, data, extractors and options before any step
@@ -212,49 +163,8 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
         if callable(flush) and (run is None or run.updates(name)):
             flush()
     if run is not None:
-        run.share(plan.extractors)
+        run.share(plan.extractors, state.row_filter)
     return _report(lens, plan, state, resumed_from, time.perf_counter() - start, config)
-
-
-@dataclass
-class _Plan:
-    extractors: dict[str, Any]
-    """Extractor by name (the site's canonical name, or the user's name for named extractors)."""
-    keys: dict[str, Key]
-    """Canonical site (or (source, target) pair) each named extractor reads."""
-    sites: set[str]
-    sequence_aware: set[str] = field(default_factory=set)
-    """Pair extractors whose update takes `sequence_ids` (tokens grouped by document)."""
-    token_aware: set[str] = field(default_factory=set)
-    """Extractors whose update takes `tokens` (a TokenRows)."""
-
-
-def _plan(lens: AttachedModel, extractors: Mapping[Key, Any]) -> _Plan:
-    """Resolve every site before any work starts. A key maps to an extractor (named after
-    its canonical site) or to `{name: extractor}` (any number per site); two entries that
-    end up with one name are an error, never a silent drop."""
-    if not extractors:
-        raise ValueError("fit needs at least one extractor: {site: extractor}, {site: {name: extractor}} or "
-                         "{(source, target): extractor}")
-    named: dict[str, Any] = {}
-    keys: dict[str, tuple[Key, Key]] = {}  # name -> (canonical key, key as written)
-    for key, value in extractors.items():
-        canonical = canonical_key(lens, key)
-        group = value if isinstance(value, Mapping) else {key_name(canonical): value}
-        for name, extractor in group.items():
-            if not isinstance(name, str) or not is_name(folder(name)):
-                raise ValueError(f"extractor name {name!r} at {key!r} is not a safe folder name; {NAME_RULE}")
-            if not callable(getattr(extractor, "update", None)):
-                raise TypeError(f"extractor {name!r} for {key!r} has no update(x) method: {type(extractor).__name__}")
-            if name in named:
-                raise ValueError(f"two extractors are named {name!r} (from keys {keys[name][1]!r} and {key!r}, "
-                                 f"which read {key_name(keys[name][0])!r} and {key_name(canonical)!r}); give "
-                                 "each a distinct name: {site: {name: extractor, ...}}")
-            named[name], keys[name] = extractor, (canonical, key)
-    sites = {s for key, _ in keys.values() for s in key_sites(key)}
-    aware = {name for name, e in named.items() if registry.takes(e, "sequence_ids")}
-    tokens = {name for name, e in named.items() if registry.takes(e, "tokens")}
-    return _Plan(named, {name: k for name, (k, _) in keys.items()}, sites, aware, tokens)
 
 
 def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
@@ -262,7 +172,7 @@ def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
-def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: FitState, model) -> int:
+def _step(cap, tokenizer, docs: list[str], max_length: int, plan: Plan, state: FitState, model) -> int:
     """One batch through the model and into every extractor; returns its real tokens.
     Distributed: every rank's rows of the step, gathered in document order, go through the
     same single-process step on every rank (see conceptlens/distributed.py)."""
@@ -282,7 +192,7 @@ def _step(cap, tokenizer, docs: list[str], max_length: int, plan: _Plan, state: 
         acts, meta, n_tokens, first_doc, ids = step.acts, step, step.tokens, step.first_doc, step.ids
         if n_tokens == 0:
             return 0
-    keep = {site: state.row_filter(site, acts[site], meta.position) for site in plan.sites}
+    keep = {site: state.row_filter(site, acts[site], meta.position) for site in plan.sites if site in acts}
     for name, extractor in plan.extractors.items():
         if run is not None and not run.updates(name):
             continue  # another rank updates it (see DistributedRun.place)
@@ -328,7 +238,7 @@ def _progress(config: FitConfig, initial: int, show: bool = True):
                 disable=not (config.progress and show), desc="fit", dynamic_ncols=True)
 
 
-def _report(lens: AttachedModel, plan: _Plan, state: FitState, resumed_from: int, seconds: float,
+def _report(lens: AttachedModel, plan: Plan, state: FitState, resumed_from: int, seconds: float,
             config: FitConfig) -> FitReport:
     concepts: dict[str, ConceptSet] = {}
     stats: dict[str, Any] = {}

@@ -1,4 +1,5 @@
-"""Fit keys: which sites an extractor reads, how its entry is named, where its directions live.
+"""Fit keys: which sites an extractor reads, how its entry is named, where its directions live;
+`plan_extractors` resolves a fit's `{key: extractor}` into named extractors and their sites.
 
     key_name(("blocks.0.mlp.in", "blocks.0.mlp_out"))          # "blocks.0.mlp.in->blocks.0.mlp_out"
     key_sites((("blocks.0.mlp.in", "blocks.1.mlp.in"), ("blocks.0.mlp_out", "blocks.1.mlp_out")))
@@ -6,7 +7,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from conceptlens._names import RULE as NAME_RULE, is_name
+from conceptlens.concepts import registry
 
 if TYPE_CHECKING:
     from conceptlens.interface import AttachedModel
@@ -110,3 +116,46 @@ def cross_layer(fit_info: Any) -> bool:
     """Whether a set's fit record (`config["fit"]`) says it reads other sites than its directions'
     (a transcoder's source, a crosscoder's or cross-layer transcoder's several sites)."""
     return isinstance(fit_info, dict) and ("source_site" in fit_info or "sources" in fit_info)
+
+
+@dataclass
+class Plan:
+    """The extractors of one fit by name, and the sites each reads (`plan_extractors`)."""
+
+    extractors: dict[str, Any]
+    """Extractor by name (the site's canonical name, or the user's name for named extractors)."""
+    keys: dict[str, Key]
+    """Canonical site (or (source, target) pair) each named extractor reads."""
+    sites: set[str]
+    sequence_aware: set[str] = field(default_factory=set)
+    """Pair extractors whose update takes `sequence_ids` (tokens grouped by document)."""
+    token_aware: set[str] = field(default_factory=set)
+    """Extractors whose update takes `tokens` (a TokenRows)."""
+
+
+def plan_extractors(lens: AttachedModel, extractors: Mapping[Key, Any]) -> Plan:
+    """Resolve every site before any work starts. A key maps to an extractor (named after
+    its canonical site) or to `{name: extractor}` (any number per site); two entries that
+    end up with one name are an error, never a silent drop."""
+    if not extractors:
+        raise ValueError("fit needs at least one extractor: {site: extractor}, {site: {name: extractor}} or "
+                         "{(source, target): extractor}")
+    named: dict[str, Any] = {}
+    keys: dict[str, tuple[Key, Key]] = {}  # name -> (canonical key, key as written)
+    for key, value in extractors.items():
+        canonical = canonical_key(lens, key)
+        group = value if isinstance(value, Mapping) else {key_name(canonical): value}
+        for name, extractor in group.items():
+            if not isinstance(name, str) or not is_name(folder(name)):
+                raise ValueError(f"extractor name {name!r} at {key!r} is not a safe folder name; {NAME_RULE}")
+            if not callable(getattr(extractor, "update", None)):
+                raise TypeError(f"extractor {name!r} for {key!r} has no update(x) method: {type(extractor).__name__}")
+            if name in named:
+                raise ValueError(f"two extractors are named {name!r} (from keys {keys[name][1]!r} and {key!r}, "
+                                 f"which read {key_name(keys[name][0])!r} and {key_name(canonical)!r}); give "
+                                 "each a distinct name: {site: {name: extractor, ...}}")
+            named[name], keys[name] = extractor, (canonical, key)
+    sites = {s for key, _ in keys.values() for s in key_sites(key)}
+    aware = {name for name, e in named.items() if registry.takes(e, "sequence_ids")}
+    tokens = {name for name, e in named.items() if registry.takes(e, "tokens")}
+    return Plan(named, {name: k for name, (k, _) in keys.items()}, sites, aware, tokens)

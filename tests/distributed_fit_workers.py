@@ -83,6 +83,39 @@ def equal_body(comm: Comm, out: Path, run_dir: str | None = None, corpus: list[s
     return equal_fit(4, True, run_dir, corpus, max_tokens)
 
 
+def routed_fit(batch_size: int, distributed: bool, run_dir: str | None = None) -> dict:
+    """Two k-means at two sites (a distributed fit updates them on ranks 1 and 0): states, rows, tokens."""
+    from tests.conftest import CharTokenizer, tiny_model
+
+    lens = conceptlens.attach(tiny_model("llama"), CharTokenizer())
+    extractors = {"blocks.0.resid_out": StreamingKMeans(3, init_size=60, seed=1),
+                  "blocks.1.resid_out": StreamingKMeans(3, init_size=60, seed=2)}
+    report = lens.fit(extractors, CORPUS, batch_size=batch_size, max_length=24, progress=False,
+                      filters=EQUAL_FILTERS, distributed=distributed, checkpoint_dir=run_dir,
+                      checkpoint_every=None if run_dir is None else 400)
+    return {"states": {k: e.state_dict() for k, e in extractors.items()}, "rows": report.rows, "tokens": report.tokens}
+
+
+def routed_body(comm: Comm, out: Path, run_dir: str) -> dict:
+    """`routed_fit` on this rank, noting the sites whose rows it received and filtered."""
+    from conceptlens.distributed import DistributedRun
+    from conceptlens.filters import RowFilter
+
+    seen: dict[str, set] = {"received": set(), "filtered": set()}
+    gather, keep = DistributedRun.gather_step, RowFilter.__call__
+
+    def received(self, *args, **kwargs):
+        step = gather(self, *args, **kwargs)
+        seen["received"] |= set(step.acts)
+        return step
+
+    def filtered(self, site, *args):
+        seen["filtered"].add(site)
+        return keep(self, site, *args)
+    DistributedRun.gather_step, RowFilter.__call__ = received, filtered
+    return {**routed_fit(4, True, run_dir), **{k: sorted(v) for k, v in seen.items()}}
+
+
 # ---- ranks that run different fits ----------------------------------------------------------------
 
 MISMATCHES = {  # what rank 1 changes -> (model seed, corpus, extractor, fit options) of rank 1

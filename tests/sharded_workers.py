@@ -71,3 +71,54 @@ def sharded_body(comm, out: Path, resume_at: int | None = None) -> dict:
         feed(km, ae, slice(resume_at, None), books)
     rows = (km.state_dict()["centres"].shape[0], ae.params["W_dec"].shape[0], books["vq"].fitted.codes.shape[0])
     return {**outcome(km, ae, books), "shard_rows": rows, "dead_steps": ae.stats().steps}
+
+
+def init_body(comm, out: Path, width: int, d: int) -> dict:
+    """A ShardedTopKSAE's initial parameters, and the most numbers any tensor made while drawing them held."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            sizes = [t.numel() for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+            self.numel = max([self.numel, *sizes])
+            return result
+
+    sae = ShardedTopKSAE(width=width, k=4, seed=7)
+    x = torch.randn(64, d, generator=torch.Generator().manual_seed(1))
+    with Largest() as seen:
+        params = sae._init_params(x)
+    return {"params": params, "largest": seen.numel, "slice": (sae.shards.lo, sae.shards.hi),
+            "after": torch.rand(4, generator=sae._gen)}
+
+
+def sae_outcome(ae: TopKSAE) -> dict:
+    cs = ae.concept_set()
+    return {"directions": cs.directions, "encoder": cs.encoder, "frequency": cs.stats["firing_frequency"],
+            "stats": ae.stats(), "encode": ae.encode(sae_batches()[0][:5])}
+
+
+def traffic_body(comm, out: Path) -> dict:
+    """A ShardedTopKSAE fed the SAE rows, counting the process group's collectives and the steps
+    whose AuxK ran; then its outcome (gathered after the count)."""
+    import torch.distributed as dist
+
+    calls = {"collectives": 0, "aux_steps": 0}
+    for name in ("all_reduce", "all_gather", "broadcast", "all_gather_object", "gather_object", "gather"):
+        def counted(*args, _inner=getattr(dist, name), **kwargs):
+            calls["collectives"] += 1
+            return _inner(*args, **kwargs)
+        setattr(dist, name, counted)
+    ae = sae(True)
+    penalty = ae._penalty
+
+    def noting(*args):
+        calls["aux_steps"] += ae._aux is not None
+        return penalty(*args)
+    ae._penalty = noting
+    for x in sae_batches():
+        ae.update(x)
+    return {**calls, "steps": ae.stats().steps, "outcome": sae_outcome(ae)}

@@ -3,9 +3,8 @@
 whole package as configured there. Both run as `make test` runs them; a failure shows the
 tool's report.
 
-mypy is a ratchet: the errors it reported when it was brought in are listed, without line
-numbers, in tests/mypy_known_errors.txt; any other error fails the test. To refresh the list
-after fixing some: `python -m mypy | python tests/test_architecture.py > tests/mypy_known_errors.txt`."""
+mypy's run must be clean: any error fails the test, listed without line numbers
+(`python -m mypy | python tests/test_architecture.py` prints that list)."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-KNOWN = ROOT / "tests" / "mypy_known_errors.txt"
 _ERROR = re.compile(r"^(?P<path>[^:]+):\d+: error: (?P<message>.*?)  \[(?P<code>[a-z-]+)\]$")
 
 
@@ -59,13 +57,12 @@ def mypy_errors(report: str) -> Counter[str]:
     return found
 
 
-def test_mypy_reports_no_error_beyond_the_known_ones():
+def test_mypy_reports_no_error():
     done = _run(sys.executable, "-m", "mypy")
     assert done.returncode in (0, 1) and ("Success: no issues found" in done.stdout or
                                           "Found " in done.stdout), done.stdout + done.stderr  # not a crash
-    known = Counter(line for line in KNOWN.read_text().splitlines() if line.strip())
-    new = mypy_errors(done.stdout) - known
-    assert not new, "mypy errors not in tests/mypy_known_errors.txt:\n" + "\n".join(sorted(new.elements()))
+    errors = mypy_errors(done.stdout)
+    assert not errors and done.returncode == 0, "mypy errors:\n" + "\n".join(sorted(errors.elements()))
 
 
 def test_the_error_list_leaves_out_line_numbers_and_counts_repeats():

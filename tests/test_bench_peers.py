@@ -94,3 +94,26 @@ def test_the_json_it_writes_is_the_atlas_peers_table(tmp_path) -> None:
     assert data["goals"] == peers.goal_rows(curves) and data["site"] == peers.SITE
     html = peers_block(data)
     assert "<td>ours-topk</td>" in html and '<td class="num">0.91</td>' in html and "goal met" in html
+
+
+def test_peers_rows_shards_keep_every_piece_and_load_back_shuffled(tmp_path, monkeypatch) -> None:
+    import peers_rows
+
+    monkeypatch.setattr(peers_rows, "SHARD_TOKENS", 10)
+    pieces = [[0] * n for n in (5, 3, 7, 2, 9, 4, 6)]
+    groups = peers_rows.shards(pieces)
+    assert sorted(map(len, (p for g in groups for p in g))) == sorted(map(len, pieces))
+    assert all(sum(map(len, g)) >= 10 for g in groups[:-1])  # every shard but the last is full
+    assert all([len(p) for p in g] == sorted(len(p) for p in g) for g in groups)  # sorted within a shard
+    folder = tmp_path / "train-512"
+    folder.mkdir()
+    x = torch.arange(12.0).repeat(3, 1).T.half()  # (12, 3): row i is i, i, i
+    torch.save(x[:5], folder / "shard-000.pt")
+    torch.save(x[5:], folder / "shard-001.pt")
+    with pytest.raises(FileNotFoundError, match="no complete capture"):
+        peers_rows.load_rows(cache=tmp_path)
+    (folder / "DONE").write_text("2 shards\n")
+    rows = peers_rows.load_rows(cache=tmp_path)
+    assert rows.dtype == torch.float16 and sorted(rows[:, 0].tolist()) == list(range(12))
+    assert not torch.equal(rows, x)  # shuffled
+    assert torch.equal(peers_rows.load_rows(cache=tmp_path, limit=4), rows[:4])  # the same seeded order

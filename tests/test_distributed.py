@@ -179,10 +179,15 @@ def test_fit_distributed_without_a_process_group_names_the_fix():
 
 
 def test_torchrun_starts_a_distributed_fit_from_its_environment(tmp_path):
+    """torchrun, 2 ranks of batch 4: the ranks agree, and every extractor (k-means, a TopK SAE, a
+    transcoder on a pair key, a crosscoder on two sites) equals one process with batch 8."""
     import os
     import subprocess
     import sys
     from pathlib import Path
+
+    from tests import torchrun_fit
+    from tests.test_distributed_equal import assert_close_state
 
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
@@ -195,6 +200,11 @@ def test_torchrun_starts_a_distributed_fit_from_its_environment(tmp_path):
     assert (r0["documents"], r1["documents"]) == (21, 20)
     assert_same_state(_tensors(r0["states"]["blocks.0.mlp_out"]), _tensors(r1["states"]["blocks.0.mlp_out"]))
     assert torch.equal(r0["states"]["blocks.1.resid_out"]["centres"], r1["states"]["blocks.1.resid_out"]["centres"])
+    alone, report = torchrun_fit.fit(8, False)  # one process with the global batch; multi-site keys too
+    assert r0["tokens"] == report.tokens and any(isinstance(key, tuple) for key in alone)
+    for key, extractor in alone.items():
+        for rank in (r0, r1):
+            assert_close_state(rank["states"][key], extractor.state_dict(), str(key))
 
 
 def test_shutdown_destroys_only_the_group_init_created(monkeypatch):

@@ -57,6 +57,27 @@ def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(tmp_path):
         assert_close_state(r0["states"][name], state, name)
 
 
+def test_each_rank_receives_and_filters_only_the_sites_it_updates(tmp_path):
+    """Two k-means at two sites, each updated on one rank: a rank receives and filters the rows
+    of its site only, yet every rank's report and states, and every rank's row-filter state in
+    the checkpoint, equal one process's with the global batch."""
+    codes, results, _ = W.spawn(F.routed_body, 2, tmp_path, str(tmp_path / "run"))
+    r0, r1 = _ok(codes, results)
+    assert r0["received"] == r0["filtered"] == ["blocks.1.resid_out"]
+    assert r1["received"] == r1["filtered"] == ["blocks.0.resid_out"]
+    alone = F.routed_fit(8, False, str(tmp_path / "alone"))
+    assert r0["rows"] == r1["rows"] == alone["rows"] and r0["tokens"] == alone["tokens"]
+    assert 0 < alone["rows"]["blocks.0.resid_out"]["norm_outlier"]  # the filter's median mattered
+    for name, state in alone["states"].items():
+        assert_same_state(r0["states"][name], r1["states"][name], name)
+        assert_close_state(r0["states"][name], state, name)
+    saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["state"]
+    single = torch.load(tmp_path / "alone" / "checkpoint.pt", weights_only=False)["state"]["rows"]
+    for rank in saved["ranks"]:
+        assert rank["rows"]["counts"] == single["counts"]
+        assert_close_state(rank["rows"]["norms"], single["norms"])
+
+
 def test_two_simulated_nodes_of_two_ranks_equal_one_process(tmp_path):
     """torchrun --nnodes 2 --nproc-per-node 2 (two agents on this machine, static rendezvous at
     node 0, as on two hosts): 4 ranks with batch 2 equal one process with batch 8."""

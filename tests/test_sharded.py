@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conceptlens.concepts import TopKSAE
 from tests import distributed_workers as W
 from tests import sharded_workers as S
 from tests.test_distributed_equal import assert_close_state
@@ -34,6 +35,56 @@ def test_two_shards_equal_one_unsharded_dictionary(tmp_path, resume_at):
         shards = r.pop("shard_rows"), r.pop("dead_steps")
         assert shards
         assert_close_state(dict(r), dict(alone))
+
+
+@pytest.mark.parametrize("width, d", [(4000, 16), (1001, 3)])
+def test_each_rank_draws_only_its_slice_of_the_initial_sae(tmp_path, width, d):
+    """A ShardedTopKSAE on 2 ranks builds only its latents: W_enc, b_enc and W_dec are 1/2 of one
+    process's, no tensor made while drawing them holds more than half the decoder (plus one block
+    of 16 rows), the values are one unsharded TopKSAE's rows bit for bit and the generator ends
+    in the same state."""
+    codes, results, _ = W.spawn(S.init_body, 2, tmp_path, width, d)
+    assert codes == [0, 0], results
+    alone = TopKSAE(width=width, k=4, seed=7)
+    whole = alone._init_params(torch.randn(64, d, generator=torch.Generator().manual_seed(1)))
+    after = torch.rand(4, generator=alone._gen)
+    assert [r["slice"] for r in results] == [(0, (width + 1) // 2), ((width + 1) // 2, width)]
+    for r in results:
+        (lo, hi), p = r["slice"], r["params"]
+        assert p["W_dec"].shape == (hi - lo, d) and p["W_enc"].shape == (d, hi - lo) and p["b_enc"].shape == (hi - lo,)
+        assert r["largest"] <= (hi - lo + 16) * d < width * d
+        assert torch.equal(p["W_dec"], whole["W_dec"][lo:hi]) and torch.equal(p["W_enc"], whole["W_enc"][:, lo:hi])
+        assert torch.equal(p["b_enc"], whole["b_enc"][lo:hi]) and torch.equal(p["b_dec"], whole["b_dec"])
+        assert torch.equal(r["after"], after)
+
+
+def test_sharded_sae_step_takes_three_collectives_and_equals_one_process(tmp_path):
+    """3 ranks (41 latents: shards of 14, 14 and 13): every step, AuxK or not, is one all-gather of
+    the top-k candidates, one all-reduce of the partial reconstructions and firing counts and one
+    of b_dec's gradient; the SAE equals one unsharded process's."""
+    codes, results, _ = W.spawn(S.traffic_body, 3, tmp_path)
+    assert codes == [0, 0, 0], results
+    alone = S.sae(False)
+    for x in W.sae_batches():
+        alone.update(x)
+    for r in results:
+        assert r["steps"] == alone.stats().steps and 0 < r["aux_steps"] < r["steps"]
+        assert r["collectives"] == 3 * r["steps"]
+        assert_close_state(r["outcome"], S.sae_outcome(alone))
+
+
+@pytest.mark.parametrize("n, d", [(41, 3), (1000, 7), (17, 1), (5, 3), (100, 33)])
+def test_randn_rows_is_a_slice_of_one_draw(n, d):
+    """`randn_rows` gives rows [lo, hi) of one `torch.randn(n, d)` draw bit for bit and leaves the
+    generator where that draw leaves it (sizes under, at and over torch's 16-number blocks)."""
+    from conceptlens.concepts.sharded import randn_rows
+
+    g = torch.Generator().manual_seed(5)
+    whole, after = torch.randn(n, d, generator=g), torch.rand(3, generator=g)
+    for lo, hi in [(0, n // 2), (n // 2, n), (1, n - 1), (0, n)]:
+        g = torch.Generator().manual_seed(5)
+        assert torch.equal(randn_rows(n, d, lo, hi, g), whole[lo:hi])
+        assert torch.equal(torch.rand(3, generator=g), after)
 
 
 def test_one_process_sharded_is_unsharded():

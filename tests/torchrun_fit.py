@@ -16,13 +16,18 @@ sys.path.insert(0, str(ROOT))
 
 import conceptlens  # noqa: E402
 from conceptlens.concepts import StreamingKMeans, TopKSAE  # noqa: E402
+from conceptlens.concepts.sae import Crosscoder, Transcoder  # noqa: E402
 from tests.conftest import CharTokenizer, tiny_model  # noqa: E402
 from tests.distributed_workers import CORPUS  # noqa: E402
 
 
 def extractors() -> dict:
+    """One-site extractors, a transcoder (a pair key) and a crosscoder (two sites)."""
     return {"blocks.1.resid_out": StreamingKMeans(4, init_size=48, seed=1),
-            "blocks.0.mlp_out": TopKSAE(width=16, k=3, batch_size=32, warmup_tokens=32, seed=2)}
+            "blocks.0.mlp_out": TopKSAE(width=16, k=3, batch_size=32, warmup_tokens=32, seed=2),
+            ("blocks.0.mlp.in", "blocks.0.mlp_out"): Transcoder(width=16, batch_size=32, warmup_tokens=32, seed=3),
+            ("blocks.0.resid_out", "blocks.1.resid_out"): Crosscoder(width=16, k=3, batch_size=32, warmup_tokens=32,
+                                                                     seed=4)}
 
 
 def fit(batch_size: int, distributed: bool) -> tuple[dict, object]:

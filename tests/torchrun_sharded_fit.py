@@ -29,8 +29,9 @@ VQ = dict(init_size=48, top_k=2, batch_size=16, reseed_after=5, seed=3)
 
 
 def plain_extractors() -> dict:
-    """tests/torchrun_fit.py's extractors and a VQ codebook of 6 codes."""
-    return {**extractors(), "blocks.0.resid_out": VQCodebook(6, **VQ)}
+    """tests/torchrun_fit.py's one-site extractors and a VQ codebook of 6 codes."""
+    return {**{key: e for key, e in extractors().items() if isinstance(key, str)},
+            "blocks.0.resid_out": VQCodebook(6, **VQ)}
 
 
 def sharded_extractors() -> dict:

@@ -11,11 +11,11 @@ probe forward on a few tokens against the model's own `output_hidden_states` (`v
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 
 from torch import nn
 
 from conceptlens.adapters import families, residual
+from conceptlens.adapters.block_view import BlockView, as_hidden, block_view, resid_shape
 from conceptlens.adapters.depth import again_note, later_reads
 from conceptlens.adapters.attention_sites import AttentionSites, in_width
 from conceptlens.adapters.keys import relayout
@@ -24,35 +24,22 @@ from conceptlens.adapters.names import NameResolver
 from conceptlens.adapters.padded import centre_offset, cut_padded, site_extras
 from conceptlens.adapters.probe import Trace, run_probe
 from conceptlens.hooks.manager import HookManager
-from conceptlens.adapters.repeated import final_after, final_by_input, only_list, same_class, unroll
+from conceptlens.adapters.repeated import Final, find_final, only_list, same_class, unroll
 from conceptlens.adapters.site_notes import attention_notes
-from conceptlens.adapters.stacks import (after_candidates, expected_layers, final_norm_candidates, find_block_list,
-                                         find_stacks, parallel_blocks)
+from conceptlens.adapters.stacks import (StackPaths, after_candidates, block_list, expected_layers,
+                                         final_norm_candidates, find_block_list, find_stacks, get_path, hidden_size,
+                                         norms_beside, parallel_blocks, parallel_records)
 from conceptlens.adapters.stream_writes import site_shape, stream_writes
 from conceptlens.adapters.structure import BlockLayout, children_summary, mlp_container, recognise
 from conceptlens.adapters.sublayers import extend, more_attention, out_projection, plus_modules
 from conceptlens.adapters.repair import repair
-from conceptlens.adapters.verify import as_hidden, block_view, check_stack, refine
+from conceptlens.adapters.verify import check_stack, refine
 from conceptlens.adapters.verify import submodule as _get
-from conceptlens.adapters.views import Readings, site_views
+from conceptlens.adapters.readings import Readings, site_views
 from conceptlens.sites.hooked_views import CallOf, Trim
 from conceptlens.sites.site import Site
 
 _OUT_KINDS = ("attn_out", "cross_attn_out", "mixer_out", "mlp_out", "branch_out")
-
-
-def get_path(root: nn.Module, path: str) -> nn.Module:
-    """`root.get_submodule(path)`, also accepting negative indices into ModuleLists."""
-    module = root
-    for part in path.split(".") if path else []:
-        module = module[int(part)] if part.lstrip("-").isdigit() else getattr(module, part)
-    return module
-
-
-@dataclass(frozen=True)
-class StackPaths:
-    stacks: dict[str, str]
-    """Stack prefix ("" for single-stack models) -> path of the stack from the base model."""
 
 
 class Adapter(AttentionSites):
@@ -61,9 +48,7 @@ class Adapter(AttentionSites):
     _current: tuple[nn.Module, int, nn.Module] | None = None
     _block: nn.Module | None = None
     _trace: Trace | None = None
-    _final_call: dict[str, int]
-    _final_note: dict[str, str]
-    _view = ""
+    _view = BlockView()
 
     def __init__(self, model: nn.Module, *, verify: bool = True, hooks: HookManager | None = None) -> None:
         self.model = model
@@ -93,19 +78,10 @@ class Adapter(AttentionSites):
         self.direct, trace = reprobe_direct(hooks, self.blocks, trace,  # blocks whose forward the stack calls directly
                                             lambda: run_probe(hooks, self.blocks, extra, self.stacks))
         if self._add_same_class(trace):  # looped stacks of one layer class (HRM's two modules): probe again
-            for p, stack in self.stacks.items():
-                names = {m: n for n, m in stack.named_modules()}
-                for path in dict.fromkeys(names[b].rpartition(".")[0] for b in self.blocks[p] if b in names):
-                    finals[p] += [m for c in final_norm_candidates(stack, path) if (m := get_path(stack, c))
-                                  not in finals[p]]
+            finals = {p: norms_beside(stack, self.blocks[p], finals[p]) for p, stack in self.stacks.items()}
             extra = [m for ms in (*finals.values(), *afters.values()) for m in ms]
             trace = run_probe(hooks, self.blocks, extra, self.stacks)
-        self._final_call, self._final_note = {}, {}
-        for block, (first, last) in self._io.items():  # a block made of parallel lists: its first and last module
-            for record, module in ((trace.inputs, first), (trace.outputs, last)):
-                if module in record:
-                    record[block] = record[module]
-            trace.calls[block] = trace.calls.get(first, 0)
+        parallel_records(trace, self._io)
         self.calls: dict[str, list[int] | None] = {p: self._unroll(p, trace) for p in self.stacks}
         """Stack -> for each block, which call of its module it is (None: every block is its own module)."""
         self.sites: dict[str, Site] = {}
@@ -116,17 +92,16 @@ class Adapter(AttentionSites):
         self.padded_hidden = cut_padded(trace)
         """Stacks whose HF hidden states keep padding the model adds (PEGASUS-X): sites are their first T."""
         for prefix in self.stacks:
-            final = self._final(prefix, finals[prefix], trace) or self._final_after(prefix, finals[prefix] +
-                                                                                  afters[prefix], trace)
+            final = find_final(self._last_output(prefix, trace), finals[prefix], afters[prefix],
+                               trace.hidden.get(prefix), trace)
             for block, lay in zip(self.blocks[prefix], self.layouts[prefix]):
                 refine(block, lay, trace)
                 relayout(block, lay, trace, prefix)
                 for key, path in families.LAYOUT.get(self.model_type, {}).items():
                     setattr(lay, key, path)
             self._view = block_view(self.blocks[prefix][0], trace, trace.hidden.get(prefix))
-            self.hidden_offset[prefix] = check_stack(prefix, self.blocks[prefix], final, trace, self._what(),
-                                                     self.calls[prefix], self._final_call.get(prefix),
-                                                     self._view) if verify else 1
+            self.hidden_offset[prefix] = check_stack(prefix, self.blocks[prefix], final.module, trace, self._what(),
+                                                     self.calls[prefix], final.call, self._view) if verify else 1
             self._add_stack(prefix, final, trace)
 
     @property
@@ -144,24 +119,24 @@ class Adapter(AttentionSites):
         if path is None:
             raise ValueError(f"cannot find the list of blocks in {type(stack).__name__} ({self._what()}): "
                              "no ModuleList of layers")
-        blocks = list(get_path(stack, path))
+        blocks = block_list(stack, path)
         if all(recognise(b) is None for b in blocks):  # groups of layers (ALBERT's layer groups)
-            inner = [only_list(b) for b in blocks]
-            if all(inner):
-                blocks = [m for group in inner for m in group]
+            groups = [group for b in blocks if (group := only_list(b)) is not None]
+            if len(groups) == len(blocks):
+                blocks = [m for group in groups for m in group]
             elif (synth := parallel_blocks(stack, path)) is not None:  # XLM: one ModuleList per sublayer
                 blocks = [b for b, _, _ in synth]
                 self._io.update({b: (first, last) for b, first, last in synth})
-        layouts = []
-        for i, block in enumerate(blocks):
-            lay = recognise(block)
-            if lay is None:
-                raise ValueError(f"cannot recognise the layout of {type(block).__name__} (block {i} of "
-                                 f"{self._what()}; children: {children_summary(block)}): no attention, mixer "
-                                 "or MLP module found")
-            layouts.append(lay)
         self._block_paths[prefix] = path
-        self.blocks[prefix], self.layouts[prefix] = blocks, layouts
+        self.blocks[prefix], self.layouts[prefix] = blocks, [self._recognise(b, i) for i, b in enumerate(blocks)]
+
+    def _recognise(self, block: nn.Module, i: int) -> BlockLayout:
+        lay = recognise(block)
+        if lay is None:
+            raise ValueError(f"cannot recognise the layout of {type(block).__name__} (block {i} of "
+                             f"{self._what()}; children: {children_summary(block)}): no attention, mixer "
+                             "or MLP module found")
+        return lay
 
     def _add_same_class(self, trace: Trace) -> bool:
         changed = False
@@ -169,7 +144,8 @@ class Adapter(AttentionSites):
             more = same_class(blocks, self.stacks[prefix], trace, trace.hidden.get(prefix))
             if more:
                 self.blocks[prefix] = blocks + more
-                self.layouts[prefix] = self.layouts[prefix] + [recognise(m) for m in more]
+                self.layouts[prefix] = self.layouts[prefix] + [self._recognise(m, i) for i, m in
+                                                               enumerate(more, len(blocks))]
                 changed = True
         return changed
 
@@ -179,7 +155,7 @@ class Adapter(AttentionSites):
         if found is None:
             return None
         self.blocks[prefix], calls = found
-        self.layouts[prefix] = [recognise(m) for m in self.blocks[prefix]]
+        self.layouts[prefix] = [self._recognise(m, i) for i, m in enumerate(self.blocks[prefix])]
         return calls
 
     def _last_output(self, prefix: str, trace: Trace):
@@ -187,39 +163,25 @@ class Adapter(AttentionSites):
         last = trace.io(self.blocks[prefix][-1], calls[-1] if calls else None)[1]
         return last[:, :trace.lengths[prefix]] if prefix in self.padded_hidden and last is not None else last
 
-    def _final(self, prefix: str, candidates: list[nn.Module], trace: Trace) -> nn.Module | None:
-        module, call = final_by_input(self._last_output(prefix, trace), candidates, trace)
-        if call is not None:
-            self._final_call[prefix] = call
-        return module
-
-    def _final_after(self, prefix: str, pool: list[nn.Module], trace: Trace) -> nn.Module | None:
-        module, note = final_after(self._last_output(prefix, trace), trace.hidden.get(prefix), pool, trace)
-        if module is not None:
-            self._final_note[prefix] = note
-        return module
-
-    def _add_stack(self, prefix: str, final: nn.Module | None, trace: Trace) -> None:
+    def _add_stack(self, prefix: str, final: Final, trace: Trace) -> None:
         p = f"{prefix}." if prefix else ""
         blocks = self.blocks[prefix]
-        x0 = as_hidden(trace.inputs[blocks[0]], self._view, 1) if blocks[0] in trace.inputs else None
-        streams = x0 is not None and x0.ndim == 4 and x0.shape[0] == 1  # (B, T, n, d) on the probe's one row (HY-V4)
-        resid = ("B", "T", *(int(s) for s in x0.shape[2:])) if streams else \
-            ("B", "T", int(x0.shape[-1]) if x0 is not None else self._hidden_size())
-        if self._view == "streams_first":  # (n, B, T, d) in the model: sites are its (B, T, n, d) permutation
-            resid = ("B", "T", int(x0.shape[0]), int(x0.shape[-1]))
+        x0 = as_hidden(trace.inputs.get(blocks[0]), self._view, 1)
+        resid = resid_shape(x0, self._view) if x0 is not None else ("B", "T", hidden_size(self.config))
         calls, again = self.calls.get(prefix), later_reads(blocks, trace)
         self._trace = trace
         for i, (block, lay) in enumerate(zip(blocks, self.layouts[prefix])):
             self._current, self._block = (block, calls[i], self.stacks[prefix]) if calls else None, block
             self._add_block(prefix, i, block, lay, trace, resid, again)
-        k = self._final_call.get(prefix)
-        self._current, self._block = (final, k, self.stacks[prefix]) if k is not None else None, None
-        if final is not None:
-            note, out = self._final_note.get(prefix), trace.io(final, k)[1]
+        module, k, note = final.module, final.call, final.note
+        self._current = (module, k, self.stacks[prefix]) if module is not None and k is not None else None
+        self._block = None
+        if module is not None:
+            out = trace.io(module, k)[1]
             shape = ("B", "T", int(out.shape[-1])) if out is not None and out.ndim == 3 else resid  # streams merged
-            self._add(f"{p}final", final, "output", shape, prefix, f"output of the final norm ({type(final).__name__})"
-                      if note is None else f"output of {type(final).__name__}, the stack's last hidden state; {note}")
+            cls = type(module).__name__
+            self._add(f"{p}final", module, "output", shape, prefix, f"output of the final norm ({cls})"
+                      if note is None else f"output of {cls}, the stack's last hidden state; {note}")
         self._current = None
 
     def _add_block(self, prefix: str, i: int, block: nn.Module, lay: BlockLayout, trace: Trace, resid: tuple,
@@ -246,11 +208,12 @@ class Adapter(AttentionSites):
                   again_note(i, again, p), resid=True)
         self._add(f"{b}.resid_out", last, "output", resid, prefix, f"output of {type(last).__name__} {i}{eq}",
                   resid=True)
-        self._add_sublayers(prefix, b, i, block, lay, trace, resid, (problem, scales, plus, spread), e)
+        self._add_sublayers(prefix, b, i, block, lay, trace, resid, (problem, scales, plus, spread))
         notes, more = attention_notes(self.config, i, _get(block, lay.attn)), more_attention(block, lay, trace)
-        self._add_attention(f"{b}.attn", block, lay.attn, lay.attn_z or (more and out_projection(block, lay.attn)),
-                            prefix, prefix, trace,
-                            "; ".join(filter(None, (notes, more and f"the block's attention sublayer {lay.attn}"))))
+        z_path = lay.attn_z or (out_projection(block, lay.attn) if more else None)
+        sublayer = f"the block's attention sublayer {lay.attn}" if more else ""
+        self._add_attention(f"{b}.attn", block, lay.attn, z_path, prefix, prefix, trace,
+                            "; ".join(filter(None, (notes, sublayer))))
         for j, path in enumerate(more, 1):  # further attention sublayers: attn_1, ...
             self._add_attention(f"{b}.attn_{j}", block, path, out_projection(block, path), prefix, prefix, trace,
                                 "; ".join(filter(None, (notes, f"the block's attention sublayer {path}"))))
@@ -265,7 +228,7 @@ class Adapter(AttentionSites):
                       f"input of {mlp} ({type(module).__name__}): what the MLP reads (a transcoder's source)")
 
     def _add_sublayers(self, prefix: str, b: str, i: int, block: nn.Module, lay: BlockLayout, trace: Trace,
-                       resid: tuple, readings: tuple, e: str) -> None:
+                       resid: tuple, readings: tuple) -> None:
         """attn_out, mlp_out, ...: each sublayer's contribution, as `repair` and the residual rules read it."""
         problem, scales, plus, spread = readings
         for kind in _OUT_KINDS:
@@ -277,11 +240,7 @@ class Adapter(AttentionSites):
                 continue
             module = block.get_submodule(path)
             scale = scales.get(kind, 1.0) if scales is not None else 1.0
-            note = lay.notes.get(kind) or ("what it adds to the residual" if lay.additive else "")
-            note += f"; the block does not add its input: {e}" if lay.resid_coef == 0.0 and not scales else ""
-            if scales:
-                note = (lay.notes.get(kind, "") + "; " if kind in lay.notes else "") + \
-                    f"times {residual.fmt(scale)}, the block's scaling of it: {residual.added(lay, kind)}"
+            note = residual.sublayer_note(lay, kind, scales, scale)
             shape = site_shape(resid, module, trace, bool(spread) and kind in spread)
             self._add(f"{b}.{kind}", module, "output", shape, prefix,
                       f"output of {path} ({type(module).__name__})" + (f"; {note}" if note else ""),
@@ -291,37 +250,34 @@ class Adapter(AttentionSites):
                       inner=CallOf(module, block.get_submodule(lay.inner_calls[kind][1]), lay.inner_calls[kind][0])
                       if kind in lay.inner_calls else None)  # one call of a module inside the sublayer (inner.py)
 
-    def _hidden_size(self) -> int:
-        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
-        return int(getattr(text, "hidden_size", None) or getattr(text, "d_model"))
-
     def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
-             flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: str | None = None,
+             flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: BlockView | None = None,
              part=None, row_offset: int = 0, inner: CallOf | None = None, expand=None, resid: bool = False) -> None:
-        """Add a site; its views come from the readings (adapters/views.py) and describe themselves."""
+        """Add a site; its views come from the readings (adapters/readings.py) and describe themselves."""
         shared = self._shared_call()
         if shared is not None and inner is not None:  # (a shared layer's site is already gated on its calls)
             self.problems[name] = f"{self._what()}: {name} is one call of a module inside a shared layer's sublayer"
             return
         view = self._view if view is None else view
-        prefixed, trim = "prefixed" in view, Trim(None, offset=row_offset) if row_offset else None
-        if "trim" in view or prefixed:  # T: the length of this forward's input to the site's stack
+        trim = Trim(None, offset=row_offset) if row_offset else None
+        if view.added != "none":  # T: the length of this forward's input to the site's stack
             own = self.stacks[stack] if stack in self.stacks else self.stacks[self._stack_of(name)]
-            trim = Trim(own, last=prefixed, offset=row_offset)
+            trim = Trim(own, last=view.added == "before", offset=row_offset)
         trace = None if inner is not None else self._trace  # one chosen call of a module inside the sublayer
-        extras = site_extras(module, point, view, self.direct, self._block, trace, row_offset, shape[1] == "T")
+        extras = site_extras(module, point, view.channels_first, self.direct, self._block, trace, row_offset,
+                             shape[1] == "T")
         if extras is None:  # a module the block runs more than once, first on other rows: left out
             return
         readings = Readings(heads=heads, part=part, expand=expand, flat_in=flat_in, plus=plus, scale=scale,
-                            call=inner if shared is None else shared, streams_first="streams_first" in view and resid,
-                            time_major="time_major" in view, trim=trim, **extras)
+                            call=inner if shared is None else shared, streams_first=view.streams_first and resid,
+                            time_major=view.time_major, trim=trim, **extras)
         views = site_views(point, readings)
         notes = "".join(f"; {note}" for v in views if (note := v.describe()))
         self.sites[name] = Site(name, module, point, shape, stack, source + notes, views)
 
     def _shared_call(self) -> CallOf | None:
         """Sites of a block that is one call of a layer run several times per forward: that call."""
-        if self._current is None or self._current[0] is None:
+        if self._current is None:
             return None
         block, call, stack = self._current
         return CallOf(block, stack, call, f"call {call} of this shared {type(block).__name__} in each forward")

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from conceptlens.adapters import families
+from conceptlens.adapters.block_view import BlockView
 from conceptlens.adapters.fused import describe, fused_layout
 from conceptlens.adapters.keys import add_split_attention, key_layout
 from conceptlens.adapters.probe import Trace
@@ -25,7 +26,8 @@ _K_NAMES = ("k_proj", "key", "k", "key_proj", "k_lin", "project_k")
 _V_NAMES = ("v_proj", "value", "v", "value_proj", "v_lin", "project_v")
 
 
-def _first_attr(obj: object, names: tuple[str, ...]) -> object | None:
+def _first_attr(obj: object, names: tuple[str, ...]) -> Any:
+    """The first of `names` that `obj` has and is not None (None: none); its type is the model's."""
     return next((getattr(obj, n) for n in names if getattr(obj, n, None) is not None), None)
 
 
@@ -45,9 +47,12 @@ def head_layout(attn: nn.Module, config) -> tuple[int, int, int] | None:
     q, k = _first_attr(attn, _Q_NAMES), _first_attr(attn, _K_NAMES)
     heads = heads or getattr(config, "num_attention_heads", 1)
     width = getattr(q, "out_features", None) or getattr(config, "hidden_size", None)
-    if not (head_dim or width):
+    if head_dim:
+        head_dim = int(head_dim)
+    elif width:
+        head_dim = int(width // heads)
+    else:
         return None
-    head_dim = int(head_dim or width // heads)
     width = getattr(q, "out_features", None)
     if width:
         heads = width // head_dim
@@ -73,13 +78,13 @@ class AttentionSites:
     model_type: str  # the adapter's (its model's `config.model_type`)
     config: Any  # the model's transformers config (its class varies with the model)
     problems: dict[str, str]
-    _view: str
+    _view: BlockView
 
     if TYPE_CHECKING:  # the adapter's methods this mixin calls (adapter.py defines them)
         def _what(self) -> str: ...
 
         def _add(self, name: str, module: nn.Module, point, shape, stack: str, source: str, heads=None,
-                 flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: str | None = None,
+                 flat_in=None, scale: float = 1.0, plus: nn.Module | None = None, view: BlockView | None = None,
                  part=None, row_offset: int = 0, inner=None, expand=None, resid: bool = False) -> None: ...
 
     def _add_attention(self, name: str, block: nn.Module, path: str | None, z_path: str | None, q_stack: str,

@@ -2,7 +2,7 @@
 output block beside the attention, is recognised by `structure.beside_layout`).
 
 Used by `Adapter`: `direct_blocks` finds blocks whose hooks never ran in the probe although
-modules inside them did; the probe then runs again with `routed(...)` (hooks/direct.py), and
+modules inside them did; the probe then runs again with `routed(...)` (hooks/routed.py), and
 their sites route the block's direct calls through `__call__` while they are hooked.
 """
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from conceptlens.adapters.probe import Trace
-from conceptlens.hooks.direct import route_through_call
+from conceptlens.hooks.routed import route_through_call
 from conceptlens.hooks.handles import HandleGroup
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from torch import nn
 from conceptlens.adapters.probe import ENCODER_TOKENS, Call, Trace, close, first_tensor
 from conceptlens.adapters.structure import BlockLayout
 from conceptlens.adapters.verify import call_of, submodule
-from conceptlens.adapters.views import with_split_keys
+from conceptlens.adapters.readings import with_split_keys
 
 _V_NAMES = ("v_proj", "value", "v", "value_proj", "v_lin")
 

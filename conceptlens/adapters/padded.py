@@ -24,9 +24,8 @@ def trim_padded(hidden: tuple | None, length: int | None) -> tuple | None:
     is longer and the last has exactly that length (None: they are not padded)."""
     if not hidden or length is None:
         return None
-    states = [first_tensor(h) for h in hidden]
-    if any(s is None or s.ndim != 3 for s in states) or states[-1].shape[1] != length or \
-            any(s.shape[1] <= length for s in states[:-1]):
+    states = [s for h in hidden if (s := first_tensor(h)) is not None and s.ndim == 3]
+    if len(states) != len(hidden) or states[-1].shape[1] != length or any(s.shape[1] <= length for s in states[:-1]):
         return None
     return tuple(s[:, :length] for s in states)
 
@@ -69,13 +68,13 @@ def repeated(module: nn.Module, block: nn.Module | None, trace: Trace, point: st
     return True, first_call_rows_match(module, block, trace, point)
 
 
-def site_extras(module: nn.Module, point: str, view: str, direct: list[nn.Module], block: nn.Module | None,
+def site_extras(module: nn.Module, point: str, channels_first: bool, direct: list[nn.Module], block: nn.Module | None,
                 trace: Trace | None, row_offset: int = 0, own_rows: bool = True) -> dict | None:
-    """The readings (adapters/views.py's `Readings` fields) for the views of this module and the
+    """The readings (adapters/readings.py's `Readings` fields) for the views of this module and the
     readings above; None where the site must be left out (a module the block runs more than
     once whose first call is not on the block's rows, or whose site is not on them: `own_rows`
     False, e.g. cross-attention keys of a projection shared with self-attention)."""
-    fields: dict = {"channels_first": "channels_first" in view and point in ("input", "output")}
+    fields: dict = {"channels_first": channels_first and point in ("input", "output")}
     if module in direct and point in ("input", "output"):
         fields["routed"] = module
     if trace is not None and point in ("input", "output"):

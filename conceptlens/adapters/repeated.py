@@ -23,9 +23,12 @@ Pure functions over the probe trace, used by `Adapter`:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from conceptlens.adapters.block_view import BlockView
 from conceptlens.adapters.probe import Trace, close
 from conceptlens.adapters.structure import recognise
 
@@ -99,7 +102,27 @@ def final_after(last, hidden: tuple | None, pool: list[nn.Module], trace: Trace)
     return None, ""
 
 
-def projection_view(view: str, block: nn.Module, proj: nn.Module, trace: Trace) -> str | None:
+@dataclass(frozen=True)
+class Final:
+    """A stack's `final` site: its module (None: none found), which call of it (None: its only
+    one) and, where no norm reads the last block's output, how the module was found."""
+
+    module: nn.Module | None
+    call: int | None = None
+    note: str | None = None
+
+
+def find_final(last, norms: list[nn.Module], after: list[nn.Module], hidden: tuple | None, trace: Trace) -> Final:
+    """The norm whose input is the last block's output `last`, else the module of the norms and
+    the modules `after` the blocks that gives HF's last hidden state (`final_after`)."""
+    module, call = final_by_input(last, norms, trace)
+    if module is not None:
+        return Final(module, call)
+    module, note = final_after(last, hidden, norms + after, trace)
+    return Final(module, None, note if module is not None else None)
+
+
+def projection_view(view: BlockView, block: nn.Module, proj: nn.Module, trace: Trace) -> BlockView | None:
     """The block's view, with time-major toggled where the projection runs on the transpose of
     the block's rows (Longformer's attention); None when its rows are neither."""
     x, y = trace.inputs.get(block), trace.outputs.get(proj)
@@ -108,5 +131,5 @@ def projection_view(view: str, block: nn.Module, proj: nn.Module, trace: Trace) 
     if y.shape[:2] == x.shape[:2]:
         return view
     if y.shape[:2] == (x.shape[1], x.shape[0]):
-        return " ".join(sorted(set(view.split()) ^ {"time_major"}))
+        return view.transposed()
     return None

@@ -211,6 +211,16 @@ def before(lay: BlockLayout, prefix: str = "") -> str:
     return f" (before its {lay.resid_in}; {prefix}blocks.0.resid_in is that norm's output)" if lay.resid_in else ""
 
 
+def sublayer_note(lay: BlockLayout, kind: str, scales: dict | None, scale: float | Tensor) -> str:
+    """What the `kind` sublayer site adds to the residual, for its description (`scales`: the
+    block's fitted scaling of each site, `scale` this one's)."""
+    if scales:
+        return (lay.notes[kind] + "; " if kind in lay.notes else "") + \
+            f"times {fmt(scale)}, the block's scaling of it: {added(lay, kind)}"
+    note = lay.notes.get(kind) or ("what it adds to the residual" if lay.additive else "")
+    return note + (f"; the block does not add its input: {equation(lay)}" if lay.resid_coef == 0.0 else "")
+
+
 def added(lay: BlockLayout, kind: str) -> str:
     """What a scaled site is, for its description."""
     if lay.adds:

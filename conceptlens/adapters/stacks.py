@@ -7,10 +7,41 @@ model, or an encoder / decoder); `structure.py` recognises the layout inside eac
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from conceptlens.adapters.structure import _get, _kind, is_norm
+
+if TYPE_CHECKING:
+    from conceptlens.adapters.probe import Trace
+
+
+@dataclass(frozen=True)
+class StackPaths:
+    stacks: dict[str, str]
+    """Stack prefix ("" for single-stack models) -> path of the stack from the base model."""
+
+
+def get_path(root: nn.Module, path: str) -> nn.Module:
+    """`root.get_submodule(path)`, also accepting negative indices into ModuleLists."""
+    module = root
+    for part in path.split(".") if path else []:
+        if part.lstrip("-").isdigit() and isinstance(module, (nn.ModuleList, nn.Sequential)):
+            module = module[int(part)]
+        else:
+            module = getattr(module, part)
+    return module
+
+
+def block_list(stack: nn.Module, path: str) -> list[nn.Module]:
+    """The blocks of the ModuleList at `path` (`find_block_list`'s)."""
+    found = get_path(stack, path)
+    if not isinstance(found, nn.ModuleList):
+        raise ValueError(f"the block list {path!r} of {type(stack).__name__} is a {type(found).__name__}, "
+                        "not a ModuleList")
+    return list(found)
 
 
 def find_stacks(model: nn.Module) -> dict[str, str]:
@@ -47,6 +78,12 @@ def expected_layers(config, prefix: str) -> int | None:
     return None
 
 
+def hidden_size(config) -> int:
+    """The residual's width as the (text) config states it."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(getattr(text, "hidden_size", None) or getattr(text, "d_model"))
+
+
 def find_block_list(stack: nn.Module, expected: int | None = None) -> str | None:
     """Path of the stack's block list: the shallowest ModuleList not inside another one,
     preferring one whose length is the configured number of layers."""
@@ -64,6 +101,16 @@ def find_block_list(stack: nn.Module, expected: int | None = None) -> str | None
 def final_norm_candidates(stack: nn.Module, blocks_path: str) -> list[str]:
     """Norms that are children of the block list's parent or of any module above it in the stack."""
     return [path for path, name, module in _children_above(stack, blocks_path) if is_norm(name, module)]
+
+
+def norms_beside(stack: nn.Module, blocks: list[nn.Module], norms: list[nn.Module]) -> list[nn.Module]:
+    """`norms` and the final-norm candidates beside every block list holding one of `blocks` (a
+    looped stack keeps its layers in several lists: HRM)."""
+    names = {m: n for n, m in stack.named_modules()}
+    found = list(norms)
+    for path in dict.fromkeys(names[b].rpartition(".")[0] for b in blocks if b in names):
+        found += [m for c in final_norm_candidates(stack, path) if (m := get_path(stack, c)) not in found]
+    return found
 
 
 def _children_above(stack: nn.Module, blocks_path: str):
@@ -106,6 +153,16 @@ def parallel_blocks(stack: nn.Module, path: str) -> list[tuple[nn.Module, nn.Mod
     first = next(name for name, kind in zip(names, kinds) if kind == "attn")
     return [(ParallelBlock({name: lists[name][i] for name in names}), lists[first][i], lists[names[-1]][i])
             for i in range(n)]
+
+
+def parallel_records(trace: Trace, io: dict[nn.Module, tuple[nn.Module, nn.Module]]) -> None:
+    """Give each block made of parallel lists (`io`: block -> (first module, last module)) the
+    probe's records of its first module (input, calls) and its last (output)."""
+    for block, (first, last) in io.items():
+        for record, module in ((trace.inputs, first), (trace.outputs, last)):
+            if module in record:
+                record[block] = record[module]
+        trace.calls[block] = trace.calls.get(first, 0)
 
 
 def after_candidates(stack: nn.Module, blocks_path: str) -> list[str]:

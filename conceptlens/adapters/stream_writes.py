@@ -24,6 +24,8 @@ streams is `branch_out` (Qwen4-exp's `ple`).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import Tensor, nn
 
@@ -125,12 +127,13 @@ def stream_writes(block: nn.Module, lay: BlockLayout, trace: Trace) -> dict[str,
 
 def _writes(block: nn.Module, lay: BlockLayout, trace: Trace) -> dict[str, Expansion] | None:
     x, y = trace.inputs.get(block), trace.outputs.get(block)
-    subs = {k: _get(block, getattr(lay, k, None)) for k in _KINDS if getattr(lay, k, None)}
-    if x is None or y is None or x.shape != y.shape or any(m not in trace.outputs for m in subs.values()):
+    paths = {k: path for k in _KINDS if (path := getattr(lay, k, None))}
+    subs = {k: m for k, path in paths.items() if (m := _get(block, path)) is not None and m in trace.outputs}
+    if x is None or y is None or x.shape != y.shape or len(subs) != len(paths):
         return None
     order = list(trace.outputs)
     found: dict[str, Expansion] = {}
-    streams = x
+    streams, n_streams = x, 0
     kinds = sorted(subs, key=lambda k: order.index(subs[k]))
     for j, kind in enumerate(kinds):
         sub, out = subs[kind], trace.outputs[subs[kind]]
@@ -138,29 +141,29 @@ def _writes(block: nn.Module, lay: BlockLayout, trace: Trace) -> dict[str, Expan
             streams = streams + out
             continue
         layout = _streams(x, out)
-        gate = _gate(block, sub, out, layout[0], trace, order) if layout else None
-        if gate is None:
+        if layout is None or (gate := _gate(block, sub, out, layout[0], trace, order)) is None:
             return None
+        n_streams = n_streams or layout[0]
         streams = streams + spread(out, gate[2], layout[1]).to(streams.dtype)
         last = j == len(kinds) - 1
         receiver = (block, True) if last else _receiver(block, sub, streams, trace, order)
         if receiver is None:
             return None
-        point = "output" if last else "input" if receiver[1] else "both"
+        point: Literal["input", "output", "both"] = "output" if last else "input" if receiver[1] else "both"
         found[kind] = Expansion(gate[0], gate[1], receiver[0], point, layout[1], block)
     if not found or not close(streams, y, 1e-4):
         return None
-    _describe(block, lay, trace, found)
+    _describe(block, lay, n_streams, found)
     return found
 
 
-def _describe(block: nn.Module, lay: BlockLayout, trace: Trace, found: dict[str, Expansion]) -> None:
+def _describe(block: nn.Module, lay: BlockLayout, n_streams: int, found: dict[str, Expansion]) -> None:
+    """The notes of the sublayers spread over the residual's `n_streams` streams."""
     names = {m: n for n, m in block.named_modules()}
-    n = trace.parts[next(iter(found.values())).gate][next(iter(found.values())).index].shape[-1]
     for kind, exp in found.items():
         form = "(out[..., None, :] * w[..., :, None])" + (".flatten(-2)" if exp.flat else "")
         then = {"output": "the block's output", "input": f"the input of {names[exp.receiver]}",
                 "both": f"the input of {names[exp.receiver]} and the block's output"}[exp.point]
-        lay.notes[kind] = (f"spread over the residual's {n} streams: the output times the per-stream weights "
+        lay.notes[kind] = (f"spread over the residual's {n_streams} streams: the output times the per-stream weights "
                            f"{names[exp.gate]} returns, as {form} (hyper-connections): what it adds to the "
                            f"residual; an edit's change is added to {then}")

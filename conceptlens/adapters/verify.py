@@ -9,23 +9,7 @@ raises `LayoutError`, a `ValueError` naming the block. For additive blocks the s
 must sum to `resid_out` at 1e-4 (`probe.sums_to`), else `repair.py` and the idiom files try
 their readings.
 
-Stack views, found on block 0's input and applied by the hooks to every site of the stack:
-
-- "time_major": block 0 reads the `(T, B, d)` transpose of `hidden_states[0]` (FSMT, XLNet):
-  readers and edits get the `(B, T, ...)` transpose, edits are transposed back. A projection that
-  runs on the transpose of the block's rows (Longformer's attention) is time-major too; one whose
-  rows are neither gets no q/k/v site.
-- "trim": block 0 reads `hidden_states[0]` followed by more positions (Longformer and LED pad to
-  their attention window; ProphetNet's decoder runs its n-gram streams after the main one): the
-  site is the first T positions (T recorded by a pre-hook on the stack), the rest left as it is.
-- "prefixed": positions the model prepends come first (CPM-Ant's prompt tokens, which HF cuts
-  from its hidden states): the site is the last T.
-- "channels_first": `(B, C, T)` (SqueezeBERT's 1x1 convolutions): readers and edits get
-  `(B, T, C)` (heads split after the transpose), edits go back contiguous.
-- "streams_first": the residual is `(n, B, T, d)`, n streams before the batch (Gemma 3n's AltUp,
-  found where block 0's 4-D input equals `hidden_states[0]` with the probe's one row in dimension
-  1): residual sites are its `(B, T, n, d)` permutation, a capture gives one `(n, d)` row per
-  token; the sublayers run on one stream and stay `(B, T, d)`.
+The stack's view of its blocks (time-major, added positions, ...) is `block_view.py`'s.
 """
 
 from __future__ import annotations
@@ -33,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from conceptlens.adapters.block_view import BlockView, as_hidden
 from conceptlens.adapters.depth import depth_mixers
 from conceptlens.adapters.stream_writes import stream_writes
 from conceptlens.adapters.inner import inner_call
@@ -165,7 +150,8 @@ def call_of(trace: Trace, module: nn.Module | None) -> Call | None:
 
 
 def check_stack(prefix: str, blocks: list[nn.Module], final: nn.Module | None, trace: Trace, what: str,
-                calls: list[int] | None = None, final_call: int | None = None, view: str = "") -> int:
+                calls: list[int] | None = None, final_call: int | None = None,
+                view: BlockView = BlockView()) -> int:
     """resid_out of every block (and embed, final) against HF's hidden states; raise LayoutError.
 
     Returns the offset of block i's output in the hidden states: 1 when hidden_states[0] is
@@ -255,38 +241,3 @@ def _last_projection(block: nn.Module, path: str, trace: Trace) -> str | None:
 
 def _same(a, b) -> bool:
     return a is not None and b is not None and a.shape == b.shape and torch.equal(a, b)
-
-
-def as_hidden(x, view: str, length: int):
-    """A block tensor in HF's hidden-state layout: transposed (time-major blocks) or cut to the
-    stack's input length (blocks that run on tokens padded inside the model)."""
-    if x is None or not view or view == "streams_first":
-        return x
-    if view == "prefixed":
-        return x[:, -length:]
-    if view == "channels_first":
-        return x.transpose(1, 2)
-    return x.transpose(0, 1) if view == "time_major" else x[:, :length]
-
-
-def block_view(block: nn.Module, trace: Trace, hidden: tuple | None) -> str:
-    """"time_major": block 0 reads the `(T, B, d)` transpose of HF's hidden_states[0] (FSMT,
-    XLNet); "trim": it reads hidden_states[0] followed by positions the model added (Longformer and
-    LED pad to their attention window, ProphetNet's decoder appends its n-gram streams); "prefixed": it
-    reads positions the model prepends followed by hidden_states[0] (CPM-Ant's prompt tokens);
-    "streams_first": the residual is `(n, B, T, d)`, n streams first (Gemma 3n's AltUp); "" otherwise."""
-    x = trace.inputs.get(block)
-    h = hidden[0] if hidden else None
-    if x is not None and h is not None and x.ndim == h.ndim == 4 and x.shape[0] > 1 == x.shape[1] and close(x, h):
-        return "streams_first"  # Gemma 3n's AltUp: (n, B, T, d), the probe's one row second
-    if x is None or h is None or x.ndim != 3 or h.ndim != 3:
-        return ""
-    if x.shape[0] != x.shape[1] and close(x.transpose(0, 1), h):
-        return "time_major"
-    if x.shape[1] != x.shape[2] and close(x.transpose(1, 2), h):
-        return "channels_first"  # SqueezeBERT's (B, C, T) blocks
-    if x.shape[0] == h.shape[0] and x.shape[1] > h.shape[1] and close(x[:, : h.shape[1]], h):
-        return "trim"
-    if x.shape[0] == h.shape[0] and x.shape[1] > h.shape[1] and close(x[:, -h.shape[1]:], h):
-        return "prefixed"
-    return ""

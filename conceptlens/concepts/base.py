@@ -10,9 +10,9 @@
 
 Extractors are tensors in, tensors out: they import neither `hooks/` nor `transformers`.
 `ExtractorBase` owns what every extractor shares: the config dataclass (checked with the
-validators of `conceptlens._checks`),
-the config check of `load_state_dict`, the dispatch of `merge` (object or state dict),
-`stats()` and device placement (`device=`).
+validators of `conceptlens._checks`), `state_dict` / `load_state_dict` as the checkpoint layout
+of a state dataclass (`state()` / `load_state()`) with the config check, the dispatch of
+`merge` (object or state dict), `stats()` and device placement (`device=`).
 """
 
 from __future__ import annotations
@@ -105,10 +105,13 @@ def config_differences(saved: dict[str, Any], mine: dict[str, Any]) -> list[tupl
 
 
 def map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
-    """`fn` applied to every tensor of a nested state (dicts, lists, tuples); RNG states
-    (uint8 tensors) are left alone, since generators live on the CPU."""
+    """`fn` applied to every tensor of a nested state (dicts, lists, tuples, state dataclasses);
+    RNG states (uint8 tensors) are left alone, since generators live on the CPU."""
     if isinstance(obj, Tensor):
         return obj if obj.dtype == torch.uint8 else fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: map_tensors(getattr(obj, f.name), fn)
+                                           for f in dataclasses.fields(obj) if f.init})
     if isinstance(obj, dict):
         return {k: map_tensors(v, fn) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -117,13 +120,18 @@ def map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
 
 
 class ExtractorBase:
-    """What every extractor shares; a subclass sets `Config` and `method` and implements
-    `update`, `flush`, `state_dict`, `load_state_dict`, `_merge`, `stats`, `encode`,
-    `concept_set` (those it has).
+    """What every extractor shares; a subclass sets `Config`, `State` and `method` and implements
+    `update`, `flush`, `state`, `load_state`, `_merge`, `stats`, `encode`, `concept_set`
+    (those it has).
 
     - `self.config` is an instance of `Config` (a validated dataclass); `config_dict()` is
       its JSON form, stored under `"config"` in every state dict and checked by
       `check_state` before a state is loaded.
+    - `state()` returns an instance of `State` (a dataclass: a copy of everything a
+      checkpoint or a merge needs) and `load_state(state)` continues from one; `state_dict()`
+      is `State.to_dict` (the checkpoint layout) and `load_state_dict` reads it back with
+      `State.from_dict`. Persistence and merges read and write these states, never the
+      object's private fields.
     - `merge(other)` accepts another extractor of the same class or its `state_dict()` (for
       instance one reduced across processes), rebuilds the object when given a dict and
       calls `_merge(other)`.
@@ -132,23 +140,47 @@ class ExtractorBase:
     """
 
     Config: ClassVar[type]
+    State: ClassVar[Any]
+    """The state dataclass, with `to_dict(config)` and the classmethod `from_dict(state_dict)`."""
     method: ClassVar[str] = "custom"
     distributed: ClassVar[str | None] = None
     """How ranks fed their own rows by hand stay in step: "step" (collectives inside every
     update, through `comm`), "merge" (states merged once at the end), None (not supported).
     `fit(distributed=True)` needs neither: it gives every rank the gathered global rows."""
     config: Any
+    d: int | None = None
+    """The input width, set by the first rows (`_check_width`)."""
     device: torch.device | None = None
     comm: Any = None
     """A `conceptlens.distributed.Comm` set by a caller that feeds each rank its own rows, else None."""
 
-    if TYPE_CHECKING:  # every subclass defines these (`to` and `from_state` call them)
-        def state_dict(self) -> dict[str, Any]: ...
+    if TYPE_CHECKING:  # a subclass with a `State` defines these (one without overrides `state_dict`)
+        def state(self) -> Any: ...
 
-        def load_state_dict(self, state: dict[str, Any]) -> None: ...
+        def load_state(self, state: Any) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume bit for bit: `state()` in the checkpoint layout, with the config."""
+        return self.state().to_dict(self.config_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from `state_dict()`, saved with the same constructor arguments (checked first)."""
+        self.check_state(state)
+        self.load_state(self.State.from_dict(state))
 
     def _set_device(self, device: str | torch.device | None) -> None:
         self.device = None if device is None else torch.device(device)
+
+    def _check_width(self, x: Tensor) -> None:
+        """Raise a one-line ValueError unless `x` is `(N, d)` at this extractor's width `d`;
+        the first rows set it."""
+        if x.ndim != 2:
+            raise ValueError(f"expected x of shape (N, d); got {tuple(x.shape)}")
+        if self.d is None:
+            self.d = x.shape[1]
+        elif x.shape[1] != self.d:
+            raise ValueError(f"expected width d={self.d} (fixed by the first rows this {type(self).__name__} "
+                             f"took); got width {x.shape[1]}")
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -160,8 +192,9 @@ class ExtractorBase:
         """`x` on this extractor's device (unchanged when it follows its inputs)."""
         return x if self.device is None else x.to(self.device)
 
-    def _placed(self, state: dict[str, Any]) -> dict[str, Any]:
-        """`state` with its tensors on this extractor's device (unchanged when it has none)."""
+    def _placed(self, state: Any) -> Any:
+        """`state` (a dict or a state dataclass) with its tensors on this extractor's device
+        (unchanged when it has none)."""
         return state if self.device is None else map_tensors(state, lambda t: t.to(self.device))
 
     # ---- config -------------------------------------------------------------------------

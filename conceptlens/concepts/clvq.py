@@ -15,6 +15,7 @@ commitment * MSE(z_e, sg(q)), minimised by Adam; the codebook itself moves only 
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -24,21 +25,22 @@ from torch import Tensor
 from conceptlens._checks import known_kwargs
 from conceptlens.concepts.base import ExtractorBase, NotFittedError
 from conceptlens.concepts.buffer import MixingBuffer
-from conceptlens.concepts.clvq_modules import MLPDecoder, ResidualEncoder, SequenceDecoder
+from conceptlens.concepts.clvq_modules import ResidualEncoder
 # re-exported, so that they stay importable from this module
 from conceptlens.concepts.clvq_modules import pad_sequences as pad_sequences, sinusoids as sinusoids
 from conceptlens.concepts.conceptset import ConceptSet
-# the config and result types, and the persistence, live in clvq_config.py and clvq_persist.py;
+# the config, result and state types, and the merge, live in clvq_config.py and clvq_merge.py;
 # re-exported here
-from conceptlens.concepts.clvq_config import DECODERS, CLVQConfig, CLVQStats, DecoderKind, TranscoderParts
-from conceptlens.concepts.clvq_persist import load_transcoder_state, merge_transcoders, transcoder_state
+from conceptlens.concepts.clvq_config import (DECODERS, CLVQConfig, CLVQState, CLVQStats, DecoderKind, PartsState,
+                                              TranscoderParts)
+from conceptlens.concepts.clvq_merge import merge_transcoders
 from conceptlens.concepts.vq import VQCodebook
 from conceptlens.concepts.vq_math import fvu_from_sums, fvu_sums, laplace_smooth
 
 SPACE = "clvq_z_e"
 """`ConceptSet.config["space"]` of CLVQ codes: the encoder's z_e space, not an activation site."""
-__all__ = ["CLVQConfig", "CLVQStats", "CLVQTranscoder", "DECODERS", "DecoderKind", "SPACE", "TranscoderParts",
-           "pad_sequences", "sinusoids"]
+__all__ = ["CLVQConfig", "CLVQState", "CLVQStats", "CLVQTranscoder", "DECODERS", "DecoderKind", "PartsState", "SPACE",
+           "TranscoderParts", "pad_sequences", "sinusoids"]
 
 
 class CLVQTranscoder(ExtractorBase):
@@ -52,7 +54,7 @@ class CLVQTranscoder(ExtractorBase):
     `stats["decoded"]` (K, d_tgt), what each code writes at the target site.
     """
 
-    Config = CLVQConfig
+    Config, State = CLVQConfig, CLVQState
     method = "clvq"
 
     @known_kwargs
@@ -174,27 +176,13 @@ class CLVQTranscoder(ExtractorBase):
             raise ValueError(f"sequence_ids must have shape ({len(x_src)},); got {tuple(ids.shape)}")
         dims = (x_src.shape[1], x_tgt.shape[1])
         if self.parts is None:
-            self.parts = self._build(dims, self.device or x_src.device)
+            self.parts = TranscoderParts.build(self.config, dims, self.device or x_src.device)
         device = self.parts.fvu.device
         x_src, x_tgt, ids = x_src.to(device), x_tgt.to(device), ids.to(device)
         if dims != self.parts.dims:
             raise ValueError(f"expected widths (d_src, d_tgt)={self.parts.dims} (fixed by the first "
                              f"update); got {dims}")
         return self.parts, [x_src.float(), x_tgt.float(), ids.long()]
-
-    def _build(self, dims: tuple[int, int], device: torch.device) -> TranscoderParts:
-        cfg, (d_src, d_tgt) = self.config, dims
-        with torch.random.fork_rng(devices=[]):      # seeded init without touching global RNG
-            torch.manual_seed(cfg.seed)
-            encoder = ResidualEncoder(d_src)
-            decoder = (MLPDecoder(d_src, cfg.hidden, d_tgt) if cfg.decoder == "mlp" else
-                       SequenceDecoder(d_src, cfg.hidden, d_tgt, cfg.layers, cfg.heads, cfg.causal))
-        encoder, decoder = encoder.to(device), decoder.to(device)
-        optimizer = torch.optim.Adam([*encoder.parameters(), *decoder.parameters()], lr=cfg.lr)
-        pending = [torch.zeros(0, d_src, device=device), torch.zeros(0, d_tgt, device=device),
-                   torch.zeros(0, dtype=torch.long, device=device)]
-        fvu = torch.zeros(d_tgt + 3, dtype=torch.float64, device=device)
-        return TranscoderParts(dims, encoder, decoder, optimizer, pending, fvu)
 
     def _initialise(self, parts: TranscoderParts, src: Tensor, tgt: Tensor, ids: Tensor) -> None:
         """Standardisation from the first init_size rows; the codebook initialises on their z_e."""
@@ -206,7 +194,8 @@ class CLVQTranscoder(ExtractorBase):
         self.vq.flush()     # initialises on fewer than init_size rows when called by flush()
         # The paper's EMA codebook starts every count at 1 (sums = codes), so the first batches
         # move the codes at once; the codebook's own init weighs the init_size rows as one step.
-        fit = self.vq._fitted()
+        fit = self.vq.fitted
+        assert fit is not None  # flush() initialises on the n_codes or more rows given here
         fit.counts = torch.ones_like(fit.counts)
         fit.sums = fit.codes * laplace_smooth(fit.counts, self.vq.config.eps)[:, None]
 
@@ -258,31 +247,47 @@ class CLVQTranscoder(ExtractorBase):
                                f"init_size={self.vq.config.rows_to_init} tokens (or at flush())")
         return self.parts
 
-    # ---- persistence (clvq_persist.py) -------------------------------------------------
+    # ---- state: checkpoints and merges ----------------------------------------------
+
+    def state(self) -> CLVQState:
+        """A copy of everything a checkpoint or a merge needs: parameters, Adam moments, the codebook."""
+        p = self.parts
+        parts = None if p is None else PartsState(p.dims, p.encoder.state_dict(), p.decoder.state_dict(),
+                                                  p.optimizer.state_dict(), p.pending, p.fvu, p.scales)
+        mixer = None if self._mixer is None else self._mixer.state_dict()
+        return copy.deepcopy(CLVQState(self.steps, self.vq.state(), parts, mixer))
+
+    def load_state(self, state: CLVQState) -> None:
+        """Continue from `state` (copied, on this extractor's device when it has one)."""
+        state = copy.deepcopy(self._placed(state))  # Adam would keep (and count on) the given step tensors
+        self.vq.load_state(state.vq)
+        self.steps = state.steps
+        if self._mixer is not None and state.mixer is not None:  # (a state without one leaves it as it is)
+            self._mixer.load_state_dict(state.mixer)
+        saved = state.parts
+        if saved is None:
+            self.parts = None
+            return
+        parts = self.parts = TranscoderParts.build(self.config, saved.dims, saved.fvu.device)
+        parts.encoder.load_state_dict(saved.encoder)
+        parts.decoder.load_state_dict(saved.decoder)
+        parts.optimizer.load_state_dict(saved.optimizer)
+        parts.pending, parts.fvu, parts.scales = saved.pending, saved.fvu, saved.scales
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume bit for bit: parameters, Adam moments, the codebook."""
-        return transcoder_state(self)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from `state_dict()`; the constructor arguments must match."""
-        self.check_state(state)
-        load_transcoder_state(self, self._placed(state))
+        return self.state().to_dict(self.config_dict(), self.vq.config_dict())
 
     def mark_shared_start(self) -> None:
         """Declare the current state the start of replicas (see `VQCodebook.mark_shared_start`)."""
         self.vq.mark_shared_start()
 
     def _merge(self, other: CLVQTranscoder) -> None:
-        """Combine with a data-parallel replica (`merge` also takes its state dict).
-
-        Replicas started from one initialised state (the same `state_dict`): encoder and
-        decoder parameters and Adam moments are averaged with equal weights, the codebooks
-        merge as `VQCodebook.merge` (the shared start counted once), the step count is the
-        larger one and buffered rows join. A transcoder that has not started takes the
-        other's state. Across processes the fit all-reduces gradients every step instead.
-        """
-        merge_transcoders(self, other)
+        """Combine with a data-parallel replica (see `conceptlens.concepts.clvq_merge`)."""
+        if other.parts is None:
+            return
+        if self.parts is None or not self.vq.is_initialised:
+            self.check_state({"config": other.config_dict()})  # it becomes a copy of the other
+        self.load_state(merge_transcoders(self.state(), other.state(), self.vq.config.decay, self.vq.config.eps))
 
 
 def _rms(x: Tensor) -> Tensor:

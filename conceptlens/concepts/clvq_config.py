@@ -1,13 +1,14 @@
-"""The configuration and result types of `CLVQTranscoder` (clvq.py).
+"""The configuration, result and state types of `CLVQTranscoder` (clvq.py).
 
     CLVQConfig(n_codes=512, decoder="mlp", dtype="bfloat16")   # validated on construction
     tc.stats()                                                 # a CLVQStats
     tc.parts                                                   # a TranscoderParts, once widths are known
+    tc.state()                                                 # a CLVQState (checkpoints, merges)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -15,8 +16,8 @@ from torch import Tensor, nn
 
 from conceptlens._checks import check_bool, check_choice, check_float, check_int
 from conceptlens.concepts.base import check_dtype
-from conceptlens.concepts.clvq_modules import ResidualEncoder
-from conceptlens.concepts.vq_config import VQConfig
+from conceptlens.concepts.clvq_modules import MLPDecoder, ResidualEncoder, SequenceDecoder
+from conceptlens.concepts.vq_config import VQConfig, VQState
 
 DecoderKind = Literal["mlp", "transformer"]
 DECODERS = ("mlp", "transformer")
@@ -101,3 +102,59 @@ class TranscoderParts:
     pending: list[Tensor]           # rows not yet stepped on: src (M, d_src), tgt (M, d_tgt), ids (M,)
     fvu: Tensor                     # (d_tgt + 3,) float64 EMA of fvu_sums
     scales: dict[str, Tensor] = field(default_factory=dict)   # decoder standardisation, from init
+
+    @classmethod
+    def build(cls, cfg: CLVQConfig, dims: tuple[int, int], device: torch.device) -> TranscoderParts:
+        """Fresh modules (seeded by `cfg.seed`, the global RNG untouched), their Adam and empty rows."""
+        d_src, d_tgt = dims
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            encoder = ResidualEncoder(d_src)
+            decoder = (MLPDecoder(d_src, cfg.hidden, d_tgt) if cfg.decoder == "mlp" else
+                       SequenceDecoder(d_src, cfg.hidden, d_tgt, cfg.layers, cfg.heads, cfg.causal))
+        encoder, decoder = encoder.to(device), decoder.to(device)
+        optimizer = torch.optim.Adam([*encoder.parameters(), *decoder.parameters()], lr=cfg.lr)
+        pending = [torch.zeros(0, d_src, device=device), torch.zeros(0, d_tgt, device=device),
+                   torch.zeros(0, dtype=torch.long, device=device)]
+        fvu = torch.zeros(d_tgt + 3, dtype=torch.float64, device=device)
+        return cls(dims, encoder, decoder, optimizer, pending, fvu)
+
+
+@dataclass
+class PartsState:
+    """`TranscoderParts` as tensors: the modules' and Adam's `state_dict()`s."""
+
+    dims: tuple[int, int]
+    encoder: dict[str, Tensor]
+    decoder: dict[str, Tensor]
+    optimizer: dict[str, Any]
+    pending: list[Tensor]
+    fvu: Tensor
+    scales: dict[str, Tensor]
+
+
+@dataclass
+class CLVQState:
+    """What a `CLVQTranscoder` checkpoint and merge hold: `tc.state()` (a copy), `tc.load_state(state)`."""
+
+    steps: int
+    vq: VQState
+    """The codebook's state."""
+    parts: PartsState | None
+    """None before the first rows (the widths are not known)."""
+    mixer: dict[str, Any] | None
+    """The mixing buffer's `state_dict()` (the MLP decoder with a batch_size has one)."""
+
+    def to_dict(self, config: dict[str, Any], codebook: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint layout (`state_dict()`); `codebook`: the codebook's config dict."""
+        parts = None if self.parts is None else {f.name: getattr(self.parts, f.name) for f in fields(self.parts)}
+        return {"config": config, "steps": self.steps, "vq": self.vq.to_dict(codebook), "parts": parts,
+                "mixer": self.mixer}
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> CLVQState:
+        """The state of a `to_dict` layout."""
+        parts = state["parts"]
+        if parts is not None:
+            parts = PartsState(**{**parts, "dims": tuple(parts["dims"])})
+        return cls(state["steps"], VQState.from_dict(state["vq"]), parts, state.get("mixer"))

@@ -59,99 +59,23 @@ differences, so projecting the rows costs as much as projecting the differences.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from conceptlens._checks import known_kwargs
-from conceptlens._checks import check_bool, check_choice, check_float, check_int
-from conceptlens.concepts.base import ExtractorBase, NotFittedError, check_dtype
+from conceptlens.concepts.base import ExtractorBase, NotFittedError
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
+# the config, the stats and the state live in deleuzian_config.py; re-exported here
+from conceptlens.concepts.deleuzian_config import MODES, DeleuzianConfig, DeleuzianState, DeleuzianStats
 from conceptlens.concepts.deleuzian_math import group_means, oriented_differences, reservoir_update, skewness
 from conceptlens.concepts.deleuzian_paper import DifferenceReservoir, PaperFit, paper_clusters
-from conceptlens.concepts.kmeans import KMeansStats, StreamingKMeans
+from conceptlens.concepts.kmeans import StreamingKMeans
 
-MODES = ("streaming", "paper")
-UNITS = ("token", "document")
-__all__ = ["Deleuzian", "DeleuzianConfig", "DeleuzianStats", "oriented_differences", "reservoir_update", "skewness"]
-
-
-@dataclass
-class DeleuzianConfig:
-    """Hyper-parameters of `Deleuzian`."""
-
-    n_concepts: int
-    """Number of centroids (concepts)."""
-    reference_size: int = 4096
-    """Rows of the reservoir sample of activations used to measure skewness."""
-    buffer_size: int = 16384
-    """Rows the mixing buffer holds before it hands out blocks."""
-    batch_size: int = 2048
-    """Tokens per block; each block gives as many differences, one k-means step."""
-    skew_weighting: bool = True
-    """Weight each difference by 1/|skewness|; False weights all equally (ablation)."""
-    reseed_after: float | None = 50.0
-    """Dead-centroid reseeding of the inner StreamingKMeans (see KMeansConfig)."""
-    seed: int = 0
-    """Seed of the private generators (reservoir, buffer, k-means)."""
-    mode: str = "streaming"
-    """"streaming": one pass, mini-batch k-means, skewness over the reservoir. "paper": the
-    released code's algorithm (see `conceptlens.concepts.deleuzian_paper`): differences kept
-    in a reservoir, skewness over all samples with each difference's endpoints, full weighted
-    k-means (k-means++ then Lloyd) at flush."""
-    max_differences: int = 65536
-    """Paper mode: differences kept (a uniform sample once the stream is longer)."""
-    max_iter: int = 300
-    """Paper mode: Lloyd iterations at most (the released code's sklearn default)."""
-    skew_rows: int | None = None
-    """Streaming mode: reservoir rows each block's skewness is measured on, drawn afresh for
-    every block (uniformly, without replacement), so over blocks every reservoir row counts
-    alike. None means max(n_concepts, 256), capped at reference_size: the skewness then costs
-    what the block's k-means step costs (m x skew_rows x d against m x k x d). Set it to
-    reference_size for the whole reservoir (8x the k-means step at k 512, R 4096)."""
-    dtype: str = "float32"
-    """Compute dtype ("float32" or "bfloat16"): the mixing buffer and the activation reservoir
-    are stored in it and the skewness projections run in it; moments are summed in float32 and
-    the inner k-means keeps float32 centres and float64 masses (see `StreamingKMeans`). Paper
-    mode keeps its differences, reference and skewness in float32 / float64 whatever it is."""
-    unit: str = "token"
-    """One sample: "token" (each row) or "document": the mean of each document's rows (`update(x,
-    tokens=...)`, which `fit` passes; a document's rows in one call), as the paper clusters
-    differences of sentence or document representations."""
-
-    def __post_init__(self) -> None:
-        for name in ("n_concepts", "reference_size", "buffer_size"):
-            check_int(name, getattr(self, name))
-        check_int("batch_size (a pair needs two tokens)", self.batch_size, 2)
-        check_bool("skew_weighting", self.skew_weighting)
-        check_float("reseed_after", self.reseed_after, strict=True, optional=True)
-        check_int("seed", self.seed, 0)
-        check_choice("mode", self.mode, MODES)
-        check_choice("unit", self.unit, UNITS)
-        check_int("max_differences", self.max_differences)
-        check_int("max_iter", self.max_iter)
-        check_int("skew_rows", self.skew_rows, optional=True)
-        self.dtype = check_dtype("dtype", self.dtype)
-
-    @property
-    def rows_for_skewness(self) -> int:
-        """Reference rows per block's skewness in streaming mode (see `skew_rows`)."""
-        rows = self.skew_rows if self.skew_rows is not None else max(self.n_concepts, 256)
-        return min(rows, self.reference_size)
-
-
-class DeleuzianStats(NamedTuple):
-    """Fit-report numbers of a Deleuzian extractor."""
-
-    rows: int
-    """Tokens consumed."""
-    buffered: int
-    """Tokens still in the mixing buffer (paired at `flush`)."""
-    kmeans: KMeansStats
-    """The inner k-means of the differences."""
+__all__ = ["Deleuzian", "DeleuzianConfig", "DeleuzianState", "DeleuzianStats", "MODES", "oriented_differences",
+           "reservoir_update", "skewness"]
 
 
 class Deleuzian(ExtractorBase):
@@ -162,7 +86,7 @@ class Deleuzian(ExtractorBase):
     the buffer are paired when the concepts are read (on a copy: reading changes nothing).
     """
 
-    Config = DeleuzianConfig
+    Config, State = DeleuzianConfig, DeleuzianState
     method = "deleuzian"
     distributed = "step"
 
@@ -204,17 +128,13 @@ class Deleuzian(ExtractorBase):
 
     def update(self, x: Tensor, tokens: Any = None) -> None:
         """Consume activations x `(N, d)` (with `unit="document"`, their means per `tokens.doc`)."""
-        if x.ndim != 2:
-            raise ValueError(f"update expects x of shape (N, d); got {tuple(x.shape)}")
         if self.config.unit == "document":
             if tokens is None:
                 raise ValueError('unit="document" needs update(x, tokens=...) naming each row\'s document')
             x = group_means(x, tokens.doc.to(x.device))
-        if self.d is None:
-            self.d = x.shape[1]
-            self._reference = self._place(x.new_zeros(self.config.reference_size, self.d, dtype=self._storage))
-        elif x.shape[1] != self.d:
-            raise ValueError(f"this Deleuzian was fitted on width d={self.d}; got width {x.shape[1]}")
+        self._check_width(x)
+        if self._reference is None:  # the first rows
+            self._reference = self._place(x.new_zeros(self.config.reference_size, x.shape[1], dtype=self._storage))
         x = self._place(x.detach()).to(self._storage)
         self.n_seen = reservoir_update(self._reference, self.n_seen, x, self._gen)
         self.buffer.add(x)
@@ -238,7 +158,7 @@ class Deleuzian(ExtractorBase):
             return
         diff, weight = oriented_differences(block.to(self.reference.device), self._skew_reference(),
                                             self.config.skew_weighting)
-        self.kmeans._update(*self.kmeans._check(diff, weight, validate=False))  # weights finite, >= 0: no host read
+        self.kmeans.update(diff, weight, validate=False)  # weights finite and >= 0 by construction: no host read
 
     @property
     def _storage(self) -> torch.dtype:
@@ -340,30 +260,35 @@ class Deleuzian(ExtractorBase):
 
     def concept_set(self) -> ConceptSet:
         fitted = self._fitted()
-        mass = fitted.mass if isinstance(fitted, PaperFit) else fitted._mass
         return ConceptSet(fitted.centres, method=self.method, config=self.config_dict(),
-                          stats={"mass": mass.float()}, mean=self.reference.double().mean(0))
+                          stats={"mass": fitted.mass.float()}, mean=self.reference.double().mean(0))
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"config": self.config_dict(), "d": self.d, "n_seen": self.n_seen,
-                "reference": None if self._reference is None else self.reference.clone(),
-                "generator": self._gen.get_state(), "buffer": self.buffer.state_dict(),
-                "kmeans": self.kmeans.state_dict(), "differences": self.differences.state_dict()}
+    def state(self) -> DeleuzianState:
+        """A copy of everything a checkpoint or a merge needs."""
+        reference = None if self._reference is None else self.reference.clone()
+        return DeleuzianState(self.d, self.n_seen, reference, self._gen.get_state(), self.buffer.state_dict(),
+                              self.kmeans.state(), self.differences.state_dict())
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if isinstance(state, dict) and isinstance(state.get("config"), dict):  # states saved before `unit`
-            state = {**state, "config": {"unit": "token", **state["config"]}}
-        self.check_state(state)
+    def config_dict(self) -> dict[str, Any]:
+        out = super().config_dict()
+        if out["unit"] == "token":  # the default is left out: states and sets keep the layout they had before `unit`
+            del out["unit"]
+        return out
+
+    def load_state(self, state: DeleuzianState) -> None:
+        """Continue from `state` (copied, on this extractor's device when it has one)."""
         state = self._placed(state)
-        self.d, self.n_seen = state["d"], state["n_seen"]
+        self.d, self.n_seen = state.d, state.n_seen
         self._reference = None
-        if state["reference"] is not None:
-            ref = state["reference"]
+        if (ref := state.reference) is not None:
             self._reference = ref.new_zeros(self.config.reference_size, ref.shape[1])
             self._reference[: ref.shape[0]] = ref
-        self._gen.set_state(state["generator"])
-        self.buffer.load_state_dict(state["buffer"])
-        self.kmeans.load_state_dict(state["kmeans"])
-        if "differences" in state:  # (states saved before paper mode have none)
-            self.differences.load_state_dict(state["differences"])
+        self._gen.set_state(state.generator)
+        self.buffer.load_state_dict(state.buffer)
+        self.kmeans.load_state(state.kmeans)
+        if state.differences is not None:  # (states saved before paper mode have none)
+            self.differences.load_state_dict(state.differences)
         self._ready, self._paper = None, None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state().to_dict(self.config_dict(), self.kmeans.config_dict())

@@ -37,16 +37,16 @@ class PaperFit(NamedTuple):
     """(k,) float64 total weight of each cluster"""
 
 
-def skewness_with_endpoints(reference: Tensor, diff: Tensor, p_a: Tensor, p_b: Tensor, n_total: int,
-                            exact: bool = False, chunk_elements: int = 1 << 25) -> Tensor:
+def skewness_with_endpoints(reference: Tensor, diff: Tensor, p_a: Tensor | None, p_b: Tensor | None,
+                            n_total: int, exact: bool = False, chunk_elements: int = 1 << 25) -> Tensor:
     """Skewness `(M,)` of p_j = d . x_j over n_total samples, as the released code computes it:
     mean(((p - mean p) / (std_pop p + 1e-20))^3).
 
     `reference` `(R, d)` stands for the n_total - 2 samples other than each difference's
     endpoints, whose projections `p_a`, `p_b` `(M,)` enter exactly; with `exact` (the reference
-    IS every sample, endpoints included) the reference alone is used. The `(R, M)` projections
-    are formed in column chunks of about `chunk_elements` entries, so memory stays bounded
-    when every sample is kept (R = M = 65536 would otherwise need 34 GB in float64).
+    IS every sample, endpoints included) the reference alone is used (`p_a`, `p_b` may be None).
+    The `(R, M)` projections are formed in column chunks of about `chunk_elements` entries, so
+    memory stays bounded when every sample is kept (R = M = 65536 would otherwise need 34 GB in float64).
     """
     step = max(1, chunk_elements // max(reference.shape[0], 1))
     ref = reference.double()
@@ -64,6 +64,8 @@ def _skewness_chunk(ref: Tensor, diff: Tensor, p_a: Tensor | None, p_b: Tensor |
         c = P - mean
         std = c.pow(2).mean(0).sqrt() + 1e-20
         return (c / std).pow(3).mean(0)
+    if p_a is None or p_b is None:
+        raise ValueError("skewness_with_endpoints needs the endpoints' projections p_a and p_b unless exact=True")
     R = P.shape[0]
     w = (n_total - 2) / R  # each reference row stands for this many samples
     ends = torch.stack([p_a.double(), p_b.double()])  # (2, m)

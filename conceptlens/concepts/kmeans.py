@@ -14,22 +14,22 @@ rate, applied to a whole batch at once).
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from conceptlens._checks import known_kwargs
 from conceptlens.concepts.base import ExtractorBase, NotFittedError
-# the config, the stats and the pure math live in kmeans_config.py and kmeans_math.py; re-exported here
-from conceptlens.concepts.kmeans_config import KMeansConfig, KMeansStats
+# the config, the stats, the state and the pure math live in kmeans_config.py and kmeans_math.py; re-exported here
+from conceptlens.concepts.kmeans_config import KMeansConfig, KMeansState, KMeansStats
 from conceptlens.concepts.kmeans_math import (_unit, apply_step, batched_seeds, kmeans_plusplus, mass_weighted_mean,
                                               minibatch_step, nearest, squared_distances, step_statistics,
                                               weighted_lloyd)
 from conceptlens.concepts.conceptset import ConceptSet
 
-__all__ = ["KMeansConfig", "KMeansStats", "StreamingKMeans", "apply_step", "batched_seeds", "kmeans_plusplus",
-           "mass_weighted_mean", "minibatch_step", "nearest", "squared_distances", "step_statistics", "weighted_lloyd"]
+__all__ = ["KMeansConfig", "KMeansState", "KMeansStats", "StreamingKMeans", "apply_step", "batched_seeds",
+           "kmeans_plusplus", "mass_weighted_mean", "minibatch_step", "nearest", "squared_distances", "step_statistics",
+           "weighted_lloyd"]
 
 class StreamingKMeans(ExtractorBase):
     distributed = "step"
@@ -41,7 +41,7 @@ class StreamingKMeans(ExtractorBase):
     buffering initialises a copy on what it has, leaving the object itself unchanged.
     """
 
-    Config = KMeansConfig
+    Config, State = KMeansConfig, KMeansState
     method = "kmeans"
 
     @known_kwargs
@@ -69,21 +69,22 @@ class StreamingKMeans(ExtractorBase):
     @property
     def centres(self) -> Tensor:
         """The centres `(k, d)`; unit vectors when spherical."""
-        c = self._fitted()._live()
+        c = self._fitted()[0]
         return _unit(c) if self.config.spherical else c
 
     @property
     def mass(self) -> Tensor:
         """Total weight `(k,)` each centre has received (float64)."""
-        return self._fitted()._mass
+        return self._fitted()[1]
 
-    def update(self, x: Tensor, weight: Tensor | None = None) -> None:
-        """Consume rows x `(N, d)` with optional non-negative weights `(N,)` (default 1)."""
-        self._update(*self._check(x, weight))
+    def update(self, x: Tensor, weight: Tensor | None = None, *, validate: bool = True) -> None:
+        """Consume rows x `(N, d)` with optional non-negative weights `(N,)` (default 1).
+        `validate=False` skips the check of the weights, a host read of the device, for
+        weights valid by construction (Deleuzian's, every block)."""
+        self._update(*self._check(x, weight, validate))
 
     def _update(self, x: Tensor, weight: Tensor) -> None:
-        """`update` on rows and weights already through `_check` (Deleuzian's weights are valid
-        by construction: it skips their check, a host read of the device every block)."""
+        """`update` on rows and weights already through `_check`."""
         if self.comm is not None and self._centres is None:  # every rank buffers the same rows
             x, weight = self._gather(x, weight)
         self.n_seen += x.shape[0]
@@ -114,12 +115,7 @@ class StreamingKMeans(ExtractorBase):
         self._steps(x, w, shared=True)  # distributed: these rows are the same on every rank
 
     def _check(self, x: Tensor, weight: Tensor | None, validate: bool = True) -> tuple[Tensor, Tensor]:
-        if x.ndim != 2:
-            raise ValueError(f"update expects x of shape (N, d); got {tuple(x.shape)}")
-        if self.d is None:
-            self.d = x.shape[1]
-        elif x.shape[1] != self.d:
-            raise ValueError(f"this StreamingKMeans was fitted on width d={self.d}; got width {x.shape[1]}")
+        self._check_width(x)
         x = self._place(x.detach())
         x = (_unit(x.float()) if self.config.spherical else x).to(self.compute_dtype)  # rows in the compute dtype
         if weight is None:
@@ -196,14 +192,18 @@ class StreamingKMeans(ExtractorBase):
             raise NotFittedError("StreamingKMeans is not initialised yet; call update(x) or flush() first")
         return self._centres
 
-    def _fitted(self) -> StreamingKMeans:
+    def _fitted(self) -> tuple[Tensor, Tensor]:
+        """The centres `(k, d)` and masses `(k,)`; of a copy initialised on the rows buffered so far
+        when k-means++ has not run yet (the object itself unchanged)."""
         if self._centres is not None:
-            return self
+            return self._centres, self._mass
         if self._pending is None:
             raise NotFittedError("StreamingKMeans has seen no data yet; call update(x) first")
         twin = type(self).from_state(self.state_dict())
         twin.flush()
-        return twin
+        state = twin.state()
+        assert state.centres is not None  # flush() ran k-means++ on the buffered rows
+        return state.centres, state.mass
 
     def encode(self, x: Tensor) -> Tensor:
         """Concept activations `(N, k)`: -|x - c|^2, or cos(x, c) when spherical."""
@@ -238,47 +238,47 @@ class StreamingKMeans(ExtractorBase):
         """
         if other.config.n_concepts != self.config.n_concepts or other.config.spherical != self.config.spherical:
             raise ValueError(f"cannot merge {other.config} into {self.config}: n_concepts and spherical must match")
-        if other._centres is None:
-            if other._pending is not None:
-                self.update(*other._pending)
+        theirs = other.state()
+        if theirs.centres is None:
+            if theirs.pending is not None:
+                self.update(*theirs.pending)
             return
         pending, self._pending = self._pending, None
         if self._centres is None:
-            self.d, self._centres, self._mass, self._idle = other.d, other._centres.clone(), other._mass.clone(), other._idle.clone()
+            self.d, self._centres, self._mass, self._idle = theirs.d, theirs.centres, theirs.mass, theirs.idle
         else:
-            if other.d != self.d:
-                raise ValueError(f"cannot merge centres of width {other.d} into width {self.d}")
-            points = torch.cat([self._centres, other._centres.to(self._centres.device)])
-            mass = torch.cat([self._mass, other._mass.to(self._mass.device)])
+            if theirs.d != self.d:
+                raise ValueError(f"cannot merge centres of width {theirs.d} into width {self.d}")
+            points = torch.cat([self._centres, theirs.centres.to(self._centres.device)])
+            mass = torch.cat([self._mass, theirs.mass.to(self._mass.device)])
             self._centres, self._mass = weighted_lloyd(points, mass, self.config.n_concepts, self._gen,
                                                         spherical=self.config.spherical)
             self._idle = torch.zeros_like(self._idle)
         self._idle_bound = int(self._idle.max())  # at merge time only
-        self.n_seen += other.n_seen
-        self.n_steps += other.n_steps
+        self.n_seen += theirs.n_seen
+        self.n_steps += theirs.steps
         if pending is not None:
             self._steps(*pending)
 
     def concept_set(self) -> ConceptSet:
-        fitted = self._fitted()
-        return ConceptSet(fitted.centres, method=self.method, config=asdict(self.config),
-                          stats={"mass": fitted._mass.float()}, mean=mass_weighted_mean(fitted.centres, fitted._mass))
+        centres, mass = self._fitted()
+        centres = _unit(centres) if self.config.spherical else centres
+        return ConceptSet(centres, method=self.method, config=asdict(self.config), stats={"mass": mass.float()},
+                          mean=mass_weighted_mean(centres, mass))
 
-    def state_dict(self) -> dict[str, Any]:
-        px, pw = self._pending if self._pending is not None else (None, None)
-        return {"config": self.config_dict(), "d": self.d, "steps": self.n_steps, "centres": self._centres, "mass": self._mass,
-                "idle": self._idle, "pending_x": px, "pending_w": pw, "n_seen": self.n_seen,
-                "n_reseeded": self.n_reseeded, "generator": self._gen.get_state()}
+    def state(self) -> KMeansState:
+        """A copy of everything a checkpoint or a merge needs."""
+        pending = None if self._pending is None else (self._pending[0].clone(), self._pending[1].clone())
+        centres = None if self._centres is None else self._centres.clone()
+        return KMeansState(self.d, centres, self._mass.clone(), self._idle.clone(), pending, self.n_seen,
+                           self.n_reseeded, self.n_steps, self._gen.get_state())
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.check_state(state)
+    def load_state(self, state: KMeansState) -> None:
+        """Continue from `state` (copied, on this extractor's device when it has one)."""
         state = self._placed(state)
-        self.d, self.n_seen, self.n_reseeded = state["d"], state["n_seen"], state["n_reseeded"]
-        self.n_steps = state.get("steps", 0)
-        centres = state["centres"]  # None before the first batch
-        self._centres = None if centres is None else centres.clone()
-        self._mass, self._idle = state["mass"].clone(), state["idle"].clone()
-        has_pending = state["pending_x"] is not None
-        self._pending = (state["pending_x"].clone(), state["pending_w"].clone()) if has_pending else None
-        self._gen.set_state(state["generator"])
-        self._idle_bound = int(self._idle.max()) if self._idle is not None and self._idle.numel() else 0
+        self.d, self.n_seen, self.n_reseeded, self.n_steps = state.d, state.n_seen, state.n_reseeded, state.steps
+        self._centres = None if state.centres is None else state.centres.clone()
+        self._mass, self._idle = state.mass.clone(), state.idle.clone()
+        self._pending = None if state.pending is None else (state.pending[0].clone(), state.pending[1].clone())
+        self._gen.set_state(state.generator)
+        self._idle_bound = int(self._idle.max()) if self._idle.numel() else 0

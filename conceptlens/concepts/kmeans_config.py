@@ -1,13 +1,16 @@
-"""The configuration and fit-report numbers of `StreamingKMeans` (kmeans.py).
+"""The configuration, fit-report numbers and state of `StreamingKMeans` (kmeans.py).
 
     KMeansConfig(n_concepts=512, batch_size=4096, dtype="bfloat16")   # validated on construction
     km.stats()                                                       # a KMeansStats
+    km.state()                                                       # a KMeansState
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+from torch import Tensor
 
 from conceptlens._checks import check_bool, check_choice, check_float, check_int
 from conceptlens.concepts.base import MAX_CONCEPTS, check_dtype
@@ -69,3 +72,38 @@ class KMeansStats(NamedTuple):
     """Fraction of centres that have received mass (nan before the initialisation)."""
     reseeded: int
     """Centres moved by dead-centre reseeding so far."""
+
+
+@dataclass
+class KMeansState:
+    """What a `StreamingKMeans` checkpoint and merge hold: `km.state()` (a copy), `km.load_state(state)`."""
+
+    d: int | None
+    """Input width (None before the first rows)."""
+    centres: Tensor | None
+    """(k, d) float32 weighted running means (not normalised); None before k-means++ ran."""
+    mass: Tensor
+    """(k,) float64 total weight each centre received."""
+    idle: Tensor
+    """(k,) int64 rows seen since each centre last received mass."""
+    pending: tuple[Tensor, Tensor] | None
+    """Rows (M, d) and weights (M,) waiting for the initialisation; None once it ran."""
+    n_seen: int
+    n_reseeded: int
+    steps: int
+    generator: Tensor
+    """The private generator's state (k-means++, reseeding, merging)."""
+
+    def to_dict(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint layout (`state_dict()`), unchanged since the first version."""
+        px, pw = self.pending if self.pending is not None else (None, None)
+        return {"config": config, "d": self.d, "steps": self.steps, "centres": self.centres, "mass": self.mass,
+                "idle": self.idle, "pending_x": px, "pending_w": pw, "n_seen": self.n_seen,
+                "n_reseeded": self.n_reseeded, "generator": self.generator}
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> KMeansState:
+        """The state of a `to_dict` layout (states saved before steps were counted have none: 0)."""
+        pending = None if state["pending_x"] is None else (state["pending_x"], state["pending_w"])
+        return cls(state["d"], state["centres"], state["mass"], state["idle"], pending, state["n_seen"],
+                   state["n_reseeded"], state.get("steps", 0), state["generator"])

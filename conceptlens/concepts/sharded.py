@@ -41,6 +41,28 @@ def shard_range(n: int, world: int, rank: int) -> tuple[int, int]:
     return lo, lo + base + (rank < extra)
 
 
+def randn_rows(n: int, d: int, lo: int, hi: int, generator: torch.Generator) -> Tensor:
+    """Rows `[lo, hi)` of `torch.randn(n, d, generator=generator)`, bit for bit, holding at most
+    about `2 (hi - lo) d` numbers: the n rows are drawn in blocks and the others dropped, and the
+    generator ends where the whole draw leaves it. Exact because torch's CPU normal fill draws one
+    uniform per number in order and transforms them 16 at a time: blocks of a multiple of 16 rows
+    start on a 16-number boundary, and the last block (at least 16 numbers) ends where the whole
+    tensor does, so its tail is redrawn the same way (tests/test_sharded.py checks it)."""
+    block = 16 * max(1, -(-(hi - lo) // 16))  # rows per block, a multiple of 16
+    out = torch.empty(hi - lo, d)
+    start = 0
+    while start < n:
+        stop = min(n, start + block)
+        if (n - stop) * d < 16:  # a last block under 16 numbers would take torch's scalar path
+            stop = n
+        rows = torch.randn(stop - start, d, generator=generator)  # (stop - start, d)
+        a, b = max(lo, start), min(hi, stop)
+        if a < b:
+            out[a - lo:b - lo] = rows[a - start:b - start]
+        start = stop
+    return out
+
+
 class Shards:
     """The process group a sharded extractor splits over (the default group; world 1 without one)."""
 
@@ -136,10 +158,7 @@ class ShardedKMeans(SplitOverRanks, StreamingKMeans):
 
     def _state(self) -> tuple[Tensor, Tensor]:
         """This rank's centres and masses (fitted)."""
-        fitted = self._fitted()
-        if fitted._centres is None:
-            raise ValueError("ShardedKMeans has no centres yet: update it with rows first")
-        return fitted._centres, fitted._mass
+        return self._fitted()
 
     def _step(self, x: Tensor, w: Tensor, synced: bool = False) -> None:
         centres, _ = self._state()

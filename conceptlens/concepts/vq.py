@@ -15,28 +15,26 @@ units); evaluation (`assign`, `encode`, `quantize`) always takes the nearest cod
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from conceptlens._checks import known_kwargs
-from conceptlens.concepts.base import ExtractorBase, NotFittedError
+from conceptlens.concepts.base import ExtractorBase, NotFittedError, map_tensors
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.kmeans import squared_distances
-# the config and result types, the math and the persistence live in vq_config.py, vq_math.py and
-# vq_persist.py; the public names are re-exported here
-from conceptlens.concepts.vq_config import CodebookState, VQConfig, VQStats, VQStep
+# the config, result and state types, the math and the merge live in vq_config.py, vq_math.py and
+# vq_merge.py; the public names are re-exported here
+from conceptlens.concepts.vq_config import CodebookState, SharedStart, VQConfig, VQState, VQStats, VQStep
 from conceptlens.concepts.vq_math import (INIT_METHODS, InitMethod, codes_from_ema, ema_update, fvu_from_sums,
                                           fvu_sums, initial_codes, laplace_smooth, perplexity, sample_top_k,
                                           samples_randomly)
-from conceptlens.concepts.vq_persist import codebook_state, load_codebook_state, merge_codebooks
+from conceptlens.concepts.vq_merge import merge_codebooks
 
-__all__ = ["CodebookState", "INIT_METHODS", "InitMethod", "VQCodebook", "VQConfig", "VQStats", "VQStep", "codes_from_ema",
-           "ema_update", "fvu_from_sums", "fvu_sums", "initial_codes", "laplace_smooth", "perplexity", "sample_top_k",
-           "samples_randomly"]
+__all__ = ["CodebookState", "INIT_METHODS", "InitMethod", "SharedStart", "VQCodebook", "VQConfig", "VQState", "VQStats",
+           "VQStep", "codes_from_ema", "ema_update", "fvu_from_sums", "fvu_sums", "initial_codes", "laplace_smooth",
+           "perplexity", "sample_top_k", "samples_randomly"]
 
 
 class VQCodebook(ExtractorBase):
@@ -46,19 +44,11 @@ class VQCodebook(ExtractorBase):
     tokens); then each call is one EMA step, or, with batch_size, each batch_size rows
     drawn from a mixing buffer are; `flush()` at the end of the stream trains on the rest.
     Every reseed_after steps, codes whose EMA count fell below reseed_threshold * N / K
-    restart at random tokens of the latest batch.
-
-    `merge(other)` adds what the other codebook learnt since the state both started from
-    (their shared origin: the initialisation, the last merge, or the state on which
-    `mark_shared_start()` was called before its `state_dict` was handed to the replicas): EMA counts, EMA sums, FVU sums, hits and tokens of the other, minus its decayed
-    copy of the origin, are added to this one's, so the shared start is counted once. After
-    one step each, the merge equals one step on both batches (exact, tested); after more it
-    is the count-weighted mean of the workers' codes. Codebooks without a common origin are
-    added code by code (code i must mean the same on both sides, which only a shared start
-    guarantees). Rows still in the other's mixing buffer join this one's.
+    restart at random tokens of the latest batch. `merge(other)` adds what the other codebook
+    learnt since the state both started from (see `conceptlens.concepts.vq_merge`).
     """
 
-    Config = VQConfig
+    Config, State = VQConfig, VQState
     method = "vq"
     distributed = "step"
 
@@ -81,7 +71,7 @@ class VQCodebook(ExtractorBase):
         self._gen = torch.Generator().manual_seed(seed)
         size = self.config.buffer_size or 4 * (batch_size or 1)
         self._mixer = MixingBuffer(size, seed=seed + 1) if batch_size else None   # its own stream
-        self._origin: dict[str, Any] | None = None   # the state replicas share (see `merge`)
+        self._origin: SharedStart | None = None   # the state replicas share (see `merge`)
 
     @property
     def is_initialised(self) -> bool:
@@ -195,12 +185,7 @@ class VQCodebook(ExtractorBase):
 
     def _prepare(self, x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """`x` checked, placed and in `dtype` (None: the compute dtype)."""
-        if x.ndim != 2:
-            raise ValueError(f"expected activations of shape (N, d); got {tuple(x.shape)}")
-        if self.d is None:
-            self.d = x.shape[1]
-        if x.shape[1] != self.d:
-            raise ValueError(f"expected width d={self.d} (fixed by the first update); got {x.shape[1]}")
+        self._check_width(x)
         x = self._place(x).to(dtype or self.compute_dtype)
         return x if self.fitted is None else x.to(self.fitted.codes.device)
 
@@ -212,26 +197,15 @@ class VQCodebook(ExtractorBase):
         # EMA counts live on the scale of tokens per step, so the initial clusters weigh
         # like one batch.
         rows_per_step = cfg.batch_size or len(x) / max(self._init_calls, 1)
-        counts = torch.bincount(labels, minlength=cfg.n_codes).to(x) * (rows_per_step / len(x))
-        sums = centres * laplace_smooth(counts, cfg.eps)[:, None]
-        self.fitted = CodebookState(codes_from_ema(counts, sums, cfg.eps), counts, sums,
-                                    torch.zeros(cfg.n_codes, dtype=torch.long, device=x.device),
-                                    torch.zeros(x.shape[1] + 3, dtype=torch.float64, device=x.device))
+        self.fitted = CodebookState.from_clusters(centres, labels, rows_per_step, cfg.eps)
         self._pending = None
-        self._mark_origin()
+        self.mark_shared_start()
 
     def mark_shared_start(self) -> None:
         """Declare the current state the start of replicas (call it before handing out its
         `state_dict`), so that their later `merge` counts it once. Initialisation and merge
         mark it by themselves."""
-        self._mark_origin()
-
-    def _mark_origin(self) -> None:
-        """Remember the current fitted state as the start replicas share."""
-        fit = self.fitted
-        self._origin = None if fit is None else {
-            "counts": fit.counts.clone(), "sums": fit.sums.clone(), "hits": fit.hits.clone(),
-            "fvu": fit.fvu.clone(), "steps": self.steps, "tokens": self.tokens}
+        self._origin = None if self.fitted is None else SharedStart.of(self.fitted, self.steps, self.tokens)
 
     def _reseed(self, fit: CodebookState, x: Tensor, synced: bool = False) -> None:
         """Replace dead codes by random tokens of the latest batch `x` (N, d) (distributed:
@@ -295,17 +269,29 @@ class VQCodebook(ExtractorBase):
                                f"initialises after init_size={self.config.rows_to_init} (or at flush())")
         return self.fitted
 
-    # ---- persistence (vq_persist.py) -------------------------------------------------
+    # ---- state: checkpoints and merges ----------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume bit for bit (tensors, ints, the generator state)."""
-        return codebook_state(self)
+    def state(self) -> VQState:
+        """A copy of everything a checkpoint or a merge needs."""
+        mixer = None if self._mixer is None else self._mixer.state_dict()
+        return map_tensors(VQState(self.d, self.fitted, self._pending, self._init_calls, self.steps, self.tokens,
+                                   self._gen.get_state(), self._origin, mixer), torch.clone)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from `state_dict()`; the constructor arguments must match."""
-        self.check_state(state)
-        load_codebook_state(self, self._placed(state))
+    def load_state(self, state: VQState) -> None:
+        """Continue from `state` (copied, on this extractor's device when it has one)."""
+        state = map_tensors(self._placed(state), torch.clone)
+        self.d, self.fitted, self._pending, self._origin = state.d, state.fitted, state.pending, state.origin
+        self._init_calls, self.steps, self.tokens = state.init_calls, state.steps, state.tokens
+        self._gen.set_state(state.generator)
+        if self._mixer is not None and state.mixer is not None:  # (a state without one leaves it as it is)
+            self._mixer.load_state_dict(state.mixer)
 
     def _merge(self, other: VQCodebook) -> None:
-        """Add another worker's EMA statistics (see the class docstring)."""
-        merge_codebooks(self, other)
+        """Add another worker's EMA statistics (see `conceptlens.concepts.vq_merge`)."""
+        if other.config.n_codes != self.config.n_codes or (self.d and other.d and other.d != self.d):
+            raise ValueError(f"cannot merge a codebook of {other.config.n_codes} codes of width "
+                             f"{other.d} into one of {self.config.n_codes} codes of width {self.d}")
+        if other.fitted is not None:
+            if self.fitted is None:  # it becomes a copy of the other
+                self.check_state({"config": other.config_dict()})
+            self.load_state(merge_codebooks(self.state(), other.state(), self.config.decay, self.config.eps))

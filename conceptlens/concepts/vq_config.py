@@ -1,21 +1,23 @@
-"""The configuration and result types of `VQCodebook` (vq.py).
+"""The configuration, result and state types of `VQCodebook` (vq.py).
 
     VQConfig(n_codes=512, batch_size=4096, dtype="bfloat16")   # validated on construction
     vq.stats()                                                 # a VQStats
     vq.train_step(x)                                           # a VQStep
     vq.fitted                                                  # a CodebookState, once initialised
+    vq.state()                                                 # a VQState (checkpoints, merges)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 
 from conceptlens._checks import check_choice, check_float, check_fraction, check_int
 from conceptlens.concepts.base import MAX_CONCEPTS, check_dtype
-from conceptlens.concepts.vq_math import INIT_METHODS, InitMethod
+from conceptlens.concepts.vq_math import INIT_METHODS, InitMethod, codes_from_ema, laplace_smooth
 
 
 @dataclass
@@ -104,3 +106,68 @@ class CodebookState:
     sums: Tensor        # (K, d) EMA of the sums of assigned tokens
     hits: Tensor        # (K,) int64 nearest-code assignments over all steps
     fvu: Tensor         # (d + 3,) float64 EMA of fvu_sums
+
+    @classmethod
+    def from_clusters(cls, centres: Tensor, labels: Tensor, rows_per_step: float, eps: float) -> CodebookState:
+        """The EMA state of codes initialised on clusters: `centres` (K, d) of rows labelled `labels` (M,),
+        weighing like one step of `rows_per_step` rows."""
+        counts = torch.bincount(labels, minlength=len(centres)).to(centres) * (rows_per_step / len(labels))
+        sums = centres * laplace_smooth(counts, eps)[:, None]
+        return cls(codes_from_ema(counts, sums, eps), counts, sums,
+                   torch.zeros(len(centres), dtype=torch.long, device=centres.device),
+                   torch.zeros(centres.shape[1] + 3, dtype=torch.float64, device=centres.device))
+
+
+@dataclass
+class SharedStart:
+    """The state replicas of a codebook started from (its initialisation, its last merge, or
+    `mark_shared_start()`): a merge counts it once."""
+
+    counts: Tensor
+    sums: Tensor
+    hits: Tensor
+    fvu: Tensor
+    steps: int
+    tokens: int
+
+    @classmethod
+    def of(cls, fitted: CodebookState, steps: int, tokens: int) -> SharedStart:
+        return cls(fitted.counts.clone(), fitted.sums.clone(), fitted.hits.clone(), fitted.fvu.clone(), steps, tokens)
+
+
+@dataclass
+class VQState:
+    """What a `VQCodebook` checkpoint and merge hold: `vq.state()` (a copy), `vq.load_state(state)`."""
+
+    d: int | None
+    fitted: CodebookState | None
+    pending: Tensor | None
+    """Rows collected for the initialisation (None once it ran)."""
+    init_calls: int
+    """`update` calls that collected them (the initial EMA counts weigh like one of them)."""
+    steps: int
+    tokens: int
+    generator: Tensor
+    """The private generator's state (initialisation, sampling, reseeding)."""
+    origin: SharedStart | None
+    mixer: dict[str, Any] | None
+    """The mixing buffer's `state_dict()` (None without `batch_size`)."""
+
+    def to_dict(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint layout (`state_dict()`)."""
+        return {"config": config, "d": self.d, "fitted": _fields(self.fitted), "pending": self.pending,
+                "init_calls": self.init_calls, "steps": self.steps, "tokens": self.tokens,
+                "generator": self.generator, "origin": _fields(self.origin), "mixer": self.mixer}
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> VQState:
+        """The state of a `to_dict` layout (older states may lack the origin and the mixer)."""
+        fitted, origin = state["fitted"], state.get("origin")
+        return cls(state["d"], None if fitted is None else CodebookState(**fitted), state["pending"],
+                   state["init_calls"], state["steps"], state["tokens"], state["generator"],
+                   None if origin is None else SharedStart(**origin), state.get("mixer"))
+
+
+def _fields(obj: Any) -> dict[str, Any] | None:
+    """A dataclass's fields as a dict, not copied (None stays None)."""
+    return None if obj is None else {f.name: getattr(obj, f.name) for f in fields(obj)}

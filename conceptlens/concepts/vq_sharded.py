@@ -184,7 +184,7 @@ class ShardedVQ(SplitOverRanks, VQCodebook):
             centres = torch.where(mass[:, None] > 0, sums / mass.clamp_min(1e-300)[:, None].to(points.dtype), centres)
         return centres
 
-    def _mark_origin(self) -> None:
+    def mark_shared_start(self) -> None:
         self._origin = None  # no merges: no shared start to remember (it would double the memory)
 
     def _merge(self, other: Any) -> None:

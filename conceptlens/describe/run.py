@@ -187,8 +187,8 @@ def finish(d: ConceptDescriber, *, name: str, lens: AttachedModel, tokenizer: An
              "map_xy": fin.map_xy(d.activations.directions)}
     unit = d.activations.directions
     stats["nearest_direction"], stats["nearest_direction_cos"] = fin.nearest(unit @ unit.T, o.n_nearest)
-    stats["nearest_coact"], stats["nearest_coact_score"] = fin.nearest(
-        fin.coactivation(s, d.activations.sparse), o.n_nearest)
+    stats["nearest_coact"], stats["nearest_coact_score"] = fin.nearest_coactive(s, d.activations.sparse,
+                                                                                o.n_nearest)
     w_u = unembedding(lens, _site(cs), cs.hidden_size)
     tokens = None
     if w_u is not None:

@@ -31,7 +31,9 @@ class _Writes:
     """Per (sublayer, expansion): this call's weights and the change edits made to the site."""
 
     def __init__(self, manager: HookManager, module: nn.Module, exp: Expansion) -> None:
-        self.manager, self.exp, self.weights, self.refs = manager, exp, None, 0
+        self.manager, self.exp, self.refs = manager, exp, 0
+        self.weights: Tensor | None = None
+        """The gate's per-stream weights in this call (set by its forward hook)."""
         self.pending: Tensor | None = None
         self.handles = HandleGroup()
         self.front, self.block = None, exp.block if exp.block is not None else exp.receiver
@@ -55,6 +57,9 @@ class _Writes:
             self.manager.to_front(self.block, self.front)  # before resid_out's hooks
 
     def site_tensor(self, out: Tensor) -> Tensor:
+        if self.weights is None:
+            raise RuntimeError(f"the sublayer output spread over the residual streams ran before its gate "
+                               f"{type(self.exp.gate).__name__}, which gives the per-stream weights")
         seen = spread(out, self.weights, self.exp.flat)
         return seen if self.pending is None else seen + self.pending
 

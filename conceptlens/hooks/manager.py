@@ -77,7 +77,7 @@ class HookManager:
         self.counters: WeakKeyDictionary[nn.Module, Any] = WeakKeyDictionary()
         """Layer a stack runs several times -> its call counter (hooks/calls.py)."""
         self.routes: WeakKeyDictionary[nn.Module, Any] = WeakKeyDictionary()
-        """Block its stack calls through `forward` -> its route (hooks/direct.py)."""
+        """Block its stack calls through `forward` -> its route (hooks/routed.py)."""
         self.streams: WeakKeyDictionary[nn.Module, dict[tuple[int, int], Any]] = WeakKeyDictionary()
         """Sublayer spread over residual streams -> {(gate, receiver) ids: its writes} (hooks/hyper.py)."""
         self.site_norms: dict[str, Any] = {}

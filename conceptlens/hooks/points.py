@@ -15,7 +15,7 @@ from torch import nn
 
 from conceptlens.hooks.attention import add_qkv_hook, set_key_layout
 from conceptlens.hooks.calls import gated_hook
-from conceptlens.hooks.direct import route_through_call
+from conceptlens.hooks.routed import route_through_call
 from conceptlens.hooks.handles import Handle, HandleGroup
 from conceptlens.hooks.hyper import StreamState, stream_state
 from conceptlens.sites.hooked_views import Expansion

@@ -131,7 +131,7 @@ class CallOf(View):
 
 class Routed(View):
     """The stack calls `module.forward` directly (SqueezeBERT): while hooked, such calls go
-    through its hooks (hooks/direct.py)."""
+    through its hooks (hooks/routed.py)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module

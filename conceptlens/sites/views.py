@@ -12,7 +12,7 @@ through `ViewHooks` (this layer imports no hooks).
         def write(self, x, new): return new.transpose(0, 1)
         def describe(self): return "the module's tensor is time-major ..."
 
-Order (`site_views` in adapters/views.py builds it): the tap (Expansion, FusedPart, FlatRows or
+Order (`site_views` in adapters/readings.py builds it): the tap (Expansion, FusedPart, FlatRows or
 Plus; or Heads), Scale, CallOf, StreamsFirst, TimeMajor, ChannelsFirst (then Heads), Routed,
 Trim, FirstCall. Views carrying per-hook state: sites/stateful_views.py.
 """

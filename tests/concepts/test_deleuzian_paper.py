@@ -28,6 +28,13 @@ def _data(n=300, d=6, seed=0):
     return x
 
 
+def test_skewness_without_the_endpoints_needs_exact():
+    x = _data()
+    diff = x[:3] - x[3:6]
+    with pytest.raises(ValueError, match="p_a and p_b unless exact=True"):
+        skewness_with_endpoints(x, diff, None, None, len(x) + 2)
+
+
 def test_skewness_with_endpoints_is_the_skewness_over_all_samples():
     x = _data()
     a, b = torch.tensor([0, 7, 30]), torch.tensor([9, 1, 2])

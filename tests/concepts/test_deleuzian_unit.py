@@ -40,14 +40,18 @@ def test_document_unit_without_tokens_is_named():
         Deleuzian(4, unit="sentence")
 
 
-def test_states_saved_before_unit_load_as_tokens():
-    x, _ = rows()
+def test_token_states_keep_the_layout_they_had_before_unit_and_document_states_name_it():
+    x, doc = rows()
     dz = Deleuzian(4, buffer_size=32, batch_size=16)
     dz.update(x)
-    state = dz.state_dict()
-    del state["config"]["unit"]
-    again = Deleuzian.from_state(state)
+    assert "unit" not in dz.state_dict()["config"]  # as written before the field existed
+    again = Deleuzian.from_state(dz.state_dict())
     assert again.config.unit == "token" and torch.equal(again.centroids, dz.centroids)
+    by_doc = Deleuzian(4, unit="document", buffer_size=32, batch_size=16)
+    by_doc.update(x, tokens=tokens(doc))
+    assert Deleuzian.from_state(by_doc.state_dict()).config.unit == "document"
+    with pytest.raises(ValueError, match="unit"):
+        dz.load_state_dict(by_doc.state_dict())
 
 
 def test_fit_gives_a_document_deleuzian_the_mean_of_each_documents_kept_rows():

@@ -120,9 +120,9 @@ def test_sae_bf16_fvu_close_to_fp32_with_float32_masters_and_adam(name):
         sae = feed(SAES[name](seed=0, dtype=dtype), x)
         for p in sae.params.values():
             assert p.dtype == torch.float32
-            state = sae._opt.state[p]
+            state = sae.trainer.optimizer.state[p]
             assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
-        assert sae._tracker.fired.dtype == torch.int64
+        assert sae.trainer.tracker.fired.dtype == torch.int64
         assert all(b.dtype in (torch.float32, torch.int64) for b in sae.buffer_dict.values())
         out[dtype] = fvu(held, sae.reconstruct(held))
     # bf16 compute rounds each product to 8 bits of mantissa: the fits differ by about a

@@ -119,3 +119,44 @@ def test_nearest_leaves_its_scores_alone_and_skips_the_diagonal():
         assert torch.equal(scores, before)
         ref = scores.float().masked_fill(torch.eye(9, dtype=torch.bool), -torch.inf).topk(3, dim=1)
         assert torch.equal(ids, ref.indices) and torch.equal(values, ref.values)
+
+
+def _top_by_column(scores, p, largest):
+    """The plain reference: a stable sort of every row (equal values in column order), its first p."""
+    order = scores.sort(dim=1, descending=largest, stable=True).indices[:, :p]
+    return order, scores.gather(1, order)
+
+
+def test_promoted_tokens_through_blocks_equal_a_sort_of_the_whole_vocabulary():
+    from conceptlens.describe.finish import logit_tokens, row_extremes
+
+    g = torch.Generator().manual_seed(4)
+    w_u = torch.randn(3000, 16, generator=g)  # 23 whole blocks of 128 and a tail of 56 tokens
+    w_u[2990] *= 50.0  # the most promoted and the most suppressed token of many directions lie in the tail
+    w_u[[40, 700]] = w_u[2990].clone()  # equal logits in two blocks and the tail: listed by token id
+    directions = torch.randn(40, 16, generator=g)
+    got = logit_tokens(directions, w_u, 3, chunk=16)
+    logits = torch.nn.functional.normalize(directions, dim=1) @ w_u.T
+    for name, largest in (("promoted", True), ("suppressed", False)):
+        ids, values = _top_by_column(logits, 3, largest)
+        assert torch.equal(got[f"{name}_ids"], ids) and torch.equal(got[f"{name}_logit"], values)
+    assert (got["promoted_ids"] == torch.tensor([40, 700, 2990])).all(1).any()
+    scores = torch.randn(5, 4096, generator=g)  # no tail: whole blocks only
+    for largest in (True, False):
+        ids, values = row_extremes(scores, 3, largest, block=64)
+        ref = _top_by_column(scores, 3, largest)
+        assert torch.equal(ids, ref[0]) and torch.equal(values, ref[1])
+
+
+def test_nearest_coactive_in_blocks_of_rows_equals_the_whole_matrix():
+    from conceptlens.describe.finish import coactivation, nearest, nearest_coactive
+
+    g = torch.Generator().manual_seed(6)
+    z = torch.randn(50, 13, generator=g).clamp(min=0)  # (rows, n)
+    for sparse, sub in ((True, (z > 0).float()), (False, z)):
+        sums = {"sub_outer": sub.T @ sub, "sub_sum": sub.double().sum(0), "sub_rows": torch.tensor(50)}
+        whole = coactivation(sums, sparse)
+        ref = nearest(whole, 4)
+        ids, values = nearest_coactive(sums, sparse, 4, chunk=5)  # 3 blocks of rows, the last one short
+        assert torch.equal(ids, ref[0]) and torch.equal(values, ref[1])
+        assert torch.equal(coactivation(sums, sparse, slice(5, 10)), whole[5:10])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from conceptlens.hooks.direct import route_through_call
+from conceptlens.hooks.routed import route_through_call
 from conceptlens.hooks.manager import HookManager
 from conceptlens.sites.views import ChannelsFirst, Heads
 

@@ -8,7 +8,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from conceptlens.adapters.views import Readings, site_views
+from conceptlens.adapters.readings import Readings, site_views
 from conceptlens.hooks.manager import HookManager
 from conceptlens.hooks.points import hook_site
 from conceptlens.sites.hooked_views import CallOf, FirstCall, Plus, Routed, Trim

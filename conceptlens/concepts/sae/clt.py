@@ -122,7 +122,7 @@ class CrossLayerTranscoder(MultiSite, TopKSAE):
         L, d_in, d_out, n = self._dims()
         x = x.cpu()
         x_in, y = x[:, : L * d_in].reshape(-1, L, d_in), x[:, L * d_in:]
-        rows = torch.cat([torch.randperm(x.shape[0], generator=self._gen)
+        rows = torch.cat([torch.randperm(x.shape[0], generator=self.trainer.generator)
                           for _ in range(-(-self.config.width // x.shape[0]))])[: self.config.width].reshape(L, n)
         centre = x_in.mean(0)  # (L, d_in)
         W_enc = torch.stack([(x_in[rows[l], l] - centre[l]).T for l in range(L)])  # (L, d_in, n)
@@ -153,7 +153,7 @@ class CrossLayerTranscoder(MultiSite, TopKSAE):
         if x.ndim != 2 or x.shape[1] != L * d_in:
             got = tuple(x.shape) if isinstance(inputs, Tensor) else [tuple(t.shape) for t in inputs]
             raise ValueError(f"expected {L} inputs of width {d_in} (or their concatenation); got {got}")
-        return x.to(self._device).float()
+        return x.to(self.tensor_device).float()
 
     @torch.no_grad()
     def encode(self, inputs: Sequence[Tensor] | Tensor) -> Tensor:

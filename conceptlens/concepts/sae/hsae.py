@@ -84,12 +84,12 @@ class HSAE(SparseAutoencoder):
 
     def _init_params(self, x: Tensor) -> dict[str, Tensor]:
         M, C, s, d = self.config.parents, self.config.children, self.config.subspace, x.shape[1]
-        g = self._gen
+        g = self.trainer.generator
         W_top = _unit_rows(torch.randn(M, d, generator=g))
         W_down = _unit_rows(torch.randn(M, s, d, generator=g))
         E_child = _unit_rows(torch.randn(M, C, s, generator=g))
         base = super()._init_params(x)
-        self.buffer_dict = {"offset": torch.tensor(1 / math.sqrt(d)).to(self._device)}
+        self.buffer_dict = {"offset": torch.tensor(1 / math.sqrt(d)).to(self.tensor_device)}
         return {"W_enc": W_top.T.clone(), "W_top": W_top, "W_down": W_down, "W_up": W_down.transpose(1, 2).clone(),
                 "E_child": E_child, "D_child": E_child.transpose(1, 2).clone(), "b_dec": base["b_dec"]}
 

@@ -49,6 +49,12 @@ class MatryoshkaConfig(TopKConfig):
                              f"got {self.prefix_weights!r}")
         self.prefix_weights = weights
 
+    def levels(self) -> list[tuple[int, float]]:
+        """(prefix size, loss weight) of each prefix, as resolved on creation."""
+        if self.prefixes is None or self.prefix_weights is None:  # (__post_init__ fills both)
+            raise ValueError("a MatryoshkaConfig's prefixes are resolved on creation")
+        return list(zip(self.prefixes, self.prefix_weights))
+
 
 class MatryoshkaSAE(TopKSAE):
     """TopK encoding; loss sum_m weight_m ||x - (z[:, :m] W_dec[:m] + b_dec)||^2 + AuxK."""
@@ -65,7 +71,7 @@ class MatryoshkaSAE(TopKSAE):
         # and the full prefix is x_hat itself.
         values, indices = z.topk(self.config.k, dim=-1, sorted=False)  # (B, k): every nonzero
         loss = x.new_zeros(())
-        for stop, weight in zip(self.config.prefixes, self.config.prefix_weights):
+        for stop, weight in self.config.levels():
             if stop == self.config.width:
                 recon = x_hat
             else:
@@ -79,7 +85,7 @@ class MatryoshkaSAE(TopKSAE):
         # so all prefixes together cost one full dense decode.
         partial = w["b_dec"].expand_as(x)  # (B, d)
         loss, start = x.new_zeros(()), 0
-        for stop, weight in zip(self.config.prefixes, self.config.prefix_weights):
+        for stop, weight in self.config.levels():
             partial = partial + z[:, start:stop] @ w["W_dec"][start:stop]
             loss = loss + weight * (x - partial).pow(2).sum(-1).mean()
             start = stop

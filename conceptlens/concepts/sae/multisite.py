@@ -14,7 +14,6 @@ float64 and pooled exactly when replicas still warming up merge.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -22,7 +21,6 @@ from torch import Tensor
 
 from conceptlens.concepts.base import NotFittedError
 from conceptlens.concepts.sae.buffers import merge_warm_up
-from conceptlens.concepts.sae.persist import EXTRA, module_layout
 
 if TYPE_CHECKING:  # the mixin always comes before a SparseAutoencoder in the MRO: check it as one
     from conceptlens.concepts.sae.base import SparseAutoencoder as _SAE
@@ -34,6 +32,8 @@ Groups = Sequence[Tensor | Sequence[Tensor]]
 
 class MultiSite(_SAE):
     """Mixin for a `SparseAutoencoder` whose rows are several sites side by side."""
+
+    own_state = ("widths", "shape")  # saved with the state
 
     def _init_sites(self) -> None:
         self.widths: list[int] | None = None
@@ -87,34 +87,23 @@ class MultiSite(_SAE):
         return torch.repeat_interleave(scales, torch.tensor(self.widths, device=scales.device))
 
     # ---- per-site warm-up scales ----------------------------------------------------------
-    def _warm_up(self, x: Tensor) -> None:
-        rows = x[: self.config.warmup_tokens - self._warm[1]].double()
-        sums = torch.stack([t.pow(2).sum() for t in self.split(rows)]).cpu()
+    def _warm_up(self, rows: Tensor) -> None:
+        sums = torch.stack([t.pow(2).sum() for t in self.split(rows.double())]).cpu()
         self.buffer_dict["warm_sq"] = self.buffer_dict["warm_sq"] + sums if "warm_sq" in self.buffer_dict else sums
-        super()._warm_up(x)
 
-    def _set_scale(self) -> None:
-        super()._set_scale()
-        n, sums = self._warm[1], self.buffer_dict.pop("warm_sq")
+    def _set_scale(self, sum_sq: float, rows: int) -> None:
+        super()._set_scale(sum_sq, rows)
+        n, sums = rows, self.buffer_dict.pop("warm_sq")
         if not (sums > 0).all():
             bad = int((sums <= 0).nonzero()[0])
             raise ValueError(f"the first {n} rows are all zero at site {bad}; cannot normalise its scale")
         widths = torch.tensor(self.widths, dtype=torch.float64)
-        self.buffer_dict["site_scale"] = (widths * n / sums).sqrt().float().to(self._device)
+        self.buffer_dict["site_scale"] = (widths * n / sums).sqrt().float().to(self.tensor_device)
 
     def _normalise(self, x: Tensor) -> Tensor:
         return x * self.columns().to(x.device)
 
-    # ---- checkpoints and replicas ---------------------------------------------------------
-    def get_extra_state(self) -> dict[str, Any]:
-        return {**super().get_extra_state(), "widths": self.widths, "shape": self.shape}
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        result = super().load_state_dict(state_dict)
-        extra = module_layout(state_dict)[EXTRA]
-        self.widths, self.shape = extra.get("widths"), extra.get("shape")
-        return result
-
+    # ---- replicas -------------------------------------------------------------------------
     def _merge(self, other: Any) -> None:
         if self.widths is not None and other.widths is not None and other.widths != self.widths:
             raise ValueError(f"cannot merge sites of widths {other.widths} into sites of widths {self.widths}")

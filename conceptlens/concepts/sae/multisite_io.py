@@ -20,7 +20,6 @@ from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.registry import METHODS, names
 from conceptlens.concepts.sae.clt import CrossLayerTranscoder
 from conceptlens.concepts.sae.crosscoder import Crosscoder, ReLUCrosscoder
-from conceptlens.concepts.sae.stats import LatentTracker
 
 CLASSES: dict[str, type[Crosscoder | ReLUCrosscoder | CrossLayerTranscoder]] = {
     name: METHODS[name].load() for name in (*names(rows="sites"), *names(rows="groups"))}
@@ -43,10 +42,7 @@ def multisite_from_concept_set(cs: ConceptSet) -> Crosscoder | ReLUCrosscoder | 
         model.widths, model.shape = [int(d_in)] * layers + widths, [layers, layers]
     else:
         model.widths, model.shape = widths, [1] * len(widths)
-    params = {k: cs.encoder[k].float().clone() for k in ("W_enc", "b_enc", "b_dec")}
-    model.params = {k: v.requires_grad_(True) for k, v in {**params, "W_dec": cs.directions.float().clone()}.items()}
-    model.buffer_dict = {"site_scale": torch.ones(len(model.widths))}
-    model.d, model.scale = sum(model.widths), 1.0
-    model._warm = [float(model.d), 1]
-    model._tracker = LatentTracker(model.config.width, model.config.dead_after)
+    params = {k: cs.encoder[k] for k in ("W_enc", "b_enc", "b_dec")}
+    model.adopt_raw({**params, "W_dec": cs.directions}, {"site_scale": torch.ones(len(model.widths))},
+                    sum(model.widths))
     return model

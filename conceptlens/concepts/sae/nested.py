@@ -74,6 +74,12 @@ class ActMSAEConfig(TopKConfig):
         m = len(self.ks)
         self.k_weights = _weights("k_weights", self.k_weights, m, tuple(float(m - i) for i in range(m)))
 
+    def levels(self) -> list[tuple[int, float]]:
+        """(k, loss weight) of each level, as resolved on creation."""
+        if self.ks is None or self.k_weights is None:  # (__post_init__ fills both)
+            raise ValueError("an ActMSAEConfig's levels are resolved on creation")
+        return list(zip(self.ks, self.k_weights))
+
 
 class ActMSAE(TopKSAE):
     """Encoder TopK at k; loss sum_m alpha_m ||x - (TopK_{k_m}(pre) W_dec + b_dec)||^2 + AuxK."""
@@ -88,11 +94,12 @@ class ActMSAE(TopKSAE):
     def _recon_loss(self, x: Tensor, z: Tensor, x_hat: Tensor, w: dict[str, Tensor]) -> Tensor:
         # One sort of the pre-activations; level m adds the latents ranked k_{m-1} .. k_m.
         pre = (x.to(w["W_enc"].dtype) - w["b_dec"]) @ w["W_enc"] + w["b_enc"]  # (B, width), as in _encode
-        values, indices = pre.topk(self.config.ks[-1], dim=-1, sorted=True)  # (B, k_m)
+        levels = self.config.levels()
+        values, indices = pre.topk(levels[-1][0], dim=-1, sorted=True)  # (B, k_m)
         values = values.relu()
         partial, start = w["b_dec"].expand_as(x), 0
         loss = x.new_zeros(())
-        for stop, weight in zip(self.config.ks, self.config.k_weights):
+        for stop, weight in levels:
             partial = partial + F.embedding_bag(indices[:, start:stop], w["W_dec"],
                                                 per_sample_weights=values[:, start:stop], mode="sum")
             loss = loss + weight * (x - partial).pow(2).sum(-1).mean()
@@ -118,6 +125,12 @@ class EWGConfig(SAEConfig):
         if self.groups[-1] != self.width:
             raise ValueError(f"groups must end at width={self.width}; got {self.groups!r}")
 
+    def group_ends(self) -> tuple[int, ...]:
+        """The cumulative end index of each group, as resolved on creation."""
+        if self.groups is None:  # (__post_init__ fills it)
+            raise ValueError("an EWGConfig's groups are resolved on creation")
+        return self.groups
+
 
 class EWGSAE(SparseAutoencoder):
     """z = ReLU((x - b_dec) W_enc + b_enc); loss ||x - x_hat||^2 + l1 sum_g w_g mean(|z_g|_1 / |x|)."""
@@ -131,13 +144,13 @@ class EWGSAE(SparseAutoencoder):
 
     def group_weights(self) -> Tensor:
         """`(G,)`: 0.5^(G-1-g) / sum, the last (largest-index) group weighted most."""
-        g = len(self.config.groups)
+        g = len(self.config.group_ends())
         raw = torch.tensor([0.5 ** (g - 1 - i) for i in range(g)], dtype=torch.float64)
         return (raw / raw.sum()).float()
 
     def _penalty(self, x: Tensor, x_hat: Tensor, code: Code, w: dict[str, Tensor]) -> Tensor:
         norm = x.norm(dim=-1).clamp(min=1e-12)  # (B,)
-        ends = self.config.groups
+        ends = self.config.group_ends()
         starts = (0,) + ends[:-1]
         per_group = torch.stack([(code.z[:, a:b].abs().sum(-1) / norm).mean() for a, b in zip(starts, ends)])
         return self.config.l1 * (per_group * self.group_weights().to(x.device)).sum()

@@ -85,4 +85,4 @@ class ReLUSAE(SparseAutoencoder):
     def l1_now(self) -> float:
         """The L1 coefficient of the next step: `l1` scaled by the warm-up's progress."""
         ramp = self.config.l1_warmup_tokens
-        return self.config.l1 * (min(1.0, self._running.tokens / ramp) if ramp else 1.0)
+        return self.config.l1 * (min(1.0, self.trainer.running.tokens / ramp) if ramp else 1.0)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from conceptlens._content import check_concept_tensors, field
 from conceptlens.concepts.conceptset import ConceptSet
@@ -23,7 +25,6 @@ from conceptlens.concepts.sae.jumprelu import JumpReLUSAE
 from conceptlens.concepts.sae.hsae import HSAE
 from conceptlens.concepts.sae.mpsae import MPSAE
 from conceptlens.concepts.sae.spade import SpaDE
-from conceptlens.concepts.sae.stats import LatentTracker
 
 CLASSES: dict[str, type[SparseAutoencoder]] = {name: METHODS[name].load()
                                                 for name in names(rows="site", concepts="decoder")}
@@ -37,10 +38,10 @@ def sae_from_concept_set(cs: ConceptSet) -> SparseAutoencoder:
         raise ValueError(f"ConceptSet method {cs.method!r} is not an SAE; expected one of {sorted(CLASSES)}")
     _check_content(cs)
     names = {f.name for f in dataclasses.fields(cls.Config)}
-    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in cs.config.items() if k in names}
+    kwargs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in cs.config.items() if k in names}
     sae = cls(seed=cs.config.get("seed", 0), **kwargs)
     raw = {**cs.encoder, "W_dec": cs.directions}
-    params = {k: raw[k].clone() for k in ("W_enc", "b_enc", "W_dec", "b_dec") if k in raw}
+    params: dict[str, Tensor] = {k: raw[k].clone() for k in ("W_enc", "b_enc", "W_dec", "b_dec") if k in raw}
     if cls is JumpReLUSAE:
         params["log_threshold"] = raw["threshold"].log()
     elif cls is BatchTopKSAE:
@@ -56,10 +57,7 @@ def sae_from_concept_set(cs: ConceptSet) -> SparseAutoencoder:
     elif cls is HSAE:
         params = {k: raw[k].clone() for k in ("W_enc", "W_top", "W_down", "W_up", "E_child", "D_child", "b_dec")}
         sae.buffer_dict = {"offset": raw["offset"].clone().reshape(())}
-    sae.params = {k: v.float().requires_grad_(True) for k, v in params.items()}
-    sae.d, sae.scale = cs.hidden_size, 1.0
-    sae._warm = [float(cs.hidden_size), 1]
-    sae._tracker = LatentTracker(sae.config.width, sae.config.dead_after)
+    sae.adopt_raw(params, dict(sae.buffer_dict), cs.hidden_size)
     return sae
 
 

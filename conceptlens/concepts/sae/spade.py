@@ -80,9 +80,10 @@ class SpaDE(SparseAutoencoder):
         nearest other prototype (see `initial_lambda`)."""
         n, width = x.shape[0], self.config.width
         if n >= width:
-            rows = batched_seeds(x, width, self._gen)
+            rows = batched_seeds(x, width, self.trainer.generator)
         else:
-            rows = torch.cat([torch.randperm(n, generator=self._gen) for _ in range(-(-width // n))])[:width]
+            g = self.trainer.generator
+            rows = torch.cat([torch.randperm(n, generator=g) for _ in range(-(-width // n))])[:width]
         rows = rows.to(x.device)
         prototypes = x[rows]  # (width, d)
         lam = initial_lambda(x, prototypes, rows)
@@ -109,26 +110,26 @@ class SpaDE(SparseAutoencoder):
         return self.config.gamma * (code.z * distances).sum(-1).mean()
 
     # ---- per-feature standardisation ------------------------------------------------------
-    def _warm_up(self, x: Tensor) -> None:
-        """Also sum each feature and its square (float64) over the warm-up rows."""
-        rows = x[: self.config.warmup_tokens - self._warm[1]].double()
+    def _warm_up(self, rows: Tensor) -> None:
+        """Sum each feature and its square (float64) over the warm-up rows."""
+        rows = rows.double()
         moments = torch.stack([rows.sum(0), rows.pow(2).sum(0)]).cpu()  # (2, d)
         if self.comm is not None:
             moments = self.comm.sum_(moments)
         if "warm_moments" in self.buffer_dict:
             moments = self.buffer_dict["warm_moments"] + moments
         self.buffer_dict["warm_moments"] = moments
-        super()._warm_up(x)
 
-    def _set_scale(self) -> None:
+    def _set_scale(self, sum_sq: float, rows: int) -> None:
         """mu and sigma from the warm-up sums; a constant feature (or input) keeps sigma = 1."""
-        super()._set_scale()
-        n, moments = self._warm[1], self.buffer_dict.pop("warm_moments")
+        super()._set_scale(sum_sq, rows)
+        n, moments = rows, self.buffer_dict.pop("warm_moments")
         mean = moments[0] / n  # (d,)
         var = (moments[1] / n - mean.pow(2)).clamp(min=0)  # (d,)
         std = var.sqrt() if self.config.standardise == "features" else var.mean().sqrt().expand_as(var).clone()
         std = torch.where(std > 1e-6 * std.max(), std, torch.ones_like(std))
-        self.buffer_dict = {"input_mean": mean.float().to(self._device), "input_std": std.float().to(self._device)}
+        device = self.tensor_device
+        self.buffer_dict = {"input_mean": mean.float().to(device), "input_std": std.float().to(device)}
 
     def _normalise(self, x: Tensor) -> Tensor:
         return (x - self.buffer_dict["input_mean"]) / self.buffer_dict["input_std"]

@@ -109,10 +109,10 @@ class TopKSAE(SparseAutoencoder):
         As in Gao et al. the term is normalised by the residual's variance, so its weight
         does not fade as the main reconstruction improves.
         """
-        tracker = self._tracker
+        tracker = self.trainer.tracker
         if self.config.aux_coef == 0 or tracker.none_dead():  # decided on the host: no device read
             return x.new_zeros(())
-        if self._running.steps % 256 == 0:
+        if self.trainer.running.steps % 256 == 0:
             tracker.refresh()  # one device read every 256 steps lets the fast path come back
         dead = tracker.dead()  # (width,)
         # k_aux fixed on the host; live latents enter as -inf and get weight relu(-inf) = 0, so

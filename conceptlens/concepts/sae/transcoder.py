@@ -25,16 +25,14 @@ rows (`comm`) assumes one site and is not offered; replicas merge by averaging a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from conceptlens.concepts.conceptset import ConceptSet
-from conceptlens.concepts.sae.base import Code
+from conceptlens.concepts.sae.base import Code, SparseAutoencoder
 from conceptlens.concepts.sae.buffers import merge_warm_up
-from conceptlens.concepts.sae.persist import EXTRA, module_layout
 from conceptlens.concepts.sae.relu import ReLUConfig, ReLUSAE
 from conceptlens.concepts.sae.stats import geometric_median
 
@@ -50,6 +48,7 @@ class Transcoder(ReLUSAE):
     Config = TranscoderConfig
     method = "transcoder"
     distributed = None
+    own_state = ("d_in",)  # saved with the state
     skip: ClassVar[bool] = False
     directions_at: ClassVar[str] = "target"
     """The decoder rows live at the output site: a fitted set is labelled with it (fit_keys.where)."""
@@ -76,24 +75,30 @@ class Transcoder(ReLUSAE):
             raise ValueError(f"{type(self).__name__} was fitted on input width {self.d_in}; got {x_in.shape[1]}")
         super().update(torch.cat([x_in, x_out.to(x_in.device, x_in.dtype)], 1))
 
-    def _split(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        return x[:, : self.d_in], x[:, self.d_in:]
+    def _sides(self) -> tuple[int, int]:
+        """(d_in, d): the input site's width and that of a row [x_in | y]; NotFittedError before the first."""
+        if self.d_in is None or self.d is None:
+            raise self._not_fitted()
+        return self.d_in, self.d
 
-    def _warm_up(self, x: Tensor) -> None:
-        """Also sum ||x_in||^2 and ||y||^2 (float64) over the warm-up rows, for one scale per side."""
-        rows = x[: self.config.warmup_tokens - self._warm[1]].double()
-        x_in, y = self._split(rows)
+    def _split(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        d_in = self._sides()[0]
+        return x[:, :d_in], x[:, d_in:]
+
+    def _warm_up(self, rows: Tensor) -> None:
+        """Sum ||x_in||^2 and ||y||^2 (float64) over the warm-up rows, for one scale per side."""
+        x_in, y = self._split(rows.double())
         sums = torch.stack([x_in.pow(2).sum(), y.pow(2).sum()]).cpu()
         self.buffer_dict["warm_sq"] = self.buffer_dict["warm_sq"] + sums if "warm_sq" in self.buffer_dict else sums
-        super()._warm_up(x)
 
-    def _set_scale(self) -> None:
-        super()._set_scale()
-        n, sums = self._warm[1], self.buffer_dict.pop("warm_sq")
-        widths = torch.tensor([self.d_in, self.d - self.d_in], dtype=torch.float64)
+    def _set_scale(self, sum_sq: float, rows: int) -> None:
+        super()._set_scale(sum_sq, rows)
+        n, sums = rows, self.buffer_dict.pop("warm_sq")
+        d_in, d = self._sides()
+        widths = torch.tensor([d_in, d - d_in], dtype=torch.float64)
         if not (sums > 0).all():
             raise ValueError(f"the first {n} rows are all zero on one side; cannot normalise their scale")
-        scales = (widths * n / sums).sqrt().float().to(self._device)  # (2,) s_in, s_out
+        scales = (widths * n / sums).sqrt().float().to(self.tensor_device)  # (2,) s_in, s_out
         self.buffer_dict = {"scale_in": scales[0], "scale_out": scales[1]}
 
     def _normalise(self, x: Tensor) -> Tensor:
@@ -121,7 +126,7 @@ class Transcoder(ReLUSAE):
         centred; b_dec at the targets' geometric median / mean / zero; W_skip zero."""
         x_in, y = (t.cpu() for t in self._split(x))
         n, width, init = x.shape[0], self.config.width, self.config.b_dec_init
-        rows = torch.cat([torch.randperm(n, generator=self._gen) for _ in range(-(-width // n))])[:width]
+        rows = torch.cat([torch.randperm(n, generator=self.trainer.generator) for _ in range(-(-width // n))])[:width]
         centre_in = geometric_median(x_in) if init == "geometric_median" else x_in.mean(0)
         b_dec = (geometric_median(y) if init == "geometric_median" else y.mean(0) if init == "mean"
                  else torch.zeros(y.shape[1]))
@@ -157,7 +162,7 @@ class Transcoder(ReLUSAE):
     @torch.no_grad()
     def reconstruct(self, x_in: Tensor) -> Tensor:
         """The output site predicted from the input site: `(N, d_in)` -> `(N, d_out)` (with the skip path)."""
-        x_in = x_in.to(self._device).float()
+        x_in = x_in.to(self.tensor_device).float()
         raw = self._raw()
         return self._output(x_in, self._encode(x_in, raw, train=False).z, raw)
 
@@ -168,15 +173,9 @@ class Transcoder(ReLUSAE):
         cs.config["d_in"] = self.d_in
         return cs
 
-    def get_extra_state(self) -> dict[str, Any]:
-        return {**super().get_extra_state(), "d_in": self.d_in}
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        result = super().load_state_dict(state_dict)
-        self.d_in = module_layout(state_dict)[EXTRA].get("d_in")
-        return result
-
-    def _merge(self, other: Transcoder) -> None:
+    def _merge(self, other: SparseAutoencoder) -> None:
+        if not isinstance(other, Transcoder):
+            raise TypeError(f"can only merge a {type(self).__name__} with another; got {type(other).__name__}")
         if self.d_in is not None and other.d_in is not None and other.d_in != self.d_in:
             raise ValueError(f"cannot merge a transcoder with input width {other.d_in} into one of width {self.d_in}")
         self.d_in = self.d_in if self.d_in is not None else other.d_in

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 from safetensors.torch import load_file, save_file
 
 from conceptlens._io import atomic_write
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.registry import METHODS, names, saelens_architectures
 from conceptlens.concepts.sae.saelens import CFG_FILE, LAYOUT_VERSION, WEIGHTS_FILE, hook_name
-from conceptlens.concepts.sae.stats import LatentTracker
 from conceptlens.concepts.sae.transcoder import SkipTranscoder, Transcoder
 
 ARCHITECTURE = saelens_architectures(rows="pair")
@@ -100,12 +100,8 @@ def transcoder_from_concept_set(cs: ConceptSet) -> Transcoder:
         raise ValueError(f"ConceptSet method {cs.method!r} is not a transcoder; expected one of {sorted(CLASSES)}")
     names = set(cls.Config.__dataclass_fields__)
     tc = cls(seed=cs.config.get("seed", 0), **{k: v for k, v in cs.config.items() if k in names})
-    params = {k: cs.encoder[k].clone() for k in ("W_enc", "b_enc", "b_dec", "W_skip") if k in cs.encoder}
-    tc.params = {**{k: v.float() for k, v in params.items()}, "W_dec": cs.directions.float().clone()}
-    tc.params = {k: v.requires_grad_(True) for k, v in tc.params.items()}
-    tc.d_in = int(cs.encoder["W_enc"].shape[0])
-    tc.d, tc.scale = tc.d_in + cs.hidden_size, 1.0
-    tc.buffer_dict = {"scale_in": torch.ones(()), "scale_out": torch.ones(())}
-    tc._warm = [float(tc.d), 1]
-    tc._tracker = LatentTracker(tc.config.width, tc.config.dead_after)
+    params: dict[str, Tensor] = {k: cs.encoder[k] for k in ("W_enc", "b_enc", "b_dec", "W_skip") if k in cs.encoder}
+    tc.d_in = d_in = int(cs.encoder["W_enc"].shape[0])
+    tc.adopt_raw({**params, "W_dec": cs.directions}, {"scale_in": torch.ones(()), "scale_out": torch.ones(())},
+                 d_in + cs.hidden_size)
     return tc

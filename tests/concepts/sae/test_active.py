@@ -44,7 +44,7 @@ def test_training_step_equals_the_dense_step(cls, dead_after, monkeypatch):
         sae = cls(seed=0, **kwargs)
         sae.update(x[:200])  # parameters and a firing record
         if dead_after == 1:
-            sae._tracker.since_fired[::2] = 10**6  # half the latents dead
+            sae.trainer.tracker.since_fired[::2] = 10**6  # half the latents dead
         batch = sae._normalise(x[200:])
         w = sae._compute_weights()
         target, code, x_hat = sae._forward(batch, w)
@@ -67,7 +67,7 @@ def test_counts_and_threshold_from_the_active_latents_equal_the_dense_ones(cls):
         with pytest.MonkeyPatch.context() as m:
             m.setattr(topk, "sparse_backward", lambda rows: sparse)
             sae.update(x)
-        fired.append((sae._tracker.fired.clone(), sae.stats(), sae.buffer_dict.get("threshold", torch.zeros(()))))
+        fired.append((sae.trainer.tracker.fired.clone(), sae.stats(), sae.buffer_dict.get("threshold", torch.zeros(()))))
     assert torch.equal(fired[0][0], fired[1][0]) and fired[0][1].last.l0 == fired[1][1].last.l0
     assert fired[0][1].last.fvu == pytest.approx(fired[1][1].last.fvu, rel=1e-4)
     assert float(fired[0][2]) == pytest.approx(float(fired[1][2]), rel=1e-5)  # BatchTopK's inference threshold

@@ -44,8 +44,8 @@ def assert_same(a, b):
     for key in a.buffer_dict:
         assert torch.equal(a.buffer_dict[key], b.buffer_dict[key]), key
     for pa, pb in zip(a.params.values(), b.params.values()):
-        for key, value in a._opt.state[pa].items():
-            assert torch.equal(value, b._opt.state[pb][key]), key
+        for key, value in a.trainer.optimizer.state[pa].items():
+            assert torch.equal(value, b.trainer.optimizer.state[pb][key]), key
     assert a.stats() == b.stats()
     x = stream(1, seed=9)[0]
     assert torch.equal(a.encode(x), b.encode(x))
@@ -88,7 +88,7 @@ def test_concept_set_and_encode_work_on_raw_activations(name):
     cs = sae.concept_set()
     assert isinstance(cs, ConceptSet) and cs.site is None and cs.method == sae.method
     assert cs.directions.shape == (24, 10) and cs.config["width"] == 24
-    torch.testing.assert_close(cs.stats["firing_frequency"], sae._tracker.frequency())
+    torch.testing.assert_close(cs.stats["firing_frequency"], sae.trainer.tracker.frequency())
     if name != "spade":
         if name != "relu":  # the April 2024 ReLU SAE keeps free decoder norms
             torch.testing.assert_close(cs.directions.norm(dim=1), torch.ones(24))
@@ -118,10 +118,10 @@ def test_stats_and_flush(name):
     sae = feed(VARIANTS[name](), stream())
     last = sae.stats().last
     assert 0 <= last.fvu and 0 <= last.dead_fraction <= 1 and 0 < last.l0 <= 24
-    assert sae._mixer.count > 0
+    assert sae.trainer.mixer.count > 0
     sae.flush()
     assert sae.stats().tokens == sum(len(c) for c in stream())  # every row trained on, once
-    assert sae._mixer.count == 0
+    assert sae.trainer.mixer.count == 0
 
 
 def test_merge_averages_replicas(name):

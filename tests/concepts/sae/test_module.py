@@ -19,7 +19,7 @@ def test_the_trained_tensors_are_parameters_and_buffers_of_the_module():
     assert isinstance(sae, nn.Module)
     assert [n for n, _ in sae.named_parameters()] == ["W_enc", "b_enc", "W_dec", "b_dec"]
     assert dict(sae.named_buffers()).keys() == {"threshold", "threshold_steps"}
-    assert sae._opt.param_groups[0]["params"] == list(sae.parameters())  # Adam steps the module's own
+    assert sae.trainer.optimizer.param_groups[0]["params"] == list(sae.parameters())  # Adam steps the module's own
     state = sae.state_dict()
     assert [k for k in state if k != "_extra_state"] == ["W_enc", "b_enc", "W_dec", "b_dec", "threshold",
                                                          "threshold_steps"]
@@ -60,11 +60,14 @@ def test_moves_and_nesting_keep_the_training_state():
 
 def test_ddp_wraps_a_fitted_sae(tmp_path):
     sae = _fitted("topk")
+    x = stream("topk")[0][0]
+    expected = sae(x).detach()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         model = nn.parallel.DistributedDataParallel(sae)
-        x = stream("topk")[0][0]
-        model(x).sub(x).pow(2).mean().backward()
+        y = model(x)
+        torch.testing.assert_close(y, expected, rtol=0, atol=0)  # the wrapped module's forward
+        y.sub(x).pow(2).mean().backward()
         assert all(p.grad is not None for p in sae.parameters())
     finally:
         dist.destroy_process_group()
@@ -83,3 +86,20 @@ def test_torch_compile_traces_the_forward():
     x = stream("topk")[0][0]
     compiled = torch.compile(sae, backend="eager")  # dynamo's capture, without a C++ toolchain
     torch.testing.assert_close(compiled(x), sae(x), rtol=0, atol=0)
+
+
+def test_a_cast_to_float64_computes_in_float64_and_round_trips_onto_a_fresh_module():
+    sae = _fitted("topk")
+    x = stream("topk")[0][0]
+    expected = sae(x).detach().double()
+    assert sae.to(torch.float64) is sae
+    assert {p.dtype for p in sae.parameters()} == {torch.float64}
+    assert {b.dtype for b in sae.buffers()} <= {torch.float64, torch.int64}
+    y = sae(x.double())
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)  # float32 weights, now exact in float64
+    fresh = make("topk")
+    fresh.load_state_dict(roundtrip(sae.state_dict()))
+    assert [p.dtype for p in fresh.parameters()] == [torch.float64] * 4
+    assert_same_state(dict(sae.state_dict()), dict(fresh.state_dict()))
+    torch.testing.assert_close(fresh(x.double()), y, rtol=0, atol=0)

@@ -10,12 +10,14 @@ from conceptlens.concepts import ConceptSet
 from conceptlens.concepts.sae import TopKSAE, sae_from_concept_set
 from tests.concepts.sae.data.old_states import CASES, CUT, feed, make, stream, written
 
-V1 = Path(__file__).parent / "data" / "v1"
+DATA = Path(__file__).parent / "data"
+V1 = DATA / "v1"
 
 
+@pytest.mark.parametrize("version", ["v1", "v2"])  # before the SAEs were modules; before SAETrainer
 @pytest.mark.parametrize("case", CASES)
-def test_a_checkpoint_of_the_old_code_resumes_to_its_result(case):
-    saved = torch.load(V1 / f"{case}.pt", weights_only=True)
+def test_a_checkpoint_of_the_old_code_resumes_to_its_result(case, version):
+    saved = torch.load(DATA / version / f"{case}.pt", weights_only=True)
     extractor = make(case)
     extractor.load_state_dict(saved["state"])
     got = written(feed(extractor, stream(case)[CUT:]))

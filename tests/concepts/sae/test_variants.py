@@ -148,8 +148,8 @@ def test_auxk_trains_only_dead_latents():
     assert sae._penalty(x, sae._decode(code.z, w), code, w).item() == 0  # nobody is dead yet
     dead = torch.zeros(16, dtype=torch.bool)
     dead[[1, 4, 9]] = True
-    sae._tracker.since_fired[dead] = 10**9
-    sae._tracker.refresh()  # the host-side bound follows a direct edit of the counters
+    sae.trainer.tracker.since_fired[dead] = 10**9
+    sae.trainer.tracker.refresh()  # the host-side bound follows a direct edit of the counters
     code = sae._encode(x, w, train=True)
     penalty = sae._penalty(x, sae._decode(code.z, w).detach(), code, w)
     assert penalty.item() > 0

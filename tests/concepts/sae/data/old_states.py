@@ -1,15 +1,18 @@
-"""SAE checkpoints written by the code before the SAEs became modules (commit 2d765d2), and
-what that code produced after resuming from them: the test that later code still reads them
-and continues bit for bit (tests/concepts/sae/test_old_states.py).
+"""SAE checkpoints written by older code, and what that code produced after resuming from
+them: the test that later code still reads them and continues bit for bit
+(tests/concepts/sae/test_old_states.py). `v1/`: written before the SAEs became modules (commit
+2d765d2); `v2/`: by the modules that still trained themselves (commit b2b0d37, before
+`SAETrainer`).
 
-    cd /work/main && python tests/concepts/sae/data/old_states.py tests/concepts/sae/data/v1
+    git archive 2d765d2 | tar -x -C old && cd old && python tests/concepts/sae/data/old_states.py OUT
 
-writes `v1/<case>.pt` (the state after the first chunks; the concept set and statistics after
-the rest) and `v1/topk_set/` (a ConceptSet saved under the old method name "topk_sae").
+writes `OUT/<case>.pt` (the state after the first chunks; the concept set and statistics after
+the rest) and `OUT/topk_set/` (a ConceptSet; v1's is saved under the old method name "topk_sae").
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -83,7 +86,7 @@ def main(out: Path) -> None:
     for case in CASES:
         chunks = stream(case)
         first = feed(make(case), chunks[:CUT])
-        state = first.state_dict()
+        state = copy.deepcopy(first.state_dict())  # a module's state_dict shares the live parameters
         later = feed(first, chunks[CUT:])
         torch.save({"state": state, "after": written(later)}, out / f"{case}.pt")
         if case == "topk":

@@ -1,0 +1,274 @@
+"""SAETrainer: the streaming training of an SAE module (mixing buffer, warm-up, Adam, statistics).
+
+    sae = TopKSAE(width=4608, k=32, seed=0)   # the module: parameters, buffers, the model's math
+    sae.trainer                               # its trainer, made with it: sae.update / flush / stats call it
+    for x in stream:                          # x: (N, d) raw activations
+        sae.trainer.update(x)                 # buffer the rows; one Adam step per batch_size mixed rows
+    sae.trainer.flush()
+    sae.trainer.state()                       # TrainerState: what resumes it bit for bit
+
+The first `warmup_tokens` rows fix the module's input scale (E||s x||^2 = d); every step then
+draws `batch_size` rows from the mixing buffer, normalises them, and takes one Adam step on the
+module's loss, with the decoder rows' radial gradient removed and the rows renormalised
+(`unit_decoder`). With `sae.comm` set (each rank fed its own rows) a step all-reduces the
+gradients, firing counts and statistics, so every rank keeps the same parameters (see ddp.py).
+The trainer reads the module only through `Trainable`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from conceptlens.concepts.base import NotFittedError
+from conceptlens.concepts.buffer import MixingBuffer
+from conceptlens.concepts.sae import ddp
+from conceptlens.concepts.sae.persist import TrainerState, WarmUp
+from conceptlens.concepts.sae.stats import LatentTracker, RunningStats, SAEStats
+from conceptlens.concepts.sae.trainable import Code, Trainable
+
+
+class SAETrainer:
+    """Trains one SAE module on a stream of rows; owns all the state that only training needs."""
+
+    def __init__(self, sae: Trainable) -> None:
+        self.sae = sae
+        config = sae.config
+        self.generator = torch.Generator().manual_seed(sae.seed)
+        """The initialisation's random draws (a variant's `_init_params` reads it)."""
+        self.mixer = MixingBuffer(size=config.mixing_size(), seed=sae.seed)
+        self.warm = WarmUp()
+        self.optimizer: torch.optim.Adam | None = None
+        """Adam over the module's parameters, made at the first step (or restored from a state)."""
+        self.tracker = LatentTracker(config.width, config.dead_after)
+        self.running = RunningStats()
+
+    # ---- streaming -------------------------------------------------------------------
+    def update(self, x: Tensor) -> None:
+        """Buffer the rows of `x` `(N, d)`; take one Adam step per `batch_size` mixed rows."""
+        sae = self.sae
+        first, device = sae.d is None, sae.tensor_device
+        x = sae.check_input(x)
+        if first or sae.tensor_device != device:  # the records live with the module's tensors
+            self._place_tracker()
+        if sae.scale is None:
+            self._warm_up(x)
+        self.mixer.add(x)
+        if sae.scale is None:
+            return
+        size = sae.config.batch_size
+        if sae.comm is not None:  # every rank takes as many steps as the rank with the most rows
+            for _ in range(sae.comm.max_int(self.mixer.ready(size))):
+                batch = self.mixer.take(size)
+                self.step(batch if batch is not None else x[:0])
+            return
+        while (batch := self.mixer.take(size)) is not None:
+            self.step(batch)
+
+    def flush(self) -> None:
+        """Train on everything still buffered (the last batch may be short); call at stream end."""
+        sae = self.sae
+        if sae.scale is None and self.warm.rows > 0:
+            self._set_scale()
+        rest = self.mixer.drain() if sae.scale is not None else None
+        batches = [] if rest is None else list(rest.split(sae.config.batch_size))
+        n = len(batches) if sae.comm is None or sae.d is None else sae.comm.max_int(len(batches))
+        for i in range(n):
+            self.step(batches[i] if i < len(batches) else torch.zeros(0, sae.d or 0))
+
+    def stats(self) -> SAEStats:
+        """Steps, tokens, the last step's FVU / L0 / dead fraction / loss, and their running means."""
+        return self.running.summary()
+
+    def _place_tracker(self) -> None:
+        state = self.tracker.state_dict()
+        self.tracker = LatentTracker(self.sae.config.width, self.sae.config.dead_after, self.sae.tensor_device)
+        self.tracker.load_state_dict(state)
+
+    def _warm_up(self, x: Tensor) -> None:
+        sae = self.sae
+        rows = x[: sae.config.warmup_tokens - self.warm.rows]
+        sae._warm_up(rows)
+        sum_sq, n = rows.double().pow(2).sum().cpu(), rows.shape[0]
+        if sae.comm is not None:  # the warm-up sums of every rank: one scale for all
+            total = sae.comm.sum_(torch.stack([sum_sq, torch.tensor(n * 1.0, dtype=torch.float64)]))
+            sum_sq, n = total[0], int(total[1])
+        self.warm = WarmUp(self.warm.sum_sq + float(sum_sq), self.warm.rows + n)
+        if self.warm.rows >= sae.config.warmup_tokens:
+            self._set_scale()
+
+    def _set_scale(self) -> None:
+        self.sae._set_scale(self.warm.sum_sq, self.warm.rows)
+
+    # ---- one optimiser step ---------------------------------------------------------
+    def step(self, batch: Tensor) -> None:
+        """One Adam step on the raw rows `batch` `(B, d)` (B may be 0 on a rank without rows)."""
+        sae = self.sae
+        x = sae._normalise(batch.to(sae.tensor_device).float())  # (B, d), float32 (the loss's target)
+        if sae.comm is not None:
+            self._distributed_step(x)
+            return
+        if self.optimizer is None:
+            self._start(x)
+        w = sae._compute_weights()
+        x, code, x_hat = sae._forward(x, w)  # target (B, d), code, x_hat (B, d)
+        loss = sae._recon_loss(x, code.z, x_hat, w) + sae._penalty(x, x_hat, code, w)
+        self.optimiser().zero_grad(set_to_none=True)
+        loss.backward()
+        with torch.no_grad():
+            self._apply_gradients()
+            self._record(x, x_hat, sae._counted(code), loss)
+            sae._after_step(code)
+
+    def _distributed_step(self, x: Tensor) -> None:
+        """One step synchronised over the ranks (see ddp.py); `x` `(n, d)` this rank's normalised rows."""
+        sae, comm, n, width = self.sae, self.sae.comm, x.shape[0], self.sae.config.width
+        if self.optimizer is None:  # every rank creates Adam, then takes the first rank-with-rows' tensors
+            self._start(x if n else x.new_zeros(1, x.shape[1]))
+            ddp.broadcast_first(comm, [*sae.params.values(), *sae.buffer_dict.values()], n > 0)
+        w = sae._compute_weights()
+        self.optimiser().zero_grad(set_to_none=True)
+        code, counts, numbers = None, x.new_zeros(width), x.new_zeros(3, dtype=torch.float64)
+        if n:
+            code = sae._encode(x.to(sae.compute_dtype), w, train=True)
+            x_hat = sae._decode(code.z, w, train=True)
+            loss = sae._recon_loss(x, code.z, x_hat, w) + sae._penalty(x, x_hat, code, w)
+            loss.backward()
+            counts = x.new_ones(n) @ code.z.detach().ne(0).float()  # (width,)
+            sq_err, spread = (x - x_hat.detach()).pow(2).sum(), (x - x.mean(0)).pow(2).sum()
+            numbers = torch.stack([sq_err, spread, loss.detach() * n]).double()
+        total, fired, (sse, var, loss_sum) = ddp.all_reduce_step(comm, list(sae.params.values()), counts, numbers, n)
+        with torch.no_grad():
+            self._apply_gradients()
+            self.tracker.observe(fired, total)
+            values = torch.tensor([sse / max(var, 1e-12), float(fired.sum()) / total,  # the 4 StepStats fields
+                                   self.tracker.dead().float().mean().item(), loss_sum / total], dtype=torch.float64)
+            self.running.observe(values, total)
+            if code is not None:
+                sae._after_step(code)
+            ddp.sync_buffers(comm, list(sae.buffer_dict.values()), n)
+
+    def _start(self, x: Tensor) -> None:
+        self.sae._start(x)
+        self.optimizer = self._adam()
+
+    def _adam(self) -> torch.optim.Adam:
+        config = self.sae.config
+        return torch.optim.Adam(list(self.sae.params.values()), lr=config.learning_rate(), betas=config.betas)
+
+    def optimiser(self) -> torch.optim.Adam:
+        """The Adam optimiser; NotFittedError before the first step."""
+        if self.optimizer is None:
+            raise NotFittedError(f"{type(self.sae).__name__} has no optimiser before its first step")
+        return self.optimizer
+
+    def _apply_gradients(self) -> None:
+        """The Adam step, with the decoder rows' radial gradient removed and the rows renormalised."""
+        sae = self.sae
+        sae._reduce_gradients()
+        W = sae.params.get("W_dec")
+        if sae.unit_decoder and W is not None and W.grad is not None:
+            g = W.grad  # (width, d)
+            g -= (g * W).sum(1, keepdim=True) * W
+        self.optimiser().step()
+        if sae.unit_decoder and W is not None:
+            W /= W.norm(dim=1, keepdim=True).clamp(min=1e-12)
+
+    def _record(self, x: Tensor, x_hat: Tensor, code: Code, loss: Tensor) -> None:
+        # per-latent firing counts as a matrix-vector product: on CPU, reductions of a
+        # (B, width) bool tensor along either dimension are several times slower
+        width = self.sae.config.width
+        if code.active is not None:  # count the active latents only: no pass over (B, width)
+            fired_at = code.active.values.detach().ne(0).to(x.dtype)  # (M,)
+            counts = x.new_zeros(width).index_add_(0, code.active.latents, fired_at)
+        else:
+            fired = code.z.detach().ne(0).float()  # (B, width)
+            counts = x.new_ones(x.shape[0]) @ fired  # (width,)
+        self.tracker.observe(counts.long(), x.shape[0])
+        sse = (x - x_hat.detach()).pow(2).sum()
+        var = (x - x.mean(0)).pow(2).sum().clamp(min=1e-12)
+        values = torch.stack([sse / var, counts.sum() / x.shape[0],  # (4,) StepStats, left on the device
+                              self.tracker.dead().float().mean(), loss.detach()])
+        self.running.observe(values, x.shape[0])
+
+    # ---- state ------------------------------------------------------------------------
+    def state(self) -> TrainerState:
+        """A copy of the training state (nothing in it is shared with the live trainer)."""
+        # deep copy: Adam's state_dict shares its moment tensors with the live optimiser
+        return TrainerState(dataclasses.replace(self.warm),
+                            None if self.optimizer is None else copy.deepcopy(self.optimizer.state_dict()),
+                            self.generator.get_state(), self.mixer.state_dict(), self.tracker.state_dict(),
+                            self.running.state_dict())
+
+    def load_state(self, state: TrainerState) -> None:
+        """Restore `state()`, after the module has its parameters (Adam is rebuilt over them)."""
+        self.warm = dataclasses.replace(state.warm)
+        self.optimizer = None  # (a set rebuilt from its concepts has parameters and no optimiser yet)
+        if self.sae.params and state.optimizer is not None:
+            self.optimizer = self._adam()
+            self.optimizer.load_state_dict(copy.deepcopy(state.optimizer))
+        self.generator.set_state(state.generator)
+        self.mixer.load_state_dict(state.mixer)
+        self.tracker = LatentTracker(self.sae.config.width, self.sae.config.dead_after, self.sae.tensor_device)
+        self.tracker.load_state_dict(state.tracker)
+        self.running.load_state_dict(state.running)
+
+    # ---- replicas ---------------------------------------------------------------------
+    @torch.no_grad()
+    def merge(self, other: SAETrainer) -> None:
+        """Absorb a data-parallel replica's training (see `SparseAutoencoder._merge`)."""
+        sae, theirs = self.sae, other.sae
+        if theirs.config != sae.config:
+            raise ValueError(f"replicas need the same config; got {theirs.config} and {sae.config}")
+        if theirs.d is None:
+            return  # it has seen nothing
+        if sae.d is not None and theirs.d != sae.d:
+            raise ValueError(f"cannot merge an SAE of width d={theirs.d} into one of width d={sae.d}")
+        rows = [self.mixer.state_dict()["data"], other.mixer.state_dict()["data"]]
+        if not sae.params and theirs.params:  # this one has not started: take the other's state
+            sae.load_state_dict(theirs.state_dict())
+            rows = rows[:1]
+        elif sae.params and theirs.params:
+            self._average(other)
+        elif not sae.params and not theirs.params and sae.scale is None:  # both warming up: pool the sums
+            sae.d = theirs.d
+            self.warm = WarmUp(self.warm.sum_sq + other.warm.sum_sq, self.warm.rows + other.warm.rows)
+            if theirs.scale is not None:
+                sae.scale = theirs.scale
+            elif self.warm.rows >= sae.config.warmup_tokens:
+                self._set_scale()
+        elif theirs.scale != sae.scale:
+            raise ValueError(f"replicas must share the input width and warm-up scale (start them from one "
+                             f"state_dict); got d={sae.d}, scale={sae.scale} and d={theirs.d}, scale={theirs.scale}")
+        for data in rows:  # the buffered rows join this buffer (trained on at the next update or flush)
+            if data is not None and len(data):
+                self.mixer.add(data.to(self.mixer.device))
+
+    def _average(self, other: SAETrainer) -> None:
+        """Equal-weight average of parameters, buffers and Adam moments; firing counts and trained
+        tokens add (a replica that reloads the merged state has both histories, so frequencies stay
+        fractions); the step count is the larger one, the same as Adam's, since replicas step in parallel."""
+        sae, theirs = self.sae, other.sae
+        if type(theirs) is not type(sae):
+            raise TypeError(f"can only merge a {type(sae).__name__} with another; got {type(theirs).__name__}")
+        if theirs.scale != sae.scale or theirs.d != sae.d:
+            raise ValueError(f"replicas must share the input width and warm-up scale (start them from one "
+                             f"state_dict); got d={sae.d}, scale={sae.scale} and d={theirs.d}, scale={theirs.scale}")
+        for name, p in sae.params.items():
+            q = theirs.params[name]
+            p.add_(q.to(p.device)).mul_(0.5)
+            mine, their = self.optimiser().state[p], other.optimiser().state[q]
+            for key in ("exp_avg", "exp_avg_sq"):
+                mine[key].add_(their[key].to(p.device)).mul_(0.5)
+            mine["step"] = torch.maximum(mine["step"], their["step"].to(mine["step"].device))
+        for name, b in sae.buffer_dict.items():
+            if b.is_floating_point():
+                b.add_(theirs.buffer_dict[name].to(b.device)).mul_(0.5)
+        W = sae.params.get("W_dec")
+        if sae.unit_decoder and W is not None:
+            W /= W.norm(dim=1, keepdim=True).clamp(min=1e-12)
+        self.tracker.merge(other.tracker)
+        self.running.merge(other.running)

@@ -1,0 +1,72 @@
+"""Checkpoints, fit checkpoints and concept sets of k-means, VQ, CLVQ and Deleuzian written by
+older code (tests/concepts/data/old_states.py, commit b2b0d37) load exactly and resume to what
+that code produced (within float tolerance: the files were written on another run)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conceptlens.concepts import ConceptSet
+from tests.concepts.data.old_states import CASES, CUT, FIT, TEXTS, feed, fit_state, make, merged, stream, written
+from tests.conftest import assert_same_state
+
+V1 = Path(__file__).parent / "data" / "v1"
+
+
+def assert_close_state(got, want, path="state"):
+    """`assert_same_state` up to float rounding (RNG states and integers still exact)."""
+    assert type(got) is type(want), path
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape, path
+        if want.is_floating_point():
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=path)
+        else:
+            assert torch.equal(got, want), path
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys(), path
+        for key in want:
+            assert_close_state(got[key], want[key], f"{path}.{key}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), path
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_close_state(a, b, f"{path}[{i}]")
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-6, nan_ok=True), path
+    else:
+        assert got == want, path
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_an_old_checkpoint_loads_exactly_and_resumes_to_its_result(case):
+    saved = torch.load(V1 / f"{case}.pt", weights_only=True)
+    extractor = make(case)
+    extractor.load_state_dict(saved["state"])
+    assert_same_state(extractor.state_dict(), saved["state"])  # the layout, and every value, unchanged
+    got = written(feed(extractor, stream(case)[CUT:]))
+    want = saved["after"]
+    assert_close_state({k: got[k] for k in ("directions", "encoder", "state")},
+                       {k: want[k] for k in ("directions", "encoder", "state")})
+    assert got["stats"] == pytest.approx(want["stats"], rel=1e-4, abs=1e-6, nan_ok=True)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not c.startswith("sharded")])
+def test_replicas_of_an_old_checkpoint_merge_as_the_old_code_merged_them(case):
+    saved = torch.load(V1 / f"{case}.pt", weights_only=True)
+    assert_close_state(merged(case, saved["state"]), saved["merged"])
+
+
+def test_an_old_fit_checkpoint_resumes():
+    run = fit_state({case: make(case) for case in FIT})
+    rest = run.resume(V1 / "fit_checkpoint.pt", iter(TEXTS))
+    assert list(rest) == TEXTS[CUT:] and run.documents == CUT
+    for case in FIT:
+        want = torch.load(V1 / f"{case}.pt", weights_only=True)["state"]
+        assert_same_state(run.extractors[case].state_dict(), want)
+
+
+def test_an_old_concept_set_loads_exactly():
+    cs = ConceptSet.load(V1 / "vq_set")
+    after = torch.load(V1 / "vq.pt", weights_only=True)["after"]
+    assert cs.method == "vq" and torch.equal(cs.directions, after["directions"])
+    assert torch.equal(cs.encoder["codebook"], after["encoder"]["codebook"])

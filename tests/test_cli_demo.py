@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conceptlens.cli import main
-from conceptlens.commands.demo import sae_batch_size
+from conceptlens.commands.demo import deleuzian_unit, sae_batch_size
 from tests.tiny_folder import save_tiny_llama
 
 
@@ -17,6 +17,12 @@ def test_sae_batch_scales_with_the_budget():
     assert sae_batch_size(10_000_000) == 4096
     for tokens in (40_000, 80_000, 200_000, 1_200_000):
         assert tokens // sae_batch_size(tokens) >= 300
+
+
+def test_deleuzian_fits_document_means_when_the_budget_holds_a_document_per_concept():
+    assert deleuzian_unit(40_000, 128) == {"mode": "paper", "unit": "document"}  # 312+ documents of <= 128 tokens
+    assert deleuzian_unit(128 * 128, 128) == {"mode": "paper", "unit": "document"}
+    assert deleuzian_unit(128 * 128 - 1, 128) == {}  # fewer documents than concepts: streaming over tokens
 
 
 def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
@@ -35,6 +41,8 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
     quality = json.loads((out / "quality.json").read_text())
     assert set(quality["extractors"]) == {"deleuzian", "topk", "kmeans", "random/8", "random/64"}  # matched in count
     assert "FVU" in quality["extractors"]["topk"] and "FVU" not in quality["extractors"]["kmeans"]
+    assert "Deleuzian 8 concepts (paper mode on document means)" in printed
+    assert 'unit = "document"' in (out / "run.toml").read_text()
     assert "base-rate entropy" in printed and "of kept tokens carry" in printed and "optimiser steps" in printed
     table = printed[printed.index("k = 5 sparse probe per topic"):printed.index("Reconstruction spliced")]
     for topic in ("business", "entertainment", "politics", "sports", "tech"):

@@ -49,6 +49,10 @@ SmolLM2 block 15, both below the TopK SAE's 0.442 / 0.307; on SmolLM2 wsj-pos to
 0.133 against 0.131 (SAE 0.191). Nor at the demo's short budget (reproductions/deleuzian_demo.py:
 40k bbc-news tokens, k 128, 20 k-means steps, probed on held-out document means): streaming
 0.318 against paper mode 0.306, where both lose to the TopK SAE (0.206) in either mode.
+What was lost there is the unit, not the mode: fitted on the means of the same 320 documents
+(`unit="document"`, the paper's unit, what the demo uses), the paper mode reaches 0.203 on
+train-split articles outside the fit (TopK SAE 0.252); streaming on them reaches only 0.239, since
+one mini-batch pass over as few samples as concepts does not settle as full k-means does.
 A shared Gram product (x_ref . x_i - x_ref . x_j) would not help here: each row is in two
 differences, so projecting the rows costs as much as projecting the differences.
 """
@@ -66,7 +70,7 @@ from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
 # the config, the stats and the state live in deleuzian_config.py; re-exported here
 from conceptlens.concepts.deleuzian_config import MODES, DeleuzianConfig, DeleuzianState, DeleuzianStats
-from conceptlens.concepts.deleuzian_math import oriented_differences, reservoir_update, skewness
+from conceptlens.concepts.deleuzian_math import group_means, oriented_differences, reservoir_update, skewness
 from conceptlens.concepts.deleuzian_paper import DifferenceReservoir, PaperFit, paper_clusters
 from conceptlens.concepts.kmeans import StreamingKMeans
 
@@ -90,10 +94,10 @@ class Deleuzian(ExtractorBase):
     def __init__(self, n_concepts: int, *, reference_size: int = 4096, buffer_size: int = 16384,
                  batch_size: int = 2048, skew_weighting: bool = True, reseed_after: float | None = 50.0,
                  seed: int = 0, mode: str = "streaming", max_differences: int = 65536, max_iter: int = 300,
-                 skew_rows: int | None = None, dtype: str = "float32",
+                 skew_rows: int | None = None, dtype: str = "float32", unit: str = "token",
                  device: str | torch.device | None = None) -> None:
         self.config = DeleuzianConfig(n_concepts, reference_size, buffer_size, batch_size, skew_weighting,
-                                      reseed_after, seed, mode, max_differences, max_iter, skew_rows, dtype)
+                                      reseed_after, seed, mode, max_differences, max_iter, skew_rows, dtype, unit)
         self._set_device(device)
         self._gen = torch.Generator().manual_seed(seed)
         self.buffer = MixingBuffer(buffer_size, seed=seed + 1)
@@ -122,8 +126,12 @@ class Deleuzian(ExtractorBase):
             raise NotFittedError("Deleuzian has seen no data yet; call update(x) first")
         return self._reference[: min(self.n_seen, self.config.reference_size)]
 
-    def update(self, x: Tensor) -> None:
-        """Consume activations x `(N, d)`."""
+    def update(self, x: Tensor, tokens: Any = None) -> None:
+        """Consume activations x `(N, d)` (with `unit="document"`, their means per `tokens.doc`)."""
+        if self.config.unit == "document":
+            if tokens is None:
+                raise ValueError('unit="document" needs update(x, tokens=...) naming each row\'s document')
+            x = group_means(x, tokens.doc.to(x.device))
         self._check_width(x)
         if self._reference is None:  # the first rows
             self._reference = self._place(x.new_zeros(self.config.reference_size, x.shape[1], dtype=self._storage))
@@ -260,6 +268,12 @@ class Deleuzian(ExtractorBase):
         reference = None if self._reference is None else self.reference.clone()
         return DeleuzianState(self.d, self.n_seen, reference, self._gen.get_state(), self.buffer.state_dict(),
                               self.kmeans.state(), self.differences.state_dict())
+
+    def config_dict(self) -> dict[str, Any]:
+        out = super().config_dict()
+        if out["unit"] == "token":  # the default is left out: states and sets keep the layout they had before `unit`
+            del out["unit"]
+        return out
 
     def load_state(self, state: DeleuzianState) -> None:
         """Continue from `state` (copied, on this extractor's device when it has one)."""

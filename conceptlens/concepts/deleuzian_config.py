@@ -17,6 +17,7 @@ from conceptlens.concepts.base import check_dtype
 from conceptlens.concepts.kmeans_config import KMeansState, KMeansStats
 
 MODES = ("streaming", "paper")
+UNITS = ("token", "document")
 
 
 @dataclass
@@ -57,6 +58,10 @@ class DeleuzianConfig:
     are stored in it and the skewness projections run in it; moments are summed in float32 and
     the inner k-means keeps float32 centres and float64 masses (see `StreamingKMeans`). Paper
     mode keeps its differences, reference and skewness in float32 / float64 whatever it is."""
+    unit: str = "token"
+    """One sample: "token" (each row) or "document": the mean of each document's rows (`update(x,
+    tokens=...)`, which `fit` passes; a document's rows in one call), as the paper clusters
+    differences of sentence or document representations."""
 
     def __post_init__(self) -> None:
         for name in ("n_concepts", "reference_size", "buffer_size"):
@@ -66,6 +71,7 @@ class DeleuzianConfig:
         check_float("reseed_after", self.reseed_after, strict=True, optional=True)
         check_int("seed", self.seed, 0)
         check_choice("mode", self.mode, MODES)
+        check_choice("unit", self.unit, UNITS)
         check_int("max_differences", self.max_differences)
         check_int("max_iter", self.max_iter)
         check_int("skew_rows", self.skew_rows, optional=True)

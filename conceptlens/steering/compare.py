@@ -106,17 +106,17 @@ def compare(lens: AttachedModel, tokenizer: Any, site: str, norm: float, directi
                            [n] * len(alive))
             for r, part in zip(alive, parts):
                 done[r][alpha] = part
-            alive = [r for r, part in zip(alive, parts) if _result([alpha], [part], unsteered, name).fluent[0]]
+            alive = [r for r, part in zip(alive, parts) if _fluent(_result([alpha], [part], unsteered, name))[0]]
     rows = []
     for label, measured in zip(directions, done):
         if any(float(a) == 0.0 for a in alphas):
             measured[0.0] = unsteered
         swept = [float(a) for a in alphas if float(a) in measured]
         result = _result(swept, [measured[a] for a in swept], unsteered, name)
-        rows.append(_row(label, result, name, best_within_budget(result, name)))
+        rows.append(_row(label, result, best_within_budget(result, name)))
     result = _result([0.0], [prefixed], unsteered, name)
-    rows.append(_row(f"prefix {prefix.strip()!r}", result, name,
-                     (0.0, float(result.judged[name][0].nanmean())) if result.fluent[0] else None))
+    rows.append(_row(f"prefix {prefix.strip()!r}", result,
+                     (0.0, float(prefixed["judged"].nanmean())) if _fluent(result)[0] else None))
     return rows
 
 
@@ -157,9 +157,17 @@ def _result(alphas: list[float], parts: list[dict[str, Any]], unsteered: dict[st
                        torch.stack([p["repetition"] for p in parts]), unsteered["repetition"])
 
 
-def _row(label: str, result: SweepResult, name: str, best: tuple[float, float] | None) -> dict[str, Any]:
-    judged = result.judged[name]
+def _fluent(result: SweepResult) -> list[bool]:
+    fluent = result.fluent
+    assert fluent is not None  # _result measures fluency
+    return fluent
+
+
+def _row(label: str, result: SweepResult, best: tuple[float, float] | None) -> dict[str, Any]:
+    """The row as the demo prints it and saves it: per alpha, mean P, median perplexity and repetition."""
+    assert result.perplexity is not None and result.repetition is not None  # _result measures both
+    judged = result.scores  # _result keeps the judged score as the sweep's score
     return {"row": label, "alphas": result.alphas, "p": judged.nanmean(1).tolist(), "scores": judged.tolist(),
-            "perplexity": result.median_perplexity.tolist(),
-            "repetition": result.repetition.nanquantile(0.5, dim=1).tolist(), "fluent": result.fluent,
+            "perplexity": result.perplexity.nanquantile(0.5, dim=1).tolist(),
+            "repetition": result.repetition.nanquantile(0.5, dim=1).tolist(), "fluent": _fluent(result),
             "best": best, "texts": result.texts}

@@ -205,9 +205,12 @@ def sweep(lens: AttachedModel, edits: Edits, alphas: Sequence[float], prompts: S
     reference = reference_repetition = None
     if fluency:
         zero = [i for i, a in enumerate(alphas) if float(a) == 0.0]
-        unsteered = None if zero else _generate(lens.model, tokenizer, batch, list(prompts), generate_kwargs)
-        reference = perplexity[zero[0]] if zero else continuation_perplexity(lens.model, tokenizer, unsteered)
-        reference_repetition = repeats[zero[0]] if zero else repetition(unsteered)
+        if zero:
+            reference, reference_repetition = perplexity[zero[0]], repeats[zero[0]]
+        else:
+            unsteered = _generate(lens.model, tokenizer, batch, list(prompts), generate_kwargs)
+            reference, reference_repetition = continuation_perplexity(lens.model, tokenizer, unsteered), \
+                repetition(unsteered)
     label = getattr(score, "label", getattr(score, "__name__", "score"))
     result = SweepResult([float(a) for a in alphas], torch.tensor(scores, dtype=torch.float64), texts, label,
                          torch.stack(perplexity) if fluency else None, reference, float(budget),

@@ -47,9 +47,10 @@ PROMPTS = ("My favourite recipe for a quick dinner is", "The weather this mornin
 
 @dataclass
 class SteeringConfig:
-    prompts: tuple[str, ...] = PROMPTS
-    alphas: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 2.0)
-    max_new_tokens: int = 16
+    prompts: tuple[str, ...] = PROMPTS[:4]
+    alphas: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0)
+    """alpha 1 is word salad for most directions on SmolLM2 (perplexity in the thousands); 2 was never reached"""
+    max_new_tokens: int = 12
     train_docs: int = 160
     """train-split documents the best concept and the diff-of-means vector are chosen on"""
     train_length: int = 64

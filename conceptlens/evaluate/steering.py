@@ -5,7 +5,8 @@ unrelated prompts toward it, next to a diff-of-means vector, a random direction 
 
 Labels: every bbc-news topic, and positive and negative of movie-polarity. Per label:
 - **the set's concept** with the largest difference of mean activation between the label's
-  documents and the others, on `train_docs` documents of the train split only (documents are
+  documents and the others, on `train_docs` documents of the train split only (their first
+  `train_length` tokens; documents are
   read as mean activations over their tokens, the probing part's reading via `concept_encoder`);
   it steers along its direction (centred when the set carries a mean, as the demo does);
 - **diff-of-means**: mean site activation of the label's documents minus the others', same documents;
@@ -17,8 +18,10 @@ Each direction is swept over `alphas` (in robust norms, `Add(..., scale="robust_
 mean-pooled MiniLM embeddings, not the steered model) is trained on `judge_docs` documents of the
 test split and its accuracy is measured on as many others (printed as a line of its own); the
 score is the judge's mean P(label) over the prompts at the best alpha within the fluency budget
-(median perplexity under the unsteered model at most 2x the unsteered continuations',
-`best_within_budget`), with a bootstrap interval over prompts at that alpha. The alpha is chosen
+(at least half the continuations within 2x the unsteered continuations' median perplexity under
+the unsteered model and with at most half their token 3-grams repeated, `best_within_budget`),
+with a bootstrap interval over prompts at that alpha. A direction leaves the sweep at its first
+alpha over the budget. The alpha is chosen
 on the same prompts, which flatters every swept row alike (not the prefix row).
 """
 
@@ -44,11 +47,14 @@ PROMPTS = ("My favourite recipe for a quick dinner is", "The weather this mornin
 
 @dataclass
 class SteeringConfig:
-    prompts: tuple[str, ...] = PROMPTS
-    alphas: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 2.0)
-    max_new_tokens: int = 20
+    prompts: tuple[str, ...] = PROMPTS[:4]
+    alphas: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0)
+    """alpha 1 is word salad for most directions on SmolLM2 (perplexity in the thousands); 2 was never reached"""
+    max_new_tokens: int = 12
     train_docs: int = 160
     """train-split documents the best concept and the diff-of-means vector are chosen on"""
+    train_length: int = 64
+    """tokens read of each of them (a label's mean needs no more; their forwards cost as much as the sweeps)"""
     judge_docs: int = 200
     """test-split documents the judge is trained on (and as many others it is scored on)"""
     judge_model: str = "minilm-l6"
@@ -125,7 +131,7 @@ def steering_lines(lens: AttachedModel, tok: Any, site: str, sets: Mapping[str, 
         picked = act.pick(len(full), config.train_docs, config.seed)
         batches = act.task_batches(tok, [full.texts[i] for i in picked],
                                    [act.label_of(full, i, False) for i in picked], token_level=False, tag_ids={},
-                                   batch_size=config.batch_size, max_length=config.max_length)
+                                   batch_size=config.batch_size, max_length=config.train_length)
         train = act.collect(lens, site, encoders, batches)
         for c, label in enumerate(full.label_names):
             if not 0 < int((train.y == c).sum()) < len(train.y):

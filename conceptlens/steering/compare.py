@@ -5,16 +5,16 @@ of the suite's steering part (`evaluate.steering`).
 Each row is swept over the same alphas in the same unit (`Add(..., scale="robust_norm")`): a
 chosen concept, the difference of mean activations of topic vs other-topic texts at the same
 site, a random direction (the control), and an unsteered prompt prefix ("Write about TOPIC. ").
-Each continuation is scored by a judge (`steering.judge.TopicJudge`) and by its perplexity under
-the unsteered model; a row's result is its best mean P(topic) among the alphas within the
-fluency budget (`steering.judge.best_within_budget`). The directions are swept together: one
-batched generation per alpha holds every direction's copy of the prompts (`RowsAdd`), which
-gives each row what a sweep of its own `Add` gives, in a third of the time on SmolLM2 on CPU.
+Each continuation is scored by a judge (`steering.judge.TopicJudge`), by its perplexity under
+the unsteered model and by its share of repeated 3-grams; a row's result is its best mean
+P(topic) among the alphas within the fluency budgets (`steering.judge.best_within_budget`). The
+directions are swept together: one batched generation per alpha holds every direction's copy of
+the prompts (`RowsAdd`, left-padded with attention masks), which gives each row what a sweep of
+its own `Add` gives; a direction leaves the sweep at the first alpha that breaks the budget.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
 
 import torch
@@ -22,6 +22,7 @@ import torch
 from conceptlens.batching import encode_batch
 from conceptlens.interface import AttachedModel
 from conceptlens.steering.edits import Add, add_vector
+from conceptlens.steering.sweep import SweepResult
 
 ALPHAS = (0.0, 0.25, 0.5, 1.0, 2.0)
 PROMPTS = ("My favourite recipe for a quick dinner is", "The weather this morning was",
@@ -77,55 +78,96 @@ def compare(lens: AttachedModel, tokenizer: Any, site: str, norm: float, directi
             topic: str, prompts: Sequence[str] = PROMPTS, alphas: Sequence[float] = ALPHAS,
             max_new_tokens: int = 20, prefix: str | None = None) -> list[dict[str, Any]]:
     """One row per direction (swept over `alphas`) plus the prompt-prefix row (unsteered; `prefix`,
-    by default "Write about TOPIC. "). Each row keeps its per-prompt judged scores (`scores`, per alpha)."""
-    from conceptlens.steering import sweep, token_logprob
+    by default "Write about TOPIC. "). Each row keeps its per-prompt judged scores (`scores`, per
+    alpha), median perplexity and repetition per alpha, and its best alpha within the budgets.
+
+    The unsteered continuations (alpha 0, also the fluency reference) and the prefix row's are one
+    generation. Each nonzero alpha, walked outward from 0 on each sign, is one batched generation
+    of the directions still within the budget: a direction that breaks it at an alpha is not swept
+    further on that side (`best_within_budget` stops its walk there), so its row lists only the
+    alphas it reached."""
     from conceptlens.steering.judge import best_within_budget
 
     if not directions:
         raise ValueError("compare needs at least one direction to sweep")
-    name, score = f"P({topic})", token_logprob(tokenizer, [f" {topic}"])
-    n = len(prompts)
-    edit = RowsAdd(torch.stack([v.float() for v in directions.values()]), n, 0.0, norm=norm, site=site)
-    together = sweep(lens, edit, alphas, list(prompts) * len(directions), score, max_new_tokens=max_new_tokens,
-                     judge=judge, tokenizer=tokenizer)
-    rows, reference = [], None
-    for r, label in enumerate(directions):
-        result = _columns(together, slice(r * n, (r + 1) * n))
-        reference = float(_fluency(result)[1].nanquantile(0.5))
-        rows.append({"row": label, "alphas": result.alphas, "p": _judged(result, name).nanmean(1).tolist(),
-                     "scores": _judged(result, name).tolist(), "perplexity": _fluency(result)[0].tolist(),
-                     "best": best_within_budget(result, name), "texts": result.texts})
+    name, n, prompts = f"P({topic})", len(prompts), list(prompts)
     prefix = f"Write about {topic}. " if prefix is None else prefix
-    unsteered = Add(next(iter(directions.values())), 0.0, scale="robust_norm", norm=norm, site=site)  # alpha 0: no edit
-    result = sweep(lens, unsteered, [0.0], [prefix + p for p in prompts], score, max_new_tokens=max_new_tokens,
-                   judge=judge, tokenizer=tokenizer)
-    p, ppl = float(_judged(result, name).nanmean()), float(_fluency(result)[0][0])
-    fluent = reference is not None and math.isfinite(ppl) and ppl <= 2 * reference
-    rows.append({"row": f"prefix {prefix.strip()!r}", "alphas": [0.0], "p": [p], "perplexity": [ppl],
-                 "scores": _judged(result, name).tolist(),
-                 "best": (0.0, p) if fluent else None, "texts": result.texts})
+    base = _measured(lens, tokenizer, None, prompts + [prefix + p for p in prompts], judge, name, max_new_tokens)
+    unsteered, prefixed = _split(base, [n, n])
+    stacked = torch.stack([v.float() for v in directions.values()])
+    done: list[dict[float, dict[str, Any]]] = [{} for _ in directions]
+    for sign in (1.0, -1.0):
+        alive = list(range(len(directions)))
+        for alpha in sorted({float(a) for a in alphas if a * sign > 0}, key=abs):
+            if not alive:
+                break
+            edit = RowsAdd(stacked[alive], n, alpha, norm=norm, site=site)
+            parts = _split(_measured(lens, tokenizer, edit, prompts * len(alive), judge, name, max_new_tokens),
+                           [n] * len(alive))
+            for r, part in zip(alive, parts):
+                done[r][alpha] = part
+            alive = [r for r, part in zip(alive, parts) if _fluent(_result([alpha], [part], unsteered, name))[0]]
+    rows = []
+    for label, measured in zip(directions, done):
+        if any(float(a) == 0.0 for a in alphas):
+            measured[0.0] = unsteered
+        swept = [float(a) for a in alphas if float(a) in measured]
+        result = _result(swept, [measured[a] for a in swept], unsteered, name)
+        rows.append(_row(label, result, best_within_budget(result, name)))
+    result = _result([0.0], [prefixed], unsteered, name)
+    rows.append(_row(f"prefix {prefix.strip()!r}", result,
+                     (0.0, float(prefixed["judged"].nanmean())) if _fluent(result)[0] else None))
     return rows
 
 
-def _columns(result: Any, cols: slice) -> Any:
-    """The sweep result of the prompts in `cols` alone (one direction's block of a batched sweep)."""
-    take = None if result.perplexity is None else result.perplexity[:, cols]
-    return result._replace(scores=result.scores[:, cols], texts=[t[cols] for t in result.texts], perplexity=take,
-                           reference=None if result.reference is None else result.reference[cols],
-                           judged=None if result.judged is None else {k: v[:, cols] for k, v in result.judged.items()})
+def _measured(lens: AttachedModel, tokenizer: Any, edit: RowsAdd | None, prompts: list[str], judge: Any, name: str,
+              max_new_tokens: int) -> dict[str, Any]:
+    """Greedy continuations of `prompts` under `edit` (none: unsteered) with what a row keeps of
+    them: texts, perplexity and repetition under the unsteered model, the judge's score `name`."""
+    from conceptlens.steering.sweep import _generate, _left_padded
+    from conceptlens.steering.sweep_scores import continuation_perplexity, repetition
+
+    batch = _left_padded(tokenizer, prompts)
+    kwargs = {"do_sample": False, "max_new_tokens": max_new_tokens}
+    if edit is None:
+        generations = _generate(lens.model, tokenizer, batch, prompts, kwargs, logits=False)
+    else:
+        with lens.steer(edit, positions="generated"):
+            generations = _generate(lens.model, tokenizer, batch, prompts, kwargs, logits=False)
+    return {"texts": [g.text for g in generations],
+            "perplexity": continuation_perplexity(lens.model, tokenizer, generations),
+            "repetition": repetition(generations),
+            "judged": torch.tensor([float(v) for v in judge(generations)[name]], dtype=torch.float64)}
 
 
-def _judged(result: Any, name: str) -> torch.Tensor:
-    """The sweep's `(alphas, prompts)` scores of judge `name`."""
-    if result.judged is None or name not in result.judged:
-        raise ValueError(f"the sweep has no judged score {name!r}; pass judge=")
-    return result.judged[name]
+def _split(measured: dict[str, Any], sizes: list[int]) -> list[dict[str, Any]]:
+    """`measured` cut into consecutive blocks of `sizes` prompts."""
+    out, start = [], 0
+    for size in sizes:
+        out.append({k: v[start:start + size] for k, v in measured.items()})
+        start += size
+    return out
 
 
-def _fluency(result: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sweep's median perplexity per alpha and its unsteered reference perplexities."""
-    ppl, reference = result.median_perplexity, result.reference
-    if ppl is None or reference is None:
-        raise ValueError("the sweep measured no perplexity; run it with a tokenizer and generations")
-    return ppl, reference
+def _result(alphas: list[float], parts: list[dict[str, Any]], unsteered: dict[str, Any], name: str) -> SweepResult:
+    """A SweepResult of `parts` (one per alpha), its fluency measured against `unsteered`."""
+    judged = torch.stack([p["judged"] for p in parts])
+    return SweepResult(alphas, judged, [p["texts"] for p in parts], name,
+                       torch.stack([p["perplexity"] for p in parts]), unsteered["perplexity"], 2.0, {name: judged},
+                       torch.stack([p["repetition"] for p in parts]), unsteered["repetition"])
 
+
+def _fluent(result: SweepResult) -> list[bool]:
+    fluent = result.fluent
+    assert fluent is not None  # _result measures fluency
+    return fluent
+
+
+def _row(label: str, result: SweepResult, best: tuple[float, float] | None) -> dict[str, Any]:
+    """The row as the demo prints it and saves it: per alpha, mean P, median perplexity and repetition."""
+    assert result.perplexity is not None and result.repetition is not None  # _result measures both
+    judged = result.scores  # _result keeps the judged score as the sweep's score
+    return {"row": label, "alphas": result.alphas, "p": judged.nanmean(1).tolist(), "scores": judged.tolist(),
+            "perplexity": result.perplexity.nanquantile(0.5, dim=1).tolist(),
+            "repetition": result.repetition.nanquantile(0.5, dim=1).tolist(), "fluent": _fluent(result),
+            "best": best, "texts": result.texts}

@@ -13,9 +13,11 @@ For every alpha, all prompts are generated in one greedy batch inside one
 `lens.steer(*edits, positions=...)` scope; `score(generation)` turns each prompt's
 `Generation` (its new tokens, the raw logits of every step and the decoded text) into one
 float: the concept score. Next to it, `fluency=True` (default) measures each continuation's
-perplexity under the unsteered model (`sweep_scores.continuation_perplexity`), and
-`best_alpha` is the largest alpha whose median perplexity stays within `budget` (2x) of the
-unsteered continuations' (generated once more when 0 is not among the alphas). `judge` is the
+perplexity under the unsteered model (`sweep_scores.continuation_perplexity`) and its share of
+repeated token 3-grams (`sweep_scores.repetition`: loops read fluently by perplexity), and
+`best_alpha` is the largest alpha at which at least half the continuations stay within both
+budgets: perplexity at most `budget` (2x) the unsteered continuations' median (generated once
+more when 0 is not among the alphas), repetition at most `REPETITION_BUDGET`. `judge` is the
 hook for an external judge (an evaluation suite's concept / fluency raters): it sees every
 alpha's generations at once and its numbers are kept in `SweepResult.judged`.
 """
@@ -32,13 +34,16 @@ from conceptlens._io import atomic_write
 from conceptlens.interface import AttachedModel
 from conceptlens.steering.edits import Edit
 from conceptlens.steering.scope import Positions
-from conceptlens.steering.sweep_scores import Generation, continuation_perplexity
+from conceptlens.steering.sweep_scores import Generation, continuation_perplexity, repetition
 
 
 Score = Callable[[Generation], float]
 Judge = Callable[[Sequence[Generation]], Mapping[str, Sequence[float]]]
 """An external judge: one alpha's generations (one per prompt) -> named per-prompt scores."""
 Edits = Edit | Sequence[Edit] | Callable[[float], Edit | Sequence[Edit]]
+REPETITION_BUDGET = 0.5
+"""A continuation is fluent only if at most this share of its token 3-grams repeat an earlier one
+(or no more than the unsteered continuations' median, when that is higher)."""
 
 
 class SweepResult(NamedTuple):
@@ -59,6 +64,10 @@ class SweepResult(NamedTuple):
     """Fluency budget of `best_alpha`: the most median perplexity, in multiples of the unsteered one."""
     judged: dict[str, Tensor] | None = None
     """name -> (A, P) float64 scores of the judge (None without one)."""
+    repetition: Tensor | None = None
+    """(A, P) share of each continuation's token 3-grams repeating an earlier one (None: not measured)."""
+    reference_repetition: Tensor | None = None
+    """(P,) the same of the unsteered continuations."""
 
     @property
     def mean(self) -> Tensor:
@@ -77,12 +86,19 @@ class SweepResult(NamedTuple):
 
     @property
     def fluent(self) -> list[bool] | None:
-        """Per alpha: whether its median perplexity is at most `budget` times the unsteered median."""
-        ppl = self.median_perplexity
-        if ppl is None or self.reference is None:
+        """Per alpha: whether at least half of its (non-empty) continuations are fluent: perplexity at
+        most `budget` times the unsteered median, and (where measured) repetition at most
+        `REPETITION_BUDGET` or the unsteered median repetition, whichever is higher."""
+        if self.perplexity is None or self.reference is None:
             return None
-        limit = self.budget * float(self.reference.nanquantile(0.5))
-        return [math.isfinite(float(p)) and float(p) <= limit for p in ppl]
+        ok = self.perplexity <= self.budget * float(self.reference.nanquantile(0.5))
+        if self.repetition is not None:
+            base = self.reference_repetition
+            limit = max(REPETITION_BUDGET, float(base.nanquantile(0.5)) if base is not None and
+                        bool((~base.isnan()).any()) else 0.0)
+            ok &= self.repetition.nan_to_num(0.0) <= limit  # shorter than a 3-gram: nothing repeats
+        scored = (~self.perplexity.isnan()).sum(1)
+        return [bool(n > 0 and 2 * int(k) >= int(n)) for k, n in zip(ok.sum(1), scored)]
 
     @property
     def best_alpha(self) -> float | None:
@@ -103,14 +119,16 @@ class SweepResult(NamedTuple):
 
     def table(self) -> str:
         """One line per alpha: score mean +- std over prompts, median perplexity (* within the
-        budget), judged means, prompt 0's continuation."""
+        budgets), median repetition, judged means, prompt 0's continuation."""
         ppl, fluent, judged = self.median_perplexity, self.fluent, self.judged or {}
         extra = "".join(f"  {name:>10}" for name in judged)
-        lines = [f"{'alpha':>8}  {self.label:>16}{'  perplexity' if ppl is not None else ''}{extra}  "
-                 "continuation of prompt 0"]
+        rep = None if self.repetition is None else self.repetition.nanquantile(0.5, dim=1)
+        lines = [f"{'alpha':>8}  {self.label:>16}{'  perplexity' if ppl is not None else ''}"
+                 f"{'  repeats' if rep is not None else ''}{extra}  continuation of prompt 0"]
         for a, (alpha, mean, std, texts) in enumerate(zip(self.alphas, self.mean.tolist(), self.std.tolist(),
                                                           self.texts)):
             fluency = f"  {float(ppl[a]):9.2f}{'*' if fluent and fluent[a] else ' '}" if ppl is not None else ""
+            fluency += f"  {float(rep[a]):7.2f}" if rep is not None else ""
             scores = "".join(f"  {float(v[a].nanmean()):10.3f}" for v in judged.values())
             lines.append(f"{alpha:8.2f}  {mean:9.3f} +- {std:<5.3f}{fluency}{scores}  {texts[0]!r}")
         return "\n".join(lines)
@@ -172,7 +190,7 @@ def sweep(lens: AttachedModel, edits: Edits, alphas: Sequence[float], prompts: S
     batch = _left_padded(tokenizer, list(prompts))
     generate_kwargs = {"do_sample": False, "max_new_tokens": max_new_tokens, **generate_kwargs}
     at = _edits_at(edits)
-    scores, texts, perplexity = [], [], []
+    scores, texts, perplexity, repeats = [], [], [], []
     judged: dict[str, list[list[float]]] = {}
     for alpha in alphas:
         with lens.steer(*at(float(alpha)), positions=positions):
@@ -181,17 +199,23 @@ def sweep(lens: AttachedModel, edits: Edits, alphas: Sequence[float], prompts: S
         texts.append([g.text for g in generations])
         if fluency:
             perplexity.append(continuation_perplexity(lens.model, tokenizer, generations))
+            repeats.append(repetition(generations))
         for name, values in (judge(generations) if judge is not None else {}).items():
             judged.setdefault(name, []).append([float(v) for v in values])
-    reference = None
+    reference = reference_repetition = None
     if fluency:
         zero = [i for i, a in enumerate(alphas) if float(a) == 0.0]
-        reference = perplexity[zero[0]] if zero else continuation_perplexity(
-            lens.model, tokenizer, _generate(lens.model, tokenizer, batch, list(prompts), generate_kwargs))
+        if zero:
+            reference, reference_repetition = perplexity[zero[0]], repeats[zero[0]]
+        else:
+            unsteered = _generate(lens.model, tokenizer, batch, list(prompts), generate_kwargs)
+            reference, reference_repetition = continuation_perplexity(lens.model, tokenizer, unsteered), \
+                repetition(unsteered)
     label = getattr(score, "label", getattr(score, "__name__", "score"))
     result = SweepResult([float(a) for a in alphas], torch.tensor(scores, dtype=torch.float64), texts, label,
                          torch.stack(perplexity) if fluency else None, reference, float(budget),
-                         {k: torch.tensor(v, dtype=torch.float64) for k, v in judged.items()} if judge else None)
+                         {k: torch.tensor(v, dtype=torch.float64) for k, v in judged.items()} if judge else None,
+                         torch.stack(repeats) if fluency else None, reference_repetition)
     if plot is not None:
         plot_sweep(result, plot)
     return result
@@ -232,13 +256,14 @@ def _left_padded(tokenizer: Any, prompts: list[str]) -> dict[str, Tensor]:
 
 @torch.no_grad()
 def _generate(model: Any, tokenizer: Any, batch: dict[str, Tensor], prompts: list[str],
-              kwargs: dict[str, Any]) -> list[Generation]:
+              kwargs: dict[str, Any], logits: bool = True) -> list[Generation]:
+    """Greedy (unless `kwargs` say otherwise) continuations; `logits=False` keeps (n, 0) logits."""
     device = next(model.parameters()).device
     batch = {k: v.to(device) for k, v in batch.items()}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out = model.generate(**batch, output_logits=True, return_dict_in_generate=True, pad_token_id=pad, **kwargs)
+    out = model.generate(**batch, output_logits=logits, return_dict_in_generate=True, pad_token_id=pad, **kwargs)
     new = out.sequences[:, batch["input_ids"].shape[1]:]  # (B, n)
-    logits = torch.stack(out.logits, 1).float().cpu()  # (B, n, V)
+    kept = torch.stack(out.logits, 1).float().cpu() if logits else torch.zeros(*new.shape, 0)  # (B, n, V)
     eos = _eos_ids(model, tokenizer)
     generations = []
     for row, prompt in enumerate(prompts):
@@ -246,7 +271,7 @@ def _generate(model: Any, tokenizer: Any, batch: dict[str, Tensor], prompts: lis
         hits = torch.isin(tokens, eos).nonzero()
         n = int(hits[0]) + 1 if len(hits) else len(tokens)  # after eos the row holds padding
         text = tokenizer.decode(tokens[:n], skip_special_tokens=True)
-        generations.append(Generation(prompt, text, tokens[:n], logits[row, :n]))
+        generations.append(Generation(prompt, text, tokens[:n], kept[row, :n]))
     return generations
 
 

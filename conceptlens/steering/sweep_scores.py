@@ -1,6 +1,7 @@
 """What a sweep measures besides its target: fluency, and how much a concept the text expresses.
 
     continuation_perplexity(model, tokenizer, generations)   # (P,) perplexity under the model as it is now
+    repetition(generations)                                   # (P,) share of repeated token 3-grams
     ConceptExpression(lens, direction, site)                  # score: the text's projection on a direction
 
 Both run the model on prompt + continuation outside any steering scope (`sweep` calls them
@@ -39,18 +40,44 @@ def _joined(tokenizer: Any, generations: Sequence[Generation]) -> tuple[dict[str
 
 
 @torch.no_grad()
-def continuation_perplexity(model: Any, tokenizer: Any, generations: Sequence[Generation]) -> Tensor:
+def continuation_perplexity(model: Any, tokenizer: Any, generations: Sequence[Generation], chunk: int = 256) -> Tensor:
     """(P,) float64 exp(mean negative log-likelihood) of each continuation's tokens given its prompt
     under `model` (nan for an empty continuation): the fluency of a steered text as the unsteered
-    model reads it. Greedy unsteered text scores low (~1-3); word salad scores hundreds."""
+    model reads it. Greedy unsteered text scores low (~1-3); word salad scores hundreds.
+    Only the continuations' predicting positions are read, `chunk` at a time in float64."""
     batch, starts = _joined(tokenizer, generations)
     device = next(model.parameters()).device
-    logits = model(**{k: v.to(device) for k, v in batch.items()}).logits.double().cpu()  # (P, T, V)
-    logprobs = logits[:, :-1].log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]  # (P, T-1)
+    logits = model(**{k: v.to(device) for k, v in batch.items()}).logits  # (P, T, V), the model's dtype
+    lengths = [len(g.tokens) for g in generations]
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
+    positions = torch.cat([torch.arange(s - 1, s - 1 + n) for s, n in zip(starts, lengths)]).long() \
+        if rows.numel() else torch.zeros(0, dtype=torch.long)
+    targets = batch["input_ids"][rows, positions + 1]
+    logprobs = torch.cat([_target_logprobs(logits[rows[i:i + chunk].to(device), positions[i:i + chunk].to(device)],
+                                           targets[i:i + chunk]) for i in range(0, len(rows), chunk)]
+                         or [torch.zeros(0, dtype=torch.float64)])
+    out = torch.full((len(lengths),), math.nan, dtype=torch.float64)
+    total = torch.zeros(len(lengths), dtype=torch.float64).index_add_(0, rows, logprobs)
+    some = torch.tensor(lengths) > 0
+    out[some] = torch.exp(-total[some] / torch.tensor(lengths, dtype=torch.float64)[some])
+    return out
+
+
+def _target_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """(N,) float64 log-softmax of (N, V) `logits` at `targets`."""
+    logits = logits.double().cpu()
+    return logits.gather(1, targets[:, None])[:, 0] - logits.logsumexp(-1)
+
+
+def repetition(generations: Sequence[Generation], n: int = 3) -> Tensor:
+    """(P,) float64 share of each continuation's token n-grams that repeat an earlier n-gram of the
+    same continuation (nan for one shorter than n): 0 for text that never repeats itself, near 1
+    for a loop ("! ! ! !", "Bars Margo Bars Margo"), which perplexity alone reads as fluent."""
     out = []
-    for row, (start, g) in enumerate(zip(starts, generations)):
-        n = len(g.tokens)
-        out.append(math.exp(-float(logprobs[row, start - 1:start - 1 + n].mean())) if n else math.nan)
+    for g in generations:
+        tokens = g.tokens.tolist()
+        grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+        out.append(1.0 - len(set(grams)) / len(grams) if grams else math.nan)
     return torch.tensor(out, dtype=torch.float64)
 
 

@@ -107,27 +107,47 @@ def test_demo_comparison_has_four_rows_and_names_the_loser(setup):
     assert "Winner: diff-of-means" in said and "loses to the diff-of-means vector (0.200 vs 0.700)" in said
 
 
-def test_batched_comparison_rows_equal_each_direction_swept_alone(setup):
-    """compare() steers every direction in one batched generation per alpha (`RowsAdd`); each
-    row must be what a sweep of that direction's own `Add(v, scale="robust_norm")` gives."""
+def test_batched_comparison_rows_equal_each_direction_and_prompt_swept_alone(setup):
+    """compare() steers every direction in one batched, left-padded generation per alpha
+    (`RowsAdd`); each row must be what a sweep of that direction's own `Add(v, scale="robust_norm")`
+    gives, prompt by prompt (no padding, no other rows), up to the first alpha over the budget."""
     model, tok, lens = setup
     texts, labels = _texts()
     judge = TopicJudge(model, tok, texts, labels)
     g = torch.Generator().manual_seed(1)
     directions = {"a": torch.randn(model.config.hidden_size, generator=g),
-                  "b": 3 * torch.randn(model.config.hidden_size, generator=g)}
-    alphas = (0.0, 1.0, 4.0)
+                  "b": 3 * torch.randn(model.config.hidden_size, generator=g),
+                  "c": _loud(model)}
+    alphas = (0.0, 1.0, 4.0, 60.0)
     rows = demo_steer.compare(lens, tok, "blocks.1.resid_out", 1.0, directions, judge.topic("high"), "high",
-                              PROMPTS, alphas=alphas, max_new_tokens=4)
+                              PROMPTS, alphas=alphas, max_new_tokens=8)
     score = token_logprob(tok, [" high"])
     for row, (name, v) in zip(rows, directions.items()):
-        alone = sweep(lens, Add(v, 0.0, scale="robust_norm", norm=1.0, site="blocks.1.resid_out"), alphas, PROMPTS,
-                      score, max_new_tokens=4, judge=judge.topic("high"), tokenizer=tok)
-        assert row["row"] == name and row["texts"] == alone.texts
-        torch.testing.assert_close(torch.tensor(row["scores"], dtype=torch.float64), alone.judged["P(high)"],
+        edit = Add(v, 0.0, scale="robust_norm", norm=1.0, site="blocks.1.resid_out")
+        alone = [sweep(lens, edit, alphas, [p], score, max_new_tokens=8, judge=judge.topic("high"), tokenizer=tok)
+                 for p in PROMPTS]
+        reached = len(row["alphas"])
+        assert row["row"] == name and row["alphas"] == list(alphas[:reached])
+        assert row["texts"] == [[r.texts[a][0] for r in alone] for a in range(reached)]
+        judged = torch.stack([r.judged["P(high)"][:, 0] for r in alone], 1)
+        torch.testing.assert_close(torch.tensor(row["scores"], dtype=torch.float64), judged[:reached],
                                    atol=1e-6, rtol=0, equal_nan=True)
-        torch.testing.assert_close(torch.tensor(row["perplexity"], dtype=torch.float64), alone.median_perplexity,
-                                   atol=0, rtol=1e-5, equal_nan=True)
-        best = best_within_budget(alone, "P(high)")
+        ppl = torch.stack([r.perplexity[:, 0] for r in alone], 1)
+        torch.testing.assert_close(torch.tensor(row["perplexity"], dtype=torch.float64),
+                                   ppl[:reached].nanquantile(0.5, dim=1), atol=0, rtol=1e-5, equal_nan=True)
+        together = alone[0]._replace(scores=judged, perplexity=ppl, texts=[[""] * 3] * len(alphas),
+                                     reference=ppl[0], judged={"P(high)": judged},
+                                     repetition=torch.stack([r.repetition[:, 0] for r in alone], 1),
+                                     reference_repetition=torch.stack([r.repetition[0, 0] for r in alone]))
+        fluent = together.fluent  # the row stops right after its first alpha over the budget
+        assert reached == (fluent.index(False) + 1 if False in fluent else len(alphas))
+        best = best_within_budget(together, "P(high)")
         assert row["best"][0] == best[0] and row["best"][1] == pytest.approx(best[1], abs=1e-6)
     assert rows[0]["texts"][1] != rows[1]["texts"][1]  # the two directions did steer apart
+    assert len(rows[2]["alphas"]) < len(alphas)  # the loud direction's loop (perplexity within 2x) left the sweep early
+
+
+def _loud(model) -> torch.Tensor:
+    """A direction that pushes one token's logit: at large alpha a loop of it, which the random
+    model reads within 2x of its unsteered perplexity; the repetition budget breaks it."""
+    return model.get_output_embeddings().weight[80].detach().clone()

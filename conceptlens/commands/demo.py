@@ -272,7 +272,8 @@ def _steer(lens, tok, descriptions, labels, rows, args: argparse.Namespace, out:
         tok.pad_token = tok.eos_token
     rows = demo_steer.compare(lens, tok, site, norm, directions, judge.topic(args.topic), args.topic, args.prompt)
     print(f"P({args.topic}) of the continuations by the judge, median perplexity under the unsteered model; alpha "
-          f"in robust norms ({norm:.3g}); best within budget: perplexity at most 2x the unsteered")
+          f"in robust norms ({norm:.3g}); best within budget: perplexity at most 2x the unsteered, "
+          "at most half the 3-grams repeated")
     print(demo_steer.format_rows(rows, args.topic))
     print(demo_steer.verdict(rows, args.topic))
     demo_steer.write_rows(rows, args.topic, accuracy, out / "steering.json")

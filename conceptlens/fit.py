@@ -71,9 +71,14 @@ class FitReport:
     """Tokens already seen in the checkpoint this call resumed from (0: fresh start)."""
     rows: dict[str, dict[str, int]]
     """Per site: rows seen, kept, and dropped per reason (non-finite, first position, norm outlier)."""
-    extractors: dict[str, Any]
+    stats: dict[str, Any]
     """Per extractor key: its own statistics (FVU, L0, usage, ...) when it reports any."""
     concepts: dict[str, ConceptSet] = field(repr=False, default_factory=dict)
+
+    @property
+    def extractors(self) -> dict[str, Any]:
+        """The same as `stats` (the earlier name, kept for earlier code)."""
+        return self.stats
 
     def summary(self) -> str:
         new = self.tokens - self.resumed_from  # the rate of this call: time before a resume is not counted

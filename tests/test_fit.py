@@ -178,7 +178,7 @@ def test_an_extractor_without_concepts_yet_is_reported_not_dropped_silently(lens
     with pytest.warns(UserWarning, match="no concepts from blocks.0.resid_out"):  # one-token documents:
         report = lens.fit({"blocks.0.resid_out": km}, ["a", "b", "c"], progress=False)  # all sinks
     assert "blocks.0.resid_out" not in report.concepts
-    assert "error" in report.extractors["blocks.0.resid_out"]
+    assert "error" in report.stats["blocks.0.resid_out"]
 
 
 def test_clvq_codes_are_labelled_with_their_encoder_space_not_the_source_site(lens):

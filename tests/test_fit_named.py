@@ -23,7 +23,7 @@ def test_one_site_feeds_several_named_extractors_the_same_rows(lens):
     assert len(a.batches) == len(b.batches) == len(c.batches) == 5
     for (x,), (y,) in zip(a.batches, b.batches):
         assert torch.equal(x, y)
-    assert set(report.extractors) == {"a", "b", "blocks.0.resid_out"}
+    assert set(report.stats) == {"a", "b", "blocks.0.resid_out"}
 
 
 def test_named_extractors_are_saved_under_their_names(lens, tmp_path):

@@ -63,4 +63,4 @@ def test_fit_reports_it_next_to_the_extractors():
     lens = conceptlens.attach(tiny_model("llama"), CharTokenizer())
     audit = NormAudit(size=128)
     report = lens.fit({"blocks.1.resid_out": {"norms": audit}}, DOCS, max_length=16, progress=False)
-    assert report.extractors["norms"]["rows"] == audit.n_seen > 0
+    assert report.stats["norms"]["rows"] == audit.n_seen > 0

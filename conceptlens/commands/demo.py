@@ -171,7 +171,7 @@ def _fit(lens, cfg, args: argparse.Namespace, out: Path):
                       checkpoint_every=cfg.fit.checkpoint_every, progress=not args.no_progress)
     print(report.summary())
     print(f"  {audit.summary()}")
-    steps = report.extractors["topk"]
+    steps = report.stats["topk"]
     if getattr(steps, "steps", None) is not None:
         print(f"  TopK SAE: {steps.steps} optimiser steps on {steps.tokens:,} tokens")
     fields = {k: v for k, v in vars(report).items() if k != "concepts"}
@@ -187,7 +187,7 @@ def _describe(lens, report, cfg, args: argparse.Namespace, out: Path):
 
     test, site = source(cfg.describe.data, cfg.shuffle), cfg.sites[0]
     sets = dict(report.concepts)
-    d = next(iter(sets.values())).hidden_size
+    d = next(iter(sets.values())).d
     n = max(len(cs) for cs in sets.values())
     # not args.seed: an SAE seeded alike starts from torch.randn of the same shape, and the control
     # must not be its initial decoder
@@ -211,7 +211,7 @@ def _quality(descriptions, report, out: Path) -> None:
     sets = {name: ConceptSet.load(out / "concepts" / name) for name in descriptions}
     directions = {name: (cs.centred() if cs.mean is not None else cs).directions  # as the activations and the atlas
                   for name, cs in sets.items()}
-    rows = quality_rows(descriptions, directions, report.extractors)
+    rows = quality_rows(descriptions, directions, report.stats)
     docs = first.get("documents", 0)
     print(f"\nQuality on {docs} held-out documents (probes: even documents train, odd documents test)")
     print(format_quality(rows, base))
@@ -267,7 +267,7 @@ def _steer(lens, tok, descriptions, labels, rows, args: argparse.Namespace, out:
                   (cs.centred() if cs.mean is not None else cs).directions[concept],
                   "diff-of-means": demo_probe.diff_of_means(rows, train.label_names.index(args.topic))}
     g = torch.Generator().manual_seed(2_000_003 + args.seed)
-    directions["random"] = torch.randn(cs.hidden_size, generator=g)
+    directions["random"] = torch.randn(cs.d, generator=g)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     rows = demo_steer.compare(lens, tok, site, norm, directions, judge.topic(args.topic), args.topic, args.prompt)

@@ -81,7 +81,7 @@ def control_reader(cs: Any, n: int, seed: int) -> Reader:
     from conceptlens.evaluate.activations import concept_encoder
     from conceptlens.evaluate.probing import random_directions
 
-    directions = random_directions(n, cs.hidden_size, seed)
+    directions = random_directions(n, cs.d, seed)
     if cs.mean is None:
         return lambda x: x @ directions.T
     randoms = ConceptSet(directions, cs.site, method="random", mean=cs.mean, config={"centred": True})

@@ -145,8 +145,8 @@ def _run_folder(args: argparse.Namespace, suites: tuple[str, ...]) -> None:
     for name, cs in sets.items():
         site = lens.site(cs.site)
         width = math.prod(int(s) for s in site.shape[2:])
-        if width != cs.hidden_size:
-            raise ValueError(f"{name} has width {cs.hidden_size} but {site.name} has width {width}")
+        if width != cs.d:
+            raise ValueError(f"{name} has width {cs.d} but {site.name} has width {width}")
         by_site.setdefault(site.name, {})[name] = cs
     print(f"95% intervals: bootstrap over held-out documents ({DRAWS} replicates); the random control pools its "
           f"{args.random_draws} draws. Suites: {', '.join(config.suites)}.")

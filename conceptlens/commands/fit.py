@@ -172,8 +172,8 @@ def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, te
     text = json.dumps(jsonable(fields) | {"concepts": sorted(report.concepts)}, indent=1)
     atomic_write(out / "fit_report.json", lambda p: Path(p).write_text(text, encoding="utf-8"))
     print(report.summary())
-    print("\n".join(["extractors:", *fit_summary.extractor_lines(report.extractors)]))
-    for line in fit_summary.few_steps_warnings(report.extractors):
+    print("\n".join(["extractors:", *fit_summary.extractor_lines(report.stats)]))
+    for line in fit_summary.few_steps_warnings(report.stats):
         print(line, file=sys.stderr)
     for name, cs in report.concepts.items():
         print(f"  {name}: {cs} -> {out / 'concepts' / name}")

@@ -1,8 +1,8 @@
 """The lines `conceptlens fit` prints per extractor at the end: FVU, L0 and optimiser steps,
 and a warning for an SAE that took too few steps to be trained.
 
-    for line in extractor_lines(report.extractors): print(line)
-    for line in few_steps_warnings(report.extractors): print(line, file=sys.stderr)
+    for line in extractor_lines(report.stats): print(line)
+    for line in few_steps_warnings(report.stats): print(line, file=sys.stderr)
 """
 
 from __future__ import annotations

@@ -75,7 +75,8 @@ class ConceptSet:
         self.method = canonical(method)  # sets saved under a method's older name read as its one name
         self.config = dict(config or {})
         self.model = model
-        self.hidden_size = d
+        self.d = d
+        """The directions' width (d of the site's rows; H*d_head at a q/k/v site)."""
         self.encoder = {k: v.detach() for k, v in (encoder or {}).items()}
         self.stats = {k: v.detach() for k, v in stats.items()}
         if mean is not None:
@@ -115,8 +116,14 @@ class ConceptSet:
     def __len__(self) -> int:
         return self.directions.shape[0]
 
+    @property
+    def hidden_size(self) -> int:
+        """The same as `d`, kept for earlier code (the file's key keeps this name): the directions'
+        width, which is not the model's hidden size at a q/k/v or MLP-neuron site."""
+        return self.d
+
     def __repr__(self) -> str:
-        return (f"ConceptSet(n={len(self)}, d={self.hidden_size}, site={self.site!r}, "
+        return (f"ConceptSet(n={len(self)}, d={self.d}, site={self.site!r}, "
                 f"method={self.method!r}, model={self.model!r})")
 
     def __getitem__(self, index: int | slice | Sequence[int] | Tensor) -> ConceptSet:
@@ -137,7 +144,7 @@ class ConceptSet:
     def to_config(self) -> dict[str, Any]:
         return {
             "format": FORMAT, "format_version": FORMAT_VERSION,
-            "n_concepts": len(self), "hidden_size": self.hidden_size, "site": self.site,
+            "n_concepts": len(self), "hidden_size": self.d, "site": self.site,
             "method": self.method, "model": self.model, "config": self.config,
             "encoder_keys": sorted(self.encoder), "stats_keys": sorted(self.stats),
         }

@@ -100,7 +100,7 @@ def model_card(cs: ConceptSet, *, data: str | None = None) -> str:
     lines = ["---", *(f"{k}: {json.dumps(v)}" for k, v in front.items()), "---", "",
              f"# {cs.method} concepts of {cs.model or 'a model'} at `{cs.site}`", "",
              f"- **model**: {cs.model or 'unknown'}", f"- **site**: `{cs.site}`",
-             f"- **method**: {cs.method} ({len(cs)} concepts of width {cs.hidden_size})",
+             f"- **method**: {cs.method} ({len(cs)} concepts of width {cs.d})",
              f"- **data**: {data or 'not recorded'}"]
     if fit.get("tokens"):
         lines.append(f"- **tokens seen**: {fit['tokens']:,}")

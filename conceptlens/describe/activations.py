@@ -72,7 +72,7 @@ def concept_activations(cs: ConceptSet) -> ConceptActivations:
                                   torch.nn.functional.normalize(cs.directions.float(), dim=1))
     centred = cs.mean is not None
     unit = torch.nn.functional.normalize((cs.centred() if centred else cs).directions.float(), dim=1)
-    mean = cs.mean.float() if cs.mean is not None else torch.zeros(cs.hidden_size)
+    mean = cs.mean.float() if cs.mean is not None else torch.zeros(cs.d)
     raw = cs.directions.float()
     cache: dict[torch.device, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
 

@@ -129,8 +129,8 @@ def _checked(lens: AttachedModel, concept_sets: Mapping[str, ConceptSet]) -> dic
             raise ValueError(f"concept set {name!r} names no site; set cs.site")
         site = lens.site(cs.site)
         width = math.prod(int(s) for s in site.shape[2:])
-        if width != cs.hidden_size:
-            raise ValueError(f"concept set {name!r} has width {cs.hidden_size} but {site.name} has width {width}")
+        if width != cs.d:
+            raise ValueError(f"concept set {name!r} has width {cs.d} but {site.name} has width {width}")
         out[name] = cs if cs.site == site.name else ConceptSet(
             cs.directions, site.name, method=cs.method, config=cs.config, model=cs.model, encoder=cs.encoder,
             stats=cs.stats)
@@ -189,7 +189,7 @@ def finish(d: ConceptDescriber, *, name: str, lens: AttachedModel, tokenizer: An
     stats["nearest_direction"], stats["nearest_direction_cos"] = fin.nearest(unit @ unit.T, o.n_nearest)
     stats["nearest_coact"], stats["nearest_coact_score"] = fin.nearest_coactive(s, d.activations.sparse,
                                                                                 o.n_nearest)
-    w_u = unembedding(lens, _site(cs), cs.hidden_size)
+    w_u = unembedding(lens, _site(cs), cs.d)
     tokens = None
     if w_u is not None:
         stats |= fin.logit_tokens(unit, w_u, min(o.n_tokens, w_u.shape[0]))

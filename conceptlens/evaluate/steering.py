@@ -121,7 +121,7 @@ def steering_lines(lens: AttachedModel, tok: Any, site: str, sets: Mapping[str, 
         tok.pad_token = tok.eos_token
     norm = robust_norm(lens, site)
     encoders = {name: act.concept_encoder(cs) for name, cs in sets.items()}
-    hidden = next(iter(sets.values())).hidden_size
+    hidden = next(iter(sets.values())).d
     encoder, encoder_tok = models.load(config.judge_model)
     lines = []
     for task, prefix in TASKS.items():

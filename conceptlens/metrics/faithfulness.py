@@ -138,8 +138,8 @@ def _control_directions(kind: str, directions: Tensor, concepts: Any, control_se
         return [covariance_directions(rank, moments.cov, generator) for _ in range(n)]
     if control_set is None:
         raise ValueError("controls='concepts' needs control_set=, the full ConceptSet the concepts were chosen from")
-    if control_set.hidden_size != d:
-        raise ValueError(f"control_set has width {control_set.hidden_size}; the concepts have {d}")
+    if control_set.d != d:
+        raise ValueError(f"control_set has width {control_set.d}; the concepts have {d}")
     config = getattr(concepts, "config", {}) or {}
     if config.get("centred") and not control_set.config.get("centred"):
         control_set = control_set.centred()  # controls centred like the concepts

@@ -52,7 +52,8 @@ def _rank(ex: ExtractorView, n: int | None = None) -> float | None:
 
 def quality_rows(atlas: Atlas, heads: dict[str, list[str | None]]) -> list[tuple[str, dict[str, Any]]]:
     """(label, metric -> value) per set, per matched control and the baseline."""
-    fit = (atlas.fit_report or {}).get("extractors") or {}
+    report = atlas.fit_report or {}
+    fit = report.get("stats") or report.get("extractors") or {}  # "extractors": run folders before the rename
     rows = []
     for ex in atlas.extractors:
         row: dict[str, Any] = {"concepts": ex.n, "effective rank": _rank(ex),

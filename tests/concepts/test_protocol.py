@@ -63,7 +63,7 @@ def test_follows_the_protocol_at_any_width(factory):
         assert isinstance(ext, Extractor)
         cs = ext.concept_set()
         n = len(cs)
-        assert isinstance(cs, ConceptSet) and cs.directions.shape == (n, d) and cs.hidden_size == d
+        assert isinstance(cs, ConceptSet) and cs.directions.shape == (n, d) and cs.d == d
         assert cs.site is None and isinstance(cs.method, str) and cs.method != "custom"
         json.dumps(cs.config)
         assert all(v.shape[0] == n for v in cs.stats.values())

@@ -49,15 +49,15 @@ def sae_from_concept_set(cs: ConceptSet) -> SparseAutoencoder:
                        "threshold_steps": torch.ones((), dtype=torch.int64)}
     elif cls is SpaDE:
         lam = float(raw["lambda"])
-        mean = raw.get("input_mean", torch.zeros(cs.hidden_size)).float()  # (sets saved before standardisation)
-        std = raw.get("input_std", torch.ones(cs.hidden_size)).float()
+        mean = raw.get("input_mean", torch.zeros(cs.d)).float()  # (sets saved before standardisation)
+        std = raw.get("input_std", torch.ones(cs.d)).float()
         params = {"prototypes": (raw["prototypes"] - mean) / std, "W_dec": raw["W_dec"] / std,
                   "lambda_pre": torch.tensor(math.log(math.expm1(lam)))}
         sae.buffer_dict = {"input_mean": mean.clone(), "input_std": std.clone()}
     elif cls is HSAE:
         params = {k: raw[k].clone() for k in ("W_enc", "W_top", "W_down", "W_up", "E_child", "D_child", "b_dec")}
         sae.buffer_dict = {"offset": raw["offset"].clone().reshape(())}
-    sae.adopt_raw(params, dict(sae.buffer_dict), cs.hidden_size)
+    sae.adopt_raw(params, dict(sae.buffer_dict), cs.d)
     return sae
 
 

@@ -103,5 +103,5 @@ def transcoder_from_concept_set(cs: ConceptSet) -> Transcoder:
     params: dict[str, Tensor] = {k: cs.encoder[k] for k in ("W_enc", "b_enc", "b_dec", "W_skip") if k in cs.encoder}
     tc.d_in = d_in = int(cs.encoder["W_enc"].shape[0])
     tc.adopt_raw({**params, "W_dec": cs.directions}, {"scale_in": torch.ones(()), "scale_out": torch.ones(())},
-                 d_in + cs.hidden_size)
+                 d_in + cs.d)
     return tc

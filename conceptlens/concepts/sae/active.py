@@ -30,6 +30,12 @@ class Active(NamedTuple):
     offsets: Tensor
     """(N,) where each row's entries start (`F.embedding_bag`'s offsets)."""
 
+    def dense(self, like: Tensor) -> Tensor:
+        """The code as a dense tensor shaped like `like` `(N, width)`, differentiable in `values`."""
+        counts = torch.diff(self.offsets, append=self.offsets.new_tensor([len(self.values)]))  # (N,)
+        rows = torch.arange(len(self.offsets), device=like.device).repeat_interleave(counts)  # (M,)
+        return torch.zeros_like(like).index_put((rows, self.latents), self.values)
+
 
 class _ActivePre(torch.autograd.Function):
     """pre[rows, latents] for pre = (x - b_dec) W_enc + b_enc, x without a gradient."""

@@ -19,10 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from conceptlens.concepts.sae.active import Active
+from conceptlens.concepts.sae.active import Active, prefix_losses
 from conceptlens.concepts.sae.base import Code
 from conceptlens.concepts.sae.topk import TopKConfig, TopKSAE
-from conceptlens.concepts.sae_kernels import prefix_losses
 
 
 @dataclass(kw_only=True)

@@ -25,7 +25,7 @@ def test_matryoshka_sparse_prefix_loss_equals_the_dense_one_with_gradients():
     w = sae._weights()
     code = sae._encode(x, w, train=True)
     x_hat = sae._decode(code.z, w, train=True)
-    sparse = sae._recon_loss(x, code.z, x_hat, w)
+    sparse = sae._recon_loss(x, code, x_hat, w)
     dense = sae._dense_prefix_loss(x, code.z, w)
     torch.testing.assert_close(sparse, dense)
     grads = [torch.autograd.grad(loss, [sae.params["W_enc"], sae.params["W_dec"]], retain_graph=True)

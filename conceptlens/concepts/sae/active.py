@@ -4,6 +4,7 @@
         pre = (x - b_dec) @ W_enc + b_enc                 # (B, width): selection only, no graph
     rows, latents = row_major(pre.topk(k, dim=-1).indices)  # (B k,) each, grouped by row
     values = active_pre(pre, rows, latents, x, w)         # (B k,), differentiable in b_dec, W_enc, b_enc
+    loss = prefix_losses(x, x_hat, Active(values, latents, offsets), W_dec, b_dec, prefixes, weights)  # Matryoshka
 
 A TopK code keeps k of `width` pre-activations per row (a batch top-k, k B of the batch), so all
 but those entries of the dense product's gradient are zero; its backward (x^T @ grad_pre) still
@@ -14,9 +15,10 @@ only: on a GPU the dense product is cheap and the sparse one would read its size
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -29,6 +31,12 @@ class Active(NamedTuple):
     """(M,) latent of each value."""
     offsets: Tensor
     """(N,) where each row's entries start (`F.embedding_bag`'s offsets)."""
+
+    def dense(self, like: Tensor) -> Tensor:
+        """The code as a dense tensor shaped like `like` `(N, width)`, differentiable in `values`."""
+        counts = torch.diff(self.offsets, append=self.offsets.new_tensor([len(self.values)]))  # (N,)
+        rows = torch.arange(len(self.offsets), device=like.device).repeat_interleave(counts)  # (M,)
+        return torch.zeros_like(like).index_put((rows, self.latents), self.values)
 
 
 class _ActivePre(torch.autograd.Function):
@@ -76,3 +84,22 @@ def active_pre(pre: Tensor, rows: Tensor, latents: Tensor, x: Tensor, w: dict[st
     if pre.requires_grad:
         return pre[rows, latents]
     return _ActivePre.apply(pre, x, w["b_dec"], w["W_enc"], w["b_enc"], rows, latents)
+
+
+def prefix_losses(x: Tensor, x_hat: Tensor, active: Active, W_dec: Tensor, b_dec: Tensor,
+                  prefixes: Sequence[int], weights: Sequence[float]) -> Tensor:
+    """sum_m weight_m * mean_rows ||x - (z[:, :m] @ W_dec[:m] + b_dec)||^2 over the prefix sizes m,
+    from the code's active latents `(M,)` alone (values, latents and row offsets, as the TopK step
+    gathers them): each prefix decodes its own active latents, O(M d), with no dense `(B, width)`
+    code and no top-k over it. `x_hat` is the full-width reconstruction (the last prefix)."""
+    loss = x.new_zeros(())
+    width = prefixes[-1]
+    for stop, weight in zip(prefixes, weights):
+        if stop == width:
+            recon = x_hat
+        else:
+            inside = active.values * (active.latents < stop)  # latents past the prefix weigh 0
+            recon = F.embedding_bag(active.latents, W_dec, active.offsets, mode="sum",
+                                    per_sample_weights=inside) + b_dec
+        loss = loss + weight * (x - recon).pow(2).sum(-1).mean()
+    return loss

@@ -177,7 +177,7 @@ class SparseAutoencoder(ExtractorBase, TensorModule):
     def _decode(self, z: Tensor, w: dict[str, Tensor], train: bool = False) -> Tensor:
         return z @ w["W_dec"] + w["b_dec"]  # (N, d)
 
-    def _recon_loss(self, x: Tensor, z: Tensor, x_hat: Tensor, w: dict[str, Tensor]) -> Tensor:
+    def _recon_loss(self, x: Tensor, code: Code, x_hat: Tensor, w: dict[str, Tensor]) -> Tensor:
         """Mean over tokens of ||x - x_hat||^2."""
         return (x - x_hat).pow(2).sum(-1).mean()
 

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.nn.functional as F
+import torch
 from torch import Tensor
 
+from conceptlens.concepts.sae.active import Active, prefix_losses
+from conceptlens.concepts.sae.base import Code
 from conceptlens.concepts.sae.topk import TopKConfig, TopKSAE
 
 
@@ -63,22 +65,18 @@ class MatryoshkaSAE(TopKSAE):
     method = "matryoshka"
     config: MatryoshkaConfig
 
-    def _recon_loss(self, x: Tensor, z: Tensor, x_hat: Tensor, w: dict[str, Tensor]) -> Tensor:
+    def _recon_loss(self, x: Tensor, code: Code, x_hat: Tensor, w: dict[str, Tensor]) -> Tensor:
+        levels = self.config.levels()
+        prefixes, weights = [m for m, _ in levels], [v for _, v in levels]
+        if code.active is not None:  # each prefix decodes its own active latents: O(B k d) each
+            return prefix_losses(x, x_hat, code.active, w["W_dec"], w["b_dec"], prefixes, weights)
         if not self.at_most_k_in_training:
-            return self._dense_prefix_loss(x, z, w)
-        # Training codes have at most k nonzeros per row: each prefix decodes only its active
-        # latents (a gather of <= k decoder rows, O(B k d) per prefix instead of O(B m d)),
-        # and the full prefix is x_hat itself.
-        values, indices = z.topk(self.config.k, dim=-1, sorted=False)  # (B, k): every nonzero
-        loss = x.new_zeros(())
-        for stop, weight in self.config.levels():
-            if stop == self.config.width:
-                recon = x_hat
-            else:
-                inside = values * (indices < stop)  # latents past the prefix weigh 0
-                recon = F.embedding_bag(indices, w["W_dec"], per_sample_weights=inside, mode="sum") + w["b_dec"]
-            loss = loss + weight * (x - recon).pow(2).sum(-1).mean()
-        return loss
+            return self._dense_prefix_loss(x, code.z, w)
+        # Training codes have at most k nonzeros per row: the same gather, after a top-k of z
+        values, indices = code.z.topk(self.config.k, dim=-1, sorted=False)  # (B, k): every nonzero
+        offsets = torch.arange(0, values.numel(), self.config.k, device=x.device)  # (B,)
+        active = Active(values.flatten(), indices.flatten(), offsets)
+        return prefix_losses(x, x_hat, active, w["W_dec"], w["b_dec"], prefixes, weights)
 
     def _dense_prefix_loss(self, x: Tensor, z: Tensor, w: dict[str, Tensor]) -> Tensor:
         # Each prefix's reconstruction adds the next block of latents to the previous one,

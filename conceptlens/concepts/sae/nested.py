@@ -91,7 +91,7 @@ class ActMSAE(TopKSAE):
     def _activate(self, pre: Tensor, w: dict[str, Tensor], train: bool) -> Tensor:
         return topk_relu(pre, self.config.k if train else self.config.encode_k or self.config.k)
 
-    def _recon_loss(self, x: Tensor, z: Tensor, x_hat: Tensor, w: dict[str, Tensor]) -> Tensor:
+    def _recon_loss(self, x: Tensor, code: Code, x_hat: Tensor, w: dict[str, Tensor]) -> Tensor:
         # One sort of the pre-activations; level m adds the latents ranked k_{m-1} .. k_m.
         pre = (x.to(w["W_enc"].dtype) - w["b_dec"]) @ w["W_enc"] + w["b_enc"]  # (B, width), as in _encode
         levels = self.config.levels()

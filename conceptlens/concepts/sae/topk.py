@@ -82,8 +82,7 @@ class TopKSAE(SparseAutoencoder):
             rows, latents = self._select(pre)  # (M,) each
             offsets = torch.searchsorted(rows, torch.arange(pre.shape[0], device=rows.device))  # (B,)
         values = active_pre(pre, rows, latents, x, w).relu()  # (M,)
-        z = torch.zeros_like(pre).index_put((rows, latents), values)  # (B, width), differentiable through values
-        return Code(z, pre, Active(values, latents, offsets))
+        return Code(None, pre, Active(values, latents, offsets))  # the dense z only if something reads it
 
     def _forward(self, x: Tensor, w: dict[str, Tensor]) -> tuple[Tensor, Code, Tensor]:
         code = self._encode(x.to(self.compute_dtype), w, train=True)

@@ -11,7 +11,7 @@ A variant overrides the module's hooks below; the trainer calls them and reads n
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
-from typing import Any, ClassVar, NamedTuple, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -20,16 +20,31 @@ from conceptlens.concepts.sae.active import Active
 from conceptlens.concepts.sae.config import SAEConfig
 
 
-class Code(NamedTuple):
-    """An encoding: the latents and the pre-activations they were gated from."""
+class Code:
+    """An encoding: the latents and the pre-activations they were gated from.
 
-    z: Tensor
-    """(N, width) latent activations."""
-    pre: Tensor
-    """(N, width) pre-activations (for SpaDE: the scaled negative squared distances)."""
-    active: Active | None = None
-    """A sparse training code's nonzeros row by row (TopK variants on CPU): decoded and counted
-    without a pass over `z`."""
+    `pre` `(N, width)`: the pre-activations (for SpaDE: the scaled negative squared distances);
+    `active`: a sparse training code's nonzeros row by row (TopK variants on CPU), which the step
+    decodes, counts and takes its losses from without a pass over `z`.
+    """
+
+    __slots__ = ("_z", "pre", "active")
+
+    def __init__(self, z: Tensor | None, pre: Tensor, active: Active | None = None) -> None:
+        if z is None and active is None:
+            raise ValueError("a Code needs its latents z, its active latents, or both")
+        self._z, self.pre, self.active = z, pre, active
+
+    @property
+    def z(self) -> Tensor:
+        """(N, width) latent activations; a code given only its active latents builds them on the
+        first read (differentiable in the active values), so a step that never reads them skips
+        the dense fill."""
+        if self._z is None:
+            if self.active is None:  # (the constructor needs one of them)
+                raise ValueError("a Code needs its latents z or its active latents")
+            self._z = self.active.dense(self.pre)
+        return self._z
 
 
 class Trainable(Protocol):
@@ -85,7 +100,7 @@ class Trainable(Protocol):
 
     def _decode(self, z: Tensor, w: dict[str, Tensor], train: bool = False) -> Tensor: ...
 
-    def _recon_loss(self, x: Tensor, z: Tensor, x_hat: Tensor, w: dict[str, Tensor]) -> Tensor: ...
+    def _recon_loss(self, x: Tensor, code: Code, x_hat: Tensor, w: dict[str, Tensor]) -> Tensor: ...
 
     def _penalty(self, x: Tensor, x_hat: Tensor, code: Code, w: dict[str, Tensor]) -> Tensor: ...
 

@@ -115,7 +115,7 @@ class SAETrainer:
             self._start(x)
         w = sae._compute_weights()
         x, code, x_hat = sae._forward(x, w)  # target (B, d), code, x_hat (B, d)
-        loss = sae._recon_loss(x, code.z, x_hat, w) + sae._penalty(x, x_hat, code, w)
+        loss = sae._recon_loss(x, code, x_hat, w) + sae._penalty(x, x_hat, code, w)
         self.optimiser().zero_grad(set_to_none=True)
         loss.backward()
         with torch.no_grad():
@@ -135,7 +135,7 @@ class SAETrainer:
         if n:
             code = sae._encode(x.to(sae.compute_dtype), w, train=True)
             x_hat = sae._decode(code.z, w, train=True)
-            loss = sae._recon_loss(x, code.z, x_hat, w) + sae._penalty(x, x_hat, code, w)
+            loss = sae._recon_loss(x, code, x_hat, w) + sae._penalty(x, x_hat, code, w)
             loss.backward()
             counts = x.new_ones(n) @ code.z.detach().ne(0).float()  # (width,)
             sq_err, spread = (x - x_hat.detach()).pow(2).sum(), (x - x.mean(0)).pow(2).sum()

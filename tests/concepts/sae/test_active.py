@@ -5,7 +5,8 @@ import torch
 
 from conceptlens.concepts.sae import BatchTopKSAE, MatryoshkaSAE, TopKSAE
 from conceptlens.concepts.sae import active, topk
-from conceptlens.concepts.sae.active import active_pre, row_major
+from conceptlens.concepts.sae.active import Active, active_pre, prefix_losses, row_major
+from conceptlens.concepts.sae.base import Code
 from conceptlens.concepts.sae.nested import ActMSAE
 
 
@@ -49,7 +50,7 @@ def test_training_step_equals_the_dense_step(cls, dead_after, monkeypatch):
         w = sae._compute_weights()
         target, code, x_hat = sae._forward(batch, w)
         assert (code.active is not None) == sparse and code.pre.requires_grad != sparse
-        loss = sae._recon_loss(target, code.z, x_hat, w) + sae._penalty(target, x_hat, code, w)
+        loss = sae._recon_loss(target, code, x_hat, w) + sae._penalty(target, x_hat, code, w)
         loss.backward()
         aux = sae._penalty(target, x_hat, code, w).detach()
         results.append([loss.detach(), aux, x_hat.detach()] + [p.grad.clone() for p in sae.params.values()])
@@ -76,3 +77,66 @@ def test_counts_and_threshold_from_the_active_latents_equal_the_dense_ones(cls):
 
 def test_sparse_backward_only_on_cpu():
     assert active.sparse_backward(torch.zeros(1)) and not active.sparse_backward(torch.zeros(1, device="meta"))
+
+
+def test_a_sparse_code_builds_its_dense_latents_only_when_read():
+    g = torch.Generator().manual_seed(2)
+    pre = torch.randn(5, 12, generator=g)
+    rows, latents = torch.tensor([0, 0, 2, 3, 3, 3, 4]), torch.tensor([1, 7, 0, 2, 5, 11, 3])  # row 1 keeps none
+    values = torch.rand(7, generator=g, requires_grad=True)
+    code = Code(None, pre, Active(values, latents, torch.tensor([0, 2, 2, 3, 6])))
+    expected = torch.zeros(5, 12)
+    expected[rows, latents] = values.detach()
+    assert torch.equal(code.z, expected) and code.z is code.z  # built once
+    (grad,) = torch.autograd.grad((code.z * torch.arange(60.0).view(5, 12)).sum(), values)
+    assert torch.equal(grad, (rows * 12 + latents).float())
+    with pytest.raises(ValueError, match="needs its latents"):
+        Code(None, pre)
+
+
+@pytest.mark.parametrize("cls", [TopKSAE, MatryoshkaSAE, ActMSAE, BatchTopKSAE])
+def test_sparse_training_never_builds_the_dense_code_and_trains_as_if_it_did(cls, monkeypatch):
+    x = 1 + 2 * torch.randn(600, 8, generator=torch.Generator().manual_seed(3))
+    kwargs = dict(width=64, k=2, batch_size=100, warmup_tokens=100, buffer_size=100, dead_after=1, seed=0)
+    if cls is MatryoshkaSAE:
+        kwargs["prefixes"] = (4, 12, 64)
+    eager = cls(**kwargs)  # the reference: the dense code built at every step, Matryoshka's
+    encode, recon = eager._encode, eager._recon_loss  # prefixes from a top-k over it
+
+    def dense_encode(rows, w, train):
+        code = encode(rows, w, train)
+        return Code(code.z, code.pre, code.active)
+
+    eager._encode = dense_encode
+    eager._recon_loss = lambda x, code, x_hat, w: recon(x, Code(code.z, code.pre), x_hat, w)
+    lazy = cls(**kwargs)
+    eager.update(x)
+    with monkeypatch.context() as m:
+        m.setattr(Active, "dense", lambda *a: pytest.fail("the training step built the dense code"))
+        lazy.update(x)
+    assert lazy.stats().steps == 6 and lazy.stats().mean.dead_fraction > 0  # AuxK on
+    # the same operations but for Matryoshka's prefix gathers, whose order may differ
+    tol = dict(rtol=1e-5, atol=1e-7) if cls is MatryoshkaSAE else dict(rtol=0, atol=0)
+    for name, p in eager.params.items():
+        torch.testing.assert_close(lazy.params[name], p, **tol)
+    torch.testing.assert_close(lazy.stats().last.fvu, eager.stats().last.fvu, **tol)
+
+
+def test_prefix_losses_from_active_latents_equal_the_dense_prefix_decodes():
+    g = torch.Generator().manual_seed(0)
+    b, width, d, k = 6, 16, 5, 3
+    pre = torch.randn(b, width, generator=g)
+    top = pre.topk(k, dim=1)
+    rows, latents = row_major(top.indices)
+    values = top.values.relu().flatten().requires_grad_(True)
+    z = torch.zeros(b, width).index_put((rows, latents), values)  # the dense code, differentiable in values
+    W_dec, b_dec = torch.randn(width, d, generator=g), torch.randn(d, generator=g)
+    x = torch.randn(b, d, generator=g)
+    prefixes, weights = (2, 4, 8, 16), (1.0, 0.5, 2.0, 1.0)
+    dense = sum(wt * (x - (z[:, :m] @ W_dec[:m] + b_dec)).pow(2).sum(-1).mean() for m, wt in zip(prefixes, weights))
+    offsets = torch.arange(0, b * k, k)
+    got = prefix_losses(x, z @ W_dec + b_dec, Active(values, latents, offsets), W_dec, b_dec, prefixes, weights)
+    torch.testing.assert_close(got, dense)
+    (grad_dense,) = torch.autograd.grad(dense, values, retain_graph=True)  # x_hat shares z's graph
+    (grad_got,) = torch.autograd.grad(got, values)
+    torch.testing.assert_close(grad_got, grad_dense)

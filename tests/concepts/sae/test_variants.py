@@ -161,10 +161,11 @@ def test_matryoshka_loss_sums_prefix_reconstructions():
     sae = trained(MatryoshkaSAE, k=4, prefixes=(2, 8, 16), prefix_weights=(1.0, 0.5, 2.0))
     x = data(30, seed=4) * sae.scale
     w = sae._weights()
-    z = sae._encode(x, w, train=True).z
+    code = sae._encode(x, w, train=True)
+    z = code.z
     expected = sum(weight * (x - (z[:, :m] @ w["W_dec"][:m] + w["b_dec"])).pow(2).sum(1).mean()
                    for m, weight in ((2, 1.0), (8, 0.5), (16, 2.0)))
-    torch.testing.assert_close(sae._recon_loss(x, z, sae._decode(z, w), w), expected)
+    torch.testing.assert_close(sae._recon_loss(x, code, sae._decode(z, w), w), expected)
 
 
 def test_spade_codes_and_raw_space_fold():

@@ -106,7 +106,7 @@ def test_the_fit_prints_fvu_l0_and_steps_and_warns_about_an_sae_with_few_steps(f
     out = tmp_path / "run"
     assert main(base(files, out, "--no-describe")) == 0
     printed = capsys.readouterr()
-    stats = json.loads((out / "fit_report.json").read_text())["extractors"]
+    stats = json.loads((out / "fit_report.json").read_text())["stats"]
     topk, km = stats["topk"], stats["km"]
     assert 0 < topk["steps"] < MIN_SAE_STEPS
     assert f"  topk: FVU {topk['mean']['fvu']:.3f}, L0 {topk['mean']['l0']:.1f}, {topk['steps']} optimiser steps" \
@@ -118,6 +118,6 @@ def test_the_fit_prints_fvu_l0_and_steps_and_warns_about_an_sae_with_few_steps(f
     many = [a.replace("topk:width=16,k=2,batch_size=64,warmup_tokens=64", "topk:width=16,k=2,batch_size=2,"
                       "warmup_tokens=2,buffer_size=2") for a in base(files, tmp_path / "many", "--no-describe")]
     assert main(many) == 0
-    steps = json.loads((tmp_path / "many" / "fit_report.json").read_text())["extractors"]["topk"]["steps"]
+    steps = json.loads((tmp_path / "many" / "fit_report.json").read_text())["stats"]["topk"]["steps"]
     assert steps >= MIN_SAE_STEPS and "warning: topk" not in capsys.readouterr().err
     assert load_file(tmp_path / "many" / "concepts" / "topk" / "concepts.safetensors")

@@ -85,7 +85,7 @@ def test_a_refused_resume_leaves_every_extractor_as_it_was(tmp_path):
 
 def test_the_summary_rate_after_a_resume_counts_this_calls_tokens():
     report = FitReport(tokens=1000, documents=10, batches=2, seconds=2.0, resumed_from=800, rows={},
-                       extractors={})
+                       stats={})
     assert "(100 tok/s)" in report.summary() and "200 after resuming at 800" in report.summary()
-    fresh = FitReport(tokens=1000, documents=10, batches=2, seconds=2.0, resumed_from=0, rows={}, extractors={})
+    fresh = FitReport(tokens=1000, documents=10, batches=2, seconds=2.0, resumed_from=0, rows={}, stats={})
     assert "(500 tok/s)" in fresh.summary()

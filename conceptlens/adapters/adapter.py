@@ -22,7 +22,7 @@ from conceptlens.adapters.keys import relayout
 from conceptlens.adapters.direct import reprobe_direct
 from conceptlens.adapters.names import NameResolver
 from conceptlens.adapters.padded import centre_offset, cut_padded, site_extras
-from conceptlens.adapters.probe import Trace, run_probe
+from conceptlens.adapters.probe_pass import Trace, run_probe
 from conceptlens.hooks.manager import HookManager
 from conceptlens.adapters.repeated import Final, find_final, only_list, same_class, unroll
 from conceptlens.adapters.site_notes import attention_notes

@@ -16,7 +16,7 @@ from conceptlens.adapters import families
 from conceptlens.adapters.block_view import BlockView
 from conceptlens.adapters.fused import describe, fused_layout
 from conceptlens.adapters.keys import add_split_attention, key_layout
-from conceptlens.adapters.probe import Trace
+from conceptlens.adapters.probe_pass import Trace
 from conceptlens.adapters.repeated import projection_view
 from conceptlens.adapters.verify import call_of
 from conceptlens.adapters.verify import submodule as _get

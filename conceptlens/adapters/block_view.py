@@ -30,7 +30,7 @@ from typing import Literal
 
 from torch import Tensor, nn
 
-from conceptlens.adapters.probe import Trace, close
+from conceptlens.adapters.probe_pass import Trace, close
 
 Added = Literal["none", "after", "before"]
 

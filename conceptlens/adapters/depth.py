@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from conceptlens.adapters.probe import Trace
+from conceptlens.adapters.probe_pass import Trace
 from conceptlens.adapters.structure import BlockLayout
 
 _KEYS = ("attn", "attn_out", "cross_attn", "cross_attn_out", "mixer_out", "mlp_out")

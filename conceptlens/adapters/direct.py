@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from conceptlens.adapters.probe import Trace
+from conceptlens.adapters.probe_pass import Trace
 from conceptlens.hooks.routed import route_through_call
 from conceptlens.hooks.handles import HandleGroup
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from conceptlens.adapters.probe import Trace
+from conceptlens.adapters.probe_pass import Trace
 
 
 def inner_call(sublayer: nn.Module, norm: nn.Module, trace: Trace) -> tuple[str, int] | None:

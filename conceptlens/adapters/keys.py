@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from conceptlens.adapters.probe import ENCODER_TOKENS, Call, Trace, close, first_tensor
+from conceptlens.adapters.probe_pass import ENCODER_TOKENS, Call, Trace, close, first_tensor
 from conceptlens.adapters.structure import BlockLayout
 from conceptlens.adapters.verify import call_of, submodule
 from conceptlens.adapters.readings import with_split_keys

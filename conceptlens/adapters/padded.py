@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from conceptlens.adapters.probe import Trace, first_tensor
+from conceptlens.adapters.probe_pass import Trace, first_tensor
 
 
 def trim_padded(hidden: tuple | None, length: int | None) -> tuple | None:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from conceptlens.adapters.padded import centre_offset
-from conceptlens.adapters.probe import Trace, close, sums_to
+from conceptlens.adapters.probe_pass import Trace, close, sums_to
 from conceptlens.adapters.streams import other_stream
 from conceptlens.adapters.structure import BlockLayout
 from conceptlens.adapters.verify import _contributions, _last_projection, _same, submodule, sum_problem

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from conceptlens.adapters.block_view import BlockView
-from conceptlens.adapters.probe import Trace, close
+from conceptlens.adapters.probe_pass import Trace, close
 from conceptlens.adapters.structure import recognise
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from conceptlens.adapters.probe import Trace, close
+from conceptlens.adapters.probe_pass import Trace, close
 from conceptlens.adapters.structure import BlockLayout, is_norm
 from conceptlens.adapters.verify import _contributions, submodule
 

@@ -15,7 +15,7 @@ from torch import nn
 from conceptlens.adapters.structure import _get, _kind, is_norm
 
 if TYPE_CHECKING:
-    from conceptlens.adapters.probe import Trace
+    from conceptlens.adapters.probe_pass import Trace
 
 
 @dataclass(frozen=True)

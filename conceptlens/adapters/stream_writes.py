@@ -29,7 +29,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from conceptlens.adapters.probe import Trace, close
+from conceptlens.adapters.probe_pass import Trace, close
 from conceptlens.adapters.structure import BlockLayout, is_norm
 from conceptlens.sites.hooked_views import Expansion, spread
 

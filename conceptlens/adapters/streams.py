@@ -23,7 +23,7 @@ import itertools
 import torch
 from torch import nn
 
-from conceptlens.adapters.probe import Trace, close
+from conceptlens.adapters.probe_pass import Trace, close
 from conceptlens.adapters.structure import BlockLayout
 
 
@@ -35,7 +35,7 @@ def other_stream(block: nn.Module, lay: BlockLayout, outs: dict[str, torch.Tenso
         return False
     x, y = x.float(), y.float()
     args, results = trace.streams[block]
-    first = "args[0]" if "args[0]" in args else "hidden_states"  # the argument resid_in reads (probe.py)
+    first = "args[0]" if "args[0]" in args else "hidden_states"  # the argument resid_in reads (probe_pass.py)
     ins = {n: t.float() for n, t in args.items() if n != first and t.shape == x.shape and t.is_floating_point()}
     res = {i: t.float() for i, t in enumerate(results) if i and t is not None and t.shape == y.shape
            and t.is_floating_point()}

@@ -5,7 +5,7 @@ model, or an encoder / decoder). In each block the layout is read from module na
 classes — Llama/GPT-style (`self_attn`/`attn` + `mlp`), BERT-style post-LN (`attention.self`,
 `attention.output`, `intermediate`, `output`), BART-style (`self_attn`, `encoder_attn`, `fc1`,
 `fc2`), T5-style (`layer[i].SelfAttention` / `EncDecAttention` / `DenseReluDense`), MoE
-blocks, state-space / hybrid blocks (a `mixer`) — and from one probe forward (`probe.py`):
+blocks, state-space / hybrid blocks (a `mixer`) — and from one probe forward (`probe_pass.py`):
 which module calls the attention function, which norm reads the block input (pre-norm, so
 the sublayer outputs add up to the block output) and which norm follows a sublayer (Gemma 2/3,
 OLMo 2: the sublayer's contribution is that norm's output).

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from conceptlens.adapters.probe import Trace, close
+from conceptlens.adapters.probe_pass import Trace, close
 from conceptlens.adapters.structure import _OUT_PROJ, BlockLayout, _child, _join, _kind, is_norm
 from conceptlens.adapters.verify import _contributions, _same, submodule, sum_problem
 

@@ -21,7 +21,7 @@ from conceptlens.adapters.block_view import BlockView, as_hidden
 from conceptlens.adapters.depth import depth_mixers
 from conceptlens.adapters.stream_writes import stream_writes
 from conceptlens.adapters.inner import inner_call
-from conceptlens.adapters.probe import Call, Trace, close, sums_to
+from conceptlens.adapters.probe_pass import Call, Trace, close, sums_to
 from conceptlens.adapters.structure import BlockLayout, is_norm
 
 

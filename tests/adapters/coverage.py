@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import conceptlens
-from conceptlens.adapters.probe import first_tensor
+from conceptlens.adapters.probe_pass import first_tensor
 from conceptlens.sites.hooked_views import CallOf, Trim
 from conceptlens.sites.views import ChannelsFirst, StreamsFirst, TimeMajor
 from tests.adapters.tiny_configs import build

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from conceptlens.adapters.block_view import BlockView, as_hidden, block_view, resid_shape
-from conceptlens.adapters.probe import Trace
+from conceptlens.adapters.probe_pass import Trace
 from conceptlens.adapters.repeated import projection_view
 
 B, T, D = 2, 5, 8

@@ -126,6 +126,11 @@ class Deleuzian(ExtractorBase):
             raise NotFittedError("Deleuzian has seen no data yet; call update(x) first")
         return self._reference[: min(self.n_seen, self.config.reference_size)]
 
+    @property
+    def wants_tokens(self) -> bool:
+        """Whether `fit` must pass `tokens=` (only to pool rows into document means)."""
+        return self.config.unit == "document"
+
     def update(self, x: Tensor, tokens: Any = None) -> None:
         """Consume activations x `(N, d)` (with `unit="document"`, their means per `tokens.doc`)."""
         if self.config.unit == "document":

@@ -76,3 +76,10 @@ def test_fit_gives_a_document_deleuzian_the_mean_of_each_documents_kept_rows():
         by_hand.update(torch.stack([x[doc == i].double().mean(0).float() for i in doc[part].unique()]))
     by_hand.flush()
     assert dz.n_seen == 30 and torch.allclose(dz.centroids, by_hand.centroids, atol=1e-5)
+
+
+def test_fit_passes_token_rows_only_to_a_deleuzian_that_pools_documents():
+    from conceptlens.concepts import registry
+
+    assert registry.takes(Deleuzian(4, unit="document"), "tokens")
+    assert not registry.takes(Deleuzian(4), "tokens")  # over tokens: no TokenRows built for it per batch

@@ -6,7 +6,8 @@ own recommended hyper-parameters, and gives raw-unit reconstructions for evaluat
 - ours: `conceptlens.concepts.sae` TopK / BatchTopK / JumpReLU with their default config
   (Adam, lr 2e-4 * sqrt(16384 / width), geometric-median b_dec, inputs scaled to E||x||^2 = d,
   AuxK for TopK); the mixing buffer is one batch since the rows come shuffled. `ours-topk-lr10x`
-  is TopK at 10x that lr, the short-budget setting `peers_ablate.py` supports (not a default).
+  (and `-lr3x`, and the same for BatchTopK and JumpReLU) is that model at 10x (3x) the lr, the
+  short-budget setting `peers_ablate.py` supports (not a default).
 - SAELens: its own `SAETrainer.step` (the seam its `fit` loop and `MultiSAETrainer` call) on
   a `TopKTrainingSAE` / `BatchTopKTrainingSAE`, with `SAETrainerConfig`'s defaults (Adam lr
   3e-4, constant schedule, grad-norm clip 1, no activation normalisation).
@@ -138,18 +139,22 @@ class Sparsify:
         return self._at_average(lambda: self.sae.decode(*self.sae.encode(x)[:2]))
 
 
+def default_lr(cls: type, width: int) -> float:
+    """The library's default learning rate of SAE class `cls` at `width` (it depends on the width only)."""
+    return float(cls.Config(width=width, **({"k": 1} if "k" in cls.Config.__dataclass_fields__ else {})).learning_rate())
+
+
 def makers(d: int, width: int, k: int, batch: int) -> dict[str, Callable[[], Trainer]]:
     """Every trainer that can run here, by name: ours always, the peers when importable."""
     from conceptlens.concepts.sae import BatchTopKSAE, JumpReLUSAE, TopKSAE
 
-    out: dict[str, Callable[[], Trainer]] = {
-        "ours-topk": lambda: Ours(TopKSAE, d, width, k, batch),
-        # 10x the default lr: what peers_ablate.py found for fits of < ~1000 steps (not a library default)
-        "ours-topk-lr10x": lambda: Ours(TopKSAE, d, width, k, batch,
-                                        lr=10 * TopKSAE.Config(width=width, k=k).learning_rate()),
-        "ours-batchtopk": lambda: Ours(BatchTopKSAE, d, width, k, batch),
-        "ours-jumprelu": lambda: Ours(JumpReLUSAE, d, width, k, batch),
-    }
+    out: dict[str, Callable[[], Trainer]] = {}
+    for arch, cls in (("topk", TopKSAE), ("batchtopk", BatchTopKSAE), ("jumprelu", JumpReLUSAE)):
+        out[f"ours-{arch}"] = lambda cls=cls: Ours(cls, d, width, k, batch)
+        # 3x / 10x the default lr: what peers_ablate.py found for fits of < ~1000 steps (not a library default)
+        for times in (3, 10):
+            out[f"ours-{arch}-lr{times}x"] = lambda cls=cls, times=times: Ours(
+                cls, d, width, k, batch, lr=times * default_lr(cls, width))
     if importlib.util.find_spec("sae_lens") is not None:
         out["saelens-topk"] = lambda: SAELens("topk", d, width, k, batch)
         out["saelens-batchtopk"] = lambda: SAELens("batchtopk", d, width, k, batch)

@@ -117,3 +117,15 @@ def test_peers_rows_shards_keep_every_piece_and_load_back_shuffled(tmp_path, mon
     assert rows.dtype == torch.float16 and sorted(rows[:, 0].tolist()) == list(range(12))
     assert not torch.equal(rows, x)  # shuffled
     assert torch.equal(peers_rows.load_rows(cache=tmp_path, limit=4), rows[:4])  # the same seeded order
+
+
+def test_lr_variants_scale_each_models_default_lr() -> None:
+    from conceptlens.concepts.sae import BatchTopKSAE, JumpReLUSAE, TopKSAE
+
+    available = _peers.makers(D, WIDTH, K, BATCH)
+    for arch, cls in (("topk", TopKSAE), ("batchtopk", BatchTopKSAE), ("jumprelu", JumpReLUSAE)):
+        default = 2e-4 * math.sqrt(16384 / WIDTH)  # Gao et al.'s rule, the models' default
+        assert available[f"ours-{arch}"]().sae.config.learning_rate() == default
+        for times in (3, 10):
+            sae = available[f"ours-{arch}-lr{times}x"]().sae
+            assert type(sae) is cls and sae.config.learning_rate() == times * default

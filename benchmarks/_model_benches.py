@@ -184,38 +184,6 @@ def _interleaved_spread(fns: dict, rounds: int, device) -> tuple[dict[str, float
     return {name: min(t) for name, t in times.items()}, {name: (min(t), max(t)) for name, t in times.items()}
 
 
-def describe_overhead(ctx: Context) -> None:
-    """The description pass of three sets at block 15 and at the last block, as a ratio to the capture-only pass."""
-    import conceptlens
-    from conceptlens import ConceptSet
-    from conceptlens.concepts.sae import TopKSAE
-
-    model, tok = ctx.model()
-    docs = _texts(48 if ctx.quick else 160)
-    lens = conceptlens.attach(model, tok)
-    d = model.config.hidden_size
-    g = torch.Generator().manual_seed(0)
-    sae = TopKSAE(width=8 * d, k=32, batch_size=256, warmup_tokens=256, seed=0)
-    sae.update(torch.randn(512, d, generator=g) * 10)
-    sae.flush()
-    for site in fit_sites(model):
-        topk = sae.concept_set()
-        topk.site = site
-        sets = {"topk": topk,
-                "kmeans": ConceptSet(torch.randn(512, d, generator=g) * 10, site, method="kmeans"),
-                "deleuzian": ConceptSet(torch.randn(512, d, generator=g), site, method="deleuzian")}
-        fns = {"capture-only (no-op extractor)": lambda: lens.fit({site: _Nothing()}, docs, batch_size=16,
-                                                                  max_length=128, progress=False),
-               "describe 3 sets (TopK 8x, k-means 512, Deleuzian 512)":
-                   lambda: lens.describe(sets, docs, batch_size=16, max_length=128, progress=False)}
-        seconds, spread = _interleaved_spread(fns, 2 if ctx.quick else 4, ctx.device)
-        base = seconds["capture-only (no-op extractor)"]
-        for name, s in seconds.items():
-            lo, hi = spread[name]
-            ctx.add("describe", f"at {site}: {name}", f"{s:.2f} s ({lo:.2f}-{hi:.2f})", s / base,
-                    "of capture-only to the same site", "" if name.startswith("capture") else "<= 1.15x")
-
-
 def steer(ctx: Context) -> None:
     """Greedy generation with one Add at blocks.15: bare vs lens.steer vs nnsight tracer.iter."""
     import conceptlens

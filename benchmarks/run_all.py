@@ -29,6 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+import _describe_bench  # noqa: E402
 import _math_benches  # noqa: E402
 import _model_benches  # noqa: E402
 from _suite import Context, machine  # noqa: E402
@@ -36,7 +37,7 @@ from _suite import Context, machine  # noqa: E402
 SECTIONS = {
     "capture": _model_benches.capture,
     "fit": _model_benches.fit_overhead,
-    "describe": _model_benches.describe_overhead,
+    "describe": _describe_bench.describe_overhead,
     "kmeans": _math_benches.kmeans,
     "deleuzian": _math_benches.deleuzian,
     "dtypes": _math_benches.dtypes,

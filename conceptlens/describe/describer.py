@@ -9,7 +9,10 @@ histogram, firing counts, activation sums, the site's token norms, co-activation
 a strided subsample of each batch's rows and, when documents carry labels, per-document
 activation sums for 1-D probes. Everything is a sum or a top-N, so `merge` of shards equals
 one pass over both (top-N exactly; sums up to float64 rounding) and `state_dict` resumes
-bit for bit. The update is tensor ops only: no host syncs.
+bit for bit. On a GPU the update is tensor ops only: no host syncs. On the CPU, where a sync
+costs nothing, a sparse (SAE) set's batch is counted from its nonzero entries (one pass over
+the activations finds them; counts, histogram and co-firing then cost per nonzero, not per
+entry) and the top-N ranks only candidate rows (`topn.py`): the same sums and top-N, bit for bit.
 
 Histogram bins are fixed in advance and shared by every concept, so no first pass and no
 first batch decide them: the float's own exponent and two mantissa bits (the order key
@@ -31,7 +34,7 @@ from conceptlens.concepts.base import ExtractorBase
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.describe.activations import concept_activations
 from conceptlens.describe.norms import NormWatch
-from conceptlens.describe.topn import TopN, order_key
+from conceptlens.describe.topn import Entries, TopN, every_row, nonzero_entries, order_key
 
 HALF_BINS = 128  # fine bins per sign: 32 octaves x 4
 FINE = 2 * HALF_BINS
@@ -135,23 +138,29 @@ class ConceptDescriber(ExtractorBase):
         z = self.activations.encode(x).contiguous()  # (N, n)
         local, pos = tokens.doc.to(x.device), tokens.pos.to(x.device)  # documents of this stream
         ids = tokens.ids.to(x.device)
-        key32 = order_key(z)  # shared by the top-N and the histogram
-        self.top.update(z, local + self.first_document, pos, ids, tokens.first_doc + self.first_document, key32)
+        entries = nonzero_entries(z) if self.activations.sparse and not every_row(z) else None
+        key32 = order_key(z) if entries is None else None  # shared by the top-N and the histogram
+        self.top.update(z, local + self.first_document, pos, ids, tokens.first_doc + self.first_document, key32,
+                        entries)
         if self.norms is not None:
             self.norms.update(x, local + self.first_document, pos, ids, tokens.first_doc + self.first_document)
         s["act_sum"] += z.sum(0)  # float32 within a batch, float64 across batches
-        s["fire_count"] += self.activations.fire_count(z, x)
         assigned = self.activations.assign_count(z, x)
         if assigned is not None:
             s["assign_count"] += assigned
-        s["zeros"] += torch.count_nonzero(key32 == 0, dim=0)
-        _count_bins(s["hist"], key32)
         s["norm_sum"] += x.norm(dim=1).sum(dtype=torch.float64)
-        sub = z[::max(1, -(-n_rows // self.config.coact_rows))]  # evenly strided rows
-        sub = (sub > 0).float() if self.activations.sparse else sub
-        s["sub_rows"] += sub.shape[0]
-        s["sub_sum"] += sub.sum(0)
-        _add_outer(s["sub_outer"], sub, self.activations.sparse)
+        step = max(1, -(-n_rows // self.config.coact_rows))  # co-activation on evenly strided rows
+        if entries is None:
+            s["fire_count"] += self.activations.fire_count(z, x)
+            s["zeros"] += torch.count_nonzero(key32 == 0, dim=0)
+            _count_bins(s["hist"], key32)
+            sub = z[::step]
+            sub = (sub > 0).float() if self.activations.sparse else sub
+            s["sub_rows"] += sub.shape[0]
+            s["sub_sum"] += sub.sum(0)
+            _add_outer(s["sub_outer"], sub, self.activations.sparse)
+        else:
+            _count_entries(s, entries, n_rows, step)
         if "doc_sum" in s:
             last = tokens.first_doc + ids.shape[0]
             if last > self.config.n_documents:
@@ -218,6 +227,35 @@ def _add_outer(outer: Tensor, sub: Tensor, sparse: bool) -> None:
         outer.addmm_(sub.to_sparse().t(), sub)
     else:
         outer.addmm_(sub.T, sub)
+
+
+def _count_entries(sums: dict[str, Tensor], entries: Entries, n_rows: int, step: int) -> None:
+    """The dense path's firing counts, zeros, histogram and co-firing moments of a sparse batch
+    `(n_rows, n)` from its nonzero entries alone (equal counts: zeros fall in fine bin HALF_BINS)."""
+    rows, cols, values, key32 = entries
+    n = sums["zeros"].shape[0]
+    sums["fire_count"] += torch.bincount(cols[values > 0], minlength=n)
+    zeros = n_rows - torch.bincount(cols, minlength=n)
+    sums["zeros"] += zeros
+    sums["hist"].view(-1).index_add_(0, cols * FINE + fine_bins(key32), torch.ones_like(cols))
+    sums["hist"][:, HALF_BINS] += zeros
+    sampled = (rows % step == 0) & (values > 0)  # the rows z[::step], as 0/1
+    sums["sub_rows"] += -(-n_rows // step)
+    sums["sub_sum"] += torch.bincount(cols[sampled], minlength=n)
+    _add_cofiring(sums["sub_outer"], rows[sampled], cols[sampled])
+
+
+def _add_cofiring(outer: Tensor, rows: Tensor, cols: Tensor) -> None:
+    """outer `(n, n)` += S.T @ S for the 0/1 matrix S with ones at (rows, cols) (row-major order):
+    +1 per pair of ones in a row, as the sparse product of `_add_outer` adds them."""
+    per_row = torch.bincount(rows)
+    count = per_row[rows]  # (E,) ones in each one's row
+    first = (per_row.cumsum(0) - per_row)[rows]  # (E,) the row's first one
+    left = torch.repeat_interleave(torch.arange(len(rows), device=rows.device), count)  # (P,) P = sum of count^2
+    start = torch.repeat_interleave(count.cumsum(0) - count, count)
+    right = first[left] + torch.arange(len(left), device=rows.device) - start
+    n = outer.shape[0]
+    outer.view(-1).index_add_(0, cols[left] * n + cols[right], outer.new_ones(1).expand(len(left)))
 
 
 def _count_bins(hist: Tensor, key32: Tensor) -> None:

@@ -1,5 +1,6 @@
 """The description pass's faster kernels against the plain products they replace."""
 
+import pytest
 import torch
 
 from conceptlens.describe.describer import _add_outer
@@ -160,3 +161,52 @@ def test_nearest_coactive_in_blocks_of_rows_equals_the_whole_matrix():
         ids, values = nearest_coactive(sums, sparse, 4, chunk=5)  # 3 blocks of rows, the last one short
         assert torch.equal(ids, ref[0]) and torch.equal(values, ref[1])
         assert torch.equal(coactivation(sums, sparse, slice(5, 10)), whole[5:10])
+
+
+def _state_tensors(state, prefix=""):
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out |= _state_tensors(value, f"{prefix}{key}.")
+        elif isinstance(value, torch.Tensor):
+            out[prefix + key] = value
+    return out
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_sparse_batches_from_their_nonzeros_equal_the_dense_path(signed, monkeypatch):
+    """An SAE set's counts, histogram, co-firing and top-N from the nonzero entries alone (the CPU
+    path) equal the dense path's (the GPU path, kept as the reference), bit for bit."""
+    from conceptlens.concepts.sae import TopKSAE
+    from conceptlens.describe import ConceptDescriber, describer, topn
+    from conceptlens.fit import TokenRows
+
+    g = torch.Generator().manual_seed(7)
+    sae = TopKSAE(width=40, k=4, batch_size=64, warmup_tokens=64, seed=0)
+    sae.update(torch.randn(256, 16, generator=g))
+    sae.flush()
+    cs = sae.concept_set()
+    cs.site = "blocks.0.resid_out"
+    ids = torch.randint(0, 50, (6, 20), generator=g)
+    batches = []
+    for first in range(0, 6, 2):  # three batches of two documents, position 0 dropped
+        doc, pos = first + torch.arange(2).repeat_interleave(19), torch.arange(1, 20).repeat(2)
+        x = torch.randn(38, 16, generator=g) * 3
+        x[5] = x[4]  # equal rows: equal activations, tied in the top-N
+        batches.append((x, TokenRows(doc, pos, ids[first:first + 2], first)))
+    states = []
+    for every_row in (True, False):
+        for module in (topn, describer):
+            monkeypatch.setattr(module, "every_row", lambda z: every_row)
+        d = ConceptDescriber(cs, top_n=5, window=(2, 1), coact_rows=16, watch_norms=True)
+        if signed:  # a sparse code with negative values too (no TopK SAE gives one)
+            encode = d.activations.encode_fn
+            d.activations.encode_fn = lambda x: encode(x) * torch.where(torch.arange(40) % 3 == 0, -1.0, 1.0)
+        for x, rows in batches:
+            d.update(x, tokens=rows)
+        states.append(_state_tensors(d.state_dict()))
+    dense, sparse = states
+    assert dense.keys() == sparse.keys() and "sums.sub_outer" in dense
+    for key in dense:
+        assert torch.equal(dense[key], sparse[key]), key
+    assert dense["sums.sub_outer"].sum() > 0 and (dense["sums.zeros"] > 0).all()

@@ -258,8 +258,9 @@ def diff_of_means(rows: Rows, label: int) -> Tensor:
 def run_probes(lens: Any, tok: Any, sets: dict[str, Any], site: str, *, n_train: int, n_test: int,
                max_length: int, draws: int, seed: int, k: int = 5, pool: str = "mean",
                reading: str = "activation") -> tuple[list[Line], Rows]:
-    """Capture the probe documents, print the per-topic table and its plain summary; the lines and
-    the train rows (which the demo's steering baseline reuses)."""
+    """Capture the probe documents, print the per-topic table and its plain summary, then the summary
+    of the other reading (`READINGS`, on the same rows); the lines and the train rows (which the
+    demo's steering baseline reuses)."""
     from conceptlens import data
 
     names = list(data.load("bbc-news", "test").label_names)
@@ -273,6 +274,9 @@ def run_probes(lens: Any, tok: Any, sets: dict[str, Any], site: str, *, n_train:
     lines = topic_lines(train, test, sets, names, k=k, draws=draws, seed=seed, pool=pool, reading=reading)
     print(format_topics(lines))
     print(summary(lines))
+    other = next(r for r in READINGS if r != reading)
+    print(f"The same probes, {READ_NOTE[other]} (--probe-read {other}):")
+    print(summary(topic_lines(train, test, sets, names, k=k, draws=draws, seed=seed, pool=pool, reading=other)))
     return lines, train
 
 

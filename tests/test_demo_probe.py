@@ -113,13 +113,15 @@ def test_code_reading_controls_an_sae_with_a_random_topk_encoder():
     random_sae = ConceptSet(r, "s", method="topk", config={"width": 12, "k": 3},
                             encoder={"W_enc": r.T.contiguous(), "b_enc": torch.zeros(12), "b_dec": cs.encoder["b_dec"]})
     torch.testing.assert_close(control_reader(cs, 12, 5, "code")(x), concept_encoder(random_sae).encode(x))
-    torch.testing.assert_close(set_reader(cs, "code")(x), concept_encoder(cs).encode(x))  # an SAE's code is its activation
+    # an SAE's code is its activation
+    torch.testing.assert_close(set_reader(cs, "code")(x), concept_encoder(cs).encode(x))
 
 
 def test_code_reading_assigns_dense_sets_their_nearest_centre_and_the_control_its_largest_cosine():
     g = torch.Generator().manual_seed(0)
     x, mean = torch.randn(60, 16, generator=g), torch.randn(16, generator=g)
-    centres = torch.randn(5, 16, generator=g) * torch.arange(1, 6.0)[:, None]  # unequal norms: nearest != largest cosine
+    centres = torch.randn(5, 16, generator=g) * torch.arange(1, 6.0)[:, None]  # unequal norms: nearest is not
+    # the largest cosine
     cs = ConceptSet(centres, "s", method="kmeans", mean=mean)
     z = set_reader(cs, "code")(x)
     torch.testing.assert_close(z, F.one_hot(torch.cdist(x, centres).argmin(1), 5).float())

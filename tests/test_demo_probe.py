@@ -120,7 +120,7 @@ def test_code_reading_controls_an_sae_with_a_random_topk_encoder():
 def test_code_reading_assigns_dense_sets_their_nearest_centre_and_the_control_its_largest_cosine():
     g = torch.Generator().manual_seed(0)
     x, mean = torch.randn(60, 16, generator=g), torch.randn(16, generator=g)
-    centres = torch.randn(5, 16, generator=g) * torch.arange(1, 6.0)[:, None]  # unequal norms: nearest is not
+    centres = torch.randn(5, 16, generator=g) * torch.linspace(0.6, 1.4, 5)[:, None]  # unequal norms: nearest is not
     # the largest cosine
     cs = ConceptSet(centres, "s", method="kmeans", mean=mean)
     z = set_reader(cs, "code")(x)

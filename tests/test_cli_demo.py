@@ -51,6 +51,8 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
                for line in table.splitlines()) == 5
     for name in ("deleuzian", "topk", "kmeans"):
         assert f"\n{name}: " in table  # the plain verdict per set
+        assert table.count(f"\n{name}: ") == 2  # and again for the other reading
+    assert "(--probe-read code):" in table
     recon = printed[printed.index("Reconstruction spliced"):]
     assert "| topk | CE loss recovered |" in recon and "mean-ablation" in recon and "zero-ablation" in recon
     if "no steering example" not in printed:

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from conceptlens.commands.demo_probe import (CEILING, Rows, control_reader, diff_of_means, doc_max, doc_means,
-                                             format_topics, summary, topic_lines)
+                                             format_topics, set_reader, summary, topic_lines)
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.evaluate.lines import verdict
 from conceptlens.evaluate.probing import binary_tasks, random_directions
@@ -94,3 +94,54 @@ def test_ceiling_is_sklearns_logistic_probe_on_every_pooled_coordinate():
     assert printed.count("ceiling (full probe)") == 3
     assert "p: does NOT beat" in printed  # random directions against random directions
     assert "room between the control's upper bound and the full probe's accuracy: a " in printed
+
+
+def _sae_set(n: int, d: int, k: int, seed: int) -> ConceptSet:
+    g = torch.Generator().manual_seed(seed)
+    enc = {"W_enc": torch.randn(d, n, generator=g), "b_enc": torch.randn(n, generator=g),
+           "b_dec": torch.randn(d, generator=g)}
+    return ConceptSet(torch.randn(n, d, generator=g), "s", method="topk", encoder=enc, config={"width": n, "k": k})
+
+
+def test_code_reading_controls_an_sae_with_a_random_topk_encoder():
+    from conceptlens.evaluate.activations import concept_encoder
+
+    cs = _sae_set(12, 8, 3, 0)
+    x = torch.randn(40, 8, generator=torch.Generator().manual_seed(1))
+    r = random_directions(12, 8, 5)
+    # the library's own TopK SAE with the random unit directions as its encoder, no encoder bias, the set's b_dec
+    random_sae = ConceptSet(r, "s", method="topk", config={"width": 12, "k": 3},
+                            encoder={"W_enc": r.T.contiguous(), "b_enc": torch.zeros(12), "b_dec": cs.encoder["b_dec"]})
+    torch.testing.assert_close(control_reader(cs, 12, 5, "code")(x), concept_encoder(random_sae).encode(x))
+    # an SAE's code is its activation
+    torch.testing.assert_close(set_reader(cs, "code")(x), concept_encoder(cs).encode(x))
+
+
+def test_code_reading_assigns_dense_sets_their_nearest_centre_and_the_control_its_largest_cosine():
+    g = torch.Generator().manual_seed(0)
+    x, mean = torch.randn(60, 16, generator=g), torch.randn(16, generator=g)
+    centres = torch.randn(5, 16, generator=g) * torch.linspace(0.6, 1.4, 5)[:, None]  # unequal norms: nearest is not
+    # the largest cosine
+    cs = ConceptSet(centres, "s", method="kmeans", mean=mean)
+    z = set_reader(cs, "code")(x)
+    torch.testing.assert_close(z, F.one_hot(torch.cdist(x, centres).argmin(1), 5).float())
+    r = random_directions(5, 16, 3)
+    expected = F.one_hot((F.normalize(x - mean, dim=1) @ r.T).argmax(1), 5).float()
+    torch.testing.assert_close(control_reader(cs, 5, 3, "code")(x), expected)
+
+
+def test_unknown_reading_is_named():
+    rows = _rows(12, 8, torch.eye(8)[:3], 0)
+    with pytest.raises(ValueError, match="'linear'.*activation, code"):
+        topic_lines(rows, rows, {}, ["a", "b", "c"], reading="linear")
+
+
+def test_planted_centres_win_when_read_by_their_codes():
+    d = 64
+    topics = F.normalize(torch.randn(3, d, generator=torch.Generator().manual_seed(11)), dim=1)
+    train, test = _rows(300, d, topics, 2), _rows(300, d, topics, 3)
+    mean = train.x.mean(0)
+    filler = torch.randn(13, d, generator=torch.Generator().manual_seed(4)) * 0.1
+    planted = ConceptSet(torch.cat([2.0 * topics + mean, filler + mean]), "s", method="kmeans", mean=mean)
+    lines = topic_lines(train, test, {"planted": planted}, ["a", "b", "c"], k=1, draws=3, reading="code")
+    assert all(verdict(ln) == "wins" for ln in lines), [(ln.value, ln.baselines[0][1]) for ln in lines]

@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe-draws", type=positive_int, default=5, help="draws of the matched random control")
     parser.add_argument("--probe-pool", choices=("mean", "max"), default="mean",
                         help="how a document's token activations become its probe row (set and control alike)")
+    parser.add_argument("--probe-read", choices=("activation", "code"), default="activation",
+                        help="read sets by their activations or by their codes (TopK code, assigned concept); "
+                             "the control through the same nonlinearity")
     parser.add_argument("--ce-docs", type=positive_int, default=16,
                         help="held-out articles of CE-loss recovered (next to zero- and mean-ablation)")
     parser.add_argument("--topic", default="sports", help="the topic whose best concept steers the prompt")
@@ -228,7 +231,7 @@ def _probe(lens, tok, report, args: argparse.Namespace):
     site = next(iter(sets.values())).site
     _, rows = demo_probe.run_probes(lens, tok, sets, site, n_train=args.probe_docs[0], n_test=args.probe_docs[1],
                                     max_length=args.probe_length, draws=args.probe_draws, seed=args.seed,
-                                    pool=args.probe_pool)
+                                    pool=args.probe_pool, reading=args.probe_read)
     demo_probe.reconstruction(lens, tok, sets, args.ce_docs, args.seed)
     return rows
 

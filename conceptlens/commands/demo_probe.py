@@ -72,20 +72,71 @@ POOLS = {"mean": doc_means, "max": doc_max}
 
 Reader = Callable[[Tensor], Tensor]
 
+READINGS = ("activation", "code")
+"""How the probe reads a set and its control (`set_reader`, `control_reader`): "activation" is the
+suite's definition (`concept_encoder`: an SAE's code; the cosine to the centred direction for
+dense sets), its control the linear reading of random directions; "code" reads every set by its
+nonlinear code, its control through the same nonlinearity: an SAE's TopK code against a random
+TopK encoder (same width, k and decoder bias), a dense set's assigned concept (one-hot; nearest
+centre for k-means, largest cosine otherwise, `describe.activations`) against the random
+direction of largest cosine."""
 
-def control_reader(cs: Any, n: int, seed: int) -> Reader:
-    """`n` random directions of the site read as `cs`'s concepts are: by the cosine to the
-    direction centred on the set's mean for dense sets (`describe.activations`), by the
-    projection on unit directions for sets with their own encoder (SAEs), as the suite does."""
+
+READ_NOTE = {"activation": "concepts read by their activations (an SAE's code, a dense concept's cosine), "
+                           "random directions by projection or cosine",
+             "code": "concepts read by their codes (an SAE's TopK code, a dense set's assigned concept), random "
+                     "directions through the same nonlinearity (a random TopK encoder, the largest cosine)"}
+
+
+def _check_reading(reading: str) -> None:
+    if reading not in READINGS:
+        raise ValueError(f"unknown probe reading {reading!r}; choose one of {', '.join(READINGS)}")
+
+
+def set_reader(cs: Any, reading: str = "activation") -> Reader:
+    """`cs`'s concepts as the probe reads them (see `READINGS`)."""
+    import torch.nn.functional as F
+
+    from conceptlens.concepts.sae.restore import CLASSES
+    from conceptlens.describe.activations import concept_activations
+    from conceptlens.evaluate.activations import concept_encoder
+
+    _check_reading(reading)
+    if reading == "activation" or cs.method in CLASSES:
+        return concept_encoder(cs).encode
+    act = concept_activations(cs)
+    return lambda x: F.one_hot(act.assign_fn(act.encode(x.float()), x.float()), len(cs)).float()
+
+
+def control_reader(cs: Any, n: int, seed: int, reading: str = "activation") -> Reader:
+    """`n` random directions of the site read as `cs`'s concepts are. "activation": by the cosine to
+    the direction centred on the set's mean for dense sets (`describe.activations`), by the
+    projection on unit directions for sets with their own encoder (SAEs), as the suite does.
+    "code": through the set's nonlinearity (see `READINGS`)."""
+    import torch.nn.functional as F
+
     from conceptlens.concepts.conceptset import ConceptSet
+    from conceptlens.concepts.sae.restore import CLASSES
+    from conceptlens.concepts.sae.topk import topk_relu
     from conceptlens.evaluate.activations import concept_encoder
     from conceptlens.evaluate.probing import random_directions
 
+    _check_reading(reading)
     directions = random_directions(n, cs.d, seed)
+    if reading == "code" and cs.method in CLASSES:
+        b_dec = cs.encoder["b_dec"].float()
+        k = cs.config.get("k")
+        if k is None:
+            return lambda x: torch.relu((x.float() - b_dec) @ directions.T)
+        return lambda x: topk_relu((x.float() - b_dec) @ directions.T, min(int(k), n))
     if cs.mean is None:
-        return lambda x: x @ directions.T
-    randoms = ConceptSet(directions, cs.site, method="random", mean=cs.mean, config={"centred": True})
-    return concept_encoder(randoms).encode
+        linear: Reader = lambda x: x @ directions.T
+    else:
+        randoms = ConceptSet(directions, cs.site, method="random", mean=cs.mean, config={"centred": True})
+        linear = concept_encoder(randoms).encode
+    if reading == "code":
+        return lambda x: F.one_hot(linear(x).argmax(1), n).float()
+    return linear
 
 
 def _per_topic(read: Reader, train: Rows, test: Rows, tasks: list, k: int, pool: str) -> list[Tensor]:
@@ -115,20 +166,21 @@ def _ceiling(train: Rows, test: Rows, tasks: list, pool: str) -> list[Tensor]:
 
 
 def topic_lines(train: Rows, test: Rows, sets: dict[str, Any], class_names: list[str], *, k: int = 5,
-                draws: int = 5, seed: int = 0, pool: str = "mean") -> list[Line]:
+                draws: int = 5, seed: int = 0, pool: str = "mean", reading: str = "activation") -> list[Line]:
     """One line per (set, topic): the set's k-sparse probe accuracy next to its matched control and
-    the supervised ceiling (`_ceiling`), documents pooled by `pool` (a key of `POOLS`) for all."""
+    the supervised ceiling (`_ceiling`), documents pooled by `pool` (a key of `POOLS`) for all, set
+    and control read by `reading` (one of `READINGS`)."""
     if pool not in POOLS:
         raise ValueError(f"unknown pooling {pool!r}; choose one of {', '.join(POOLS)}")
-    from conceptlens.evaluate.activations import concept_encoder
+    _check_reading(reading)
     from conceptlens.evaluate.probing import binary_tasks, mean_accuracy
 
     tasks = binary_tasks(train.y, test.y, class_names, seed)
     ceilings = [bootstrap(c, mean_accuracy, seed=seed) for c in _ceiling(train, test, tasks, pool)]
     lines = []
     for name, cs in sets.items():
-        ours = _per_topic(concept_encoder(cs).encode, train, test, tasks, k, pool)
-        controls = [_per_topic(control_reader(cs, len(cs), seed + 1 + r), train, test, tasks, k, pool)
+        ours = _per_topic(set_reader(cs, reading), train, test, tasks, k, pool)
+        controls = [_per_topic(control_reader(cs, len(cs), seed + 1 + r, reading), train, test, tasks, k, pool)
                     for r in range(draws)]
         for i, t in enumerate(tasks):
             control = bootstrap_draws([c[i] for c in controls], mean_accuracy, seed=seed)
@@ -204,9 +256,11 @@ def diff_of_means(rows: Rows, label: int) -> Tensor:
 
 
 def run_probes(lens: Any, tok: Any, sets: dict[str, Any], site: str, *, n_train: int, n_test: int,
-               max_length: int, draws: int, seed: int, k: int = 5, pool: str = "mean") -> tuple[list[Line], Rows]:
-    """Capture the probe documents, print the per-topic table and its plain summary; the lines and
-    the train rows (which the demo's steering baseline reuses)."""
+               max_length: int, draws: int, seed: int, k: int = 5, pool: str = "mean",
+               reading: str = "activation") -> tuple[list[Line], Rows]:
+    """Capture the probe documents, print the per-topic table and its plain summary, then the summary
+    of the other reading (`READINGS`, on the same rows); the lines and the train rows (which the
+    demo's steering baseline reuses)."""
     from conceptlens import data
 
     names = list(data.load("bbc-news", "test").label_names)
@@ -214,12 +268,15 @@ def run_probes(lens: Any, tok: Any, sets: dict[str, Any], site: str, *, n_train:
           f"probes fitted on {n_train} train-split articles, scored on {n_test} test-split articles (first "
           f"{max_length} tokens each, {pool}-pooled, balanced one-vs-rest); control: as many random directions as "
           f"the set has concepts, read and pooled the same way, {draws} draws; 95% bootstrap intervals over test "
-          f"documents")
+          f"documents; {READ_NOTE[reading]}")
     train = probe_rows(lens, tok, site, "train", n_train, max_length, seed)
     test = probe_rows(lens, tok, site, "test", n_test, max_length, seed)
-    lines = topic_lines(train, test, sets, names, k=k, draws=draws, seed=seed, pool=pool)
+    lines = topic_lines(train, test, sets, names, k=k, draws=draws, seed=seed, pool=pool, reading=reading)
     print(format_topics(lines))
     print(summary(lines))
+    other = next(r for r in READINGS if r != reading)
+    print(f"The same probes, {READ_NOTE[other]} (--probe-read {other}):")
+    print(summary(topic_lines(train, test, sets, names, k=k, draws=draws, seed=seed, pool=pool, reading=other)))
     return lines, train
 
 

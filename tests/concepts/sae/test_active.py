@@ -166,3 +166,29 @@ def test_batch_topk_from_a_sampled_threshold_declines_ties_and_too_few_positives
     assert batchtopk.batch_topk_candidates(pre, 20) is None  # only 14 positive entries
     rows, latents = BatchTopKSAE(width=50, k=2)._select(pre[:4])  # declined: the whole batch's top-k
     assert torch.equal(rows * 50 + latents, _batch_topk_reference(pre[:4], 8))
+
+
+def test_each_prefix_gathers_only_its_own_active_latents(monkeypatch):
+    g = torch.Generator().manual_seed(4)
+    b, width, d, k = 40, 32, 6, 4
+    top = torch.randn(b, width, generator=g).topk(k, dim=1, sorted=False)
+    latents = top.indices.flatten()
+    latents[:k] = torch.tensor([0, 1, 2, 3])  # row 0 is all in the first prefix,
+    latents[k:2 * k] = torch.tensor([28, 29, 30, 31])  # row 1 outside every prefix but the last
+    values = top.values.relu().flatten().requires_grad_(True)
+    z = torch.zeros(b, width).index_put((torch.arange(b).repeat_interleave(k), latents), values)
+    W_dec = torch.randn(width, d, generator=g, requires_grad=True)
+    b_dec, x = torch.randn(d, generator=g), torch.randn(b, d, generator=g)
+    prefixes, weights = (4, 8, 32), (1.0, 2.0, 1.0)
+    gathered = []
+    bag = active.F.embedding_bag
+    monkeypatch.setattr(active.F, "embedding_bag",
+                        lambda idx, *a, **kw: gathered.append(len(idx)) or bag(idx, *a, **kw))
+    got = prefix_losses(x, z @ W_dec + b_dec, Active(values, latents, torch.arange(0, b * k, k)), W_dec, b_dec,
+                        prefixes, weights)
+    assert gathered == [int((latents < 4).sum()), int((latents < 8).sum())]
+    dense = sum(wt * (x - (z[:, :m] @ W_dec[:m] + b_dec)).pow(2).sum(-1).mean() for m, wt in zip(prefixes, weights))
+    torch.testing.assert_close(got, dense)
+    grads = torch.autograd.grad(got, (values, W_dec), retain_graph=True)  # x_hat shares z's graph
+    for mine, reference in zip(grads, torch.autograd.grad(dense, (values, W_dec))):
+        torch.testing.assert_close(mine, reference)

@@ -94,12 +94,25 @@ def prefix_losses(x: Tensor, x_hat: Tensor, active: Active, W_dec: Tensor, b_dec
     code and no top-k over it. `x_hat` is the full-width reconstruction (the last prefix)."""
     loss = x.new_zeros(())
     width = prefixes[-1]
+    rows = None
     for stop, weight in zip(prefixes, weights):
         if stop == width:
             recon = x_hat
         else:
-            inside = active.values * (active.latents < stop)  # latents past the prefix weigh 0
-            recon = F.embedding_bag(active.latents, W_dec, active.offsets, mode="sum",
-                                    per_sample_weights=inside) + b_dec
+            if rows is None:
+                counts = torch.diff(active.offsets, append=active.offsets.new_tensor([len(active.latents)]))
+                rows = torch.arange(len(active.offsets), device=x.device).repeat_interleave(counts)  # (M,)
+            recon = _prefix_decode(active, rows, stop, W_dec) + b_dec
         loss = loss + weight * (x - recon).pow(2).sum(-1).mean()
     return loss
+
+
+def _prefix_decode(active: Active, rows: Tensor, stop: int, W_dec: Tensor) -> Tensor:
+    """`z[:, :stop] @ W_dec[:stop]` `(N, d)` from the active latents before `stop` alone (each row's in
+    their order): the terms of the latents past it are zero, so leaving them out gives the same sums
+    and gradients, and the gather and its backward touch only the prefix's share of the entries."""
+    inside = torch.nonzero(active.latents < stop).flatten()  # (m,), in entry order
+    counts = torch.zeros_like(active.offsets).index_add_(0, rows[inside], torch.ones_like(inside))  # (N,)
+    offsets = torch.cumsum(counts, 0) - counts
+    return F.embedding_bag(active.latents[inside], W_dec, offsets, mode="sum",
+                           per_sample_weights=active.values[inside])

@@ -50,6 +50,35 @@ def batch_topk_relu(pre: Tensor, k: int) -> Tensor:
     return torch.zeros_like(flat).scatter(0, indices, values).view_as(pre)
 
 
+def batch_topk_candidates(pre: Tensor, budget: int, slack: float = 1.25) -> Tensor | None:
+    """The flat indices `(budget,)`, sorted, of the `budget` largest entries of ReLU(`pre`) `(N, width)`,
+    from the entries above a threshold read off a strided sample; None when that cannot be sure.
+
+    A top-k of the whole batch (k B of B * width entries) costs several passes, and sorting its
+    picks another; here one pass compares every entry with t, the (slack budget / stride)-th
+    largest of every stride-th entry (a prime stride not dividing width: rows and columns are
+    sampled alike), the top-k runs over the ~slack * budget entries above t, and its picks come
+    out in flat order through a mask. When at least `budget` entries lie above t >= 0 the batch's top `budget` all
+    do, so the picks are the same set; when fewer do, or the value at the cut is tied (the whole
+    batch's top-k may break the tie otherwise), None. Reads counts on the host: for CPU tensors.
+    """
+    flat = pre.flatten()  # (N * width,)
+    stride = next((p for p in (61, 67, 71) if pre.shape[1] % p), 73)  # a prime not dividing width
+    sample = flat[::stride]
+    rank = min(int(slack * budget / stride) + 1, len(sample))
+    t = max(float(sample.topk(rank, sorted=False).values.min()), 0.0)
+    above = torch.nonzero(flat > t).flatten()  # (n_above,), sorted
+    if len(above) < budget:
+        return None
+    candidates = flat[above]
+    values, picks = candidates.topk(budget, sorted=False)
+    if int((candidates >= values.min()).sum()) != budget:
+        return None  # ties at the cut
+    keep = torch.zeros(len(above), dtype=torch.bool, device=above.device)
+    keep[picks] = True
+    return above[keep]  # in flat order: no sort
+
+
 class BatchTopKSAE(TopKSAE):
     """Training: batch top-k of ReLU((x - b_dec) W_enc + b_enc); inference: z = pre * (pre > theta)."""
 
@@ -69,8 +98,10 @@ class BatchTopKSAE(TopKSAE):
 
     def _select(self, pre: Tensor) -> tuple[Tensor, Tensor]:
         """batch_topk_relu's picks as (rows, latents), sorted (grouped by row)."""
-        flat = pre.relu().flatten()  # (N * width,)
-        kept = flat.topk(min(self.config.k * pre.shape[0], flat.numel()), sorted=False).indices.sort().values
+        budget = min(self.config.k * pre.shape[0], pre.numel())
+        kept = batch_topk_candidates(pre, budget)
+        if kept is None:  # no sure threshold from the sample, or a tie at the cut: the whole batch
+            kept = pre.relu().flatten().topk(budget, sorted=False).indices.sort().values
         return kept // pre.shape[1], kept % pre.shape[1]
 
     def _activate(self, pre: Tensor, w: dict[str, Tensor], train: bool) -> Tensor:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conceptlens.concepts.sae import BatchTopKSAE, MatryoshkaSAE, TopKSAE
-from conceptlens.concepts.sae import active, topk
+from conceptlens.concepts.sae import active, batchtopk, topk
 from conceptlens.concepts.sae.active import Active, active_pre, prefix_losses, row_major
 from conceptlens.concepts.sae.base import Code
 from conceptlens.concepts.sae.nested import ActMSAE
@@ -140,3 +140,55 @@ def test_prefix_losses_from_active_latents_equal_the_dense_prefix_decodes():
     (grad_dense,) = torch.autograd.grad(dense, values, retain_graph=True)  # x_hat shares z's graph
     (grad_got,) = torch.autograd.grad(got, values)
     torch.testing.assert_close(grad_got, grad_dense)
+
+
+def _batch_topk_reference(pre, budget):
+    return pre.relu().flatten().topk(budget, sorted=False).indices.sort().values
+
+
+@pytest.mark.parametrize("shift", [0.0, -2.0, 3.0])  # mostly negative, centred, mostly positive
+@pytest.mark.parametrize("shape", [(64, 200), (7, 1000), (300, 61)])
+def test_batch_topk_from_a_sampled_threshold_picks_the_whole_batch_top_k(shape, shift):
+    g = torch.Generator().manual_seed(shape[0])
+    pre = torch.randn(*shape, generator=g) * torch.rand(shape[0], 1, generator=g) * 3 + shift  # rich and plain rows
+    budget = 4 * shape[0]
+    got = batchtopk.batch_topk_candidates(pre, budget)
+    assert got is not None and torch.equal(got, _batch_topk_reference(pre, budget))
+    sae = BatchTopKSAE(width=shape[1], k=4)
+    rows, latents = sae._select(pre)
+    assert torch.equal(rows * shape[1] + latents, _batch_topk_reference(pre, budget))
+
+
+def test_batch_topk_from_a_sampled_threshold_declines_ties_and_too_few_positives():
+    pre = -torch.rand(10, 50, generator=torch.Generator().manual_seed(0))
+    pre.view(-1)[::37] = 5.0  # 14 equal entries: a budget of 8 cuts through the tie
+    assert batchtopk.batch_topk_candidates(pre, 8) is None
+    assert batchtopk.batch_topk_candidates(pre, 20) is None  # only 14 positive entries
+    rows, latents = BatchTopKSAE(width=50, k=2)._select(pre[:4])  # declined: the whole batch's top-k
+    assert torch.equal(rows * 50 + latents, _batch_topk_reference(pre[:4], 8))
+
+
+def test_each_prefix_gathers_only_its_own_active_latents(monkeypatch):
+    g = torch.Generator().manual_seed(4)
+    b, width, d, k = 40, 32, 6, 4
+    top = torch.randn(b, width, generator=g).topk(k, dim=1, sorted=False)
+    latents = top.indices.flatten()
+    latents[:k] = torch.tensor([0, 1, 2, 3])  # row 0 is all in the first prefix,
+    latents[k:2 * k] = torch.tensor([28, 29, 30, 31])  # row 1 outside every prefix but the last
+    values = top.values.relu().flatten().requires_grad_(True)
+    z = torch.zeros(b, width).index_put((torch.arange(b).repeat_interleave(k), latents), values)
+    W_dec = torch.randn(width, d, generator=g, requires_grad=True)
+    b_dec, x = torch.randn(d, generator=g), torch.randn(b, d, generator=g)
+    prefixes, weights = (4, 8, 32), (1.0, 2.0, 1.0)
+    gathered = []
+    bag = active.F.embedding_bag
+    monkeypatch.setattr(active.F, "embedding_bag",
+                        lambda idx, *a, **kw: gathered.append(len(idx)) or bag(idx, *a, **kw))
+    got = prefix_losses(x, z @ W_dec + b_dec, Active(values, latents, torch.arange(0, b * k, k)), W_dec, b_dec,
+                        prefixes, weights)
+    assert gathered == [int((latents < 4).sum()), int((latents < 8).sum())]
+    dense = sum(wt * (x - (z[:, :m] @ W_dec[:m] + b_dec)).pow(2).sum(-1).mean() for m, wt in zip(prefixes, weights))
+    torch.testing.assert_close(got, dense)
+    grads = torch.autograd.grad(got, (values, W_dec), retain_graph=True)  # x_hat shares z's graph
+    for mine, reference in zip(grads, torch.autograd.grad(dense, (values, W_dec))):
+        torch.testing.assert_close(mine, reference)

@@ -310,3 +310,20 @@ def test_spade_prototypes_start_at_distinct_rows():
     wide.flush()
     rows = {tuple(r) for r in (wide.params["prototypes"].detach() / wide.scale).round(decimals=3).tolist()}
     assert len(rows) == 16  # a batch smaller than the width is reused whole
+
+
+def test_geometric_median_stops_when_it_repeats_itself_with_the_same_bits(monkeypatch):
+    from conceptlens.concepts.sae import stats
+
+    x = torch.randn(500, 16, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    plain = [x.mean(0)]  # every step taken
+    for _ in range(40):
+        plain.append(stats.weiszfeld_step(x, plain[-1]))
+    calls = []
+    step = stats.weiszfeld_step
+    monkeypatch.setattr(stats, "weiszfeld_step", lambda *a: calls.append(1) or step(*a))
+    for iters in (1, 2, 7, 29, 30, 31, 40):
+        assert torch.equal(geometric_median(x, iters=iters), plain[iters])
+    calls.clear()
+    geometric_median(x, iters=40)
+    assert len(calls) < 40  # it settled on a point or a cycle and stopped stepping

@@ -115,11 +115,13 @@ def steering_lines(lens: AttachedModel, tok: Any, site: str, sets: Mapping[str, 
     `record`, when given, receives (task, label, judge, compare's rows) per label."""
     from conceptlens import data, models
     from conceptlens.steering.compare import compare
+    from conceptlens.steering.prompt_cache import PromptCache
     from conceptlens.steering.units import robust_norm
 
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     norm = robust_norm(lens, site)
+    prompts = PromptCache(lens.model, tok, config.prompts)  # one unsteered forward for every label
     encoders = {name: act.concept_encoder(cs) for name, cs in sets.items()}
     hidden = next(iter(sets.values())).d
     encoder, encoder_tok = models.load(config.judge_model)
@@ -141,7 +143,7 @@ def steering_lines(lens: AttachedModel, tok: Any, site: str, sets: Mapping[str, 
             directions["diff-of-means"] = diff_of_means(train, c)
             g = torch.Generator().manual_seed(3_000_017 + config.seed + c)
             directions["random"] = torch.randn(hidden, generator=g)
-            rows = compare(lens, tok, site, norm, directions, judge.topic(label), label, config.prompts,
+            rows = compare(lens, tok, site, norm, directions, judge.topic(label), label, prompts,
                            config.alphas, config.max_new_tokens, prefix=prefix.format(label))
             if record is not None:
                 record.append((task, label, judge, rows))

@@ -11,6 +11,8 @@ P(topic) among the alphas within the fluency budgets (`steering.judge.best_withi
 directions are swept together: one batched generation per alpha holds every direction's copy of
 the prompts (`RowsAdd`, left-padded with attention masks), which gives each row what a sweep of
 its own `Add` gives; a direction leaves the sweep at the first alpha that breaks the budget.
+Every generation and perplexity reading starts from one cached unsteered forward of the prompts
+(`PromptCache`), which steering at generated positions never changes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from conceptlens.batching import encode_batch
 from conceptlens.interface import AttachedModel
 from conceptlens.steering.edits import Add, add_vector
+from conceptlens.steering.prompt_cache import PromptCache
 from conceptlens.steering.sweep import SweepResult
 
 ALPHAS = (0.0, 0.25, 0.5, 1.0, 2.0)
@@ -75,25 +78,33 @@ class RowsAdd(Add):
 
 
 def compare(lens: AttachedModel, tokenizer: Any, site: str, norm: float, directions: dict[str, torch.Tensor], judge: Any,
-            topic: str, prompts: Sequence[str] = PROMPTS, alphas: Sequence[float] = ALPHAS,
+            topic: str, prompts: Sequence[str] | PromptCache = PROMPTS, alphas: Sequence[float] = ALPHAS,
             max_new_tokens: int = 20, prefix: str | None = None) -> list[dict[str, Any]]:
     """One row per direction (swept over `alphas`) plus the prompt-prefix row (unsteered; `prefix`,
     by default "Write about TOPIC. "). Each row keeps its per-prompt judged scores (`scores`, per
     alpha), median perplexity and repetition per alpha, and its best alpha within the budgets.
 
-    The unsteered continuations (alpha 0, also the fluency reference) and the prefix row's are one
-    generation. Each nonzero alpha, walked outward from 0 on each sign, is one batched generation
-    of the directions still within the budget: a direction that breaks it at an alpha is not swept
-    further on that side (`best_within_budget` stops its walk there), so its row lists only the
-    alphas it reached."""
+    The prompts' unsteered forward is run once (`PromptCache`; pass one to share it between
+    calls, with the unsteered continuations, the fluency reference): every generation and
+    perplexity reading starts from its keys and values. Each nonzero alpha, walked outward from 0
+    on each sign, is one batched generation of the directions still within the budget: a
+    direction that breaks it at an alpha is not swept further on that side (`best_within_budget`
+    stops its walk there), so its row lists only the alphas it reached."""
     from conceptlens.steering.judge import best_within_budget
+    from conceptlens.steering.sweep import _generate, _left_padded
+    from conceptlens.steering.sweep_scores import continuation_perplexity
 
     if not directions:
         raise ValueError("compare needs at least one direction to sweep")
-    name, n, prompts = f"P({topic})", len(prompts), list(prompts)
+    cache = prompts if isinstance(prompts, PromptCache) else PromptCache(lens.model, tokenizer, prompts)
+    name, n, model = f"P({topic})", len(cache.prompts), lens.model
     prefix = f"Write about {topic}. " if prefix is None else prefix
-    base = _measured(lens, tokenizer, None, prompts + [prefix + p for p in prompts], judge, name, max_new_tokens)
-    unsteered, prefixed = _split(base, [n, n])
+    kwargs = {"do_sample": False, "max_new_tokens": max_new_tokens}
+    plain = cache.unsteered(model, tokenizer, **kwargs)
+    unsteered = _measured(plain, cache.perplexity(model, plain), judge, name)
+    texts = [prefix + p for p in cache.prompts]
+    plain = _generate(model, tokenizer, _left_padded(tokenizer, texts), texts, kwargs, logits=False)
+    prefixed = _measured(plain, continuation_perplexity(model, tokenizer, plain), judge, name)
     stacked = torch.stack([v.float() for v in directions.values()])
     done: list[dict[float, dict[str, Any]]] = [{} for _ in directions]
     for sign in (1.0, -1.0):
@@ -101,9 +112,9 @@ def compare(lens: AttachedModel, tokenizer: Any, site: str, norm: float, directi
         for alpha in sorted({float(a) for a in alphas if a * sign > 0}, key=abs):
             if not alive:
                 break
-            edit = RowsAdd(stacked[alive], n, alpha, norm=norm, site=site)
-            parts = _split(_measured(lens, tokenizer, edit, prompts * len(alive), judge, name, max_new_tokens),
-                           [n] * len(alive))
+            with lens.steer(RowsAdd(stacked[alive], n, alpha, norm=norm, site=site), positions="generated"):
+                steered = cache.generate(model, tokenizer, len(alive), **kwargs)
+            parts = _split(_measured(steered, cache.perplexity(model, steered), judge, name), [n] * len(alive))
             for r, part in zip(alive, parts):
                 done[r][alpha] = part
             alive = [r for r, part in zip(alive, parts) if _fluent(_result([alpha], [part], unsteered, name))[0]]
@@ -120,23 +131,12 @@ def compare(lens: AttachedModel, tokenizer: Any, site: str, norm: float, directi
     return rows
 
 
-def _measured(lens: AttachedModel, tokenizer: Any, edit: RowsAdd | None, prompts: list[str], judge: Any, name: str,
-              max_new_tokens: int) -> dict[str, Any]:
-    """Greedy continuations of `prompts` under `edit` (none: unsteered) with what a row keeps of
-    them: texts, perplexity and repetition under the unsteered model, the judge's score `name`."""
-    from conceptlens.steering.sweep import _generate, _left_padded
-    from conceptlens.steering.sweep_scores import continuation_perplexity, repetition
+def _measured(generations: list[Any], perplexity: torch.Tensor, judge: Any, name: str) -> dict[str, Any]:
+    """What a row keeps of greedy continuations: texts, perplexity under the unsteered model,
+    repetition, the judge's score `name`."""
+    from conceptlens.steering.sweep_scores import repetition
 
-    batch = _left_padded(tokenizer, prompts)
-    kwargs = {"do_sample": False, "max_new_tokens": max_new_tokens}
-    if edit is None:
-        generations = _generate(lens.model, tokenizer, batch, prompts, kwargs, logits=False)
-    else:
-        with lens.steer(edit, positions="generated"):
-            generations = _generate(lens.model, tokenizer, batch, prompts, kwargs, logits=False)
-    return {"texts": [g.text for g in generations],
-            "perplexity": continuation_perplexity(lens.model, tokenizer, generations),
-            "repetition": repetition(generations),
+    return {"texts": [g.text for g in generations], "perplexity": perplexity, "repetition": repetition(generations),
             "judged": torch.tensor([float(v) for v in judge(generations)[name]], dtype=torch.float64)}
 
 

@@ -42,7 +42,7 @@ class PromptCache:
         positions = (self.batch["attention_mask"].cumsum(1) - 1).clamp_min(0)  # as generate counts them
         out = model(**{k: v.to(device) for k, v in self.batch.items()}, position_ids=positions.to(device),
                     use_cache=True)
-        self.cache = out.past_key_values
+        self.cache = out.cache
         self.last = out.logits[:, -1].double().log_softmax(-1).cpu()  # (n, V)
         self._unsteered: dict[str, list[Generation]] = {}
 

@@ -8,9 +8,9 @@ site, a random direction (the control), and an unsteered prompt prefix ("Write a
 Each continuation is scored by a judge (`steering.judge.TopicJudge`), by its perplexity under
 the unsteered model and by its share of repeated 3-grams; a row's result is its best mean
 P(topic) among the alphas within the fluency budgets (`steering.judge.best_within_budget`). The
-directions are swept together: one batched generation per alpha holds every direction's copy of
-the prompts (`RowsAdd`, left-padded with attention masks), which gives each row what a sweep of
-its own `Add` gives; a direction leaves the sweep at the first alpha that breaks the budget.
+directions are swept together: one batched generation holds every direction's copy of the
+prompts at every alpha (`RowsAdd`, left-padded with attention masks), which gives each row what a
+sweep of its own `Add` gives; a row ends at the first alpha that breaks the budget.
 Every generation and perplexity reading starts from one cached unsteered forward of the prompts
 (`PromptCache`), which steering at generated positions never changes.
 """
@@ -59,22 +59,26 @@ def diff_of_means(lens: AttachedModel, tokenizer: Any, site: str, texts: Sequenc
 
 class RowsAdd(Add):
     """`Add(v, alpha, scale="robust_norm")` with one direction per block of `repeat` batch rows: row b
-    of the batch gets `directions[b // repeat]` (each scaled to unit norm, times alpha robust norms),
-    so several directions steer one batched generation of `repeat` prompts each."""
+    of the batch gets `directions[b // repeat]` (each scaled to unit norm, times alpha robust norms;
+    `alpha` one for all, or one per direction), so several directions and strengths steer one
+    batched generation of `repeat` prompts each."""
 
-    def __init__(self, directions: torch.Tensor, repeat: int, alpha: float, *, norm: float, site: str) -> None:
-        super().__init__(directions[0], alpha, scale="robust_norm", norm=norm, site=site)
+    def __init__(self, directions: torch.Tensor, repeat: int, alpha: float | Sequence[float], *, norm: float,
+                 site: str) -> None:
+        alphas = torch.as_tensor(alpha, dtype=torch.float32).reshape(-1).expand(len(directions))
+        super().__init__(directions[0], float(alphas[0]), scale="robust_norm", norm=norm, site=site)
         lengths = directions.float().norm(dim=1, keepdim=True)
         if not bool((lengths > 0).all()):
             raise ValueError(f"directions {(lengths[:, 0] == 0).nonzero().flatten().tolist()} have zero norm; "
                              "a robust-norm edit needs a direction")
         self.rows = (directions.float() / lengths).repeat_interleave(repeat, 0)  # (R * repeat, d)
+        self.alphas = alphas.repeat_interleave(repeat)[:, None]  # (R * repeat, 1)
 
     def apply(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] != self.rows.shape[0]:
             raise ValueError(f"RowsAdd holds {self.rows.shape[0]} rows; the batch has {x.shape[0]}")
         assert self.norm is not None
-        return add_vector(x, (self.alpha * self.norm * self.rows)[:, None, :], mask)
+        return add_vector(x, (self.alphas * self.norm * self.rows)[:, None, :], mask)
 
 
 def compare(lens: AttachedModel, tokenizer: Any, site: str, norm: float, directions: dict[str, torch.Tensor], judge: Any,
@@ -86,10 +90,11 @@ def compare(lens: AttachedModel, tokenizer: Any, site: str, norm: float, directi
 
     The prompts' unsteered forward is run once (`PromptCache`; pass one to share it between
     calls, with the unsteered continuations, the fluency reference): every generation and
-    perplexity reading starts from its keys and values. Each nonzero alpha, walked outward from 0
-    on each sign, is one batched generation of the directions still within the budget: a
-    direction that breaks it at an alpha is not swept further on that side (`best_within_budget`
-    stops its walk there), so its row lists only the alphas it reached."""
+    perplexity reading starts from its keys and values. Every direction at every nonzero alpha is
+    one batched generation (fewer decoding steps: on a CPU a step of a small model costs little
+    more for 70 rows than for 4); each row then walks its alphas outward from 0 on each sign and
+    stops at the first over the budget (`best_within_budget` stops its walk there), so it lists
+    only the alphas it reached."""
     from conceptlens.steering.judge import best_within_budget
     from conceptlens.steering.sweep import _generate, _left_padded
     from conceptlens.steering.sweep_scores import continuation_perplexity
@@ -107,17 +112,20 @@ def compare(lens: AttachedModel, tokenizer: Any, site: str, norm: float, directi
     prefixed = _measured(plain, continuation_perplexity(model, tokenizer, plain), judge, name)
     stacked = torch.stack([v.float() for v in directions.values()])
     done: list[dict[float, dict[str, Any]]] = [{} for _ in directions]
-    for sign in (1.0, -1.0):
-        alive = list(range(len(directions)))
-        for alpha in sorted({float(a) for a in alphas if a * sign > 0}, key=abs):
-            if not alive:
-                break
-            with lens.steer(RowsAdd(stacked[alive], n, alpha, norm=norm, site=site), positions="generated"):
-                steered = cache.generate(model, tokenizer, len(alive), **kwargs)
-            parts = _split(_measured(steered, cache.perplexity(model, steered), judge, name), [n] * len(alive))
-            for r, part in zip(alive, parts):
-                done[r][alpha] = part
-            alive = [r for r, part in zip(alive, parts) if _fluent(_result([alpha], [part], unsteered, name))[0]]
+    pairs = [(r, a) for a in sorted({float(a) for a in alphas if a != 0}, key=abs) for r in range(len(directions))]
+    parts: dict[tuple[int, float], dict[str, Any]] = {}
+    if pairs:
+        edit = RowsAdd(stacked[[r for r, _ in pairs]], n, [a for _, a in pairs], norm=norm, site=site)
+        with lens.steer(edit, positions="generated"):
+            steered = cache.generate(model, tokenizer, len(pairs), **kwargs)
+        parts = dict(zip(pairs, _split(_measured(steered, cache.perplexity(model, steered), judge, name),
+                                          [n] * len(pairs))))
+    for r, row in enumerate(done):
+        for sign in (1.0, -1.0):
+            for alpha in sorted({a for _, a in pairs if a * sign > 0}, key=abs):
+                row[alpha] = parts[(r, alpha)]
+                if not _fluent(_result([alpha], [row[alpha]], unsteered, name))[0]:
+                    break  # the walk ends at the first alpha over the budget
     rows = []
     for label, measured in zip(directions, done):
         if any(float(a) == 0.0 for a in alphas):

@@ -15,8 +15,9 @@ Labels: every bbc-news topic, and positive and negative of movie-polarity. Per l
   "Write something LABEL. " (sentiment).
 Each direction is swept over `alphas` (in robust norms, `Add(..., scale="robust_norm")`) with
 `steering.compare.compare`; the judge (`steering.judge.TopicJudge`: logistic regression on
-mean-pooled MiniLM embeddings, not the steered model) is trained on `judge_docs` documents of the
-test split and its accuracy is measured on as many others (printed as a line of its own); the
+mean-pooled MiniLM embeddings, not the steered model) is trained on `judge_tokens` tokens of
+train-split documents the concepts are not chosen on, and its accuracy is measured on `judge_docs`
+test-split documents, whole and those of the continuations' length (lines of their own); the
 score is the judge's mean P(label) over the prompts at the best alpha within the fluency budget
 (at least half the continuations within 2x the unsteered continuations' median perplexity under
 the unsteered model and with at most half their token 3-grams repeated, `best_within_budget`),

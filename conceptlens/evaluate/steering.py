@@ -15,8 +15,9 @@ Labels: every bbc-news topic, and positive and negative of movie-polarity. Per l
   "Write something LABEL. " (sentiment).
 Each direction is swept over `alphas` (in robust norms, `Add(..., scale="robust_norm")`) with
 `steering.compare.compare`; the judge (`steering.judge.TopicJudge`: logistic regression on
-mean-pooled MiniLM embeddings, not the steered model) is trained on `judge_docs` documents of the
-test split and its accuracy is measured on as many others (printed as a line of its own); the
+mean-pooled MiniLM embeddings, not the steered model) is trained on `judge_tokens` tokens of
+train-split documents the concepts are not chosen on, and its accuracy is measured on `judge_docs`
+test-split documents, whole and those of the continuations' length (lines of their own); the
 score is the judge's mean P(label) over the prompts at the best alpha within the fluency budget
 (at least half the continuations within 2x the unsteered continuations' median perplexity under
 the unsteered model and with at most half their token 3-grams repeated, `best_within_budget`),
@@ -55,8 +56,14 @@ class SteeringConfig:
     """train-split documents the best concept and the diff-of-means vector are chosen on"""
     train_length: int = 64
     """tokens read of each of them (a label's mean needs no more; their forwards cost as much as the sweeps)"""
-    judge_docs: int = 200
-    """test-split documents the judge is trained on (and as many others it is scored on)"""
+    judge_tokens: int = 40_000
+    """judge-encoder tokens of train-split text (documents the concepts are not chosen on, each cut to
+    `max_length`) the judge is fitted on: ~310 BBC articles, ~1450 movie-review sentences (fitted on
+    200 sentences its held-out accuracy was 0.635)"""
+    judge_docs: int = 300
+    """test-split documents the judge is scored on"""
+    short_tokens: int = 16
+    """the judge is also scored on held-out texts of at most this many tokens: the continuations' length"""
     judge_model: str = "minilm-l6"
     max_length: int = 128
     batch_size: int = 16
@@ -89,23 +96,43 @@ def _at_best(row: dict[str, Any], seed: int) -> Estimate:
     return bootstrap(per_prompt, lambda t: t[..., 0] / t[..., 1], seed=seed)
 
 
-def _judge(task: str, encoder: Any, encoder_tok: Any, config: SteeringConfig) -> tuple[Any, Line]:
-    """The task's judge, fitted on test-split documents, and its accuracy on as many others."""
+def _judge(task: str, encoder: Any, encoder_tok: Any, tok: Any, chosen_on: list[int],
+           config: SteeringConfig) -> tuple[Any, list[Line]]:
+    """The task's judge, fitted on train-split documents the concepts are not chosen on (up to
+    `judge_tokens` encoder tokens), and its accuracy on held-out test-split documents: whole, and
+    those of at most `short_tokens` tokens of the steered model (the continuations' length; their
+    openings where fewer than 50 are that short)."""
     from conceptlens import data
     from conceptlens.steering.judge import TopicJudge
 
-    full = data.load(task, "test")
-    order = act.pick(len(full), 2 * config.judge_docs, config.seed + 1)
-    fit, held = order[:config.judge_docs], order[config.judge_docs:]
-    names = [full.label_names[act.label_of(full, i, False)] for i in range(len(full))]
-    judge = TopicJudge(encoder, encoder_tok, [full.texts[i] for i in fit], [names[i] for i in fit],
+    train, test = data.load(task, "train"), data.load(task, "test")
+    skip, fit, used = set(chosen_on), [], 0
+    for i in act.pick(len(train), len(train), config.seed + 1):
+        if i not in skip and used < config.judge_tokens:
+            fit.append(i)
+            used += len(encoder_tok(train.texts[i], truncation=True, max_length=config.max_length)["input_ids"])
+    name = lambda full, i: full.label_names[act.label_of(full, i, False)]  # noqa: E731
+    judge = TopicJudge(encoder, encoder_tok, [train.texts[i] for i in fit], [name(train, i) for i in fit],
                        max_length=config.max_length, seed=config.seed)
-    right = torch.tensor(judge.classifier.predict(judge.embed([full.texts[i] for i in held]))
-                         == [names[i] for i in held], dtype=torch.float64)
-    accuracy = bootstrap(torch.stack([right, torch.ones_like(right)], 1), lambda t: t[..., 0] / t[..., 1],
-                         seed=config.seed)
-    note = f"{config.judge_model} mean-pooled, logistic regression; {len(fit)} fit, {len(held)} held-out test-split docs"
-    return judge, Line("judge", f"{task} judge held-out accuracy", accuracy, [], note)
+    held = act.pick(len(test), config.judge_docs, config.seed + 1)
+    ids = {i: tok(test.texts[i], add_special_tokens=False)["input_ids"] for i in held}
+    short = [i for i in held if len(ids[i]) <= config.short_tokens]
+    kind = f"the {len(short)} of at most {config.short_tokens} tokens"
+    if len(short) < 50:
+        short, kind = held, f"their first {config.short_tokens} tokens"
+    texts = {"whole": [test.texts[i] for i in held],
+             "short": [tok.decode(ids[i][:config.short_tokens]) for i in short]}
+    labels = {"whole": [name(test, i) for i in held], "short": [name(test, i) for i in short]}
+    lines = []
+    for part, metric, note in (("short", f"{task} judge held-out accuracy, texts of the continuations' length",
+                                f"{len(held)} held-out test-split docs, {kind}"),
+                               ("whole", f"{task} judge held-out accuracy", f"{len(held)} held-out test-split docs")):
+        right = torch.tensor(judge.classifier.predict(judge.embed(texts[part])) == labels[part], dtype=torch.float64)
+        accuracy = bootstrap(torch.stack([right, torch.ones_like(right)], 1), lambda t: t[..., 0] / t[..., 1],
+                             seed=config.seed)
+        lines.append(Line("judge", metric, accuracy, [], f"{config.judge_model} mean-pooled, logistic regression "
+                          f"fitted on {len(fit)} train-split docs ({used} tokens); {note}"))
+    return judge, lines
 
 
 def steering_lines(lens: AttachedModel, tok: Any, site: str, sets: Mapping[str, Any], config: SteeringConfig,
@@ -115,20 +142,22 @@ def steering_lines(lens: AttachedModel, tok: Any, site: str, sets: Mapping[str, 
     `record`, when given, receives (task, label, judge, compare's rows) per label."""
     from conceptlens import data, models
     from conceptlens.steering.compare import compare
+    from conceptlens.steering.prompt_cache import PromptCache
     from conceptlens.steering.units import robust_norm
 
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     norm = robust_norm(lens, site)
+    prompts = PromptCache(lens.model, tok, config.prompts)  # one unsteered forward for every label
     encoders = {name: act.concept_encoder(cs) for name, cs in sets.items()}
     hidden = next(iter(sets.values())).d
     encoder, encoder_tok = models.load(config.judge_model)
     lines = []
     for task, prefix in TASKS.items():
-        judge, accuracy = _judge(task, encoder, encoder_tok, config)
-        lines.append(accuracy)
         full = data.load(task, "train")
         picked = act.pick(len(full), config.train_docs, config.seed)
+        judge, accuracy = _judge(task, encoder, encoder_tok, tok, picked, config)
+        lines.extend(accuracy)
         batches = act.task_batches(tok, [full.texts[i] for i in picked],
                                    [act.label_of(full, i, False) for i in picked], token_level=False, tag_ids={},
                                    batch_size=config.batch_size, max_length=config.train_length)
@@ -141,7 +170,7 @@ def steering_lines(lens: AttachedModel, tok: Any, site: str, sets: Mapping[str, 
             directions["diff-of-means"] = diff_of_means(train, c)
             g = torch.Generator().manual_seed(3_000_017 + config.seed + c)
             directions["random"] = torch.randn(hidden, generator=g)
-            rows = compare(lens, tok, site, norm, directions, judge.topic(label), label, config.prompts,
+            rows = compare(lens, tok, site, norm, directions, judge.topic(label), label, prompts,
                            config.alphas, config.max_new_tokens, prefix=prefix.format(label))
             if record is not None:
                 record.append((task, label, judge, rows))

@@ -8,9 +8,11 @@ site, a random direction (the control), and an unsteered prompt prefix ("Write a
 Each continuation is scored by a judge (`steering.judge.TopicJudge`), by its perplexity under
 the unsteered model and by its share of repeated 3-grams; a row's result is its best mean
 P(topic) among the alphas within the fluency budgets (`steering.judge.best_within_budget`). The
-directions are swept together: one batched generation per alpha holds every direction's copy of
-the prompts (`RowsAdd`, left-padded with attention masks), which gives each row what a sweep of
-its own `Add` gives; a direction leaves the sweep at the first alpha that breaks the budget.
+directions are swept together: one batched generation holds every direction's copy of the
+prompts at every alpha (`RowsAdd`, left-padded with attention masks), which gives each row what a
+sweep of its own `Add` gives; a row ends at the first alpha that breaks the budget.
+Every generation and perplexity reading starts from one cached unsteered forward of the prompts
+(`PromptCache`), which steering at generated positions never changes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from conceptlens.batching import encode_batch
 from conceptlens.interface import AttachedModel
 from conceptlens.steering.edits import Add, add_vector
+from conceptlens.steering.prompt_cache import PromptCache
 from conceptlens.steering.sweep import SweepResult
 
 ALPHAS = (0.0, 0.25, 0.5, 1.0, 2.0)
@@ -56,57 +59,73 @@ def diff_of_means(lens: AttachedModel, tokenizer: Any, site: str, texts: Sequenc
 
 class RowsAdd(Add):
     """`Add(v, alpha, scale="robust_norm")` with one direction per block of `repeat` batch rows: row b
-    of the batch gets `directions[b // repeat]` (each scaled to unit norm, times alpha robust norms),
-    so several directions steer one batched generation of `repeat` prompts each."""
+    of the batch gets `directions[b // repeat]` (each scaled to unit norm, times alpha robust norms;
+    `alpha` one for all, or one per direction), so several directions and strengths steer one
+    batched generation of `repeat` prompts each."""
 
-    def __init__(self, directions: torch.Tensor, repeat: int, alpha: float, *, norm: float, site: str) -> None:
-        super().__init__(directions[0], alpha, scale="robust_norm", norm=norm, site=site)
+    def __init__(self, directions: torch.Tensor, repeat: int, alpha: float | Sequence[float], *, norm: float,
+                 site: str) -> None:
+        alphas = torch.as_tensor(alpha, dtype=torch.float32).reshape(-1).expand(len(directions))
+        super().__init__(directions[0], float(alphas[0]), scale="robust_norm", norm=norm, site=site)
         lengths = directions.float().norm(dim=1, keepdim=True)
         if not bool((lengths > 0).all()):
             raise ValueError(f"directions {(lengths[:, 0] == 0).nonzero().flatten().tolist()} have zero norm; "
                              "a robust-norm edit needs a direction")
         self.rows = (directions.float() / lengths).repeat_interleave(repeat, 0)  # (R * repeat, d)
+        self.alphas = alphas.repeat_interleave(repeat)[:, None]  # (R * repeat, 1)
 
     def apply(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] != self.rows.shape[0]:
             raise ValueError(f"RowsAdd holds {self.rows.shape[0]} rows; the batch has {x.shape[0]}")
         assert self.norm is not None
-        return add_vector(x, (self.alpha * self.norm * self.rows)[:, None, :], mask)
+        return add_vector(x, (self.alphas * self.norm * self.rows)[:, None, :], mask)
 
 
 def compare(lens: AttachedModel, tokenizer: Any, site: str, norm: float, directions: dict[str, torch.Tensor], judge: Any,
-            topic: str, prompts: Sequence[str] = PROMPTS, alphas: Sequence[float] = ALPHAS,
+            topic: str, prompts: Sequence[str] | PromptCache = PROMPTS, alphas: Sequence[float] = ALPHAS,
             max_new_tokens: int = 20, prefix: str | None = None) -> list[dict[str, Any]]:
     """One row per direction (swept over `alphas`) plus the prompt-prefix row (unsteered; `prefix`,
     by default "Write about TOPIC. "). Each row keeps its per-prompt judged scores (`scores`, per
     alpha), median perplexity and repetition per alpha, and its best alpha within the budgets.
 
-    The unsteered continuations (alpha 0, also the fluency reference) and the prefix row's are one
-    generation. Each nonzero alpha, walked outward from 0 on each sign, is one batched generation
-    of the directions still within the budget: a direction that breaks it at an alpha is not swept
-    further on that side (`best_within_budget` stops its walk there), so its row lists only the
-    alphas it reached."""
+    The prompts' unsteered forward is run once (`PromptCache`; pass one to share it between
+    calls, with the unsteered continuations, the fluency reference): every generation and
+    perplexity reading starts from its keys and values. Every direction at every nonzero alpha is
+    one batched generation (fewer decoding steps: on a CPU a step of a small model costs little
+    more for 70 rows than for 4); each row then walks its alphas outward from 0 on each sign and
+    stops at the first over the budget (`best_within_budget` stops its walk there), so it lists
+    only the alphas it reached."""
     from conceptlens.steering.judge import best_within_budget
+    from conceptlens.steering.sweep import _generate, _left_padded
+    from conceptlens.steering.sweep_scores import continuation_perplexity
 
     if not directions:
         raise ValueError("compare needs at least one direction to sweep")
-    name, n, prompts = f"P({topic})", len(prompts), list(prompts)
+    cache = prompts if isinstance(prompts, PromptCache) else PromptCache(lens.model, tokenizer, prompts)
+    name, n, model = f"P({topic})", len(cache.prompts), lens.model
     prefix = f"Write about {topic}. " if prefix is None else prefix
-    base = _measured(lens, tokenizer, None, prompts + [prefix + p for p in prompts], judge, name, max_new_tokens)
-    unsteered, prefixed = _split(base, [n, n])
+    kwargs = {"do_sample": False, "max_new_tokens": max_new_tokens}
+    plain = cache.unsteered(model, tokenizer, **kwargs)
+    unsteered = _measured(plain, cache.perplexity(model, plain), judge, name)
+    texts = [prefix + p for p in cache.prompts]
+    plain = _generate(model, tokenizer, _left_padded(tokenizer, texts), texts, kwargs, logits=False)
+    prefixed = _measured(plain, continuation_perplexity(model, tokenizer, plain), judge, name)
     stacked = torch.stack([v.float() for v in directions.values()])
     done: list[dict[float, dict[str, Any]]] = [{} for _ in directions]
-    for sign in (1.0, -1.0):
-        alive = list(range(len(directions)))
-        for alpha in sorted({float(a) for a in alphas if a * sign > 0}, key=abs):
-            if not alive:
-                break
-            edit = RowsAdd(stacked[alive], n, alpha, norm=norm, site=site)
-            parts = _split(_measured(lens, tokenizer, edit, prompts * len(alive), judge, name, max_new_tokens),
-                           [n] * len(alive))
-            for r, part in zip(alive, parts):
-                done[r][alpha] = part
-            alive = [r for r, part in zip(alive, parts) if _fluent(_result([alpha], [part], unsteered, name))[0]]
+    pairs = [(r, a) for a in sorted({float(a) for a in alphas if a != 0}, key=abs) for r in range(len(directions))]
+    parts: dict[tuple[int, float], dict[str, Any]] = {}
+    if pairs:
+        edit = RowsAdd(stacked[[r for r, _ in pairs]], n, [a for _, a in pairs], norm=norm, site=site)
+        with lens.steer(edit, positions="generated"):
+            steered = cache.generate(model, tokenizer, len(pairs), **kwargs)
+        parts = dict(zip(pairs, _split(_measured(steered, cache.perplexity(model, steered), judge, name),
+                                          [n] * len(pairs))))
+    for r, row in enumerate(done):
+        for sign in (1.0, -1.0):
+            for alpha in sorted({a for _, a in pairs if a * sign > 0}, key=abs):
+                row[alpha] = parts[(r, alpha)]
+                if not _fluent(_result([alpha], [row[alpha]], unsteered, name))[0]:
+                    break  # the walk ends at the first alpha over the budget
     rows = []
     for label, measured in zip(directions, done):
         if any(float(a) == 0.0 for a in alphas):
@@ -120,23 +139,12 @@ def compare(lens: AttachedModel, tokenizer: Any, site: str, norm: float, directi
     return rows
 
 
-def _measured(lens: AttachedModel, tokenizer: Any, edit: RowsAdd | None, prompts: list[str], judge: Any, name: str,
-              max_new_tokens: int) -> dict[str, Any]:
-    """Greedy continuations of `prompts` under `edit` (none: unsteered) with what a row keeps of
-    them: texts, perplexity and repetition under the unsteered model, the judge's score `name`."""
-    from conceptlens.steering.sweep import _generate, _left_padded
-    from conceptlens.steering.sweep_scores import continuation_perplexity, repetition
+def _measured(generations: list[Any], perplexity: torch.Tensor, judge: Any, name: str) -> dict[str, Any]:
+    """What a row keeps of greedy continuations: texts, perplexity under the unsteered model,
+    repetition, the judge's score `name`."""
+    from conceptlens.steering.sweep_scores import repetition
 
-    batch = _left_padded(tokenizer, prompts)
-    kwargs = {"do_sample": False, "max_new_tokens": max_new_tokens}
-    if edit is None:
-        generations = _generate(lens.model, tokenizer, batch, prompts, kwargs, logits=False)
-    else:
-        with lens.steer(edit, positions="generated"):
-            generations = _generate(lens.model, tokenizer, batch, prompts, kwargs, logits=False)
-    return {"texts": [g.text for g in generations],
-            "perplexity": continuation_perplexity(lens.model, tokenizer, generations),
-            "repetition": repetition(generations),
+    return {"texts": [g.text for g in generations], "perplexity": perplexity, "repetition": repetition(generations),
             "judged": torch.tensor([float(v) for v in judge(generations)[name]], dtype=torch.float64)}
 
 

@@ -47,17 +47,20 @@ class TopicJudge:
 
     @torch.no_grad()
     def embed(self, texts: Sequence[str]) -> np.ndarray:
-        """(n, d) float64 mean-pooled last hidden states."""
+        """(n, d) float64 mean-pooled last hidden states; batches of texts of similar length (little padding)."""
         device = next(self.encoder.parameters()).device
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
         rows = []
         for start in range(0, len(texts), self.batch_size):
-            batch = encode_batch(self.tokenizer, [t or " " for t in texts[start:start + self.batch_size]],
+            batch = encode_batch(self.tokenizer, [texts[i] or " " for i in order[start:start + self.batch_size]],
                                  self.max_length)
             out = self.encoder(**{k: v.to(device) for k, v in batch.items()}, output_hidden_states=True)
             hidden = out.hidden_states[-1].double().cpu()  # (B, T, d)
             mask = batch["attention_mask"].double()[..., None]
             rows.append((hidden * mask).sum(1) / mask.sum(1).clamp_min(1))
-        return torch.cat(rows).numpy()
+        if not rows:
+            return np.zeros((0, self.encoder.config.hidden_size))
+        return torch.cat(rows)[torch.argsort(torch.tensor(order))].numpy()
 
     def probabilities(self, texts: Sequence[str]) -> np.ndarray:
         """(n, classes) P(class | text), columns in `self.classes` order."""

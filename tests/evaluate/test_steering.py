@@ -71,7 +71,7 @@ def test_steering_lines_judge_like_sklearn_and_select_on_train_only(tiny, monkey
 
     monkeypatch.setattr(act, "task_batches", spy)
     config = SteeringConfig(prompts=("w5 w6", "w20 w21 w22"), alphas=(0.0, 1.0, 4.0), max_new_tokens=3, train_docs=40,
-                            judge_docs=10, judge_model=str(folder), max_length=24)
+                            judge_tokens=300, judge_docs=10, judge_model=str(folder), max_length=24)
     record: list = []
     lines = steering_lines(lens, tok, site, sets, config, record)
     assert seen and all(t in train_texts for t in seen)  # the concept and diff-of-means see train documents only
@@ -80,11 +80,19 @@ def test_steering_lines_judge_like_sklearn_and_select_on_train_only(tiny, monkey
     assert [ln.metric.split(": ")[0].split(" ")[-1] for ln in steer] == labels
     assert all([name for name, _ in ln.baselines] == ["random direction", "diff-of-means", "prompt prefix"]
                for ln in steer)
-    assert sum(ln.extractor == "judge" for ln in lines) == 2
-    # the judge's P(label) at the chosen alpha, recomputed: sklearn on hand mean-pooled embeddings
+    assert sum(ln.extractor == "judge" for ln in lines) == 4
+    # the judge's P(label) at the chosen alpha, recomputed: sklearn on hand mean-pooled embeddings of
+    # the train-split documents the concepts were not chosen on, in the seeded order, while the
+    # token budget lasts
     task, label, judge, rows = record[0]
-    full = data.load(task, "test")
-    order = act.pick(len(full), 2 * config.judge_docs, config.seed + 1)[:config.judge_docs]
+    full = data.load(task, "train")
+    chosen_on = set(act.pick(len(full), config.train_docs, config.seed))
+    order, used = [], 0
+    for i in torch.randperm(len(full), generator=torch.Generator().manual_seed(config.seed + 1)).tolist():
+        if i not in chosen_on and used < config.judge_tokens:
+            order.append(i)
+            used += len(tok(full.texts[i], truncation=True, max_length=24)["input_ids"])
+    assert len(order) > 5 and not chosen_on & set(order)
     names = [full.label_names[act.label_of(full, i, False)] for i in order]
 
     def pooled(texts):
@@ -102,4 +110,11 @@ def test_steering_lines_judge_like_sklearn_and_select_on_train_only(tiny, monkey
     line = steer[0]
     assert line.value.value == pytest.approx(expected, abs=1e-5)
     assert judge.classes == list(reference.classes_)
+    test = data.load(task, "test")  # the judge's held-out accuracy: the reference's on test-split documents
+    held = act.pick(len(test), config.judge_docs, config.seed + 1)
+    right = reference.predict(pooled([test.texts[i] for i in held])) == [test.label_names[test.labels[i]]
+                                                                          if isinstance(test.labels[i], int)
+                                                                          else test.labels[i] for i in held]
+    accuracy = next(ln for ln in lines if ln.metric == f"{task} judge held-out accuracy")
+    assert accuracy.value.value == pytest.approx(float(np.mean(right)))
     assert not math.isnan(line.value.low) and line.value.low <= line.value.value <= line.value.high

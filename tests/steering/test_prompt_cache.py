@@ -1,0 +1,52 @@
+"""The cached prompt forward against the uncached references: generations (unsteered and
+steered at generated positions) equal `sweep._generate` on the same rows without a cache, and
+perplexity equals `continuation_perplexity` prompt by prompt."""
+
+from __future__ import annotations
+
+import torch
+
+from conceptlens.steering import Add
+from conceptlens.steering.compare import RowsAdd
+from conceptlens.steering.prompt_cache import PromptCache
+from conceptlens.steering.sweep import _generate, _left_padded
+from conceptlens.steering.sweep_scores import Generation, continuation_perplexity
+from tests.steering.test_sweep import PROMPTS, setup  # noqa: F401  (fixture)
+
+
+def test_generations_equal_uncached_ones_unsteered_and_steered(setup):
+    model, tok, lens = setup
+    cached = PromptCache(model, tok, PROMPTS)
+    kwargs = {"do_sample": False, "max_new_tokens": 6}
+    plain = _generate(model, tok, _left_padded(tok, PROMPTS), PROMPTS, kwargs, logits=False)
+    assert [g.text for g in cached.unsteered(model, tok, max_new_tokens=6)] == [g.text for g in plain]
+    g = torch.Generator().manual_seed(0)
+    directions = torch.randn(2, model.config.hidden_size, generator=g)
+    for alpha in (1.0, 8.0):
+        edit = RowsAdd(directions, len(PROMPTS), alpha, norm=1.0, site="blocks.1.resid_out")
+        with lens.steer(edit, positions="generated"):
+            fast = cached.generate(model, tok, 2, max_new_tokens=6)
+        for r in range(2):  # each direction alone, each prompt alone, no cache
+            alone = Add(directions[r], alpha, scale="robust_norm", norm=1.0, site="blocks.1.resid_out")
+            for p, prompt in enumerate(PROMPTS):
+                with lens.steer(alone, positions="generated"):
+                    (ref,) = _generate(model, tok, _left_padded(tok, [prompt]), [prompt], kwargs, logits=False)
+                got = fast[r * len(PROMPTS) + p]
+                assert got.prompt == prompt and got.tokens.tolist() == ref.tokens.tolist()
+    assert [g.text for g in fast[:3]] != [g.text for g in plain]  # alpha 8 does steer
+
+
+def test_perplexity_equals_the_uncached_reading_prompt_by_prompt(setup):
+    model, tok, _ = setup
+    cached = PromptCache(model, tok, PROMPTS)
+    ids = lambda text: torch.tensor(tok(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    continuations = ["w9 w10 w11", "", "w3", "w50 w50 w50 w50 w50", "w7 w8", "w60 w61 w62 w63"]
+    generations = [Generation(PROMPTS[i % 3], c, ids(c) if c else torch.zeros(0, dtype=torch.long),
+                              torch.zeros(0)) for i, c in enumerate(continuations)]
+    got = cached.perplexity(model, generations)
+    for i, gen in enumerate(generations):
+        (ref,) = continuation_perplexity(model, tok, [gen])
+        if not continuations[i]:
+            assert got[i].isnan() and ref.isnan()
+        else:
+            torch.testing.assert_close(got[i], ref, rtol=1e-5, atol=0)

@@ -105,7 +105,10 @@ def set_reader(cs: Any, reading: str = "activation") -> Reader:
     if reading == "activation" or cs.method in CLASSES:
         return concept_encoder(cs).encode
     act = concept_activations(cs)
-    return lambda x: F.one_hot(act.assign_fn(act.encode(x.float()), x.float()), len(cs)).float()
+    assign = act.assign_fn
+    if assign is None:
+        raise ValueError(f"a {cs.method!r} set assigns no concept to a token; read it with reading='activation'")
+    return lambda x: F.one_hot(assign(act.encode(x.float()), x.float()), len(cs)).float()
 
 
 def control_reader(cs: Any, n: int, seed: int, reading: str = "activation") -> Reader:

@@ -150,7 +150,7 @@ class ConceptDescriber(ExtractorBase):
             s["assign_count"] += assigned
         s["norm_sum"] += x.norm(dim=1).sum(dtype=torch.float64)
         step = max(1, -(-n_rows // self.config.coact_rows))  # co-activation on evenly strided rows
-        if entries is None:
+        if key32 is not None:  # dense: the order key was built (exactly when entries were not)
             s["fire_count"] += self.activations.fire_count(z, x)
             s["zeros"] += torch.count_nonzero(key32 == 0, dim=0)
             _count_bins(s["hist"], key32)
@@ -159,7 +159,7 @@ class ConceptDescriber(ExtractorBase):
             s["sub_rows"] += sub.shape[0]
             s["sub_sum"] += sub.sum(0)
             _add_outer(s["sub_outer"], sub, self.activations.sparse)
-        else:
+        elif entries is not None:
             _count_entries(s, entries, n_rows, step)
         if "doc_sum" in s:
             last = tokens.first_doc + ids.shape[0]

@@ -99,7 +99,8 @@ class BatchTopKSAE(TopKSAE):
     def _select(self, pre: Tensor) -> tuple[Tensor, Tensor]:
         """batch_topk_relu's picks as (rows, latents), sorted (grouped by row)."""
         budget = min(self.config.k * pre.shape[0], pre.numel())
-        kept = batch_topk_candidates(pre, budget)
+        # the candidate path reads counts on the host: CPU only (a GPU step never waits for the device)
+        kept = batch_topk_candidates(pre, budget) if pre.device.type == "cpu" else None
         if kept is None:  # no sure threshold from the sample, or a tie at the cut: the whole batch
             kept = pre.relu().flatten().topk(budget, sorted=False).indices.sort().values
         return kept // pre.shape[1], kept % pre.shape[1]

@@ -11,8 +11,7 @@ import argparse
 
 from conceptlens import models
 from conceptlens.metrics.capture_qk import qk_capture
-from conceptlens.metrics.gauge import AUDIT_METRICS
-from conceptlens.metrics.gauge_audit import gauge_audit
+from conceptlens.metrics.gauge_audit import AUDIT_METRICS, gauge_audit
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--model", default="smollm2-135m")

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "gauge": ["QueryKeyMoments", "key_distance", "score_cosine", "qk_spectrum", "qk_singular_values",
-              "key_cosine", "key_norm", "key_pca_explained", "AUDIT_METRICS", "AuditMetric"],
-    "gauge_audit": ["gauge_audit", "AuditReport", "GaugeTransform", "random_gauge", "apply_gauge", "gauged"],
+              "key_cosine", "key_norm", "key_pca_explained"],
+    "gauge_audit": ["AUDIT_METRICS", "AuditMetric", "gauge_audit", "AuditReport", "GaugeTransform", "random_gauge", "apply_gauge", "gauged"],
     "capture_qk": ["qk_capture", "QKCapture"],
     "quality": ["probe_loss", "ProbeResult", "fit_logistic_1d", "mppc", "effective_rank", "max_pairwise_cosine",
                 "fvu", "l0", "dead_fraction", "ce_loss_recovered", "lda_directions", "LDADirections",
@@ -38,10 +38,10 @@ __all__ = sorted(_MODULE_OF)
 
 if TYPE_CHECKING:
     from conceptlens.metrics.capture_qk import QKCapture, qk_capture
-    from conceptlens.metrics.gauge import (AUDIT_METRICS, AuditMetric, QueryKeyMoments, key_cosine, key_distance,
-                                           key_norm, key_pca_explained, qk_singular_values, qk_spectrum, score_cosine)
-    from conceptlens.metrics.gauge_audit import (AuditReport, GaugeTransform, apply_gauge, gauge_audit, gauged,
-                                                 random_gauge)
+    from conceptlens.metrics.gauge import (QueryKeyMoments, key_cosine, key_distance, key_norm, key_pca_explained,
+                                           qk_singular_values, qk_spectrum, score_cosine)
+    from conceptlens.metrics.gauge_audit import (AUDIT_METRICS, AuditMetric, AuditReport, GaugeTransform, apply_gauge,
+                                                 gauge_audit, gauged, random_gauge)
     from conceptlens.metrics.hierarchy import CoactivationStats, build_dag, dag_depth, export_dag
     from conceptlens.metrics.hierarchy_eval import (HierarchyScores, graph_activations, hierarchy_scores,
                                                     monosemanticity)

@@ -21,7 +21,7 @@ the mean squared change of the scaled score q.k / sqrt(d_head).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -288,31 +288,3 @@ def key_pca_explained(k: Tensor, r: int) -> Tensor:
     centred = (k - k.mean(0)).transpose(0, 1)  # (H, N, d_head)
     var = torch.linalg.svdvals(centred) ** 2  # (H, min(N, d_head)), descending
     return (var[:, :r] / var.sum(-1, keepdim=True)).to(dtype)
-
-
-# Metrics a gauge audit compares before and after a gauge: (q, k) of one layer -> a tensor.
-AuditMetric = Callable[[Tensor, Tensor], Tensor]
-
-
-def _key_pairs(k: Tensor, m: int = 64) -> tuple[Tensor, Tensor]:
-    """All pairs i < j among the first m keys: two `(P, H_kv, d_head)` tensors."""
-    i, j = torch.triu_indices(min(len(k), m), min(len(k), m), offset=1)
-    return k[i], k[j]
-
-
-def _moments(q: Tensor, k: Tensor) -> QueryKeyMoments:
-    moments = QueryKeyMoments()
-    moments.update(q, k)
-    return moments
-
-
-AUDIT_METRICS: dict[str, AuditMetric] = {
-    "key_norm": lambda q, k: key_norm(k),
-    "key_cosine": lambda q, k: key_cosine(*_key_pairs(k)),
-    "key_pca": lambda q, k: key_pca_explained(k, r=min(4, k.shape[-1])),
-    "key_distance": lambda q, k: key_distance(*_key_pairs(k), _moments(q, k).S_q),
-    "score_cosine": lambda q, k: score_cosine(*_key_pairs(k), _moments(q, k).S_q),
-    "qk_spectrum": lambda q, k: qk_spectrum(_moments(q, k).S_q, _moments(q, k).S_k),
-}
-"""Built-in audited metrics; q: `(N, H, d_head)`, k: `(N, H_kv, d_head)` of the same tokens.
-The first three are gauge-dependent, the last three invariant."""

@@ -15,15 +15,44 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
 
 from conceptlens.metrics.capture_qk import QKCapture, qk_capture
-from conceptlens.metrics.gauge import AUDIT_METRICS, AuditMetric
+from conceptlens.metrics.gauge import (QueryKeyMoments, key_cosine, key_distance, key_norm, key_pca_explained,
+                                       qk_spectrum, score_cosine)
 from conceptlens.metrics.gauge_group import GaugeTransform, Group, _projections, random_gauge
 from conceptlens.metrics.gauge_group import GROUPS as GROUPS  # re-exported, importable from here as before
+
+
+# Metrics a gauge audit compares before and after a gauge: (q, k) of one layer -> a tensor.
+AuditMetric = Callable[[Tensor, Tensor], Tensor]
+
+
+def _key_pairs(k: Tensor, m: int = 64) -> tuple[Tensor, Tensor]:
+    """All pairs i < j among the first m keys: two `(P, H_kv, d_head)` tensors."""
+    i, j = torch.triu_indices(min(len(k), m), min(len(k), m), offset=1)
+    return k[i], k[j]
+
+
+def _moments(q: Tensor, k: Tensor) -> QueryKeyMoments:
+    moments = QueryKeyMoments()
+    moments.update(q, k)
+    return moments
+
+
+AUDIT_METRICS: dict[str, AuditMetric] = {
+    "key_norm": lambda q, k: key_norm(k),
+    "key_cosine": lambda q, k: key_cosine(*_key_pairs(k)),
+    "key_pca": lambda q, k: key_pca_explained(k, r=min(4, k.shape[-1])),
+    "key_distance": lambda q, k: key_distance(*_key_pairs(k), _moments(q, k).S_q),
+    "score_cosine": lambda q, k: score_cosine(*_key_pairs(k), _moments(q, k).S_q),
+    "qk_spectrum": lambda q, k: qk_spectrum(_moments(q, k).S_q, _moments(q, k).S_k),
+}
+"""Built-in audited metrics; q: `(N, H, d_head)`, k: `(N, H_kv, d_head)` of the same tokens.
+The first three are gauge-dependent, the last three invariant."""
 
 
 @torch.no_grad()

@@ -15,8 +15,7 @@ from transformers import (
 )
 
 from conceptlens.metrics.capture_qk import qk_capture
-from conceptlens.metrics.gauge import AUDIT_METRICS
-from conceptlens.metrics.gauge_audit import apply_gauge, gauge_audit, gauged, random_gauge
+from conceptlens.metrics.gauge_audit import AUDIT_METRICS, apply_gauge, gauge_audit, gauged, random_gauge
 
 INVARIANT = ("key_distance", "score_cosine", "qk_spectrum")
 

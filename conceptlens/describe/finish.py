@@ -52,6 +52,13 @@ def nearest(scores: Tensor, m: int, first: int = 0) -> tuple[Tensor, Tensor]:
     return top.indices, top.values
 
 
+def nearest_direction(unit: Tensor, m: int, chunk: int = 512) -> tuple[Tensor, Tensor]:
+    """`nearest(unit @ unit.T, m)` for unit directions `(n, d)`, a block of rows at a time (no (n, n)
+    product and copy: 2 x 4 GB at 32k concepts)."""
+    parts = [nearest(rows @ unit.T, m, i) for i, rows in zip(range(0, len(unit), chunk), unit.split(chunk))]
+    return torch.cat([ids for ids, _ in parts]), torch.cat([values for _, values in parts])
+
+
 def nearest_coactive(sums: dict[str, Tensor], sparse: bool, m: int, chunk: int = 512) -> tuple[Tensor, Tensor]:
     """`nearest(coactivation(sums, sparse), m)`, a block of rows at a time (no (n, n) float64 copies)."""
     n = len(sums["sub_sum"])

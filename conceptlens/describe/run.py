@@ -189,7 +189,7 @@ def finish(d: ConceptDescriber, *, name: str, lens: AttachedModel, tokenizer: An
              "top_values": top_values, "top_doc": top_doc, "top_pos": top_pos,
              "map_xy": fin.map_xy(d.activations.directions)}
     unit = d.activations.directions
-    stats["nearest_direction"], stats["nearest_direction_cos"] = fin.nearest(unit @ unit.T, o.n_nearest)
+    stats["nearest_direction"], stats["nearest_direction_cos"] = fin.nearest_direction(unit, o.n_nearest)
     stats["nearest_coact"], stats["nearest_coact_score"] = fin.nearest_coactive(s, d.activations.sparse,
                                                                                 o.n_nearest)
     w_u = unembedding(lens, _site(cs), cs.d)

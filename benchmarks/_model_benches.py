@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 
@@ -35,7 +34,9 @@ def _rounds(fns: dict, rounds: int, device) -> dict[str, list[float]]:
 
 
 def _interleaved(fns: dict, rounds: int, device) -> dict[str, float]:
-    return {name: statistics.median(t) for name, t in _rounds(fns, rounds, device).items()}
+    """Best time of each function over interleaved rounds (as the fit and describe rows: a median of
+    3 rounds moved the capture row by 5% between runs, more than the cost it measures)."""
+    return {name: min(t) for name, t in _rounds(fns, rounds, device).items()}
 
 
 def capture(ctx: Context) -> None:

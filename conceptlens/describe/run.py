@@ -196,8 +196,8 @@ def finish(d: ConceptDescriber, *, name: str, lens: AttachedModel, tokenizer: An
     tokens = None
     if w_u is not None:
         stats |= fin.logit_tokens(unit, w_u, min(o.n_tokens, w_u.shape[0]))
-        vocab = fin.whole(tokenizer, torch.cat([stats["promoted_ids"], stats["suppressed_ids"]]).unique().tolist(),
-                          known)
+        shown = torch.cat([stats["promoted_ids"], stats["suppressed_ids"]]).view(-1)
+        vocab = fin.whole(tokenizer, torch.bincount(shown).nonzero().squeeze(1).tolist(), known)  # unique, no sort
         tokens = {k: [[vocab[i] for i in row] for row in stats[f"{k}_ids"].tolist()] for k in ("promoted", "suppressed")}
     entropy = None
     if classes is not None:

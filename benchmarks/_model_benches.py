@@ -23,9 +23,11 @@ def _texts(n: int) -> list[str]:
 
 
 def _rounds(fns: dict, rounds: int, device) -> dict[str, list[float]]:
-    """Seconds of each function in interleaved rounds (after one untimed call each): drift hits all alike."""
-    for fn in fns.values():
-        fn()
+    """Seconds of each function in interleaved rounds: drift hits all alike. One untimed call of the
+    first function warms what they share (the model's pages, BLAS and allocator); a function's own
+    first-call cost falls in its first round, which the best of the rounds leaves out (an untimed
+    call of each was a third of a quick run's fit and describe sections)."""
+    next(iter(fns.values()))()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():

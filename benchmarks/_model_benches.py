@@ -36,8 +36,8 @@ def _rounds(fns: dict, rounds: int, device) -> dict[str, list[float]]:
 
 
 def _interleaved(fns: dict, rounds: int, device) -> dict[str, float]:
-    """Best time of each function over interleaved rounds (as the fit and describe rows: a median of
-    3 rounds moved the capture row by 5% between runs, more than the cost it measures)."""
+    """Best time of each function over interleaved rounds, as the fit and describe rows (a median of
+    3 rounds moves with one slow round by more than the 5% a capture row measures)."""
     return {name: min(t) for name, t in _rounds(fns, rounds, device).items()}
 
 

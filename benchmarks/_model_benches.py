@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 
@@ -24,9 +23,11 @@ def _texts(n: int) -> list[str]:
 
 
 def _rounds(fns: dict, rounds: int, device) -> dict[str, list[float]]:
-    """Seconds of each function in interleaved rounds (after one untimed call each): drift hits all alike."""
-    for fn in fns.values():
-        fn()
+    """Seconds of each function in interleaved rounds: drift hits all alike. One untimed call of the
+    first function warms what they share (the model's pages, BLAS and allocator); a function's own
+    first-call cost falls in its first round, which the best of the rounds leaves out (an untimed
+    call of each was a third of a quick run's fit and describe sections)."""
+    next(iter(fns.values()))()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -35,7 +36,9 @@ def _rounds(fns: dict, rounds: int, device) -> dict[str, list[float]]:
 
 
 def _interleaved(fns: dict, rounds: int, device) -> dict[str, float]:
-    return {name: statistics.median(t) for name, t in _rounds(fns, rounds, device).items()}
+    """Best time of each function over interleaved rounds, as the fit and describe rows (a median of
+    3 rounds moves with one slow round by more than the 5% a capture row measures)."""
+    return {name: min(t) for name, t in _rounds(fns, rounds, device).items()}
 
 
 def capture(ctx: Context) -> None:

@@ -52,6 +52,13 @@ def nearest(scores: Tensor, m: int, first: int = 0) -> tuple[Tensor, Tensor]:
     return top.indices, top.values
 
 
+def nearest_direction(unit: Tensor, m: int, chunk: int = 512) -> tuple[Tensor, Tensor]:
+    """`nearest(unit @ unit.T, m)` for unit directions `(n, d)`, a block of rows at a time (no (n, n)
+    product and copy: 2 x 4 GB at 32k concepts)."""
+    parts = [nearest(rows @ unit.T, m, i) for i, rows in zip(range(0, len(unit), chunk), unit.split(chunk))]
+    return torch.cat([ids for ids, _ in parts]), torch.cat([values for _, values in parts])
+
+
 def nearest_coactive(sums: dict[str, Tensor], sparse: bool, m: int, chunk: int = 512) -> tuple[Tensor, Tensor]:
     """`nearest(coactivation(sums, sparse), m)`, a block of rows at a time (no (n, n) float64 copies)."""
     n = len(sums["sub_sum"])
@@ -63,15 +70,17 @@ def coactivation(sums: dict[str, Tensor], sparse: bool, rows: slice = slice(None
     """Jaccard of firing (sparse sets) or Pearson correlation of activations (dense sets), `(n, n)`
     (its `rows` only when given)."""
     outer, total, seen = sums["sub_outer"].cpu(), sums["sub_sum"].cpu(), float(sums["sub_rows"])
-    diagonal, part = outer.diagonal().double(), outer[rows].double()
+    diagonal, part = outer.diagonal().double(), outer[rows].to(torch.float64, copy=True)  # worked on in place
     if sparse:
-        union = diagonal[rows, None] + diagonal[None, :] - part
-        return torch.where(union > 0, part / union.clamp(min=1e-12), 0.0)
+        union = (diagonal[rows, None] + diagonal[None, :]).sub_(part)
+        empty = ~(union > 0)
+        return part.div_(union.clamp_(min=1e-12)).masked_fill_(empty, 0.0)
     mean = total / max(seen, 1.0)
-    cov = part / max(seen, 1.0) - mean[rows, None] * mean[None, :]
+    cov = part.div_(max(seen, 1.0)).sub_(mean[rows, None] * mean[None, :])
     std = (diagonal / max(seen, 1.0) - mean * mean).clamp(min=0).sqrt()
     denom = std[rows, None] * std[None, :]
-    return torch.where(denom > 0, cov / denom.clamp(min=1e-300), 0.0)
+    empty = ~(denom > 0)
+    return cov.div_(denom.clamp_(min=1e-300)).masked_fill_(empty, 0.0)
 
 
 def map_xy(directions: Tensor) -> Tensor:
@@ -103,8 +112,9 @@ def logit_tokens(directions: Tensor, unembedding: Tensor, p: int, chunk: int = 5
     w = unembedding.detach().float().cpu()
     out: dict[str, list[Tensor]] = {k: [] for k in ("promoted_ids", "promoted_logit", "suppressed_ids",
                                                      "suppressed_logit")}
+    buffer = torch.empty(min(chunk, len(unit)), w.shape[0])  # one (chunk, V) buffer: no fresh 100 MB per chunk
     for rows in unit.split(chunk):
-        logits = rows @ w.T  # (chunk, V)
+        logits = torch.matmul(rows, w.T, out=buffer[: len(rows)])  # (chunk, V)
         for name, largest in (("promoted", True), ("suppressed", False)):
             ids, values = row_extremes(logits, p, largest)
             out[f"{name}_ids"].append(ids)
@@ -178,11 +188,12 @@ def used_slots(describer: ConceptDescriber) -> tuple[Tensor, Tensor, Tensor]:
     return values.masked_fill(unused, -math.inf), doc.masked_fill(unused, -1), pos.masked_fill(unused, -1)
 
 
-def decode_contexts(describer: ConceptDescriber, tokenizer: Any) -> list[dict[str, Any]]:
+def decode_contexts(describer: ConceptDescriber, tokenizer: Any,
+                    known: dict[int, str] | None = None) -> list[dict[str, Any]]:
     """contexts.jsonl lines: each concept's top windows, trimmed to their document, tokens decoded,
     activations to 5 significant digits. Only the used slots (those before a concept's first unused
     one) are read back and decoded; a window's chips are grouped only when one of its tokens is part
-    of a character."""
+    of a character. `known`: token texts decoded already (see `decoder`)."""
     top = describer.top
     values, doc, pos = used_slots(describer)
     used = (doc >= 0).int().cumprod(1).bool()  # (n, k)
@@ -192,7 +203,7 @@ def decode_contexts(describer: ConceptDescriber, tokenizer: Any) -> list[dict[st
     scale = torch.pow(10.0, 4 - magnitude)
     acts = torch.where(acts == 0, 0.0, torch.round(acts * scale) / scale)
     present = ids[ids >= 0]
-    vocab = decoder(tokenizer, torch.bincount(present).nonzero().squeeze(1).tolist() if len(present) else [])
+    vocab = decoder(tokenizer, torch.bincount(present).nonzero().squeeze(1).tolist() if len(present) else [], known)
     broken = {t for t, text in vocab.items() if REPLACEMENT in text}
     left = top.window[0]
     all_ids, all_acts = ids.tolist(), acts.tolist()
@@ -200,9 +211,12 @@ def decode_contexts(describer: ConceptDescriber, tokenizer: Any) -> list[dict[st
 
     def context(r: int) -> dict[str, Any]:
         row = all_ids[r]
-        kept = [t for t in row if t >= 0]
-        kept_acts = [a for a, t in zip(all_acts[r], row) if t >= 0]
-        center = left - next(i for i, t in enumerate(row) if t >= 0)
+        if min(row) >= 0:  # a window inside its document (most): every token kept
+            kept, kept_acts, center = row, all_acts[r], left
+        else:
+            kept = [t for t in row if t >= 0]
+            kept_acts = [a for a, t in zip(all_acts[r], row) if t >= 0]
+            center = left - next(i for i, t in enumerate(row) if t >= 0)
         if broken and not broken.isdisjoint(kept):
             tokens, kept_acts, center = chips(tokenizer, kept, kept_acts, center, vocab)
         else:
@@ -269,17 +283,23 @@ def _byte_of_character() -> dict[str, int]:
     return {ch: b for b, ch in bytes_to_unicode().items()}
 
 
-def decoder(tokenizer: Any, ids: Sequence[int]) -> dict[int, str]:
+def decoder(tokenizer: Any, ids: Sequence[int], known: dict[int, str] | None = None) -> dict[int, str]:
     """Token id -> its text (`tokenizer.decode([id])`; the id in angle brackets when it cannot decode).
     A token that decodes to U+FFFD alone (part of a character) keeps that text here: `chips` groups
-    it with its neighbours in a context, `whole` (used for single tokens) shows its bytes."""
+    it with its neighbours in a context, `whole` (used for single tokens) shows its bytes. `known`:
+    texts of this tokenizer decoded before (filled here; a pass shares one across its sets, whose
+    contexts and promoted tokens repeat ids: a Python call per id was most of the decoding)."""
     decode = getattr(tokenizer, "decode", None)
     if not callable(decode):
         return {i: f"<{i}>" for i in ids}
-    return {i: decode([i]) for i in ids}
+    known = {} if known is None else known
+    for i in ids:
+        if i not in known:
+            known[i] = decode([i])
+    return {i: known[i] for i in ids}
 
 
-def whole(tokenizer: Any, ids: Sequence[int]) -> dict[int, str]:
+def whole(tokenizer: Any, ids: Sequence[int], known: dict[int, str] | None = None) -> dict[int, str]:
     """Token id -> text for tokens shown alone (promoted / suppressed, largest norms); a part of a
     character shows its bytes."""
-    return {i: byte_text(tokenizer, i) if REPLACEMENT in t else t for i, t in decoder(tokenizer, ids).items()}
+    return {i: byte_text(tokenizer, i) if REPLACEMENT in t else t for i, t in decoder(tokenizer, ids, known).items()}

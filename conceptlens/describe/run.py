@@ -79,13 +79,14 @@ def describe(lens: AttachedModel, concept_sets: Mapping[str, ConceptSet], data: 
     report = run_fit(lens, plan, texts, tokenizer=tokenizer, config=streaming)
     options = options or FinishOptions()
     results = {}
+    known: dict[int, str] = {}  # token texts decoded for one set, reused by the next
     for name, d in describers.items():
         results[name] = finish(d, name=name, lens=lens, tokenizer=tokenizer,
                                classes=None if classes is None else (classes[0][skip_documents:], classes[1]),
-                               options=options)
+                               options=options, known=known)
         site = _site(d.concepts)
         watch = next(w.norms for w in plan[site].values() if w.norms is not None)
-        results[name].info["norms"] = {**watch.summary(lambda ids: fin.whole(tokenizer, ids)),
+        results[name].info["norms"] = {**watch.summary(lambda ids: fin.whole(tokenizer, ids, known)),
                                        "filtered": report.rows.get(site, {}), "filter_ratio": filters.max_norm_ratio}
         if steering is not None:
             results[name].info["steering"] = steering_samples(lens, tokenizer, d.concepts, name,
@@ -170,8 +171,10 @@ def unembedding(lens: AttachedModel, site: str, width: int) -> torch.Tensor | No
 
 
 def finish(d: ConceptDescriber, *, name: str, lens: AttachedModel, tokenizer: Any,
-           classes: tuple[list[int], list[str]] | None = None, options: FinishOptions | None = None) -> Description:
-    """The Description of one describer's state (see ATLAS_FORMAT.md)."""
+           classes: tuple[list[int], list[str]] | None = None, options: FinishOptions | None = None,
+           known: dict[int, str] | None = None) -> Description:
+    """The Description of one describer's state (see ATLAS_FORMAT.md); `known`: token texts decoded
+    before with this tokenizer (see `finish.decoder`), filled here."""
     o, cs, n = options or FinishOptions(), d.concepts, d.n
     if d.sums is None:
         raise ValueError(f"concept set {name!r} saw no tokens: nothing to describe (more data or a smaller "
@@ -186,20 +189,21 @@ def finish(d: ConceptDescriber, *, name: str, lens: AttachedModel, tokenizer: An
              "top_values": top_values, "top_doc": top_doc, "top_pos": top_pos,
              "map_xy": fin.map_xy(d.activations.directions)}
     unit = d.activations.directions
-    stats["nearest_direction"], stats["nearest_direction_cos"] = fin.nearest(unit @ unit.T, o.n_nearest)
+    stats["nearest_direction"], stats["nearest_direction_cos"] = fin.nearest_direction(unit, o.n_nearest)
     stats["nearest_coact"], stats["nearest_coact_score"] = fin.nearest_coactive(s, d.activations.sparse,
                                                                                 o.n_nearest)
     w_u = unembedding(lens, _site(cs), cs.d)
     tokens = None
     if w_u is not None:
         stats |= fin.logit_tokens(unit, w_u, min(o.n_tokens, w_u.shape[0]))
-        vocab = fin.whole(tokenizer, torch.cat([stats["promoted_ids"], stats["suppressed_ids"]]).unique().tolist())
+        shown = torch.cat([stats["promoted_ids"], stats["suppressed_ids"]]).view(-1)
+        vocab = fin.whole(tokenizer, torch.bincount(shown).nonzero().squeeze(1).tolist(), known)  # unique, no sort
         tokens = {k: [[vocab[i] for i in row] for row in stats[f"{k}_ids"].tolist()] for k in ("promoted", "suppressed")}
     entropy = None
     if classes is not None:
         stats["probe_loss"], h = fin.class_probes(s["doc_sum"], s["doc_rows"], classes[0], len(classes[1]))
         entropy = {c: (None if math.isnan(v) else v) for c, v in zip(classes[1], h.tolist())}
-    contexts = fin.decode_contexts(d, tokenizer)
+    contexts = fin.decode_contexts(d, tokenizer, known)
     info = {"name": name, "site": cs.site, "method": cs.method, "model": cs.model or lens.name, "n_concepts": n,
             "tokens": d.rows, "documents": d.documents, "first_document": d.first_document, "top_n": d.top.k,
             "window": list(d.top.window), "hist_edges_kind": "per-concept", "activation": d.activations.kind,

@@ -210,3 +210,62 @@ def test_sparse_batches_from_their_nonzeros_equal_the_dense_path(signed, monkeyp
     for key in dense:
         assert torch.equal(dense[key], sparse[key]), key
     assert dense["sums.sub_outer"].sum() > 0 and (dense["sums.zeros"] > 0).all()
+
+
+def test_nearest_direction_in_blocks_of_rows_equals_the_whole_product():
+    from conceptlens.describe.finish import nearest, nearest_direction
+
+    g = torch.Generator().manual_seed(8)
+    unit = torch.nn.functional.normalize(torch.randn(13, 6, generator=g), dim=1)
+    unit[7] = unit[2]  # an equal pair: cosine 1 off the diagonal
+    ref = nearest(unit @ unit.T, 4)
+    ids, values = nearest_direction(unit, 4, chunk=5)  # 3 blocks of rows, the last one short
+    assert torch.equal(ids, ref[0]) and torch.equal(values, ref[1])
+    assert ids[2, 0] == 7 and ids[7, 0] == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_coactivation_equals_its_definition_and_leaves_the_sums_alone(dtype):
+    """Jaccard (sparse) and Pearson (dense, a constant column: 0) as written out, bit for bit."""
+    from conceptlens.describe.finish import coactivation
+
+    g = torch.Generator().manual_seed(9)
+    z = torch.randn(40, 7, generator=g).clamp(min=0)
+    z[:, 3] = 0.0  # never fires: union 0, std 0
+    for sparse, sub in ((True, (z > 0).to(dtype)), (False, z.to(dtype))):
+        sums = {"sub_outer": sub.T @ sub, "sub_sum": sub.double().sum(0), "sub_rows": torch.tensor(40)}
+        before = {k: v.clone() for k, v in sums.items()}
+        outer, diagonal = sums["sub_outer"].double(), sums["sub_outer"].diagonal().double()
+        if sparse:
+            union = diagonal[:, None] + diagonal[None, :] - outer
+            ref = torch.where(union > 0, outer / union.clamp(min=1e-12), 0.0)
+        else:
+            mean = sums["sub_sum"] / 40.0
+            cov = outer / 40.0 - mean[:, None] * mean[None, :]
+            std = (diagonal / 40.0 - mean * mean).clamp(min=0).sqrt()
+            denom = std[:, None] * std[None, :]
+            ref = torch.where(denom > 0, cov / denom.clamp(min=1e-300), 0.0)
+        assert torch.equal(coactivation(sums, sparse), ref)
+        assert torch.equal(coactivation(sums, sparse, slice(2, 5)), ref[2:5])
+        assert all(torch.equal(sums[k], before[k]) for k in sums)
+        assert (ref[3] == 0).all() and ref[0, 0] > 0
+
+
+def test_texts_decoded_once_per_pass_are_the_same_texts():
+    from conceptlens.describe.finish import decoder, whole
+
+    class Counting:
+        calls = 0
+
+        def decode(self, ids):
+            Counting.calls += 1
+            return "\ufffd" if ids[0] == 3 else f"t{ids[0]}"
+
+        def convert_ids_to_tokens(self, i):
+            return "<0xE2>"
+
+    tok, known = Counting(), {}
+    assert decoder(tok, [1, 2, 3], known) == decoder(tok, [1, 2, 3])
+    Counting.calls = 0
+    assert whole(tok, [3, 2, 5], known) == whole(Counting(), [3, 2, 5]) == {3: "<0xE2>", 2: "t2", 5: "t5"}
+    assert Counting.calls == 1 + 3  # only id 5 was new to `known`; the second call decoded all three

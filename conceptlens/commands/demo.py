@@ -33,9 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bbc-news articles of the k-sparse probe table (train split, test split)")
     parser.add_argument("--probe-length", type=positive_int, default=64, help="tokens per probed article")
     parser.add_argument("--probe-draws", type=positive_int, default=5, help="draws of the matched random control")
-    parser.add_argument("--probe-read", choices=("activation", "code"), default="activation",
-                        help="read sets by their activations or by their codes (TopK code, assigned concept); "
-                             "the control through the same nonlinearity")
+    parser.add_argument("--probe-read", choices=("activation", "code"), default="code",
+                        help="read sets by their codes (TopK code, assigned concept; SAEBench reads an SAE's code), "
+                             "the control through the same nonlinearity, or by their activations (default: code)")
     parser.add_argument("--ce-docs", type=positive_int, default=16,
                         help="held-out articles of CE-loss recovered (next to zero- and mean-ablation)")
     parser.add_argument("--topic", default="sports", help="the topic whose best concept steers the prompt")

@@ -19,6 +19,7 @@ import torch
 
 from conceptlens.commands._args import count, nonempty_text, out_dir, positive_int
 from conceptlens.commands.demo_steer import PROMPTS
+from conceptlens.evaluate.readings import READINGS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bbc-news articles of the k-sparse probe table (train split, test split)")
     parser.add_argument("--probe-length", type=positive_int, default=64, help="tokens per probed article")
     parser.add_argument("--probe-draws", type=positive_int, default=5, help="draws of the matched random control")
-    parser.add_argument("--probe-read", choices=("activation", "code"), default="code",
+    parser.add_argument("--probe-read", choices=READINGS, default="code",
                         help="read sets by their codes (TopK code, assigned concept; SAEBench reads an SAE's code), "
                              "the control through the same nonlinearity, or by their activations (default: code)")
     parser.add_argument("--ce-docs", type=positive_int, default=16,

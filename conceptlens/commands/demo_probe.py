@@ -35,7 +35,7 @@ def probe_rows(lens: Any, tok: Any, sets: dict[str, Any], site: str, *, n_train:
 
 
 def topic_lines(train: Any, test: Any, class_names: list[str], *, k: int = 5, seed: int = 0,
-                reading: str = "activation") -> list[Line]:
+                reading: str = "code") -> list[Line]:
     """One line per (set, topic): the k-sparse probe next to its matched control, diff-of-means and the
     full probe (`evaluate.probing.probing_lines` with `by_task`)."""
     from conceptlens.evaluate.probing import probing_lines
@@ -45,6 +45,7 @@ def topic_lines(train: Any, test: Any, class_names: list[str], *, k: int = 5, se
 
 def _topic(line: Line) -> str:
     return line.metric.split(" ")[0]
+
 
 def format_topics(lines: list[Line]) -> str:
     """Topics down, sets across: `value [interval]` over the control's, and the verdict; then the

@@ -52,7 +52,7 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
     for name in ("deleuzian", "topk", "kmeans"):
         assert f"\n{name}: " in table  # the plain verdict per set
         assert table.count(f"\n{name}: ") == 2  # and again for the other reading
-    assert "(--probe-read code):" in table
+    assert "(--probe-read activation):" in table  # codes by default, the other reading summed up after
     recon = printed[printed.index("Reconstruction spliced"):]
     assert "| topk | CE loss recovered |" in recon and "mean-ablation" in recon and "zero-ablation" in recon
     if "no steering example" not in printed:

@@ -216,6 +216,8 @@ def test_eval_command_on_smollm2_with_an_sae_set(tmp_path, capsys):
             "dense fraction (>10% of tokens)", "movie-polarity k=1 accuracy", "movie-polarity k=2 accuracy"} <= set(rows), out
     assert rows["L0"][0].startswith("4.0000 [4.0000, 4.0000]")
     assert "mean-ablation" in rows["CE loss recovered"][1] and "random 32 dirs" in rows["movie-polarity k=1 accuracy"][1]
+    # both readings by default: the SAE's TopK code against a random TopK encoder of its width
+    assert rows["movie-polarity k=2 accuracy, codes"][1].startswith("random 32 dirs, codes")
     assert math.isfinite(float(rows["CE loss recovered"][0].split()[0]))
     # every printed figure is saved in the run folder, with the per-concept scores the table leaves out
     from conceptlens.evaluate.results import load_results

@@ -19,6 +19,7 @@ import torch
 
 from conceptlens.commands._args import count, nonempty_text, out_dir, positive_int
 from conceptlens.commands.demo_steer import PROMPTS
+from conceptlens.evaluate.readings import READINGS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,11 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bbc-news articles of the k-sparse probe table (train split, test split)")
     parser.add_argument("--probe-length", type=positive_int, default=64, help="tokens per probed article")
     parser.add_argument("--probe-draws", type=positive_int, default=5, help="draws of the matched random control")
-    parser.add_argument("--probe-pool", choices=("mean", "max"), default="mean",
-                        help="how a document's token activations become its probe row (set and control alike)")
-    parser.add_argument("--probe-read", choices=("activation", "code"), default="activation",
-                        help="read sets by their activations or by their codes (TopK code, assigned concept); "
-                             "the control through the same nonlinearity")
+    parser.add_argument("--probe-read", choices=READINGS, default="code",
+                        help="read sets by their codes (TopK code, assigned concept; SAEBench reads an SAE's code), "
+                             "the control through the same nonlinearity, or by their activations (default: code)")
     parser.add_argument("--ce-docs", type=positive_int, default=16,
                         help="held-out articles of CE-loss recovered (next to zero- and mean-ablation)")
     parser.add_argument("--topic", default="sports", help="the topic whose best concept steers the prompt")
@@ -231,18 +230,19 @@ def _probe(lens, tok, report, args: argparse.Namespace):
     site = next(iter(sets.values())).site
     _, rows = demo_probe.run_probes(lens, tok, sets, site, n_train=args.probe_docs[0], n_test=args.probe_docs[1],
                                     max_length=args.probe_length, draws=args.probe_draws, seed=args.seed,
-                                    pool=args.probe_pool, reading=args.probe_read)
+                                    reading=args.probe_read)
     demo_probe.reconstruction(lens, tok, sets, args.ce_docs, args.seed)
     return rows
 
 
 def _steer(lens, tok, descriptions, labels, rows, args: argparse.Namespace, out: Path) -> None:
     from conceptlens import data
-    from conceptlens.commands import demo_probe, demo_steer
+    from conceptlens.commands import demo_steer
     from conceptlens.commands._common import load_model
     from conceptlens.evaluate.activations import pick
     from conceptlens.commands.demo_quality import best_per_class
     from conceptlens.concepts.conceptset import ConceptSet
+    from conceptlens.evaluate.steering import diff_of_means
     from conceptlens.steering.judge import TopicJudge
     from conceptlens.steering.units import robust_norm
 
@@ -268,7 +268,7 @@ def _steer(lens, tok, descriptions, labels, rows, args: argparse.Namespace, out:
     cs = ConceptSet.load(out / "concepts" / name)
     directions = {f"{name}:{concept}" + (" centred" if cs.mean is not None else ""):
                   (cs.centred() if cs.mean is not None else cs).directions[concept],
-                  "diff-of-means": demo_probe.diff_of_means(rows, train.label_names.index(args.topic))}
+                  "diff-of-means": diff_of_means(rows, train.label_names.index(args.topic))}
     g = torch.Generator().manual_seed(2_000_003 + args.seed)
     directions["random"] = torch.randn(cs.d, generator=g)
     if tok.pad_token_id is None:

@@ -1,199 +1,50 @@
 """The demo's probe table: per topic, each set's k-sparse probe against matched random directions.
 
-    train, test = probe_rows(lens, tok, site, n_train=240, n_test=444, max_length=64)
-    lines = topic_lines(train, test, sets, class_names, k=5, draws=5)
-    print(format_topics(lines)); print(summary(lines))
+    lines, train = run_probes(lens, tok, sets, site, n_train=240, n_test=444, max_length=64, draws=5, seed=0)
 
-SAEBench's k-sparse probe (`evaluate.probing`) on one balanced one-vs-rest task per bbc-news
-topic: the k concepts with the largest mean difference on the train-split documents, a logistic
-regression on them, its accuracy on held-out test-split documents (bootstrap interval over
-those documents). The control has as many candidate directions as the set has concepts, drawn
-at random `draws` times and read the way the set's concepts are read (`control_reader`); its
-interval pools the draws and the document replicates (`bootstrap_draws`). Site activations are
-captured once per token and every set is read from them, so adding sets costs no model pass.
+The suite's probing part (`evaluate.probing`, sets and controls read by `evaluate.readings`) with
+one line per bbc-news topic: a balanced one-vs-rest task per topic, the k concepts with the
+largest mean difference on the train-split documents, a logistic regression on them, its accuracy
+on held-out test-split documents (bootstrap interval over those documents), next to as many random
+directions as the set has concepts read the same way (`draws` draws, the interval pooling draws
+and document replicates) and the full probe on every coordinate (the supervised ceiling). One
+capture pass per split reads every set by both readings, so the second costs no model pass.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any
 
-import torch
-from torch import Tensor
-
-from conceptlens.evaluate.bootstrap import bootstrap, bootstrap_draws
 from conceptlens.evaluate.lines import Line, verdict
+from conceptlens.evaluate.readings import READ_NOTE, READINGS
+
+TASK = "bbc-news"
+CEILING = "full probe"
 
 
-class Rows(NamedTuple):
-    x: Tensor
-    """`(N, d)` site activations of every kept token (the attention sink left out)"""
-    doc: Tensor
-    """`(N,)` each token's document"""
-    y: Tensor
-    """`(D,)` each document's class id"""
+def probe_rows(lens: Any, tok: Any, sets: dict[str, Any], site: str, *, n_train: int, n_test: int, max_length: int,
+               draws: int, seed: int) -> tuple[Any, Any, list[str]]:
+    """bbc-news train and test rows (`evaluate.activations.Probed`, documents mean-pooled) with every
+    set read by every reading next to its control draws, and the topic names."""
+    from conceptlens.evaluate.readings import probe_readers
+    from conceptlens.evaluate.suite import SuiteConfig, capture_task
+
+    config = SuiteConfig(suites=("probing",), tasks=(TASK,), max_length=max_length, random_draws=draws, seed=seed)
+    readers = probe_readers(sets, READINGS, draws=draws, seed=seed)
+    return capture_task(lens, tok, site, readers, TASK, config, docs=(n_train, n_test))
 
 
-def probe_rows(lens: Any, tok: Any, site: str, split: str, n: int, max_length: int, seed: int,
-               batch_size: int = 16) -> Rows:
-    """Token activations at `site` of `n` bbc-news documents of `split` (a seeded draw)."""
-    from conceptlens import data
-    from conceptlens.evaluate import activations as act
+def topic_lines(train: Any, test: Any, class_names: list[str], *, k: int = 5, seed: int = 0,
+                reading: str = "code") -> list[Line]:
+    """One line per (set, topic): the k-sparse probe next to its matched control, diff-of-means and the
+    full probe (`evaluate.probing.probing_lines` with `by_task`)."""
+    from conceptlens.evaluate.probing import probing_lines
 
-    full = data.load("bbc-news", split)
-    picked = act.pick(len(full), n, seed)
-    texts = [full.texts[i] for i in picked]
-    labels = [act.label_of(full, i, False) for i in picked]
-    xs, docs = [], []
-
-    def keep(x: Tensor, doc: Tensor) -> None:
-        xs.append(x.float())
-        docs.append(doc)
-
-    act.collect(lens, site, {}, act.task_batches(tok, texts, labels, token_level=False, tag_ids={},
-                                                 batch_size=batch_size, max_length=max_length), keep)
-    return Rows(torch.cat(xs), torch.cat(docs), torch.tensor(labels))
+    return probing_lines(TASK, train, test, class_names, reading=reading, ks=(k,), seed=seed, by_task=True)
 
 
-def doc_means(z: Tensor, doc: Tensor, n_docs: int) -> Tensor:
-    """`(n_docs, n)` mean of the rows `z` `(N, n)` of each document."""
-    total = torch.zeros(n_docs, z.shape[1], dtype=torch.float64).index_add_(0, doc, z.double())
-    return (total / torch.bincount(doc, minlength=n_docs).clamp_min(1)[:, None]).float()
-
-
-def doc_max(z: Tensor, doc: Tensor, n_docs: int) -> Tensor:
-    """`(n_docs, n)` largest value of each column over the rows `z` `(N, n)` of each document (0 without rows)."""
-    out = torch.full((n_docs, z.shape[1]), -torch.inf).scatter_reduce_(0, doc[:, None].expand_as(z), z.float(), "amax")
-    return torch.where(torch.isinf(out), 0.0, out)
-
-
-POOLS = {"mean": doc_means, "max": doc_max}
-"""How a document's token activations become its one probe row (the same for a set and its control)."""
-
-
-Reader = Callable[[Tensor], Tensor]
-
-READINGS = ("activation", "code")
-"""How the probe reads a set and its control (`set_reader`, `control_reader`): "activation" is the
-suite's definition (`concept_encoder`: an SAE's code; the cosine to the centred direction for
-dense sets), its control the linear reading of random directions; "code" reads every set by its
-nonlinear code, its control through the same nonlinearity: an SAE's TopK code against a random
-TopK encoder (same width, k and decoder bias), a dense set's assigned concept (one-hot; nearest
-centre for k-means, largest cosine otherwise, `describe.activations`) against the random
-direction of largest cosine."""
-
-
-READ_NOTE = {"activation": "concepts read by their activations (an SAE's code, a dense concept's cosine), "
-                           "random directions by projection or cosine",
-             "code": "concepts read by their codes (an SAE's TopK code, a dense set's assigned concept), random "
-                     "directions through the same nonlinearity (a random TopK encoder, the largest cosine)"}
-
-
-def _check_reading(reading: str) -> None:
-    if reading not in READINGS:
-        raise ValueError(f"unknown probe reading {reading!r}; choose one of {', '.join(READINGS)}")
-
-
-def set_reader(cs: Any, reading: str = "activation") -> Reader:
-    """`cs`'s concepts as the probe reads them (see `READINGS`)."""
-    import torch.nn.functional as F
-
-    from conceptlens.concepts.sae.restore import CLASSES
-    from conceptlens.describe.activations import concept_activations
-    from conceptlens.evaluate.activations import concept_encoder
-
-    _check_reading(reading)
-    if reading == "activation" or cs.method in CLASSES:
-        return concept_encoder(cs).encode
-    act = concept_activations(cs)
-    assign = act.assign_fn
-    if assign is None:
-        raise ValueError(f"a {cs.method!r} set assigns no concept to a token; read it with reading='activation'")
-    return lambda x: F.one_hot(assign(act.encode(x.float()), x.float()), len(cs)).float()
-
-
-def control_reader(cs: Any, n: int, seed: int, reading: str = "activation") -> Reader:
-    """`n` random directions of the site read as `cs`'s concepts are. "activation": by the cosine to
-    the direction centred on the set's mean for dense sets (`describe.activations`), by the
-    projection on unit directions for sets with their own encoder (SAEs), as the suite does.
-    "code": through the set's nonlinearity (see `READINGS`)."""
-    import torch.nn.functional as F
-
-    from conceptlens.concepts.conceptset import ConceptSet
-    from conceptlens.concepts.sae.restore import CLASSES
-    from conceptlens.concepts.sae.topk import topk_relu
-    from conceptlens.evaluate.activations import concept_encoder
-    from conceptlens.evaluate.probing import random_directions
-
-    _check_reading(reading)
-    directions = random_directions(n, cs.d, seed)
-    if reading == "code" and cs.method in CLASSES:
-        b_dec = cs.encoder["b_dec"].float()
-        k = cs.config.get("k")
-        if k is None:
-            return lambda x: torch.relu((x.float() - b_dec) @ directions.T)
-        return lambda x: topk_relu((x.float() - b_dec) @ directions.T, min(int(k), n))
-    if cs.mean is None:
-        linear: Reader = lambda x: x @ directions.T
-    else:
-        randoms = ConceptSet(directions, cs.site, method="random", mean=cs.mean, config={"centred": True})
-        linear = concept_encoder(randoms).encode
-    if reading == "code":
-        return lambda x: F.one_hot(linear(x).argmax(1), n).float()
-    return linear
-
-
-def _per_topic(read: Reader, train: Rows, test: Rows, tasks: list, k: int, pool: str) -> list[Tensor]:
-    """Per task, `(test docs, 2)` (correct, count) of the k-sparse probe on `read`'s pooled documents."""
-    from conceptlens.evaluate.probing import sparse_probe_accuracy
-
-    z_train = POOLS[pool](read(train.x), train.doc, len(train.y))
-    z_test = POOLS[pool](read(test.x), test.doc, len(test.y))
-    docs = torch.arange(len(test.y))
-    return [sparse_probe_accuracy(z_train, z_test, [t], k, docs, len(test.y)) for t in tasks]
-
-
-def _ceiling(train: Rows, test: Rows, tasks: list, pool: str) -> list[Tensor]:
-    """Per task, `(test docs, 2)` (correct, count) of the supervised ceiling: a logistic probe on every
-    coordinate of the pooled site activations (`evaluate.probing.fit_logistic`)."""
-    from conceptlens.evaluate.bootstrap import per_document
-    from conceptlens.evaluate.probing import fit_logistic
-
-    x_train = POOLS[pool](train.x, train.doc, len(train.y))
-    x_test = POOLS[pool](test.x, test.doc, len(test.y))
-    out = []
-    for t in tasks:
-        pred = torch.from_numpy(fit_logistic(x_train[t.train], t.y_train).predict(x_test[t.test].double().numpy()))
-        rows = torch.stack([(pred == t.y_test).double(), torch.ones(len(pred), dtype=torch.float64)], 1)
-        out.append(per_document(rows, t.test, len(test.y)))
-    return out
-
-
-def topic_lines(train: Rows, test: Rows, sets: dict[str, Any], class_names: list[str], *, k: int = 5,
-                draws: int = 5, seed: int = 0, pool: str = "mean", reading: str = "activation") -> list[Line]:
-    """One line per (set, topic): the set's k-sparse probe accuracy next to its matched control and
-    the supervised ceiling (`_ceiling`), documents pooled by `pool` (a key of `POOLS`) for all, set
-    and control read by `reading` (one of `READINGS`)."""
-    if pool not in POOLS:
-        raise ValueError(f"unknown pooling {pool!r}; choose one of {', '.join(POOLS)}")
-    _check_reading(reading)
-    from conceptlens.evaluate.probing import binary_tasks, mean_accuracy
-
-    tasks = binary_tasks(train.y, test.y, class_names, seed)
-    ceilings = [bootstrap(c, mean_accuracy, seed=seed) for c in _ceiling(train, test, tasks, pool)]
-    lines = []
-    for name, cs in sets.items():
-        ours = _per_topic(set_reader(cs, reading), train, test, tasks, k, pool)
-        controls = [_per_topic(control_reader(cs, len(cs), seed + 1 + r, reading), train, test, tasks, k, pool)
-                    for r in range(draws)]
-        for i, t in enumerate(tasks):
-            control = bootstrap_draws([c[i] for c in controls], mean_accuracy, seed=seed)
-            lines.append(Line(name, f"{t.name} k={k} accuracy", bootstrap(ours[i], mean_accuracy, seed=seed),
-                              [(f"random {len(cs)} dirs x{draws}", control), (CEILING, ceilings[i])],
-                              f"{len(t.test)} test documents"))
-    return lines
-
-
-CEILING = "full probe, all coordinates"
+def _topic(line: Line) -> str:
+    return line.metric.split(" ")[0]
 
 
 def format_topics(lines: list[Line]) -> str:
@@ -205,7 +56,7 @@ def format_topics(lines: list[Line]) -> str:
     width = 34
     out = [f"{'':<24}" + "".join(f"{s:>{width}}" for s in sets)]
     for topic in topics:
-        ours, control = f"  {topic:<22}", f"  {'  matched random':<22}"
+        ours, control = f"  {topic.split(',')[0]:<22}", f"  {'  matched random':<22}"
         for s in sets:
             ln = cell.get((s, topic))
             if ln is None:
@@ -227,7 +78,7 @@ def summary(lines: list[Line]) -> str:
     out = []
     for name in dict.fromkeys(ln.extractor for ln in lines):
         mine = [ln for ln in lines if ln.extractor == name]
-        short = [ln.metric.split(" ")[0] + f" ({verdict(ln)})" for ln in mine if verdict(ln) != "wins"]
+        short = [f"{_topic(ln)} ({verdict(ln)})" for ln in mine if verdict(ln) != "wins"]
         if not short:
             out.append(f"{name}: beats matched random directions on every topic, outside the intervals")
         else:
@@ -244,42 +95,28 @@ def _room(lines: list[Line]) -> str:
     for ln in lines:
         ceiling = dict(ln.baselines).get(CEILING)
         if ceiling is not None:
-            cells.append(f"{ln.metric.split(' ')[0]} {ceiling.value - ln.baselines[0][1].high:+.3f}")
+            cells.append(f"{_topic(ln)} {ceiling.value - ln.baselines[0][1].high:+.3f}")
     return ", ".join(cells) or "no ceiling measured"
 
 
-def diff_of_means(rows: Rows, label: int) -> Tensor:
-    """The steering baseline from the probe's train rows (no model pass of its own): the mean document
-    activation of `label`'s documents minus the others' (`evaluate.steering.diff_of_means`)."""
-    from conceptlens.evaluate.activations import Probed
-    from conceptlens.evaluate.steering import diff_of_means as of_probed
-
-    docs = torch.arange(len(rows.y))
-    return of_probed(Probed(doc_means(rows.x, rows.doc, len(rows.y)), {}, rows.y, docs), label)
-
-
 def run_probes(lens: Any, tok: Any, sets: dict[str, Any], site: str, *, n_train: int, n_test: int,
-               max_length: int, draws: int, seed: int, k: int = 5, pool: str = "mean",
-               reading: str = "activation") -> tuple[list[Line], Rows]:
+               max_length: int, draws: int, seed: int, k: int = 5, reading: str = "code") -> tuple[list[Line], Any]:
     """Capture the probe documents, print the per-topic table and its plain summary, then the summary
     of the other reading (`READINGS`, on the same rows); the lines and the train rows (which the
     demo's steering baseline reuses)."""
-    from conceptlens import data
-
-    names = list(data.load("bbc-news", "test").label_names)
     print(f"\nk = {k} sparse probe per topic (SAEBench's protocol) on held-out documents: concepts chosen and "
           f"probes fitted on {n_train} train-split articles, scored on {n_test} test-split articles (first "
-          f"{max_length} tokens each, {pool}-pooled, balanced one-vs-rest); control: as many random directions as "
+          f"{max_length} tokens each, mean-pooled, balanced one-vs-rest); control: as many random directions as "
           f"the set has concepts, read and pooled the same way, {draws} draws; 95% bootstrap intervals over test "
           f"documents; {READ_NOTE[reading]}")
-    train = probe_rows(lens, tok, site, "train", n_train, max_length, seed)
-    test = probe_rows(lens, tok, site, "test", n_test, max_length, seed)
-    lines = topic_lines(train, test, sets, names, k=k, draws=draws, seed=seed, pool=pool, reading=reading)
+    train, test, names = probe_rows(lens, tok, sets, site, n_train=n_train, n_test=n_test, max_length=max_length,
+                                    draws=draws, seed=seed)
+    lines = topic_lines(train, test, names, k=k, seed=seed, reading=reading)
     print(format_topics(lines))
     print(summary(lines))
     other = next(r for r in READINGS if r != reading)
     print(f"The same probes, {READ_NOTE[other]} (--probe-read {other}):")
-    print(summary(topic_lines(train, test, sets, names, k=k, draws=draws, seed=seed, pool=pool, reading=other)))
+    print(summary(topic_lines(train, test, names, k=k, seed=seed, reading=other)))
     return lines, train
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from conceptlens.commands._args import count, existing_dir, positive_int, seed
 from conceptlens.evaluate.probing import KS
+from conceptlens.evaluate.readings import READINGS
 from conceptlens.evaluate.suite import DEFAULT_SUITES, PROBE_TASKS, SUITES, SuiteConfig
 from conceptlens.evaluate.synthetic_data import SyntheticConfig
 
@@ -55,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-classes", type=positive_int, default=8, help="wsj-pos: probe the most frequent tags only")
     parser.add_argument("--ks", type=_ks, default=KS, help="k of the k-sparse probes (default: 1,2,5,20)")
     parser.add_argument("--random-draws", type=positive_int, default=5, help="draws of the random-direction control")
+    parser.add_argument("--probe-read", type=_choices(READINGS, "reading"), default=READINGS,
+                        help="probing: read sets (and their controls the same way) by their activations, by their "
+                             f"codes (an SAE's TopK code against a random TopK encoder), or both (default: "
+                             f"{','.join(READINGS)})")
     parser.add_argument("--ce-docs", type=positive_int, default=32, help="held-out documents of the reconstruction part")
     parser.add_argument("--absorption-words", type=positive_int, default=2000, help="vocabulary tokens of absorption")
     parser.add_argument("--probe-candidates", type=count, default=16,
@@ -125,6 +130,7 @@ def _run_folder(args: argparse.Namespace, suites: tuple[str, ...]) -> None:
     config = SuiteConfig(suites=suites, tasks=args.tasks, max_docs=args.max_docs, max_length=args.max_length,
                          batch_size=args.batch_size, max_classes=args.max_classes, recon_docs=args.ce_docs,
                          absorption_words=args.absorption_words, ks=args.ks, random_draws=args.random_draws,
+                         readings=args.probe_read,
                          probe_candidates=args.probe_candidates or None, concept_top=args.concept_top, seed=args.seed,
                          progress=not args.no_progress)
     sets, folders = _sets(args.run_dir, args.concepts)

@@ -16,7 +16,7 @@ is always left out (as fits leave it out).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -165,11 +165,14 @@ class Probed(NamedTuple):
 
 
 @torch.no_grad()
-def collect(lens: AttachedModel, site: str, encoders: dict[str, ConceptEncoder],
+def collect(lens: AttachedModel, site: str, encoders: Mapping[str, ConceptEncoder | Callable[[Tensor], Tensor]],
             batches: Iterable[tuple[dict[str, Tensor], Tensor]],
             on_tokens: Callable[[Tensor, Tensor], None] | None = None) -> Probed:
-    """Activations at `site` of every batch -> probe rows for every set in `encoders`;
-    `on_tokens(x, doc)` also sees every token (`(N, d)` rows and their document ids)."""
+    """Activations at `site` of every batch -> probe rows for every set in `encoders` (ConceptEncoders,
+    or plain `(N, d) -> (N, n)` readers such as `readings.probe_readers`'); `on_tokens(x, doc)` also
+    sees every token (`(N, d)` rows and their document ids)."""
+    read: dict[str, Callable[[Tensor], Tensor]] = {
+        name: enc.encode if isinstance(enc, ConceptEncoder) else enc for name, enc in encoders.items()}
     xs, ys, docs = [], [], []
     zs: dict[str, list[Tensor]] = {name: [] for name in encoders}
     device = next(lens.model.parameters()).device
@@ -182,24 +185,30 @@ def collect(lens: AttachedModel, site: str, encoders: dict[str, ConceptEncoder],
             x, rows = x[inner], meta.row.cpu()[inner]
             if on_tokens is not None and len(x):
                 on_tokens(x, rows + offset)
-            z = {name: enc.encode(x) for name, enc in encoders.items()}
             if labels.ndim == 1:  # one label per document: mean over its tokens
-                count = torch.bincount(rows, minlength=len(labels))
-                has = count > 0
-                xs.append(_doc_means(x, rows, count)[has])
-                for name in encoders:
-                    zs[name].append(_doc_means(z[name], rows, count)[has])
-                ys.append(labels[has])
-                docs.append(torch.arange(len(labels))[has] + offset)
+                part = pool_documents(read, x, rows, labels)
+                part = part._replace(doc=part.doc + offset)
             else:
                 y = labels[meta.keep.cpu()][inner]
-                xs.append(x[y >= 0])
-                for name in encoders:
-                    zs[name].append(z[name][y >= 0])
-                ys.append(y[y >= 0])
-                docs.append(rows[y >= 0] + offset)
+                x, rows, y = x[y >= 0], rows[y >= 0], y[y >= 0]
+                part = Probed(x, {name: f(x) for name, f in read.items()}, y, rows + offset)
+            xs.append(part.x)
+            for name in read:
+                zs[name].append(part.z[name])
+            ys.append(part.y)
+            docs.append(part.doc)
             offset += len(labels)
     return Probed(torch.cat(xs), {name: torch.cat(v) for name, v in zs.items()}, torch.cat(ys), torch.cat(docs))
+
+
+def pool_documents(readers: Mapping[str, Callable[[Tensor], Tensor]], x: Tensor, doc: Tensor, y: Tensor) -> Probed:
+    """Token rows `x` `(N, d)` of documents `doc` `(N,)` (ids into the labels `y` `(D,)`) -> one row per
+    document with tokens: its mean site activation and the mean of every reader's `(N, n)` output
+    (each token read, then pooled, as SAEBench mean-pools latent activations)."""
+    count = torch.bincount(doc, minlength=len(y))
+    has = count > 0
+    z = {name: _doc_means(f(x), doc, count)[has] for name, f in readers.items()}
+    return Probed(_doc_means(x, doc, count)[has], z, y[has], torch.arange(len(y))[has])
 
 
 def _doc_means(v: Tensor, rows: Tensor, count: Tensor) -> Tensor:

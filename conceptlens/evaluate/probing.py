@@ -2,17 +2,19 @@
 
     tasks = binary_tasks(train.y, test.y, class_names)            # one-vs-rest, balanced
     probe = fit_sparse_probe(z_train, y_train, k=5)              # top-5 mean difference + logistic
-    lines = probing_lines("bbc-news", train, test, class_names, ks=(1, 2, 5, 20))
+    readers = readings.probe_readers(sets, draws=5)              # the rows' columns: sets and controls
+    lines = probing_lines("bbc-news", train, test, class_names, reading="code", ks=(1, 2, 5, 20))
 
 For each binary task the k latents with the largest |mean(class 1) - mean(class 0)| on the
 train split are kept and a logistic regression (scikit-learn, C = 1, on features standardised
 with the train mean and deviation) is fitted on them; the figure is its test accuracy, averaged
-over a set's binary tasks. Multi-class sets become one-vs-rest tasks; each task is balanced by
-subsampling its larger side (seeded), in train and test, so chance is 0.5 (SAEBench balances
-its tasks too). Controls, on the same rows: the same k-sparse probe on as many random unit
-directions of the site as the set has concepts (several draws), the diff-of-means direction of
-the train split (one feature), and a logistic probe on all raw activations (the supervised
-ceiling). Intervals: bootstrap over test documents (`bootstrap`).
+over a set's binary tasks (or per task, `by_task`). Multi-class sets become one-vs-rest tasks;
+each task is balanced by subsampling its larger side (seeded), in train and test, so chance is
+0.5 (SAEBench balances its tasks too). Controls, on the same rows: the same k-sparse probe on as
+many random unit directions of the site as the set has concepts, read as the set is read
+(`readings`: by activations, or by codes through the same nonlinearity; several draws), the
+diff-of-means direction of the train split (one feature), and a logistic probe on all raw
+activations (the supervised ceiling). Intervals: bootstrap over test documents (`bootstrap`).
 
 `concept_probe_lines` scores single concepts for the atlas's concept pages: per task, each of the
 `top` latents with the largest mean difference alone (a 1-feature probe; the k = 1 probe when it
@@ -25,12 +27,12 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from conceptlens.evaluate.activations import Probed
 from conceptlens.evaluate.bootstrap import Estimate, bootstrap, bootstrap_draws, per_document
 from conceptlens.evaluate.lines import Line
+from conceptlens.evaluate.readings import check_reading, column, random_directions
 
 KS = (1, 2, 5, 20)
 RANDOM_DRAWS = 5
@@ -131,35 +133,57 @@ def _dense_accuracy(train: Probed, test: Probed, tasks: list[BinaryTask], n_docs
     return _correct_per_doc(tasks, preds, test.doc, n_docs)
 
 
-def random_directions(n: int, d: int, seed: int) -> Tensor:
-    """`(n, d)` unit directions drawn uniformly on the sphere."""
-    return F.normalize(torch.randn(n, d, generator=torch.Generator().manual_seed(seed)), dim=1)
+def controls_of(probed: Probed, name: str, reading: str) -> list[str]:
+    """The `Probed.z` columns of set `name`'s control draws under `reading` (`readings.probe_readers`)."""
+    found: list[str] = []
+    while column(name, reading, len(found)) in probed.z:
+        found.append(column(name, reading, len(found)))
+    if not found:
+        raise ValueError(f"no control columns for {name!r} read by {reading!r}: collect the rows with "
+                         "readings.probe_readers(sets, ...) as the encoders")
+    return found
 
 
-def probing_lines(task: str, train: Probed, test: Probed, class_names: list[str], *, ks: Sequence[int] = KS,
-                  draws: int = RANDOM_DRAWS, seed: int = 0) -> list[Line]:
-    """Test accuracy of every set's k-sparse probe per k, next to its matched random control,
-    the diff-of-means direction and the full probe."""
+def set_names(probed: Probed, reading: str = "activation") -> list[str]:
+    """The sets read by `reading` in `probed` (control columns left out)."""
+    names = dict.fromkeys(key.split("/")[0] for key in probed.z)
+    return [name for name in names if column(name, reading) in probed.z]
+
+
+def _tasks_mean(js: list[int]):
+    """Statistic: the accuracy averaged over tasks `js`, from the (correct, count) columns of every task."""
+    return lambda t: torch.stack([t[..., 2 * j] / t[..., 2 * j + 1] for j in js]).mean(0)
+
+
+def probing_lines(task: str, train: Probed, test: Probed, class_names: list[str], *, reading: str = "activation",
+                  ks: Sequence[int] = KS, seed: int = 0, by_task: bool = False) -> list[Line]:
+    """Test accuracy of every set's k-sparse probe per k (averaged over the binary tasks, or one line per
+    task with `by_task`), next to its matched random control, the diff-of-means direction and the full
+    probe; sets and controls read by `reading` (columns of `readings.probe_readers`)."""
+    check_reading(reading)
     tasks = binary_tasks(train.y, test.y, class_names, seed)
     if not tasks:
         raise ValueError(f"{task}: no class has examples in both splits")
     n_docs = int(test.doc.max()) + 1
-    dom = bootstrap(_dense_accuracy(train, test, tasks, n_docs, True), mean_accuracy, seed=seed)
-    full = bootstrap(_dense_accuracy(train, test, tasks, n_docs, False), mean_accuracy, seed=seed)
+    groups = ([(f"{t.name} k={{k}} accuracy", [j]) for j, t in enumerate(tasks)] if by_task
+              else [(f"{task} k={{k}} accuracy", list(range(len(tasks))))])
+    dense = {base: _dense_accuracy(train, test, tasks, n_docs, base == "diff-of-means")
+             for base in ("diff-of-means", "full probe")}
+    suffix = "" if reading == "activation" else f", {reading}s"
     note = f"{len(tasks)} balanced binary task(s), {int(np.mean([len(t.test) for t in tasks]))} test rows each"
-    lines, controls = [], {}
-    for name, z_train in train.z.items():
+    lines = []
+    for name in set_names(train, reading):
+        z_train, z_test = train.z[column(name, reading)], test.z[column(name, reading)]
+        controls = controls_of(train, name, reading)
         n = z_train.shape[1]
-        if n not in controls:  # sets of the same size share their control
-            rand = [random_directions(n, train.x.shape[1], seed + 1 + r) for r in range(draws)]
-            controls[n] = {k: bootstrap_draws([sparse_probe_accuracy(train.x @ r.T, test.x @ r.T, tasks, k, test.doc,
-                                                                     n_docs) for r in rand], mean_accuracy, seed=seed)
-                           for k in ks}
         for k in ks:
-            ours = bootstrap(sparse_probe_accuracy(z_train, test.z[name], tasks, k, test.doc, n_docs),
-                             mean_accuracy, seed=seed)
-            lines.append(Line(name, f"{task} k={k} accuracy", ours, [(f"random {n} dirs", controls[n][k]),
-                                                                      ("diff-of-means", dom), ("full probe", full)], note))
+            ours = sparse_probe_accuracy(z_train, z_test, tasks, k, test.doc, n_docs)
+            rand = [sparse_probe_accuracy(train.z[c], test.z[c], tasks, k, test.doc, n_docs) for c in controls]
+            for metric, js in groups:
+                stat = _tasks_mean(js)
+                bases = [(f"random {n} dirs{suffix}", bootstrap_draws(rand, stat, seed=seed))]
+                bases += [(base, bootstrap(cols, stat, seed=seed)) for base, cols in dense.items()]
+                lines.append(Line(name, metric.format(k=k) + suffix, bootstrap(ours, stat, seed=seed), bases, note))
     return lines
 
 
@@ -169,22 +193,20 @@ def _task_accuracy(j: int):
 
 
 def concept_probe_lines(task: str, train: Probed, test: Probed, class_names: list[str], *, top: int = CONCEPT_TOP,
-                        draws: int = RANDOM_DRAWS, seed: int = 0) -> list[Line]:
+                        seed: int = 0) -> list[Line]:
     """Per binary task and set, the test accuracy of each of the `top` largest-mean-difference latents
-    alone (a 1-feature probe), as lines with `concept` set; baselines: the task's k = 1 probe on as
-    many random directions (the draws of `probing_lines`) and its diff-of-means direction."""
+    alone (a 1-feature probe), as lines with `concept` set; baselines: the task's k = 1 probe on the
+    set's control draws (activation reading, as `probing_lines`) and its diff-of-means direction."""
     tasks = binary_tasks(train.y, test.y, class_names, seed)
     n_docs = int(test.doc.max()) + 1
     dom = _dense_accuracy(train, test, tasks, n_docs, True)
-    controls: dict[int, list[Tensor]] = {}
     lines = []
-    for name, z_train in train.z.items():
-        n = z_train.shape[1]
-        if n not in controls:
-            rand = [random_directions(n, train.x.shape[1], seed + 1 + r) for r in range(draws)]
-            controls[n] = [sparse_probe_accuracy(train.x @ r.T, test.x @ r.T, tasks, 1, test.doc, n_docs) for r in rand]
+    for name in set_names(train):
+        z_train, n = train.z[name], train.z[name].shape[1]
+        controls = [sparse_probe_accuracy(train.z[c], test.z[c], tasks, 1, test.doc, n_docs)
+                    for c in controls_of(train, name, "activation")]
         for j, t in enumerate(tasks):
-            bases = [(f"random {n} dirs, best 1", bootstrap_draws(controls[n], _task_accuracy(j), seed=seed)),
+            bases = [(f"random {n} dirs, best 1", bootstrap_draws(controls, _task_accuracy(j), seed=seed)),
                      ("diff-of-means", bootstrap(dom, _task_accuracy(j), seed=seed))]
             z = z_train[t.train].double()
             diff = z[t.y_train == 1].mean(0) - z[t.y_train == 0].mean(0)
@@ -199,5 +221,5 @@ def concept_probe_lines(task: str, train: Probed, test: Probed, class_names: lis
 
 
 __all__ = ["CONCEPT_TOP", "KS", "BinaryTask", "Estimate", "SparseProbe", "binary_tasks", "concept_probe_lines",
-           "fit_logistic", "fit_sparse_probe", "mean_accuracy", "probing_lines", "random_directions",
-           "sparse_probe_accuracy", "top_mean_difference"]
+           "controls_of", "fit_logistic", "fit_sparse_probe", "mean_accuracy", "probing_lines", "random_directions",
+           "set_names", "sparse_probe_accuracy", "top_mean_difference"]

@@ -26,6 +26,7 @@ from conceptlens.evaluate import activations as act
 from conceptlens.evaluate.bootstrap import Estimate
 from conceptlens.evaluate.lines import Line
 from conceptlens.evaluate.probing import CONCEPT_TOP, KS, RANDOM_DRAWS
+from conceptlens.evaluate.readings import READINGS, Reader, probe_readers
 from conceptlens.interface import AttachedModel
 
 SUITES = ("reconstruction", "probing", "absorption", "quality", "steering", "synthetic")
@@ -57,6 +58,8 @@ class SuiteConfig:
     ks: tuple[int, ...] = KS
     random_draws: int = RANDOM_DRAWS
     """draws of the random-direction control"""
+    readings: tuple[str, ...] = READINGS
+    """probing part: how sets and their controls are read (`readings`: "activation", "code")"""
     concept_top: int = CONCEPT_TOP
     """probing part: latents per task scored alone, for the atlas's concept pages (0: none)"""
     probe_candidates: int | None = 16
@@ -65,7 +68,7 @@ class SuiteConfig:
     progress: bool = False
 
     def __post_init__(self) -> None:
-        for name, valid in (("suites", SUITES), ("tasks", PROBE_TASKS)):
+        for name, valid in (("suites", SUITES), ("tasks", PROBE_TASKS), ("readings", READINGS)):
             bad = [v for v in getattr(self, name) if v not in valid]
             if bad or not getattr(self, name):
                 raise ValueError(f"unknown {name} {bad or '(none)'}; choose from {', '.join(valid)}")
@@ -141,27 +144,40 @@ def _reconstruction(lens: AttachedModel, tok: Any, site: str, decoders: Mapping[
     return reconstruction_lines(lens, site, decoders, batches("test"), (total / count).float(), config.seed)
 
 
-def _probing(lens: AttachedModel, tok: Any, site: str, encoders: Mapping[str, act.ConceptEncoder], sets: Mapping[str, ConceptSet],
-             task: str, part: str, config: SuiteConfig) -> list[Line]:
+def capture_task(lens: AttachedModel, tok: Any, site: str, readers: Mapping[str, Reader], task: str,
+                 config: SuiteConfig, docs: tuple[int, int] | None = None) -> tuple[act.Probed, act.Probed, list[str]]:
+    """Train and test rows of labelled set `task` at `site`, every reader's columns mean-pooled per
+    document (or per labelled token), and the class names. `docs`: documents drawn from each split
+    (default `config.max_docs` each)."""
     token_level = task in act.TOKEN_TASKS
-    splits = {s: _docs(task, s, config.max_docs, config.seed) for s in ("train", "test")}
+    counts = docs or (config.max_docs, config.max_docs)
+    splits = {s: _docs(task, s, n, config.seed) for s, n in zip(("train", "test"), counts)}
     tag_ids, class_names = act.label_ids(splits["train"][0], token_level, config.max_classes)
     probed = {}
     for split, (full, picked) in splits.items():
         batches = act.task_batches(tok, [full.texts[i] for i in picked],
                                    [act.label_of(full, i, token_level) for i in picked], token_level=token_level,
                                    tag_ids=tag_ids, batch_size=config.batch_size, max_length=config.max_length)
-        probed[split] = act.collect(lens, site, dict(encoders), _bar(batches, f"{task} {split}", config.progress))
-    if part == "probing":
-        from conceptlens.evaluate.probing import concept_probe_lines, probing_lines
+        probed[split] = act.collect(lens, site, dict(readers), _bar(batches, f"{task} {split}", config.progress))
+    return probed["train"], probed["test"], class_names
 
-        lines = probing_lines(task, probed["train"], probed["test"], class_names, ks=config.ks,
-                              draws=config.random_draws, seed=config.seed)
-        if config.concept_top:
-            lines += concept_probe_lines(task, probed["train"], probed["test"], class_names, top=config.concept_top,
-                                         draws=config.random_draws, seed=config.seed)
-        return lines
-    return _quality(task, probed["train"], probed["test"], sets, class_names, config)
+
+def _probing(lens: AttachedModel, tok: Any, site: str, encoders: Mapping[str, act.ConceptEncoder], sets: Mapping[str, ConceptSet],
+             task: str, part: str, config: SuiteConfig) -> list[Line]:
+    if part == "quality":
+        train, test, class_names = capture_task(lens, tok, site, {n: e.encode for n, e in encoders.items()}, task,
+                                                config)
+        return _quality(task, train, test, sets, class_names, config)
+    from conceptlens.evaluate.probing import concept_probe_lines, probing_lines
+
+    readings = tuple(dict.fromkeys(("activation", *config.readings)))  # the concept pages read activations
+    readers = probe_readers(sets, readings, draws=config.random_draws, seed=config.seed)
+    train, test, class_names = capture_task(lens, tok, site, readers, task, config)
+    lines = [ln for reading in config.readings
+             for ln in probing_lines(task, train, test, class_names, reading=reading, ks=config.ks, seed=config.seed)]
+    if config.concept_top:
+        lines += concept_probe_lines(task, train, test, class_names, top=config.concept_top, seed=config.seed)
+    return lines
 
 
 def _quality(task: str, train: act.Probed, test: act.Probed, sets: Mapping[str, ConceptSet], class_names: list[str],

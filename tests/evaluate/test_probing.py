@@ -8,7 +8,8 @@ from sklearn.preprocessing import StandardScaler
 
 from conceptlens.evaluate.activations import Probed
 from conceptlens.evaluate.lines import verdict
-from conceptlens.evaluate.probing import binary_tasks, fit_sparse_probe, probing_lines
+from conceptlens.evaluate.probing import binary_tasks, fit_sparse_probe, probing_lines, random_directions
+from conceptlens.evaluate.readings import column
 
 
 def test_sparse_probe_equals_sklearn_on_the_top_mean_difference_latents():
@@ -46,20 +47,23 @@ def test_binary_tasks_are_balanced_one_vs_rest():
     assert [t.name for t in two] == ["pos"]  # a two-class set is one task
 
 
-def _probed(seed: int, n: int = 240) -> Probed:
-    """Documents of two classes: set 'planted' has latent 5 = class + small noise; x carries the class weakly."""
+def _probed(seed: int, n: int = 240, draws: int = 3) -> Probed:
+    """Documents of two classes: set 'planted' has latent 5 = class + small noise; x carries the class weakly.
+    Its control columns: projections on 32 random directions (the activation reading of a set without a
+    mean, as `readings.control_reader` draws them; linear, so reading pooled rows equals pooling read tokens)."""
     g = torch.Generator().manual_seed(seed)
     y = torch.arange(n) % 2
     x = torch.randn(n, 16, generator=g)
     x[:, 0] += 0.3 * y
     z = torch.randn(n, 32, generator=g)
     z[:, 5] = y + 0.1 * torch.randn(n, generator=g)
-    return Probed(x, {"planted": z}, y, torch.arange(n))
+    controls = {column("planted", "activation", r): x @ random_directions(32, 16, 1 + r).T for r in range(draws)}
+    return Probed(x, {"planted": z, **controls}, y, torch.arange(n))
 
 
 def test_probing_lines_put_a_planted_latent_above_its_matched_random_control():
     train, test = _probed(0), _probed(1)
-    lines = probing_lines("toy", train, test, ["a", "b"], ks=(1, 5), draws=3)
+    lines = probing_lines("toy", train, test, ["a", "b"], ks=(1, 5))
     assert [ln.metric for ln in lines] == ["toy k=1 accuracy", "toy k=5 accuracy"]
     k1 = lines[0]
     expected = fit_sparse_probe(train.z["planted"], train.y, 1).predict(test.z["planted"])

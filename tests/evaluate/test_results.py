@@ -102,7 +102,7 @@ def test_a_malformed_file_is_refused_in_one_line_naming_the_field(tmp_path, edit
 
 def test_each_concept_alone_is_sklearns_one_feature_probe_next_to_the_tasks_controls():
     train, test = _probed(0), _probed(1)
-    lines = concept_probe_lines("toy", train, test, ["a", "b"], top=3, draws=2)
+    lines = concept_probe_lines("toy", train, test, ["a", "b"], top=3)
     assert [ln.concept for ln in lines][0] == 5 and len(lines) == 3  # the planted latent ranks first
     (task,) = binary_tasks(train.y, test.y, ["a", "b"])
     z_train, z_test = train.z["planted"][task.train].double().numpy(), test.z["planted"][task.test].double().numpy()
@@ -113,7 +113,7 @@ def test_each_concept_alone_is_sklearns_one_feature_probe_next_to_the_tasks_cont
         expected = (ref.predict(scaler.transform(z_test[:, col])) == task.y_test.numpy()).mean()
         assert ln.value.value == pytest.approx(expected) and ln.value.low <= ln.value.value <= ln.value.high
         assert [name for name, _ in ln.baselines] == ["random 32 dirs, best 1", "diff-of-means"]
-    k1 = probing_lines("toy", train, test, ["a", "b"], ks=(1,), draws=2)[0]
+    k1 = probing_lines("toy", train, test, ["a", "b"], ks=(1,))[0]
     assert lines[0].value == k1.value  # rank 1 alone is the k = 1 probe
     assert lines[0].baselines[0][1] == k1.baselines[0][1] and lines[0].baselines[1][1] == k1.baselines[1][1]
     assert lines[0].note == "rank 1 of 32 by mean difference (higher on b)"

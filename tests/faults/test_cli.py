@@ -51,6 +51,8 @@ CASES = {
     "demo-out-not-writable": (["demo", "--out", "/proc/conceptlens-run"], "--out", "not writable"),
     "eval-missing-run": (["eval", "{t}/nope", "--task", "bbc-news"], "run_dir", "does not exist"),
     "eval-bad-count": (["eval", "{t}/set", "--task", "bbc-news", "--ce-docs", "-1"], "--ce-docs"),
+    "eval-bad-reading": (["eval", "{t}/set", "--probe-read", "code,linear"], "--probe-read", "unknown reading linear",
+                         "activation, code"),
     "sweep-empty-word": (["sweep", "--direction-word", ""], "--direction-word", "empty"),
     "sweep-empty-target": (["sweep", "--concepts", "{t}/set", "--target-word", ""], "--target-word", "empty"),
     "sweep-empty-prompt": (["sweep", "--concepts", "{t}/set", "--prompts", "a", ""], "--prompts", "empty"),

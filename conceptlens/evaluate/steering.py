@@ -245,9 +245,9 @@ def against_diff_of_means(lines: list[Line]) -> str:
             counts[3] += ln.value.value < 0
     said = []
     for name, (worse, like, better, lower) in tally.items():
-        overall = ("it steers worse than the supervised vector" if worse > better else
-                   "it steers better than the supervised vector" if better > worse else
-                   "neither steers better outside the intervals")
+        overall = ("where the intervals tell them apart, it steers worse than the supervised vector" if worse > better
+                   else "where the intervals tell them apart, it steers better than the supervised vector"
+                   if better > worse else "neither steers better where the intervals tell them apart")
         said.append(f"{name}: its chosen concept steers worse than diff-of-means on {worse} of {worse + like + better} "
                     f"labels, like it on {like}, better on {better} (paired 95% intervals over the prompts; lower on "
                     f"{lower} by the point value): {overall}")

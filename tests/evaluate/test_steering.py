@@ -46,11 +46,11 @@ def test_against_diff_of_means_counts_paired_verdicts_by_hand():
              Line("judge", "bbc-news judge held-out accuracy", Estimate(0.9, 0.8, 1.0), [])]
     said = against_diff_of_means(lines).splitlines()
     assert said == ["topk: its chosen concept steers worse than diff-of-means on 2 of 3 labels, like it on 1, better "
-                    "on 0 (paired 95% intervals over the prompts; lower on 3 by the point value): it steers worse "
-                    "than the supervised vector",
+                    "on 0 (paired 95% intervals over the prompts; lower on 3 by the point value): where the intervals "
+                    "tell them apart, it steers worse than the supervised vector",
                     "kmeans: its chosen concept steers worse than diff-of-means on 0 of 1 labels, like it on 0, better "
-                    "on 1 (paired 95% intervals over the prompts; lower on 0 by the point value): it steers better "
-                    "than the supervised vector"]
+                    "on 1 (paired 95% intervals over the prompts; lower on 0 by the point value): where the intervals "
+                    "tell them apart, it steers better than the supervised vector"]
 
 
 @pytest.fixture(scope="module")

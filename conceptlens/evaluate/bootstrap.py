@@ -64,6 +64,17 @@ def bootstrap_draws(per_doc: Sequence[Tensor], statistic: Statistic, *, draws: i
     return _interval(value, torch.cat([statistic(weights @ p.double()) for p in per_doc]))
 
 
+def paired_difference(a: Tensor, b: Tensor, statistic: Statistic, *, draws: int = DRAWS, seed: int = 0) -> Estimate:
+    """statistic(a) - statistic(b) of two figures on the same documents (`(D, m)` each, row i of both
+    the same document), with a paired interval: each replicate draws the documents once for both."""
+    if a.shape != b.shape:
+        raise ValueError(f"paired figures need the same documents and columns; got shapes {tuple(a.shape)} "
+                         f"and {tuple(b.shape)}")
+    m = a.shape[1]
+    return bootstrap(torch.cat([a, b], 1), lambda t: statistic(t[..., :m]) - statistic(t[..., m:]), draws=draws,
+                     seed=seed)
+
+
 def per_document(values: Tensor, doc: Tensor, n_docs: int) -> Tensor:
     """Sums `(n_docs, m)` of row values `(N, m)` (or `(N,)`) by their document ids `(N,)`."""
     values = values.double().reshape(len(values), -1)

@@ -24,6 +24,10 @@ the unsteered model and with at most half their token 3-grams repeated, `best_wi
 with a bootstrap interval over prompts at that alpha. A direction leaves the sweep at its first
 alpha over the budget. The alpha is chosen
 on the same prompts, which flatters every swept row alike (not the prefix row).
+Every row is judged on the same prompts, so each set's row also gets its difference to the
+diff-of-means row and to the random row (each at its own best alpha) with a paired bootstrap: a
+replicate draws the prompts once for both rows. Its verdict (against no difference) says whether
+the concept steers worse than, like, or better than that row outside the interval.
 """
 
 from __future__ import annotations
@@ -35,20 +39,30 @@ from typing import Any, Mapping
 import torch
 
 from conceptlens.evaluate import activations as act
-from conceptlens.evaluate.bootstrap import Estimate, bootstrap
-from conceptlens.evaluate.lines import Line
+from conceptlens.evaluate.bootstrap import Estimate, bootstrap, paired_difference
+from conceptlens.evaluate.lines import Line, verdict
 from conceptlens.interface import AttachedModel
 
 TASKS = {"bbc-news": "Write about {}. ", "movie-polarity": "Write something {}. "}
 """Labelled sets whose labels are steered toward, and the prompting baseline's prefix."""
 PROMPTS = ("My favourite recipe for a quick dinner is", "The weather this morning was",
-           "I opened the letter from my bank and", "Yesterday I finally cleaned the garage and",
-           "The best way to learn a new language is", "My neighbour's cat keeps")
+           "Yesterday I finally cleaned the garage and", "The best way to learn a new language is",
+           "My neighbour's cat keeps", "After lunch we walked along the river and",
+           "In the back of the kitchen drawer I found", "The instructions for the bookshelf said to",
+           "My grandmother always kept a jar of", "When the kettle boiled, she",
+           "The path through the forest led to", "Every Sunday morning my brother",
+           "I planted tomatoes in the garden and", "The old house at the end of the street",
+           "Before going to bed, I usually", "The bus stopped at the corner and")
+"""Unrelated, neutral openings: no news topic, no sentiment (the judge reads only the continuation)."""
+PAIRED = ("diff-of-means", "random")
+"""Rows each set's row is compared with, paired over the prompts."""
+NAN = Estimate(math.nan, math.nan, math.nan)
 
 
 @dataclass
 class SteeringConfig:
-    prompts: tuple[str, ...] = PROMPTS[:4]
+    prompts: tuple[str, ...] = PROMPTS
+    """all 16: with 4, the intervals over prompts were too wide to tell almost any two rows apart"""
     alphas: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0)
     """alpha 1 is word salad for most directions on SmolLM2 (perplexity in the thousands); 2 was never reached"""
     max_new_tokens: int = 12
@@ -87,13 +101,37 @@ def _steer_direction(cs: Any, j: int) -> torch.Tensor:
     return (cs.centred() if cs.mean is not None else cs).directions[j]
 
 
+def _per_prompt(row: dict[str, Any]) -> torch.Tensor | None:
+    """`(prompts, 2)` judged score and 1 per prompt at the row's best alpha within the budget (0, 0
+    for an empty continuation); None when no alpha is within it."""
+    if row["best"] is None:
+        return None
+    scores = torch.tensor(row["scores"][row["alphas"].index(row["best"][0])], dtype=torch.float64)
+    return torch.stack([scores.nan_to_num(0.0), (~scores.isnan()).double()], 1)
+
+
+def _mean(t: torch.Tensor) -> torch.Tensor:
+    return t[..., 0] / t[..., 1]
+
+
 def _at_best(row: dict[str, Any], seed: int) -> Estimate:
     """The row's mean judged score at its best alpha within the budget, with a bootstrap over prompts."""
-    if row["best"] is None:
-        return Estimate(float("nan"), float("nan"), float("nan"))
-    scores = torch.tensor(row["scores"][row["alphas"].index(row["best"][0])], dtype=torch.float64)
-    per_prompt = torch.stack([scores.nan_to_num(0.0), (~scores.isnan()).double()], 1)
-    return bootstrap(per_prompt, lambda t: t[..., 0] / t[..., 1], seed=seed)
+    per_prompt = _per_prompt(row)
+    return NAN if per_prompt is None else bootstrap(per_prompt, _mean, seed=seed)
+
+
+def _paired(row: dict[str, Any], base: dict[str, Any], seed: int) -> Estimate:
+    """The row's score minus `base`'s, each at its own best alpha, with a paired bootstrap over the prompts."""
+    a, b = _per_prompt(row), _per_prompt(base)
+    return NAN if a is None or b is None else paired_difference(a, b, _mean, seed=seed)
+
+
+def _paired_line(name: str, metric: str, base: str, diff: Estimate, prompts: int) -> Line:
+    """A set's row minus a baseline row, against no difference: its verdict is the paired interval's."""
+    said = {"wins": "better than", "loses": "worse than", "overlaps": "like"}
+    line = Line(name, f"{metric} minus {base}", diff, [("no difference", Estimate(0.0, 0.0, 0.0))])
+    how = said.get(verdict(line), "not comparable with")  # nan: a row over the budget at every alpha
+    return line._replace(note=f"steers {how} {base} (paired bootstrap over the {prompts} prompts)")
 
 
 def _judge(task: str, encoder: Any, encoder_tok: Any, tok: Any, chosen_on: list[int],
@@ -182,27 +220,35 @@ def steering_lines(lens: AttachedModel, tok: Any, site: str, sets: Mapping[str, 
             for name, j in chosen.items():
                 row, est = found[f"{name}:{j}"]
                 at = "over budget" if row["best"] is None else f"alpha {row['best'][0]:g}"
-                lines.append(Line(name, f"steer {task} {label}: P({label})", est, bases,
+                metric = f"steer {task} {label}: P({label})"
+                lines.append(Line(name, metric, est, bases,
                                   f"concept {j} at {at}; diff-of-means at "
                                   f"{'over budget' if dom is None else f'alpha {dom[0]:g}'}; unsteered {unsteered:.3f}; "
                                   f"intervals: bootstrap over the {len(config.prompts)} prompts"))
+                lines.extend(_paired_line(name, metric, base, _paired(row, found[base][0], config.seed),
+                                          len(config.prompts)) for base in PAIRED)
     return lines
 
 
 def against_diff_of_means(lines: list[Line]) -> str:
-    """One plain sentence per set: on how many labels its concept steers worse than the label's
-    diff-of-means vector (lower P(label) within the budget; how many with the 95% intervals
-    apart), as AxBench found of SAEs. Empty without steering lines."""
+    """One plain sentence per set: on how many labels its concept steers worse than, like, or better
+    than the label's diff-of-means vector by the paired 95% interval over the prompts (AxBench found
+    SAEs steer worse), and on how many its point value is lower. Labels where a row is over the
+    budget at every alpha are left out. Empty without steering lines."""
     tally: dict[str, list[int]] = {}
     for ln in lines:
-        base = dict(ln.baselines).get("diff-of-means")
-        if not ln.metric.startswith("steer ") or base is None or ln.concept is not None:
+        if not (ln.metric.startswith("steer ") and ln.metric.endswith(" minus diff-of-means")):
             continue
-        counts = tally.setdefault(ln.extractor, [0, 0, 0])
-        counts[0] += 1
-        value = -math.inf if math.isnan(ln.value.value) else ln.value.value  # over budget: no steering at all
-        counts[1] += not math.isnan(base.value) and value < base.value
-        counts[2] += not math.isnan(base.value) and (math.isnan(ln.value.high) or ln.value.high < base.low)
-    return "\n".join(f"{name}: its chosen concept steers worse than diff-of-means on {worse} of {n} labels ({apart} "
-                      f"with the 95% intervals apart){'; it steers worse than the supervised vector' if 2 * worse > n else ''}"
-                      for name, (n, worse, apart) in tally.items())
+        counts = tally.setdefault(ln.extractor, [0, 0, 0, 0])  # worse, like, better; lower point value
+        if verdict(ln):
+            counts[("loses", "overlaps", "wins").index(verdict(ln))] += 1
+            counts[3] += ln.value.value < 0
+    said = []
+    for name, (worse, like, better, lower) in tally.items():
+        overall = ("where the intervals tell them apart, it steers worse than the supervised vector" if worse > better
+                   else "where the intervals tell them apart, it steers better than the supervised vector"
+                   if better > worse else "neither steers better where the intervals tell them apart")
+        said.append(f"{name}: its chosen concept steers worse than diff-of-means on {worse} of {worse + like + better} "
+                    f"labels, like it on {like}, better on {better} (paired 95% intervals over the prompts; lower on "
+                    f"{lower} by the point value): {overall}")
+    return "\n".join(said)

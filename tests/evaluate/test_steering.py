@@ -16,7 +16,7 @@ from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.evaluate import activations as act
 from conceptlens.evaluate.activations import Probed
 from conceptlens.evaluate.bootstrap import Estimate
-from conceptlens.evaluate.lines import Line
+from conceptlens.evaluate.lines import Line, format_lines, verdict
 from conceptlens.evaluate.steering import SteeringConfig, against_diff_of_means, select_concepts, steering_lines
 from tests.tiny_folder import save_tiny_llama
 
@@ -29,22 +29,28 @@ def test_selection_is_the_largest_signed_mean_difference():
     assert select_concepts(probed, 0) == {"s": 0}
 
 
-def test_against_diff_of_means_counts_labels_by_hand():
-    def line(name, label, value, dom):
-        bases = [("random direction", Estimate(0.1, 0.0, 0.2)), ("diff-of-means", dom)]
-        return Line(name, f"steer bbc-news {label}: P({label})", value, bases)
+def test_against_diff_of_means_counts_paired_verdicts_by_hand():
+    def line(name, label, diff):
+        return Line(name, f"steer bbc-news {label}: P({label}) minus diff-of-means", diff,
+                    [("no difference", Estimate(0.0, 0.0, 0.0))])
 
-    dom = Estimate(0.6, 0.5, 0.7)
-    lines = [line("topk", "a", Estimate(0.2, 0.1, 0.3), dom),      # worse, intervals apart
-             line("topk", "b", Estimate(0.55, 0.4, 0.65), dom),    # worse, intervals overlap
-             line("topk", "c", Estimate(0.8, 0.75, 0.9), dom),     # better
-             line("kmeans", "a", Estimate(0.9, 0.8, 1.0), dom),
+    nan = Estimate(math.nan, math.nan, math.nan)
+    lines = [line("topk", "a", Estimate(-0.4, -0.5, -0.3)),     # worse, interval below 0
+             line("topk", "b", Estimate(-0.05, -0.2, 0.1)),     # like, lower point value
+             line("topk", "c", Estimate(-0.2, -0.3, -0.1)),     # worse
+             line("topk", "d", nan),                            # a row over budget: not compared
+             line("kmeans", "a", Estimate(0.3, 0.1, 0.5)),      # better
+             Line("topk", "steer bbc-news a: P(a) minus random", Estimate(-0.4, -0.5, -0.3),
+                  [("no difference", Estimate(0.0, 0.0, 0.0))]),
+             Line("topk", "steer bbc-news a: P(a)", Estimate(0.2, 0.1, 0.3), [("random direction", nan)]),
              Line("judge", "bbc-news judge held-out accuracy", Estimate(0.9, 0.8, 1.0), [])]
     said = against_diff_of_means(lines).splitlines()
-    assert said[0] == ("topk: its chosen concept steers worse than diff-of-means on 2 of 3 labels (1 with the 95% "
-                       "intervals apart); it steers worse than the supervised vector")
-    assert said[1] == "kmeans: its chosen concept steers worse than diff-of-means on 0 of 1 labels (0 with the 95% intervals apart)"
-    assert len(said) == 2
+    assert said == ["topk: its chosen concept steers worse than diff-of-means on 2 of 3 labels, like it on 1, better "
+                    "on 0 (paired 95% intervals over the prompts; lower on 3 by the point value): where the intervals "
+                    "tell them apart, it steers worse than the supervised vector",
+                    "kmeans: its chosen concept steers worse than diff-of-means on 0 of 1 labels, like it on 0, better "
+                    "on 1 (paired 95% intervals over the prompts; lower on 0 by the point value): where the intervals "
+                    "tell them apart, it steers better than the supervised vector"]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +82,7 @@ def test_steering_lines_judge_like_sklearn_and_select_on_train_only(tiny, monkey
     lines = steering_lines(lens, tok, site, sets, config, record)
     assert seen and all(t in train_texts for t in seen)  # the concept and diff-of-means see train documents only
     labels = [*data.load("bbc-news", "test").label_names, "negative", "positive"]
-    steer = [ln for ln in lines if ln.metric.startswith("steer")]
+    steer = [ln for ln in lines if ln.metric.startswith("steer") and " minus " not in ln.metric]
     assert [ln.metric.split(": ")[0].split(" ")[-1] for ln in steer] == labels
     assert all([name for name, _ in ln.baselines] == ["random direction", "diff-of-means", "prompt prefix"]
                for ln in steer)
@@ -118,3 +124,23 @@ def test_steering_lines_judge_like_sklearn_and_select_on_train_only(tiny, monkey
     accuracy = next(ln for ln in lines if ln.metric == f"{task} judge held-out accuracy")
     assert accuracy.value.value == pytest.approx(float(np.mean(right)))
     assert not math.isnan(line.value.low) and line.value.low <= line.value.value <= line.value.high
+    # each set's row minus diff-of-means and minus random: the paired bootstrap of the rows' own
+    # per-prompt scores, each at its own best alpha, by hand
+    names = [ln.metric for ln in lines if ln.extractor == "dense"]
+    assert names[:3] == [line.metric, f"{line.metric} minus diff-of-means", f"{line.metric} minus random"]
+    assert len(names) == 3 * len(labels)
+    found = {r["row"]: r for r in rows}
+    for paired, base in zip(lines[lines.index(line) + 1:][:2], ("diff-of-means", "random")):
+        def at_best(row):
+            return np.asarray(row["scores"][row["alphas"].index(row["best"][0])])
+        a, b = at_best(concept), at_best(found[base])
+        assert paired.value.value == pytest.approx(np.nanmean(a) - np.nanmean(b))
+        picks = torch.randint(len(a), (1000, len(a)), generator=torch.Generator().manual_seed(config.seed)).numpy()
+        diffs = np.array([np.nanmean(a[p]) - np.nanmean(b[p]) for p in picks])
+        assert (paired.value.low, paired.value.high) == pytest.approx(tuple(np.quantile(diffs, [0.025, 0.975])))
+        assert paired.baselines == [("no difference", Estimate(0.0, 0.0, 0.0))]
+        said = {"wins": "better than", "loses": "worse than", "overlaps": "like"}[verdict(paired)]
+        assert paired.note.startswith(f"steers {said} {base} (paired bootstrap over the 2 prompts")
+    table = format_lines(lines)
+    assert f"| dense | {line.metric} minus diff-of-means | {lines[lines.index(line) + 1].value} |" in table
+    assert against_diff_of_means(lines).startswith("dense: its chosen concept steers worse than diff-of-means on ")

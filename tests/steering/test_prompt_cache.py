@@ -44,6 +44,7 @@ def test_perplexity_equals_the_uncached_reading_prompt_by_prompt(setup):
     generations = [Generation(PROMPTS[i % 3], c, ids(c) if c else torch.zeros(0, dtype=torch.long),
                               torch.zeros(0)) for i, c in enumerate(continuations)]
     got = cached.perplexity(model, generations)
+    assert torch.equal(cached.perplexity(model, generations, chunk=2).nan_to_num(-1), got.nan_to_num(-1))
     for i, gen in enumerate(generations):
         (ref,) = continuation_perplexity(model, tok, [gen])
         if not continuations[i]:

@@ -70,3 +70,12 @@ def test_the_written_run_toml_reads_back_with_the_same_lr(files, tmp_path):  # n
     cfg = rc.from_dict(rc.read_toml(out / "run.toml"))  # what describe and a resume read
     assert rc.budget_lrs(cfg) == {}  # it names its lr: nothing left to choose
     assert [e.get("lr") for e in cfg.extractors] == [None, short_budget_lr(16, 600 // 64, 64)]
+
+
+def test_a_bad_width_or_batch_still_gets_the_constructors_one_line_error(files, tmp_path, capsys):  # noqa: F811
+    for spec, message in (("topk:width=abc,k=2", "width must be a positive integer; got 'abc'"),
+                          ("topk:width=16,k=2,batch_size=0", "batch_size must be a positive integer; got 0"),
+                          ("topk:width=16,k=2,batch_size=true", "batch_size must be a positive integer; got True")):
+        assert main(with_spec(base(files, tmp_path / "bad"), spec)) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err and not (tmp_path / "bad").exists()

@@ -137,7 +137,8 @@ def budget_lr(spec: dict[str, Any], max_tokens: int | None) -> float | None:
     if max_tokens is None or not (isinstance(config, type) and issubclass(config, SAEConfig)):
         return None
     default = {f.name: f.default for f in dataclasses.fields(config)}["batch_size"]
-    width, batch = spec.get("width"), spec.get("batch_size", default)
+    width: Any = spec.get("width")
+    batch: Any = spec.get("batch_size", default)
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (width, batch, max_tokens)):
-        return None
+        return None  # the constructor names what is wrong
     return short_budget_lr(width, max(1, max_tokens // batch), batch)

@@ -26,8 +26,9 @@ def budget_lr_lines(chosen: Mapping[str, float], plan: Mapping[Any, Mapping[str,
         for name, sae in sets.items():
             if name in chosen:
                 cfg = sae.config
-                lines.append(f"  {name}: Adam lr {chosen[name]:.3g} for this budget (about {max_tokens // cfg.batch_size:,} "
-                             f"steps of {cfg.batch_size:,} tokens; the long-run default at width {cfg.width} is "
+                steps = max_tokens // cfg.batch_size
+                lines.append(f"  {name}: Adam lr {chosen[name]:.3g} for this budget (about {steps:,} steps of "
+                             f"{cfg.batch_size:,} tokens; the long-run default at width {cfg.width} is "
                              f"{SAEConfig(width=cfg.width).learning_rate():.3g}); lr= in its spec sets another")
     return lines
 

@@ -7,7 +7,8 @@ own recommended hyper-parameters, and gives raw-unit reconstructions for evaluat
   (Adam, lr 2e-4 * sqrt(16384 / width), geometric-median b_dec, inputs scaled to E||x||^2 = d,
   AuxK for TopK); the mixing buffer is one batch since the rows come shuffled. `ours-topk-lr10x`
   (and `-lr3x`, and the same for BatchTopK and JumpReLU) is that model at 10x (3x) the lr, the
-  short-budget setting `peers_ablate.py` supports (not a default).
+  short-budget setting `peers_ablate.py` supports (not the library default; `conceptlens fit`
+  gives 7.4x at 262 steps of 4096, `short_budget_lr`, see `lr_budget.py`).
 - SAELens: its own `SAETrainer.step` (the seam its `fit` loop and `MultiSAETrainer` call) on
   a `TopKTrainingSAE` / `BatchTopKTrainingSAE`, with `SAETrainerConfig`'s defaults (Adam lr
   3e-4, constant schedule, grad-norm clip 1, no activation normalisation).

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
 from conceptlens.cli import main
-from conceptlens.commands.demo import deleuzian_unit, sae_batch_size
+from conceptlens.commands.demo import add_arguments, deleuzian_unit, run_config, sae_batch_size
+from conceptlens.concepts.sae.config import short_budget_lr
 from tests.tiny_folder import save_tiny_llama
 
 
@@ -17,6 +19,16 @@ def test_sae_batch_scales_with_the_budget():
     assert sae_batch_size(10_000_000) == 4096
     for tokens in (40_000, 80_000, 200_000, 1_200_000):
         assert tokens // sae_batch_size(tokens) >= 300
+
+
+def test_the_demos_sae_takes_the_lr_fit_chooses_for_its_budget(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--out", str(tmp_path / "run")])  # defaults: 40k tokens, width 1024, batch 128
+    topk = next(e for e in run_config(args).extractors if e["name"] == "topk")
+    assert topk["batch_size"] == 128 and topk["lr"] == short_budget_lr(1024, 40_000 // 128, 128)
+    # 8e-4 * sqrt(16000 / 312) * 128 / 384: 1.9e-3, near the 2e-3 measured best for the demo's fit
+    assert topk["lr"] == pytest.approx(8e-4 * (16000 / 312) ** 0.5 / 3, rel=1e-12)
 
 
 def test_deleuzian_fits_document_means_when_the_budget_holds_a_document_per_concept():

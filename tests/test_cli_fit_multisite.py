@@ -16,6 +16,7 @@ from conceptlens.commands import run_config as rc
 from conceptlens.commands.eval import _sets as eval_sets
 from conceptlens.concepts.clvq import CLVQTranscoder
 from conceptlens.concepts.sae import Crosscoder, CrossLayerTranscoder, Transcoder
+from conceptlens.concepts.sae.config import short_budget_lr
 from tests.test_cli_fit import files  # noqa: F401 - the module's saved tiny Llama and documents
 
 PAIR = "blocks.0.mlp.in->blocks.0.mlp_out"
@@ -36,7 +37,8 @@ def test_cli_fits_multi_site_keys_as_the_library_does(files, tmp_path, capsys): 
                 f"cross_layer_transcoder:site={GROUPS},width=8,k=2,name=clt,{SMALL}", f"clvq:site={PAIR},n_codes=4,seed=3",
                 sites=())
     assert main(args) == 0, capsys.readouterr().err
-    small = dict(batch_size=32, warmup_tokens=32, buffer_size=64, seed=3)
+    small = dict(batch_size=32, warmup_tokens=32, buffer_size=64, seed=3,
+                 lr=short_budget_lr(8, 400 // 32, 32))  # the lr the CLI gives an SAE for this budget
     plan = {("blocks.0.mlp.in", "blocks.0.mlp_out"): {"transcoder": Transcoder(width=8, **small)},
             ("blocks.0.resid_out", "blocks.1.resid_out"): {"crosscoder": Crosscoder(width=8, k=2, **small)},
             (("blocks.0.mlp.in", "blocks.1.mlp.in"), ("blocks.0.mlp_out", "blocks.1.mlp_out")):

@@ -57,12 +57,6 @@ validation tokens of 350 train-split articles the demo's own fits reconstruct at
 vs 0.376 (1024), k = 5 probes within 0.05 of each other, and the width-256 demo recovered less CE
 loss on held-out articles (0.905 vs 0.947), so the wider SAE stays despite its larger control."""
 
-SHORT_FIT_LR = 2e-3
-"""Adam learning rate of the demo's SAE when its fit has fewer than 1000 steps. The width-scaled
-default (8e-4 at width 1024, Gao et al.) is tuned for long runs; on 25k bbc-news tokens at batch
-128 (195 steps) held-out FVU was 0.40 at 8e-4, 0.34 at 2e-3, 0.38 at 3e-3, 0.39 at 5e-3."""
-
-
 FIT_DOCUMENT_TOKENS = 128  # FitConfig.max_length: n fit tokens hold at least n / 128 documents
 
 
@@ -87,12 +81,12 @@ def sae_batch_size(max_tokens: int, steps: int = 300) -> int:
 def run_config(args: argparse.Namespace):
     """The demo's run as a `fit` RunConfig (written to RUN/run.toml, so `conceptlens describe` and
     `conceptlens report` work on the demo's folder): three extractors at one site, the SAE's
-    batch and mixing buffer scaled with the budget. Checks every option without a model."""
+    batch, mixing buffer and lr scaled with the budget. Checks every option without a model."""
     from conceptlens.commands import run_config as rc
 
     batch = sae_batch_size(args.max_tokens)
     buffer = max(2048, min(16384, args.max_tokens // 4))
-    return rc.from_dict({
+    cfg = rc.from_dict({
         "model": args.model, "data": "bbc-news:train", "sites": [args.site], "out": args.out, "shuffle": args.seed,
         "fit": {"max_tokens": args.max_tokens, "checkpoint_every": max(args.max_tokens // 2, 1)},
         "describe": {"data": "bbc-news:test", "max_tokens": args.describe_tokens},
@@ -100,9 +94,10 @@ def run_config(args: argparse.Namespace):
             {"method": "deleuzian", "name": "deleuzian", "n_concepts": args.concepts, "buffer_size": buffer,
              "batch_size": min(2048, buffer // 2), **deleuzian_unit(args.max_tokens, args.concepts), "seed": args.seed},
             {"method": "topk", "name": "topk", "width": args.width, "k": args.k, "batch_size": batch,
-             **({"lr": SHORT_FIT_LR} if args.max_tokens // batch < 1000 else {}),
              "buffer_size": 8 * batch, "warmup_tokens": min(4096, 4 * batch), "seed": args.seed},
             {"method": "kmeans", "name": "kmeans", "n_concepts": args.concepts, "seed": args.seed}]})
+    rc.budget_lrs(cfg)  # the SAE's lr for this budget, as `conceptlens fit` chooses it
+    return cfg
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -168,7 +163,8 @@ def _fit(lens, cfg, args: argparse.Namespace, out: Path):
     unit = "paper mode on document means" if dz.unit == "document" else "streaming over tokens"
     print(f"\nOne streaming pass over BBC News (train split, up to {args.max_tokens:,} tokens) at {site}:\n"
           f"  Deleuzian {args.concepts} concepts ({unit}), TopK SAE width {args.width} k {args.k} "
-          f"(batch {sae.batch_size}, about {args.max_tokens // sae.batch_size} optimiser steps), k-means {args.concepts}")
+          f"(batch {sae.batch_size}, about {args.max_tokens // sae.batch_size} optimiser steps, "
+          f"lr {sae.learning_rate():.3g}), k-means {args.concepts}")
     report = lens.fit(plan, source(cfg.data, cfg.shuffle), max_tokens=args.max_tokens, checkpoint_dir=str(out),
                       checkpoint_every=cfg.fit.checkpoint_every, progress=not args.no_progress)
     print(report.summary())

@@ -3,6 +3,7 @@ table, checked against the method registry before any model loads.
 
     parse_extractor("topk:width=4608,k=32,name=big")   # {"method": "topk", "width": 4608, ...}
     check_extractors([{"method": "topk", "k": 32}], ["blocks.3.resid_out"])   # named, keyed, checked
+    budget_lr({"method": "topk", "width": 4608, "k": 32}, max_tokens=1_000_000)   # the lr for that budget
 """
 
 from __future__ import annotations
@@ -124,3 +125,20 @@ def _claim(names: dict[str, bool], full: str, method: str) -> None:
 def extractor_key(spec: dict[str, Any]) -> Key:
     """The fit key of a checked extractor entry: its site, or the sites its `site` spells."""
     return parse_key(spec["site"], KEY_FORMS.get(spec["method"], "site"))
+
+
+def budget_lr(spec: dict[str, Any], max_tokens: int | None) -> float | None:
+    """The Adam lr `short_budget_lr` gives SAE entry `spec` for a fit of `max_tokens` tokens
+    (steps: `max_tokens // batch_size`, its batch_size or the config's default); None for another
+    method, an unknown budget (the whole source), or a width or batch its constructor will refuse."""
+    from conceptlens.concepts.sae.config import SAEConfig, short_budget_lr
+
+    config = getattr(method_class(spec["method"]), "Config", None)
+    if max_tokens is None or not (isinstance(config, type) and issubclass(config, SAEConfig)):
+        return None
+    default = {f.name: f.default for f in dataclasses.fields(config)}["batch_size"]
+    width: Any = spec.get("width")
+    batch: Any = spec.get("batch_size", default)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (width, batch, max_tokens)):
+        return None  # the constructor names what is wrong
+    return short_budget_lr(width, max(1, max_tokens // batch), batch)

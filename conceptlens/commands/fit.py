@@ -13,7 +13,9 @@ run: a folder of another run is refused unless --overwrite clears that run's fil
 locked while written (a second writer fails at once). Every option is checked before the
 model loads. Bundled sets are read in a seeded shuffled order (they are stored sorted by
 label); the description pass reads the documents after those the fit consumed, unless
---describe-data names another source.
+--describe-data names another source. With --max-tokens, an SAE whose spec sets no lr= gets the lr
+for its budget (`short_budget_lr`: the steps --max-tokens / batch_size), printed and written into
+RUN/run.toml; a resumed run keeps the lr its run.toml records.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{', '.join(rc.METHODS)}")
     parser.add_argument("--batch-size", type=int, help="documents per forward (16)")
     parser.add_argument("--max-length", type=int, help="tokens per document (128)")
-    parser.add_argument("--max-tokens", type=int, help="stop the fit after this many tokens (default: all)")
+    parser.add_argument("--max-tokens", type=int, help="stop the fit after this many tokens (default: all); an SAE "
+                        "without lr= then gets the lr for this budget")
     parser.add_argument("--checkpoint-every", type=int, help=f"tokens between checkpoints ({DEFAULT_CHECKPOINT_EVERY})")
     parser.add_argument("--no-resume", action="store_true", help="start again even if RUN holds a checkpoint")
     parser.add_argument("--overwrite", action="store_true",
@@ -122,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = resolve(args)
     check_name(cfg.model)
+    held = Path(cfg.out) / "run.toml"  # a resumed run keeps its recorded lr (see budget_lrs)
+    chosen = rc.budget_lrs(cfg, rc.from_dict(rc.read_toml(held)) if held.is_file() and not args.overwrite else None)
     plan = rc.build(cfg)
     texts = source(cfg.data, cfg.shuffle)
     if cfg.describe.enabled and cfg.describe.data:
@@ -134,11 +139,11 @@ def run(args: argparse.Namespace) -> int:
             run_folder.check(out, cfg)
         elif writes and (cleared := run_folder.clear(out)):
             print(f"--overwrite: removed the {len(cleared)} files of the run {out} held (other files stay)")
-        return _fit_and_describe(args, cfg, plan, texts, out, distributed, writes)
+        return _fit_and_describe(args, cfg, plan, texts, out, distributed, writes, chosen)
 
 
 def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, texts: Any, out: Path,
-                      distributed: bool, writes: bool) -> int:
+                      distributed: bool, writes: bool, chosen: dict[str, float]) -> int:
     import conceptlens
     from conceptlens.commands._common import load_model
     from conceptlens.commands.describe import describe_run
@@ -156,6 +161,8 @@ def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, te
         written = dataclasses.replace(cfg, fit=dataclasses.replace(cfg.fit, resume=True))  # a rerun of it resumes
         atomic_write(out / "run.toml", lambda p: Path(p).write_text(rc.to_toml(written), encoding="utf-8"))
         print(f"{lens}\nfitting {', '.join(e['name'] for e in cfg.extractors)} at {', '.join(cfg.sites)} -> {out}")
+        for line in fit_summary.budget_lr_lines(chosen, plan, cfg.fit.max_tokens or 0):
+            print(line)
     config = FitConfig(**dataclasses.asdict(cfg.fit), checkpoint_dir=str(out), progress=writes, distributed=distributed)
     report = lens.fit(plan, texts, config=config)
     documents = report.documents

@@ -1,6 +1,8 @@
-"""The lines `conceptlens fit` prints per extractor at the end: FVU, L0 and optimiser steps,
-and a warning for an SAE that took too few steps to be trained.
+"""The lines `conceptlens fit` prints per extractor: at the start the lr it chose for an SAE's
+budget; at the end FVU, L0 and optimiser steps, and a warning for an SAE that took too few steps
+to be trained.
 
+    for line in budget_lr_lines(chosen, plan, max_tokens): print(line)
     for line in extractor_lines(report.stats): print(line)
     for line in few_steps_warnings(report.stats): print(line, file=sys.stderr)
 """
@@ -12,6 +14,23 @@ from typing import Any, Mapping
 MIN_SAE_STEPS = 200
 """Below this many optimiser steps an SAE is far from trained: a CLI TopK SAE fitted with
 13 steps had FVU 0.76 where the same SAE with about 150 steps had 0.45."""
+
+
+def budget_lr_lines(chosen: Mapping[str, float], plan: Mapping[Any, Mapping[str, Any]], max_tokens: int) -> list[str]:
+    """One line per SAE whose lr `run_config.budget_lrs` chose for a fit of `max_tokens` (`chosen`:
+    {name: lr}; `plan`: {key: {name: extractor}}): the lr, its budget and the long-run default."""
+    from conceptlens.concepts.sae.config import SAEConfig
+
+    lines = []
+    for sets in plan.values():
+        for name, sae in sets.items():
+            if name in chosen:
+                cfg = sae.config
+                steps = max_tokens // cfg.batch_size
+                lines.append(f"  {name}: Adam lr {chosen[name]:.3g} for this budget (about {steps:,} steps of "
+                             f"{cfg.batch_size:,} tokens; the long-run default at width {cfg.width} is "
+                             f"{SAEConfig(width=cfg.width).learning_rate():.3g}); lr= in its spec sets another")
+    return lines
 
 
 def extractor_lines(stats: Mapping[str, Any]) -> list[str]:

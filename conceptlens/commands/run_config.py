@@ -20,7 +20,8 @@ left out). Flags override the file (`--site` / `--extractor` replace the file's 
 checked here, before any model is loaded: unknown keys, methods and hyper-parameters, bad
 numbers, a data source that does not exist, two extractors with one name. Site names are
 checked by the model's own name resolver (`lens.site`) as soon as the model is attached, before
-anything is written. `to_toml` writes the resolved config back as `RUN/run.toml`.
+anything is written. `budget_lrs` gives each SAE entry without an lr the lr for the run's budget;
+`to_toml` writes the resolved config back as `RUN/run.toml`.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from typing import Any
 
 from conceptlens._checks import check_int
 from conceptlens._content import read_toml as read_checked_toml
-from conceptlens.commands.extractor_specs import (KEY_FORMS, METHODS, check_extractors, extractor_key,  # noqa: F401
-                                                  method_class, parse_extractor)
+from conceptlens.commands.extractor_specs import (KEY_FORMS, METHODS, budget_lr, check_extractors,  # noqa: F401
+                                                  extractor_key, method_class, parse_extractor)
 from conceptlens.concepts import registry
 from conceptlens.fit_config import FitConfig
 from conceptlens.fit_keys import Key
@@ -166,6 +167,26 @@ def build(cfg: RunConfig) -> dict[Key, dict[str, Any]]:
             raise ValueError(f"extractor {spec['name']!r} ({spec['method']}): {err}") from None
         plan.setdefault(extractor_key(spec), {})[spec["name"]] = extractor
     return plan
+
+
+def budget_lrs(cfg: RunConfig, recorded: RunConfig | None = None) -> dict[str, float]:
+    """Give each SAE entry that sets no `lr` the lr for the run's budget (`budget_lr`), in place, so
+    run.toml records it; returns {name: lr} of those set. An entry the folder's run `recorded` holds
+    (same name and method: a resumed fit) keeps that run's lr, or its absence, whatever the budget
+    now (and is not returned). `lr` given (`lr=none`: the library's width rule) is kept."""
+    before = {e["name"]: e for e in recorded.extractors} if recorded is not None else {}
+    chosen: dict[str, float] = {}
+    for spec in cfg.extractors:
+        if "lr" in spec:
+            continue
+        old = before.get(spec["name"])
+        if old is not None and old["method"] == spec["method"]:  # a resumed fit: the run's lr, or none
+            spec.update({"lr": old["lr"]} if "lr" in old else {})
+            continue
+        lr = budget_lr(spec, cfg.fit.max_tokens)
+        if lr is not None:
+            spec["lr"] = chosen[spec["name"]] = lr
+    return chosen
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:

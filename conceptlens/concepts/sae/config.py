@@ -2,6 +2,7 @@
 
     cfg = SAEConfig(width=4608, batch_size=4096)
     cfg.learning_rate()                    # lr, or the width-scaled default
+    short_budget_lr(4608, steps=250, batch_size=4096)   # the lr for a fit known to take 250 steps
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Literal, TypeVar
 from conceptlens._checks import check_choice, check_float, check_int
 from conceptlens.concepts.base import MAX_CONCEPTS, check_dtype, config_json
 
-__all__ = ["SAEConfig", "build_config", "check_int", "check_float"]
+__all__ = ["SAEConfig", "build_config", "check_int", "check_float", "short_budget_lr"]
 
 
 @dataclass(kw_only=True)
@@ -25,7 +26,8 @@ class SAEConfig:
     width: int
     """Number of latents (dictionary size)."""
     lr: float | None = None
-    """Adam learning rate; None scales it with width as 2e-4 * sqrt(16384 / width) (Gao et al.)."""
+    """Adam learning rate; None scales it with width as 2e-4 * sqrt(16384 / width) (Gao et al.,
+    fitted for long runs; `conceptlens fit` passes `short_budget_lr` instead when it knows the budget)."""
     betas: tuple[float, float] = (0.9, 0.999)
     """Adam's moment decay rates."""
     batch_size: int = 4096
@@ -69,6 +71,38 @@ class SAEConfig:
     def to_json(self) -> dict[str, Any]:
         """Plain JSON types (tuples become lists)."""
         return config_json(self)
+
+
+LONG_RUN_STEPS = 16_000
+"""`short_budget_lr`'s horizon: its step factor sqrt(LONG_RUN_STEPS / steps) is 1 here (Gao et al.'s lr)."""
+MAX_MULTIPLE = 16.0
+"""The largest step factor of `short_budget_lr` (fits of 62 steps or fewer)."""
+NOISE_BATCH = 256
+"""`short_budget_lr`'s batch factor batch / (batch + NOISE_BATCH) halves the lr at this batch size:
+smaller batches carry noisier gradients."""
+
+
+def short_budget_lr(width: int, steps: int, batch_size: int) -> float:
+    """Adam lr for an SAE fit known to take `steps` optimiser steps of `batch_size` tokens, which
+    `conceptlens fit` (and the demo) give an SAE whose spec sets no lr when --max-tokens is known:
+    Gao et al.'s width rule (`SAEConfig.learning_rate`, fitted for long runs) times
+
+        max(1, min(16, sqrt(16000 / steps)) * batch_size / (batch_size + 256)).
+
+        short_budget_lr(16384, steps=250, batch_size=3840)   # 2e-4 * 8 * 0.9375 = 1.5e-3
+
+    Measured (`benchmarks/lr_budget.py`, BENCHMARKS.md): TopK width 2304 k 32 on SmolLM2 block-15
+    rows, held-out FVU was best near 16x (15 steps), 14x (60) and 8x (250) at batch 4096, near 14x
+    (15), 11x (60) and 6x (240) at batch 1024; the demo's SAE (width 1024, bbc-news, batch 128, 195
+    steps) near 2.5x. Past the 250 steps measured the step factor keeps falling as 1 / sqrt(steps),
+    as SGD's best constant step for a horizon of T steps does (an extrapolation): at batch 4096 the
+    lr is Gao's from about 14k steps (58M tokens) on. An SAE constructed directly
+    (`TopKSAE(width=...)`) knows no budget and keeps Gao's rule."""
+    check_int("width", width)
+    check_int("steps", steps)
+    check_int("batch_size", batch_size)
+    multiple = min(MAX_MULTIPLE, math.sqrt(LONG_RUN_STEPS / steps)) * batch_size / (batch_size + NOISE_BATCH)
+    return max(1.0, multiple) * SAEConfig(width=width).learning_rate()
 
 
 C = TypeVar("C", bound=SAEConfig)

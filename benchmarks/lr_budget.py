@@ -11,8 +11,9 @@ Each multiplier is `--mults` times the library default lr (Gao et al.: 2e-4 sqrt
 At a constant lr a budget's fit is the prefix of the longest one (same rows, same order), so one
 pass per multiplier gives every budget: the SAEs step interleaved (multiplier A, B, C on batch 1,
 then on batch 2, ...) in one process, so machine load hits all alike. `--decay F` instead fits
-each (budget, multiplier) on its own, the lr falling linearly to 0 over the last F of the
-budget's steps. Prints FVU per multiplier x budget (the best of each budget starred) and `uptime`.
+each (budget, multiplier) on its own, the lr falling linearly over the last F of the budget's
+steps (to 1/(F steps) of it at the last step). Prints FVU per multiplier x budget (the best of
+each budget starred) and `uptime`.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def decay_factor(step: int, steps: int, decay_from: int | None) -> float:
 def fit(cls: type, mults: list[float], train: Tensor, test: Tensor, batch: int, width: int, k: int,
         evals: list[int], decay_from: int | None = None) -> tuple[dict[float, list[float]], dict[float, float]]:
     """Step one SAE per multiplier on the same batches, interleaved; FVU on `test` after each of
-    the step counts `evals`. From step `decay_from` the lr falls linearly to 0 at the last step."""
+    the step counts `evals`. From step `decay_from` the lr falls linearly (see `decay_factor`)."""
     base = default_lr(cls, width)
     saes = {m: Ours(cls, train.shape[1], width, k, batch, lr=m * base) for m in mults}
     curves: dict[float, list[float]] = {m: [] for m in mults}
@@ -105,7 +106,7 @@ def main() -> None:
     parser.add_argument("--mults", default="1,3,10,30", help="multiples of the default lr")
     parser.add_argument("--budgets", default="61440,245760,1024000", help="training tokens (whole batches)")
     parser.add_argument("--decay", type=float, default=0.0,
-                        help="fit each budget on its own, the lr falling linearly to 0 over this last fraction")
+                        help="fit each budget on its own, the lr falling linearly over this last fraction")
     parser.add_argument("--width", type=int, default=4 * 576)
     parser.add_argument("--k", type=int, default=32)
     parser.add_argument("--held-out", type=int, default=4096, help="FVU rows from the capture's last shard")
@@ -136,7 +137,7 @@ def main() -> None:
     else:
         curves, seconds = fit(cls, mults, train, test, args.batch, args.width, args.k, evals)
     print(f"load after: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
-    schedule = f"lr decayed linearly to 0 over the last {args.decay:g}" if args.decay else "constant lr"
+    schedule = f"lr decayed linearly over the last {args.decay:g}" if args.decay else "constant lr"
     title = (f"\nheld-out FVU, {args.arch} width {args.width} k {args.k}, batch {args.batch}, {schedule}; "
              f"columns: budget tokens (steps)")
     print(table(title, budgets, args.batch, curves, default_lr(cls, args.width)))

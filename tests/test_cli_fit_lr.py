@@ -47,6 +47,8 @@ def test_a_given_lr_wins_and_lr_none_is_the_library_rule(files, tmp_path, capsys
     assert "lr" not in recorded(out)["topk"] and fitted_lr(out) is None  # the config resolves it by width
     assert main(base(files, out, "--no-describe", "--max-tokens", "700")) == 0  # resumed: still the width rule
     assert "lr" not in recorded(out)["topk"]
+    assert main(with_spec(base(files, out, "--no-describe", "--max-tokens", "800"), TOPK + ",lr=none")) == 0  # same run
+    assert "lr" not in recorded(out)["topk"] and fitted_lr(out) is None
 
 
 def test_a_resumed_run_keeps_its_lr_and_overwrite_chooses_again(files, tmp_path, capsys, monkeypatch):  # noqa: F811
@@ -59,7 +61,10 @@ def test_a_resumed_run_keeps_its_lr_and_overwrite_chooses_again(files, tmp_path,
     assert main(base(files, out, "--no-describe", "--max-tokens", "1200")) == 0  # resumes: not another run
     assert recorded(out)["topk"]["lr"] == first and fitted_lr(out) == first
     assert json.loads((out / "fit_report.json").read_text())["tokens"] >= 1200
-    assert "Adam lr" not in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "for this budget" not in printed and f"  topk: Adam lr {first:.3g} as {out / 'run.toml'} records it" in printed
+    assert main(base(files, out, "--no-describe", "--max-tokens", "600", "--no-resume")) == 0  # restarts, same run
+    assert recorded(out)["topk"]["lr"] == first and f"Adam lr {first:.3g} as" in capsys.readouterr().out
     assert main(base(files, out, "--no-describe", "--max-tokens", "1200", "--overwrite")) == 0
     assert recorded(out)["topk"]["lr"] == 0.5 and fitted_lr(out) == 0.5
 

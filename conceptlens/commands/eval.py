@@ -32,7 +32,7 @@ def _choices(valid: tuple[str, ...], what: str):
         bad = [t for t in items if t not in valid]
         if bad or not items:
             raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(bad) or '(none)'}; choose from {', '.join(valid)}")
-        return items
+        return tuple(dict.fromkeys(items))  # each once, in the order given
     return parse
 
 
@@ -183,7 +183,8 @@ def _run_site(args: argparse.Namespace, lens, tok, model_name: str, site: str, g
             footer = (footer or "\n") + f"\nsaved in {where}{hint}"
         print(f"\n### {part} ({took})\n\n{format_lines(lines)}{footer}", flush=True)
         wall, cpu = time.perf_counter(), time.process_time()
-        losses = [f"{ln.extractor} {ln.metric}" for ln in lines if verdict(ln) == "loses"]
+        losses = [f"{ln.extractor} {ln.metric}" for ln in lines if verdict(ln) == "loses"
+                  and " minus " not in ln.metric]  # paired steering lines: against their row, printed below
         if losses:
             print(f"\nloses to its matched control (intervals apart): {'; '.join(losses)}", flush=True)
         if part == "steering":

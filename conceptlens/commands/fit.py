@@ -125,8 +125,11 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = resolve(args)
     check_name(cfg.model)
-    held = Path(cfg.out) / "run.toml"  # a resumed run keeps its recorded lr (see budget_lrs)
+    held = Path(cfg.out) / "run.toml"  # a run in its folder keeps its recorded lr (see budget_lrs)
+    given = {e["name"] for e in cfg.extractors if "lr" in e}
     chosen = rc.budget_lrs(cfg, rc.from_dict(rc.read_toml(held)) if held.is_file() and not args.overwrite else None)
+    kept = {e["name"]: e["lr"] for e in cfg.extractors
+            if e["name"] not in given | chosen.keys() and e.get("lr") is not None}
     plan = rc.build(cfg)
     texts = source(cfg.data, cfg.shuffle)
     if cfg.describe.enabled and cfg.describe.data:
@@ -139,11 +142,11 @@ def run(args: argparse.Namespace) -> int:
             run_folder.check(out, cfg)
         elif writes and (cleared := run_folder.clear(out)):
             print(f"--overwrite: removed the {len(cleared)} files of the run {out} held (other files stay)")
-        return _fit_and_describe(args, cfg, plan, texts, out, distributed, writes, chosen)
+        return _fit_and_describe(args, cfg, plan, texts, out, distributed, writes, chosen, kept)
 
 
 def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, texts: Any, out: Path,
-                      distributed: bool, writes: bool, chosen: dict[str, float]) -> int:
+                      distributed: bool, writes: bool, chosen: dict[str, float], kept: dict[str, float]) -> int:
     import conceptlens
     from conceptlens.commands._common import load_model
     from conceptlens.commands.describe import describe_run
@@ -163,6 +166,8 @@ def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, te
         print(f"{lens}\nfitting {', '.join(e['name'] for e in cfg.extractors)} at {', '.join(cfg.sites)} -> {out}")
         for line in fit_summary.budget_lr_lines(chosen, plan, cfg.fit.max_tokens or 0):
             print(line)
+        for name, lr in kept.items():  # also under --no-resume: the lr is part of the run's identity
+            print(f"  {name}: Adam lr {lr:.3g} as {out / 'run.toml'} records it (--overwrite chooses it again)")
     config = FitConfig(**dataclasses.asdict(cfg.fit), checkpoint_dir=str(out), progress=writes, distributed=distributed)
     report = lens.fit(plan, texts, config=config)
     documents = report.documents

@@ -26,7 +26,7 @@ def budget_lr_lines(chosen: Mapping[str, float], plan: Mapping[Any, Mapping[str,
         for name, sae in sets.items():
             if name in chosen:
                 cfg = sae.config
-                steps = max_tokens // cfg.batch_size
+                steps = max(1, max_tokens // cfg.batch_size)  # as budget_lr counts them
                 lines.append(f"  {name}: Adam lr {chosen[name]:.3g} for this budget (about {steps:,} steps of "
                              f"{cfg.batch_size:,} tokens; the long-run default at width {cfg.width} is "
                              f"{SAEConfig(width=cfg.width).learning_rate():.3g}); lr= in its spec sets another")

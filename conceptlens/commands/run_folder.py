@@ -35,6 +35,8 @@ def check(out: Path, cfg: rc.RunConfig) -> None:
     if not (out / "run.toml").is_file():
         return
     old, new = rc.to_dict(rc.from_dict(rc.read_toml(out / "run.toml"))), rc.to_dict(cfg)
+    for raw in (old, new):  # run.toml leaves None out (`lr=none` is recorded as no lr)
+        raw["extractor"] = [{k: v for k, v in spec.items() if v is not None} for spec in raw["extractor"]]
     differs = [(key, old[key], new[key]) for key in IDENTITY if old[key] != new[key]]
     differs += [(f"fit.{key}", old["fit"][key], new["fit"][key]) for key in ("batch_size", "max_length")
                 if old["fit"][key] != new["fit"][key]]

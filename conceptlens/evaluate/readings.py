@@ -13,7 +13,8 @@ unit directions of the site as the set has concepts (`random_directions`, seeds 
   set carries no mean (SAEs).
 - "code": every set by its nonlinear code, the control through the same nonlinearity: an SAE's
   code (SAEBench's reading: mean-pooled latent activations) against a random encoder of the same
-  width, k and decoder bias (TopK: `topk_relu((x - b_dec) @ R.T, k)`; ReLU without k), a dense
+  width, k and decoder bias (TopK: `topk_relu((x - b_dec) @ R.T, k)`; an SAE without k, such as
+  JumpReLU, against a plain ReLU of that: no threshold, so its control is denser than its code), a dense
   set's assigned concept (one-hot; nearest centre for k-means, largest cosine otherwise,
   `describe.activations`) against the one-hot random direction of largest cosine.
 """
@@ -103,6 +104,9 @@ def probe_readers(sets: Mapping[str, ConceptSet], readings: Sequence[str] = READ
     An SAE's code is its activation: its code column reads the activation once more (cheap beside
     its controls), so that every reading has all its columns."""
     out: dict[str, Reader] = {}
+    slashed = [name for name in sets if "/" in name]
+    if slashed:
+        raise ValueError(f"set name {slashed[0]!r} holds a '/', which separates a set's columns; rename it")
     for reading in readings:
         check_reading(reading)
         for name, cs in sets.items():

@@ -239,8 +239,8 @@ def against_diff_of_means(lines: list[Line]) -> str:
     for ln in lines:
         if not (ln.metric.startswith("steer ") and ln.metric.endswith(" minus diff-of-means")):
             continue
-        counts = tally.setdefault(ln.extractor, [0, 0, 0, 0])  # worse, like, better; lower point value
-        if verdict(ln):
+        if verdict(ln):  # a set comparable on no label gets no sentence
+            counts = tally.setdefault(ln.extractor, [0, 0, 0, 0])  # worse, like, better; lower point value
             counts[("loses", "overlaps", "wins").index(verdict(ln))] += 1
             counts[3] += ln.value.value < 0
     said = []

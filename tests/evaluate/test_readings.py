@@ -128,3 +128,10 @@ def test_planted_centres_win_when_read_by_their_codes():
 def test_unknown_reading_is_named():
     with pytest.raises(ValueError, match="'linear'.*activation, code"):
         probe_readers({}, ("linear",), draws=1)
+
+
+def test_a_set_name_with_a_slash_is_refused_not_dropped():
+    cs = ConceptSet(torch.eye(4), "blocks.0.resid_out", method="kmeans", mean=torch.zeros(4))
+    assert column("run_topk") in probe_readers({"run_topk": cs}, draws=1)
+    with pytest.raises(ValueError, match="'run/topk' holds a '/'"):
+        probe_readers({"run/topk": cs}, draws=1)

@@ -143,4 +143,9 @@ def test_steering_lines_judge_like_sklearn_and_select_on_train_only(tiny, monkey
         assert paired.note.startswith(f"steers {said} {base} (paired bootstrap over the 2 prompts")
     table = format_lines(lines)
     assert f"| dense | {line.metric} minus diff-of-means | {lines[lines.index(line) + 1].value} |" in table
-    assert against_diff_of_means(lines).startswith("dense: its chosen concept steers worse than diff-of-means on ")
+    verdicts = [verdict(ln) for ln in lines if ln.extractor == "dense" and ln.metric.endswith(" minus diff-of-means")]
+    counted = [v for v in verdicts if v]
+    worse, like, better = (counted.count(v) for v in ("loses", "overlaps", "wins"))
+    summary = against_diff_of_means(lines)
+    assert summary.startswith(f"dense: its chosen concept steers worse than diff-of-means on {worse} of {len(counted)} "
+                              f"labels, like it on {like}, better on {better} ") if counted else summary == ""

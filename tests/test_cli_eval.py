@@ -229,3 +229,18 @@ def test_eval_command_on_smollm2_with_an_sae_set(tmp_path, capsys):
     assert whole == {metric: cells[0] for metric, cells in rows.items()}
     alone = [sl.line for sl in saved.lines if sl.line.concept is not None]
     assert len(alone) == 5 and f"{len(alone)} per-concept scores" in out
+
+
+def test_a_run_folder_evaluates_with_the_model_its_run_loaded(tmp_path):
+    """A set fitted from a local folder or .gguf names the model by its last component only: the run's
+    run.toml holds the path that loads it."""
+    import argparse
+
+    from conceptlens.commands.eval import _model_name
+
+    sets = {"topk": ConceptSet(torch.eye(4), "blocks.0.resid_out", model="gemma-3-270m-q4_k_m")}
+    (tmp_path / "run.toml").write_text('model = "/models/gemma-3-270m-q4_k_m.gguf"\n')
+    assert _model_name(argparse.Namespace(run_dir=tmp_path, model=None), sets) == "/models/gemma-3-270m-q4_k_m.gguf"
+    assert _model_name(argparse.Namespace(run_dir=tmp_path, model="smollm2-135m"), sets) == "smollm2-135m"
+    (tmp_path / "run.toml").unlink()  # a folder of saved sets only: the one model they name
+    assert _model_name(argparse.Namespace(run_dir=tmp_path, model=None), sets) == "gemma-3-270m-q4_k_m"

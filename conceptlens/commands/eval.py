@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", "--tasks", dest="tasks", type=_choices(PROBE_TASKS, "task"), default=PROBE_TASKS,
                         help=f"labelled sets to probe, comma-separated (default: all of {', '.join(PROBE_TASKS)})")
     parser.add_argument("--concepts", help="comma-separated concepts/<name> of a checkpoint_dir (default: all)")
-    parser.add_argument("--model", help="model to load (default: the one the sets name)")
+    parser.add_argument("--model", help="model to load (default: the one RUN/run.toml loaded, else the one the "
+                        "sets name)")
     parser.add_argument("--max-docs", type=positive_int, default=400, help="documents (sentences) per split")
     parser.add_argument("--max-length", type=positive_int, default=128, help="tokens per document")
     parser.add_argument("--batch-size", type=positive_int, default=16)
@@ -121,6 +122,23 @@ def _synthetic(args: argparse.Namespace) -> None:
     print(f"\n### synthetic ({took})\n\n{format_lines(lines)}", flush=True)
 
 
+def _model_name(args: argparse.Namespace, sets: dict) -> str:
+    """--model, else the model a run folder's run.toml loaded (a local folder or .gguf, which the sets
+    name only by its last component), else the one model the sets name."""
+    from conceptlens.commands import run_config as rc
+
+    recorded = Path(args.run_dir) / "run.toml"
+    if args.model or recorded.is_file():
+        return args.model or rc.read_toml(recorded)["model"]
+    models = {cs.model for cs in sets.values()}
+    unnamed = [name for name, cs in sets.items() if cs.model is None]
+    if unnamed:
+        raise ValueError(f"{unnamed[0]}: {sets[unnamed[0]]} names no model; pass --model")
+    if len(models) > 1:
+        raise ValueError(f"the sets name different models {sorted(models)}; pass --model")
+    return models.pop()
+
+
 def _run_folder(args: argparse.Namespace, suites: tuple[str, ...]) -> None:
     import conceptlens
     from conceptlens.batching import check_max_length
@@ -137,13 +155,7 @@ def _run_folder(args: argparse.Namespace, suites: tuple[str, ...]) -> None:
     for name, cs in sets.items():
         if cs.site is None:
             raise ValueError(f"{name}: {cs} names no site; set cs.site and save it again")
-    models = {cs.model for cs in sets.values()}
-    unnamed = [name for name, cs in sets.items() if cs.model is None]
-    if not args.model and unnamed:
-        raise ValueError(f"{unnamed[0]}: {sets[unnamed[0]]} names no model; pass --model")
-    if not args.model and len(models) > 1:
-        raise ValueError(f"the sets name different models {sorted(models)}; pass --model")
-    model_name = args.model or models.pop()
+    model_name = _model_name(args, sets)
     model, tok = load_model(args, model_name)
     check_max_length(model, args.max_length, "--max-length")
     lens = conceptlens.attach(model, tok)

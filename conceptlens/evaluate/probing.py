@@ -169,6 +169,9 @@ def probing_lines(task: str, train: Probed, test: Probed, class_names: list[str]
               else [(f"{task} k={{k}} accuracy", list(range(len(tasks))))])
     dense = {base: _dense_accuracy(train, test, tasks, n_docs, base == "diff-of-means")
              for base in ("diff-of-means", "full probe")}
+    stats = {metric: _tasks_mean(js) for metric, js in groups}
+    dense_bases = {metric: [(base, bootstrap(cols, stat, seed=seed)) for base, cols in dense.items()]
+                   for metric, stat in stats.items()}  # the same for every set and k
     suffix = "" if reading == "activation" else f", {reading}s"
     note = f"{len(tasks)} balanced binary task(s), {int(np.mean([len(t.test) for t in tasks]))} test rows each"
     lines = []
@@ -179,10 +182,8 @@ def probing_lines(task: str, train: Probed, test: Probed, class_names: list[str]
         for k in ks:
             ours = sparse_probe_accuracy(z_train, z_test, tasks, k, test.doc, n_docs)
             rand = [sparse_probe_accuracy(train.z[c], test.z[c], tasks, k, test.doc, n_docs) for c in controls]
-            for metric, js in groups:
-                stat = _tasks_mean(js)
-                bases = [(f"random {n} dirs{suffix}", bootstrap_draws(rand, stat, seed=seed))]
-                bases += [(base, bootstrap(cols, stat, seed=seed)) for base, cols in dense.items()]
+            for metric, stat in stats.items():
+                bases = [(f"random {n} dirs{suffix}", bootstrap_draws(rand, stat, seed=seed)), *dense_bases[metric]]
                 lines.append(Line(name, metric.format(k=k) + suffix, bootstrap(ours, stat, seed=seed), bases, note))
     return lines
 

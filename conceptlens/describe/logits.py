@@ -76,23 +76,23 @@ def _plain(unit: Tensor, w: Tensor, p: int, chunk: int) -> list[tuple[Tensor, ..
 
 
 def _screened(unit: Tensor, head: Unembedding, p: int, chunk: int) -> list[tuple[Tensor, ...]]:
-    """`_plain`'s results through a bfloat16 screen; the rows it cannot certify through a float32 one."""
+    """`_plain`'s results through a bfloat16 screen; the rows it cannot certify through a float32 one.
+    Both sides at once: rows 0..r-1 of a block search S, rows r..2r-1 search -S (the suppressed side)."""
     w, (wb, norms) = head.weight, head.bf16()
-    keys = torch.empty(2, min(chunk, len(unit)), len(w), dtype=torch.int16)  # bfloat16 bits of S and -S
+    buffer = torch.empty(2 * min(chunk, len(unit)), len(w), dtype=torch.int16)  # bfloat16 bits of S and -S
     parts: list[tuple[Tensor, ...]] = []
     failed: list[Tensor] = []
     for start, rows in zip(range(0, len(unit), chunk), unit.split(chunk)):
-        ub, both = rows.bfloat16(), keys[:, : len(rows)]
-        torch.matmul(ub, wb.T, out=both[0].view(torch.bfloat16))  # S (r, V)
-        torch.bitwise_xor(both[0], SIGN, out=both[1])  # -S: the suppressed side is the largest of -S
-        slack = _bf16_slack(rows, ub, norms)
-        sides = [_escalated(rows, w, lambda i, k, s=s: _screen_top(both[s], i, k, EPS_OUT, slack), sign, p,
-                            16 * (p + EXTRA)) for s, sign in enumerate((1, -1))]
-        zero = rows.abs().amax(1) == 0  # every logit 0: the first p tokens (a whole-row search otherwise)
-        for ids, values, ok in sides:
-            ids[zero], values[zero], ok[zero] = torch.arange(p), 0.0, True
-        parts.append(tuple(t for ids, values, _ in sides for t in (ids, values)))
-        failed.append(start + (~(sides[0][2] & sides[1][2])).nonzero().squeeze(1))
+        r, ub, keys = len(rows), rows.bfloat16(), buffer[: 2 * len(rows)]
+        torch.matmul(ub, wb.T, out=keys[:r].view(torch.bfloat16))  # S (r, V)
+        torch.bitwise_xor(keys[:r], SIGN, out=keys[r:])  # -S
+        slack = _bf16_slack(rows, ub, norms).repeat(2)
+        ids, values, ok = _escalated(rows.repeat(2, 1), w, lambda i, k: _screen_top(keys, i, k, EPS_OUT, slack),
+                                     _signs(r), p, 16 * (p + EXTRA))
+        zero = (rows.abs().amax(1) == 0).repeat(2)  # every logit 0: the first p tokens (else a whole-row search)
+        ids[zero], values[zero], ok[zero] = torch.arange(p), 0.0, True
+        parts.append((ids[:r], values[:r], ids[r:], values[r:]))
+        failed.append(start + (~(ok[:r] & ok[r:])).nonzero().squeeze(1))
     redo = torch.cat(failed)  # a near tie around the p-th logit wider than the bound: float32 for those rows
     if len(redo):
         out = [torch.cat(t) for t in zip(*parts)]
@@ -105,23 +105,29 @@ def _screened(unit: Tensor, head: Unembedding, p: int, chunk: int) -> list[tuple
 
 def _float32_rows(rows: Tensor, w: Tensor, p: int, norms: tuple[float, float, float]) -> list[Tensor]:
     """(promoted ids, logits, suppressed ids, logits) of a few rows, screened by their float32 logits
-    (within gamma_d ||u|| N of the exact ones, as the float32 logits of the candidates)."""
+    (within gamma_d ||u|| N of the exact ones at torch's default float32 matmul precision, as the
+    candidates' float32 logits are)."""
     logits = rows @ w.T
-    d = rows.shape[1]
-    slack = 2 * _gamma(d) * _inflate(rows.norm(dim=1).double(), d) * norms[2] + _tiny(d, norms)
+    scores = torch.cat([logits, -logits])  # (2r, V): both sides as largest values
+    d, r = rows.shape[1], len(rows)
+    slack = (2 * _gamma(d) * _inflate(rows.norm(dim=1).double(), d) * norms[2] + _tiny(d, norms)).repeat(2)
 
-    def top(sign: int, todo: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        ids, values = row_extremes(logits[todo] * sign, k + 1, True)
+    def top(todo: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        ids, values = row_extremes(scores[todo], k + 1, True)
         return ids[:, :k], values[:, k].double() + slack[todo]
 
-    return [t for sign in (1, -1)
-            for t in _escalated(rows, w, lambda todo, k, sign=sign: top(sign, todo, k), sign, p, len(w))[:2]]
+    ids, values, _ = _escalated(rows.repeat(2, 1), w, top, _signs(r), p, len(w))
+    return [ids[:r], values[:r], ids[r:], values[r:]]
 
 
-def _escalated(rows: Tensor, w: Tensor, top, sign: int, p: int, k_last: int) -> tuple[Tensor, Tensor, Tensor]:
+def _signs(r: int) -> Tensor:
+    return torch.cat([torch.ones(r), -torch.ones(r)])
+
+
+def _escalated(rows: Tensor, w: Tensor, top, sign: Tensor, p: int, k_last: int) -> tuple[Tensor, Tensor, Tensor]:
     """`_certified` with p + EXTRA candidates per row from `top(rows, k)` -> (candidate ids (t, k), the
     highest sign-adjusted logit any other token can have (t,)), then 4x more for the rows not
-    certified, while k <= k_last (at V candidates, every token is one: certified)."""
+    certified, up to k_last (at V candidates, every token is one: certified)."""
     r, v = rows.shape[0], w.shape[0]
     ids, values, ok = torch.zeros(r, p, dtype=torch.long), torch.zeros(r, p), torch.zeros(r, dtype=torch.bool)
     todo, k = torch.arange(r), min(p + EXTRA, v)
@@ -130,7 +136,9 @@ def _escalated(rows: Tensor, w: Tensor, top, sign: int, p: int, k_last: int) -> 
             cand, reach = torch.arange(v).expand(len(todo), v), torch.full((len(todo),), -torch.inf)
         else:
             cand, reach = top(todo, k)
-        got_ids, got_values, good = _certified(rows[todo], w, cand, reach.double(), sign, p)
+        some = len(todo) < r
+        got_ids, got_values, good = _certified(rows[todo] if some else rows, w, cand, reach.double(),
+                                               sign[todo] if some else sign, p)
         done = todo[good]
         ids[done], values[done], ok[done] = got_ids[good], got_values[good], True
         todo = todo[~good]
@@ -140,13 +148,13 @@ def _escalated(rows: Tensor, w: Tensor, top, sign: int, p: int, k_last: int) -> 
     return ids, values, ok
 
 
-def _certified(rows: Tensor, w: Tensor, cand: Tensor, reach: Tensor, sign: int, p: int) -> tuple[Tensor, ...]:
+def _certified(rows: Tensor, w: Tensor, cand: Tensor, reach: Tensor, sign: Tensor, p: int) -> tuple[Tensor, ...]:
     """The top p float32 logits (sign 1) or bottom p (-1) among each row's candidates `(r, k)` as
     (ids, logits) `(r, p)`, equal logits in column order, and whether they are those of the whole row
     `(r,)`: every other token's sign-adjusted logit is at most `reach`, below the p-th found."""
     cand = cand.sort(dim=1).values  # column order first: the stable sort below keeps it for equal logits
     exact = _dots(rows, w, cand)
-    order = (exact * sign).sort(dim=1, descending=True, stable=True).indices[:, :p]
+    order = (exact * sign[:, None]).sort(dim=1, descending=True, stable=True).indices[:, :p]
     top_ids, top_values = cand.gather(1, order), exact.gather(1, order)
     return top_ids, top_values, reach < top_values[:, -1].double() * sign
 

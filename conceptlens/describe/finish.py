@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from conceptlens.describe.describer import FINE, HALF_BINS, ConceptDescriber, fine_edges
+from conceptlens.describe.logits import Unembedding, logit_tokens, row_extremes  # noqa: F401 (finish's API)
 from conceptlens.describe.texts import REPLACEMENT, byte_text, chips, decoder, whole  # noqa: F401 (finish's API)
 
 
@@ -103,51 +104,6 @@ def map_xy(directions: Tensor) -> Tensor:
     scores = scores * torch.where(scores.gather(0, scores.abs().argmax(0, keepdim=True)) < 0, -1.0, 1.0)
     xy[:, : scores.shape[1]] = scores
     return xy.float()
-
-
-def logit_tokens(directions: Tensor, unembedding: Tensor, p: int, chunk: int = 512) -> dict[str, Tensor]:
-    """Each unit direction through the unembedding `(V, d)`: its p most promoted and suppressed token ids."""
-    unit = torch.nn.functional.normalize(directions.float(), dim=1)
-    w = unembedding.detach().float().cpu()
-    out: dict[str, list[Tensor]] = {k: [] for k in ("promoted_ids", "promoted_logit", "suppressed_ids",
-                                                     "suppressed_logit")}
-    buffer = torch.empty(min(chunk, len(unit)), w.shape[0])  # one (chunk, V) buffer: no fresh 100 MB per chunk
-    for rows in unit.split(chunk):
-        logits = torch.matmul(rows, w.T, out=buffer[: len(rows)])  # (chunk, V)
-        for name, largest in (("promoted", True), ("suppressed", False)):
-            ids, values = row_extremes(logits, p, largest)
-            out[f"{name}_ids"].append(ids)
-            out[f"{name}_logit"].append(values)
-    return {k: torch.cat(v) for k, v in out.items()}
-
-
-def row_extremes(scores: Tensor, p: int, largest: bool, block: int = 128) -> tuple[Tensor, Tensor]:
-    """`scores.topk(p, dim=1, largest=largest)` as (indices, values), equal values listed by column,
-    through blocks of `block` columns: the p blocks with the largest maxima hold the p largest values
-    (a block holding one of them has a maximum at least the p-th value, and each block ranked above
-    it holds another one), so one max per block and a top-k over p blocks replace a top-k over the
-    whole row (3x faster at V 49k)."""
-    r, v = scores.shape
-    whole = v // block * block
-    if whole < 8 * p * block:
-        top = scores.topk(p, dim=1, largest=largest)
-        return _by_column(top.indices, top.values, largest)
-    blocks = scores[:, :whole].view(r, -1, block)
-    extreme = blocks.amax(2) if largest else blocks.amin(2)  # (r, V / block)
-    chosen = extreme.topk(p, dim=1, largest=largest).indices  # (r, p)
-    pool = (chosen[..., None] * block + torch.arange(block, device=scores.device)).view(r, p * block)
-    if whole < v:  # the columns past the last whole block are always searched
-        pool = torch.cat([pool, torch.arange(whole, v, device=scores.device).expand(r, -1)], 1)
-    top = scores.gather(1, pool).topk(p, dim=1, largest=largest)
-    return _by_column(pool.gather(1, top.indices), top.values, largest)
-
-
-def _by_column(indices: Tensor, values: Tensor, largest: bool) -> tuple[Tensor, Tensor]:
-    """Top-k results with equal values put in column order (a top-k leaves their order open)."""
-    first = indices.sort(dim=1).indices
-    indices, values = indices.gather(1, first), values.gather(1, first)
-    order = values.sort(dim=1, descending=largest, stable=True).indices
-    return indices.gather(1, order), values.gather(1, order)
 
 
 def class_probes(doc_sum: Tensor, doc_rows: Tensor, labels: Sequence[int], n_classes: int) -> tuple[Tensor, Tensor]:

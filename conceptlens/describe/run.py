@@ -80,10 +80,11 @@ def describe(lens: AttachedModel, concept_sets: Mapping[str, ConceptSet], data: 
     options = options or FinishOptions()
     results = {}
     known: dict[int, str] = {}  # token texts decoded for one set, reused by the next
+    heads: dict[int, fin.Unembedding] = {}  # the unembedding prepared for one set, reused by the next
     for name, d in describers.items():
         results[name] = finish(d, name=name, lens=lens, tokenizer=tokenizer,
                                classes=None if classes is None else (classes[0][skip_documents:], classes[1]),
-                               options=options, known=known)
+                               options=options, known=known, heads=heads)
         site = _site(d.concepts)
         watch = next(w.norms for w in plan[site].values() if w.norms is not None)
         results[name].info["norms"] = {**watch.summary(lambda ids: fin.whole(tokenizer, ids, known)),
@@ -172,9 +173,10 @@ def unembedding(lens: AttachedModel, site: str, width: int) -> torch.Tensor | No
 
 def finish(d: ConceptDescriber, *, name: str, lens: AttachedModel, tokenizer: Any,
            classes: tuple[list[int], list[str]] | None = None, options: FinishOptions | None = None,
-           known: dict[int, str] | None = None) -> Description:
+           known: dict[int, str] | None = None, heads: dict[int, fin.Unembedding] | None = None) -> Description:
     """The Description of one describer's state (see ATLAS_FORMAT.md); `known`: token texts decoded
-    before with this tokenizer (see `finish.decoder`), filled here."""
+    before with this tokenizer (see `finish.decoder`), `heads`: the model's unembedding prepared
+    before, by width (see `finish.Unembedding`); both filled here."""
     o, cs, n = options or FinishOptions(), d.concepts, d.n
     if d.sums is None:
         raise ValueError(f"concept set {name!r} saw no tokens: nothing to describe (more data or a smaller "
@@ -195,7 +197,8 @@ def finish(d: ConceptDescriber, *, name: str, lens: AttachedModel, tokenizer: An
     w_u = unembedding(lens, _site(cs), cs.d)
     tokens = None
     if w_u is not None:
-        stats |= fin.logit_tokens(unit, w_u, min(o.n_tokens, w_u.shape[0]))
+        head = (heads if heads is not None else {}).setdefault(cs.d, fin.Unembedding(w_u))
+        stats |= fin.logit_tokens(unit, head, min(o.n_tokens, w_u.shape[0]))
         shown = torch.cat([stats["promoted_ids"], stats["suppressed_ids"]]).view(-1)
         vocab = fin.whole(tokenizer, torch.bincount(shown).nonzero().squeeze(1).tolist(), known)  # unique, no sort
         tokens = {k: [[vocab[i] for i in row] for row in stats[f"{k}_ids"].tolist()] for k in ("promoted", "suppressed")}

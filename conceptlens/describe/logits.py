@@ -60,7 +60,7 @@ def logit_tokens(directions: Tensor, unembedding: Tensor | Unembedding, p: int, 
     head = unembedding if isinstance(unembedding, Unembedding) else Unembedding(unembedding)
     if screen is None:
         screen = unit.device.type == "cpu" and len(head) >= 8 * (p + EXTRA + 1) * MEMBERS and fast_bf16()
-    parts = _screened(unit, head, p, chunk) if screen else _plain(unit, head.weight, p, chunk)
+    parts = _screened(unit, head, p, chunk) if screen and p > 0 else _plain(unit, head.weight, p, chunk)
     names = ("promoted_ids", "promoted_logit", "suppressed_ids", "suppressed_logit")
     return {name: torch.cat([part[i] for part in parts]) for i, name in enumerate(names)}
 
@@ -104,13 +104,14 @@ def _screened(unit: Tensor, head: Unembedding, p: int, chunk: int) -> list[tuple
 
 
 def _float32_rows(rows: Tensor, w: Tensor, p: int, norms: tuple[float, float, float]) -> list[Tensor]:
-    """(promoted ids, logits, suppressed ids, logits) of a few rows, screened by their float32 logits
-    (within gamma_d ||u|| N of the exact ones at torch's default float32 matmul precision, as the
-    candidates' float32 logits are)."""
-    logits = rows @ w.T
+    """(promoted ids, logits, suppressed ids, logits) of a few rows, screened by their float64 logits
+    (a block of tokens at a time: within 2 d 2^-53 ||u|| N of the exact ones whatever float32 matmul
+    precision torch is set to; the candidates' float32 logits lie within gamma_d ||u|| N of them)."""
+    logits = torch.cat([rows.double() @ block.double().T for block in w.split(4096)], 1)  # (r, V)
     scores = torch.cat([logits, -logits])  # (2r, V): both sides as largest values
     d, r = rows.shape[1], len(rows)
-    slack = (2 * _gamma(d) * _inflate(rows.norm(dim=1).double(), d) * norms[2] + _tiny(d, norms)).repeat(2)
+    bound = (_gamma(d) + 2 * d * 2.0 ** -53) * _inflate(rows.norm(dim=1).double(), d) * norms[2]
+    slack = ((bound + _tiny(d, norms)) * (1 + 2.0 ** -20)).repeat(2)
 
     def top(todo: Tensor, k: int) -> tuple[Tensor, Tensor]:
         ids, values = row_extremes(scores[todo], k + 1, True)
@@ -121,6 +122,7 @@ def _float32_rows(rows: Tensor, w: Tensor, p: int, norms: tuple[float, float, fl
 
 
 def _signs(r: int) -> Tensor:
+    """`(2r,)`: 1 for the promoted side's rows, -1 for the suppressed side's."""
     return torch.cat([torch.ones(r), -torch.ones(r)])
 
 
@@ -139,6 +141,8 @@ def _escalated(rows: Tensor, w: Tensor, top, sign: Tensor, p: int, k_last: int) 
         some = len(todo) < r
         got_ids, got_values, good = _certified(rows[todo] if some else rows, w, cand, reach.double(),
                                                sign[todo] if some else sign, p)
+        if k == v:  # every token a candidate: the row's own top p, even of NaN or infinite logits
+            good = torch.ones_like(good)
         done = todo[good]
         ids[done], values[done], ok[done] = got_ids[good], got_values[good], True
         todo = todo[~good]
@@ -244,6 +248,7 @@ def _inflate(norm, d: int):
 
 
 def _gamma(d: int) -> float:
+    """Higham's gamma_d: the relative error bound of a float32 sum of d products, in any order."""
     return d * U32 / (1 - d * U32)
 
 

@@ -197,7 +197,8 @@ def finish(d: ConceptDescriber, *, name: str, lens: AttachedModel, tokenizer: An
     w_u = unembedding(lens, _site(cs), cs.d)
     tokens = None
     if w_u is not None:
-        head = (heads if heads is not None else {}).setdefault(cs.d, fin.Unembedding(w_u))
+        heads = heads if heads is not None else {}
+        head = heads[cs.d] if cs.d in heads else heads.setdefault(cs.d, fin.Unembedding(w_u))  # one copy per pass
         stats |= fin.logit_tokens(unit, head, min(o.n_tokens, w_u.shape[0]))
         shown = torch.cat([stats["promoted_ids"], stats["suppressed_ids"]]).view(-1)
         vocab = fin.whole(tokenizer, torch.bincount(shown).nonzero().squeeze(1).tolist(), known)  # unique, no sort

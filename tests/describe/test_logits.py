@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conceptlens.describe.logits import Unembedding, logit_tokens
+from conceptlens.describe.logits import Unembedding, _dots, logit_tokens
 
 P = 10
 V = 17_000  # 265 whole groups of 64 tokens (the group search runs) and a tail of 40
@@ -97,3 +97,41 @@ def test_equal_unembedding_rows_are_listed_by_token_id_through_the_screen():
     assert torch.equal(top[whole], torch.tensor([40, 9000, 16_990]).expand(int(whole.sum()), 3))
     ties = got["promoted_logit"][whole]
     assert torch.equal(ties[:, 0], ties[:, 1]) and torch.equal(ties[:, 1], ties[:, 2])  # one dot product each
+
+
+def test_a_non_finite_direction_gives_non_finite_logits_not_token_zero():
+    dirs, w_u = _exact_case("ties")
+    dirs = dirs[:4].clone()
+    dirs[1, 3], dirs[2, 0] = float("nan"), float("inf")
+    got = logit_tokens(dirs, w_u, P, chunk=32, screen=True)
+    for key in ("promoted_logit", "suppressed_logit"):
+        assert not got[key][1:3].isfinite().any() and got[key][[0, 3]].isfinite().all()
+
+
+def test_no_tokens_asked_gives_empty_rows_on_either_path():
+    dirs, w_u = _exact_case("ties")
+    for screen in (True, False):
+        got = logit_tokens(dirs[:5], w_u, 0, screen=screen)
+        assert got["promoted_ids"].shape == (5, 0) and got["suppressed_logit"].shape == (5, 0)
+
+
+def test_the_float32_fallback_holds_when_torch_multiplies_float32_in_lower_precision():
+    """Clusters of tokens nearly parallel to each direction: near ties the bfloat16 screen cannot
+    certify, so rows reach the fallback screen, which must not trust float32 products that torch may
+    compute in bfloat16 ('medium' precision): the ids stay a stable sort of the row's own float32
+    logits (each one dot product, as the candidates')."""
+    g = torch.Generator().manual_seed(1)
+    d, n = 576, 8
+    w_u = torch.randn(V, d, generator=g) * 0.05
+    dirs = torch.nn.functional.normalize(torch.randn(n, d, generator=g), dim=1)
+    for i in range(n):
+        w_u[torch.randperm(V, generator=g)[:2000]] = dirs[i] * 2.0 + 1e-3 * torch.randn(2000, d, generator=g)
+    logits = _dots(dirs, w_u, torch.arange(V).expand(n, V).contiguous())  # float32, one dot product each
+    want = logits.sort(dim=1, descending=True, stable=True).indices[:, :P]
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        got = logit_tokens(dirs, w_u, P, screen=True)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert torch.equal(got["promoted_ids"], want)

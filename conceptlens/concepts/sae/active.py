@@ -92,7 +92,8 @@ def active_decode(latents: Tensor, values: Tensor, offsets: Tensor, W_dec: Tenso
     """`F.embedding_bag(latents, W_dec, offsets, mode="sum", per_sample_weights=values)` `(N, d)`: the
     same value and gradients, but on CPU W_dec's gradient is a sparse-dense product (`_DecoderGradient`)
     instead of embedding_bag's dense backward, which sorts the M entries by latent first (half of the
-    decode's forward and backward at width 9216, k 32; the gradients are the same bits)."""
+    decode's forward and backward at width 9216, k 32; the same gradients up to summation order,
+    deterministic whatever the thread count)."""
     if not (W_dec.requires_grad and torch.is_grad_enabled() and W_dec.device.type == "cpu"):
         return F.embedding_bag(latents, W_dec, offsets, mode="sum", per_sample_weights=values)
     x_hat = F.embedding_bag(latents, W_dec.detach(), offsets, mode="sum", per_sample_weights=values)

@@ -160,6 +160,7 @@ class SAETrainer:
         params = list(self.sae.params.values())
         # one fused kernel per step instead of a dozen passes over each tensor (5x on CPU; the same
         # update up to float rounding, deterministic, so resume stays bit-identical)
+        # (a state loaded from a checkpoint keeps its own flag: an older one resumes unfused, as it ran)
         fused = all(p.device.type in ("cpu", "cuda") for p in params)
         return torch.optim.Adam(params, lr=config.learning_rate(), betas=config.betas, fused=fused)
 
@@ -178,7 +179,7 @@ class SAETrainer:
             g = W.grad  # (width, d)
             g -= (g * W).sum(1, keepdim=True) * W
         optimiser = self.optimiser()
-        match_layouts(optimiser.param_groups[0]["params"])
+        match_layouts(optimiser)
         optimiser.step()
         if sae.unit_decoder and W is not None:
             W /= W.norm(dim=1, keepdim=True).clamp(min=1e-12)
@@ -280,10 +281,15 @@ class SAETrainer:
         self.running.merge(other.running)
 
 
-def match_layouts(params: list[Tensor]) -> None:
-    """Give each gradient its parameter's strides (a copy where they differ, as an all-reduced
-    gradient of the transposed W_enc): torch's fused Adam pairs a parameter with its gradient by
-    memory order, so a gradient laid out otherwise would update the wrong elements."""
-    for p in params:
+def match_layouts(optimiser: torch.optim.Optimizer) -> None:
+    """Give each parameter's gradient and Adam moments the parameter's strides (a copy where they
+    differ, as an all-reduced gradient of the transposed W_enc): torch's fused Adam pairs a parameter
+    with its gradient and moments by memory order, so a tensor laid out otherwise would update the
+    wrong elements."""
+    for p in optimiser.param_groups[0]["params"]:
         if p.grad is not None and p.grad.stride() != p.stride():
             p.grad = torch.empty_like(p).copy_(p.grad)
+        state = optimiser.state.get(p, {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in state and state[key].stride() != p.stride():
+                state[key] = torch.empty_like(p).copy_(state[key])

@@ -6,6 +6,7 @@
     sums, received = step_statistics(centres, mass, x, weight, labels)   # additive over shards
     centres, mass, received = apply_step(centres, mass, sums, received)  # one weighted mini-batch step
     centres, mass = weighted_lloyd(points, weight, k, generator)         # full weighted k-means (merges)
+    centres, mass, labels = lloyd(points, weight, k, generator)          # the same, with its last assignment
 
 The fast kernels are written so that a large k runs at matmul speed on any device: the (N, k)
 score block is one `addmm` per chunk of rows (|c|^2 - 2 x.c; |x|^2 is added back only to the

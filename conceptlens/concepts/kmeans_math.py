@@ -6,6 +6,7 @@
     sums, received = step_statistics(centres, mass, x, weight, labels)   # additive over shards
     centres, mass, received = apply_step(centres, mass, sums, received)  # one weighted mini-batch step
     centres, mass = weighted_lloyd(points, weight, k, generator)         # full weighted k-means (merges)
+    centres, mass, labels = lloyd(points, weight, k, generator)          # the same, with its last assignment
 
 The fast kernels are written so that a large k runs at matmul speed on any device: the (N, k)
 score block is one `addmm` per chunk of rows (|c|^2 - 2 x.c; |x|^2 is added back only to the
@@ -133,15 +134,36 @@ def kmeans_plusplus(x: Tensor, k: int, generator: torch.Generator, weight: Tenso
             return torch.randint(n, (m,), generator=generator)
         return torch.multinomial(p, m, replacement=True, generator=generator)
 
+    x_t = x.T.contiguous()  # (d, N): a few rows times it is a row-major matmul, twice as fast as x.T's
     chosen = [int(draw(w, 1))]
-    closest = squared_distances(x[chosen], x, x_sq[chosen], x_sq)[0]  # (N,)
+    closest = _distances_to_rows(x[chosen], x_t, x_sq[chosen], x_sq)[0]  # (N,)
     for _ in range(1, k):
         cand = draw(w * closest.double().cpu(), trials).to(x.device)
-        d2 = torch.minimum(closest[None], squared_distances(x[cand], x, x_sq[cand], x_sq))  # (trials, N)
+        d2 = torch.minimum(_distances_to_rows(x[cand], x_t, x_sq[cand], x_sq), closest[None])  # (trials, N)
         best = int((d2.double().cpu() * w).sum(1).argmin())
         chosen.append(int(cand[best]))
         closest = d2[best]
     return torch.tensor(chosen, device=x.device)
+
+
+def _distances_to_rows(c: Tensor, x_t: Tensor, c_sq: Tensor, x_sq: Tensor) -> Tensor:
+    """`squared_distances(c, x, c_sq, x_sq)` `(m, N)` from x transposed `(d, N)`, in place on
+    one matmul's output: the same sums in the same order, bar the matmul's."""
+    out = (c @ x_t).float().mul_(-2.0).add_(c_sq[:, None])  # (m, N) |c|^2 - 2 c.x
+    return out.add_(x_sq[None]).clamp_min_(0.0)
+
+
+def _assign(view: Tensor, view_sq: Tensor, c: Tensor) -> Tensor:
+    """`squared_distances(view, c, view_sq).argmin(1)` `(M,)` in chunks of rows whose (rows, k)
+    block stays in cache, in place on each chunk's matmul: the same sums, bar the matmul's."""
+    if view.dtype not in (torch.float32, torch.float64):  # shifted first (see `squared_distances`)
+        return squared_distances(view, c).argmin(1)
+    cf = c.float()
+    c_sq = (cf * cf).sum(1)  # (k,)
+    rows = max(1, (_BLOCK >> 2) // max(c.shape[0], 1))
+    labels = [(part @ c.T).float().mul_(-2.0).add_(part_sq[:, None]).add_(c_sq[None]).clamp_min_(0.0).argmin(1)
+              for part, part_sq in zip(view.split(rows), view_sq.split(rows))]
+    return labels[0] if len(labels) == 1 else torch.cat(labels)
 
 
 def minibatch_step(centres: Tensor, mass: Tensor, x: Tensor, weight: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -181,21 +203,36 @@ def weighted_lloyd(points: Tensor, weight: Tensor, k: int, generator: torch.Gene
 
     Centres are weighted means of their points; with `spherical`, assignment uses directions.
     """
+    centres, mass, _ = lloyd(points, weight, k, generator, spherical=spherical, max_iter=max_iter)
+    return centres, mass
+
+
+def lloyd(points: Tensor, weight: Tensor, k: int, generator: torch.Generator, *,
+          spherical: bool = False, max_iter: int = 100) -> tuple[Tensor, Tensor, Tensor]:
+    """`weighted_lloyd` and each point's nearest centre: (centres (k, d), mass (k,), labels (M,)).
+
+    It stops once an assignment repeats the previous one (the result of every later
+    iteration), and returns that assignment as the labels rather than computing it again.
+    """
     view = _unit(points) if spherical else points
+    vf = view.float()
+    view_sq = (vf * vf).sum(1)  # (M,) once, not per iteration
+    weighted = points * weight[:, None].to(points.dtype)  # (M, d)
     centres = points[kmeans_plusplus(view, k, generator, weight)]
     labels = None
     for _ in range(max_iter):
-        new = squared_distances(view, _unit(centres) if spherical else centres).argmin(1)
+        new = _assign(view, view_sq, _unit(centres) if spherical else centres)
         if labels is not None and torch.equal(new, labels):
             break
         labels = new
         mass = torch.zeros(k, dtype=torch.float64, device=points.device).index_add_(0, labels, weight.double())
-        sums = torch.zeros_like(centres).index_add_(0, labels, points * weight[:, None].to(points.dtype))
+        sums = torch.zeros_like(centres).index_add_(0, labels, weighted)
         centres = torch.where(mass[:, None] > 0, sums / mass.clamp_min(1e-300)[:, None].to(points.dtype), centres)
-    if labels is None:  # max_iter=0: the seeds as they are, with the mass they are nearest to
-        labels = squared_distances(view, _unit(centres) if spherical else centres).argmin(1)
+    else:  # max_iter=0, or no repeat within max_iter: the labels of the final centres
+        new = _assign(view, view_sq, _unit(centres) if spherical else centres)
+    labels = new if labels is None else labels  # the mass is that of the last assignment made
     mass = torch.zeros(k, dtype=torch.float64, device=points.device).index_add_(0, labels, weight.double())
-    return centres, mass
+    return centres, mass, new
 
 
 def _unit(x: Tensor) -> Tensor:

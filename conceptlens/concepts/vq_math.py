@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from conceptlens.concepts.kmeans_math import squared_distances, weighted_lloyd
+from conceptlens.concepts.kmeans_math import lloyd, squared_distances
 
 InitMethod = Literal["kmeans", "spherical_kmeans", "random"]
 INIT_METHODS = ("kmeans", "spherical_kmeans", "random")
@@ -107,9 +107,9 @@ def initial_codes(x: Tensor, k: int, method: InitMethod,
         return centres, squared_distances(x, centres).argmin(1)
     spherical = method == "spherical_kmeans"
     data = F.normalize(x, dim=1) if spherical else x
-    centres, _ = weighted_lloyd(data, torch.ones(len(x), device=x.device), k, generator, spherical=spherical)
+    # the labels are Lloyd's last assignment, to the centres as `_unit` directs them
+    centres, _, labels = lloyd(data, torch.ones(len(x), device=x.device), k, generator, spherical=spherical)
     centres = F.normalize(centres, dim=1) if spherical else centres
-    labels = squared_distances(data, centres).argmin(1)
     if spherical:
         counts = torch.bincount(labels, minlength=k).to(x)
         norms = torch.zeros_like(counts).index_add_(0, labels, x.norm(dim=1)) / counts.clamp(min=1)

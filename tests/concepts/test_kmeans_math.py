@@ -64,3 +64,51 @@ def test_init_choice_is_checked():
         StreamingKMeans(n_concepts=4, init="kmeans||")
     assert not StreamingKMeans(n_concepts=256).config.batched_init
     assert StreamingKMeans(n_concepts=257).config.batched_init
+
+
+def plain_kmeans_plusplus(x, k, generator, w):
+    """Greedy k-means++ by its definition (the form this module had before its fast kernels)."""
+    trials, d2_all = 2 + int(torch.log(torch.tensor(float(k)))), torch.cdist(x.double(), x.double()) ** 2
+    chosen = [int(torch.multinomial(w, 1, replacement=True, generator=generator))]
+    closest = d2_all[chosen[0]]
+    for _ in range(1, k):
+        cand = torch.multinomial(w * closest, trials, replacement=True, generator=generator)
+        d2 = torch.minimum(closest[None], d2_all[cand])  # (trials, N)
+        best = int((d2 * w).sum(1).argmin())
+        chosen.append(int(cand[best]))
+        closest = d2[best]
+    return torch.tensor(chosen)
+
+
+def plain_lloyd(x, w, k, generator):
+    """Weighted Lloyd from the k-means++ seeds until an assignment repeats; labels of the final centres."""
+    centres, labels = x[plain_kmeans_plusplus(x, k, generator, w)], None
+    while True:
+        new = torch.cdist(x.double(), centres.double()).argmin(1)
+        if labels is not None and torch.equal(new, labels):
+            return centres, new
+        labels = new
+        mass = torch.zeros(k, dtype=torch.float64).index_add_(0, labels, w)
+        sums = torch.zeros(k, x.shape[1], dtype=torch.float64).index_add_(0, labels, x.double() * w[:, None])
+        centres = torch.where(mass[:, None] > 0, sums / mass.clamp_min(1e-300)[:, None], centres.double()).float()
+
+
+@pytest.mark.parametrize("block", [1 << 22, 64])  # one chunk of rows per assignment, and many
+def test_kmeans_plusplus_and_lloyd_match_the_plain_definitions(monkeypatch, block):
+    """The fast kernels give the seeds, centres and labels of the definitions, whatever their summation
+    order: seeds on small integers (every distance exact, ties included), Lloyd on tight integer blobs far
+    apart (one seed each, every assignment by a wide margin, centres exact means of 32 rows)."""
+    from conceptlens.concepts.vq_math import initial_codes
+
+    monkeypatch.setattr(kmeans_math, "_BLOCK", block)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-4, 5, (256, 6), generator=g).float() * 8
+    w = torch.randint(1, 4, (256,), generator=g).double()
+    seeds = kmeans_math.kmeans_plusplus(x, 12, torch.Generator().manual_seed(3), w)
+    assert torch.equal(seeds, plain_kmeans_plusplus(x, 12, torch.Generator().manual_seed(3), w))
+    blob = torch.randint(-20, 21, (8, 6), generator=g).float() * 64  # 8 blob centres >= 64 apart
+    x = blob.repeat_interleave(32, 0) + torch.randint(-2, 3, (256, 6), generator=g).float()
+    centres, labels = initial_codes(x, 8, "kmeans", torch.Generator().manual_seed(5))
+    ref_centres, ref_labels = plain_lloyd(x, torch.ones(256, dtype=torch.float64), 8, torch.Generator().manual_seed(5))
+    assert torch.equal(labels, ref_labels)
+    assert torch.equal(centres, ref_centres)

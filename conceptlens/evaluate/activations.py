@@ -238,6 +238,9 @@ class TokenColumns(Mapping[str, Tensor]):
     def __getitem__(self, name: str) -> Tensor:
         return torch.cat(list(self.blocks(name)))
 
+    def __contains__(self, name: object) -> bool:
+        return name in self.readers  # (Mapping's would read the column)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.readers)
 

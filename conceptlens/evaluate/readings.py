@@ -79,15 +79,16 @@ def set_reader(cs: ConceptSet, reading: str = "activation") -> Reader:
     return lambda x: F.one_hot(assign(act.encode(x.float()), x.float()), len(cs)).float()
 
 
-def control_reader(cs: ConceptSet, seed: int, reading: str = "activation") -> Reader:
-    """`len(cs)` random unit directions of the site (seeded), read as `cs`'s concepts are."""
+def control_reader(cs: ConceptSet, seed: int, reading: str = "activation", directions: Tensor | None = None) -> Reader:
+    """`len(cs)` random unit directions of the site (seeded; or `directions`, as `random_directions` drew
+    them), read as `cs`'s concepts are."""
     from conceptlens.concepts.sae.restore import CLASSES
     from conceptlens.concepts.sae.topk import topk_relu
     from conceptlens.evaluate.activations import concept_encoder
 
     check_reading(reading)
     n = len(cs)
-    directions = random_directions(n, cs.d, seed)
+    directions = random_directions(n, cs.d, seed) if directions is None else directions
     if reading == "code" and cs.method in CLASSES:
         b_dec = cs.encoder["b_dec"].float()
         k = cs.config.get("k")
@@ -112,6 +113,7 @@ def probe_readers(sets: Mapping[str, ConceptSet], readings: Sequence[str] = READ
     (`reader_key`: e.g. the controls of SAEs of one width), which `activations.collect` reads once."""
     out: dict[str, Reader] = {}
     made: dict[tuple, Reader] = {}
+    drawn: dict[tuple[int, int, int], Tensor] = {}  # one draw of directions serves both readings
     slashed = [name for name in sets if "/" in name]
     if slashed:
         raise ValueError(f"set name {slashed[0]!r} holds a '/', which separates a set's columns; rename it")
@@ -119,10 +121,16 @@ def probe_readers(sets: Mapping[str, ConceptSet], readings: Sequence[str] = READ
         check_reading(reading)
         for name, cs in sets.items():
             key = reader_key(cs, reading, name=name)
-            out[column(name, reading)] = made[key] = made.get(key) or set_reader(cs, reading)
+            if key not in made:
+                made[key] = set_reader(cs, reading)
+            out[column(name, reading)] = made[key]
             for r in range(draws):
-                key = reader_key(cs, reading, seed=seed + 1 + r)
-                out[column(name, reading, r)] = made[key] = made.get(key) or control_reader(cs, seed + 1 + r, reading)
+                key, size = reader_key(cs, reading, seed=seed + 1 + r), (len(cs), cs.d, seed + 1 + r)
+                if size not in drawn:
+                    drawn[size] = random_directions(*size)
+                if key not in made:
+                    made[key] = control_reader(cs, seed + 1 + r, reading, drawn[size])
+                out[column(name, reading, r)] = made[key]
     return out
 
 

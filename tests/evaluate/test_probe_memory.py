@@ -52,7 +52,8 @@ def test_token_columns_read_in_batches_give_the_probes_of_the_whole_matrices():
     calls = []
     counted = {name: (lambda x, f=f: calls.append(len(x)) or f(x)) for name, f in readers.items()}
     train, test = (collect(lens, SITE, counted, _tagged_batches(seed)) for seed in (0, 1))
-    assert isinstance(train.z, TokenColumns) and not calls  # token rows kept, no column read yet
+    assert isinstance(train.z, TokenColumns) and column("a", "code", 1) in train.z and "b" not in train.z
+    assert not calls  # token rows kept, no column read yet (not even to look a name up)
     names = ["toy", "x", "y"]
     lines = probing_lines("toy", train, test, names, reading="code", ks=(1, 5))
     assert 0 < max(calls) <= 4 * 11  # every read is one batch of tokens (position 0 left out)

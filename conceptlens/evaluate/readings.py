@@ -162,11 +162,14 @@ def mean_differences(blocks: Iterable[Tensor], sides: Sequence[tuple[Tensor, Ten
     that over `sides[task][1]` (sorted ids; `probing.sides`: class 1 and class 0 of its train split),
     the column given as consecutive row blocks and summed block by block (one block: exactly
     `probing.top_mean_difference`'s means, as torch's mean is the sum over the count)."""
-    sums, start = None, 0
+    sums: Tensor | None = None
+    start = 0
     for block in blocks:
         end = start + len(block)
         part = torch.stack([torch.stack([_rows_sum(block, rows, start, end) for rows in pair]) for pair in sides])
         sums, start = part if sums is None else sums + part, end  # (tasks, 2, n)
+    if sums is None:
+        raise ValueError("mean_differences takes at least one block of rows")
     counts = torch.tensor([[len(rows) for rows in pair] for pair in sides], dtype=torch.float64)
     means = sums / counts[..., None]
     return means[:, 0] - means[:, 1]

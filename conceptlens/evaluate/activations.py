@@ -10,7 +10,8 @@ x @ directions.T. Documents of bbc-news / movie-polarity / conll2010-uncertainty
 wholes: their activations are averaged over their real tokens. wsj-pos is probed per token:
 each word's Penn tag labels its first sub-token (found through the tokenizer's character
 offsets); the other sub-tokens go unlabelled. Each sequence's first token, the attention sink,
-is always left out (as fits leave it out).
+is always left out (as fits leave it out). Token rows keep only their site activations: their
+concept columns are read batch by batch when asked (`TokenColumns`), never held whole.
 """
 
 from __future__ import annotations
@@ -156,8 +157,9 @@ class Probed(NamedTuple):
 
     x: Tensor
     """`(M, d)` site activations (document means, or tokens)"""
-    z: dict[str, Tensor]
-    """set name -> `(M, n)` concept activations (document means of per-token activations, or per token)"""
+    z: Mapping[str, Tensor]
+    """set name -> `(M, n)` concept activations (document means of per-token activations, or per token:
+    then a `TokenColumns`, read when asked)"""
     y: Tensor
     """`(M,)` labels"""
     doc: Tensor
@@ -169,11 +171,12 @@ def collect(lens: AttachedModel, site: str, encoders: Mapping[str, ConceptEncode
             batches: Iterable[tuple[dict[str, Tensor], Tensor]],
             on_tokens: Callable[[Tensor, Tensor], None] | None = None) -> Probed:
     """Activations at `site` of every batch -> probe rows for every set in `encoders` (ConceptEncoders,
-    or plain `(N, d) -> (N, n)` readers such as `readings.probe_readers`'); `on_tokens(x, doc)` also
-    sees every token (`(N, d)` rows and their document ids)."""
+    or plain `(N, d) -> (N, n)` readers such as `readings.probe_readers`'; the same reader under several
+    names is read once); `on_tokens(x, doc)` also sees every token (`(N, d)` rows and their document ids).
+    Documents are pooled batch by batch; token rows keep only their site activations (`TokenColumns`)."""
     read: dict[str, Callable[[Tensor], Tensor]] = {
         name: enc.encode if isinstance(enc, ConceptEncoder) else enc for name, enc in encoders.items()}
-    xs, ys, docs = [], [], []
+    xs, ys, docs, token_rows = [], [], [], []
     zs: dict[str, list[Tensor]] = {name: [] for name in encoders}
     device = next(lens.model.parameters()).device
     offset = 0
@@ -188,17 +191,61 @@ def collect(lens: AttachedModel, site: str, encoders: Mapping[str, ConceptEncode
             if labels.ndim == 1:  # one label per document: mean over its tokens
                 part = pool_documents(read, x, rows, labels)
                 part = part._replace(doc=part.doc + offset)
+                for name in read:
+                    zs[name].append(part.z[name])
             else:
                 y = labels[meta.keep.cpu()][inner]
                 x, rows, y = x[y >= 0], rows[y >= 0], y[y >= 0]
-                part = Probed(x, {name: f(x) for name, f in read.items()}, y, rows + offset)
+                part = Probed(x, {}, y, rows + offset)
+                token_rows.append(x)
             xs.append(part.x)
-            for name in read:
-                zs[name].append(part.z[name])
             ys.append(part.y)
             docs.append(part.doc)
             offset += len(labels)
-    return Probed(torch.cat(xs), {name: torch.cat(v) for name, v in zs.items()}, torch.cat(ys), torch.cat(docs))
+    if token_rows and len(token_rows) < len(xs):
+        raise ValueError("collect takes batches labelled per document or per token, not both")
+    z = TokenColumns(read, token_rows) if token_rows else _joined(read, zs)
+    return Probed(torch.cat(xs), z, torch.cat(ys), torch.cat(docs))
+
+
+def _joined(read: Mapping[str, Callable[[Tensor], Tensor]], zs: Mapping[str, list[Tensor]]) -> dict[str, Tensor]:
+    """Every column's batches concatenated, once per distinct reader (names sharing a reader share the tensor)."""
+    done: dict[int, Tensor] = {}
+    for name, f in read.items():
+        if id(f) not in done:
+            done[id(f)] = torch.cat(zs[name])
+    return {name: done[id(f)] for name, f in read.items()}
+
+
+class TokenColumns(Mapping[str, Tensor]):
+    """Per-token probe columns, read when asked: column -> its reader applied batch by batch to the
+    kept token rows. Token-level tasks keep these instead of every `(N, n)` column (tokens x width x
+    columns would not fit); `blocks(name)` gives a column one batch at a time, as `collect` read it."""
+
+    def __init__(self, readers: Mapping[str, Callable[[Tensor], Tensor]], rows: list[Tensor]):
+        self.readers = dict(readers)
+        self.rows = rows
+        """the `(N_b, d)` labelled token rows of each batch"""
+
+    def blocks(self, name: str) -> Iterator[Tensor]:
+        """Column `name` as `(N_b, n)` row blocks, one per batch."""
+        f = self.readers[name]
+        for x in self.rows:
+            with torch.no_grad():
+                z = f(x)
+            yield z
+
+    def __getitem__(self, name: str) -> Tensor:
+        return torch.cat(list(self.blocks(name)))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.readers  # (Mapping's would read the column)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.readers)
+
+    def __len__(self) -> int:
+        return len(self.readers)
 
 
 def pool_documents(readers: Mapping[str, Callable[[Tensor], Tensor]], x: Tensor, doc: Tensor, y: Tensor) -> Probed:
@@ -207,7 +254,11 @@ def pool_documents(readers: Mapping[str, Callable[[Tensor], Tensor]], x: Tensor,
     (each token read, then pooled, as SAEBench mean-pools latent activations)."""
     count = torch.bincount(doc, minlength=len(y))
     has = count > 0
-    z = {name: _doc_means(f(x), doc, count)[has] for name, f in readers.items()}
+    pooled: dict[int, Tensor] = {}  # a reader under several names is read once
+    for f in readers.values():
+        if id(f) not in pooled:
+            pooled[id(f)] = _doc_means(f(x), doc, count)[has]
+    z = {name: pooled[id(f)] for name, f in readers.items()}
     return Probed(_doc_means(x, doc, count)[has], z, y[has], torch.arange(len(y))[has])
 
 

@@ -23,16 +23,16 @@ ranks first), next to that task's matched random control at k = 1 and its diff-o
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from conceptlens.evaluate.activations import Probed
+from conceptlens.evaluate.activations import Probed, TokenColumns
 from conceptlens.evaluate.bootstrap import Estimate, bootstrap, bootstrap_draws, per_document
 from conceptlens.evaluate.lines import Line
-from conceptlens.evaluate.readings import check_reading, column, random_directions
+from conceptlens.evaluate.readings import Chosen, check_reading, choose, column, random_directions
 
 KS = (1, 2, 5, 20)
 RANDOM_DRAWS = 5
@@ -76,6 +76,11 @@ def top_mean_difference(z: Tensor, y: Tensor, k: int) -> Tensor:
     return diff.topk(min(k, z.shape[1])).indices
 
 
+def sides(tasks: list[BinaryTask]) -> list[tuple[Tensor, Tensor]]:
+    """Per task, the ids of its class-1 and its class-0 train rows (sorted): what `readings.choose` ranks by."""
+    return [(t.train[t.y_train == 1], t.train[t.y_train == 0]) for t in tasks]
+
+
 class SparseProbe(NamedTuple):
     features: Tensor
     """`(k,)` the selected columns"""
@@ -102,6 +107,20 @@ def fit_sparse_probe(z: Tensor, y: Tensor, k: int, C: float = 1.0) -> SparseProb
     return SparseProbe(features, fit_logistic(z[:, features], y, C))
 
 
+def sparse_probe_accuracies(chosen: Chosen, tasks: list[BinaryTask], doc: Tensor, n_docs: int) -> list[Tensor]:
+    """Per size of `chosen`, the per-document (correct, count) columns of every task's k-sparse probe on
+    its chosen latents (`_correct_per_doc`): `fit_sparse_probe` on the rows of the column's `keep` latents."""
+    out = []
+    for i in range(len(chosen.features[0])):
+        preds = []
+        for j, t in enumerate(tasks):
+            at = chosen.at(chosen.features[j][i])
+            model = fit_logistic(chosen.train[t.train][:, at], t.y_train)
+            preds.append(torch.from_numpy(model.predict(chosen.test[t.test][:, at].double().numpy())))
+        out.append(_correct_per_doc(tasks, preds, doc, n_docs))
+    return out
+
+
 def _correct_per_doc(tasks: list[BinaryTask], predictions: list[Tensor], doc: Tensor, n_docs: int) -> Tensor:
     """`(n_docs, 2 * tasks)`: per task, correct test rows and test rows, summed by document."""
     cols = [torch.stack([(p == t.y_test).double(), torch.ones(len(p), dtype=torch.float64)], 1)
@@ -117,8 +136,8 @@ def mean_accuracy(t: Tensor) -> Tensor:
 def sparse_probe_accuracy(z_train: Tensor, z_test: Tensor, tasks: list[BinaryTask], k: int, doc: Tensor,
                           n_docs: int) -> Tensor:
     """Per-document (correct, count) columns of the k-sparse probe of every task: see `_correct_per_doc`."""
-    preds = [fit_sparse_probe(z_train[t.train], t.y_train, k).predict(z_test[t.test]) for t in tasks]
-    return _correct_per_doc(tasks, preds, doc, n_docs)
+    chosen = choose({"z": z_train}, {"z": z_test}, "z", sides(tasks), (k,))
+    return sparse_probe_accuracies(chosen, tasks, doc, n_docs)[0]
 
 
 def _dense_accuracy(train: Probed, test: Probed, tasks: list[BinaryTask], n_docs: int, diff_of_means: bool) -> Tensor:
@@ -174,18 +193,37 @@ def probing_lines(task: str, train: Probed, test: Probed, class_names: list[str]
                    for metric, stat in stats.items()}  # the same for every set and k
     suffix = "" if reading == "activation" else f", {reading}s"
     note = f"{len(tasks)} balanced binary task(s), {int(np.mean([len(t.test) for t in tasks]))} test rows each"
+    accuracies = _column_accuracies(train, test, tasks, ks, n_docs)
     lines = []
     for name in set_names(train, reading):
-        z_train, z_test = train.z[column(name, reading)], test.z[column(name, reading)]
-        controls = controls_of(train, name, reading)
-        n = z_train.shape[1]
-        for k in ks:
-            ours = sparse_probe_accuracy(z_train, z_test, tasks, k, test.doc, n_docs)
-            rand = [sparse_probe_accuracy(train.z[c], test.z[c], tasks, k, test.doc, n_docs) for c in controls]
+        n, ours = accuracies(column(name, reading))
+        controls = [accuracies(c)[1] for c in controls_of(train, name, reading)]
+        for i, k in enumerate(ks):
+            rand = [control[i] for control in controls]
             for metric, stat in stats.items():
                 bases = [(f"random {n} dirs{suffix}", bootstrap_draws(rand, stat, seed=seed)), *dense_bases[metric]]
-                lines.append(Line(name, metric.format(k=k) + suffix, bootstrap(ours, stat, seed=seed), bases, note))
+                lines.append(Line(name, metric.format(k=k) + suffix, bootstrap(ours[i], stat, seed=seed), bases, note))
     return lines
+
+
+def _column_accuracies(train: Probed, test: Probed, tasks: list[BinaryTask], ks: Sequence[int], n_docs: int):
+    """column -> (its latents, its per-k `sparse_probe_accuracies`), each column read one at a time;
+    columns that share a reader or tensor (controls shared between sets, `readings.probe_readers`) are
+    probed once."""
+    done: dict[tuple[int, int], tuple[int, list[Tensor]]] = {}
+
+    def accuracies(name: str) -> tuple[int, list[Tensor]]:
+        key = (_source(train.z, name), _source(test.z, name))
+        if key not in done:
+            chosen = choose(train.z, test.z, name, sides(tasks), ks)
+            done[key] = chosen.diff.shape[1], sparse_probe_accuracies(chosen, tasks, test.doc, n_docs)
+        return done[key]
+    return accuracies
+
+
+def _source(z: Mapping[str, Tensor], name: str) -> int:
+    """The identity of what column `name` is read from: its reader in a `TokenColumns`, else its tensor."""
+    return id(z.readers[name] if isinstance(z, TokenColumns) else z[name])
 
 
 def _task_accuracy(j: int):
@@ -201,21 +239,22 @@ def concept_probe_lines(task: str, train: Probed, test: Probed, class_names: lis
     tasks = binary_tasks(train.y, test.y, class_names, seed)
     n_docs = int(test.doc.max()) + 1
     dom = _dense_accuracy(train, test, tasks, n_docs, True)
+    accuracies = _column_accuracies(train, test, tasks, (1,), n_docs)
     lines = []
     for name in set_names(train):
-        z_train, n = train.z[name], train.z[name].shape[1]
-        controls = [sparse_probe_accuracy(train.z[c], test.z[c], tasks, 1, test.doc, n_docs)
-                    for c in controls_of(train, name, "activation")]
+        chosen = choose(train.z, test.z, name, sides(tasks), (top,))
+        n = chosen.diff.shape[1]
+        controls = [accuracies(c)[1][0] for c in controls_of(train, name, "activation")]
         for j, t in enumerate(tasks):
             bases = [(f"random {n} dirs, best 1", bootstrap_draws(controls, _task_accuracy(j), seed=seed)),
                      ("diff-of-means", bootstrap(dom, _task_accuracy(j), seed=seed))]
-            z = z_train[t.train].double()
-            diff = z[t.y_train == 1].mean(0) - z[t.y_train == 0].mean(0)
-            for rank, c in enumerate(diff.abs().topk(min(top, n)).indices.tolist()):
-                model = fit_logistic(z[:, [c]], t.y_train)
-                pred = torch.from_numpy(model.predict(test.z[name][t.test][:, [c]].double().numpy()))
+            z_train, z_test = chosen.train[t.train].double(), chosen.test[t.test].double()
+            ranked = chosen.features[j][0]
+            for rank, (c, at) in enumerate(zip(ranked.tolist(), chosen.at(ranked).tolist())):
+                model = fit_logistic(z_train[:, [at]], t.y_train)
+                pred = torch.from_numpy(model.predict(z_test[:, [at]].numpy()))
                 est = bootstrap(_correct_per_doc([t], [pred], test.doc, n_docs), mean_accuracy, seed=seed)
-                side = "higher" if diff[c] > 0 else "lower"
+                side = "higher" if chosen.diff[j, c] > 0 else "lower"
                 lines.append(Line(name, f"{task} {t.name}: accuracy of this concept alone", est, bases,
                                   f"rank {rank + 1} of {n} by mean difference ({side} on {t.name})", concept=c))
     return lines
@@ -223,4 +262,4 @@ def concept_probe_lines(task: str, train: Probed, test: Probed, class_names: lis
 
 __all__ = ["CONCEPT_TOP", "KS", "BinaryTask", "Estimate", "SparseProbe", "binary_tasks", "concept_probe_lines",
            "controls_of", "fit_logistic", "fit_sparse_probe", "mean_accuracy", "probing_lines", "random_directions",
-           "set_names", "sparse_probe_accuracy", "top_mean_difference"]
+           "set_names", "sides", "sparse_probe_accuracies", "sparse_probe_accuracy", "top_mean_difference"]

@@ -17,17 +17,23 @@ unit directions of the site as the set has concepts (`random_directions`, seeds 
   JumpReLU, against a plain ReLU of that: no threshold, so its control is denser than its code), a dense
   set's assigned concept (one-hot; nearest centre for k-means, largest cosine otherwise,
   `describe.activations`) against the one-hot random direction of largest cosine.
+
+Memory: readers that read alike are one object (`reader_key`; e.g. the controls of SAEs of one
+width), read once. A probe needs of a column only its top latents by mean difference and those
+latents of every row (`choose`), so a token-level column (`activations.TokenColumns`: tokens x
+width, per set, reading and draw) is read batch by batch, twice, and never held whole.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.evaluate.activations import TokenColumns
 
 READINGS = ("activation", "code")
 
@@ -73,15 +79,16 @@ def set_reader(cs: ConceptSet, reading: str = "activation") -> Reader:
     return lambda x: F.one_hot(assign(act.encode(x.float()), x.float()), len(cs)).float()
 
 
-def control_reader(cs: ConceptSet, seed: int, reading: str = "activation") -> Reader:
-    """`len(cs)` random unit directions of the site (seeded), read as `cs`'s concepts are."""
+def control_reader(cs: ConceptSet, seed: int, reading: str = "activation", directions: Tensor | None = None) -> Reader:
+    """`len(cs)` random unit directions of the site (seeded; or `directions`, as `random_directions` drew
+    them), read as `cs`'s concepts are."""
     from conceptlens.concepts.sae.restore import CLASSES
     from conceptlens.concepts.sae.topk import topk_relu
     from conceptlens.evaluate.activations import concept_encoder
 
     check_reading(reading)
     n = len(cs)
-    directions = random_directions(n, cs.d, seed)
+    directions = random_directions(n, cs.d, seed) if directions is None else directions
     if reading == "code" and cs.method in CLASSES:
         b_dec = cs.encoder["b_dec"].float()
         k = cs.config.get("k")
@@ -101,20 +108,111 @@ def control_reader(cs: ConceptSet, seed: int, reading: str = "activation") -> Re
 def probe_readers(sets: Mapping[str, ConceptSet], readings: Sequence[str] = READINGS, *, draws: int,
                   seed: int = 0) -> dict[str, Reader]:
     """column -> reader: every set by every reading and its control's `draws` (seeds seed + 1 + draw).
-    An SAE's code is its activation: its code column reads the activation once more (cheap beside
-    its controls), so that every reading has all its columns."""
+    An SAE's code is its activation: its code column is its activation column's reader, so that every
+    reading has all its columns. Readers that would read alike are one object under several columns
+    (`reader_key`: e.g. the controls of SAEs of one width), which `activations.collect` reads once."""
     out: dict[str, Reader] = {}
+    made: dict[tuple, Reader] = {}
+    drawn: dict[tuple[int, int, int], Tensor] = {}  # one draw of directions serves both readings
     slashed = [name for name in sets if "/" in name]
     if slashed:
         raise ValueError(f"set name {slashed[0]!r} holds a '/', which separates a set's columns; rename it")
     for reading in readings:
         check_reading(reading)
         for name, cs in sets.items():
-            out[column(name, reading)] = set_reader(cs, reading)
+            key = reader_key(cs, reading, name=name)
+            if key not in made:
+                made[key] = set_reader(cs, reading)
+            out[column(name, reading)] = made[key]
             for r in range(draws):
-                out[column(name, reading, r)] = control_reader(cs, seed + 1 + r, reading)
+                key, size = reader_key(cs, reading, seed=seed + 1 + r), (len(cs), cs.d, seed + 1 + r)
+                if size not in drawn:
+                    drawn[size] = random_directions(*size)
+                if key not in made:
+                    made[key] = control_reader(cs, seed + 1 + r, reading, drawn[size])
+                out[column(name, reading, r)] = made[key]
     return out
 
 
-__all__ = ["READINGS", "READ_NOTE", "Reader", "check_reading", "column", "control_reader", "probe_readers",
-           "random_directions", "set_reader"]
+def reader_key(cs: ConceptSet, reading: str, *, name: str | None = None, seed: int | None = None) -> tuple:
+    """What set `name`'s reader (or, given `seed`, its control's) depends on: equal keys read alike.
+    A control depends on the set's size, width and what its reading takes from the set (an SAE's k
+    and b_dec for codes, the mean it is centred on), not on the set's concepts."""
+    from conceptlens.concepts.sae.restore import CLASSES
+
+    sae = cs.method in CLASSES
+    if seed is None:
+        return ("set", name) if sae else ("set", name, reading)  # an SAE's code reading is its activation
+    held = lambda t: None if t is None else (str(t.dtype), t.float().numpy().tobytes())
+    if reading == "code" and sae:
+        k = cs.config.get("k")
+        return ("random encoder", len(cs), cs.d, seed, None if k is None else min(int(k), len(cs)),
+                held(cs.encoder["b_dec"]))
+    return ("random directions", reading, len(cs), cs.d, seed, held(cs.mean))
+
+
+def column_blocks(z: Mapping[str, Tensor], name: str) -> Iterable[Tensor]:
+    """Column `name` of `Probed.z` as consecutive `(N_b, n)` row blocks: a `TokenColumns` reads one batch
+    at a time; a stored column is one block."""
+    return z.blocks(name) if isinstance(z, TokenColumns) else (z[name],)
+
+
+def mean_differences(blocks: Iterable[Tensor], sides: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
+    """`(tasks, n)` float64: per task, the mean of a column over its rows of ids `sides[task][0]` minus
+    that over `sides[task][1]` (sorted ids; `probing.sides`: class 1 and class 0 of its train split),
+    the column given as consecutive row blocks and summed block by block (one block: exactly
+    `probing.top_mean_difference`'s means, as torch's mean is the sum over the count)."""
+    sums: Tensor | None = None
+    start = 0
+    for block in blocks:
+        end = start + len(block)
+        part = torch.stack([torch.stack([_rows_sum(block, rows, start, end) for rows in pair]) for pair in sides])
+        sums, start = part if sums is None else sums + part, end  # (tasks, 2, n)
+    if sums is None:
+        raise ValueError("mean_differences takes at least one block of rows")
+    counts = torch.tensor([[len(rows) for rows in pair] for pair in sides], dtype=torch.float64)
+    means = sums / counts[..., None]
+    return means[:, 0] - means[:, 1]
+
+
+def _rows_sum(block: Tensor, rows: Tensor, start: int, end: int) -> Tensor:
+    """`(n,)` float64 sum of the rows of ids `rows` (sorted) that fall in the block of rows [start, end)."""
+    lo, hi = torch.searchsorted(rows, torch.tensor([start, end])).tolist()
+    return block[rows[lo:hi] - start].double().sum(0)
+
+
+class Chosen(NamedTuple):
+    """The latents a column's probes use (per task, the top ones by |mean difference| on the train rows)
+    and only those latents of every train and test row: what a probe needs of a wide column."""
+
+    diff: Tensor
+    """`(tasks, n)` signed mean differences (`mean_differences`)"""
+    features: list[list[Tensor]]
+    """per task, per size asked: the indices of the largest |diff|, largest first"""
+    keep: Tensor
+    """`(U,)` every chosen latent, sorted"""
+    train: Tensor
+    """`(N_train, U)` the column's `keep` latents of every train row"""
+    test: Tensor
+    """`(N_test, U)`"""
+
+    def at(self, features: Tensor) -> Tensor:
+        """Positions of latents `features` among `train`'s and `test`'s columns."""
+        return torch.searchsorted(self.keep, features)
+
+
+def choose(train: Mapping[str, Tensor], test: Mapping[str, Tensor], name: str,
+           sides: Sequence[tuple[Tensor, Tensor]], sizes: Sequence[int]) -> Chosen:
+    """Column `name`'s top-k latents by |mean difference| (`mean_differences` over `sides`) per task for
+    every k in `sizes`, and those latents of every train and test row (`Probed.z` of each split); a
+    `TokenColumns` column is read twice (its mean differences, then the chosen latents), never whole."""
+    diff = mean_differences(column_blocks(train, name), sides)
+    n = diff.shape[1]
+    features = [[d.abs().topk(min(k, n)).indices for k in sizes] for d in diff]
+    keep = torch.cat([f for fs in features for f in fs]).unique()
+    train_z, test_z = (torch.cat([b[:, keep] for b in column_blocks(z, name)]) for z in (train, test))
+    return Chosen(diff, features, keep, train_z, test_z)
+
+
+__all__ = ["READINGS", "READ_NOTE", "Chosen", "Reader", "check_reading", "choose", "column", "column_blocks",
+           "control_reader", "mean_differences", "probe_readers", "random_directions", "reader_key", "set_reader"]

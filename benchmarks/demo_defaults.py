@@ -25,6 +25,7 @@ import json
 import math
 import subprocess
 import time
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -199,7 +200,7 @@ def table(records: list[dict[str, Any]]) -> str:
     """Candidates down (by site and length), topics across: `wins/runs margin [low, high]`, total wins."""
     topics = list(dict.fromkeys(r["topic"] for r in records))
     keys = list(dict.fromkeys((r["set"], r["length"]) for r in records))
-    out = [f"{'candidate':<26}{'len':>4}" + "".join(f"{t:>27}" for t in topics) + f"{'wins':>8}"]
+    out = [f"{'candidate':<26}{'len':>4}" + "".join(f" {t:>28}" for t in topics) + f"{'wins':>9}"]
     for name, length in keys:
         mine = [r for r in records if r["set"] == name and r["length"] == length]
         row, total = f"{name:<26}{length:>4}", 0
@@ -211,14 +212,16 @@ def table(records: list[dict[str, Any]]) -> str:
             for r in cell:
                 by_seed.setdefault(r["seed"], []).append(r["value"] - r["control"])
             mean, low, high = interval([sum(v) / len(v) for v in by_seed.values()])
-            row += f"{f'{wins}/{len(cell)} {mean:+.3f} [{low:+.3f},{high:+.3f}]':>27}"
-        out.append(row + f"{f'{total}/{len(mine)}':>8}")
+            row += f" {f'{wins}/{len(cell)} {mean:+.3f} [{low:+.3f},{high:+.3f}]':>28}"
+        out.append(row + f" {f'{total}/{len(mine)}':>8}")
     return "\n".join(out)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--fit-seeds", type=int, nargs="*", default=None,
+                        help="fit and score only these of --seeds now (the pool stays --seeds'; merge the --json files)")
     parser.add_argument("--folds", type=int, default=3)
     parser.add_argument("--fold-docs", type=int, default=240, help="train-split articles per fold (the demo's 240)")
     parser.add_argument("--max-tokens", type=int, default=40_000, help="the fit's budget (the demo's)")
@@ -236,12 +239,12 @@ def main() -> None:
                                                            "b15_kmeans_128"],
                         help="sets also probed at the later --lengths (the demo's defaults)")
     parser.add_argument("--json", default=None, help="write every record here (after each seed)")
-    parser.add_argument("--table-only", default=None, help="print the table of this --json file and stop")
+    parser.add_argument("--cache", default=None, help="keep the pool's site activations in this folder for reruns")
+    parser.add_argument("--table-only", nargs="+", default=None, help="print the table of these --json files and stop")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     if args.table_only:
-        with open(args.table_only) as f:
-            print(table(json.load(f)))
+        print(table([r for path in args.table_only for r in json.loads(Path(path).read_text())]))
         return
     import conceptlens
     from conceptlens import data, models
@@ -257,11 +260,17 @@ def main() -> None:
     for site in dict.fromkeys(c.site for c in cands):
         for length in args.lengths if site == DEMO_SITE else args.lengths[:1]:
             t = time.perf_counter()
-            tokens[site, length] = site_tokens(lens, tok, site, texts, labels, length)
+            path = Path(args.cache or ".") / f"{site}-{length}-{args.folds * args.fold_docs}-{'-'.join(map(str, args.seeds))}.pt"
+            if args.cache and path.is_file():
+                tokens[site, length] = torch.load(path)
+            else:
+                tokens[site, length] = site_tokens(lens, tok, site, texts, labels, length)
+                if args.cache:
+                    torch.save(tokens[site, length], path)
             print(f"{len(pool)} pool articles at {site}, {length} tokens each: {time.perf_counter() - t:.0f} s",
                   flush=True)
     records: list[dict[str, Any]] = []
-    for seed in args.seeds:
+    for seed in args.fit_seeds or args.seeds:
         records += run_seed(lens, cands, tokens, full.label_names, args, seed)
         if args.json:
             with open(args.json, "w") as f:

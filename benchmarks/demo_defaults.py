@@ -238,6 +238,7 @@ def main() -> None:
     parser.add_argument("--long-sets", nargs="*", default=["b15_topk_w1024_k32_lr1x", "b15_deleuzian_128",
                                                            "b15_kmeans_128"],
                         help="sets also probed at the later --lengths (the demo's defaults)")
+    parser.add_argument("--only", nargs="*", default=None, help="fit only these candidates (names as printed)")
     parser.add_argument("--json", default=None, help="write every record here (after each seed)")
     parser.add_argument("--cache", default=None, help="keep the pool's site activations in this folder for reruns")
     parser.add_argument("--table-only", nargs="+", default=None, help="print the table of these --json files and stop")
@@ -253,6 +254,7 @@ def main() -> None:
     model, tok = models.load("smollm2-135m")
     lens = conceptlens.attach(model, tok)
     cands = candidates(args.ks, args.widths, args.lr_mults, args.concepts, args.sites)
+    cands = [c for c in cands if not args.only or c.name in args.only]
     full = data.load("bbc-news", "train")
     pool = pool_documents(len(full), args.seeds, args.fitted, args.folds * args.fold_docs)
     texts, labels = [full.texts[i] for i in pool], [full.label_names.index(full.labels[i]) for i in pool]

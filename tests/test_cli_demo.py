@@ -21,14 +21,15 @@ def test_sae_batch_scales_with_the_budget():
         assert tokens // sae_batch_size(tokens) >= 300
 
 
-def test_the_demos_sae_takes_the_lr_fit_chooses_for_its_budget(tmp_path):
+def test_the_demos_sae_takes_its_multiple_of_the_lr_fit_chooses_for_its_budget(tmp_path):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--out", str(tmp_path / "run")])  # defaults: 40k tokens, width 1024, batch 128
+    args = parser.parse_args(["--out", str(tmp_path / "run")])  # defaults: 40k tokens, width 2048, k 8, batch 128
     topk = next(e for e in run_config(args).extractors if e["name"] == "topk")
-    assert topk["batch_size"] == 128 and topk["lr"] == short_budget_lr(1024, 40_000 // 128, 128)
-    # 8e-4 * sqrt(16000 / 312) * 128 / 384: 1.9e-3, near the 2e-3 measured best for the demo's fit
-    assert topk["lr"] == pytest.approx(8e-4 * (16000 / 312) ** 0.5 / 3, rel=1e-12)
+    assert (topk["width"], topk["k"], topk["batch_size"]) == (2048, 8, 128)
+    assert topk["lr"] == 2 * short_budget_lr(2048, 40_000 // 128, 128)
+    # 2 x 2e-4 sqrt(16384 / 2048) x sqrt(16000 / 312) x 128 / 384: 2.7e-3
+    assert topk["lr"] == pytest.approx(2 * 2e-4 * 8 ** 0.5 * (16000 / 312) ** 0.5 / 3, rel=1e-12)
 
 
 def test_deleuzian_fits_document_means_when_the_budget_holds_a_document_per_concept():

@@ -1,0 +1,286 @@
+"""The demo's defaults chosen by validation: each candidate's k = 5 code-reading probe vs its matched control.
+
+    HF_HUB_OFFLINE=1 python benchmarks/demo_defaults.py [--seeds 0 1 2] [--folds 3] [--fold-docs 240]
+        [--lengths 64 128] [--sites blocks.10.resid_out blocks.20.resid_out] [--json out.json]
+        [--table-only out.json]
+
+Per seed (the demo's --seed: the fit's shuffle, every extractor's init, the controls' draws), one
+streaming pass fits every candidate on the demo's fit data (bbc-news train, shuffled with the seed,
+`--max-tokens` tokens, options from `commands.demo.run_config`): at the demo's site the TopK SAE at
+k x width x lr multiple (of `short_budget_lr`) and Deleuzian / k-means at each concept count; at the
+other `--sites` the demo's three defaults. Validation never touches the test split: the
+`folds x fold-docs` train-split articles after the fit's documents in the seed's shuffled order (so
+none was fitted on) are read once per site and probe length (`evaluate.readings.probe_readers`, the
+code reading, `--draws` control draws) and cut into folds; each fold in turn trains the probes (240
+articles, as the demo) and the other folds test them (`evaluate.probing.probing_lines`, one line per
+topic, the demo's protocol). Prints per candidate and topic: wins (probe above the control outside
+both 95% bootstrap intervals, `evaluate.lines.verdict`) over seeds x folds, and the mean margin
+(probe accuracy minus the control's) with a 95% t-interval over the seeds' fold means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+DEMO_SITE = "blocks.15.resid_out"
+
+
+class Candidate(NamedTuple):
+    name: str
+    """a set name (a safe folder name): site, method and options"""
+    site: str
+    method: str
+    options: dict[str, Any]
+    """demo flags (concepts, width, k) and "lr_mult" for the SAE"""
+
+
+def candidates(ks: list[int], widths: list[int], mults: list[float], counts: list[int],
+               sites: list[str]) -> list[Candidate]:
+    """The demo site's grid, then the demo's three defaults at each other site."""
+    from conceptlens.commands.demo import SHORT_FIT_WIDTH
+
+    def block(site: str) -> str:
+        return "b" + site.split(".")[1]
+
+    out = [Candidate(f"{block(DEMO_SITE)}_topk_w{w}_k{k}_lr{m:g}x", DEMO_SITE, "topk",
+                     {"width": w, "k": k, "lr_mult": m}) for w in widths for k in ks for m in mults]
+    out += [Candidate(f"{block(DEMO_SITE)}_{method}_{n}", DEMO_SITE, method, {"concepts": n})
+            for method in ("deleuzian", "kmeans") for n in counts]
+    for site in sites:
+        out += [Candidate(f"{block(site)}_topk_w{SHORT_FIT_WIDTH}_k32_lr1x", site, "topk",
+                          {"width": SHORT_FIT_WIDTH, "k": 32, "lr_mult": 1.0}),
+                *(Candidate(f"{block(site)}_{m}_128", site, m, {"concepts": 128}) for m in ("deleuzian", "kmeans"))]
+    return out
+
+
+def demo_args(site: str, seed: int, max_tokens: int, **flags: Any) -> argparse.Namespace:
+    """The demo's parsed flags with these changed (its defaults otherwise)."""
+    from conceptlens.commands import demo
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    argv = ["--site", site, "--seed", str(seed), "--max-tokens", str(max_tokens)]
+    for key, value in flags.items():
+        argv += [f"--{key}", str(value)]
+    return parser.parse_args(argv)
+
+
+def fit_plan(cands: list[Candidate], seed: int, max_tokens: int) -> dict[str, dict[str, Any]]:
+    """{site: {name: extractor}}: each candidate built from the demo's own run config (its SAE lr from
+    `budget_lrs`, times lr_mult), renamed after the candidate."""
+    from conceptlens.commands import demo
+    from conceptlens.commands import run_config as rc
+
+    specs = []
+    for c in cands:
+        flags = {k: v for k, v in c.options.items() if k != "lr_mult"}
+        cfg = demo.run_config(demo_args(c.site, seed, max_tokens, **flags))
+        spec = dict(next(s for s in cfg.extractors if s["method"] == c.method))
+        if "lr_mult" in c.options:
+            spec["lr"] *= c.options["lr_mult"]
+        specs.append(spec | {"name": c.name, "site": c.site})
+    sites = sorted({c.site for c in cands})
+    cfg = rc.from_dict({"model": "smollm2-135m", "data": "bbc-news:train", "sites": sites, "shuffle": seed,
+                        "extractor": specs})
+    return rc.build(cfg)
+
+
+def subset(probed: Any, docs: torch.Tensor) -> Any:
+    """The rows of documents `docs` (ids of `probed.doc`), documents renumbered 0.. in that order."""
+    from conceptlens.evaluate.activations import Probed
+
+    new = torch.full((int(probed.doc.max()) + 1,), -1, dtype=torch.long)
+    new[docs] = torch.arange(len(docs))
+    rows = (new[probed.doc] >= 0).nonzero().flatten()
+    return Probed(probed.x[rows], {k: v[rows] for k, v in probed.z.items()}, probed.y[rows], new[probed.doc[rows]])
+
+
+def pool_documents(n: int, seeds: list[int], fitted: int, size: int) -> list[int]:
+    """`size` train-split article ids that no seed's fit reads (each seed's fit reads a prefix, at most
+    `fitted` long, of its shuffled order, as `commands.sources.source` shuffles), in seed 0's order."""
+    orders = [torch.randperm(n, generator=torch.Generator().manual_seed(s)).tolist() for s in seeds]
+    seen = {i for order in orders for i in order[:fitted]}
+    pool = [i for i in orders[0] if i not in seen][:size]
+    if len(pool) < size:
+        raise ValueError(f"only {len(pool)} train articles lie outside the fits; lower --folds or --fold-docs")
+    return pool
+
+
+def site_tokens(lens: Any, tok: Any, site: str, texts: list[str], labels: list[int], length: int) -> tuple:
+    """(x `(N, d)`, doc `(N,)`, y `(D,)`): the token rows of the documents at `site` (as the probes see them,
+    `evaluate.activations.collect`), kept to be read by every seed's sets."""
+    from conceptlens.evaluate import activations as act
+
+    xs, docs = [], []
+    batches = act.task_batches(tok, texts, labels, token_level=False, tag_ids={}, batch_size=16, max_length=length)
+    act.collect(lens, site, {}, batches, lambda x, doc: (xs.append(x.clone()), docs.append(doc.clone())))
+    return torch.cat(xs), torch.cat(docs), torch.tensor(labels)
+
+
+def read(tokens: tuple, sets: dict[str, Any], draws: int, seed: int, chunk: int = 64) -> Any:
+    """Document rows: every set and its control draws read by their codes on the kept tokens, then
+    mean-pooled per document (`evaluate.activations.pool_documents`), `chunk` documents at a time."""
+    from conceptlens.evaluate.activations import Probed, pool_documents
+    from conceptlens.evaluate.readings import probe_readers
+
+    x, doc, y = tokens
+    readers = probe_readers(sets, ("code",), draws=draws, seed=seed)
+    parts = []
+    for a in range(0, len(y), chunk):
+        rows = ((doc >= a) & (doc < a + chunk)).nonzero().flatten()
+        part = pool_documents(readers, x[rows], doc[rows] - a, y[a:a + chunk])
+        parts.append(part._replace(doc=part.doc + a))
+    return Probed(torch.cat([p.x for p in parts]), {k: torch.cat([p.z[k] for p in parts]) for k in readers},
+                  torch.cat([p.y for p in parts]), torch.cat([p.doc for p in parts]))
+
+
+def validate(probed: Any, class_names: list[str], folds: int, seed: int) -> list[dict[str, Any]]:
+    """Per fold (trains the probes; the other folds test them), per set and topic: the demo's line."""
+    from conceptlens.evaluate.lines import verdict
+    from conceptlens.evaluate.probing import probing_lines
+
+    n = int(probed.doc.max()) + 1
+    cut = torch.arange(n).chunk(folds)
+    out = []
+    for f, train_docs in enumerate(cut):
+        test_docs = torch.cat([c for j, c in enumerate(cut) if j != f])
+        lines = probing_lines("bbc-news", subset(probed, train_docs), subset(probed, test_docs), class_names,
+                              reading="code", ks=(5,), seed=seed, by_task=True)
+        out += [{"fold": f, "set": ln.extractor, "topic": ln.metric.split(" ")[0], "value": ln.value.value,
+                 "control": ln.baselines[0][1].value, "win": verdict(ln) == "wins"} for ln in lines]
+    return out
+
+
+def run_seed(lens: Any, cands: list[Candidate], tokens: dict[tuple[str, int], tuple], class_names: list[str],
+             args: argparse.Namespace, seed: int) -> list[dict[str, Any]]:
+    """Fit every candidate with this seed, then validate each site's sets on the kept pool tokens."""
+    from conceptlens.commands.sources import source
+
+    t = time.perf_counter()
+    report = lens.fit(fit_plan(cands, seed, args.max_tokens), source("bbc-news:train", seed),
+                      max_tokens=args.max_tokens, progress=False)
+    if report.documents > args.fitted:
+        raise ValueError(f"the fit read {report.documents} documents, more than --fitted {args.fitted}: raise it")
+    print(f"seed {seed}: fitted {len(report.concepts)} sets on {report.tokens:,} tokens of {report.documents} "
+          f"documents in {time.perf_counter() - t:.0f} s", flush=True)
+    records = []
+    for (site, length), kept in tokens.items():
+        t = time.perf_counter()
+        sets = {c.name: report.concepts[c.name] for c in cands
+                if c.site == site and (length == args.lengths[0] or c.name in args.long_sets)}
+        got = validate(read(kept, sets, args.draws, seed), class_names, args.folds, seed)
+        records += [r | {"seed": seed, "length": length} for r in got]
+        print(f"  {site} length {length}: {len(sets)} sets read and probed in {time.perf_counter() - t:.0f} s",
+              flush=True)
+    return records
+
+
+def interval(values: list[float]) -> tuple[float, float, float]:
+    """Mean and 95% t-interval (nan half-width for one value)."""
+    from scipy import stats
+
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, math.nan, math.nan
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = float(stats.t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    """Candidates down (by site and length), topics across: `wins/runs margin [low, high]`, total wins."""
+    topics = list(dict.fromkeys(r["topic"] for r in records))
+    keys = list(dict.fromkeys((r["set"], r["length"]) for r in records))
+    out = [f"{'candidate':<26}{'len':>4}" + "".join(f" {t:>28}" for t in topics) + f"{'wins':>9}"]
+    for name, length in keys:
+        mine = [r for r in records if r["set"] == name and r["length"] == length]
+        row, total = f"{name:<26}{length:>4}", 0
+        for topic in topics:
+            cell = [r for r in mine if r["topic"] == topic]
+            wins = sum(r["win"] for r in cell)
+            total += wins
+            by_seed: dict[int, list[float]] = {}
+            for r in cell:
+                by_seed.setdefault(r["seed"], []).append(r["value"] - r["control"])
+            mean, low, high = interval([sum(v) / len(v) for v in by_seed.values()])
+            row += f" {f'{wins}/{len(cell)} {mean:+.3f} [{low:+.3f},{high:+.3f}]':>28}"
+        out.append(row + f" {f'{total}/{len(mine)}':>8}")
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--fit-seeds", type=int, nargs="*", default=None,
+                        help="fit and score only these of --seeds now (the pool stays --seeds'; merge the --json files)")
+    parser.add_argument("--folds", type=int, default=3)
+    parser.add_argument("--fold-docs", type=int, default=240, help="train-split articles per fold (the demo's 240)")
+    parser.add_argument("--max-tokens", type=int, default=40_000, help="the fit's budget (the demo's)")
+    parser.add_argument("--draws", type=int, default=5, help="control draws (the demo's 5)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[64, 128], help="probe lengths at the demo site")
+    parser.add_argument("--ks", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--widths", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--lr-mults", type=float, nargs="+", default=[1.0, 2.0])
+    parser.add_argument("--concepts", type=int, nargs="+", default=[128, 256, 512])
+    parser.add_argument("--sites", nargs="*", default=["blocks.10.resid_out", "blocks.20.resid_out"],
+                        help="other sites, at the demo's three defaults")
+    parser.add_argument("--fitted", type=int, default=400,
+                        help="pool articles come after this many of every seed's shuffled order (the fit reads fewer)")
+    parser.add_argument("--long-sets", nargs="*", default=["b15_topk_w1024_k32_lr1x", "b15_deleuzian_128",
+                                                           "b15_kmeans_128"],
+                        help="sets also probed at the later --lengths (the demo's defaults)")
+    parser.add_argument("--only", nargs="*", default=None, help="fit only these candidates (names as printed)")
+    parser.add_argument("--json", default=None, help="write every record here (after each seed)")
+    parser.add_argument("--cache", default=None, help="keep the pool's site activations in this folder for reruns")
+    parser.add_argument("--table-only", nargs="+", default=None, help="print the table of these --json files and stop")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    if args.table_only:
+        print(table([r for path in args.table_only for r in json.loads(Path(path).read_text())]))
+        return
+    import conceptlens
+    from conceptlens import data, models
+
+    torch.set_num_threads(args.threads)
+    model, tok = models.load("smollm2-135m")
+    lens = conceptlens.attach(model, tok)
+    cands = candidates(args.ks, args.widths, args.lr_mults, args.concepts, args.sites)
+    cands = [c for c in cands if not args.only or c.name in args.only]
+    full = data.load("bbc-news", "train")
+    pool = pool_documents(len(full), args.seeds, args.fitted, args.folds * args.fold_docs)
+    texts, labels = [full.texts[i] for i in pool], [full.label_names.index(full.labels[i]) for i in pool]
+    tokens = {}
+    for site in dict.fromkeys(c.site for c in cands):
+        for length in args.lengths if site == DEMO_SITE else args.lengths[:1]:
+            t = time.perf_counter()
+            path = Path(args.cache or ".") / f"{site}-{length}-{args.folds * args.fold_docs}-{'-'.join(map(str, args.seeds))}.pt"
+            if args.cache and path.is_file():
+                tokens[site, length] = torch.load(path)
+            else:
+                tokens[site, length] = site_tokens(lens, tok, site, texts, labels, length)
+                if args.cache:
+                    torch.save(tokens[site, length], path)
+            print(f"{len(pool)} pool articles at {site}, {length} tokens each: {time.perf_counter() - t:.0f} s",
+                  flush=True)
+    records: list[dict[str, Any]] = []
+    for seed in args.fit_seeds or args.seeds:
+        records += run_seed(lens, cands, tokens, full.label_names, args, seed)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(records, f)
+        print(table(records), flush=True)
+    print(table(records))
+    print("load:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+
+
+if __name__ == "__main__":
+    main()

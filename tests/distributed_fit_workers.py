@@ -4,9 +4,11 @@ run in spawned gloo ranks by `tests.distributed_workers.spawn` (not collected: n
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import conceptlens
 from conceptlens.concepts import Deleuzian, StreamingKMeans, TopKSAE, VQCodebook
@@ -161,7 +163,12 @@ def lonely_body(out: Path, port: int, timeout_s: float) -> None:
 
 
 def die_body(comm: Comm, out: Path, who: int) -> None:
-    """Rank `who` exits at once (a crash); the others run one all-reduce."""
+    """Rank `who` exits (a crash) once every rank has joined the group (else, on a busy machine, a
+    survivor still joining would fail there, not in the all-reduce); the others run one all-reduce."""
+    store = dist.distributed_c10d._get_default_store()
+    store.add("joined", 1)
     if comm.rank == who:
+        while store.add("joined", 0) < comm.world:
+            time.sleep(0.01)
         os._exit(3)
     comm.sum_(torch.ones(1))

@@ -34,8 +34,7 @@ class Active(NamedTuple):
 
     def dense(self, like: Tensor) -> Tensor:
         """The code as a dense tensor shaped like `like` `(N, width)`, differentiable in `values`."""
-        counts = torch.diff(self.offsets, append=self.offsets.new_tensor([len(self.values)]))  # (N,)
-        rows = torch.arange(len(self.offsets), device=like.device).repeat_interleave(counts)  # (M,)
+        rows = entry_rows(self.offsets, len(self.values))  # (M,)
         return torch.zeros_like(like).index_put((rows, self.latents), self.values)
 
 
@@ -80,8 +79,7 @@ class _DecoderGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         values, latents, offsets = ctx.saved_tensors
-        counts = torch.diff(offsets, append=offsets.new_tensor([len(latents)]))  # (N,)
-        rows = torch.arange(len(offsets), device=grad.device).repeat_interleave(counts)  # (M,)
+        rows = entry_rows(offsets, len(latents))  # (M,)
         dtype = torch.promote_types(grad.dtype, torch.float32)  # bfloat16 weights: float32 sums
         code_t = torch.sparse_coo_tensor(torch.stack([latents, rows]), values.to(dtype), (ctx.width, len(offsets)),
                                          check_invariants=False)
@@ -98,6 +96,12 @@ def active_decode(latents: Tensor, values: Tensor, offsets: Tensor, W_dec: Tenso
         return F.embedding_bag(latents, W_dec, offsets, mode="sum", per_sample_weights=values)
     x_hat = F.embedding_bag(latents, W_dec.detach(), offsets, mode="sum", per_sample_weights=values)
     return x_hat + _DecoderGradient.apply(W_dec, values.detach(), latents, offsets)
+
+
+def entry_rows(offsets: Tensor, m: int) -> Tensor:
+    """The row of each of `m` entries `(m,)` from where each row's entries start `(N,)` (embedding_bag's offsets)."""
+    counts = torch.diff(offsets, append=offsets.new_tensor([m]))  # (N,)
+    return torch.arange(len(offsets), device=offsets.device).repeat_interleave(counts)
 
 
 def sparse_backward(x: Tensor) -> bool:
@@ -133,8 +137,7 @@ def prefix_losses(x: Tensor, x_hat: Tensor, active: Active, W_dec: Tensor, b_dec
             recon = x_hat
         else:
             if rows is None:
-                counts = torch.diff(active.offsets, append=active.offsets.new_tensor([len(active.latents)]))
-                rows = torch.arange(len(active.offsets), device=x.device).repeat_interleave(counts)  # (M,)
+                rows = entry_rows(active.offsets, len(active.latents))  # (M,)
             recon = _prefix_decode(active, rows, stop, W_dec) + b_dec
         loss = loss + weight * (x - recon).pow(2).sum(-1).mean()
     return loss

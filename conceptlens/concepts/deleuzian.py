@@ -70,9 +70,11 @@ from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
 # the config, the stats and the state live in deleuzian_config.py; re-exported here
 from conceptlens.concepts.deleuzian_config import MODES, DeleuzianConfig, DeleuzianState, DeleuzianStats
-from conceptlens.concepts.deleuzian_math import group_means, oriented_differences, reservoir_update, skewness
+from conceptlens.concepts.deleuzian_math import oriented_differences, reservoir_update, skewness
 from conceptlens.concepts.deleuzian_paper import DifferenceReservoir, PaperFit, paper_clusters
 from conceptlens.concepts.kmeans import StreamingKMeans
+from conceptlens.concepts.kmeans_config import without_token_unit
+from conceptlens.concepts.kmeans_math import group_means
 
 __all__ = ["Deleuzian", "DeleuzianConfig", "DeleuzianState", "DeleuzianStats", "MODES", "oriented_differences",
            "reservoir_update", "skewness"]
@@ -275,10 +277,7 @@ class Deleuzian(ExtractorBase):
                               self.kmeans.state(), self.differences.state_dict())
 
     def config_dict(self) -> dict[str, Any]:
-        out = super().config_dict()
-        if out["unit"] == "token":  # the default is left out: states and sets keep the layout they had before `unit`
-            del out["unit"]
-        return out
+        return without_token_unit(super().config_dict())
 
     def load_state(self, state: DeleuzianState) -> None:
         """Continue from `state` (copied, on this extractor's device when it has one)."""

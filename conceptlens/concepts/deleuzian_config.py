@@ -14,10 +14,9 @@ from torch import Tensor
 
 from conceptlens._checks import check_bool, check_choice, check_float, check_int
 from conceptlens.concepts.base import check_dtype
-from conceptlens.concepts.kmeans_config import KMeansState, KMeansStats
+from conceptlens.concepts.kmeans_config import UNITS, KMeansState, KMeansStats
 
 MODES = ("streaming", "paper")
-UNITS = ("token", "document")
 
 
 @dataclass

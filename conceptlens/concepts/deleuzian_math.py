@@ -82,10 +82,3 @@ def oriented_differences(block: Tensor, reference: Tensor, skew_weighting: bool 
         return diff, torch.ones_like(g)
     w = 1.0 / g.abs()
     return diff, torch.where(torch.isfinite(w), w, 0.0)
-
-
-def group_means(x: Tensor, group: Tensor) -> Tensor:
-    """`(G, d)` mean of the rows of x `(N, d)` in each group `(N,)`, groups in ascending id order."""
-    ids, inverse = torch.unique(group, return_inverse=True)
-    total = torch.zeros(len(ids), x.shape[1], dtype=torch.float64, device=x.device).index_add_(0, inverse, x.double())
-    return (total / torch.bincount(inverse, minlength=len(ids))[:, None]).to(x.dtype)

@@ -13,7 +13,7 @@ rate, applied to a whole batch at once).
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -21,10 +21,10 @@ from torch import Tensor
 from conceptlens._checks import known_kwargs
 from conceptlens.concepts.base import ExtractorBase, NotFittedError
 # the config, the stats, the state and the pure math live in kmeans_config.py and kmeans_math.py; re-exported here
-from conceptlens.concepts.kmeans_config import KMeansConfig, KMeansState, KMeansStats
-from conceptlens.concepts.kmeans_math import (_unit, apply_step, batched_seeds, kmeans_plusplus, mass_weighted_mean,
-                                              minibatch_step, nearest, squared_distances, step_statistics,
-                                              weighted_lloyd)
+from conceptlens.concepts.kmeans_config import KMeansConfig, KMeansState, KMeansStats, without_token_unit
+from conceptlens.concepts.kmeans_math import (_unit, apply_step, batched_seeds, group_means, kmeans_plusplus,
+                                              mass_weighted_mean, minibatch_step, nearest, squared_distances,
+                                              step_statistics, weighted_lloyd)
 from conceptlens.concepts.conceptset import ConceptSet
 
 __all__ = ["KMeansConfig", "KMeansState", "KMeansStats", "StreamingKMeans", "apply_step", "batched_seeds",
@@ -47,8 +47,9 @@ class StreamingKMeans(ExtractorBase):
     @known_kwargs
     def __init__(self, n_concepts: int, *, spherical: bool = False, batch_size: int | None = None,
                  init_size: int | None = None, reseed_after: float | None = 50.0, seed: int = 0,
-                 init: str = "auto", dtype: str = "float32", device: str | torch.device | None = None) -> None:
-        self.config = KMeansConfig(n_concepts, spherical, batch_size, init_size, reseed_after, seed, init, dtype)
+                 init: str = "auto", dtype: str = "float32", unit: str = "token",
+                 device: str | torch.device | None = None) -> None:
+        self.config = KMeansConfig(n_concepts, spherical, batch_size, init_size, reseed_after, seed, init, dtype, unit)
         self._set_device(device)
         self._gen = torch.Generator().manual_seed(seed)
         self.d: int | None = None
@@ -77,10 +78,22 @@ class StreamingKMeans(ExtractorBase):
         """Total weight `(k,)` each centre has received (float64)."""
         return self._fitted()[1]
 
-    def update(self, x: Tensor, weight: Tensor | None = None, *, validate: bool = True) -> None:
-        """Consume rows x `(N, d)` with optional non-negative weights `(N,)` (default 1).
-        `validate=False` skips the check of the weights, a host read of the device, for
-        weights valid by construction (Deleuzian's, every block)."""
+    @property
+    def wants_tokens(self) -> bool:
+        """Whether `fit` must pass `tokens=` (only to pool rows into document means)."""
+        return self.config.unit == "document"
+
+    def update(self, x: Tensor, weight: Tensor | None = None, *, tokens: Any = None, validate: bool = True) -> None:
+        """Consume rows x `(N, d)` with optional non-negative weights `(N,)` (default 1); with
+        `unit="document"`, their means per `tokens.doc` (unweighted). `validate=False` skips the
+        check of the weights, a host read of the device, for weights valid by construction
+        (Deleuzian's, every block)."""
+        if self.config.unit == "document":
+            if tokens is None:
+                raise ValueError('unit="document" needs update(x, tokens=...) naming each row\'s document')
+            if weight is not None:
+                raise ValueError('unit="document" averages a document\'s rows unweighted; pass no weight')
+            x = group_means(x, tokens.doc.to(x.device))
         self._update(*self._check(x, weight, validate))
 
     def _update(self, x: Tensor, weight: Tensor) -> None:
@@ -236,12 +249,12 @@ class StreamingKMeans(ExtractorBase):
         combination is per step: `step_statistics` of disjoint shards add up, which is what a
         distributed fit all-reduces before every centre update.
         """
-        if other.config.n_concepts != self.config.n_concepts or other.config.spherical != self.config.spherical:
-            raise ValueError(f"cannot merge {other.config} into {self.config}: n_concepts and spherical must match")
+        if any(getattr(other.config, f) != getattr(self.config, f) for f in ("n_concepts", "spherical", "unit")):
+            raise ValueError(f"cannot merge {other.config} into {self.config}: n_concepts, spherical and unit must match")
         theirs = other.state()
         if theirs.centres is None:
-            if theirs.pending is not None:
-                self.update(*theirs.pending)
+            if theirs.pending is not None:  # rows as `update` left them (document means, for that unit)
+                self._update(*self._check(*theirs.pending))
             return
         pending, self._pending = self._pending, None
         if self._centres is None:
@@ -263,8 +276,11 @@ class StreamingKMeans(ExtractorBase):
     def concept_set(self) -> ConceptSet:
         centres, mass = self._fitted()
         centres = _unit(centres) if self.config.spherical else centres
-        return ConceptSet(centres, method=self.method, config=asdict(self.config), stats={"mass": mass.float()},
+        return ConceptSet(centres, method=self.method, config=self.config_dict(), stats={"mass": mass.float()},
                           mean=mass_weighted_mean(centres, mass))
+
+    def config_dict(self) -> dict[str, Any]:
+        return without_token_unit(super().config_dict())
 
     def state(self) -> KMeansState:
         """A copy of everything a checkpoint or a merge needs."""

@@ -15,6 +15,15 @@ from torch import Tensor
 from conceptlens._checks import check_bool, check_choice, check_float, check_int
 from conceptlens.concepts.base import MAX_CONCEPTS, check_dtype
 
+UNITS = ("token", "document")
+"""What one row of a k-means (or Deleuzian) is: a token's activation, or the mean of a document's."""
+
+
+def without_token_unit(config: dict[str, Any]) -> dict[str, Any]:
+    """A config dict with `unit` left out when it is the default "token": states and sets keep the
+    layout they had before the field existed."""
+    return {k: v for k, v in config.items() if not (k == "unit" and v == "token")}
+
 
 @dataclass
 class KMeansConfig:
@@ -41,10 +50,15 @@ class KMeansConfig:
     """Compute dtype ("float32" or "bfloat16"): rows are stored (initialisation buffer) and
     assigned (the distance matmul) in it; centres stay float32 and masses float64, and each
     step's per-centre sums are accumulated in float32, so a long stream loses no precision."""
+    unit: str = "token"
+    """One row: "token" (each activation) or "document": the mean of each document's activations
+    (`update(x, tokens=...)`, which `fit` passes; a document's rows in one call). Centres of
+    document means are topics rather than token types; a token is still assigned to its nearest."""
 
     def __post_init__(self) -> None:
         check_int("n_concepts", self.n_concepts, high=MAX_CONCEPTS)
         check_choice("init", self.init, ("auto", "k-means++", "batched"))
+        check_choice("unit", self.unit, UNITS)
         check_bool("spherical", self.spherical)
         check_int("batch_size", self.batch_size, optional=True)
         check_int("init_size", self.init_size, optional=True)

@@ -237,3 +237,10 @@ def lloyd(points: Tensor, weight: Tensor, k: int, generator: torch.Generator, *,
 
 def _unit(x: Tensor) -> Tensor:
     return x / x.norm(dim=1, keepdim=True).clamp_min(1e-12)
+
+
+def group_means(x: Tensor, group: Tensor) -> Tensor:
+    """`(G, d)` mean of the rows of x `(N, d)` in each group `(N,)`, groups in ascending id order."""
+    ids, inverse = torch.unique(group, return_inverse=True)
+    total = torch.zeros(len(ids), x.shape[1], dtype=torch.float64, device=x.device).index_add_(0, inverse, x.double())
+    return (total / torch.bincount(inverse, minlength=len(ids))[:, None]).to(x.dtype)

@@ -67,7 +67,7 @@ class Method:
 
 _SAE = "conceptlens.concepts.sae."
 METHODS: MappingProxyType[str, Method] = MappingProxyType({m.name: m for m in (
-    Method("kmeans", "conceptlens.concepts.kmeans:StreamingKMeans", concepts="points"),
+    Method("kmeans", "conceptlens.concepts.kmeans:StreamingKMeans", concepts="points", tokens=True),
     Method("deleuzian", "conceptlens.concepts.deleuzian:Deleuzian", concepts="differences", tokens=True),
     Method("topk", _SAE + "topk:TopKSAE", saelens="topk", aliases=("topk_sae",)),
     Method("relu", _SAE + "relu:ReLUSAE", saelens="standard", aliases=("relu_sae",)),

@@ -21,7 +21,6 @@ Outside a process group (or with one rank) a sharded extractor is the unsharded 
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any, ClassVar
 
 import torch
@@ -205,7 +204,7 @@ class ShardedKMeans(SplitOverRanks, StreamingKMeans):
     def concept_set(self) -> ConceptSet:
         """Every centre (gathered from every rank: call it on all of them)."""
         centres, mass = self.centres, self.mass
-        return ConceptSet(centres, method=self.method, config=asdict(self.config), stats={"mass": mass.float()},
+        return ConceptSet(centres, method=self.method, config=self.config_dict(), stats={"mass": mass.float()},
                           mean=mass_weighted_mean(centres, mass))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -189,5 +189,5 @@ def test_bad_arguments_raise():
         km.update(torch.randn(5, 6))
     with pytest.raises(ValueError, match="non-negative"):
         km.update(torch.randn(5, 4), weight=-torch.ones(5))
-    with pytest.raises(ValueError, match="spherical must match"):
+    with pytest.raises(ValueError, match="spherical and unit must match"):
         km.merge(StreamingKMeans(3, spherical=True))

@@ -1,14 +1,15 @@
 """The demo's defaults chosen by validation: each candidate's k = 5 code-reading probe vs its matched control.
 
     HF_HUB_OFFLINE=1 python benchmarks/demo_defaults.py [--seeds 0 1 2] [--folds 3] [--fold-docs 240]
-        [--lengths 64 128] [--sites blocks.10.resid_out blocks.20.resid_out] [--json out.json]
+        [--lengths 64 128] [--sites blocks.10.resid_out blocks.20.resid_out] [--spherical] [--json out.json]
         [--table-only out.json]
 
 Per seed (the demo's --seed: the fit's shuffle, every extractor's init, the controls' draws), one
 streaming pass fits every candidate on the demo's fit data (bbc-news train, shuffled with the seed,
 `--max-tokens` tokens, options from `commands.demo.run_config`): at the demo's site the TopK SAE at
-k x width x lr multiple (of `short_budget_lr`) and Deleuzian / k-means at each concept count; at the
-other `--sites` the demo's three defaults. Validation never touches the test split: the
+k x width x lr multiple (of `short_budget_lr`) and Deleuzian / k-means at each concept count (with
+`--spherical`, a spherical k-means beside each); at the other `--sites` the demo's three defaults.
+Every length of `--lengths` probes the other sites' sets and the demo site's `--long-sets`. Validation never touches the test split: the
 `folds x fold-docs` train-split articles after the fit's documents in the seed's shuffled order (so
 none was fitted on) are read once per site and probe length (`evaluate.readings.probe_readers`, the
 code reading, `--draws` control draws) and cut into folds; each fold in turn trains the probes (240
@@ -39,13 +40,15 @@ class Candidate(NamedTuple):
     site: str
     method: str
     options: dict[str, Any]
-    """demo flags (concepts, width, k) and "lr_mult" for the SAE"""
+    """demo flags (concepts, width, k), "lr_mult" for the SAE, "spec" for extractor options the demo has no
+    flag for (e.g. k-means' spherical)"""
 
 
 def candidates(ks: list[int], widths: list[int], mults: list[float], counts: list[int],
-               sites: list[str]) -> list[Candidate]:
-    """The demo site's grid, then the demo's three defaults at each other site."""
-    from conceptlens.commands.demo import SHORT_FIT_WIDTH
+               sites: list[str], spherical: bool = False) -> list[Candidate]:
+    """The demo site's grid, then the demo's three defaults at each other site; with `spherical`, a
+    spherical k-means next to each k-means."""
+    from conceptlens.commands.demo import SAE_LR_MULTIPLE, SHORT_FIT_K, SHORT_FIT_WIDTH
 
     def block(site: str) -> str:
         return "b" + site.split(".")[1]
@@ -55,9 +58,12 @@ def candidates(ks: list[int], widths: list[int], mults: list[float], counts: lis
     out += [Candidate(f"{block(DEMO_SITE)}_{method}_{n}", DEMO_SITE, method, {"concepts": n})
             for method in ("deleuzian", "kmeans") for n in counts]
     for site in sites:
-        out += [Candidate(f"{block(site)}_topk_w{SHORT_FIT_WIDTH}_k32_lr1x", site, "topk",
-                          {"width": SHORT_FIT_WIDTH, "k": 32, "lr_mult": 1.0}),
+        out += [Candidate(f"{block(site)}_topk_w{SHORT_FIT_WIDTH}_k{SHORT_FIT_K}_lr{SAE_LR_MULTIPLE:g}x", site, "topk",
+                          {"width": SHORT_FIT_WIDTH, "k": SHORT_FIT_K, "lr_mult": SAE_LR_MULTIPLE}),
                 *(Candidate(f"{block(site)}_{m}_128", site, m, {"concepts": 128}) for m in ("deleuzian", "kmeans"))]
+    if spherical:
+        out += [Candidate(f"{c.name}_spherical", c.site, c.method, c.options | {"spec": {"spherical": True}})
+                for c in out if c.method == "kmeans"]
     return out
 
 
@@ -81,12 +87,12 @@ def fit_plan(cands: list[Candidate], seed: int, max_tokens: int) -> dict[str, di
 
     specs = []
     for c in cands:
-        flags = {k: v for k, v in c.options.items() if k != "lr_mult"}
+        flags = {k: v for k, v in c.options.items() if k not in ("lr_mult", "spec")}
         cfg = demo.run_config(demo_args(c.site, seed, max_tokens, **flags))
         spec = dict(next(s for s in cfg.extractors if s["method"] == c.method))
-        if "lr_mult" in c.options:
-            spec["lr"] *= c.options["lr_mult"]
-        specs.append(spec | {"name": c.name, "site": c.site})
+        if "lr_mult" in c.options:  # a multiple of `short_budget_lr`, not of the demo's own multiple of it
+            spec["lr"] *= c.options["lr_mult"] / demo.SAE_LR_MULTIPLE
+        specs.append(spec | c.options.get("spec", {}) | {"name": c.name, "site": c.site})
     sites = sorted({c.site for c in cands})
     cfg = rc.from_dict({"model": "smollm2-135m", "data": "bbc-news:train", "sites": sites, "shuffle": seed,
                         "extractor": specs})
@@ -175,7 +181,7 @@ def run_seed(lens: Any, cands: list[Candidate], tokens: dict[tuple[str, int], tu
     for (site, length), kept in tokens.items():
         t = time.perf_counter()
         sets = {c.name: report.concepts[c.name] for c in cands
-                if c.site == site and (length == args.lengths[0] or c.name in args.long_sets)}
+                if c.site == site and (length == args.lengths[0] or c.name in args.long_sets or site != DEMO_SITE)}
         got = validate(read(kept, sets, args.draws, seed), class_names, args.folds, seed)
         records += [r | {"seed": seed, "length": length} for r in got]
         print(f"  {site} length {length}: {len(sets)} sets read and probed in {time.perf_counter() - t:.0f} s",
@@ -226,7 +232,7 @@ def main() -> None:
     parser.add_argument("--fold-docs", type=int, default=240, help="train-split articles per fold (the demo's 240)")
     parser.add_argument("--max-tokens", type=int, default=40_000, help="the fit's budget (the demo's)")
     parser.add_argument("--draws", type=int, default=5, help="control draws (the demo's 5)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[64, 128], help="probe lengths at the demo site")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[64, 128], help="probe lengths (tokens per article)")
     parser.add_argument("--ks", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--widths", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--lr-mults", type=float, nargs="+", default=[1.0, 2.0])
@@ -235,9 +241,11 @@ def main() -> None:
                         help="other sites, at the demo's three defaults")
     parser.add_argument("--fitted", type=int, default=400,
                         help="pool articles come after this many of every seed's shuffled order (the fit reads fewer)")
-    parser.add_argument("--long-sets", nargs="*", default=["b15_topk_w1024_k32_lr1x", "b15_deleuzian_128",
+    parser.add_argument("--long-sets", nargs="*", default=["b15_topk_w2048_k8_lr2x", "b15_deleuzian_128",
                                                            "b15_kmeans_128"],
-                        help="sets also probed at the later --lengths (the demo's defaults)")
+                        help="sets of the demo site also probed at the later --lengths (the demo's defaults; "
+                             "other sites' sets are probed at every length)")
+    parser.add_argument("--spherical", action="store_true", help="also a spherical k-means next to each k-means")
     parser.add_argument("--only", nargs="*", default=None, help="fit only these candidates (names as printed)")
     parser.add_argument("--json", default=None, help="write every record here (after each seed)")
     parser.add_argument("--cache", default=None, help="keep the pool's site activations in this folder for reruns")
@@ -253,14 +261,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tok = models.load("smollm2-135m")
     lens = conceptlens.attach(model, tok)
-    cands = candidates(args.ks, args.widths, args.lr_mults, args.concepts, args.sites)
+    cands = candidates(args.ks, args.widths, args.lr_mults, args.concepts, args.sites, args.spherical)
     cands = [c for c in cands if not args.only or c.name in args.only]
     full = data.load("bbc-news", "train")
     pool = pool_documents(len(full), args.seeds, args.fitted, args.folds * args.fold_docs)
     texts, labels = [full.texts[i] for i in pool], [full.label_names.index(full.labels[i]) for i in pool]
     tokens = {}
     for site in dict.fromkeys(c.site for c in cands):
-        for length in args.lengths if site == DEMO_SITE else args.lengths[:1]:
+        for length in args.lengths:
             t = time.perf_counter()
             path = Path(args.cache or ".") / f"{site}-{length}-{args.folds * args.fold_docs}-{'-'.join(map(str, args.seeds))}.pt"
             if args.cache and path.is_file():

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conceptlens.cli import main
-from conceptlens.commands.demo import add_arguments, deleuzian_unit, run_config, sae_batch_size
+from conceptlens.commands.demo import add_arguments, pools_documents, run_config, sae_batch_size
 from conceptlens.concepts.sae.config import short_budget_lr
 from tests.tiny_folder import save_tiny_llama
 
@@ -32,10 +32,16 @@ def test_the_demos_sae_takes_its_multiple_of_the_lr_fit_chooses_for_its_budget(t
     assert topk["lr"] == pytest.approx(2 * 2e-4 * 8 ** 0.5 * (16000 / 312) ** 0.5 / 3, rel=1e-12)
 
 
-def test_deleuzian_fits_document_means_when_the_budget_holds_a_document_per_concept():
-    assert deleuzian_unit(40_000, 128) == {"mode": "paper", "unit": "document"}  # 312+ documents of <= 128 tokens
-    assert deleuzian_unit(128 * 128, 128) == {"mode": "paper", "unit": "document"}
-    assert deleuzian_unit(128 * 128 - 1, 128) == {}  # fewer documents than concepts: streaming over tokens
+def test_dense_sets_fit_document_means_when_the_budget_holds_a_document_per_concept(tmp_path):
+    assert pools_documents(40_000, 128)  # 312+ documents of <= 128 tokens
+    assert pools_documents(128 * 128, 128)
+    assert not pools_documents(128 * 128 - 1, 128)  # fewer documents than concepts: tokens
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for tokens, unit in (("40000", "document"), ("16383", None)):
+        specs = {e["name"]: e for e in run_config(parser.parse_args(["--max-tokens", tokens, "--out", str(tmp_path / "run")])).extractors}
+        assert specs["kmeans"].get("unit") == specs["deleuzian"].get("unit") == unit
+        assert specs["deleuzian"].get("mode") == ("paper" if unit else None)
 
 
 def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
@@ -55,9 +61,11 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
     assert set(quality["extractors"]) == {"deleuzian", "topk", "kmeans", "random/8", "random/64"}  # matched in count
     assert "FVU" in quality["extractors"]["topk"] and "FVU" not in quality["extractors"]["kmeans"]
     assert "Deleuzian 8 concepts (paper mode on document means)" in printed
-    assert 'unit = "document"' in (out / "run.toml").read_text()
+    assert "k-means 8 (on document means, tokens assigned to the nearest)" in printed
+    assert (out / "run.toml").read_text().count('unit = "document"') == 2  # Deleuzian and k-means
     assert "base-rate entropy" in printed and "of kept tokens carry" in printed and "optimiser steps" in printed
     table = printed[printed.index("k = 5 sparse probe per topic"):printed.index("Reconstruction spliced")]
+    assert "probes fitted on 60 train-split articles outside the fit" in table
     for topic in ("business", "entertainment", "politics", "sports", "tech"):
         assert f"  {topic} k=5 accuracy" in table
     assert sum(line.strip() == "matched random" or line.strip().startswith("matched random ")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from conceptlens.commands._args import count, nonempty_text, out_dir, positive_int
-from conceptlens.commands.demo_steer import PROMPTS
+from conceptlens.commands.demo_steer import PROMPTS, steer_example
 from conceptlens.evaluate.readings import READINGS
 
 
@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=positive_int, default=SHORT_FIT_WIDTH, help="TopK SAE latents")
     parser.add_argument("--k", type=positive_int, default=SHORT_FIT_K, help="TopK SAE active latents per token")
     parser.add_argument("--probe-docs", type=positive_int, nargs=2, default=[240, 444], metavar=("TRAIN", "TEST"),
-                        help="bbc-news articles of the k-sparse probe table (train split, test split)")
+                        help="bbc-news articles of the k-sparse probe table (train split, after the fit's; test split)")
     parser.add_argument("--probe-length", type=positive_int, default=64, help="tokens per probed article")
     parser.add_argument("--probe-draws", type=positive_int, default=5, help="draws of the matched random control")
     parser.add_argument("--probe-read", choices=READINGS, default="code",
@@ -62,12 +62,14 @@ runs, against 10 for width 1024 k 32 at 1x (26 for width 1024 k 8 at 2x)."""
 FIT_DOCUMENT_TOKENS = 128  # FitConfig.max_length: n fit tokens hold at least n / 128 documents
 
 
-def deleuzian_unit(max_tokens: int, concepts: int) -> dict[str, str]:
-    """Deleuzian's options for the budget: the paper's algorithm on document means (the paper's
-    unit) when the budget holds a document per concept, else streaming over tokens. At the
-    defaults (320 documents, k 128), on train-split articles outside the fit, the best concept's
-    probe loss was 0.203 (0.325 over tokens; TopK SAE 0.252, random 0.342): EVALUATION.md."""
-    return {"mode": "paper", "unit": "document"} if max_tokens // FIT_DOCUMENT_TOKENS >= concepts else {}
+def pools_documents(max_tokens: int, concepts: int) -> bool:
+    """Whether the dense sets fit document means (Deleuzian in the paper's mode, k-means with
+    `unit="document"`) rather than tokens: when the budget holds a document per concept. On
+    train-split articles outside the fit (`benchmarks/demo_defaults.py`, EVALUATION.md), document
+    means turned Deleuzian's lexical concepts into topical ones (best concept's probe loss 0.203
+    against 0.325 over tokens), and k-means' k = 5 code-read probe from 15 to 33 wins of 45 over
+    its matched control."""
+    return max_tokens // FIT_DOCUMENT_TOKENS >= concepts
 
 
 def sae_batch_size(max_tokens: int, steps: int = 300) -> int:
@@ -88,16 +90,19 @@ def run_config(args: argparse.Namespace):
 
     batch = sae_batch_size(args.max_tokens)
     buffer = max(2048, min(16384, args.max_tokens // 4))
+    documents = pools_documents(args.max_tokens, args.concepts)
     cfg = rc.from_dict({
         "model": args.model, "data": "bbc-news:train", "sites": [args.site], "out": args.out, "shuffle": args.seed,
         "fit": {"max_tokens": args.max_tokens, "checkpoint_every": max(args.max_tokens // 2, 1)},
         "describe": {"data": "bbc-news:test", "max_tokens": args.describe_tokens},
         "extractor": [
             {"method": "deleuzian", "name": "deleuzian", "n_concepts": args.concepts, "buffer_size": buffer,
-             "batch_size": min(2048, buffer // 2), **deleuzian_unit(args.max_tokens, args.concepts), "seed": args.seed},
+             "batch_size": min(2048, buffer // 2), **({"mode": "paper", "unit": "document"} if documents else {}),
+             "seed": args.seed},
             {"method": "topk", "name": "topk", "width": args.width, "k": args.k, "batch_size": batch,
              "buffer_size": 8 * batch, "warmup_tokens": min(4096, 4 * batch), "seed": args.seed},
-            {"method": "kmeans", "name": "kmeans", "n_concepts": args.concepts, "seed": args.seed}]})
+            {"method": "kmeans", "name": "kmeans", "n_concepts": args.concepts, "seed": args.seed,
+             **({"unit": "document"} if documents else {})}]})
     rc.budget_lrs(cfg)  # the SAE's lr for this budget, as `conceptlens fit` chooses it, then the demo's multiple
     for spec in cfg.extractors:
         if spec["method"] == "topk":
@@ -143,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     test_labels, descriptions = timed("describe", _describe, lens, report, cfg, args, out)
     timed("quality", _quality, descriptions, report, out)
     rows = timed("probes", _probe, lens, tok, report, args)
-    timed("steering", _steer, lens, tok, descriptions, test_labels, rows, args, out)
+    timed("steering", steer_example, lens, tok, descriptions, test_labels, rows, args, out)
     print("\nWriting the report")
     summary = timed("report", lambda: write_report(out, progress=not args.no_progress))
     print(f"{summary.pages:,} pages, {summary.bytes / 1e6:.1f} MB in {summary.seconds:.1f} s")
@@ -162,14 +167,15 @@ def _fit(lens, cfg, args: argparse.Namespace, out: Path):
 
     plan, site = rc.build(cfg), cfg.sites[0]
     audit = plan[site]["norms"] = NormAudit(seed=args.seed)  # an audit, not an extractor: not in run.toml
-    sae, dz = plan[site]["topk"].config, plan[site]["deleuzian"].config
+    sae, dz, km = plan[site]["topk"].config, plan[site]["deleuzian"].config, plan[site]["kmeans"].config
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "run.toml", lambda p: Path(p).write_text(rc.to_toml(cfg), encoding="utf-8"))
     unit = "paper mode on document means" if dz.unit == "document" else "streaming over tokens"
     print(f"\nOne streaming pass over BBC News (train split, up to {args.max_tokens:,} tokens) at {site}:\n"
           f"  Deleuzian {args.concepts} concepts ({unit}), TopK SAE width {args.width} k {args.k} "
           f"(batch {sae.batch_size}, about {args.max_tokens // sae.batch_size} optimiser steps, "
-          f"lr {sae.learning_rate():.3g}), k-means {args.concepts}")
+          f"lr {sae.learning_rate():.3g}), k-means {args.concepts}"
+          + (" (on document means, tokens assigned to the nearest)" if km.unit == "document" else ""))
     report = lens.fit(plan, source(cfg.data, cfg.shuffle), max_tokens=args.max_tokens, checkpoint_dir=str(out),
                       checkpoint_every=cfg.fit.checkpoint_every, progress=not args.no_progress)
     print(report.summary())
@@ -231,78 +237,6 @@ def _probe(lens, tok, report, args: argparse.Namespace):
     site = next(iter(sets.values())).site
     _, rows = demo_probe.run_probes(lens, tok, sets, site, n_train=args.probe_docs[0], n_test=args.probe_docs[1],
                                     max_length=args.probe_length, draws=args.probe_draws, seed=args.seed,
-                                    reading=args.probe_read)
+                                    reading=args.probe_read, fitted=report.documents)
     demo_probe.reconstruction(lens, tok, sets, args.ce_docs, args.seed)
     return rows
-
-
-def _steer(lens, tok, descriptions, labels, rows, args: argparse.Namespace, out: Path) -> None:
-    from conceptlens import data
-    from conceptlens.commands import demo_steer
-    from conceptlens.commands._common import load_model
-    from conceptlens.evaluate.activations import pick
-    from conceptlens.commands.demo_quality import best_per_class
-    from conceptlens.concepts.conceptset import ConceptSet
-    from conceptlens.evaluate.steering import diff_of_means
-    from conceptlens.steering.judge import TopicJudge
-    from conceptlens.steering.units import robust_norm
-
-    name, concept, loss = _pick_concept(descriptions, labels, args.topic)
-    if name is None:
-        print(f"\nNo concept's top contexts come mostly from {args.topic!r} articles: no steering example")
-        return
-    d, site = descriptions[name], descriptions[name].info["site"]
-    base = d.info["base_rate_entropy"][args.topic]
-    norm = robust_norm(lens, site)  # the unit of Add(..., scale="robust_norm")
-    print(f"\nSteering with {name} concept {concept}, the best {args.topic!r} probe among concepts whose top "
-          f"contexts are mostly {args.topic} articles (log-loss {loss:.3f} vs base rate {base:.3f}; best over "
-          f"{d.info['n_concepts']} random directions "
-          f"{best_per_class(descriptions['random'], d.info['n_concepts']).get(args.topic, (float('nan'),))[0]:.3f})")
-    train, test = data.load("bbc-news", "train"), data.load("bbc-news", "test")
-    encoder, encoder_tok = load_model(args, args.judge_model)
-    learn = pick(len(train), args.judge_docs, args.seed)
-    judge = TopicJudge(encoder, encoder_tok, [train.texts[i] for i in learn], [train.labels[i] for i in learn],
-                       seed=args.seed)
-    accuracy = judge.accuracy(test.texts, test.labels)
-    print(f"Judge: logistic regression on mean-pooled {args.judge_model} embeddings of {len(learn)} train "
-          f"articles; held-out accuracy {accuracy:.3f} on {len(test)} test articles")
-    cs = ConceptSet.load(out / "concepts" / name)
-    directions = {f"{name}:{concept}" + (" centred" if cs.mean is not None else ""):
-                  (cs.centred() if cs.mean is not None else cs).directions[concept],
-                  "diff-of-means": diff_of_means(rows, train.label_names.index(args.topic))}
-    g = torch.Generator().manual_seed(2_000_003 + args.seed)
-    directions["random"] = torch.randn(cs.d, generator=g)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    rows = demo_steer.compare(lens, tok, site, norm, directions, judge.topic(args.topic), args.topic, args.prompt)
-    print(f"P({args.topic}) of the continuations by the judge, median perplexity under the unsteered model; alpha "
-          f"in robust norms ({norm:.3g}); best within budget: perplexity at most 2x the unsteered, "
-          "at most half the 3-grams repeated")
-    print(demo_steer.format_rows(rows, args.topic))
-    print(demo_steer.verdict(rows, args.topic))
-    demo_steer.write_rows(rows, args.topic, accuracy, out / "steering.json")
-    samples = [{"alpha": a, "scale": "robust_norm", "text": texts[0]} for a, texts in zip(rows[0]["alphas"],
-                                                                                        rows[0]["texts"])]
-    path = out / "describe" / name / "description.json"
-    info = json.loads(path.read_text())
-    info["steering"] = [*info.get("steering", []), {"concept": concept, "prompt": args.prompt[0],
-                                                    "norm": norm, "samples": samples}]
-    path.write_text(json.dumps(info, indent=1))
-
-
-def _pick_concept(descriptions, labels, topic: str):
-    """(set, concept, loss): the lowest `topic` probe loss among concepts of the fitted sets whose
-    top contexts come mostly from `topic` documents (so that adding the direction means more topic)."""
-    best = (None, None, float("inf"))
-    for name, d in descriptions.items():
-        if name == "random" or "probe_loss" not in d.stats:
-            continue
-        c = d.info["labels"].index(topic)
-        for j in torch.argsort(d.stats["probe_loss"][:, c]).tolist()[:50]:
-            docs = [ctx["doc"] for ctx in d.contexts[j]["contexts"]]
-            share = sum(labels[doc] == topic for doc in docs) / max(len(docs), 1)
-            loss = float(d.stats["probe_loss"][j, c])
-            if share > 0.5 and loss < best[2]:
-                best = (name, j, loss)
-                break
-    return best

@@ -23,15 +23,16 @@ CEILING = "full probe"
 
 
 def probe_rows(lens: Any, tok: Any, sets: dict[str, Any], site: str, *, n_train: int, n_test: int, max_length: int,
-               draws: int, seed: int) -> tuple[Any, Any, list[str]]:
+               draws: int, seed: int, fitted: int = 0) -> tuple[Any, Any, list[str]]:
     """bbc-news train and test rows (`evaluate.activations.Probed`, documents mean-pooled) with every
-    set read by every reading next to its control draws, and the topic names."""
+    set read by every reading next to its control draws, and the topic names; the train articles
+    come after the `fitted` the fit read (the same seeded order), so no probe learns on them."""
     from conceptlens.evaluate.readings import probe_readers
     from conceptlens.evaluate.suite import SuiteConfig, capture_task
 
     config = SuiteConfig(suites=("probing",), tasks=(TASK,), max_length=max_length, random_draws=draws, seed=seed)
     readers = probe_readers(sets, READINGS, draws=draws, seed=seed)
-    return capture_task(lens, tok, site, readers, TASK, config, docs=(n_train, n_test))
+    return capture_task(lens, tok, site, readers, TASK, config, docs=(n_train, n_test), skip=fitted)
 
 
 def topic_lines(train: Any, test: Any, class_names: list[str], *, k: int = 5, seed: int = 0,
@@ -100,17 +101,18 @@ def _room(lines: list[Line]) -> str:
 
 
 def run_probes(lens: Any, tok: Any, sets: dict[str, Any], site: str, *, n_train: int, n_test: int,
-               max_length: int, draws: int, seed: int, k: int = 5, reading: str = "code") -> tuple[list[Line], Any]:
+               max_length: int, draws: int, seed: int, k: int = 5, reading: str = "code",
+               fitted: int = 0) -> tuple[list[Line], Any]:
     """Capture the probe documents, print the per-topic table and its plain summary, then the summary
     of the other reading (`READINGS`, on the same rows); the lines and the train rows (which the
     demo's steering baseline reuses)."""
     print(f"\nk = {k} sparse probe per topic (SAEBench's protocol) on held-out documents: concepts chosen and "
-          f"probes fitted on {n_train} train-split articles, scored on {n_test} test-split articles (first "
+          f"probes fitted on {n_train} train-split articles{' outside the fit' if fitted else ''}, scored on {n_test} test-split articles (first "
           f"{max_length} tokens each, mean-pooled, balanced one-vs-rest); control: as many random directions as "
           f"the set has concepts, read and pooled the same way, {draws} draws; 95% bootstrap intervals over test "
           f"documents; {READ_NOTE[reading]}")
     train, test, names = probe_rows(lens, tok, sets, site, n_train=n_train, n_test=n_test, max_length=max_length,
-                                    draws=draws, seed=seed)
+                                    draws=draws, seed=seed, fitted=fitted)
     lines = topic_lines(train, test, names, k=k, seed=seed, reading=reading)
     print(format_topics(lines))
     print(summary(lines))

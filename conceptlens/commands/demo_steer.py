@@ -11,15 +11,18 @@ a row's result is its best mean P(topic) among the alphas within the fluency bud
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from conceptlens.steering.compare import ALPHAS, PROMPTS, compare, diff_of_means, mean_activation
 
-__all__ = ["ALPHAS", "PROMPTS", "compare", "diff_of_means", "mean_activation", "format_rows", "verdict",
-           "write_rows"]
+__all__ = ["ALPHAS", "PROMPTS", "compare", "diff_of_means", "format_rows", "mean_activation", "pick_concept",
+           "steer_example", "verdict", "write_rows"]
 
 
 def format_rows(rows: list[dict[str, Any]], topic: str) -> str:
@@ -65,3 +68,78 @@ def verdict(rows: list[dict[str, Any]], topic: str) -> str:
 
 def write_rows(rows: list[dict[str, Any]], topic: str, accuracy: float, path: Path) -> None:
     Path(path).write_text(json.dumps({"topic": topic, "judge_accuracy": accuracy, "rows": rows}, indent=1))
+
+
+def steer_example(lens: Any, tok: Any, descriptions: dict[str, Any], labels: list[str], rows: Any,
+                  args: argparse.Namespace, out: Path) -> None:
+    """The demo's steering example: the concept `pick_concept` finds for `args.topic` against the
+    diff-of-means vector of the probe's train `rows`, a random direction and the prompt prefix, judged
+    by a MiniLM topic classifier; printed, written to RUN/steering.json and to the concept's page."""
+    from conceptlens import data
+    from conceptlens.commands._common import load_model
+    from conceptlens.evaluate.activations import pick
+    from conceptlens.commands.demo_quality import best_per_class
+    from conceptlens.concepts.conceptset import ConceptSet
+    from conceptlens.evaluate.steering import diff_of_means as rows_diff_of_means  # of probed rows
+    from conceptlens.steering.judge import TopicJudge
+    from conceptlens.steering.units import robust_norm
+
+    name, concept, loss = pick_concept(descriptions, labels, args.topic)
+    if name is None:
+        print(f"\nNo concept's top contexts come mostly from {args.topic!r} articles: no steering example")
+        return
+    d, site = descriptions[name], descriptions[name].info["site"]
+    base = d.info["base_rate_entropy"][args.topic]
+    norm = robust_norm(lens, site)  # the unit of Add(..., scale="robust_norm")
+    print(f"\nSteering with {name} concept {concept}, the best {args.topic!r} probe among concepts whose top "
+          f"contexts are mostly {args.topic} articles (log-loss {loss:.3f} vs base rate {base:.3f}; best over "
+          f"{d.info['n_concepts']} random directions "
+          f"{best_per_class(descriptions['random'], d.info['n_concepts']).get(args.topic, (float('nan'),))[0]:.3f})")
+    train, test = data.load("bbc-news", "train"), data.load("bbc-news", "test")
+    encoder, encoder_tok = load_model(args, args.judge_model)
+    learn = pick(len(train), args.judge_docs, args.seed)
+    judge = TopicJudge(encoder, encoder_tok, [train.texts[i] for i in learn], [train.labels[i] for i in learn],
+                       seed=args.seed)
+    accuracy = judge.accuracy(test.texts, test.labels)
+    print(f"Judge: logistic regression on mean-pooled {args.judge_model} embeddings of {len(learn)} train "
+          f"articles; held-out accuracy {accuracy:.3f} on {len(test)} test articles")
+    cs = ConceptSet.load(out / "concepts" / name)
+    directions = {f"{name}:{concept}" + (" centred" if cs.mean is not None else ""):
+                  (cs.centred() if cs.mean is not None else cs).directions[concept],
+                  "diff-of-means": rows_diff_of_means(rows, train.label_names.index(args.topic))}
+    g = torch.Generator().manual_seed(2_000_003 + args.seed)
+    directions["random"] = torch.randn(cs.d, generator=g)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    rows = compare(lens, tok, site, norm, directions, judge.topic(args.topic), args.topic, args.prompt)
+    print(f"P({args.topic}) of the continuations by the judge, median perplexity under the unsteered model; alpha "
+          f"in robust norms ({norm:.3g}); best within budget: perplexity at most 2x the unsteered, "
+          "at most half the 3-grams repeated")
+    print(format_rows(rows, args.topic))
+    print(verdict(rows, args.topic))
+    write_rows(rows, args.topic, accuracy, out / "steering.json")
+    samples = [{"alpha": a, "scale": "robust_norm", "text": texts[0]} for a, texts in zip(rows[0]["alphas"],
+                                                                                        rows[0]["texts"])]
+    path = out / "describe" / name / "description.json"
+    info = json.loads(path.read_text())
+    info["steering"] = [*info.get("steering", []), {"concept": concept, "prompt": args.prompt[0],
+                                                    "norm": norm, "samples": samples}]
+    path.write_text(json.dumps(info, indent=1))
+
+
+def pick_concept(descriptions: dict[str, Any], labels: list[str], topic: str) -> tuple[Any, Any, float]:
+    """(set, concept, loss): the lowest `topic` probe loss among concepts of the fitted sets whose
+    top contexts come mostly from `topic` documents (so that adding the direction means more topic)."""
+    best: tuple[Any, Any, float] = (None, None, float("inf"))
+    for name, d in descriptions.items():
+        if name == "random" or "probe_loss" not in d.stats:
+            continue
+        c = d.info["labels"].index(topic)
+        for j in torch.argsort(d.stats["probe_loss"][:, c]).tolist()[:50]:
+            docs = [ctx["doc"] for ctx in d.contexts[j]["contexts"]]
+            share = sum(labels[doc] == topic for doc in docs) / max(len(docs), 1)
+            loss = float(d.stats["probe_loss"][j, c])
+            if share > 0.5 and loss < best[2]:
+                best = (name, j, loss)
+                break
+    return best

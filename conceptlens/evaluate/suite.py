@@ -115,11 +115,13 @@ def run_parts(lens: AttachedModel, tok: Any, sets: Mapping[str, ConceptSet], con
                 yield f"{part} {task}", _probing(lens, tok, site, encoders, sets, task, part, config)
 
 
-def _docs(task: str, split: str, n: int, seed: int) -> Any:
+def _docs(task: str, split: str, n: int, seed: int, skip: int = 0) -> Any:
     from conceptlens import data
 
     full = data.load(task, split)
-    return full, act.pick(len(full), n, seed)
+    if skip and skip >= len(full):
+        raise ValueError(f"{task} {split} holds {len(full)} documents, none after the {skip} passed over")
+    return full, act.pick(len(full), skip + n, seed)[skip:]
 
 
 def _reconstruction(lens: AttachedModel, tok: Any, site: str, decoders: Mapping[str, act.ConceptEncoder],
@@ -145,13 +147,16 @@ def _reconstruction(lens: AttachedModel, tok: Any, site: str, decoders: Mapping[
 
 
 def capture_task(lens: AttachedModel, tok: Any, site: str, readers: Mapping[str, Reader], task: str,
-                 config: SuiteConfig, docs: tuple[int, int] | None = None) -> tuple[act.Probed, act.Probed, list[str]]:
+                 config: SuiteConfig, docs: tuple[int, int] | None = None,
+                 skip: int = 0) -> tuple[act.Probed, act.Probed, list[str]]:
     """Train and test rows of labelled set `task` at `site`, every reader's columns mean-pooled per
     document (or per labelled token), and the class names. `docs`: documents drawn from each split
-    (default `config.max_docs` each)."""
+    (default `config.max_docs` each); `skip`: train documents of the seeded order passed over first
+    (those a fit shuffled with `config.seed` read, so that no probe learns on them)."""
     token_level = task in act.TOKEN_TASKS
     counts = docs or (config.max_docs, config.max_docs)
-    splits = {s: _docs(task, s, n, config.seed) for s, n in zip(("train", "test"), counts)}
+    splits = {s: _docs(task, s, n, config.seed, skip if s == "train" else 0)
+              for s, n in zip(("train", "test"), counts)}
     tag_ids, class_names = act.label_ids(splits["train"][0], token_level, config.max_classes)
     probed = {}
     for split, (full, picked) in splits.items():

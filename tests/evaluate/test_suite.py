@@ -35,3 +35,19 @@ def test_quality_part_carries_the_quality_table_rows():
     assert [ln.value.value for ln in lines] == pytest.approx([r.value for r in rows], nan_ok=True)
     assert all(math.isnan(ln.value.low) for ln in lines)
     assert lines[0].baselines[0][0] == "base-rate entropy"
+
+
+def test_probe_train_documents_can_pass_over_those_a_fit_read():
+    from conceptlens import data
+    from conceptlens.commands.sources import source
+
+    fitted, full = 320, data.load("bbc-news", "train")
+    fit_texts = source("bbc-news:train", 7).texts[:fitted]  # the fit's shuffle with the same seed
+    order = torch.randperm(len(full), generator=torch.Generator().manual_seed(7)).tolist()
+    assert [full.texts[i] for i in order[:fitted]] == fit_texts  # (ids, since the set repeats some texts)
+    _, picked = suite._docs("bbc-news", "train", 240, 7, skip=fitted)
+    assert len(picked) == len(set(picked)) == 240 and not set(order[:fitted]) & set(picked)
+    _, first = suite._docs("bbc-news", "train", 240, 7)  # without skip: the fit's first documents
+    assert set(first) <= set(order[:fitted])
+    with pytest.raises(ValueError, match="none after the"):
+        suite._docs("bbc-news", "train", 10, 7, skip=len(full))

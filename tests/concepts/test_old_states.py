@@ -14,6 +14,20 @@ from tests.conftest import assert_same_state
 V1 = Path(__file__).parent / "data" / "v1"
 
 
+def without_key_biases(state):
+    """`state` with the key third of every attention `in_proj_bias` left out. Softmax ignores a
+    constant added to all of a query's scores, and a key bias adds q . b_k to each of them, so its
+    gradient is zero but for rounding; Adam scales that noise up to lr-sized steps, so its values
+    after training depend on the CPU's kernels (AVX2 against AVX-512: up to 8e-4 apart, while every
+    other parameter agrees to 1e-8)."""
+    if isinstance(state, dict):
+        return {k: (torch.cat([v[: len(v) // 3], v[2 * len(v) // 3:]]) if str(k).endswith("in_proj_bias")
+                    else without_key_biases(v)) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(without_key_biases(v) for v in state)
+    return state
+
+
 def assert_close_state(got, want, path="state"):
     """`assert_same_state` up to float rounding (RNG states and integers still exact)."""
     assert type(got) is type(want), path
@@ -45,15 +59,15 @@ def test_an_old_checkpoint_loads_exactly_and_resumes_to_its_result(case):
     assert_same_state(extractor.state_dict(), saved["state"])  # the layout, and every value, unchanged
     got = written(feed(extractor, stream(case)[CUT:]))
     want = saved["after"]
-    assert_close_state({k: got[k] for k in ("directions", "encoder", "state")},
-                       {k: want[k] for k in ("directions", "encoder", "state")})
+    assert_close_state(without_key_biases({k: got[k] for k in ("directions", "encoder", "state")}),
+                       without_key_biases({k: want[k] for k in ("directions", "encoder", "state")}))
     assert got["stats"] == pytest.approx(want["stats"], rel=1e-4, abs=1e-6, nan_ok=True)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if not c.startswith("sharded")])
 def test_replicas_of_an_old_checkpoint_merge_as_the_old_code_merged_them(case):
     saved = torch.load(V1 / f"{case}.pt", weights_only=True)
-    assert_close_state(merged(case, saved["state"]), saved["merged"])
+    assert_close_state(without_key_biases(merged(case, saved["state"])), without_key_biases(saved["merged"]))
 
 
 def test_an_old_fit_checkpoint_resumes():

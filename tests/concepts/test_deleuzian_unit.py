@@ -54,7 +54,9 @@ def test_token_states_keep_the_layout_they_had_before_unit_and_document_states_n
         dz.load_state_dict(by_doc.state_dict())
 
 
-def test_fit_gives_a_document_deleuzian_the_mean_of_each_documents_kept_rows():
+def fit_beside_a_recorder(extractor):
+    """Fit `extractor` at blocks.1 of a tiny Llama on 30 short documents, 8 a batch, next to a
+    recorder of what fit gives: per batch, the kept rows and their document ids."""
     import conceptlens
     from tests.conftest import CharTokenizer, tiny_model
 
@@ -67,9 +69,15 @@ def test_fit_gives_a_document_deleuzian_the_mean_of_each_documents_kept_rows():
 
     lens = conceptlens.attach(tiny_model("llama"), CharTokenizer())
     docs = [f"text number {i} " + "xyz" * (i % 4) for i in range(30)]
-    seen, dz = Rows(), Deleuzian(4, unit="document", mode="paper", buffer_size=64, batch_size=32)
-    lens.fit({"blocks.1.resid_out": {"rows": seen, "dz": dz}}, docs, batch_size=8, progress=False)
-    x, doc = torch.cat(seen.x), torch.cat(seen.doc)
+    seen = Rows()
+    lens.fit({"blocks.1.resid_out": {"rows": seen, "ex": extractor}}, docs, batch_size=8, progress=False)
+    return seen.x, seen.doc
+
+
+def test_fit_gives_a_document_deleuzian_the_mean_of_each_documents_kept_rows():
+    dz = Deleuzian(4, unit="document", mode="paper", buffer_size=64, batch_size=32)
+    xs, docs = fit_beside_a_recorder(dz)
+    x, doc = torch.cat(xs), torch.cat(docs)
     by_hand = Deleuzian(4, mode="paper", buffer_size=64, batch_size=32)
     for batch in range(0, 30, 8):  # fit's batches of 8 documents
         part = (doc >= batch) & (doc < batch + 8)

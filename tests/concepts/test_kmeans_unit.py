@@ -5,7 +5,7 @@ import torch
 
 from conceptlens.concepts.kmeans import StreamingKMeans
 from conceptlens.concepts.kmeans_math import group_means
-from tests.concepts.test_deleuzian_unit import tokens
+from tests.concepts.test_deleuzian_unit import fit_beside_a_recorder, tokens
 
 
 def rows(n_docs=40, d=8, seed=0):
@@ -62,22 +62,10 @@ def test_token_states_keep_their_layout_and_document_states_and_sets_name_the_un
 
 
 def test_fit_gives_a_document_kmeans_the_mean_of_each_batchs_documents():
-    import conceptlens
-    from tests.conftest import CharTokenizer, tiny_model
-
-    class Rows:
-        def __init__(self):
-            self.x, self.doc = [], []
-
-        def update(self, x, tokens):
-            self.x.append(x.clone()), self.doc.append(tokens.doc.clone())
-
-    lens = conceptlens.attach(tiny_model("llama"), CharTokenizer())
-    docs = [f"text number {i} " + "xyz" * (i % 4) for i in range(30)]
-    seen, km = Rows(), StreamingKMeans(4, unit="document", init_size=12, batch_size=8)
-    lens.fit({"blocks.1.resid_out": {"rows": seen, "km": km}}, docs, batch_size=8, progress=False)
+    km = StreamingKMeans(4, unit="document", init_size=12, batch_size=8)
+    xs, docs = fit_beside_a_recorder(km)
     by_hand = StreamingKMeans(4, init_size=12, batch_size=8)
-    for x, doc in zip(seen.x, seen.doc):  # fit's batches, each row of the batch's documents
+    for x, doc in zip(xs, docs):  # fit's batches, each row of the batch's documents
         by_hand.update(group_means(x, doc))
     by_hand.flush()
     assert km.n_seen == by_hand.n_seen == 30

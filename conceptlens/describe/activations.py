@@ -97,7 +97,8 @@ def concept_activations(cs: ConceptSet) -> ConceptActivations:
             return z.argmax(1)
         rule = "assigned: largest cosine"
     origin = "centred on the fit's mean" if centred else "uncentred (the set carries no mean)"
-    return ConceptActivations(f"cosine to the concept direction, {origin}; active: cosine > 0; {rule}",
+    fitted = "; fitted on document means" if cs.config.get("unit") == "document" else ""
+    return ConceptActivations(f"cosine to the concept direction, {origin}; active: cosine > 0; {rule}{fitted}",
                               False, encode, unit, assign)
 
 

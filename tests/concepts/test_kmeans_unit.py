@@ -92,3 +92,13 @@ def test_a_document_kmeans_merges_anothers_buffered_document_means_and_refuses_a
     assert torch.equal(first.centres, whole.centres)
     with pytest.raises(ValueError, match="unit must match"):
         first.merge(StreamingKMeans(5, init_size=30))
+
+
+def test_a_document_sets_activation_says_so_where_the_atlas_shows_it():
+    from conceptlens.describe.activations import concept_activations
+
+    x, doc, _ = rows()
+    by_doc, by_token = StreamingKMeans(4, unit="document", init_size=16), StreamingKMeans(4, init_size=16)
+    by_doc.update(x, tokens=tokens(doc)), by_token.update(x)
+    assert concept_activations(by_doc.concept_set()).kind.endswith("nearest centre; fitted on document means")
+    assert "document" not in concept_activations(by_token.concept_set()).kind

@@ -44,6 +44,14 @@ def test_dense_sets_fit_document_means_when_the_budget_holds_a_document_per_conc
         assert specs["deleuzian"].get("mode") == ("paper" if unit else None)
 
 
+def test_probes_learn_outside_the_fit_and_say_so_when_a_large_fit_leaves_too_few_articles():
+    from conceptlens.commands.demo_probe import probe_skip
+
+    assert probe_skip(320, 240, 1781) == (320, " outside the fit")
+    assert probe_skip(1700, 240, 1781) == (1541, " (159 of them read by the fit, which read 1700)")
+    assert probe_skip(0, 240, 1781) == (0, "")
+
+
 def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
     model = save_tiny_llama(tmp_path / "tiny")
     out = tmp_path / "run"

@@ -67,7 +67,7 @@ def pools_documents(max_tokens: int, concepts: int) -> bool:
     `unit="document"`) rather than tokens: when the budget holds a document per concept. On
     train-split articles outside the fit (`benchmarks/demo_defaults.py`, EVALUATION.md), document
     means turned Deleuzian's lexical concepts into topical ones (best concept's probe loss 0.203
-    against 0.325 over tokens), and k-means' k = 5 code-read probe from 15 to 33 wins of 45 over
+    against 0.325 over tokens), and k-means' k = 5 code-read probe from 16 to 34 wins of 45 over
     its matched control."""
     return max_tokens // FIT_DOCUMENT_TOKENS >= concepts
 

@@ -100,19 +100,32 @@ def _room(lines: list[Line]) -> str:
     return ", ".join(cells) or "no ceiling measured"
 
 
+def probe_skip(fitted: int, n_train: int, articles: int) -> tuple[int, str]:
+    """(train articles the probes pass over, what the header says of them): the `fitted` the fit read,
+    or as many as leave `n_train` of the split's `articles` when a large fit read more."""
+    skip = min(fitted, max(articles - n_train, 0))
+    if not fitted:
+        return 0, ""
+    read = f" ({fitted - skip} of them read by the fit, which read {fitted})"
+    return skip, " outside the fit" if skip == fitted else read
+
+
 def run_probes(lens: Any, tok: Any, sets: dict[str, Any], site: str, *, n_train: int, n_test: int,
                max_length: int, draws: int, seed: int, k: int = 5, reading: str = "code",
                fitted: int = 0) -> tuple[list[Line], Any]:
     """Capture the probe documents, print the per-topic table and its plain summary, then the summary
     of the other reading (`READINGS`, on the same rows); the lines and the train rows (which the
     demo's steering baseline reuses)."""
+    from conceptlens import data
+
+    skip, where = probe_skip(fitted, n_train, len(data.load(TASK, "train")))
     print(f"\nk = {k} sparse probe per topic (SAEBench's protocol) on held-out documents: concepts chosen and "
-          f"probes fitted on {n_train} train-split articles{' outside the fit' if fitted else ''}, scored on {n_test} test-split articles (first "
+          f"probes fitted on {n_train} train-split articles{where}, scored on {n_test} test-split articles (first "
           f"{max_length} tokens each, mean-pooled, balanced one-vs-rest); control: as many random directions as "
           f"the set has concepts, read and pooled the same way, {draws} draws; 95% bootstrap intervals over test "
           f"documents; {READ_NOTE[reading]}")
     train, test, names = probe_rows(lens, tok, sets, site, n_train=n_train, n_test=n_test, max_length=max_length,
-                                    draws=draws, seed=seed, fitted=fitted)
+                                    draws=draws, seed=seed, fitted=skip)
     lines = topic_lines(train, test, names, k=k, seed=seed, reading=reading)
     print(format_topics(lines))
     print(summary(lines))

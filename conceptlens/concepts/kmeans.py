@@ -84,10 +84,9 @@ class StreamingKMeans(ExtractorBase):
         return self.config.unit == "document"
 
     def update(self, x: Tensor, weight: Tensor | None = None, *, tokens: Any = None, validate: bool = True) -> None:
-        """Consume rows x `(N, d)` with optional non-negative weights `(N,)` (default 1); with
-        `unit="document"`, their means per `tokens.doc` (unweighted). `validate=False` skips the
-        check of the weights, a host read of the device, for weights valid by construction
-        (Deleuzian's, every block)."""
+        """Consume rows x `(N, d)` with optional non-negative weights `(N,)` (default 1); with `unit="document"`,
+        their means per `tokens.doc` (unweighted). `validate=False` skips the check of the weights, a host
+        read of the device, for weights valid by construction (Deleuzian's, every block)."""
         if self.config.unit == "document":
             if tokens is None:
                 raise ValueError('unit="document" needs update(x, tokens=...) naming each row\'s document')
@@ -250,7 +249,8 @@ class StreamingKMeans(ExtractorBase):
         distributed fit all-reduces before every centre update.
         """
         if any(getattr(other.config, f) != getattr(self.config, f) for f in ("n_concepts", "spherical", "unit")):
-            raise ValueError(f"cannot merge {other.config} into {self.config}: n_concepts, spherical and unit must match")
+            raise ValueError(f"cannot merge {other.config} into {self.config}: "
+                             "n_concepts, spherical and unit must match")
         theirs = other.state()
         if theirs.centres is None:
             if theirs.pending is not None:  # rows as `update` left them (document means, for that unit)

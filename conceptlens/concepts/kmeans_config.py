@@ -53,7 +53,9 @@ class KMeansConfig:
     unit: str = "token"
     """One row: "token" (each activation) or "document": the mean of each document's activations
     (`update(x, tokens=...)`, which `fit` passes; a document's rows in one call). Centres of
-    document means are topics rather than token types; a token is still assigned to its nearest."""
+    document means are topics rather than token types; a token is still assigned to its nearest.
+    `batch_size`, `init_size` and `reseed_after` then count documents: with fewer documents than
+    `init_size`, k-means++ runs on all of them at the end of the fit (`flush`)."""
 
     def __post_init__(self) -> None:
         check_int("n_concepts", self.n_concepts, high=MAX_CONCEPTS)

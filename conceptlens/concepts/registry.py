@@ -127,10 +127,10 @@ def of(extractor: Any) -> Method | None:
 
 
 def takes(extractor: Any, keyword: Literal["tokens", "sequence_ids"]) -> bool:
-    """Whether `extractor.update` takes `keyword`: declared for a registered method (and, for
-    `tokens`, only when the instance's `wants_tokens` does not say no: a Deleuzian over tokens needs
-    none), read from the signature of `update` for any other."""
+    """Whether `extractor.update` takes `keyword`: declared for a registered method, read from the
+    signature of `update` for any other (a subclass such as `ShardedKMeans` too); for `tokens`, only
+    when the instance's `wants_tokens` does not say no (a k-means or Deleuzian over tokens needs none)."""
     found = of(extractor)
-    if found is not None:
-        return bool(getattr(found, keyword)) and (keyword != "tokens" or getattr(extractor, "wants_tokens", True))
-    return keyword in inspect.signature(extractor.update).parameters
+    declared = bool(getattr(found, keyword)) if found is not None else (
+        keyword in inspect.signature(extractor.update).parameters)
+    return declared and (keyword != "tokens" or bool(getattr(extractor, "wants_tokens", True)))

@@ -75,8 +75,12 @@ def test_fit_gives_a_document_kmeans_the_mean_of_each_batchs_documents():
 def test_fit_passes_token_rows_only_to_a_kmeans_that_pools_documents():
     from conceptlens.concepts import registry
 
+    from conceptlens.concepts.sharded import ShardedKMeans
+
     assert registry.takes(StreamingKMeans(4, unit="document"), "tokens")
     assert not registry.takes(StreamingKMeans(4), "tokens")
+    assert registry.takes(ShardedKMeans(4, unit="document"), "tokens")  # a subclass: read from its signature
+    assert not registry.takes(ShardedKMeans(4), "tokens")  # no per-batch token ids gathered for it
 
 
 def test_a_document_kmeans_merges_anothers_buffered_document_means_and_refuses_a_token_one():

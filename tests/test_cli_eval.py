@@ -244,3 +244,17 @@ def test_a_run_folder_evaluates_with_the_model_its_run_loaded(tmp_path):
     assert _model_name(argparse.Namespace(run_dir=tmp_path, model="smollm2-135m"), sets) == "smollm2-135m"
     (tmp_path / "run.toml").unlink()  # a folder of saved sets only: the one model they name
     assert _model_name(argparse.Namespace(run_dir=tmp_path, model=None), sets) == "gemma-3-270m-q4_k_m"
+
+
+def test_a_run_folder_tells_the_probes_which_train_documents_its_fit_read(tmp_path):
+    from conceptlens.commands.eval import _fit_read
+
+    assert _fit_read(tmp_path) is None  # a folder of saved sets only
+    (tmp_path / "fit_report.json").write_text('{"documents": 320}')
+    (tmp_path / "run.toml").write_text('model = "smollm2-135m"\ndata = "bbc-news:train"\nshuffle = 3\n')
+    assert _fit_read(tmp_path) == ("bbc-news", 3, 320)
+    (tmp_path / "run.toml").write_text('model = "smollm2-135m"\ndata = "movie-polarity"\n')  # unshuffled, train
+    assert _fit_read(tmp_path) == ("movie-polarity", None, 320)
+    for data in ("bbc-news:test", "wikitext"):  # a split or a set the probes do not learn on
+        (tmp_path / "run.toml").write_text(f'model = "smollm2-135m"\ndata = "{data}"\n')
+        assert _fit_read(tmp_path) is None

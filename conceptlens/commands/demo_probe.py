@@ -30,9 +30,10 @@ def probe_rows(lens: Any, tok: Any, sets: dict[str, Any], site: str, *, n_train:
     from conceptlens.evaluate.readings import probe_readers
     from conceptlens.evaluate.suite import SuiteConfig, capture_task
 
-    config = SuiteConfig(suites=("probing",), tasks=(TASK,), max_length=max_length, random_draws=draws, seed=seed)
+    config = SuiteConfig(suites=("probing",), tasks=(TASK,), max_length=max_length, random_draws=draws, seed=seed,
+                         fit_read=(TASK, seed, fitted))  # the fit's shuffle is the demo's seed
     readers = probe_readers(sets, READINGS, draws=draws, seed=seed)
-    return capture_task(lens, tok, site, readers, TASK, config, docs=(n_train, n_test), skip=fitted)
+    return capture_task(lens, tok, site, readers, TASK, config, docs=(n_train, n_test))
 
 
 def topic_lines(train: Any, test: Any, class_names: list[str], *, k: int = 5, seed: int = 0,

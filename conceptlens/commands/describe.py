@@ -136,7 +136,7 @@ def _describe(args: argparse.Namespace) -> int:
     if not found or missing:
         raise ValueError(f"no concept set {missing[0] if missing else ''!r} in {out / 'concepts'}; found {found}")
     report_path = out / "fit_report.json"
-    consumed = _consumed(report_path) if report_path.is_file() else 0
+    consumed = fit_documents(report_path) if report_path.is_file() else 0
     sets = {name: ConceptSet.load(out / "concepts" / name) for name in chosen}
     source(cfg.describe.data or cfg.data, cfg.shuffle)  # a missing or empty data file: before the model loads
     _check_model(out, cfg.model, sets)
@@ -145,7 +145,8 @@ def _describe(args: argparse.Namespace) -> int:
     return 0
 
 
-def _consumed(path: Path) -> int:
+def fit_documents(path: Path) -> int:
+    """The documents a fit read, from its RUN/fit_report.json (checked)."""
     from conceptlens._content import MAX_COUNT, field, read_json
 
     report = field(path, "the file", read_json(path), dict)

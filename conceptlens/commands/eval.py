@@ -139,6 +139,22 @@ def _model_name(args: argparse.Namespace, sets: dict) -> str:
     return models.pop()
 
 
+def _fit_read(run_dir: Path) -> tuple[str, int | None, int] | None:
+    """`SuiteConfig.fit_read` of a run folder whose fit read the train split of a labelled set the
+    probes use (its run.toml's data and shuffle, its fit_report.json's documents), else None."""
+    from conceptlens.commands import run_config as rc
+    from conceptlens.commands.describe import fit_documents
+
+    recorded, report = run_dir / "run.toml", run_dir / "fit_report.json"
+    if not (recorded.is_file() and report.is_file()):
+        return None
+    raw = rc.read_toml(recorded)
+    name, _, split = str(raw.get("data", "")).partition(":")
+    if name not in PROBE_TASKS or (split or "train") != "train" or Path(str(raw["data"])).exists():
+        return None
+    return name, raw.get("shuffle"), fit_documents(report)
+
+
 def _run_folder(args: argparse.Namespace, suites: tuple[str, ...]) -> None:
     import conceptlens
     from conceptlens.batching import check_max_length
@@ -150,7 +166,7 @@ def _run_folder(args: argparse.Namespace, suites: tuple[str, ...]) -> None:
                          absorption_words=args.absorption_words, ks=args.ks, random_draws=args.random_draws,
                          readings=args.probe_read,
                          probe_candidates=args.probe_candidates or None, concept_top=args.concept_top, seed=args.seed,
-                         progress=not args.no_progress)
+                         fit_read=_fit_read(Path(args.run_dir)), progress=not args.no_progress)
     sets, folders = _sets(args.run_dir, args.concepts)
     for name, cs in sets.items():
         if cs.site is None:
@@ -168,6 +184,8 @@ def _run_folder(args: argparse.Namespace, suites: tuple[str, ...]) -> None:
         by_site.setdefault(site.name, {})[name] = cs
     print(f"95% intervals: bootstrap over held-out documents ({DRAWS} replicates); the random control pools its "
           f"{args.random_draws} draws. Suites: {', '.join(config.suites)}.")
+    if config.fit_read is not None:
+        print(f"Probes learn on none of the {config.fit_read[2]:,} {config.fit_read[0]} train documents the fit read.")
     for site_name, group in by_site.items():
         _run_site(args, lens, tok, model_name, site_name, group, folders, config)
 

@@ -65,6 +65,10 @@ class SuiteConfig:
     probe_candidates: int | None = 16
     """quality part: concepts per class screened for the single-concept probe (None: all)"""
     seed: int = 0
+    fit_read: tuple[str, int | None, int] | None = None
+    """(labelled set, shuffle seed or None, documents): the train documents a fit read (the first
+    `documents` of that set's train split, shuffled with the seed as `fit` reads a bundled set);
+    probes never learn on them"""
     progress: bool = False
 
     def __post_init__(self) -> None:
@@ -115,13 +119,19 @@ def run_parts(lens: AttachedModel, tok: Any, sets: Mapping[str, ConceptSet], con
                 yield f"{part} {task}", _probing(lens, tok, site, encoders, sets, task, part, config)
 
 
-def _docs(task: str, split: str, n: int, seed: int, skip: int = 0) -> Any:
+def _docs(task: str, split: str, n: int, seed: int, fit_read: tuple[str, int | None, int] | None = None) -> Any:
+    """The split and n of its document ids in a seeded order, leaving out those a fit read (`SuiteConfig.fit_read`)."""
     from conceptlens import data
 
     full = data.load(task, split)
-    if skip and skip >= len(full):
-        raise ValueError(f"{task} {split} holds {len(full)} documents, none after the {skip} passed over")
-    return full, act.pick(len(full), skip + n, seed)[skip:]
+    if fit_read is None or fit_read[0] != task:
+        return full, act.pick(len(full), n, seed)
+    _, shuffle, documents = fit_read
+    read = set(range(documents) if shuffle is None else act.pick(len(full), documents, shuffle))
+    picked = [i for i in act.pick(len(full), len(full), seed) if i not in read][:n]
+    if not picked:
+        raise ValueError(f"{task} {split} holds {len(full)} documents, all read by the fit")
+    return full, picked
 
 
 def _reconstruction(lens: AttachedModel, tok: Any, site: str, decoders: Mapping[str, act.ConceptEncoder],
@@ -147,15 +157,13 @@ def _reconstruction(lens: AttachedModel, tok: Any, site: str, decoders: Mapping[
 
 
 def capture_task(lens: AttachedModel, tok: Any, site: str, readers: Mapping[str, Reader], task: str,
-                 config: SuiteConfig, docs: tuple[int, int] | None = None,
-                 skip: int = 0) -> tuple[act.Probed, act.Probed, list[str]]:
+                 config: SuiteConfig, docs: tuple[int, int] | None = None) -> tuple[act.Probed, act.Probed, list[str]]:
     """Train and test rows of labelled set `task` at `site`, every reader's columns mean-pooled per
     document (or per labelled token), and the class names. `docs`: documents drawn from each split
-    (default `config.max_docs` each); `skip`: train documents of the seeded order passed over first
-    (those a fit shuffled with `config.seed` read, so that no probe learns on them)."""
+    (default `config.max_docs` each); train documents a fit read (`config.fit_read`) are passed over."""
     token_level = task in act.TOKEN_TASKS
     counts = docs or (config.max_docs, config.max_docs)
-    splits = {s: _docs(task, s, n, config.seed, skip if s == "train" else 0)
+    splits = {s: _docs(task, s, n, config.seed, config.fit_read if s == "train" else None)
               for s, n in zip(("train", "test"), counts)}
     tag_ids, class_names = act.label_ids(splits["train"][0], token_level, config.max_classes)
     probed = {}

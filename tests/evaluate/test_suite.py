@@ -37,15 +37,22 @@ def test_quality_part_carries_the_quality_table_rows():
     assert lines[0].baselines[0][0] == "base-rate entropy"
 
 
-def test_probe_train_documents_can_pass_over_those_a_fit_read():
+def test_probe_train_documents_pass_over_those_a_fit_read():
     from conceptlens import data
     from conceptlens.commands.sources import source
 
     fitted, full = 320, data.load("bbc-news", "train")
-    fit_texts = source("bbc-news:train", 7).texts[:fitted]  # the fit's shuffle with the same seed
+    fit_texts = source("bbc-news:train", 7).texts[:fitted]  # the fit's shuffle with seed 7
     order = torch.randperm(len(full), generator=torch.Generator().manual_seed(7)).tolist()
     assert [full.texts[i] for i in order[:fitted]] == fit_texts  # (ids, since the set repeats some texts)
-    _, picked = suite._docs("bbc-news", "train", 240, 7, skip=fitted)
-    assert len(picked) == len(set(picked)) == 240 and not set(order[:fitted]) & set(picked)
-    with pytest.raises(ValueError, match="none after the"):
-        suite._docs("bbc-news", "train", 10, 7, skip=len(full))
+    _, same = suite._docs("bbc-news", "train", 240, 7, ("bbc-news", 7, fitted))  # probes drawn with the fit's seed
+    assert same == order[fitted:fitted + 240]
+    _, other = suite._docs("bbc-news", "train", 240, 0, ("bbc-news", 7, fitted))  # another seed: its order, minus
+    assert len(set(other)) == 240 and not set(order[:fitted]) & set(other)
+    ahead = torch.randperm(len(full), generator=torch.Generator().manual_seed(0)).tolist()
+    assert other == [i for i in ahead if i not in set(order[:fitted])][:240]
+    _, unshuffled = suite._docs("bbc-news", "train", 10, 0, ("bbc-news", None, 1000))  # a fit in file order
+    assert min(unshuffled) >= 1000
+    assert suite._docs("bbc-news", "train", 10, 0, ("movie-polarity", 7, fitted))[1] == ahead[:10]  # another set's fit
+    with pytest.raises(ValueError, match="all read by the fit"):
+        suite._docs("bbc-news", "train", 10, 7, ("bbc-news", 7, len(full)))

@@ -74,7 +74,7 @@ from conceptlens.concepts.deleuzian_math import oriented_differences, reservoir_
 from conceptlens.concepts.deleuzian_paper import DifferenceReservoir, PaperFit, paper_clusters
 from conceptlens.concepts.kmeans import StreamingKMeans
 from conceptlens.concepts.kmeans_config import without_token_unit
-from conceptlens.concepts.kmeans_math import group_means
+from conceptlens.concepts.kmeans_math import unit_rows
 
 __all__ = ["Deleuzian", "DeleuzianConfig", "DeleuzianState", "DeleuzianStats", "MODES", "oriented_differences",
            "reservoir_update", "skewness"]
@@ -135,10 +135,7 @@ class Deleuzian(ExtractorBase):
 
     def update(self, x: Tensor, tokens: Any = None) -> None:
         """Consume activations x `(N, d)` (with `unit="document"`, their means per `tokens.doc`)."""
-        if self.config.unit == "document":
-            if tokens is None:
-                raise ValueError('unit="document" needs update(x, tokens=...) naming each row\'s document')
-            x = group_means(x, tokens.doc.to(x.device))
+        x = unit_rows(x, tokens, self.config.unit)
         self._check_width(x)
         if self._reference is None:  # the first rows
             self._reference = self._place(x.new_zeros(self.config.reference_size, x.shape[1], dtype=self._storage))

@@ -22,9 +22,9 @@ from conceptlens._checks import known_kwargs
 from conceptlens.concepts.base import ExtractorBase, NotFittedError
 # the config, the stats, the state and the pure math live in kmeans_config.py and kmeans_math.py; re-exported here
 from conceptlens.concepts.kmeans_config import KMeansConfig, KMeansState, KMeansStats, without_token_unit
-from conceptlens.concepts.kmeans_math import (_unit, apply_step, batched_seeds, group_means, kmeans_plusplus,
+from conceptlens.concepts.kmeans_math import (_unit, apply_step, batched_seeds, kmeans_plusplus,
                                               mass_weighted_mean, minibatch_step, nearest, squared_distances,
-                                              step_statistics, weighted_lloyd)
+                                              step_statistics, unit_rows, weighted_lloyd)
 from conceptlens.concepts.conceptset import ConceptSet
 
 __all__ = ["KMeansConfig", "KMeansState", "KMeansStats", "StreamingKMeans", "apply_step", "batched_seeds",
@@ -87,12 +87,9 @@ class StreamingKMeans(ExtractorBase):
         """Consume rows x `(N, d)` with optional non-negative weights `(N,)` (default 1); with `unit="document"`,
         their means per `tokens.doc` (unweighted). `validate=False` skips the check of the weights, a host
         read of the device, for weights valid by construction (Deleuzian's, every block)."""
-        if self.config.unit == "document":
-            if tokens is None:
-                raise ValueError('unit="document" needs update(x, tokens=...) naming each row\'s document')
-            if weight is not None:
-                raise ValueError('unit="document" averages a document\'s rows unweighted; pass no weight')
-            x = group_means(x, tokens.doc.to(x.device))
+        if weight is not None and self.config.unit == "document":
+            raise ValueError('unit="document" averages a document\'s rows unweighted; pass no weight')
+        x = unit_rows(x, tokens, self.config.unit)
         self._update(*self._check(x, weight, validate))
 
     def _update(self, x: Tensor, weight: Tensor) -> None:

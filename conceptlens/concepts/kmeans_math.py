@@ -17,6 +17,7 @@ matmuls instead of k small sequential ones, with one host read per round.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -244,3 +245,13 @@ def group_means(x: Tensor, group: Tensor) -> Tensor:
     ids, inverse = torch.unique(group, return_inverse=True)
     total = torch.zeros(len(ids), x.shape[1], dtype=torch.float64, device=x.device).index_add_(0, inverse, x.double())
     return (total / torch.bincount(inverse, minlength=len(ids))[:, None]).to(x.dtype)
+
+
+def unit_rows(x: Tensor, tokens: Any, unit: str) -> Tensor:
+    """The rows an extractor of `unit` (`kmeans_config.UNITS`) fits: x `(N, d)` as it is over tokens,
+    else the mean of each document's rows (`tokens.doc`, which `fit` passes)."""
+    if unit != "document":
+        return x
+    if tokens is None:
+        raise ValueError('unit="document" needs update(x, tokens=...) naming each row\'s document')
+    return group_means(x, tokens.doc.to(x.device))

@@ -1,14 +1,15 @@
 """The demo's defaults chosen by validation: each candidate's k = 5 code-reading probe vs its matched control.
 
     HF_HUB_OFFLINE=1 python benchmarks/demo_defaults.py [--seeds 0 1 2] [--folds 3] [--fold-docs 240]
-        [--lengths 64 128] [--sites blocks.10.resid_out blocks.20.resid_out] [--spherical] [--json out.json]
+        [--lengths 64 128] [--sites blocks.10.resid_out blocks.20.resid_out] [--variant kmeans:spherical=true]
+        [--json out.json]
         [--table-only out.json]
 
 Per seed (the demo's --seed: the fit's shuffle, every extractor's init, the controls' draws), one
 streaming pass fits every candidate on the demo's fit data (bbc-news train, shuffled with the seed,
 `--max-tokens` tokens, options from `commands.demo.run_config`): at the demo's site the TopK SAE at
 k x width x lr multiple (of `short_budget_lr`) and Deleuzian / k-means at each concept count (with
-`--spherical`, a spherical k-means beside each); at the other `--sites` the demo's three defaults.
+`--variant METHOD:KEY=VALUE`, that method's candidates again with that extractor option); at the other `--sites` the demo's SAE and each concept count of Deleuzian and k-means.
 Every length of `--lengths` probes the other sites' sets and the demo site's `--long-sets`. Validation never touches the test split: the
 `folds x fold-docs` train-split articles after the fit's documents in the seed's shuffled order (so
 none was fitted on) are read once per site and probe length (`evaluate.readings.probe_readers`, the
@@ -45,9 +46,9 @@ class Candidate(NamedTuple):
 
 
 def candidates(ks: list[int], widths: list[int], mults: list[float], counts: list[int],
-               sites: list[str], spherical: bool = False) -> list[Candidate]:
-    """The demo site's grid, then the demo's three defaults at each other site; with `spherical`, a
-    spherical k-means next to each k-means."""
+               sites: list[str], variants: list[str] = ()) -> list[Candidate]:
+    """The demo site's grid, then the demo's SAE and the dense sets at each count at each other site; then each
+    `variants` entry "method:key=value" (value read as JSON, else a string) as a copy of that method's candidates."""
     from conceptlens.commands.demo import SAE_LR_MULTIPLE, SHORT_FIT_K, SHORT_FIT_WIDTH
 
     def block(site: str) -> str:
@@ -60,11 +61,24 @@ def candidates(ks: list[int], widths: list[int], mults: list[float], counts: lis
     for site in sites:
         out += [Candidate(f"{block(site)}_topk_w{SHORT_FIT_WIDTH}_k{SHORT_FIT_K}_lr{SAE_LR_MULTIPLE:g}x", site, "topk",
                           {"width": SHORT_FIT_WIDTH, "k": SHORT_FIT_K, "lr_mult": SAE_LR_MULTIPLE}),
-                *(Candidate(f"{block(site)}_{m}_128", site, m, {"concepts": 128}) for m in ("deleuzian", "kmeans"))]
-    if spherical:
-        out += [Candidate(f"{c.name}_spherical", c.site, c.method, c.options | {"spec": {"spherical": True}})
-                for c in out if c.method == "kmeans"]
+                *(Candidate(f"{block(site)}_{m}_{n}", site, m, {"concepts": n})
+                  for m in ("deleuzian", "kmeans") for n in counts)]
+    base = list(out)
+    for variant in variants:
+        method, _, option = variant.partition(":")
+        key, _, value = option.partition("=")
+        out += [Candidate(f"{c.name}_{key}-{value}", c.site, c.method,
+                          c.options | {"spec": c.options.get("spec", {}) | {key: _value(value)}})
+                for c in base if c.method == method]
     return out
+
+
+def _value(text: str) -> Any:
+    """A `--variant` value: JSON (true, 0.5, [1, 2]) or else the plain string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 def demo_args(site: str, seed: int, max_tokens: int, **flags: Any) -> argparse.Namespace:
@@ -148,8 +162,10 @@ def read(tokens: tuple, sets: dict[str, Any], draws: int, seed: int, chunk: int 
                   torch.cat([p.y for p in parts]), torch.cat([p.doc for p in parts]))
 
 
-def validate(probed: Any, class_names: list[str], folds: int, seed: int) -> list[dict[str, Any]]:
-    """Per fold (trains the probes; the other folds test them), per set and topic: the demo's line."""
+def validate(probed: Any, class_names: list[str], folds: int, seed: int, n_train: int = 0) -> list[dict[str, Any]]:
+    """Per fold (trains the probes; the other folds test them), per set and topic: the demo's line.
+    With `n_train`, each fold tests instead and the probes train on the first `n_train` articles
+    of the other folds."""
     from conceptlens.evaluate.lines import verdict
     from conceptlens.evaluate.probing import probing_lines
 
@@ -158,6 +174,8 @@ def validate(probed: Any, class_names: list[str], folds: int, seed: int) -> list
     out = []
     for f, train_docs in enumerate(cut):
         test_docs = torch.cat([c for j, c in enumerate(cut) if j != f])
+        if n_train:
+            train_docs, test_docs = test_docs[:n_train], train_docs
         lines = probing_lines("bbc-news", subset(probed, train_docs), subset(probed, test_docs), class_names,
                               reading="code", ks=(5,), seed=seed, by_task=True)
         out += [{"fold": f, "set": ln.extractor, "topic": ln.metric.split(" ")[0], "value": ln.value.value,
@@ -182,8 +200,10 @@ def run_seed(lens: Any, cands: list[Candidate], tokens: dict[tuple[str, int], tu
         t = time.perf_counter()
         sets = {c.name: report.concepts[c.name] for c in cands
                 if c.site == site and (length == args.lengths[0] or c.name in args.long_sets or site != DEMO_SITE)}
-        got = validate(read(kept, sets, args.draws, seed), class_names, args.folds, seed)
-        records += [r | {"seed": seed, "length": length} for r in got]
+        probed = read(kept, sets, args.draws, seed)
+        for n_train in args.train_docs:
+            got = validate(probed, class_names, args.folds, seed, n_train)
+            records += [r | {"seed": seed, "length": length, "train": n_train or args.fold_docs} for r in got]
         print(f"  {site} length {length}: {len(sets)} sets read and probed in {time.perf_counter() - t:.0f} s",
               flush=True)
     return records
@@ -205,11 +225,11 @@ def interval(values: list[float]) -> tuple[float, float, float]:
 def table(records: list[dict[str, Any]]) -> str:
     """Candidates down (by site and length), topics across: `wins/runs margin [low, high]`, total wins."""
     topics = list(dict.fromkeys(r["topic"] for r in records))
-    keys = list(dict.fromkeys((r["set"], r["length"]) for r in records))
-    out = [f"{'candidate':<26}{'len':>4}" + "".join(f" {t:>28}" for t in topics) + f"{'wins':>9}"]
-    for name, length in keys:
-        mine = [r for r in records if r["set"] == name and r["length"] == length]
-        row, total = f"{name:<26}{length:>4}", 0
+    keys = list(dict.fromkeys((r["set"], r["length"], r.get("train", 240)) for r in records))
+    out = [f"{'candidate':<26}{'len':>4}{'train':>8}" + "".join(f" {t:>28}" for t in topics) + f"{'wins':>9}"]
+    for name, length, train in keys:
+        mine = [r for r in records if r["set"] == name and r["length"] == length and r.get("train", 240) == train]
+        row, total = f"{name:<26}{length:>4}{str(train):>8}", 0
         for topic in topics:
             cell = [r for r in mine if r["topic"] == topic]
             wins = sum(r["win"] for r in cell)
@@ -231,6 +251,9 @@ def main() -> None:
     parser.add_argument("--folds", type=int, default=3)
     parser.add_argument("--fold-docs", type=int, default=240, help="train-split articles per fold (the demo's 240)")
     parser.add_argument("--max-tokens", type=int, default=40_000, help="the fit's budget (the demo's)")
+    parser.add_argument("--train-docs", type=int, nargs="+", default=[0],
+                        help="each fold tests, the probes train on this many articles of the other folds (0: "
+                             "each fold trains, the others test); several: each in turn, on the same fits")
     parser.add_argument("--draws", type=int, default=5, help="control draws (the demo's 5)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 128], help="probe lengths (tokens per article)")
     parser.add_argument("--ks", type=int, nargs="+", default=[8, 16, 32])
@@ -238,14 +261,16 @@ def main() -> None:
     parser.add_argument("--lr-mults", type=float, nargs="+", default=[1.0, 2.0])
     parser.add_argument("--concepts", type=int, nargs="+", default=[128, 256, 512])
     parser.add_argument("--sites", nargs="*", default=["blocks.10.resid_out", "blocks.20.resid_out"],
-                        help="other sites, at the demo's three defaults")
+                        help="other sites, at the demo's SAE and each --concepts count")
     parser.add_argument("--fitted", type=int, default=400,
                         help="pool articles come after this many of every seed's shuffled order (the fit reads fewer)")
     parser.add_argument("--long-sets", nargs="*", default=["b15_topk_w2048_k8_lr2x", "b15_deleuzian_128",
                                                            "b15_kmeans_128"],
                         help="sets of the demo site also probed at the later --lengths (the demo's defaults; "
                              "other sites' sets are probed at every length)")
-    parser.add_argument("--spherical", action="store_true", help="also a spherical k-means next to each k-means")
+    parser.add_argument("--variant", nargs="*", default=[], metavar="METHOD:KEY=VALUE",
+                        help="also each candidate of METHOD with this extractor option (JSON value), e.g. "
+                             "kmeans:spherical=true deleuzian:skew_weighting=false")
     parser.add_argument("--only", nargs="*", default=None, help="fit only these candidates (names as printed)")
     parser.add_argument("--json", default=None, help="write every record here (after each seed)")
     parser.add_argument("--cache", default=None, help="keep the pool's site activations in this folder for reruns")
@@ -261,7 +286,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tok = models.load("smollm2-135m")
     lens = conceptlens.attach(model, tok)
-    cands = candidates(args.ks, args.widths, args.lr_mults, args.concepts, args.sites, args.spherical)
+    cands = candidates(args.ks, args.widths, args.lr_mults, args.concepts, args.sites, args.variant)
     cands = [c for c in cands if not args.only or c.name in args.only]
     full = data.load("bbc-news", "train")
     pool = pool_documents(len(full), args.seeds, args.fitted, args.folds * args.fold_docs)

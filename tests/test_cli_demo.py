@@ -38,10 +38,13 @@ def test_dense_sets_fit_document_means_when_the_budget_holds_a_document_per_conc
     assert not pools_documents(128 * 128 - 1, 128)  # fewer documents than concepts: tokens
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    for tokens, unit in (("40000", "document"), ("16383", None)):
+    for tokens, unit in (("40000", "document"), ("4095", None)):  # 31 documents for 32 concepts: tokens
         specs = {e["name"]: e for e in run_config(parser.parse_args(["--max-tokens", tokens, "--out", str(tmp_path / "run")])).extractors}
         assert specs["kmeans"].get("unit") == specs["deleuzian"].get("unit") == unit
         assert specs["deleuzian"].get("mode") == ("paper" if unit else None)
+        # over document means the skewed differences are the topics: no 1 / |skewness| weights
+        assert specs["deleuzian"].get("skew_weighting", True) is (unit is None)
+        assert specs["deleuzian"]["n_concepts"] == specs["kmeans"]["n_concepts"] == 32
 
 
 def test_probes_learn_outside_the_fit_and_say_so_when_a_large_fit_leaves_too_few_articles():
@@ -68,7 +71,7 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
     quality = json.loads((out / "quality.json").read_text())
     assert set(quality["extractors"]) == {"deleuzian", "topk", "kmeans", "random/8", "random/64"}  # matched in count
     assert "FVU" in quality["extractors"]["topk"] and "FVU" not in quality["extractors"]["kmeans"]
-    assert "Deleuzian 8 concepts (paper mode on document means)" in printed
+    assert "Deleuzian 8 concepts (paper mode on document means, no skew weighting)" in printed
     assert "k-means 8 (on document means, tokens assigned to the nearest)" in printed
     assert (out / "run.toml").read_text().count('unit = "document"') == 2  # Deleuzian and k-means
     assert "base-rate entropy" in printed and "of kept tokens carry" in printed and "optimiser steps" in printed

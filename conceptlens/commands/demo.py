@@ -30,14 +30,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concepts", type=positive_int, default=DENSE_CONCEPTS, help="Deleuzian and k-means concepts")
     parser.add_argument("--width", type=positive_int, default=SHORT_FIT_WIDTH, help="TopK SAE latents")
     parser.add_argument("--k", type=positive_int, default=SHORT_FIT_K, help="TopK SAE active latents per token")
-    parser.add_argument("--probe-docs", type=positive_int, nargs=2, default=[240, 444], metavar=("TRAIN", "TEST"),
-                        help="bbc-news articles of the k-sparse probe table (train split, after the fit's; test split)")
+    parser.add_argument("--probe-docs", type=positive_int, nargs=2, default=[240, 1000], metavar=("TRAIN", "TEST"),
+                        help="bbc-news articles of the k-sparse probe table: train (train split, after the fit's) "
+                             "and held-out test (the test split's 444, then train-split articles after the probes')")
     parser.add_argument("--probe-length", type=positive_int, default=64, help="tokens per probed article")
     parser.add_argument("--probe-draws", type=positive_int, default=5, help="draws of the matched random control")
     parser.add_argument("--probe-read", choices=READINGS, default="code",
                         help="read sets by their codes (TopK code, assigned concept; SAEBench reads an SAE's code), "
                              "the control through the same nonlinearity, or by their activations (default: code)")
-    parser.add_argument("--ce-docs", type=positive_int, default=16,
+    parser.add_argument("--ce-docs", type=positive_int, default=12,
                         help="held-out articles of CE-loss recovered (next to zero- and mean-ablation)")
     parser.add_argument("--topic", default="sports", help="the topic whose best concept steers the prompt")
     parser.add_argument("--prompt", type=nonempty_text, nargs="+", default=list(PROMPTS),

@@ -1,11 +1,12 @@
 """The demo's probe table: per topic, each set's k-sparse probe against matched random directions.
 
-    lines, train = run_probes(lens, tok, sets, site, n_train=240, n_test=444, max_length=64, draws=5, seed=0)
+    lines, train = run_probes(lens, tok, sets, site, n_train=240, n_test=1000, max_length=64, draws=5, seed=0)
 
 The suite's probing part (`evaluate.probing`, sets and controls read by `evaluate.readings`) with
 one line per bbc-news topic: a balanced one-vs-rest task per topic, the k concepts with the
 largest mean difference on the train-split documents, a logistic regression on them, its accuracy
-on held-out test-split documents (bootstrap interval over those documents), next to as many random
+on held-out documents (the test split's, then train-split articles that neither the fit nor the
+probes read: `suite.capture_task`'s top-up; bootstrap interval over those documents), next to as many random
 directions as the set has concepts read the same way (`draws` draws, the interval pooling draws
 and document replicates) and the full probe on every coordinate (the supervised ceiling). One
 capture pass per split reads every set by both readings, so the second costs no model pass.
@@ -26,14 +27,15 @@ def probe_rows(lens: Any, tok: Any, sets: dict[str, Any], site: str, *, n_train:
                draws: int, seed: int, fitted: int = 0) -> tuple[Any, Any, list[str]]:
     """bbc-news train and test rows (`evaluate.activations.Probed`, documents mean-pooled) with every
     set read by every reading next to its control draws, and the topic names; the train articles
-    come after the `fitted` the fit read (the same seeded order), so no probe learns on them."""
+    come after the `fitted` the fit read (the same seeded order), so no probe learns on them, and
+    test articles past the test split's come after the probes' train articles (`top_up`)."""
     from conceptlens.evaluate.readings import probe_readers
     from conceptlens.evaluate.suite import SuiteConfig, capture_task
 
     config = SuiteConfig(suites=("probing",), tasks=(TASK,), max_length=max_length, random_draws=draws, seed=seed,
                          fit_read=(TASK, seed, fitted))  # the fit's shuffle is the demo's seed
     readers = probe_readers(sets, READINGS, draws=draws, seed=seed)
-    return capture_task(lens, tok, site, readers, TASK, config, docs=(n_train, n_test))
+    return capture_task(lens, tok, site, readers, TASK, config, docs=(n_train, n_test), top_up=True)
 
 
 def topic_lines(train: Any, test: Any, class_names: list[str], *, k: int = 5, seed: int = 0,
@@ -118,10 +120,14 @@ def run_probes(lens: Any, tok: Any, sets: dict[str, Any], site: str, *, n_train:
     of the other reading (`READINGS`, on the same rows); the lines and the train rows (which the
     demo's steering baseline reuses)."""
     from conceptlens import data
+    from conceptlens.evaluate.suite import held_out_counts
 
     skip, where = probe_skip(fitted, n_train, len(data.load(TASK, "train")))
+    from_test, from_train = held_out_counts(TASK, n_train, n_test, skip)
+    scored = f"{from_test} test-split articles" + (
+        f" and {from_train} train-split articles neither the fit nor the probes read" if from_train else "")
     print(f"\nk = {k} sparse probe per topic (SAEBench's protocol) on held-out documents: concepts chosen and "
-          f"probes fitted on {n_train} train-split articles{where}, scored on {n_test} test-split articles (first "
+          f"probes fitted on {n_train} train-split articles{where}, scored on {scored} (first "
           f"{max_length} tokens each, mean-pooled, balanced one-vs-rest); control: as many random directions as "
           f"the set has concepts, read and pooled the same way, {draws} draws; 95% bootstrap intervals over test "
           f"documents; {READ_NOTE[reading]}")

@@ -157,22 +157,37 @@ def _reconstruction(lens: AttachedModel, tok: Any, site: str, decoders: Mapping[
 
 
 def capture_task(lens: AttachedModel, tok: Any, site: str, readers: Mapping[str, Reader], task: str,
-                 config: SuiteConfig, docs: tuple[int, int] | None = None) -> tuple[act.Probed, act.Probed, list[str]]:
+                 config: SuiteConfig, docs: tuple[int, int] | None = None,
+                 top_up: bool = False) -> tuple[act.Probed, act.Probed, list[str]]:
     """Train and test rows of labelled set `task` at `site`, every reader's columns mean-pooled per
     document (or per labelled token), and the class names. `docs`: documents drawn from each split
-    (default `config.max_docs` each); train documents a fit read (`config.fit_read`) are passed over."""
+    (default `config.max_docs` each); train documents a fit read (`config.fit_read`) are passed over.
+    With `top_up`, test documents past the test split's own are train-split documents after the
+    probes' (`held_out_counts`): read neither by the fit nor by the probes, so still held out."""
     token_level = task in act.TOKEN_TASKS
-    counts = docs or (config.max_docs, config.max_docs)
-    splits = {s: _docs(task, s, n, config.seed, config.fit_read if s == "train" else None)
-              for s, n in zip(("train", "test"), counts)}
-    tag_ids, class_names = act.label_ids(splits["train"][0], token_level, config.max_classes)
+    n_train, n_test = docs or (config.max_docs, config.max_docs)
+    train_set, picked = _docs(task, "train", n_train + (n_test if top_up else 0), config.seed, config.fit_read)
+    test_set, test_picked = _docs(task, "test", n_test, config.seed)
+    more = picked[n_train:n_train + n_test - len(test_picked)] if top_up else []
+    units = {"train": [(train_set, i) for i in picked[:n_train]],
+             "test": [(test_set, i) for i in test_picked] + [(train_set, i) for i in more]}
+    tag_ids, class_names = act.label_ids(train_set, token_level, config.max_classes)
     probed = {}
-    for split, (full, picked) in splits.items():
-        batches = act.task_batches(tok, [full.texts[i] for i in picked],
-                                   [act.label_of(full, i, token_level) for i in picked], token_level=token_level,
+    for split, chosen in units.items():
+        batches = act.task_batches(tok, [full.texts[i] for full, i in chosen],
+                                   [act.label_of(full, i, token_level) for full, i in chosen], token_level=token_level,
                                    tag_ids=tag_ids, batch_size=config.batch_size, max_length=config.max_length)
         probed[split] = act.collect(lens, site, dict(readers), _bar(batches, f"{task} {split}", config.progress))
     return probed["train"], probed["test"], class_names
+
+
+def held_out_counts(task: str, n_train: int, n_test: int, fitted: int) -> tuple[int, int]:
+    """(test-split documents, train-split documents) that `capture_task(..., top_up=True)` scores on:
+    the test split's first, then train-split documents past the fit's `fitted` and the probes' `n_train`."""
+    from conceptlens import data
+
+    from_test = min(n_test, len(data.load(task, "test")))
+    return from_test, max(0, min(n_test - from_test, len(data.load(task, "train")) - fitted - n_train))
 
 
 def _probing(lens: AttachedModel, tok: Any, site: str, encoders: Mapping[str, act.ConceptEncoder], sets: Mapping[str, ConceptSet],

@@ -56,3 +56,31 @@ def test_probe_train_documents_pass_over_those_a_fit_read():
     assert suite._docs("bbc-news", "train", 10, 0, ("movie-polarity", 7, fitted))[1] == ahead[:10]  # another set's fit
     with pytest.raises(ValueError, match="all read by the fit"):
         suite._docs("bbc-news", "train", 10, 7, ("bbc-news", 7, len(full)))
+
+
+def test_top_up_scores_on_train_articles_neither_the_fit_nor_the_probes_read(monkeypatch):
+    from conceptlens import data
+    from conceptlens.evaluate import activations as act
+
+    seen: dict[str, tuple[list, list]] = {}
+    monkeypatch.setattr(act, "task_batches", lambda tok, texts, labels, **kw: [(texts, labels)])
+    monkeypatch.setattr(act, "collect", lambda lens, site, readers, batches: next(iter(batches)))
+    train, test = data.load("bbc-news", "train"), data.load("bbc-news", "test")
+    config = suite.SuiteConfig(seed=7, fit_read=("bbc-news", 7, 320), progress=False)
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(7)).tolist()
+    test_order = torch.randperm(len(test), generator=torch.Generator().manual_seed(7)).tolist()
+    label = lambda full, i: full.label_names.index(full.labels[i])
+
+    got_train, got_test, names = suite.capture_task(None, None, "s", {}, "bbc-news", config, docs=(240, 1000),
+                                                    top_up=True)
+    assert got_train == ([train.texts[i] for i in order[320:560]], [label(train, i) for i in order[320:560]])
+    more = order[560:560 + 1000 - len(test)]  # after the fit's 320 and the probes' 240
+    assert got_test == ([test.texts[i] for i in test_order] + [train.texts[i] for i in more],
+                        [label(test, i) for i in test_order] + [label(train, i) for i in more])
+    assert names == list(train.label_names) == list(test.label_names)
+    assert suite.held_out_counts("bbc-news", 240, 1000, 320) == (len(test), 1000 - len(test))
+    assert suite.held_out_counts("bbc-news", 240, 1000, len(train) - 250) == (len(test), 10)  # all that is left
+    assert suite.held_out_counts("bbc-news", 240, 100, 320) == (100, 0)
+
+    plain = suite.capture_task(None, None, "s", {}, "bbc-news", config, docs=(240, 1000))[1]  # the split alone
+    assert plain == ([test.texts[i] for i in test_order], [label(test, i) for i in test_order])

@@ -2,7 +2,7 @@
 
     HF_HUB_OFFLINE=1 python benchmarks/demo_defaults.py [--seeds 0 1 2] [--folds 3] [--fold-docs 240]
         [--lengths 64 128] [--sites blocks.10.resid_out blocks.20.resid_out] [--variant kmeans:spherical=true]
-        [--json out.json]
+        [--train-docs 0 240] [--json out.json]
         [--table-only out.json]
 
 Per seed (the demo's --seed: the fit's shuffle, every extractor's init, the controls' draws), one
@@ -15,7 +15,8 @@ Every length of `--lengths` probes the other sites' sets and the demo site's `--
 none was fitted on) are read once per site and probe length (`evaluate.readings.probe_readers`, the
 code reading, `--draws` control draws) and cut into folds; each fold in turn trains the probes (240
 articles, as the demo) and the other folds test them (`evaluate.probing.probing_lines`, one line per
-topic, the demo's protocol). Prints per candidate and topic: wins (probe above the control outside
+topic, the demo's protocol); with `--train-docs N`, each fold tests instead and the probes train on
+the first N articles of the other folds (the table's "split" column: train/test articles). Prints per candidate and topic: wins (probe above the control outside
 both 95% bootstrap intervals, `evaluate.lines.verdict`) over seeds x folds, and the mean margin
 (probe accuracy minus the control's) with a 95% t-interval over the seeds' fold means.
 """
@@ -66,7 +67,10 @@ def candidates(ks: list[int], widths: list[int], mults: list[float], counts: lis
     base = list(out)
     for variant in variants:
         method, _, option = variant.partition(":")
-        key, _, value = option.partition("=")
+        key, eq, value = option.partition("=")
+        if method not in ("topk", "deleuzian", "kmeans") or not key or not eq:
+            raise ValueError(f"--variant {variant!r}: write METHOD:KEY=VALUE with METHOD one of topk, deleuzian, "
+                             "kmeans (e.g. kmeans:spherical=true)")
         out += [Candidate(f"{c.name}_{key}-{value}", c.site, c.method,
                           c.options | {"spec": c.options.get("spec", {}) | {key: _value(value)}})
                 for c in base if c.method == method]
@@ -123,12 +127,17 @@ def subset(probed: Any, docs: torch.Tensor) -> Any:
     return Probed(probed.x[rows], {k: v[rows] for k, v in probed.z.items()}, probed.y[rows], new[probed.doc[rows]])
 
 
-def pool_documents(n: int, seeds: list[int], fitted: int, size: int) -> list[int]:
+def pool_documents(texts: list[str], seeds: list[int], fitted: int, size: int) -> list[int]:
     """`size` train-split article ids that no seed's fit reads (each seed's fit reads a prefix, at most
-    `fitted` long, of its shuffled order, as `commands.sources.source` shuffles), in seed 0's order."""
-    orders = [torch.randperm(n, generator=torch.Generator().manual_seed(s)).tolist() for s in seeds]
-    seen = {i for order in orders for i in order[:fitted]}
-    pool = [i for i in orders[0] if i not in seen][:size]
+    `fitted` long, of its shuffled order, as `commands.sources.source` shuffles), in seed 0's order;
+    none repeats a read or pooled text (bbc-news repeats some articles), so no fold tests on another's."""
+    orders = [torch.randperm(len(texts), generator=torch.Generator().manual_seed(s)).tolist() for s in seeds]
+    seen = {texts[i] for order in orders for i in order[:fitted]}
+    pool = []
+    for i in orders[0]:
+        if len(pool) < size and texts[i] not in seen:
+            seen.add(texts[i])
+            pool.append(i)
     if len(pool) < size:
         raise ValueError(f"only {len(pool)} train articles lie outside the fits; lower --folds or --fold-docs")
     return pool
@@ -171,6 +180,8 @@ def validate(probed: Any, class_names: list[str], folds: int, seed: int, n_train
 
     n = int(probed.doc.max()) + 1
     cut = torch.arange(n).chunk(folds)
+    if n_train > n - len(cut[0]):
+        raise ValueError(f"the probes cannot train on {n_train} articles: the other folds hold {n - len(cut[0])}")
     out = []
     for f, train_docs in enumerate(cut):
         test_docs = torch.cat([c for j, c in enumerate(cut) if j != f])
@@ -203,7 +214,8 @@ def run_seed(lens: Any, cands: list[Candidate], tokens: dict[tuple[str, int], tu
         probed = read(kept, sets, args.draws, seed)
         for n_train in args.train_docs:
             got = validate(probed, class_names, args.folds, seed, n_train)
-            records += [r | {"seed": seed, "length": length, "train": n_train or args.fold_docs} for r in got]
+            split = f"{n_train}/{args.fold_docs}" if n_train else f"{args.fold_docs}/{(args.folds - 1) * args.fold_docs}"
+            records += [r | {"seed": seed, "length": length, "split": split} for r in got]
         print(f"  {site} length {length}: {len(sets)} sets read and probed in {time.perf_counter() - t:.0f} s",
               flush=True)
     return records
@@ -223,13 +235,14 @@ def interval(values: list[float]) -> tuple[float, float, float]:
 
 
 def table(records: list[dict[str, Any]]) -> str:
-    """Candidates down (by site and length), topics across: `wins/runs margin [low, high]`, total wins."""
+    """Candidates down (by site, length and train/test split; "-" for records written before the split was),
+    topics across: `wins/runs margin [low, high]`, total wins."""
     topics = list(dict.fromkeys(r["topic"] for r in records))
-    keys = list(dict.fromkeys((r["set"], r["length"], r.get("train", 240)) for r in records))
-    out = [f"{'candidate':<26}{'len':>4}{'train':>8}" + "".join(f" {t:>28}" for t in topics) + f"{'wins':>9}"]
-    for name, length, train in keys:
-        mine = [r for r in records if r["set"] == name and r["length"] == length and r.get("train", 240) == train]
-        row, total = f"{name:<26}{length:>4}{str(train):>8}", 0
+    keys = list(dict.fromkeys((r["set"], r["length"], r.get("split", "-")) for r in records))
+    out = [f"{'candidate':<26}{'len':>4}{'split':>10}" + "".join(f" {t:>28}" for t in topics) + f"{'wins':>9}"]
+    for name, length, split in keys:
+        mine = [r for r in records if r["set"] == name and r["length"] == length and r.get("split", "-") == split]
+        row, total = f"{name:<26}{length:>4}{split:>10}", 0
         for topic in topics:
             cell = [r for r in mine if r["topic"] == topic]
             wins = sum(r["win"] for r in cell)
@@ -259,13 +272,13 @@ def main() -> None:
     parser.add_argument("--ks", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--widths", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--lr-mults", type=float, nargs="+", default=[1.0, 2.0])
-    parser.add_argument("--concepts", type=int, nargs="+", default=[128, 256, 512])
+    parser.add_argument("--concepts", type=int, nargs="+", default=[32, 128, 256, 512])
     parser.add_argument("--sites", nargs="*", default=["blocks.10.resid_out", "blocks.20.resid_out"],
                         help="other sites, at the demo's SAE and each --concepts count")
     parser.add_argument("--fitted", type=int, default=400,
                         help="pool articles come after this many of every seed's shuffled order (the fit reads fewer)")
-    parser.add_argument("--long-sets", nargs="*", default=["b15_topk_w2048_k8_lr2x", "b15_deleuzian_128",
-                                                           "b15_kmeans_128"],
+    parser.add_argument("--long-sets", nargs="*", default=["b15_topk_w2048_k8_lr2x", "b15_deleuzian_32",
+                                                           "b15_kmeans_32"],
                         help="sets of the demo site also probed at the later --lengths (the demo's defaults; "
                              "other sites' sets are probed at every length)")
     parser.add_argument("--variant", nargs="*", default=[], metavar="METHOD:KEY=VALUE",
@@ -280,16 +293,22 @@ def main() -> None:
     if args.table_only:
         print(table([r for path in args.table_only for r in json.loads(Path(path).read_text())]))
         return
+    if max(args.train_docs) > (args.folds - 1) * args.fold_docs:
+        parser.error(f"--train-docs {max(args.train_docs)}: the probes train on the other folds' "
+                     f"{(args.folds - 1) * args.fold_docs} articles at most")
+    try:
+        cands = candidates(args.ks, args.widths, args.lr_mults, args.concepts, args.sites, args.variant)
+    except ValueError as e:
+        parser.error(str(e))
     import conceptlens
     from conceptlens import data, models
 
     torch.set_num_threads(args.threads)
     model, tok = models.load("smollm2-135m")
     lens = conceptlens.attach(model, tok)
-    cands = candidates(args.ks, args.widths, args.lr_mults, args.concepts, args.sites, args.variant)
     cands = [c for c in cands if not args.only or c.name in args.only]
     full = data.load("bbc-news", "train")
-    pool = pool_documents(len(full), args.seeds, args.fitted, args.folds * args.fold_docs)
+    pool = pool_documents(full.texts, args.seeds, args.fitted, args.folds * args.fold_docs)
     texts, labels = [full.texts[i] for i in pool], [full.label_names.index(full.labels[i]) for i in pool]
     tokens = {}
     for site in dict.fromkeys(c.site for c in cands):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 
@@ -60,7 +61,7 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["demo", "--model", str(model), "--site", "blocks.1.resid_out", "--max-tokens", "3000",
                  "--describe-tokens", "3000", "--concepts", "8", "--width", "64", "--k", "4", "--out", str(out),
-                 "--no-progress", "--judge-model", str(model), "--probe-docs", "60", "40", "--probe-draws", "2",
+                 "--no-progress", "--judge-model", str(model), "--probe-docs", "60", "460", "--probe-draws", "2",
                  "--ce-docs", "4"])
     printed = capsys.readouterr().out
     assert code == 0
@@ -77,6 +78,9 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
     assert "base-rate entropy" in printed and "of kept tokens carry" in printed and "optimiser steps" in printed
     table = printed[printed.index("k = 5 sparse probe per topic"):printed.index("Reconstruction spliced")]
     assert "probes fitted on 60 train-split articles outside the fit" in table
+    scored = re.search(r"scored on (\d+) test-split articles and (\d+) train-split articles, none a text the fit or "
+                       r"the probes read", table)  # more than the test split's 444 (less any repeat of a read text)
+    assert scored and int(scored[1]) <= 444 and int(scored[1]) + int(scored[2]) == 460
     for topic in ("business", "entertainment", "politics", "sports", "tech"):
         assert f"  {topic} k=5 accuracy" in table
     assert sum(line.strip() == "matched random" or line.strip().startswith("matched random ")

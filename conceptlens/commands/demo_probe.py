@@ -120,12 +120,13 @@ def run_probes(lens: Any, tok: Any, sets: dict[str, Any], site: str, *, n_train:
     of the other reading (`READINGS`, on the same rows); the lines and the train rows (which the
     demo's steering baseline reuses)."""
     from conceptlens import data
-    from conceptlens.evaluate.suite import held_out_counts
+    from conceptlens.evaluate.suite import held_out
 
     skip, where = probe_skip(fitted, n_train, len(data.load(TASK, "train")))
-    from_test, from_train = held_out_counts(TASK, n_train, n_test, skip)
+    _, test, from_test = held_out(TASK, n_train, n_test, seed, (TASK, seed, skip), top_up=True)
     scored = f"{from_test} test-split articles" + (
-        f" and {from_train} train-split articles neither the fit nor the probes read" if from_train else "")
+        f" and {len(test) - from_test} train-split articles" if len(test) > from_test else "") + (
+        ", none a text the fit or the probes read")
     print(f"\nk = {k} sparse probe per topic (SAEBench's protocol) on held-out documents: concepts chosen and "
           f"probes fitted on {n_train} train-split articles{where}, scored on {scored} (first "
           f"{max_length} tokens each, mean-pooled, balanced one-vs-rest); control: as many random directions as "

@@ -32,7 +32,8 @@ class DeleuzianConfig:
     batch_size: int = 2048
     """Tokens per block; each block gives as many differences, one k-means step."""
     skew_weighting: bool = True
-    """Weight each difference by 1/|skewness|; False weights all equally (ablation)."""
+    """Weight each difference by 1/|skewness| (the paper's); False weights all equally, which the demo
+    uses over document means, where the skewed differences are the topics (EVALUATION.md "Demo defaults")."""
     reseed_after: float | None = 50.0
     """Dead-centroid reseeding of the inner StreamingKMeans (see KMeansConfig)."""
     seed: int = 0

@@ -119,19 +119,51 @@ def run_parts(lens: AttachedModel, tok: Any, sets: Mapping[str, ConceptSet], con
                 yield f"{part} {task}", _probing(lens, tok, site, encoders, sets, task, part, config)
 
 
+def _read_ids(n: int, fit_read: tuple[str, int | None, int] | None, task: str) -> set[int]:
+    """Ids of the `task` train documents a fit read (`SuiteConfig.fit_read`): its first `documents` in its shuffle."""
+    if fit_read is None or fit_read[0] != task:
+        return set()
+    _, shuffle, documents = fit_read
+    return set(range(min(documents, n)) if shuffle is None else act.pick(n, documents, shuffle))
+
+
 def _docs(task: str, split: str, n: int, seed: int, fit_read: tuple[str, int | None, int] | None = None) -> Any:
     """The split and n of its document ids in a seeded order, leaving out those a fit read (`SuiteConfig.fit_read`)."""
     from conceptlens import data
 
     full = data.load(task, split)
-    if fit_read is None or fit_read[0] != task:
-        return full, act.pick(len(full), n, seed)
-    _, shuffle, documents = fit_read
-    read = set(range(documents) if shuffle is None else act.pick(len(full), documents, shuffle))
+    return full, _unread(full, n, seed, _read_ids(len(full), fit_read, task))
+
+
+def _unread(full: Any, n: int, seed: int, read: set[int]) -> list[int]:
+    if not read:
+        return act.pick(len(full), n, seed)
     picked = [i for i in act.pick(len(full), len(full), seed) if i not in read][:n]
     if not picked:
-        raise ValueError(f"{task} {split} holds {len(full)} documents, all read by the fit")
-    return full, picked
+        raise ValueError(f"{full.name} {full.split} holds {len(full)} documents, all read by the fit")
+    return picked
+
+
+def held_out(task: str, n_train: int, n_test: int, seed: int, fit_read: tuple[str, int | None, int] | None = None,
+             top_up: bool = False) -> tuple[list[tuple[Any, int]], list[tuple[Any, int]], int]:
+    """(train, test) documents as (set, id) for probing `task`, and how many of the test ones the test
+    split gave. Train: `n_train` train-split documents the fit did not read (`_docs`). Test: up to
+    `n_test` test-split documents in a seeded order, then with `top_up` train-split documents after the
+    probes'; a document whose text the fit or the probes read, or that is already scored, is passed
+    over (bbc-news repeats some articles within and across its splits), so each is held out."""
+    from conceptlens import data
+
+    train_set, test_set = data.load(task, "train"), data.load(task, "test")
+    read = _read_ids(len(train_set), fit_read, task)
+    picked, test_order = _unread(train_set, len(train_set), seed, read), act.pick(len(test_set), len(test_set), seed)
+    seen = {train_set.texts[i] for i in read} | {train_set.texts[i] for i in picked[:n_train]}
+    test: list[tuple[Any, int]] = []
+    for full, ids in ((test_set, test_order), (train_set, picked[n_train:] if top_up else [])):
+        for i in ids:
+            if len(test) < n_test and full.texts[i] not in seen:
+                seen.add(full.texts[i])
+                test.append((full, i))
+    return [(train_set, i) for i in picked[:n_train]], test, sum(full is test_set for full, _ in test)
 
 
 def _reconstruction(lens: AttachedModel, tok: Any, site: str, decoders: Mapping[str, act.ConceptEncoder],
@@ -163,15 +195,14 @@ def capture_task(lens: AttachedModel, tok: Any, site: str, readers: Mapping[str,
     document (or per labelled token), and the class names. `docs`: documents drawn from each split
     (default `config.max_docs` each); train documents a fit read (`config.fit_read`) are passed over.
     With `top_up`, test documents past the test split's own are train-split documents after the
-    probes' (`held_out_counts`): read neither by the fit nor by the probes, so still held out."""
+    probes'; none is a text the fit or the probes read (`held_out`)."""
+    from conceptlens import data
+
     token_level = task in act.TOKEN_TASKS
     n_train, n_test = docs or (config.max_docs, config.max_docs)
-    train_set, picked = _docs(task, "train", n_train + (n_test if top_up else 0), config.seed, config.fit_read)
-    test_set, test_picked = _docs(task, "test", n_test, config.seed)
-    more = picked[n_train:n_train + n_test - len(test_picked)] if top_up else []
-    units = {"train": [(train_set, i) for i in picked[:n_train]],
-             "test": [(test_set, i) for i in test_picked] + [(train_set, i) for i in more]}
-    tag_ids, class_names = act.label_ids(train_set, token_level, config.max_classes)
+    train, test, _ = held_out(task, n_train, n_test, config.seed, config.fit_read, top_up)
+    units = {"train": train, "test": test}
+    tag_ids, class_names = act.label_ids(data.load(task, "train"), token_level, config.max_classes)
     probed = {}
     for split, chosen in units.items():
         batches = act.task_batches(tok, [full.texts[i] for full, i in chosen],
@@ -179,15 +210,6 @@ def capture_task(lens: AttachedModel, tok: Any, site: str, readers: Mapping[str,
                                    tag_ids=tag_ids, batch_size=config.batch_size, max_length=config.max_length)
         probed[split] = act.collect(lens, site, dict(readers), _bar(batches, f"{task} {split}", config.progress))
     return probed["train"], probed["test"], class_names
-
-
-def held_out_counts(task: str, n_train: int, n_test: int, fitted: int) -> tuple[int, int]:
-    """(test-split documents, train-split documents) that `capture_task(..., top_up=True)` scores on:
-    the test split's first, then train-split documents past the fit's `fitted` and the probes' `n_train`."""
-    from conceptlens import data
-
-    from_test = min(n_test, len(data.load(task, "test")))
-    return from_test, max(0, min(n_test - from_test, len(data.load(task, "train")) - fitted - n_train))
 
 
 def _probing(lens: AttachedModel, tok: Any, site: str, encoders: Mapping[str, act.ConceptEncoder], sets: Mapping[str, ConceptSet],

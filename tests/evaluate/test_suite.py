@@ -62,7 +62,6 @@ def test_top_up_scores_on_train_articles_neither_the_fit_nor_the_probes_read(mon
     from conceptlens import data
     from conceptlens.evaluate import activations as act
 
-    seen: dict[str, tuple[list, list]] = {}
     monkeypatch.setattr(act, "task_batches", lambda tok, texts, labels, **kw: [(texts, labels)])
     monkeypatch.setattr(act, "collect", lambda lens, site, readers, batches: next(iter(batches)))
     train, test = data.load("bbc-news", "train"), data.load("bbc-news", "test")
@@ -74,13 +73,22 @@ def test_top_up_scores_on_train_articles_neither_the_fit_nor_the_probes_read(mon
     got_train, got_test, names = suite.capture_task(None, None, "s", {}, "bbc-news", config, docs=(240, 1000),
                                                     top_up=True)
     assert got_train == ([train.texts[i] for i in order[320:560]], [label(train, i) for i in order[320:560]])
-    more = order[560:560 + 1000 - len(test)]  # after the fit's 320 and the probes' 240
-    assert got_test == ([test.texts[i] for i in test_order] + [train.texts[i] for i in more],
-                        [label(test, i) for i in test_order] + [label(train, i) for i in more])
-    assert names == list(train.label_names) == list(test.label_names)
-    assert suite.held_out_counts("bbc-news", 240, 1000, 320) == (len(test), 1000 - len(test))
-    assert suite.held_out_counts("bbc-news", 240, 1000, len(train) - 250) == (len(test), 10)  # all that is left
-    assert suite.held_out_counts("bbc-news", 240, 100, 320) == (100, 0)
+    seen = {train.texts[i] for i in order[:560]}  # the fit's 320 and the probes' 240
+    scored = []
+    for full, i in [(test, i) for i in test_order] + [(train, i) for i in order[560:]]:
+        if full.texts[i] not in seen and len(scored) < 1000:
+            seen.add(full.texts[i])
+            scored.append((full, i))
+    assert 900 < len(scored) == 1000 and len(scored) < len(test) + len(order) - 560  # some repeats passed over
+    assert got_test == ([full.texts[i] for full, i in scored], [label(full, i) for full, i in scored])
+    assert not set(got_test[0]) & {train.texts[i] for i in order[:560]} and len(set(got_test[0])) == 1000
+    from_test = sum(full is test for full, _ in scored)
+    assert from_test < len(test)  # bbc-news's test split repeats train articles
+    assert suite.held_out("bbc-news", 240, 1000, 7, ("bbc-news", 7, 320), top_up=True)[2] == from_test
+    left = suite.held_out("bbc-news", 240, 10_000, 7, ("bbc-news", 7, 320), top_up=True)[1]  # all that is left
+    assert len(left) == len(({train.texts[i] for i in order[560:]} | {test.texts[i] for i in test_order})
+                            - {train.texts[i] for i in order[:560]})
+    assert len(suite.held_out("bbc-news", 240, 100, 7, ("bbc-news", 7, 320), top_up=True)[1]) == 100
 
     plain = suite.capture_task(None, None, "s", {}, "bbc-news", config, docs=(240, 1000))[1]  # the split alone
-    assert plain == ([test.texts[i] for i in test_order], [label(test, i) for i in test_order])
+    assert plain == ([full.texts[i] for full, i in scored[:from_test]], [label(test, i) for _, i in scored[:from_test]])

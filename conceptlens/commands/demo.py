@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=positive_int, default=SHORT_FIT_K, help="TopK SAE active latents per token")
     parser.add_argument("--probe-docs", type=positive_int, nargs=2, default=[240, 1000], metavar=("TRAIN", "TEST"),
                         help="bbc-news articles of the k-sparse probe table: train (train split, after the fit's) "
-                             "and held-out test (the test split's 444, then train-split articles after the probes')")
+                             "and held-out test (the test split's, then train-split articles after the probes'; none "
+                             "repeats a text the fit or the probes read)")
     parser.add_argument("--probe-length", type=positive_int, default=64, help="tokens per probed article")
     parser.add_argument("--probe-draws", type=positive_int, default=5, help="draws of the matched random control")
     parser.add_argument("--probe-read", choices=READINGS, default="code",

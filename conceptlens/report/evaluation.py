@@ -97,10 +97,11 @@ HEAD = ["metric", "value [95% CI]", "matched control [95% CI]", "other baselines
 
 
 def _est(e: Estimate) -> str:
-    """A figure as HTML: the value, then its 95% interval (when it has one) in a smaller span."""
+    """A figure as HTML: the value, then its 95% interval (when it has one) in a smaller span; four
+    decimals, as `conceptlens eval` prints it, so a column's figures line up and compare digit by digit."""
     if math.isnan(e.value):
         return ""
-    return num(e.value) + ("" if math.isnan(e.low) else f' <span class="ci">[{num(e.low)}, {num(e.high)}]</span>')
+    return f"{e.value:.4f}" + ("" if math.isnan(e.low) else f' <span class="ci">[{e.low:.4f}, {e.high:.4f}]</span>')
 
 
 def _cells(ln: Line) -> tuple[str, ...]:

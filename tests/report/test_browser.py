@@ -128,7 +128,8 @@ def test_suite_table_and_a_concepts_scores_as_a_user_sees_them(browser, suite_re
             for tr in browser.find_elements(By.CSS_SELECTOR, "table.suite tbody tr")]
     assert len(rows) == 8  # per set: three probe lines and FVU; concept 1's own score is not an index row
     k1 = next(r for r in rows if r[:2] == ["topk", "toy k=1 accuracy"])
-    assert k1[2:6] == ["0.91 [0.88, 0.94]", "random 12 dirs\n0.7 [0.65, 0.75]", "diff-of-means 0.8 [0.78, 0.83]", "wins"]
+    assert k1[2:6] == ["0.9100 [0.8800, 0.9400]", "random 12 dirs\n0.7000 [0.6500, 0.7500]",
+                       "diff-of-means 0.8000 [0.7800, 0.8300]", "wins"]
     colours = dict(browser.execute_script(VERDICT_COLOURS))
     assert colours["wins"] == "rgb(10, 125, 50)" and colours["loses"] == "rgb(179, 38, 30)"  # green, red
     peers = [tr.text for tr in browser.find_elements(By.CSS_SELECTOR, "table.peers tbody tr")]
@@ -138,8 +139,8 @@ def test_suite_table_and_a_concepts_scores_as_a_user_sees_them(browser, suite_re
     browser.get((suite_report / "concepts" / "topk" / "1.html").as_uri())
     assert _errors(browser) == [] and browser.execute_script(EVERY_FIGURE_HAS_A_LEGEND) == 0
     (row,) = [tr.text for tr in browser.find_elements(By.CSS_SELECTOR, "table.suite tbody tr")]
-    assert row.split("\n") == ["probing toy toy sport: accuracy of this concept alone 0.66 [0.61, 0.7] random 12 dirs, best 1",
-                               "0.55 [0.5, 0.6] diff-of-means 0.8 [0.78, 0.83] wins rank 1"]
+    assert row.split("\n") == ["probing toy toy sport: accuracy of this concept alone 0.6600 [0.6100, 0.7000] random 12 dirs, best 1",
+                               "0.5500 [0.5000, 0.6000] diff-of-means 0.8000 [0.7800, 0.8300] wins rank 1"]
     browser.execute_script("document.querySelector('table.suite').scrollIntoView()")
     _shot(browser, "report_suite_concept.png")
     browser.get((suite_report / "concepts" / "topk" / "2.html").as_uri())

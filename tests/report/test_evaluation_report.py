@@ -129,7 +129,7 @@ def test_the_index_shows_the_suites_table_with_baselines_intervals_and_verdicts(
 def _shown(ln: Line) -> list[str]:
     """What a suite row shows for `ln`: value [interval], matched control, other baselines, verdict, note."""
     def est(e):
-        return f"{e.value:.4g}" + ("" if math.isnan(e.low) else f" [{e.low:.4g}, {e.high:.4g}]")
+        return f"{e.value:.4f}" + ("" if math.isnan(e.low) else f" [{e.low:.4f}, {e.high:.4f}]")
     verdict = {0.91: "wins", 0.72: "overlaps", 0.5: "loses", 0.25: "", 0.66: "wins"}[ln.value.value]  # by hand
     return [est(ln.value), f"{ln.baselines[0][0]} {est(ln.baselines[0][1])}",
             " ".join(f"{name} {est(e)}" for name, e in ln.baselines[1:]), verdict, ln.note]
@@ -141,8 +141,8 @@ def test_a_concept_page_shows_its_own_scores_next_to_their_controls(run):
     (line,) = [ln for _, ln in fake_lines({"topk": 12}) if ln.concept == 1]
     assert page.tables["suite"] == [["part", "metric", "value [95% CI]", "matched control [95% CI]",
                                      "other baselines [95% CI]", "vs control", "note"],
-                                    ["probing toy", line.metric, "0.66 [0.61, 0.7]", "random 12 dirs, best 1 0.55 [0.5, 0.6]",
-                                     "diff-of-means 0.8 [0.78, 0.83]", "wins", "rank 1"]]
+                                    ["probing toy", line.metric, "0.6600 [0.6100, 0.7000]", "random 12 dirs, best 1 0.5500 [0.5000, 0.6000]",
+                                     "diff-of-means 0.8000 [0.7800, 0.8300]", "wins", "rank 1"]]
     other = (run / "report" / "concepts" / "topk" / "2.html").read_text()
     assert "suite" not in parse(run / "report" / "concepts" / "topk" / "2.html").tables
     assert "scored alone only the 5 concepts of topk with the largest mean difference" in other

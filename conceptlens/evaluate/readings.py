@@ -10,7 +10,11 @@ unit directions of the site as the set has concepts (`random_directions`, seeds 
 - "activation": the suite's definition (`activations.concept_encoder`: an SAE's code, a VQ
   codebook's one-hot code, the cosine to the centred direction for dense sets); the control by
   the cosine to the random directions centred on the set's mean, or by the projection when the
-  set carries no mean (SAEs).
+  set carries no mean (SAEs). Centred as the set's directions are (`ConceptSet.centred`): a set of
+  differences (Deleuzian, random) has its directions' component along the mean taken out, and so
+  has its control's; points near the mean (k-means, VQ) become `c - mean`, arbitrary directions,
+  matched by random directions as drawn. A set of random directions is thus read exactly as its
+  own control would be.
 - "code": every set by its nonlinear code, the control through the same nonlinearity: an SAE's
   code (SAEBench's reading: mean-pooled latent activations) against a random encoder of the same
   width, k and decoder bias (TopK: `topk_relu((x - b_dec) @ R.T, k)`; an SAE without k, such as
@@ -32,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.concepts.conceptset import DIFFERENCE_METHODS, ConceptSet
 from conceptlens.evaluate.activations import TokenColumns
 
 READINGS = ("activation", "code")
@@ -97,8 +101,9 @@ def control_reader(cs: ConceptSet, seed: int, reading: str = "activation", direc
         return lambda x: topk_relu((x.float() - b_dec) @ directions.T, min(int(k), n))
     if cs.mean is None:
         linear: Reader = lambda x: x.float() @ directions.T
-    else:
-        randoms = ConceptSet(directions, cs.site, method="random", mean=cs.mean, config={"centred": True})
+    else:  # centred as the set's directions are: "random" is a difference method, so unflagged its mean goes
+        flag = {} if _differences(cs) else {"centred": True}
+        randoms = ConceptSet(directions, cs.site, method="random", mean=cs.mean, config=flag)
         linear = concept_encoder(randoms).encode
     if reading == "code":
         return lambda x: F.one_hot(linear(x).argmax(1), n).float()
@@ -148,7 +153,13 @@ def reader_key(cs: ConceptSet, reading: str, *, name: str | None = None, seed: i
         k = cs.config.get("k")
         return ("random encoder", len(cs), cs.d, seed, None if k is None else min(int(k), len(cs)),
                 held(cs.encoder["b_dec"]))
-    return ("random directions", reading, len(cs), cs.d, seed, held(cs.mean))
+    return ("random directions", reading, len(cs), cs.d, seed, held(cs.mean), _differences(cs))
+
+
+def _differences(cs: ConceptSet) -> bool:
+    """Whether `cs`'s directions are differences of activations, centred by taking out their component
+    along the mean (`ConceptSet.centred`): its control's directions are centred so too."""
+    return cs.method in DIFFERENCE_METHODS
 
 
 def column_blocks(z: Mapping[str, Tensor], name: str) -> Iterable[Tensor]:

@@ -94,6 +94,29 @@ def test_activation_control_is_read_as_the_set_is():
     torch.testing.assert_close(control_reader(plain, 7)(x), x @ r.T)
 
 
+def test_a_set_of_random_directions_is_read_exactly_as_its_control():
+    """A difference set's directions lose their component along the mean when centred, and so do its
+    control's: a set of the control's own random directions reads as the control does, however large
+    the mean (one massive coordinate here, as on Gemma-3); a k-means set's control keeps its directions."""
+    g = torch.Generator().manual_seed(0)
+    mean = torch.randn(16, generator=g)
+    mean[3] = 300.0
+    x = mean + 3 * torch.randn(50, 16, generator=g)
+    x[:, 3] += 40 * torch.randn(50, generator=g)  # the massive coordinate also varies most
+    r = random_directions(6, 16, 7)
+    for method in ("random", "deleuzian"):
+        cs = ConceptSet(r, "s", method=method, mean=mean)
+        for reading in ("activation", "code"):
+            torch.testing.assert_close(control_reader(cs, 7, reading)(x), set_reader(cs, reading)(x))
+    m = F.normalize(mean, dim=0)
+    by_hand = F.normalize(x - mean, dim=1) @ F.normalize(r - (r @ m)[:, None] * m, dim=1).T
+    torch.testing.assert_close(control_reader(ConceptSet(r, "s", method="deleuzian", mean=mean), 7)(x), by_hand)
+    kmeans = ConceptSet(torch.randn(6, 16, generator=g) + mean, "s", method="kmeans", mean=mean)
+    torch.testing.assert_close(control_reader(kmeans, 7)(x), F.normalize(x - mean, dim=1) @ r.T)
+    readers = probe_readers({"d": ConceptSet(r, "s", method="deleuzian", mean=mean), "k": kmeans}, draws=1)
+    assert readers[column("d", "activation", 0)] is not readers[column("k", "activation", 0)]  # centred apart
+
+
 def test_code_reading_assigns_dense_sets_their_nearest_centre_and_the_control_its_largest_cosine():
     g = torch.Generator().manual_seed(0)
     x, mean = torch.randn(60, 16, generator=g), torch.randn(16, generator=g)

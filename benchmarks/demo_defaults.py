@@ -314,12 +314,14 @@ def main() -> None:
     for site in dict.fromkeys(c.site for c in cands):
         for length in args.lengths:
             t = time.perf_counter()
-            path = Path(args.cache or ".") / f"{site}-{length}-{args.folds * args.fold_docs}-{'-'.join(map(str, args.seeds))}.pt"
+            key = f"{site}-{length}-{args.folds * args.fold_docs}-{'-'.join(map(str, args.seeds))}-after{args.fitted}"
+            path = Path(args.cache or ".") / f"{key}.pt"  # every input of the pool and its rows
             if args.cache and path.is_file():
                 tokens[site, length] = torch.load(path)
             else:
                 tokens[site, length] = site_tokens(lens, tok, site, texts, labels, length)
                 if args.cache:
+                    path.parent.mkdir(parents=True, exist_ok=True)
                     torch.save(tokens[site, length], path)
             print(f"{len(pool)} pool articles at {site}, {length} tokens each: {time.perf_counter() - t:.0f} s",
                   flush=True)

@@ -47,17 +47,17 @@ class Candidate(NamedTuple):
 
 
 def candidates(ks: list[int], widths: list[int], mults: list[float], counts: list[int],
-               sites: list[str], variants: list[str] = ()) -> list[Candidate]:
-    """The demo site's grid, then the demo's SAE and the dense sets at each count at each other site; then each
+               sites: list[str], variants: list[str] = (), demo_site: str = DEMO_SITE) -> list[Candidate]:
+    """The demo site's (`demo_site`'s) grid, then the demo's SAE and the dense sets at each count at each other site; then each
     `variants` entry "method:key=value" (value read as JSON, else a string) as a copy of that method's candidates."""
     from conceptlens.commands.demo import SAE_LR_MULTIPLE, SHORT_FIT_K, SHORT_FIT_WIDTH
 
     def block(site: str) -> str:
         return "b" + site.split(".")[1]
 
-    out = [Candidate(f"{block(DEMO_SITE)}_topk_w{w}_k{k}_lr{m:g}x", DEMO_SITE, "topk",
+    out = [Candidate(f"{block(demo_site)}_topk_w{w}_k{k}_lr{m:g}x", demo_site, "topk",
                      {"width": w, "k": k, "lr_mult": m}) for w in widths for k in ks for m in mults]
-    out += [Candidate(f"{block(DEMO_SITE)}_{method}_{n}", DEMO_SITE, method, {"concepts": n})
+    out += [Candidate(f"{block(demo_site)}_{method}_{n}", demo_site, method, {"concepts": n})
             for method in ("deleuzian", "kmeans") for n in counts]
     for site in sites:
         out += [Candidate(f"{block(site)}_topk_w{SHORT_FIT_WIDTH}_k{SHORT_FIT_K}_lr{SAE_LR_MULTIPLE:g}x", site, "topk",
@@ -97,7 +97,8 @@ def demo_args(site: str, seed: int, max_tokens: int, **flags: Any) -> argparse.N
     return parser.parse_args(argv)
 
 
-def fit_plan(cands: list[Candidate], seed: int, max_tokens: int) -> dict[str, dict[str, Any]]:
+def fit_plan(cands: list[Candidate], seed: int, max_tokens: int,
+             model: str = "smollm2-135m") -> dict[str, dict[str, Any]]:
     """{site: {name: extractor}}: each candidate built from the demo's own run config (its SAE lr from
     `budget_lrs`, times lr_mult), renamed after the candidate."""
     from conceptlens.commands import demo
@@ -106,13 +107,13 @@ def fit_plan(cands: list[Candidate], seed: int, max_tokens: int) -> dict[str, di
     specs = []
     for c in cands:
         flags = {k: v for k, v in c.options.items() if k not in ("lr_mult", "spec")}
-        cfg = demo.run_config(demo_args(c.site, seed, max_tokens, **flags))
+        cfg = demo.run_config(demo_args(c.site, seed, max_tokens, model=model, **flags))
         spec = dict(next(s for s in cfg.extractors if s["method"] == c.method))
         if "lr_mult" in c.options:  # a multiple of `short_budget_lr`, not of the demo's own multiple of it
             spec["lr"] *= c.options["lr_mult"] / demo.SAE_LR_MULTIPLE
         specs.append(spec | c.options.get("spec", {}) | {"name": c.name, "site": c.site})
     sites = sorted({c.site for c in cands})
-    cfg = rc.from_dict({"model": "smollm2-135m", "data": "bbc-news:train", "sites": sites, "shuffle": seed,
+    cfg = rc.from_dict({"model": model, "data": "bbc-news:train", "sites": sites, "shuffle": seed,
                         "extractor": specs})
     return rc.build(cfg)
 
@@ -200,7 +201,7 @@ def run_seed(lens: Any, cands: list[Candidate], tokens: dict[tuple[str, int], tu
     from conceptlens.commands.sources import source
 
     t = time.perf_counter()
-    report = lens.fit(fit_plan(cands, seed, args.max_tokens), source("bbc-news:train", seed),
+    report = lens.fit(fit_plan(cands, seed, args.max_tokens, args.model), source("bbc-news:train", seed),
                       max_tokens=args.max_tokens, progress=False)
     if report.documents > args.fitted:
         raise ValueError(f"the fit read {report.documents} documents, more than --fitted {args.fitted}: raise it")
@@ -210,12 +211,12 @@ def run_seed(lens: Any, cands: list[Candidate], tokens: dict[tuple[str, int], tu
     for (site, length), kept in tokens.items():
         t = time.perf_counter()
         sets = {c.name: report.concepts[c.name] for c in cands
-                if c.site == site and (length == args.lengths[0] or c.name in args.long_sets or site != DEMO_SITE)}
+                if c.site == site and (length == args.lengths[0] or c.name in args.long_sets or site != args.site)}
         probed = read(kept, sets, args.draws, seed)
         for n_train in args.train_docs:
             got = validate(probed, class_names, args.folds, seed, n_train)
             split = f"{n_train}/{args.fold_docs}" if n_train else f"{args.fold_docs}/{(args.folds - 1) * args.fold_docs}"
-            records += [r | {"seed": seed, "length": length, "split": split} for r in got]
+            records += [r | {"seed": seed, "length": length, "split": split, "model": args.model} for r in got]
         print(f"  {site} length {length}: {len(sets)} sets read and probed in {time.perf_counter() - t:.0f} s",
               flush=True)
     return records
@@ -235,14 +236,19 @@ def interval(values: list[float]) -> tuple[float, float, float]:
 
 
 def table(records: list[dict[str, Any]]) -> str:
-    """Candidates down (by site, length and train/test split; "-" for records written before the split was),
-    topics across: `wins/runs margin [low, high]`, total wins."""
+    """Candidates down (by model, site, length and train/test split; "-" for records written before the split
+    was), topics across: `wins/runs margin [low, high]`, total wins. A candidate of a model other than the
+    first records' is named `model:set` (records before `--model` are SmolLM2's)."""
     topics = list(dict.fromkeys(r["topic"] for r in records))
-    keys = list(dict.fromkeys((r["set"], r["length"], r.get("split", "-")) for r in records))
+    model = lambda r: r.get("model", "smollm2-135m")
+    first = model(records[0]) if records else ""
+    keys = list(dict.fromkeys((model(r), r["set"], r["length"], r.get("split", "-")) for r in records))
     out = [f"{'candidate':<26}{'len':>4}{'split':>10}" + "".join(f" {t:>28}" for t in topics) + f"{'wins':>9}"]
-    for name, length, split in keys:
-        mine = [r for r in records if r["set"] == name and r["length"] == length and r.get("split", "-") == split]
-        row, total = f"{name:<26}{length:>4}{split:>10}", 0
+    for m, name, length, split in keys:
+        mine = [r for r in records if model(r) == m and r["set"] == name and r["length"] == length
+                and r.get("split", "-") == split]
+        shown = name if m == first else f"{Path(m).name}:{name}"
+        row, total = f"{shown:<26}{length:>4}{split:>10}", 0
         for topic in topics:
             cell = [r for r in mine if r["topic"] == topic]
             wins = sum(r["win"] for r in cell)
@@ -273,6 +279,9 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--lr-mults", type=float, nargs="+", default=[1.0, 2.0])
     parser.add_argument("--concepts", type=int, nargs="+", default=[32, 128, 256, 512])
+    parser.add_argument("--model", default="smollm2-135m", help="the model (a registered name or a file)")
+    parser.add_argument("--site", default=DEMO_SITE, help="the demo site: the grid of --ks, --widths, --lr-mults "
+                                                          "and --concepts is fitted here")
     parser.add_argument("--sites", nargs="*", default=["blocks.10.resid_out", "blocks.20.resid_out"],
                         help="other sites, at the demo's SAE and each --concepts count")
     parser.add_argument("--fitted", type=int, default=400,
@@ -297,14 +306,14 @@ def main() -> None:
         parser.error(f"--train-docs {max(args.train_docs)}: the probes train on the other folds' "
                      f"{(args.folds - 1) * args.fold_docs} articles at most")
     try:
-        cands = candidates(args.ks, args.widths, args.lr_mults, args.concepts, args.sites, args.variant)
+        cands = candidates(args.ks, args.widths, args.lr_mults, args.concepts, args.sites, args.variant, args.site)
     except ValueError as e:
         parser.error(str(e))
     import conceptlens
     from conceptlens import data, models
 
     torch.set_num_threads(args.threads)
-    model, tok = models.load("smollm2-135m")
+    model, tok = models.load(args.model)
     lens = conceptlens.attach(model, tok)
     cands = [c for c in cands if not args.only or c.name in args.only]
     full = data.load("bbc-news", "train")
@@ -314,7 +323,8 @@ def main() -> None:
     for site in dict.fromkeys(c.site for c in cands):
         for length in args.lengths:
             t = time.perf_counter()
-            key = f"{site}-{length}-{args.folds * args.fold_docs}-{'-'.join(map(str, args.seeds))}-after{args.fitted}"
+            key = (f"{Path(args.model).name}-{site}-{length}-{args.folds * args.fold_docs}-"
+                   f"{'-'.join(map(str, args.seeds))}-after{args.fitted}")
             path = Path(args.cache or ".") / f"{key}.pt"  # every input of the pool and its rows
             if args.cache and path.is_file():
                 tokens[site, length] = torch.load(path)

@@ -62,6 +62,22 @@ def test_the_table_keeps_train_test_splits_apart_and_marks_old_records():
     assert [ln.split()[-1] for ln in lines[1:]] == ["1/1", "0/1", "1/1"]
 
 
+def test_the_table_keeps_models_apart():
+    rec = lambda model, win: {"set": "b9_kmeans_32", "length": 64, "topic": "sport", "seed": 0, "value": 0.9,
+                              "control": 0.7, "win": win, "split": "240/480"} | ({"model": model} if model else {})
+    lines = demo_defaults.table([rec(None, True), rec("/m/gemma.gguf", False), rec("smollm2-135m", True)]).splitlines()
+    assert [(ln.split()[0], ln.split()[-1]) for ln in lines[1:]] == [("b9_kmeans_32", "2/2"),
+                                                                     ("gemma.gguf:b9_kmeans_32", "0/1")]
+
+
+def test_the_grid_sits_at_the_given_demo_site():
+    got = demo_defaults.candidates([8], [2048], [2.0], [32], ["blocks.6.resid_out"], demo_site="blocks.9.resid_out")
+    assert [(c.name, c.site) for c in got] == [
+        ("b9_topk_w2048_k8_lr2x", "blocks.9.resid_out"), ("b9_deleuzian_32", "blocks.9.resid_out"),
+        ("b9_kmeans_32", "blocks.9.resid_out"), ("b6_topk_w2048_k8_lr2x", "blocks.6.resid_out"),
+        ("b6_deleuzian_32", "blocks.6.resid_out"), ("b6_kmeans_32", "blocks.6.resid_out")]
+
+
 def test_the_pool_holds_no_article_a_fit_read_nor_any_twice():
     texts = [f"article {i % 40}" for i in range(60)]  # 20 articles repeated
     orders = [torch.randperm(60, generator=torch.Generator().manual_seed(s)).tolist() for s in (0, 1)]

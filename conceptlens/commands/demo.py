@@ -24,7 +24,9 @@ from conceptlens.evaluate.readings import READINGS
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--site", default="blocks.15.resid_out")
+    parser.add_argument("--site", default="blocks.15.resid_out",
+                        help="where every set is fitted, probed and steered (SmolLM2's block 15, chosen by validation; "
+                             "on Gemma-3-270m blocks.12.resid_out: EVALUATION.md)")
     parser.add_argument("--max-tokens", type=positive_int, default=40_000, help="tokens of the fit pass")
     parser.add_argument("--describe-tokens", type=positive_int, default=30_000, help="tokens of the description pass")
     parser.add_argument("--concepts", type=positive_int, default=DENSE_CONCEPTS, help="Deleuzian and k-means concepts")

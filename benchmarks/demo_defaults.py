@@ -48,8 +48,9 @@ class Candidate(NamedTuple):
 
 def candidates(ks: list[int], widths: list[int], mults: list[float], counts: list[int],
                sites: list[str], variants: list[str] = (), demo_site: str = DEMO_SITE) -> list[Candidate]:
-    """The demo site's (`demo_site`'s) grid, then the demo's SAE and the dense sets at each count at each other site; then each
-    `variants` entry "method:key=value" (value read as JSON, else a string) as a copy of that method's candidates."""
+    """The grid at `demo_site`, then the demo's SAE and the dense sets at each count at each other site;
+    then each `variants` entry "method:key=value" (value read as JSON, else a string) as a copy of that
+    method's candidates."""
     from conceptlens.commands.demo import SAE_LR_MULTIPLE, SHORT_FIT_K, SHORT_FIT_WIDTH
 
     def block(site: str) -> str:

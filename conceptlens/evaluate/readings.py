@@ -101,7 +101,7 @@ def control_reader(cs: ConceptSet, seed: int, reading: str = "activation", direc
         return lambda x: topk_relu((x.float() - b_dec) @ directions.T, min(int(k), n))
     if cs.mean is None:
         linear: Reader = lambda x: x.float() @ directions.T
-    else:  # centred as the set's directions are: "random" is a difference method, so unflagged its mean goes
+    else:  # centred as the set's are: unflagged, a "random" set (a difference method) loses its mean component
         flag = {} if _differences(cs) else {"centred": True}
         randoms = ConceptSet(directions, cs.site, method="random", mean=cs.mean, config=flag)
         linear = concept_encoder(randoms).encode

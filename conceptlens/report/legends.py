@@ -54,7 +54,8 @@ LEGENDS = {
                "(1 = predicting the mean; SAEs, fit's last steps). L0: active latents per token.",
     "suite": "Each figure of `conceptlens eval` on held-out text with its 95% interval, next to its baselines; the "
              "matched control comes first (random directions as many as the set has concepts, centred as the "
-             "set's directions are, or zero- and mean-ablation) and 'vs control' says wins or loses only when the two intervals do not overlap. "
+             "set's directions are, or zero- and mean-ablation) and 'vs control' says wins or loses only when "
+             "the two intervals do not overlap. "
              "k-sparse probe accuracy: logistic regression on the k latents with the largest class mean "
              "difference, balanced one-vs-rest tasks (chance 0.5); diff-of-means: the one supervised direction; "
              "full probe: all raw activations (the ceiling). Lines ending ', codes' read each set by its code (an "

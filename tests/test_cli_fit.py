@@ -278,3 +278,14 @@ def test_the_cli_fits_every_one_site_method_of_the_registry(files, tmp_path):
 
 def argv_prev(argv, i):
     return argv[i - 1] if i else None
+
+
+def test_no_progress_leaves_out_the_fit_progress_bar_only(files, tmp_path, capsys):
+    assert main(base(files, tmp_path / "a")) == 0
+    shown = capsys.readouterr()
+    assert main(base(files, tmp_path / "b", "--no-progress")) == 0
+    quiet = capsys.readouterr()
+    assert "fit:" in shown.err and "fit:" not in quiet.err  # the bar's label, written to stderr
+    def printed(out, run):  # the report, less the run folder's name and the measured speed
+        return [ln for ln in out.replace(str(run), "RUN").splitlines() if "tok/s" not in ln]
+    assert printed(quiet.out, tmp_path / "b") == printed(shown.out, tmp_path / "a")

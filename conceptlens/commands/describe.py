@@ -48,8 +48,9 @@ def steer_names(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def describe_run(lens: Any, cfg: rc.RunConfig, concept_sets: Mapping[str, Any], consumed: int, out: Path) -> dict:
-    """Describe `concept_sets` as `cfg.describe` says, into out/describe/<NAME>/."""
+def describe_run(lens: Any, cfg: rc.RunConfig, concept_sets: Mapping[str, Any], consumed: int, out: Path,
+                 progress: bool = True) -> dict:
+    """Describe `concept_sets` as `cfg.describe` says, into out/describe/<NAME>/ (`progress`: its bar)."""
     from conceptlens.checkpoint import CHECKPOINT
     from conceptlens.commands.sources import source
     from conceptlens.describe import SteeringRequest
@@ -69,7 +70,8 @@ def describe_run(lens: Any, cfg: rc.RunConfig, concept_sets: Mapping[str, Any], 
     steering = SteeringRequest(list(d.steer), prompts=prompts) if d.steer else None
     print(f"\ndescribing {', '.join(concept_sets)} on {d.max_tokens or 'all'} tokens of "
           f"{d.data or cfg.data} (documents from {skip})")
-    streaming = {**dataclasses.asdict(cfg.fit), "max_tokens": d.max_tokens}  # the fit's batches, the pass's budget
+    streaming = {**dataclasses.asdict(cfg.fit), "max_tokens": d.max_tokens,  # the fit's batches, the pass's budget
+                 "progress": progress}
     descriptions = lens.describe(dict(concept_sets), data, skip_documents=skip, top_n=d.top_n, window=tuple(d.window),
                                  out=str(out / "describe"), steering=steering, **streaming)
     for name, desc in descriptions.items():

@@ -64,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fit across the processes torchrun started (implied when WORLD_SIZE > 1): documents "
                              "sharded by rank, --batch-size per rank, rank 0 writes the run folder and describes")
     parser.add_argument("--no-describe", action="store_true", help="skip the description pass")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
     add_describe_options(parser)
 
 
@@ -168,7 +169,8 @@ def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, te
             print(line)
         for name, lr in kept.items():  # also under --no-resume: the lr is part of the run's identity
             print(f"  {name}: Adam lr {lr:.3g} as {out / 'run.toml'} records it (--overwrite chooses it again)")
-    config = FitConfig(**dataclasses.asdict(cfg.fit), checkpoint_dir=str(out), progress=writes, distributed=distributed)
+    config = FitConfig(**dataclasses.asdict(cfg.fit), checkpoint_dir=str(out), progress=writes and not args.no_progress,
+                        distributed=distributed)
     report = lens.fit(plan, texts, config=config)
     documents = report.documents
     if distributed:  # ranks read interleaved documents in lockstep: together, the stream's first ones
@@ -190,5 +192,5 @@ def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, te
     for name, cs in report.concepts.items():
         print(f"  {name}: {cs} -> {out / 'concepts' / name}")
     if cfg.describe.enabled:
-        describe_run(lens, cfg, report.concepts, documents, out)
+        describe_run(lens, cfg, report.concepts, documents, out, progress=not args.no_progress)
     return 0

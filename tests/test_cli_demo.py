@@ -10,7 +10,10 @@ import pytest
 
 from conceptlens.cli import main
 from conceptlens.commands.demo import add_arguments, pools_documents, run_config, sae_batch_size
+from conceptlens.commands.demo_probe import PART
 from conceptlens.concepts.sae.config import short_budget_lr
+from conceptlens.evaluate.lines import verdict
+from conceptlens.evaluate.results import load_results
 from tests.tiny_folder import save_tiny_llama
 
 
@@ -100,6 +103,24 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
                                             ("topk", "kmeans")), (row, name)
         assert "Winner:" in table or "No row raises P(sports)" in table
         assert json.loads((out / "steering.json").read_text())["judge_accuracy"] > 0
+    # the printed figures are the atlas's too: RUN/eval.json holds them as parts of the suite's table
+    saved = load_results(out)
+    parts = {p["part"] for p in saved.parts}
+    assert {PART, "demo: reconstruction"} <= parts
+    probe = [sl.line for sl in saved.lines if sl.part == PART]
+    assert len(probe) == 15 and {ln.extractor for ln in probe} == {"deleuzian", "topk", "kmeans"}
+    assert all(f"{ln.value.value:.3f} [{ln.value.low:.3f}, {ln.value.high:.3f}] {verdict(ln)}" in printed
+               for ln in probe)  # the printed table's cells, verdicts included
+    index = (out / "report" / "index.html").read_text()
+    assert "<h2>Evaluation suite</h2>" in index and PART in index and "demo: reconstruction" in index
+    if "no steering example" not in printed:
+        steered = [sl.line for sl in saved.lines if sl.part == "demo: steering toward sports"]
+        page = next(ln for ln in steered if ln.concept is not None)
+        assert page._replace(concept=None) == steered[0]
+        assert [name for name, _ in page.baselines] == ["random direction", "diff-of-means", "prompt prefix"]
+        html = (out / "report" / "concepts" / page.extractor / f"{page.concept}.html").read_text()
+        assert "this concept&#x27;s scores" in html or "this concept's scores" in html
+        assert "steer bbc-news sports: P(sports)" in html
     assert "Open:" in printed and (out / "report" / "index.html").resolve().as_uri() in printed
 
 

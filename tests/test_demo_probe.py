@@ -57,6 +57,7 @@ def test_ceiling_is_sklearns_logistic_probe_on_every_pooled_coordinate():
         expected = (model.predict(test.x[task.test].double().numpy()) == task.y_test.numpy()).mean()
         ceiling = dict(line.baselines)[CEILING]
         assert abs(ceiling.value - expected) < 1e-12 and ceiling.low <= ceiling.value <= ceiling.high
+        assert line.note == f"balanced binary task, {len(task.test)} test rows"  # this topic's, not a mean
     printed = format_topics(lines) + "\n" + summary(lines)
     assert printed.count("ceiling (full probe)") == 3
     assert "p: does NOT beat" in printed  # random directions against random directions

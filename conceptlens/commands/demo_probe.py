@@ -14,6 +14,8 @@ capture pass per split reads every set by both readings, so the second costs no 
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
 from typing import Any
 
 from conceptlens.evaluate.lines import Line, verdict
@@ -21,6 +23,8 @@ from conceptlens.evaluate.readings import READ_NOTE, READINGS
 
 TASK = "bbc-news"
 CEILING = "full probe"
+PART = "demo: k-sparse probe per bbc-news topic"
+"""The probe table's part in RUN/eval.json (`save_part`), beside `conceptlens eval`'s parts"""
 
 
 def probe_rows(lens: Any, tok: Any, sets: dict[str, Any], site: str, *, n_train: int, n_test: int, max_length: int,
@@ -157,3 +161,18 @@ def reconstruction(lens: Any, tok: Any, sets: dict[str, Any], docs: int, seed: i
     print(f"\nReconstruction spliced in at the site on {docs} held-out test-split articles (95% bootstrap intervals):")
     print(format_lines(keep))
     return keep
+
+
+def save_part(args: argparse.Namespace, sets: dict, site: str, part: str, config: dict, seconds: float,
+              lines: list) -> None:
+    """Merge the demo's figures into RUN/eval.json as a part of their own, so that the atlas's index
+    shows them as the suite's table (`conceptlens eval` on the folder adds its parts beside them)."""
+    from conceptlens.evaluate import results
+    from conceptlens.evaluate.activations import concept_encoder
+
+    if not lines:
+        return
+    infos = {name: results.set_info(cs, Path(args.out) / "concepts" / name, site, concept_encoder(cs).kind)
+             for name, cs in sets.items()}
+    results.save_part(args.out, results.Part(args.model, infos, site, part, config, seconds), lines,
+                      results.interval_text(args.probe_draws))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,10 @@ def verdict(rows: list[dict[str, Any]], topic: str) -> str:
 
 
 def write_rows(rows: list[dict[str, Any]], topic: str, accuracy: float, path: Path) -> None:
-    Path(path).write_text(json.dumps({"topic": topic, "judge_accuracy": accuracy, "rows": rows}, indent=1))
+    from conceptlens._io import atomic_write
+
+    text = json.dumps({"topic": topic, "judge_accuracy": accuracy, "rows": rows}, indent=1)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def steer_example(lens: Any, tok: Any, descriptions: dict[str, Any], labels: list[str], rows: Any,
@@ -82,14 +86,18 @@ def steer_example(lens: Any, tok: Any, descriptions: dict[str, Any], labels: lis
     diff-of-means vector of the probe's train `rows`, a random direction and the prompt prefix, judged
     by a MiniLM topic classifier; printed, written to RUN/steering.json and to the concept's page."""
     from conceptlens import data
+    from conceptlens._io import atomic_write
     from conceptlens.commands._common import load_model
+    from conceptlens.commands.demo_probe import save_part
     from conceptlens.evaluate.activations import pick
     from conceptlens.commands.demo_quality import best_per_class
     from conceptlens.concepts.conceptset import ConceptSet
     from conceptlens.evaluate.steering import diff_of_means as rows_diff_of_means  # of probed rows
+    from conceptlens.evaluate.steering import label_lines
     from conceptlens.steering.judge import TopicJudge
     from conceptlens.steering.units import robust_norm
 
+    start = time.perf_counter()
     name, concept, loss = pick_concept(descriptions, labels, args.topic)
     if name is None:
         print(f"\nNo concept's top contexts come mostly from {args.topic!r} articles: no steering example")
@@ -124,13 +132,18 @@ def steer_example(lens: Any, tok: Any, descriptions: dict[str, Any], labels: lis
     print(format_rows(rows, args.topic))
     print(verdict(rows, args.topic))
     write_rows(rows, args.topic, accuracy, out / "steering.json")
+    save_part(args, {name: cs}, site, f"demo: steering toward {args.topic}",
+              {"topic": args.topic, "prompts": list(args.prompt), "judge_model": args.judge_model,
+               "judge_docs": args.judge_docs, "seed": args.seed}, time.perf_counter() - start,
+              label_lines("bbc-news", args.topic, {name: (concept, next(iter(directions)))}, rows, args.seed))
     samples = [{"alpha": a, "scale": "robust_norm", "text": texts[0]} for a, texts in zip(rows[0]["alphas"],
                                                                                         rows[0]["texts"])]
     path = out / "describe" / name / "description.json"
     info = json.loads(path.read_text())
     info["steering"] = [*info.get("steering", []), {"concept": concept, "prompt": args.prompt[0],
                                                     "norm": norm, "samples": samples}]
-    path.write_text(json.dumps(info, indent=1))
+    text = json.dumps(info, indent=1)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def pick_concept(descriptions: dict[str, Any], labels: list[str], topic: str) -> tuple[Any, Any, float]:

@@ -192,7 +192,9 @@ def probing_lines(task: str, train: Probed, test: Probed, class_names: list[str]
     dense_bases = {metric: [(base, bootstrap(cols, stat, seed=seed)) for base, cols in dense.items()]
                    for metric, stat in stats.items()}  # the same for every set and k
     suffix = "" if reading == "activation" else f", {reading}s"
-    note = f"{len(tasks)} balanced binary task(s), {int(np.mean([len(t.test) for t in tasks]))} test rows each"
+    notes = {metric: (f"balanced binary task, {len(tasks[js[0]].test)} test rows" if by_task else
+                      f"{len(tasks)} balanced binary task(s), {int(np.mean([len(t.test) for t in tasks]))} test rows each")
+             for metric, js in groups}
     accuracies = _column_accuracies(train, test, tasks, ks, n_docs)
     lines = []
     for name in set_names(train, reading):
@@ -202,7 +204,8 @@ def probing_lines(task: str, train: Probed, test: Probed, class_names: list[str]
             rand = [control[i] for control in controls]
             for metric, stat in stats.items():
                 bases = [(f"random {n} dirs{suffix}", bootstrap_draws(rand, stat, seed=seed)), *dense_bases[metric]]
-                lines.append(Line(name, metric.format(k=k) + suffix, bootstrap(ours[i], stat, seed=seed), bases, note))
+                lines.append(Line(name, metric.format(k=k) + suffix, bootstrap(ours[i], stat, seed=seed), bases,
+                                  notes[metric]))
     return lines
 
 

@@ -212,21 +212,33 @@ def steering_lines(lens: AttachedModel, tok: Any, site: str, sets: Mapping[str, 
                            config.alphas, config.max_new_tokens, prefix=prefix.format(label))
             if record is not None:
                 record.append((task, label, judge, rows))
-            found = {r["row"]: (r, _at_best(r, config.seed)) for r in rows}
-            unsteered = rows[0]["p"][rows[0]["alphas"].index(0.0)] if 0.0 in rows[0]["alphas"] else float("nan")
-            bases = [("random direction", found["random"][1]), ("diff-of-means", found["diff-of-means"][1]),
-                     ("prompt prefix", _at_best(rows[-1], config.seed))]
-            dom = found["diff-of-means"][0]["best"]
-            for name, j in chosen.items():
-                row, est = found[f"{name}:{j}"]
-                at = "over budget" if row["best"] is None else f"alpha {row['best'][0]:g}"
-                metric = f"steer {task} {label}: P({label})"
-                lines.append(Line(name, metric, est, bases,
-                                  f"concept {j} at {at}; diff-of-means at "
-                                  f"{'over budget' if dom is None else f'alpha {dom[0]:g}'}; unsteered {unsteered:.3f}; "
-                                  f"intervals: bootstrap over the {len(config.prompts)} prompts"))
-                lines.extend(_paired_line(name, metric, base, _paired(row, found[base][0], config.seed),
-                                          len(config.prompts)) for base in PAIRED)
+            lines.extend(label_lines(task, label, {name: (j, f"{name}:{j}") for name, j in chosen.items()}, rows,
+                                     config.seed))
+    return lines
+
+
+def label_lines(task: str, label: str, chosen: Mapping[str, tuple[int, str]], rows: list[dict[str, Any]],
+                seed: int) -> list[Line]:
+    """The lines of one label from `compare`'s rows (the concepts' rows, "diff-of-means", "random",
+    then the prompt-prefix row last): per set of `chosen` (set -> (concept, its row's name)), its
+    concept's score next to the random, diff-of-means and prefix rows, its paired differences to the
+    `PAIRED` rows, and its first line again for that concept's page (`concept=`)."""
+    found = {r["row"]: (r, _at_best(r, seed)) for r in rows}
+    prompts = len(rows[0]["scores"][0])
+    unsteered = rows[0]["p"][rows[0]["alphas"].index(0.0)] if 0.0 in rows[0]["alphas"] else float("nan")
+    bases = [("random direction", found["random"][1]), ("diff-of-means", found["diff-of-means"][1]),
+             ("prompt prefix", _at_best(rows[-1], seed))]
+    dom = found["diff-of-means"][0]["best"]
+    lines = []
+    for name, (j, key) in chosen.items():
+        row, est = found[key]
+        at = "over budget" if row["best"] is None else f"alpha {row['best'][0]:g}"
+        metric = f"steer {task} {label}: P({label})"
+        line = Line(name, metric, est, bases, f"concept {j} at {at}; diff-of-means at "
+                    f"{'over budget' if dom is None else f'alpha {dom[0]:g}'}; unsteered {unsteered:.3f}; "
+                    f"intervals: bootstrap over the {prompts} prompts")
+        lines += [line, *(_paired_line(name, metric, base, _paired(row, found[base][0], seed), prompts)
+                          for base in PAIRED), line._replace(concept=j)]
     return lines
 
 

@@ -52,7 +52,8 @@ LEGENDS = {
                "Near-duplicates: concepts with another at cosine > 0.99. Top token: the token that is the first top "
                "token of the most concepts. FVU: fraction of variance unexplained by the reconstruction "
                "(1 = predicting the mean; SAEs, fit's last steps). L0: active latents per token.",
-    "suite": "Each figure of `conceptlens eval` on held-out text with its 95% interval, next to its baselines; the "
+    "suite": "Each figure of `conceptlens eval` (parts named 'demo: ...': the demo's own, as it printed them) on "
+             "held-out text with its 95% interval, next to its baselines; the "
              "matched control comes first (random directions as many as the set has concepts, centred as the "
              "set's directions are, or zero- and mean-ablation) and 'vs control' says wins or loses only when "
              "the two intervals do not overlap. "
@@ -63,11 +64,13 @@ LEGENDS = {
              "same nonlinearity; the others by activation. Steering lines 'minus diff-of-means' / 'minus random' "
              "are paired differences over the same prompts. FVU, CE loss recovered and KL with the reconstruction "
              "spliced in. EVALUATION.md defines every figure and names its source.",
-    "suite_concept": "This concept's own figures from `conceptlens eval`, with 95% intervals: for each probing task "
-                     "where it is among the latents with the largest class mean difference, the test accuracy of a "
-                     "logistic probe on it alone (balanced, chance 0.5), next to the same probe on the best of as "
-                     "many random directions as the set has concepts (the matched control) and on the "
-                     "diff-of-means direction; steering scores when the suite recorded them.",
+    "suite_concept": "This concept's own figures from `conceptlens eval` (or the demo), with 95% intervals: for each "
+                     "probing task where it is among the latents with the largest class mean difference, the test "
+                     "accuracy of a logistic probe on it alone (balanced, chance 0.5), next to the same probe on the "
+                     "best of as many random directions as the set has concepts (the matched control) and on the "
+                     "diff-of-means direction; when it was the concept steered toward a label, the judge's mean "
+                     "P(label) at its best alpha within the fluency budget, next to a random direction, the "
+                     "diff-of-means vector and a prompt prefix (interval over the prompts).",
     "peers": "Final figures of each trainer on the same cached activations, same width and k, each with its own "
              "recommended hyper-parameters (benchmarks/peers.py): tokens seen, time in optimiser steps, held-out "
              "FVU and L0, and CE loss recovered with the reconstruction spliced in. Not the run above: its own "

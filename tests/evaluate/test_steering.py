@@ -82,8 +82,12 @@ def test_steering_lines_judge_like_sklearn_and_select_on_train_only(tiny, monkey
     lines = steering_lines(lens, tok, site, sets, config, record)
     assert seen and all(t in train_texts for t in seen)  # the concept and diff-of-means see train documents only
     labels = [*data.load("bbc-news", "test").label_names, "negative", "positive"]
-    steer = [ln for ln in lines if ln.metric.startswith("steer") and " minus " not in ln.metric]
+    steer = [ln for ln in lines if ln.metric.startswith("steer") and " minus " not in ln.metric
+             and ln.concept is None]
     assert [ln.metric.split(": ")[0].split(" ")[-1] for ln in steer] == labels
+    pages = [ln for ln in lines if ln.concept is not None]  # the same figure again, for the concept's page
+    assert [ln._replace(concept=None) for ln in pages] == steer
+    assert all(ln.note.startswith(f"concept {ln.concept} at ") for ln in pages)
     assert all([name for name, _ in ln.baselines] == ["random direction", "diff-of-means", "prompt prefix"]
                for ln in steer)
     assert sum(ln.extractor == "judge" for ln in lines) == 4
@@ -126,7 +130,7 @@ def test_steering_lines_judge_like_sklearn_and_select_on_train_only(tiny, monkey
     assert not math.isnan(line.value.low) and line.value.low <= line.value.value <= line.value.high
     # each set's row minus diff-of-means and minus random: the paired bootstrap of the rows' own
     # per-prompt scores, each at its own best alpha, by hand
-    names = [ln.metric for ln in lines if ln.extractor == "dense"]
+    names = [ln.metric for ln in lines if ln.extractor == "dense" and ln.concept is None]
     assert names[:3] == [line.metric, f"{line.metric} minus diff-of-means", f"{line.metric} minus random"]
     assert len(names) == 3 * len(labels)
     found = {r["row"]: r for r in rows}

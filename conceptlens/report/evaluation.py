@@ -82,11 +82,14 @@ class Suite:
         if self.stale:
             out.append(f'<p class="banner">{esc(", ".join(self.stale))}: refitted since the suite ran (or gone); '
                        f'their figures are left out. Run <code>conceptlens eval</code> again.</p>')
+        tables = []
         for (site, part), lines in parts.items():
             rows = [(self._set_cell(ln.extractor), *_cells(ln)) for ln in lines]
-            html = table(["set", *HEAD], rows, [False, False, True, True, False, False, False], attrs=' class="suite"')
-            out.append(f"<h3>{esc(part)} <span class=\"muted\">at <code>{esc(site)}</code></span></h3>"
-                       + figure(html, LEGENDS["suite"]))
+            tables.append(f"<h3>{esc(part)} <span class=\"muted\">at <code>{esc(site)}</code></span></h3>"
+                          + table(["set", *HEAD], rows, [False, False, True, True, False, False, False],
+                                  attrs=' class="suite"'))
+        if tables:  # one legend under all the parts' tables, not the same paragraph after each
+            out.append(figure("".join(tables), LEGENDS["suite"]))
         return "".join(out) + peers_block(self.peers)
 
     def _set_cell(self, name: str) -> str:

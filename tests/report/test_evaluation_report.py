@@ -124,6 +124,8 @@ def test_the_index_shows_the_suites_table_with_baselines_intervals_and_verdicts(
         for name, _, n in sorted(EXTRACTORS):  # the file's order: sets in name order within a part
             expected += [[name, ln.metric, *_shown(ln)] for p, ln in fake_lines({name: n}) if p == part and ln.concept is None]
     assert sorted(rows) == sorted(expected)
+    html = (run / "report" / "index.html").read_text()
+    assert html.count('<figcaption class="legend">Each figure of') == 1  # one legend under both parts' tables
 
 
 def _shown(ln: Line) -> list[str]:

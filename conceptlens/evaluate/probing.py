@@ -59,12 +59,15 @@ def _balanced(y: Tensor, g: torch.Generator) -> Tensor:
 
 
 def binary_tasks(y_train: Tensor, y_test: Tensor, class_names: list[str], seed: int = 0) -> list[BinaryTask]:
-    """One balanced task per class (one-vs-rest), or the single task of a two-class set."""
-    g = torch.Generator().manual_seed(seed)
+    """One balanced task per class (one-vs-rest), or the single task of a two-class set. The train and
+    the test rows are drawn from generators of their own, so that a task's train rows (what its probes
+    learn on) do not depend on the test split (with one generator, a larger test split moved every
+    later class's train rows)."""
+    g_train, g_test = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1_000_003)
     classes = [1] if len(class_names) == 2 else range(len(class_names))
     tasks = []
     for c in classes:
-        train, test = _balanced((y_train == c).long(), g), _balanced((y_test == c).long(), g)
+        train, test = _balanced((y_train == c).long(), g_train), _balanced((y_test == c).long(), g_test)
         if len(train) and len(test):
             tasks.append(BinaryTask(class_names[c], train, test, (y_train[train] == c).long(), (y_test[test] == c).long()))
     return tasks

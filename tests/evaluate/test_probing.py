@@ -47,6 +47,13 @@ def test_binary_tasks_are_balanced_one_vs_rest():
     assert [t.name for t in two] == ["pos"]  # a two-class set is one task
 
 
+def test_a_tasks_train_rows_do_not_depend_on_the_test_split():
+    y_train = torch.tensor([0] * 10 + [1] * 30 + [2] * 60)
+    small, large = torch.tensor([0] * 5 + [1] * 5 + [2] * 10), torch.tensor([0] * 50 + [1] * 15 + [2] * 10)
+    for a, b in zip(binary_tasks(y_train, small, ["a", "b", "c"]), binary_tasks(y_train, large, ["a", "b", "c"])):
+        assert a.train.tolist() == b.train.tolist() and a.y_train.tolist() == b.y_train.tolist()
+
+
 def _probed(seed: int, n: int = 240, draws: int = 3) -> Probed:
     """Documents of two classes: set 'planted' has latent 5 = class + small noise; x carries the class weakly.
     Its control columns: projections on 32 random directions (the activation reading of a set without a

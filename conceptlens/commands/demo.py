@@ -257,12 +257,11 @@ def _probe(lens, tok, report, args: argparse.Namespace):
     lines, rows = demo_probe.run_probes(lens, tok, sets, site, n_train=args.probe_docs[0], n_test=args.probe_docs[1],
                                         max_length=args.probe_length, draws=args.probe_draws, seed=args.seed,
                                         reading=args.probe_read, fitted=report.documents)
-    config = {"k": 5, "reading": args.probe_read, "probe_docs": list(args.probe_docs), "probe_length": args.probe_length,
-              "random_draws": args.probe_draws, "seed": args.seed}
+    config = {"k": 5, "reading": args.probe_read, "probe_docs": list(args.probe_docs),
+              "probe_length": args.probe_length, "random_draws": args.probe_draws, "seed": args.seed}
     demo_probe.save_part(args, sets, site, demo_probe.PART, config, time.perf_counter() - t, lines)
     t = time.perf_counter()
     recon = demo_probe.reconstruction(lens, tok, sets, args.ce_docs, args.seed)
     demo_probe.save_part(args, sets, site, "demo: reconstruction", {"ce_docs": args.ce_docs, "seed": args.seed},
-              time.perf_counter() - t, recon)
+                         time.perf_counter() - t, recon)
     return rows
-

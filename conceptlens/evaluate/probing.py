@@ -195,9 +195,9 @@ def probing_lines(task: str, train: Probed, test: Probed, class_names: list[str]
     dense_bases = {metric: [(base, bootstrap(cols, stat, seed=seed)) for base, cols in dense.items()]
                    for metric, stat in stats.items()}  # the same for every set and k
     suffix = "" if reading == "activation" else f", {reading}s"
-    notes = {metric: (f"balanced binary task, {len(tasks[js[0]].test)} test rows" if by_task else
-                      f"{len(tasks)} balanced binary task(s), {int(np.mean([len(t.test) for t in tasks]))} test rows each")
-             for metric, js in groups}
+    each = int(np.mean([len(t.test) for t in tasks]))
+    notes = {metric: (f"balanced binary task, {len(tasks[js[0]].test)} test rows" if by_task
+                      else f"{len(tasks)} balanced binary task(s), {each} test rows each") for metric, js in groups}
     accuracies = _column_accuracies(train, test, tasks, ks, n_docs)
     lines = []
     for name in set_names(train, reading):

@@ -26,6 +26,7 @@ k-means, VQ, Deleuzian and the SAEs all-reduce their step statistics ("step" mod
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from collections.abc import Iterator
@@ -61,6 +62,8 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Co
                                               where)) from None
         global _OWNED
         _OWNED = True
+        atexit.unregister(shutdown)  # once: a script that fits under torchrun and just exits is covered too
+        atexit.register(shutdown)
     return Comm(timeout_s=timeout_s)
 
 
@@ -71,8 +74,9 @@ _OWNED = False
 def shutdown() -> None:
     """Destroy the default process group if `init` created it. A process that exits with a live
     gloo group can abort in the group's destructor ("terminate called without an active
-    exception", SIGABRT), which turns a finished fit into a failed rank; the CLI calls this
-    before it exits. A group the caller initialised is left alone."""
+    exception", SIGABRT), which turns a finished fit into a failed rank; `init` registers this to
+    run at exit (before the interpreter's teardown destroys the group), and the CLI calls it before
+    it exits. A group the caller initialised is left alone."""
     global _OWNED
     if _OWNED and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

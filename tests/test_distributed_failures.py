@@ -71,3 +71,32 @@ def test_the_survivor_of_a_dead_rank_names_it_in_one_line(tmp_path, who):
     message = results[survivor].splitlines()[0]
     gone = "rank 1 died or stopped answering" if who == 1 else "rank 0 (it holds the rendezvous store) is gone"
     assert message.startswith(f"DistributedError: rank {survivor}/2: all_reduce failed: {gone} (timeout 20 s; "), message
+
+
+def test_a_group_init_created_is_destroyed_at_exit(monkeypatch):
+    """A process that exits with a live gloo group can abort in its destructor (SIGABRT after a finished
+    fit): `init` registers `shutdown` to run at exit, once, and `shutdown` leaves no group behind."""
+    import atexit
+
+    import torch.distributed as dist
+
+    from conceptlens import distributed
+    from tests.distributed_workers import free_port
+
+    registered = []
+    monkeypatch.setattr(atexit, "register", lambda f: registered.append(f))
+    monkeypatch.setattr(atexit, "unregister", lambda f: registered.remove(f) if f in registered else None)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(key, value)
+    assert not dist.is_initialized()
+    try:
+        distributed.init("gloo")
+        distributed.init("gloo")  # reuses the group: nothing more registered
+        assert registered == [distributed.shutdown] and dist.is_initialized()
+        registered[0]()
+        assert not dist.is_initialized()
+    finally:  # no group left to the tests after this one, whatever failed
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        distributed._OWNED = False

@@ -119,7 +119,7 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
         assert page._replace(concept=None) == steered[0]
         assert [name for name, _ in page.baselines] == ["random direction", "diff-of-means", "prompt prefix"]
         html = (out / "report" / "concepts" / page.extractor / f"{page.concept}.html").read_text()
-        assert "this concept&#x27;s scores" in html or "this concept's scores" in html
+        assert "<h2>Evaluation suite: this concept's scores</h2>" in html
         assert "steer bbc-news sports: P(sports)" in html
     assert "Open:" in printed and (out / "report" / "index.html").resolve().as_uri() in printed
 

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 import torch
 
+from conceptlens._io import atomic_write
 from conceptlens.metrics.quality import effective_rank
 
 
@@ -92,4 +93,5 @@ def write_quality(rows: Mapping[str, Mapping[str, Any]], base_rate: Mapping[str,
         flat |= {k: row[k] for k in ("FVU", "L0") if k in row}
         table[name] = flat
     baseline = {f"probe {c}": v for c, v in base_rate.items()} | {"FVU": 1.0}
-    Path(path).write_text(json.dumps({"extractors": table, "baseline": baseline, "note": note}, indent=1))
+    text = json.dumps({"extractors": table, "baseline": baseline, "note": note}, indent=1)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))

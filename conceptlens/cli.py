@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="conceptlens", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
     for name, help_text in COMMANDS.items():
-        command = sub.add_parser(name, help=help_text, description=help_text)
+        command = sub.add_parser(name, help=help_text.replace("%", "%%"), description=help_text)  # help is %-formatted
         importlib.import_module(f"conceptlens.commands.{name}").add_arguments(command)
         add_runtime_arguments(command)
     return parser

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conceptlens import ConceptSet, models
-from conceptlens.cli import main
+from conceptlens.cli import COMMANDS, main
 
 
 @pytest.fixture(autouse=True)
@@ -91,3 +91,16 @@ def test_a_user_error_raised_while_running_is_one_line(files, capsys, monkeypatc
     monkeypatch.setattr(steer, "run", run)
     assert main(STEER + ["--concepts", str(files / "set"), "--prompt", "hi"]) == 2
     assert capsys.readouterr().err == "conceptlens steer: error: first line second line\n"
+
+
+@pytest.mark.parametrize("command", [[], *([name] for name in COMMANDS)])
+def test_help_prints_every_option_and_exits_0(command, capsys):
+    """`conceptlens --help` lists every command (its one-line help went through argparse's %-formatting:
+    "95% intervals" raised a TypeError there), and each command's --help prints its options."""
+    assert main([*command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: conceptlens")
+    for name in ([] if command else COMMANDS):
+        assert name in out
+    if command == ["eval"]:
+        assert "95% intervals" in out and "--random-draws" in out

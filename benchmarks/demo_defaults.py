@@ -264,6 +264,8 @@ def table(records: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
+    from conceptlens.evaluate.probing import RANDOM_DRAWS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--fit-seeds", type=int, nargs="*", default=None,
@@ -274,7 +276,7 @@ def main() -> None:
     parser.add_argument("--train-docs", type=int, nargs="+", default=[0],
                         help="each fold tests, the probes train on this many articles of the other folds (0: "
                              "each fold trains, the others test); several: each in turn, on the same fits")
-    parser.add_argument("--draws", type=int, default=5, help="control draws (the demo's 5)")
+    parser.add_argument("--draws", type=int, default=RANDOM_DRAWS, help=f"control draws (the demo's {RANDOM_DRAWS})")
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 128], help="probe lengths (tokens per article)")
     parser.add_argument("--ks", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--widths", type=int, nargs="+", default=[1024, 2048])

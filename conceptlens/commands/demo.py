@@ -19,6 +19,7 @@ import torch
 
 from conceptlens.commands._args import count, nonempty_text, out_dir, positive_int
 from conceptlens.commands.demo_steer import PROMPTS, steer_example
+from conceptlens.evaluate.probing import RANDOM_DRAWS
 from conceptlens.evaluate.readings import READINGS
 
 
@@ -37,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and held-out test (the test split's, then train-split articles after the probes'; none "
                              "repeats a text the fit or the probes read)")
     parser.add_argument("--probe-length", type=positive_int, default=64, help="tokens per probed article")
-    parser.add_argument("--probe-draws", type=positive_int, default=5, help="draws of the matched random control")
+    parser.add_argument("--probe-draws", type=positive_int, default=RANDOM_DRAWS,
+                        help=f"draws of the matched random control (default: {RANDOM_DRAWS})")
     parser.add_argument("--probe-read", choices=READINGS, default="code",
                         help="read sets by their codes (TopK code, assigned concept; SAEBench reads an SAE's code), "
                              "the control through the same nonlinearity, or by their activations (default: code)")

@@ -20,7 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from conceptlens.commands._args import count, existing_dir, positive_int, seed
-from conceptlens.evaluate.probing import KS
+from conceptlens.evaluate.probing import KS, RANDOM_DRAWS
 from conceptlens.evaluate.readings import READINGS
 from conceptlens.evaluate.suite import DEFAULT_SUITES, PROBE_TASKS, SUITES, SuiteConfig
 from conceptlens.evaluate.synthetic_data import SyntheticConfig
@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=positive_int, default=16)
     parser.add_argument("--max-classes", type=positive_int, default=8, help="wsj-pos: probe the most frequent tags only")
     parser.add_argument("--ks", type=_ks, default=KS, help="k of the k-sparse probes (default: 1,2,5,20)")
-    parser.add_argument("--random-draws", type=positive_int, default=5, help="draws of the random-direction control")
+    parser.add_argument("--random-draws", type=positive_int, default=RANDOM_DRAWS,
+                        help=f"draws of the random-direction control (default: {RANDOM_DRAWS})")
     parser.add_argument("--probe-read", type=_choices(READINGS, "reading"), default=READINGS,
                         help="probing: read sets (and their controls the same way) by their activations, by their "
                              f"codes (an SAE's TopK code against a random TopK encoder), or both (default: "

@@ -28,6 +28,11 @@ from conceptlens.metrics.splice import _check_model, _replacer, splice_mask
 DENSE = 0.1
 """A latent is dense when it fires on more than this fraction of tokens."""
 
+LOGITS_BYTES = 512 * 2**20
+"""Most float32 logits one forward of `splice_terms` may return: a batch whose `(B, T, V)` logits
+exceed it runs as slices of rows. With Gemma-3's 262,144-token vocabulary, 16 documents of 128
+tokens give 2 GiB of logits per forward, and the clean ones stay alive through every edit."""
+
 NONE = Estimate(math.nan, math.nan, math.nan)
 
 
@@ -58,7 +63,7 @@ def splice_terms(lens: AttachedModel, site: str, edits: Mapping[str, Callable[[T
     device = next(lens.model.parameters()).device
     out: dict[str, list[Tensor]] = {key: [] for key in ("clean", *edits)}
     offset = 0
-    for batch in batches:
+    for batch in _row_slices(batches, _vocab_size(lens.model)):
         batch = {k: v.to(device) for k, v in batch.items()}
         ids = batch["input_ids"]
         mask = batch.get("attention_mask", torch.ones_like(ids))
@@ -77,6 +82,24 @@ def splice_terms(lens: AttachedModel, site: str, edits: Mapping[str, Callable[[T
             out[key].append(torch.stack([ce, kl], 1).cpu())
         offset += len(ids)
     return {key: torch.cat(v) for key, v in out.items()}
+
+
+def _vocab_size(model: torch.nn.Module) -> int | None:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return head.weight.shape[0] if head is not None and hasattr(head, "weight") else None
+
+
+def _row_slices(batches: Iterable[Mapping[str, Tensor]], vocab: int | None) -> Iterable[Mapping[str, Tensor]]:
+    """Each batch, or consecutive slices of its rows (every tensor cut along its first dimension)
+    whose logits fit in `LOGITS_BYTES`; a sequence's logits do not depend on the other rows."""
+    for batch in batches:
+        rows, length = batch["input_ids"].shape
+        step = rows if vocab is None else max(1, LOGITS_BYTES // (length * vocab * 4))
+        if step >= rows:
+            yield batch
+            continue
+        for start in range(0, rows, step):
+            yield {k: v[start:start + step] for k, v in batch.items()}
 
 
 class RowStats:

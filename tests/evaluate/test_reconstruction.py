@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import conceptlens
 from conceptlens.evaluate.activations import ConceptEncoder
+from conceptlens.evaluate import reconstruction
 from conceptlens.evaluate.reconstruction import reconstruction_lines
 from conceptlens.metrics.quality import fvu
 from tests.conftest import tiny_model
@@ -40,9 +41,18 @@ def _manual(model, batch, edit):
         handle.remove()
 
 
-def test_reconstruction_figures_equal_a_manual_splice_with_a_forward_hook():
+@pytest.mark.parametrize("rows_per_forward", [None, 1, 2])
+def test_reconstruction_figures_equal_a_manual_splice_with_a_forward_hook(rows_per_forward, monkeypatch):
+    """Also when a batch's logits exceed `LOGITS_BYTES` and its rows run in slices (here of 1 and 2 of
+    its 3 rows): the same figures as the whole batches of the manual splice."""
     model = tiny_model("llama")
     lens = conceptlens.attach(model)
+    sizes = []
+    if rows_per_forward is not None:
+        vocab = model.get_output_embeddings().weight.shape[0]
+        monkeypatch.setattr(reconstruction, "LOGITS_BYTES", rows_per_forward * 9 * vocab * 4)
+        model.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(len(kwargs["input_ids"])),
+                                        with_kwargs=True)
     g = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(2):
@@ -53,6 +63,9 @@ def test_reconstruction_figures_equal_a_manual_splice_with_a_forward_hook():
     enc = _encoder()
     mean = torch.randn(32, generator=g)
     lines = reconstruction_lines(lens, "blocks.0.resid_out", {"sae": enc}, batches, mean)
+    if rows_per_forward is not None:  # clean, the set, zero and mean: 4 forwards per slice
+        assert sizes == [n for _ in batches for n in ([1, 1, 1] if rows_per_forward == 1 else [2, 1]) for _ in range(4)]
+        sizes.clear()
     by_metric = {ln.metric: ln for ln in lines}
 
     totals = {k: 0.0 for k in ("clean", "sae", "zero", "mean", "kl_sae", "kl_zero", "kl_mean")}

@@ -85,8 +85,11 @@ def splice_terms(lens: AttachedModel, site: str, edits: Mapping[str, Callable[[T
 
 
 def _vocab_size(model: torch.nn.Module) -> int | None:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return head.weight.shape[0] if head is not None and hasattr(head, "weight") else None
+    """Rows of the model's output embedding (the logits' last dimension), or None when it has none."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    weight = getattr(head, "weight", None)
+    return weight.shape[0] if isinstance(weight, torch.Tensor) else None
 
 
 def _row_slices(batches: Iterable[Mapping[str, Tensor]], vocab: int | None) -> Iterable[Mapping[str, Tensor]]:

@@ -71,16 +71,36 @@ _OWNED = False
 """Whether `init` created the default process group (then `shutdown` may destroy it)."""
 
 
+SHUTDOWN_BARRIER_S = 30.0
+"""How long `shutdown` waits for the other ranks before it destroys the group anyway."""
+
+
 def shutdown() -> None:
-    """Destroy the default process group if `init` created it. A process that exits with a live
-    gloo group can abort in the group's destructor ("terminate called without an active
-    exception", SIGABRT), which turns a finished fit into a failed rank; `init` registers this to
-    run at exit (before the interpreter's teardown destroys the group), and the CLI calls it before
-    it exits. A group the caller initialised is left alone."""
+    """Destroy the default process group if `init` created it, after every rank reached this point.
+    A process that exits with a live gloo group can abort in the group's destructor ("terminate
+    called without an active exception", SIGABRT), which turns a finished fit into a failed rank;
+    `init` registers this to run at exit (before the interpreter's teardown destroys the group), and
+    the CLI calls it before it exits. A group the caller initialised is left alone."""
     global _OWNED
     if _OWNED and dist.is_available() and dist.is_initialized():
+        quiesce()
         dist.destroy_process_group()
     _OWNED = False
+
+
+def quiesce(timeout_s: float = SHUTDOWN_BARRIER_S) -> None:
+    """Wait (at most `timeout_s`) until every rank of the default group gets here, so that no rank
+    tears its connections down while another still finishes its last collective (gloo's
+    `monitored_barrier`; a plain barrier elsewhere). A rank that died or does not come is not waited
+    for further: the caller is leaving anyway."""
+    try:
+        if dist.get_world_size() > 1:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
+            else:
+                dist.barrier()
+    except (RuntimeError, ValueError):
+        pass
 
 
 def lockstep(batches: Iterator[list[str]], comm: Comm) -> Iterator[list[str]]:

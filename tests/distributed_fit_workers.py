@@ -172,3 +172,20 @@ def die_body(comm: Comm, out: Path, who: int) -> None:
             time.sleep(0.01)
         os._exit(3)
     comm.sum_(torch.ones(1))
+
+
+def quiesce_body(comm, out: Path, leave: bool) -> dict:
+    """Rank 1 writes a mark, then quiesces (or, with `leave`, exits without it); rank 0 quiesces at
+    once and reports whether the mark was there when its quiesce returned."""
+    from conceptlens.distributed import quiesce
+
+    mark = out / "rank1-arrived"
+    if comm.rank == 1:
+        time.sleep(1.0)  # rank 0 is in its quiesce by now: without a barrier it would not see the mark
+        mark.write_text("here")
+        if leave:
+            os._exit(0)
+        quiesce()
+        return {}
+    quiesce(timeout_s=20.0)
+    return {"mark_seen": mark.exists()}

@@ -100,3 +100,13 @@ def test_a_group_init_created_is_destroyed_at_exit(monkeypatch):
         if dist.is_initialized():
             dist.destroy_process_group()
         distributed._OWNED = False
+
+
+@pytest.mark.parametrize("leave", [False, True])
+def test_shutdown_waits_for_every_rank_and_not_for_a_departed_one(tmp_path, leave):
+    """`shutdown` quiesces before it destroys the group: rank 0 passes only once rank 1 got there
+    (rank 1 marks its arrival first), and a rank that left without quiescing does not hold the
+    others (rank 0 goes on well before the spawn timeout)."""
+    codes, results, _ = W.spawn(F.quiesce_body, 2, tmp_path, leave, timeout=120.0)
+    assert codes[0] == 0, results
+    assert results[0]["mark_seen"]

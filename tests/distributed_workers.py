@@ -52,7 +52,7 @@ def _entry(rank: int, world: int, port: int, fn, out_dir: str, args: tuple, time
     dist.destroy_process_group()
     # The body's result is on disk and the group is gone. Skip the interpreter's teardown, where a
     # gloo rank that finished can still abort ("terminate called without an active exception",
-    # seen in about one suite run in five): the tests check what the body did, not torch's teardown.
+    # seen in fresh-clone suite runs): the tests check what the body did, not torch's teardown.
     os._exit(0)
 
 

@@ -89,16 +89,14 @@ def shutdown() -> None:
 
 
 def quiesce(timeout_s: float = SHUTDOWN_BARRIER_S) -> None:
-    """Wait (at most `timeout_s`) until every rank of the default group gets here, so that no rank
+    """Wait (at most `timeout_s`) until every rank of a gloo default group gets here, so that no rank
     tears its connections down while another still finishes its last collective (gloo's
-    `monitored_barrier`; a plain barrier elsewhere). A rank that died or does not come is not waited
-    for further: the caller is leaving anyway."""
+    `monitored_barrier`). A rank that died or does not come is not waited for further: the caller
+    is leaving anyway. Other backends are not waited on: their barrier takes no timeout of its own,
+    and exiting must not hang on a dead rank."""
     try:
-        if dist.get_world_size() > 1:
-            if dist.get_backend() == "gloo":
-                dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
-            else:
-                dist.barrier()
+        if dist.get_world_size() > 1 and dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, ValueError):
         pass
 

@@ -103,10 +103,10 @@ def test_a_group_init_created_is_destroyed_at_exit(monkeypatch):
 
 
 @pytest.mark.parametrize("leave", [False, True])
-def test_shutdown_waits_for_every_rank_and_not_for_a_departed_one(tmp_path, leave):
-    """`shutdown` quiesces before it destroys the group: rank 0 passes only once rank 1 got there
-    (rank 1 marks its arrival first), and a rank that left without quiescing does not hold the
-    others (rank 0 goes on well before the spawn timeout)."""
+def test_quiesce_waits_for_every_rank_and_not_for_a_departed_one(tmp_path, leave):
+    """`quiesce`, which `shutdown` runs before it destroys the group: rank 0 passes only once rank 1
+    got there (rank 1 marks its arrival first), and a rank that left without quiescing holds the
+    others at most for the timeout (20 s here, the spawn's 120 s never reached)."""
     codes, results, _ = W.spawn(F.quiesce_body, 2, tmp_path, leave, timeout=120.0)
     assert codes[0] == 0, results
     assert results[0]["mark_seen"]

@@ -98,10 +98,7 @@ def _row_slices(batches: Iterable[Mapping[str, Tensor]], vocab: int | None) -> I
     for batch in batches:
         rows, length = batch["input_ids"].shape
         step = rows if vocab is None else max(1, LOGITS_BYTES // (length * vocab * 4))
-        if step >= rows:
-            yield batch
-            continue
-        for start in range(0, rows, step):
+        for start in range(0, rows, step):  # one slice, the whole batch, when its logits fit
             yield {k: v[start:start + step] for k, v in batch.items()}
 
 

@@ -123,9 +123,9 @@ def sparse_probe_accuracies(chosen: Chosen, tasks: list[BinaryTask], doc: Tensor
     for i in range(len(chosen.features[0])):
         preds = []
         for j, t in enumerate(tasks):
-            at = chosen.at(chosen.features[j][i])
-            model = fit_logistic(chosen.train[t.train][:, at], t.y_train)
-            preds.append(torch.from_numpy(model.predict(chosen.test[t.test][:, at].double().numpy())))
+            at = chosen.at(chosen.features[j][i])  # gather the task's rows of those latents only
+            model = fit_logistic(chosen.train[t.train[:, None], at], t.y_train)
+            preds.append(torch.from_numpy(model.predict(chosen.test[t.test[:, None], at].double().numpy())))
         out.append(_correct_per_doc(tasks, preds, doc, n_docs))
     return out
 

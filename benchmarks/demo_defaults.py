@@ -2,7 +2,7 @@
 
     HF_HUB_OFFLINE=1 python benchmarks/demo_defaults.py [--seeds 0 1 2] [--folds 3] [--fold-docs 240]
         [--lengths 64 128] [--sites blocks.10.resid_out blocks.20.resid_out] [--variant kmeans:spherical=true]
-        [--train-docs 0 240] [--json out.json]
+        [--train-docs 0 240] [--max-tokens 40000] [--fit-length 128] [--json out.json]
         [--table-only out.json]
 
 Per seed (the demo's --seed: the fit's shuffle, every extractor's init, the controls' draws), one
@@ -203,7 +203,7 @@ def run_seed(lens: Any, cands: list[Candidate], tokens: dict[tuple[str, int], tu
 
     t = time.perf_counter()
     report = lens.fit(fit_plan(cands, seed, args.max_tokens, args.model), source("bbc-news:train", seed),
-                      max_tokens=args.max_tokens, progress=False)
+                      max_tokens=args.max_tokens, max_length=args.fit_length, progress=False)
     if report.documents > args.fitted:
         raise ValueError(f"the fit read {report.documents} documents, more than --fitted {args.fitted}: raise it")
     print(f"seed {seed}: fitted {len(report.concepts)} sets on {report.tokens:,} tokens of {report.documents} "
@@ -265,6 +265,7 @@ def table(records: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     from conceptlens.evaluate.probing import RANDOM_DRAWS
+    from conceptlens.commands.demo import FIT_DOCUMENT_TOKENS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -273,6 +274,8 @@ def main() -> None:
     parser.add_argument("--folds", type=int, default=3)
     parser.add_argument("--fold-docs", type=int, default=240, help="train-split articles per fold (the demo's 240)")
     parser.add_argument("--max-tokens", type=int, default=40_000, help="the fit's budget (the demo's)")
+    parser.add_argument("--fit-length", type=int, default=FIT_DOCUMENT_TOKENS,
+                        help=f"tokens the fit reads per document (the demo's {FIT_DOCUMENT_TOKENS})")
     parser.add_argument("--train-docs", type=int, nargs="+", default=[0],
                         help="each fold tests, the probes train on this many articles of the other folds (0: "
                              "each fold trains, the others test); several: each in turn, on the same fits")

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from conceptlens._memory import release
 from conceptlens.batching import encode_batch
 from conceptlens.concepts.conceptset import CONFIG_FILE, ConceptSet
 from conceptlens.interface import AttachedModel
@@ -202,6 +203,7 @@ def collect(lens: AttachedModel, site: str, encoders: Mapping[str, ConceptEncode
             ys.append(part.y)
             docs.append(part.doc)
             offset += len(labels)
+            release()  # each batch's codes are large temporaries; only their document means stay
     if token_rows and len(token_rows) < len(xs):
         raise ValueError("collect takes batches labelled per document or per token, not both")
     z = TokenColumns(read, token_rows) if token_rows else _joined(read, zs)

@@ -1,5 +1,5 @@
 """Freed heap memory goes back to the operating system between batches (`conceptlens._memory.release`),
-and the evaluation's batch loops call it once per batch."""
+and the suite's capture loop calls it once per batch."""
 
 import os
 import platform
@@ -9,7 +9,7 @@ import torch
 
 import conceptlens
 from conceptlens import _memory
-from conceptlens.evaluate import activations, reconstruction
+from conceptlens.evaluate import activations
 from tests.conftest import tiny_model
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
@@ -42,14 +42,12 @@ def test_release_does_nothing_without_malloc_trim(monkeypatch):
     assert _memory.release() is None
 
 
-def test_collect_and_the_splice_release_once_per_batch(monkeypatch):
+def test_collect_releases_once_per_batch(monkeypatch):
     calls = []
     monkeypatch.setattr(activations, "release", lambda: calls.append("collect"))
-    monkeypatch.setattr(reconstruction, "release", lambda: calls.append("splice"))
     lens = conceptlens.attach(tiny_model("llama"))
     g = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(3, 99, (2, 6), generator=g),
                 "attention_mask": torch.ones(2, 6, dtype=torch.long)} for _ in range(3)]
     activations.collect(lens, "blocks.0.resid_out", {}, ((b, torch.zeros(2)) for b in batches))
-    reconstruction.splice_terms(lens, "blocks.0.resid_out", {"zero": torch.zeros_like}, batches)
-    assert calls == ["collect"] * 3 + ["splice"] * 3
+    assert calls == ["collect"] * 3

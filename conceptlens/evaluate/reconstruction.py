@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from conceptlens._memory import release
 from conceptlens.evaluate.activations import ConceptEncoder
 from conceptlens.evaluate.bootstrap import Estimate, bootstrap
 from conceptlens.evaluate.lines import Line
@@ -82,8 +81,6 @@ def splice_terms(lens: AttachedModel, site: str, edits: Mapping[str, Callable[[T
             ce, kl, _ = next_token_terms(logits, clean, ids, mask)
             out[key].append(torch.stack([ce, kl], 1).cpu())
         offset += len(ids)
-        del clean
-        release()  # the slice's logits were large temporaries; only per-sequence terms stay
     return {key: torch.cat(v) for key, v in out.items()}
 
 

@@ -37,9 +37,21 @@ def test_release_returns_freed_heap_pages_that_kept_blocks_pin():
     assert after < held - 200e6  # 288 MB were freed; release() returns most of it
 
 
-def test_release_does_nothing_without_malloc_trim(monkeypatch):
-    monkeypatch.setattr(_memory, "_malloc_trim", lambda: None)
-    assert _memory.release() is None
+def test_without_malloc_trim_release_finds_none_and_does_nothing(monkeypatch):
+    """A C library without malloc_trim (macOS, musl): the lookup finds none, and release() runs."""
+    class NoTrim:  # a library whose symbols hold no malloc_trim
+        pass
+
+    monkeypatch.setattr(_memory.ctypes, "CDLL", lambda name: NoTrim())
+    _memory._malloc_trim.cache_clear()
+    try:
+        assert _memory._malloc_trim() is None
+        _memory.release()
+    finally:
+        _memory._malloc_trim.cache_clear()
+    if GLIBC:
+        monkeypatch.undo()
+        assert _memory._malloc_trim() is not None  # found again once the real library is back
 
 
 def test_collect_releases_once_per_batch(monkeypatch):

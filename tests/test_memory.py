@@ -3,6 +3,8 @@ and the suite's capture loop calls it once per batch."""
 
 import os
 import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,25 +16,34 @@ from tests.conftest import tiny_model
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
+PINNED = """
+import os, torch
+from conceptlens import _memory
 
-def _rss() -> int:
+def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+kept, freed = [], []
+for _ in range(3000):  # 3000 x 96 KiB, each followed by a small block that stays
+    freed.append(torch.ones(24_576))
+    kept.append(torch.ones(16))
+before = rss()
+freed.clear()
+held = rss()
+_memory.release()
+print(before, held, rss())
+"""
 
 
 @pytest.mark.skipif(not GLIBC, reason="malloc_trim is glibc's; elsewhere release() does nothing")
 def test_release_returns_freed_heap_pages_that_kept_blocks_pin():
     """Blocks below the mmap threshold come from the heap; freed between blocks that stay alive, they
-    are not trimmed from its top and stay resident until `release()`."""
-    kept, freed = [], []
-    for _ in range(3000):  # 3000 x 96 KiB, each followed by a small block that stays
-        freed.append(torch.ones(24_576))
-        kept.append(torch.ones(16))
-    before = _rss()
-    freed.clear()
-    held = _rss()
-    _memory.release()
-    after = _rss()
+    are not trimmed from its top and stay resident until `release()`. In a fresh process: the heap's
+    state after other tests (its free blocks, the adaptive threshold) would change where they land."""
+    out = subprocess.run([sys.executable, "-c", PINNED], capture_output=True, text=True, check=True,
+                         env=os.environ | {"OMP_NUM_THREADS": "1"})
+    before, held, after = map(int, out.stdout.split())
     assert held > before - 64e6  # freeing alone hands back little: the kept blocks pin the pages
     assert after < held - 200e6  # 288 MB were freed; release() returns most of it
 

@@ -250,16 +250,36 @@ class TokenColumns(Mapping[str, Tensor]):
         return len(self.readers)
 
 
+class Derived:
+    """A reader that is `then` of another reader's output, `then(base(x))`: `pool_documents` reads
+    `base` once for both (a dense control's code reading is the one-hot largest of the cosines its
+    activation reading gives, `readings.control_reader`), so the product is computed once, exactly."""
+
+    def __init__(self, base: Callable[[Tensor], Tensor], then: Callable[[Tensor], Tensor]):
+        self.base, self.then = base, then
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.then(self.base(x))
+
+
 def pool_documents(readers: Mapping[str, Callable[[Tensor], Tensor]], x: Tensor, doc: Tensor, y: Tensor) -> Probed:
     """Token rows `x` `(N, d)` of documents `doc` `(N,)` (ids into the labels `y` `(D,)`) -> one row per
     document with tokens: its mean site activation and the mean of every reader's `(N, n)` output
-    (each token read, then pooled, as SAEBench mean-pools latent activations)."""
+    (each token read, then pooled, as SAEBench mean-pools latent activations). A reader under several
+    names is read once, and a `Derived` reader's base once for it and for the base's own column: the
+    readers are grouped by what they read, and each group's `(N, n)` output is dropped once pooled."""
     count = torch.bincount(doc, minlength=len(y))
     has = count > 0
-    pooled: dict[int, Tensor] = {}  # a reader under several names is read once
+    groups: dict[int, tuple[Callable[[Tensor], Tensor], dict[int, Callable[[Tensor], Tensor]]]] = {}
     for f in readers.values():
-        if id(f) not in pooled:
-            pooled[id(f)] = _doc_means(f(x), doc, count)[has]
+        base = f.base if isinstance(f, Derived) else f
+        groups.setdefault(id(base), (base, {}))[1][id(f)] = f
+    pooled: dict[int, Tensor] = {}
+    for base, members in groups.values():
+        read = base(x)
+        for key, f in members.items():
+            pooled[key] = _doc_means(f.then(read) if isinstance(f, Derived) else read, doc, count)[has]
+        del read
     z = {name: pooled[id(f)] for name, f in readers.items()}
     return Probed(_doc_means(x, doc, count)[has], z, y[has], torch.arange(len(y))[has])
 

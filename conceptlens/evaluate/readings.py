@@ -83,12 +83,15 @@ def set_reader(cs: ConceptSet, reading: str = "activation") -> Reader:
     return lambda x: F.one_hot(assign(act.encode(x.float()), x.float()), len(cs)).float()
 
 
-def control_reader(cs: ConceptSet, seed: int, reading: str = "activation", directions: Tensor | None = None) -> Reader:
+def control_reader(cs: ConceptSet, seed: int, reading: str = "activation", directions: Tensor | None = None,
+                   activation: Reader | None = None) -> Reader:
     """`len(cs)` random unit directions of the site (seeded; or `directions`, as `random_directions` drew
-    them), read as `cs`'s concepts are."""
+    them), read as `cs`'s concepts are. A dense set's code control is the one-hot largest of its
+    activation control's output: given that reader (`activation`, on the same directions), it is
+    `Derived` from it, so `pool_documents` computes their product once."""
     from conceptlens.concepts.sae.restore import CLASSES
     from conceptlens.concepts.sae.topk import topk_relu
-    from conceptlens.evaluate.activations import concept_encoder
+    from conceptlens.evaluate.activations import Derived, concept_encoder
 
     check_reading(reading)
     n = len(cs)
@@ -99,6 +102,8 @@ def control_reader(cs: ConceptSet, seed: int, reading: str = "activation", direc
         if k is None:
             return lambda x: torch.relu((x.float() - b_dec) @ directions.T)
         return lambda x: topk_relu((x.float() - b_dec) @ directions.T, min(int(k), n))
+    if reading == "code" and activation is not None:
+        return Derived(activation, lambda z: F.one_hot(z.argmax(1), n).float())
     if cs.mean is None:
         linear: Reader = lambda x: x.float() @ directions.T
     else:  # centred as the set's are: unflagged, a "random" set (a difference method) loses its mean component
@@ -115,7 +120,8 @@ def probe_readers(sets: Mapping[str, ConceptSet], readings: Sequence[str] = READ
     """column -> reader: every set by every reading and its control's `draws` (seeds seed + 1 + draw).
     An SAE's code is its activation: its code column is its activation column's reader, so that every
     reading has all its columns. Readers that would read alike are one object under several columns
-    (`reader_key`: e.g. the controls of SAEs of one width), which `activations.collect` reads once."""
+    (`reader_key`: e.g. the controls of SAEs of one width), which `activations.collect` reads once; a
+    dense set's code control derives from its activation control (`control_reader`), read once for both."""
     out: dict[str, Reader] = {}
     made: dict[tuple, Reader] = {}
     drawn: dict[tuple[int, int, int], Tensor] = {}  # one draw of directions serves both readings
@@ -134,7 +140,8 @@ def probe_readers(sets: Mapping[str, ConceptSet], readings: Sequence[str] = READ
                 if size not in drawn:
                     drawn[size] = random_directions(*size)
                 if key not in made:
-                    made[key] = control_reader(cs, seed + 1 + r, reading, drawn[size])
+                    made[key] = control_reader(cs, seed + 1 + r, reading, drawn[size],
+                                               made.get(reader_key(cs, "activation", seed=seed + 1 + r)))
                 out[column(name, reading, r)] = made[key]
     return out
 

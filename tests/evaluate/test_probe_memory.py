@@ -3,13 +3,15 @@ whole per-token matrices (the same latents, the same scores), and readers that r
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import conceptlens
 from conceptlens.concepts.conceptset import ConceptSet
-from conceptlens.evaluate.activations import Probed, TokenColumns, collect, pool_documents
+from conceptlens.evaluate.activations import Derived, Probed, TokenColumns, collect, pool_documents
 from conceptlens.evaluate.probing import (binary_tasks, concept_probe_lines, fit_sparse_probe, probing_lines, sides,
                                           sparse_probe_accuracies)
-from conceptlens.evaluate.readings import READINGS, choose, column, probe_readers
+from conceptlens.evaluate.readings import (READINGS, choose, column, control_reader, probe_readers,
+                                          random_directions)
 from tests.conftest import tiny_model
 
 SITE = "blocks.0.resid_out"
@@ -105,3 +107,40 @@ def test_controls_that_read_alike_are_one_reader_read_once():
     for reading in READINGS:
         assert probing_lines("toy", train, test, ["neg", "pos"], reading=reading, ks=(1,)) == probing_lines(
             "toy", alone_train, alone_test, ["neg", "pos"], reading=reading, ks=(1,))
+
+
+def test_a_dense_code_control_reuses_its_activation_controls_product():
+    """The code control of a dense set is the one-hot largest cosine of the same random directions its
+    activation control reads: `pool_documents` computes that product once per draw, and every column
+    equals the one read by a control reader built alone (which computes the product itself)."""
+    g = torch.Generator().manual_seed(3)
+    mean = torch.randn(32, generator=g)
+    sets = {"km": ConceptSet(torch.randn(6, 32, generator=g), SITE, method="kmeans", mean=mean),
+            "rnd": ConceptSet(torch.randn(40, 32, generator=g), SITE, method="random", mean=mean)}
+    readers = probe_readers(sets, READINGS, draws=3)
+    products = []
+    for name in sets:
+        for r in range(3):
+            act, code = readers[column(name, "activation", r)], readers[column(name, "code", r)]
+            assert isinstance(code, Derived) and code.base is act
+    counted = {}
+    for key, f in readers.items():  # count the activation controls' reads through their Derived code columns too
+        if isinstance(f, Derived):
+            continue
+        counted[id(f)] = lambda x, f=f: products.append(1) or f(x)
+    wrapped = {key: (Derived(counted[id(f.base)], f.then) if isinstance(f, Derived) else counted[id(f)])
+               for key, f in readers.items()}
+    doc, y = torch.arange(30).repeat_interleave(5), torch.arange(30) % 2
+    x = torch.randn(150, 32, generator=g) * 3 + mean
+    part = pool_documents(wrapped, x, doc, y)
+    assert len(products) == len(counted) == 2 * 2 + 2 * 3  # each set's two readings, one product per control draw
+    for name, cs in sets.items():
+        for r in range(3):
+            alone = control_reader(cs, 1 + r, "code", random_directions(len(cs), cs.d, 1 + r))
+            assert not isinstance(alone, Derived)
+            expected = pool_documents({"c": alone}, x, doc, y).z["c"]
+            got = part.z[column(name, "code", r)]
+            assert torch.equal(got, expected) and got.sum(1).allclose(torch.ones(30))
+    # read per token too (TokenColumns calls a Derived reader whole): the same one-hot codes
+    key = column("rnd", "code", 0)
+    assert torch.equal(readers[key](x), F.one_hot(readers[column("rnd", "activation", 0)](x).argmax(1), 40).float())

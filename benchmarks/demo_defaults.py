@@ -7,7 +7,8 @@
 
 Per seed (the demo's --seed: the fit's shuffle, every extractor's init, the controls' draws), one
 streaming pass fits every candidate on the demo's fit data (bbc-news train, shuffled with the seed,
-`--max-tokens` tokens, options from `commands.demo.run_config`): at the demo's site the TopK SAE at
+`--max-tokens` tokens for every candidate, the SAE too (no `--sae-tokens` budget of its own), options
+from `commands.demo.run_config`): at the demo's site the TopK SAE at
 k x width x lr multiple (of `short_budget_lr`) and Deleuzian / k-means at each concept count (with
 `--variant METHOD:KEY=VALUE`, that method's candidates again with that extractor option); at the other `--sites` the demo's SAE and each concept count of Deleuzian and k-means.
 Every length of `--lengths` probes the other sites' sets and the demo site's `--long-sets`. Validation never touches the test split: the
@@ -92,7 +93,7 @@ def demo_args(site: str, seed: int, max_tokens: int, **flags: Any) -> argparse.N
 
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
-    argv = ["--site", site, "--seed", str(seed), "--max-tokens", str(max_tokens)]
+    argv = ["--site", site, "--seed", str(seed), "--max-tokens", str(max_tokens), "--sae-tokens", str(max_tokens)]
     for key, value in flags.items():
         argv += [f"--{key}", str(value)]
     return parser.parse_args(argv)

@@ -45,6 +45,7 @@ class FitState:
         self.extractors = extractors
         self.fingerprint = fingerprint
         self.tokens = self.documents = self.batches = 0
+        self.stopped: dict[str, int] = {}  # extractor -> tokens it was fed, once its own budget is reached
         self._data = hashlib.sha256()  # of the documents consumed so far, in order
         self.run: Any = None  # a conceptlens.distributed.DistributedRun in a distributed fit
 
@@ -60,7 +61,8 @@ class FitState:
         state = {
             "fingerprint": self.fingerprint,
             "data_sha256": self._data.hexdigest(),
-            "progress": {"tokens": self.tokens, "documents": self.documents, "batches": self.batches},
+            "progress": {"tokens": self.tokens, "documents": self.documents, "batches": self.batches,
+                         "stopped": dict(self.stopped)},
             "rows": self.row_filter.state_dict(),  # the key files have always used
             "torch_rng": torch.get_rng_state(),
             "extractors": {name: e.state_dict() for name, e in self.extractors.items()
@@ -125,6 +127,7 @@ class FitState:
         torch.set_rng_state(state["torch_rng"])
         progress = state["progress"]
         self.tokens, self.documents, self.batches = progress["tokens"], progress["documents"], progress["batches"]
+        self.stopped = dict(progress.get("stopped", {}))  # (checkpoints from before extractor budgets: none)
         self._data = data
         return texts
 
@@ -185,6 +188,11 @@ def _check_structure(path: Path | str, state: dict[str, Any]) -> None:
             for k in ("tokens", "documents", "batches")):
         raise ValueError(f"checkpoint {path}: progress must hold non-negative ints tokens, documents, batches; "
                          f"got {progress!r}")
+    stopped = progress.get("stopped", {})
+    if not isinstance(stopped, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in stopped.items()):
+        raise ValueError(f"checkpoint {path}: progress's stopped must map extractor names to token counts; "
+                         f"got {stopped!r}")
     rng, expected = state["torch_rng"], torch.get_rng_state()
     if not isinstance(rng, Tensor) or rng.dtype != expected.dtype or rng.shape != expected.shape:
         got = f"{rng.dtype} {tuple(rng.shape)}" if isinstance(rng, Tensor) else type(rng).__name__

@@ -118,6 +118,10 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
     if tokenizer is None:
         raise ValueError("fit needs a tokenizer: conceptlens.attach(model, tokenizer) or fit(..., tokenizer=...)")
     plan = plan_extractors(lens, extractors)
+    unknown = sorted(set(config.extractor_tokens) - set(plan.extractors))
+    if unknown:
+        raise ValueError(f"extractor_tokens names {unknown[0]!r}, which is not an extractor of this fit; "
+                         f"its extractors: {', '.join(sorted(plan.extractors))}")
     batching = {"batch_size": config.batch_size, "max_length": config.max_length, "filters": asdict(config.filters)}
     moved = {name: key_name(key) for name, key in plan.keys.items() if name != key_name(key)}
     if moved:  # named extractors: which site each reads is part of what must not change
@@ -149,6 +153,8 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
         for docs in batches if run is None else run.lockstep(batches):
             if config.max_tokens is not None and state.tokens >= config.max_tokens:
                 break  # (distributed: tokens are the global count, so every rank stops here)
+            if _budgets_spent(config.extractor_tokens, state, plan):
+                break  # every extractor has had its own budget
             n_tokens = _step(cap, tokenizer, docs, config.max_length, plan, state, lens.model)
             state.advance(docs, n_tokens)  # (distributed: the global step's tokens)
             bar.update(n_tokens)
@@ -170,6 +176,17 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
     if run is not None:
         run.share(plan.extractors, state.row_filter)
     return _report(lens, plan, state, resumed_from, time.perf_counter() - start, config)
+
+
+def _budgets_spent(budgets: Mapping[str, int], state: FitState, plan: Plan) -> bool:
+    """Before a batch: mark the extractors whose own budget (`FitConfig.extractor_tokens`) the tokens
+    so far reach (`state.stopped`: the tokens each was fed; `_step` feeds them no more); True when
+    every extractor is done. The rule is `max_tokens`'s, so an extractor's rows are those of a fit
+    with `max_tokens` at its budget."""
+    for name, budget in budgets.items():
+        if name not in state.stopped and state.tokens >= budget:
+            state.stopped[name] = state.tokens
+    return len(state.stopped) == len(plan.extractors)
 
 
 def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
@@ -199,8 +216,8 @@ def _step(cap, tokenizer, docs: list[str], max_length: int, plan: Plan, state: F
             return 0
     keep = {site: state.row_filter(site, acts[site], meta.position) for site in plan.sites if site in acts}
     for name, extractor in plan.extractors.items():
-        if run is not None and not run.updates(name):
-            continue  # another rank updates it (see DistributedRun.place)
+        if (run is not None and not run.updates(name)) or name in state.stopped:
+            continue  # another rank updates it (see DistributedRun.place), or its own budget is spent
         key = plan.keys[name]
         if isinstance(key, str):
             rows = keep[key]
@@ -263,7 +280,7 @@ def _report(lens: AttachedModel, plan: Plan, state: FitState, resumed_from: int,
         if cs.config.get("space") == "clvq_z_e":  # codes in an encoder space: a label, not a site
             cs.site = f"{key[0]}->{key[1]}:z_e"
         cs.model = cs.model or lens.name
-        cs.config.setdefault("fit", {"tokens": state.tokens, **fit_info})
+        cs.config.setdefault("fit", {"tokens": state.stopped.get(name, state.tokens), **fit_info})
         concepts[name] = cs
         if config.checkpoint_dir and (state.run is None or state.run.writes):
             cs.save(Path(config.checkpoint_dir) / "concepts" / folder(name))

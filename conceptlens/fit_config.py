@@ -25,6 +25,10 @@ class FitConfig:
     """Tokens per document; longer documents are truncated."""
     max_tokens: int | None = None
     """Stop after the batch that reaches this many real tokens (None: the whole source)."""
+    extractor_tokens: dict[str, int] = field(default_factory=dict)
+    """Per extractor name, its own budget: it is fed no batch after the one that reaches this many
+    real tokens, as `max_tokens` stops the fit, while the others go on (the fit stops once every
+    extractor is done). One pass can so fit a k-means on more tokens than an SAE."""
     checkpoint_dir: str | None = None
     """Folder for `checkpoint.pt` and, at the end, one ConceptSet folder per extractor."""
     checkpoint_every: int | None = None
@@ -45,6 +49,10 @@ class FitConfig:
         check_int("batch_size", self.batch_size)
         check_int("max_length", self.max_length)
         check_int("max_tokens", self.max_tokens, optional=True)
+        if not isinstance(self.extractor_tokens, dict):
+            raise ValueError(f"extractor_tokens must map extractor names to token counts; got {self.extractor_tokens!r}")
+        for name, tokens in self.extractor_tokens.items():
+            check_int(f"extractor_tokens[{name!r}]", tokens)
         check_int("checkpoint_every", self.checkpoint_every, optional=True)
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every needs checkpoint_dir")

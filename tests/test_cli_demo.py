@@ -9,6 +9,7 @@ import re
 import pytest
 
 from conceptlens.cli import main
+from conceptlens.commands import run_config as rc
 from conceptlens.commands.demo import add_arguments, pools_documents, run_config, sae_batch_size
 from conceptlens.commands.demo_probe import PART
 from conceptlens.concepts.sae.config import short_budget_lr
@@ -28,9 +29,14 @@ def test_sae_batch_scales_with_the_budget():
 def test_the_demos_sae_takes_its_multiple_of_the_lr_fit_chooses_for_its_budget(tmp_path):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--out", str(tmp_path / "run")])  # defaults: 40k tokens, width 2048, k 8, batch 128
-    topk = next(e for e in run_config(args).extractors if e["name"] == "topk")
+    args = parser.parse_args(["--out", str(tmp_path / "run")])  # defaults: 80k tokens, the SAE's 40k, width 2048, k 8
+    cfg = run_config(args)
+    topk = next(e for e in cfg.extractors if e["name"] == "topk")
     assert (topk["width"], topk["k"], topk["batch_size"]) == (2048, 8, 128)
+    assert cfg.fit.max_tokens == 80_000 and rc.extractor_tokens(cfg) == {"topk": 40_000}  # the dense sets read all
+    short = run_config(parser.parse_args(["--max-tokens", "20000", "--out", str(tmp_path / "run")]))
+    assert rc.extractor_tokens(short) == {} and next(e for e in short.extractors if e["name"] == "topk")["lr"] == \
+        2 * short_budget_lr(2048, 20_000 // 128, 128)  # a pass shorter than the SAE's budget: the pass's
     assert topk["lr"] == 2 * short_budget_lr(2048, 40_000 // 128, 128)
     # 2 x 2e-4 sqrt(16384 / 2048) x sqrt(16000 / 312) x 128 / 384: 2.7e-3
     assert topk["lr"] == pytest.approx(2 * 2e-4 * 8 ** 0.5 * (16000 / 312) ** 0.5 / 3, rel=1e-12)

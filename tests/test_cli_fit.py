@@ -140,7 +140,7 @@ def test_describe_command_redoes_the_pass_with_other_options(files, tmp_path, ca
     (["--extractor", "topq:width=4"], "unknown extractor method 'topq'; choose one of kmeans, deleuzian, topk"),
     (["--extractor", "clvq:n_codes=4"], "extractor 'clvq' (clvq) site must be a source and a target site joined by "
                                         "'->', e.g. blocks.0.mlp.in->blocks.0.mlp_out; got None"),
-    (["--extractor", "topk:widht=4"], "topk has no option 'widht'; valid: name, site, seed"),
+    (["--extractor", "topk:widht=4"], "topk has no option 'widht'; valid: name, site, max_tokens, seed"),
     (["--extractor", "topk:width"], "bad extractor option 'width'"),
     (["--extractor", "topk:width=4,k=9"], "k must be at most width=4; got k=9"),
     (["--extractor", "kmeans:n_concepts=4", "--extractor", "kmeans:n_concepts=5"], "two extractors are named 'kmeans'"),

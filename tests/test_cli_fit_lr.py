@@ -84,3 +84,18 @@ def test_a_bad_width_or_batch_still_gets_the_constructors_one_line_error(files, 
         assert main(with_spec(base(files, tmp_path / "bad"), spec)) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and "\n" not in err and not (tmp_path / "bad").exists()
+
+
+def test_an_extractor_with_its_own_budget_gets_the_lr_for_it_and_stops_there(files, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "own"
+    assert main(with_spec(base(files, out, "--no-describe"), TOPK + ",max_tokens=300")) == 0
+    lr = short_budget_lr(16, 300 // 64, 64)
+    assert recorded(out)["topk"]["lr"] == lr and recorded(out)["topk"]["max_tokens"] == 300
+    line = [s for s in capsys.readouterr().out.splitlines() if s.startswith("  topk: Adam lr")]
+    assert len(line) == 1 and "about 4 steps of 64 tokens" in line[0]
+    fit = lambda name: json.loads((out / "concepts" / name / "config.json").read_text())["config"]["fit"]["tokens"]
+    report = json.loads((out / "fit_report.json").read_text())
+    assert 300 <= fit("topk") < 300 + 8 * 16 and fit("km") == report["tokens"] >= 600  # a batch is 8 x 16 tokens at most
+    assert main(base(files, tmp_path / "bad", "--no-describe", "--extractor", "kmeans:n_concepts=4,max_tokens=0,name=k2")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "extractor 'k2' max_tokens" in err and "\n" not in err and not (tmp_path / "bad").exists()

@@ -28,7 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--site", default="blocks.15.resid_out",
                         help="where every set is fitted, probed and steered (SmolLM2's block 15, chosen by validation; "
                              "on Gemma-3-270m blocks.12.resid_out: EVALUATION.md)")
-    parser.add_argument("--max-tokens", type=positive_int, default=40_000, help="tokens of the fit pass")
+    parser.add_argument("--max-tokens", type=positive_int, default=80_000,
+                        help="tokens of the fit pass (Deleuzian and k-means read them all)")
+    parser.add_argument("--sae-tokens", type=positive_int, default=40_000,
+                        help="the TopK SAE's own budget within the pass: it is fed the first of them "
+                             "(chosen on train folds: EVALUATION.md, 'The budget at 32 concepts')")
     parser.add_argument("--describe-tokens", type=positive_int, default=30_000, help="tokens of the description pass")
     parser.add_argument("--concepts", type=positive_int, default=DENSE_CONCEPTS, help="Deleuzian and k-means concepts")
     parser.add_argument("--width", type=positive_int, default=SHORT_FIT_WIDTH, help="TopK SAE latents")
@@ -106,7 +110,8 @@ def run_config(args: argparse.Namespace):
     batch, mixing buffer and lr scaled with the budget. Checks every option without a model."""
     from conceptlens.commands import run_config as rc
 
-    batch = sae_batch_size(args.max_tokens)
+    sae_tokens = min(args.sae_tokens, args.max_tokens)
+    batch = sae_batch_size(sae_tokens)
     buffer = max(2048, min(16384, args.max_tokens // 4))
     documents = pools_documents(args.max_tokens, args.concepts)
     cfg = rc.from_dict({
@@ -119,7 +124,8 @@ def run_config(args: argparse.Namespace):
              **({"mode": "paper", "unit": "document", "skew_weighting": False} if documents else {}),
              "seed": args.seed},
             {"method": "topk", "name": "topk", "width": args.width, "k": args.k, "batch_size": batch,
-             "buffer_size": 8 * batch, "warmup_tokens": min(4096, 4 * batch), "seed": args.seed},
+             "buffer_size": 8 * batch, "warmup_tokens": min(4096, 4 * batch), "seed": args.seed,
+             **({"max_tokens": sae_tokens} if sae_tokens < args.max_tokens else {})},
             {"method": "kmeans", "name": "kmeans", "n_concepts": args.concepts, "seed": args.seed,
              **({"unit": "document"} if documents else {})}]})
     rc.budget_lrs(cfg)  # the SAE's lr for this budget, as `conceptlens fit` chooses it, then the demo's multiple
@@ -130,7 +136,7 @@ def run_config(args: argparse.Namespace):
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("max_tokens", "describe_tokens", "concepts", "width", "k"):
+    for name in ("max_tokens", "sae_tokens", "describe_tokens", "concepts", "width", "k"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer; got {getattr(args, name)}")
     if args.k > args.width:
@@ -191,13 +197,16 @@ def _fit(lens, cfg, args: argparse.Namespace, out: Path):
     atomic_write(out / "run.toml", lambda p: Path(p).write_text(rc.to_toml(cfg), encoding="utf-8"))
     unit = ("paper mode on document means" + ("" if dz.skew_weighting else ", no skew weighting")
             if dz.unit == "document" else "streaming over tokens")
+    budgets = rc.extractor_tokens(cfg)
+    own = f"its first {budgets['topk']:,} tokens, " if "topk" in budgets else ""
     print(f"\nOne streaming pass over BBC News (train split, up to {args.max_tokens:,} tokens) at {site}:\n"
           f"  Deleuzian {args.concepts} concepts ({unit}), TopK SAE width {args.width} k {args.k} "
-          f"(batch {sae.batch_size}, about {args.max_tokens // sae.batch_size} optimiser steps, "
-          f"lr {sae.learning_rate():.3g}), k-means {args.concepts}"
+          f"({own}batch {sae.batch_size}, about {budgets.get('topk', args.max_tokens) // sae.batch_size} optimiser "
+          f"steps, lr {sae.learning_rate():.3g}), k-means {args.concepts}"
           + (" (on document means, tokens assigned to the nearest)" if km.unit == "document" else ""))
     report = lens.fit(plan, source(cfg.data, cfg.shuffle), max_tokens=args.max_tokens, checkpoint_dir=str(out),
-                      checkpoint_every=cfg.fit.checkpoint_every, progress=not args.no_progress)
+                      checkpoint_every=cfg.fit.checkpoint_every, progress=not args.no_progress,
+                      extractor_tokens=budgets)
     print(report.summary())
     print(f"  {audit.summary()}")
     steps = report.stats["topk"]

@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 from typing import Any
 
+from conceptlens._checks import check_int
 from conceptlens._names import check_name
 from conceptlens.concepts import registry
 from conceptlens.fit_keys import Key, parse_key
@@ -75,6 +76,10 @@ def parse_extractor(spec: str) -> dict[str, Any]:
     return out
 
 
+BUDGET = "max_tokens"
+"""An extractor entry's own budget (`FitConfig.extractor_tokens`): a fit option, not a hyper-parameter."""
+
+
 def check_extractors(specs: list[dict[str, Any]], sites: list[str]) -> list[dict[str, Any]]:
     """The extractor entries, each with its method, a name unique in the run and its site (one
     entry per site of `sites` where a one-site method names none), its options checked."""
@@ -94,8 +99,10 @@ def check_extractors(specs: list[dict[str, Any]], sites: list[str]) -> list[dict
                              "not a name: use letters, digits, '.', '_', '-'")
         valid = hyper_parameters(cls)
         for key in spec:
-            if key not in valid:
-                raise ValueError(f"{method} has no option {key!r}; valid: name, site, {', '.join(valid)}")
+            if key not in valid and key != BUDGET:
+                raise ValueError(f"{method} has no option {key!r}; valid: name, site, {BUDGET}, {', '.join(valid)}")
+        if BUDGET in spec:
+            check_int(f"extractor {name or method!r} {BUDGET}", spec[BUDGET])
         if method in KEY_FORMS:  # several sites: one entry, at the key its site spells
             parse_key(site, KEY_FORMS[method], f"extractor {name or method!r} ({method}) site")
             _claim(names, check_name(name or method, "extractor name"), method)
@@ -127,12 +134,20 @@ def extractor_key(spec: dict[str, Any]) -> Key:
     return parse_key(spec["site"], KEY_FORMS.get(spec["method"], "site"))
 
 
+def entry_budget(spec: dict[str, Any], max_tokens: int | None) -> int | None:
+    """The tokens entry `spec` is fed in a fit of `max_tokens`: its own `max_tokens` when smaller."""
+    own = spec.get(BUDGET)
+    return max_tokens if own is None else own if max_tokens is None else min(own, max_tokens)
+
+
 def budget_lr(spec: dict[str, Any], max_tokens: int | None) -> float | None:
-    """The Adam lr `short_budget_lr` gives SAE entry `spec` for a fit of `max_tokens` tokens
-    (steps: `max_tokens // batch_size`, its batch_size or the config's default); None for another
-    method, an unknown budget (the whole source), or a width or batch its constructor will refuse."""
+    """The Adam lr `short_budget_lr` gives SAE entry `spec` for a fit of `max_tokens` tokens, or of its
+    own `max_tokens` when smaller (`entry_budget`; steps: budget // batch_size, its batch_size or the
+    config's default); None for another method, an unknown budget (the whole source), or a width or
+    batch its constructor will refuse."""
     from conceptlens.concepts.sae.config import SAEConfig, short_budget_lr
 
+    max_tokens = entry_budget(spec, max_tokens)
     config = getattr(method_class(spec["method"]), "Config", None)
     if max_tokens is None or not (isinstance(config, type) and issubclass(config, SAEConfig)):
         return None

@@ -165,12 +165,13 @@ def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, te
         written = dataclasses.replace(cfg, fit=dataclasses.replace(cfg.fit, resume=True))  # a rerun of it resumes
         atomic_write(out / "run.toml", lambda p: Path(p).write_text(rc.to_toml(written), encoding="utf-8"))
         print(f"{lens}\nfitting {', '.join(e['name'] for e in cfg.extractors)} at {', '.join(cfg.sites)} -> {out}")
-        for line in fit_summary.budget_lr_lines(chosen, plan, cfg.fit.max_tokens or 0):
+        budgets = {e["name"]: rc.entry_budget(e, cfg.fit.max_tokens) or 0 for e in cfg.extractors}
+        for line in fit_summary.budget_lr_lines(chosen, plan, budgets):
             print(line)
         for name, lr in kept.items():  # also under --no-resume: the lr is part of the run's identity
             print(f"  {name}: Adam lr {lr:.3g} as {out / 'run.toml'} records it (--overwrite chooses it again)")
     config = FitConfig(**dataclasses.asdict(cfg.fit), checkpoint_dir=str(out), progress=writes and not args.no_progress,
-                        distributed=distributed)
+                       distributed=distributed, extractor_tokens=rc.extractor_tokens(cfg))
     report = lens.fit(plan, texts, config=config)
     documents = report.documents
     if distributed:  # ranks read interleaved documents in lockstep: together, the stream's first ones

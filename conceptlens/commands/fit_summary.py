@@ -2,7 +2,7 @@
 budget; at the end FVU, L0 and optimiser steps, and a warning for an SAE that took too few steps
 to be trained.
 
-    for line in budget_lr_lines(chosen, plan, max_tokens): print(line)
+    for line in budget_lr_lines(chosen, plan, budgets): print(line)
     for line in extractor_lines(report.stats): print(line)
     for line in few_steps_warnings(report.stats): print(line, file=sys.stderr)
 """
@@ -16,9 +16,11 @@ MIN_SAE_STEPS = 200
 13 steps had FVU 0.76 where the same SAE with about 150 steps had 0.45."""
 
 
-def budget_lr_lines(chosen: Mapping[str, float], plan: Mapping[Any, Mapping[str, Any]], max_tokens: int) -> list[str]:
-    """One line per SAE whose lr `run_config.budget_lrs` chose for a fit of `max_tokens` (`chosen`:
-    {name: lr}; `plan`: {key: {name: extractor}}): the lr, its budget and the long-run default."""
+def budget_lr_lines(chosen: Mapping[str, float], plan: Mapping[Any, Mapping[str, Any]],
+                    budgets: Mapping[str, int]) -> list[str]:
+    """One line per SAE whose lr `run_config.budget_lrs` chose for the tokens it is fed (`chosen`:
+    {name: lr}; `plan`: {key: {name: extractor}}; `budgets`: {name: tokens}, `run_config.entry_budget`):
+    the lr, its budget and the long-run default."""
     from conceptlens.concepts.sae.config import SAEConfig
 
     lines = []
@@ -26,7 +28,7 @@ def budget_lr_lines(chosen: Mapping[str, float], plan: Mapping[Any, Mapping[str,
         for name, sae in sets.items():
             if name in chosen:
                 cfg = sae.config
-                steps = max(1, max_tokens // cfg.batch_size)  # as budget_lr counts them
+                steps = max(1, budgets[name] // cfg.batch_size)  # as budget_lr counts them
                 lines.append(f"  {name}: Adam lr {chosen[name]:.3g} for this budget (about {steps:,} steps of "
                              f"{cfg.batch_size:,} tokens; the long-run default at width {cfg.width} is "
                              f"{SAEConfig(width=cfg.width).learning_rate():.3g}); lr= in its spec sets another")

@@ -13,6 +13,7 @@
     method = "topk"
     width = 4608
     k = 32
+    max_tokens = 30000                   # optional: this extractor's own budget, within the fit's
 
 An extractor of several sites names them in its `site`: "SOURCE->TARGET" for a transcoder,
 "A+B+C" for a crosscoder, "IN1+IN2->OUT1+OUT2" for a cross-layer transcoder (`sites` may then be
@@ -33,8 +34,9 @@ from typing import Any
 
 from conceptlens._checks import check_int
 from conceptlens._content import read_toml as read_checked_toml
-from conceptlens.commands.extractor_specs import (KEY_FORMS, METHODS, budget_lr, check_extractors,  # noqa: F401
-                                                  extractor_key, method_class, parse_extractor)
+from conceptlens.commands.extractor_specs import (BUDGET, KEY_FORMS, METHODS, budget_lr,  # noqa: F401
+                                                  check_extractors, entry_budget, extractor_key, method_class,
+                                                  parse_extractor)
 from conceptlens.concepts import registry
 from conceptlens.fit_config import FitConfig
 from conceptlens.fit_keys import Key
@@ -160,13 +162,18 @@ def build(cfg: RunConfig) -> dict[Key, dict[str, Any]]:
     plan: dict[Key, dict[str, Any]] = {}
     for spec in cfg.extractors:
         options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()
-                   if k not in ("method", "name", "site")}
+                   if k not in ("method", "name", "site", BUDGET)}
         try:
             extractor = method_class(spec["method"])(**options)
         except TypeError as err:
             raise ValueError(f"extractor {spec['name']!r} ({spec['method']}): {err}") from None
         plan.setdefault(extractor_key(spec), {})[spec["name"]] = extractor
     return plan
+
+
+def extractor_tokens(cfg: RunConfig) -> dict[str, int]:
+    """{name: tokens} of the entries with their own `max_tokens` (`FitConfig.extractor_tokens`)."""
+    return {spec["name"]: spec[BUDGET] for spec in cfg.extractors if BUDGET in spec}
 
 
 def budget_lrs(cfg: RunConfig, recorded: RunConfig | None = None) -> dict[str, float]:

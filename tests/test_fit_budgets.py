@@ -1,0 +1,72 @@
+"""Per-extractor budgets (`FitConfig.extractor_tokens`): in one pass, an extractor with its own budget
+ends exactly where a fit of that many tokens ends it, the others go on, and a fit stopped between
+the budgets resumes to the same states."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import conceptlens
+from conceptlens.concepts.deleuzian import Deleuzian
+from conceptlens.concepts.kmeans import StreamingKMeans
+from conceptlens.concepts.sae import TopKSAE
+from tests.conftest import CharTokenizer, assert_same_state, tiny_model
+
+SITE = "blocks.1.resid_out"
+DOCS = [f"document {i}: " + "abcdefghij"[i % 10] * (5 + i % 7) + " and so on" for i in range(120)]
+OPTIONS = dict(batch_size=8, max_length=24, progress=False)
+
+
+def _extractors() -> dict[str, object]:
+    torch.manual_seed(0)  # the SAE's init and the global generator the others may draw from
+    return {"sae": TopKSAE(width=32, k=4, batch_size=64, buffer_size=128, warmup_tokens=64),
+            "km": StreamingKMeans(n_concepts=4, init_size=32),
+            "del": Deleuzian(n_concepts=4, buffer_size=256, batch_size=64)}
+
+
+def _fit(**options):
+    extractors = _extractors()
+    lens = conceptlens.attach(tiny_model("llama"), CharTokenizer())
+    report = lens.fit({SITE: extractors}, DOCS, **OPTIONS, **options)
+    return report, {name: e.state_dict() for name, e in extractors.items()}
+
+
+def test_an_extractor_with_its_own_budget_ends_as_a_fit_of_that_budget_and_the_others_go_on():
+    short, short_states = _fit(max_tokens=800)
+    long, long_states = _fit(max_tokens=2400)
+    both, states = _fit(max_tokens=2400, extractor_tokens={"sae": 800})
+    assert short.tokens < both.tokens == long.tokens
+    assert_same_state(states["sae"], short_states["sae"])  # fed the same batches, flushed the same rows
+    assert_same_state(states["km"], long_states["km"])
+    assert_same_state(states["del"], long_states["del"])
+    assert both.concepts["sae"].config["fit"]["tokens"] == short.tokens  # what it was fed, recorded
+    assert both.concepts["km"].config["fit"]["tokens"] == long.tokens
+    assert torch.equal(both.concepts["sae"].directions, short.concepts["sae"].directions)
+    assert both.stats["sae"].steps == short.stats["sae"].steps < long.stats["sae"].steps
+
+
+def test_the_fit_stops_once_every_extractor_has_had_its_budget():
+    alone, _ = _fit(max_tokens=1200)
+    capped, _ = _fit(extractor_tokens={"sae": 800, "km": 1200, "del": 400})  # no max_tokens: the source's end
+    assert capped.tokens == alone.tokens < sum(len(d) for d in DOCS)
+
+
+def test_a_fit_stopped_between_the_budgets_resumes_to_the_same_states(tmp_path):
+    _, whole = _fit(max_tokens=2400, extractor_tokens={"sae": 800})
+    first, _ = _fit(max_tokens=1600, extractor_tokens={"sae": 800}, checkpoint_dir=str(tmp_path))
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=False)["state"]["progress"]["stopped"]
+    assert saved == {"sae": first.concepts["sae"].config["fit"]["tokens"]}
+    resumed, states = _fit(max_tokens=2400, extractor_tokens={"sae": 800}, checkpoint_dir=str(tmp_path))
+    assert resumed.resumed_from == first.tokens
+    for name in whole:
+        assert_same_state(states[name], whole[name], name)
+    assert resumed.concepts["sae"].config["fit"]["tokens"] == first.concepts["sae"].config["fit"]["tokens"]
+
+
+def test_a_budget_for_an_extractor_the_fit_does_not_have_is_refused_before_any_work():
+    lens = conceptlens.attach(tiny_model("llama"), CharTokenizer())
+    with pytest.raises(ValueError, match=r"extractor_tokens names 'sea'.*its extractors: del, km, sae"):
+        lens.fit({SITE: _extractors()}, DOCS, extractor_tokens={"sea": 10}, **OPTIONS)
+    with pytest.raises(ValueError, match="extractor_tokens"):
+        lens.fit({SITE: _extractors()}, DOCS, extractor_tokens={"sae": 0}, **OPTIONS)

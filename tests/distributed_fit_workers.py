@@ -64,7 +64,7 @@ EQUAL_FILTERS = FilterConfig(max_norm_ratio=1.15, window=64)  # tight enough tha
 
 
 def equal_fit(batch_size: int, distributed: bool, run_dir: str | None = None, corpus: list[str] = CORPUS,
-              max_tokens: int | None = None) -> dict:
+              max_tokens: int | None = None, extractor_tokens: dict[str, int] | None = None) -> dict:
     """The states of `equal_extractors` after a fit of `corpus` (flat: name -> state), its rows and tokens."""
     from tests.conftest import CharTokenizer, tiny_model
 
@@ -72,7 +72,8 @@ def equal_fit(batch_size: int, distributed: bool, run_dir: str | None = None, co
     extractors = equal_extractors()
     report = lens.fit(extractors, corpus, batch_size=batch_size, max_length=24, progress=False,
                       filters=EQUAL_FILTERS, distributed=distributed, checkpoint_dir=run_dir,
-                      checkpoint_every=None if run_dir is None else 400, max_tokens=max_tokens)
+                      checkpoint_every=None if run_dir is None else 400, max_tokens=max_tokens,
+                      extractor_tokens=extractor_tokens or {})
     flat = {}
     for key, value in extractors.items():
         for name, ext in (value.items() if isinstance(value, dict) else [(str(key), value)]):
@@ -81,8 +82,8 @@ def equal_fit(batch_size: int, distributed: bool, run_dir: str | None = None, co
 
 
 def equal_body(comm: Comm, out: Path, run_dir: str | None = None, corpus: list[str] = CORPUS,
-               max_tokens: int | None = None) -> dict:
-    return equal_fit(4, True, run_dir, corpus, max_tokens)
+               max_tokens: int | None = None, extractor_tokens: dict[str, int] | None = None) -> dict:
+    return equal_fit(4, True, run_dir, corpus, max_tokens, extractor_tokens)
 
 
 def routed_fit(batch_size: int, distributed: bool, run_dir: str | None = None) -> dict:

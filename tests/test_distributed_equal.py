@@ -57,6 +57,22 @@ def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(tmp_path):
         assert_close_state(r0["states"][name], state, name)
 
 
+def test_extractors_with_their_own_budgets_stop_at_one_global_count_on_every_rank(tmp_path):
+    """Per-extractor budgets (`FitConfig.extractor_tokens`) count the global step's tokens: two ranks
+    stop the SAE, the k-means and the VQ codebook (each updated on the rank that owns it) where one
+    process with the global batch does, and the others go on to the end."""
+    budgets = {"topk": 300, "km": 700, "vq": 500}
+    codes, results, _ = W.spawn(F.equal_body, 2, tmp_path, None, W.CORPUS, None, budgets)
+    r0, r1 = _ok(codes, results)
+    alone = F.equal_fit(8, False, extractor_tokens=budgets)
+    whole = F.equal_fit(8, False)
+    assert r0["tokens"] == r1["tokens"] == alone["tokens"] == whole["tokens"]
+    for name, state in alone["states"].items():
+        assert_same_state(r0["states"][name], r1["states"][name], name)
+        assert_close_state(r0["states"][name], state, name)
+    assert alone["states"]["km"]["n_seen"] < whole["states"]["km"]["n_seen"]  # the budget stopped it
+
+
 def test_each_rank_receives_and_filters_only_the_sites_it_updates(tmp_path):
     """Two k-means at two sites, each updated on one rank: a rank receives and filters the rows
     of its site only, yet every rank's report and states, and every rank's row-filter state in

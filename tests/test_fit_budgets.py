@@ -70,3 +70,13 @@ def test_a_budget_for_an_extractor_the_fit_does_not_have_is_refused_before_any_w
         lens.fit({SITE: _extractors()}, DOCS, extractor_tokens={"sea": 10}, **OPTIONS)
     with pytest.raises(ValueError, match="extractor_tokens"):
         lens.fit({SITE: _extractors()}, DOCS, extractor_tokens={"sae": 0}, **OPTIONS)
+
+
+def test_a_description_pass_does_not_take_the_fits_own_budgets():
+    from conceptlens.fit import FitConfig
+
+    report, _ = _fit(max_tokens=1200, extractor_tokens={"sae": 400})
+    lens = conceptlens.attach(tiny_model("llama"), CharTokenizer())
+    fit = FitConfig(batch_size=8, max_length=24, progress=False, max_tokens=600, extractor_tokens={"sae": 100})
+    described = lens.describe({"sae": report.concepts["sae"]}, DOCS, fit=fit, top_n=2)
+    assert described["sae"].info["tokens"] >= 600  # the pass's budget, not the fit's 100 for "sae"

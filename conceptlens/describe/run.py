@@ -74,7 +74,8 @@ def describe(lens: AttachedModel, concept_sets: Mapping[str, ConceptSet], data: 
     if out is not None:
         _forget_other_pass(Path(out), {"skip_documents": skip_documents,
                                        "data": data if isinstance(data, str) else getattr(data, "name", None)})
-    streaming = fit_config(fit, "describe", checkpoint_dir=out, **fit_options)
+    # a fit's own budgets per extractor (`extractor_tokens`) are not this pass's; given here, they are
+    streaming = fit_config(fit, "describe", checkpoint_dir=out, **{"extractor_tokens": {}, **fit_options})
     filters = streaming.filters
     report = run_fit(lens, plan, texts, tokenizer=tokenizer, config=streaming)
     options = options or FinishOptions()

@@ -43,6 +43,8 @@ class ExtractorView:
     stats: dict[str, np.ndarray]
     tokens: dict[str, list[list[str]]] | None
     directions: np.ndarray | None = field(default=None, repr=False)
+    fit_tokens: int | None = None
+    """Tokens its fit fed it (the set's config.json), when saved: below the run's with a budget of its own."""
 
     @property
     def site(self) -> str:
@@ -168,7 +170,16 @@ def _load_extractor(run: Path, name: str) -> ExtractorView:
     for key, value in stats.items():
         if value.shape[:1] != (n,):
             raise ValueError(f"{stats_path}: {key} has shape {value.shape}; its first dimension must be n_concepts={n}")
-    return ExtractorView(name, folder, meta, stats, _read_json(folder / "tokens.json"), _directions(run / "concepts" / name, n))
+    return ExtractorView(name, folder, meta, stats, _read_json(folder / "tokens.json"), _directions(run / "concepts" / name, n),
+                         _fit_tokens(run / "concepts" / name / "config.json"))
+
+
+def _fit_tokens(path: Path) -> int | None:
+    """The tokens a set's fit fed it (`config.json`'s config.fit.tokens, as `fit` records them), or None."""
+    saved = _read_json(path)
+    fit = (saved.get("config") or {}).get("fit") if isinstance(saved, dict) else None
+    tokens = fit.get("tokens") if isinstance(fit, dict) else None
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0 else None
 
 
 def _directions(folder: Path, n: int) -> np.ndarray | None:

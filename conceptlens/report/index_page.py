@@ -99,11 +99,12 @@ def _extractors_block(atlas: Atlas) -> str:
     rows = []
     for ex in atlas.extractors:
         h = f'<a href="hierarchy/{esc(ex.name)}.html">hierarchy</a>' if ex.name in atlas.hierarchies else ""
-        rows.append((esc(ex.name), f"<code>{esc(ex.site)}</code>", esc(ex.method), str(ex.n),
+        fed = "" if ex.fit_tokens is None else f"{ex.fit_tokens:,}"
+        rows.append((esc(ex.name), f"<code>{esc(ex.site)}</code>", esc(ex.method), str(ex.n), fed,
                      esc(ex.meta.get("activation", "")),
                      f'<a class="first" href="concepts/{esc(ex.name)}/0.html">first concept</a> {h}'))
-    html = table(["name", "site", "method", "concepts", "activation", ""], rows,
-                 [False, False, False, True, False, False])
+    html = table(["name", "site", "method", "concepts", "fit tokens", "activation", ""], rows,
+                 [False, False, False, True, True, False, False])
     return "<h2>Extractors</h2>" + figure(html, LEGENDS["extractors"] + " " + LEGENDS["activation"])
 
 

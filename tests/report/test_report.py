@@ -181,3 +181,22 @@ def test_controls_and_duplicates(tmp_path):
     ex = atlas.extractors[0]
     ex.stats["nearest_direction_cos"][3, 0] = 0.995
     assert [i for i, d in enumerate(duplicates(ex)) if d] == [3]
+
+
+def test_the_extractors_table_shows_the_tokens_each_set_was_fed(tmp_path):
+    """A set fitted on a budget of its own (config.fit.tokens, as `fit` records it) shows its tokens
+    beside a set fed the whole pass; a set whose config records none shows an empty cell."""
+    from conceptlens.concepts.conceptset import ConceptSet
+
+    run = write_fake_run(tmp_path / "run", EXTRACTORS)
+    for name, tokens in (("topk", 40_960), ("kmeans", 81_920)):
+        cs = ConceptSet.load(run / "concepts" / name)
+        cs.config["fit"] = {"tokens": tokens}
+        cs.save(run / "concepts" / name)
+    write_report(run)
+    atlas = Atlas.load(run)
+    assert [atlas.extractor(n).fit_tokens for n in ("topk", "kmeans", "deleuzian")] == [40_960, 81_920, None]
+    html = (run / "report" / "index.html").read_text()
+    rows = re.findall(r"<tr>(.*?)</tr>", html[html.index("<h2>Extractors</h2>"):], re.S)
+    cells = {re.sub("<[^>]+>", "", r.split("</td>")[0]).strip(): r for r in rows[1:4]}
+    assert "40,960" in cells["topk"] and "81,920" in cells["kmeans"] and "fit tokens" in rows[0]

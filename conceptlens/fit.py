@@ -145,6 +145,11 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
     resumed_from, start = state.tokens, time.perf_counter()
     if resumed_from:
         log.info("resuming %s at %d tokens (%d documents)", checkpoint, state.tokens, state.documents)
+    for name, fed in state.stopped.items():  # a budget raised after it was spent cannot give the batches since
+        budget = config.extractor_tokens.get(name)
+        if budget is None or budget > fed:
+            warnings.warn(f"{name} stopped at its budget after {fed:,} tokens in {checkpoint}; the pass has moved "
+                          f"on since, so it stays at {fed:,} (to fit it on more, start the run again)", stacklevel=3)
     bar = _progress(config, resumed_from, run is None or run.writes)
     next_checkpoint = _next_mark(state.tokens, config.checkpoint_every)
     batches = _batches(texts, config.batch_size)

@@ -80,3 +80,11 @@ def test_a_description_pass_does_not_take_the_fits_own_budgets():
     fit = FitConfig(batch_size=8, max_length=24, progress=False, max_tokens=600, extractor_tokens={"sae": 100})
     described = lens.describe({"sae": report.concepts["sae"]}, DOCS, fit=fit, top_n=2)
     assert described["sae"].info["tokens"] >= 600  # the pass's budget, not the fit's 100 for "sae"
+
+
+def test_a_budget_raised_after_it_was_spent_is_said_and_not_applied(tmp_path):
+    first, _ = _fit(max_tokens=1600, extractor_tokens={"sae": 800}, checkpoint_dir=str(tmp_path))
+    fed = first.concepts["sae"].config["fit"]["tokens"]
+    with pytest.warns(UserWarning, match=rf"sae stopped at its budget after {fed:,} tokens .* stays at {fed:,}"):
+        again, _ = _fit(max_tokens=2400, extractor_tokens={"sae": 2000}, checkpoint_dir=str(tmp_path))
+    assert again.concepts["sae"].config["fit"]["tokens"] == fed and again.tokens > first.tokens

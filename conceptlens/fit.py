@@ -5,6 +5,7 @@
     report.concepts["blocks.15.resid_out"]     # ConceptSet
     lens.fit({"blocks.15.resid_out": {"km": StreamingKMeans(64), "topk": TopKSAE(width=4608, k=32)}}, ...)
     report.concepts["topk"]                    # several named extractors read one site
+    lens.fit(..., max_tokens=200_000, extractor_tokens={"topk": 50_000})   # topk: the first 50k only
 
 One capture-only forward per batch feeds every extractor at every site and stops after
 the deepest site needed. Every `checkpoint_every` tokens the extractor states, the row

@@ -33,6 +33,11 @@ LOGITS_BYTES = 512 * 2**20
 exceed it runs as slices of rows. With Gemma-3's 262,144-token vocabulary, 16 documents of 128
 tokens give 2 GiB of logits per forward, and the clean ones stay alive through every edit."""
 
+TERMS_BYTES = 64 * 2**20
+"""Most bytes of one float64 `(n, V)` slice of `next_token_terms`: a sequence's predictions are scored
+in slices of this size (one slice for SmolLM2's 49,152-token vocabulary at 128 tokens; 32 predictions
+for Gemma-3's 262,144), so its temporaries stay near 5 such slices instead of 5 of the whole sequence."""
+
 NONE = Estimate(math.nan, math.nan, math.nan)
 
 
@@ -42,12 +47,14 @@ def next_token_terms(logits: Tensor, clean: Tensor, ids: Tensor, mask: Tensor) -
     it and its predecessor are real)."""
     valid = (mask[:, 1:] & mask[:, :-1]).bool()  # (B, T-1)
     ce, kl = torch.zeros(len(ids), dtype=torch.float64), torch.zeros(len(ids), dtype=torch.float64)
-    for b in range(len(ids)):  # one sequence at a time: a (T, V) float64 slice, not (B, T, V)
-        keep = valid[b]
-        logp = F.log_softmax(logits[b, :-1][keep].double(), -1)  # (n, V)
-        clean_logp = F.log_softmax(clean[b, :-1][keep].double(), -1)
-        ce[b] = -logp.gather(-1, ids[b, 1:][keep, None]).sum()
-        kl[b] = (clean_logp.exp() * (clean_logp - logp)).sum()
+    step = max(1, TERMS_BYTES // (8 * logits.shape[-1]))  # predictions per float64 (n, V) slice
+    for b in range(len(ids)):  # one sequence at a time, in slices of its predictions: not (B, T, V) float64
+        at = valid[b].nonzero().flatten()  # positions whose next token is predicted
+        for part in at.split(step):
+            logp = F.log_softmax(logits[b, part].double(), -1)  # (n, V)
+            clean_logp = F.log_softmax(clean[b, part].double(), -1)
+            ce[b] -= logp.gather(-1, ids[b, part + 1, None]).sum()
+            kl[b] += (clean_logp.exp() * (clean_logp - logp)).sum()
     return ce, kl, valid.sum(1).double().cpu()
 
 

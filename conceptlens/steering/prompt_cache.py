@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from conceptlens.batching import pad_right
-from conceptlens.steering.sweep_scores import Generation, _target_logprobs
+from conceptlens.steering.sweep_scores import Generation, _target_logprobs, logit_rows
 
 
 class PromptCache:
@@ -105,6 +105,7 @@ class PromptCache:
                        use_cache=True).logits  # (B, m, V)
         row, step = feed["attention_mask"].nonzero(as_tuple=True)
         targets = pad_right([g.tokens[1:].tolist() for g in generations])["input_ids"][row, step]
+        chunk = logit_rows(chunk, logits.shape[-1])
         logprobs = torch.cat([_target_logprobs(logits[row[i:i + chunk].to(device), step[i:i + chunk].to(device)],
                                                targets[i:i + chunk]) for i in range(0, len(row), chunk)])
         return torch.zeros(len(generations), dtype=torch.float64).index_add_(0, row, logprobs)

@@ -53,6 +53,7 @@ def continuation_perplexity(model: Any, tokenizer: Any, generations: Sequence[Ge
     positions = torch.cat([torch.arange(s - 1, s - 1 + n) for s, n in zip(starts, lengths)]).long() \
         if rows.numel() else torch.zeros(0, dtype=torch.long)
     targets = batch["input_ids"][rows, positions + 1]
+    chunk = logit_rows(chunk, logits.shape[-1])
     logprobs = torch.cat([_target_logprobs(logits[rows[i:i + chunk].to(device), positions[i:i + chunk].to(device)],
                                            targets[i:i + chunk]) for i in range(0, len(rows), chunk)]
                          or [torch.zeros(0, dtype=torch.float64)])
@@ -61,6 +62,17 @@ def continuation_perplexity(model: Any, tokenizer: Any, generations: Sequence[Ge
     some = torch.tensor(lengths) > 0
     out[some] = torch.exp(-total[some] / torch.tensor(lengths, dtype=torch.float64)[some])
     return out
+
+
+CHUNK_BYTES = 64 * 2**20
+"""Most bytes of one float64 `(chunk, V)` copy of logits the perplexities read: 256 rows of Gemma-3's
+262,144-token vocabulary were 512 MiB a copy, and the log-sum-exp made another."""
+
+
+def logit_rows(chunk: int, vocab: int) -> int:
+    """Rows of `(N, vocab)` logits read at a time: `chunk`, or fewer to keep a float64 copy within
+    `CHUNK_BYTES` (each row is scored alone, so the figures do not depend on it)."""
+    return max(1, min(chunk, CHUNK_BYTES // (8 * vocab)))
 
 
 def _target_logprobs(logits: Tensor, targets: Tensor) -> Tensor:

@@ -41,13 +41,23 @@ def _manual(model, batch, edit):
         handle.remove()
 
 
+@pytest.mark.parametrize("predictions_per_slice", [None, 3])
 @pytest.mark.parametrize("rows_per_forward", [None, 1, 2])
-def test_reconstruction_figures_equal_a_manual_splice_with_a_forward_hook(rows_per_forward, monkeypatch):
+def test_reconstruction_figures_equal_a_manual_splice_with_a_forward_hook(rows_per_forward, predictions_per_slice,
+                                                                         monkeypatch):
     """Also when a batch's logits exceed `LOGITS_BYTES` and its rows run in slices (here of 1 and 2 of
-    its 3 rows): the same figures as the whole batches of the manual splice."""
+    its 3 rows), and when a sequence's float64 terms exceed `TERMS_BYTES` and its predictions are
+    scored in slices (here of 3 of its 8): the same figures as the whole batches of the manual splice."""
     model = tiny_model("llama")
     lens = conceptlens.attach(model)
     sizes = []
+    if predictions_per_slice is not None:
+        vocab = model.get_output_embeddings().weight.shape[0]
+        monkeypatch.setattr(reconstruction, "TERMS_BYTES", predictions_per_slice * 8 * vocab)
+        slices = []
+        log_softmax = F.log_softmax
+        monkeypatch.setattr(reconstruction.F, "log_softmax",
+                            lambda x, dim: slices.append(len(x)) or log_softmax(x, dim))
     if rows_per_forward is not None:
         vocab = model.get_output_embeddings().weight.shape[0]
         monkeypatch.setattr(reconstruction, "LOGITS_BYTES", rows_per_forward * 9 * vocab * 4)
@@ -67,6 +77,9 @@ def test_reconstruction_figures_equal_a_manual_splice_with_a_forward_hook(rows_p
         assert sizes == [n for _ in batches for n in ([1, 1, 1] if rows_per_forward == 1 else [2, 1]) for _ in range(4)]
         sizes.clear()
     by_metric = {ln.metric: ln for ln in lines}
+    if predictions_per_slice is not None:  # 8 predictions in full rows, 5 in the padded one; 2 calls a slice
+        monkeypatch.undo()
+        assert max(slices) == 3 and sorted(set(slices)) == [2, 3] and len(slices) == 2 * 4 * 2 * (3 + 3 + 2)
 
     totals = {k: 0.0 for k in ("clean", "sae", "zero", "mean", "kl_sae", "kl_zero", "kl_mean")}
     tokens, rows = 0, []

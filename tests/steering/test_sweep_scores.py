@@ -81,6 +81,23 @@ def test_chunked_perplexity_equals_the_full_float64_log_softmax(setup):  # noqa:
                                    rtol=1e-6, atol=0, equal_nan=True)
 
 
+def test_a_large_vocabulary_reads_fewer_logit_rows_at_a_time_with_the_same_perplexities(setup, monkeypatch):  # noqa: F811
+    """`CHUNK_BYTES` bounds each float64 copy (Gemma-3's 262,144 logits a row: 32 rows of 64 MiB, not 256)."""
+    from conceptlens.steering import sweep_scores
+
+    assert sweep_scores.logit_rows(256, 262_144) == 32 and sweep_scores.logit_rows(256, 49_152) == 170
+    assert sweep_scores.logit_rows(256, 2**40) == 1 and sweep_scores.logit_rows(4, 10) == 4
+    model, tok, _ = setup
+    generations = [_generation(tok, "w5 w6 w7", "w9 w10 w11"), _generation(tok, "w20", "w30 w31 w32 w33 w34")]
+    whole = continuation_perplexity(model, tok, generations)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    monkeypatch.setattr(sweep_scores, "CHUNK_BYTES", 2 * 8 * vocab)  # two rows a copy
+    read = []
+    target_logprobs = sweep_scores._target_logprobs
+    monkeypatch.setattr(sweep_scores, "_target_logprobs", lambda x, t: read.append(len(x)) or target_logprobs(x, t))
+    assert torch.equal(continuation_perplexity(model, tok, generations), whole) and read == [2, 2, 2, 2]
+
+
 def _tokens(ids) -> Generation:
     return Generation("", "", torch.tensor(ids, dtype=torch.long), torch.zeros(len(ids), 0))
 

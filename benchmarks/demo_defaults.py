@@ -113,7 +113,11 @@ def fit_plan(cands: list[Candidate], seed: int, max_tokens: int,
         spec = dict(next(s for s in cfg.extractors if s["method"] == c.method))
         if "lr_mult" in c.options:  # a multiple of `short_budget_lr`, not of the demo's own multiple of it
             spec["lr"] *= c.options["lr_mult"] / demo.SAE_LR_MULTIPLE
-        specs.append(spec | c.options.get("spec", {}) | {"name": c.name, "site": c.site})
+        spec = spec | c.options.get("spec", {}) | {"name": c.name, "site": c.site}
+        if "max_tokens" in spec:
+            raise ValueError(f"candidate {c.name}: every candidate is fitted on --max-tokens here; a budget of "
+                             "its own (max_tokens=) is not applied, so it is refused")
+        specs.append(spec)
     sites = sorted({c.site for c in cands})
     cfg = rc.from_dict({"model": model, "data": "bbc-news:train", "sites": sites, "shuffle": seed,
                         "extractor": specs})

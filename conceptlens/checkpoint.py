@@ -6,7 +6,8 @@
     state.save(path)
 
 A checkpoint holds the extractor states, the row filter, the torch RNG state, the data
-position and a sha256 of the documents consumed so far. It is written atomically with a
+position (with the tokens each extractor with a spent budget of its own was fed) and a sha256 of
+the documents consumed so far. It is written atomically with a
 sha256 of its whole content and read with `torch.load(weights_only=True)`, so a hostile
 file can fail to load but never runs code, and a flipped bit is refused, not resumed. A
 resume is refused, with the caller's extractors left as they were, when the model (config

@@ -5,7 +5,7 @@
     report.concepts["blocks.15.resid_out"]     # ConceptSet
     lens.fit({"blocks.15.resid_out": {"km": StreamingKMeans(64), "topk": TopKSAE(width=4608, k=32)}}, ...)
     report.concepts["topk"]                    # several named extractors read one site
-    lens.fit(..., max_tokens=200_000, extractor_tokens={"topk": 50_000})   # topk: the first 50k only
+    lens.fit(..., max_tokens=200_000, extractor_tokens={"topk": 50_000})   # topk: until the batch reaching 50k
 
 One capture-only forward per batch feeds every extractor at every site and stops after
 the deepest site needed. Every `checkpoint_every` tokens the extractor states, the row
@@ -146,11 +146,7 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
     resumed_from, start = state.tokens, time.perf_counter()
     if resumed_from:
         log.info("resuming %s at %d tokens (%d documents)", checkpoint, state.tokens, state.documents)
-    for name, fed in state.stopped.items():  # a budget raised after it was spent cannot give the batches since
-        budget = config.extractor_tokens.get(name)
-        if budget is None or budget > fed:
-            warnings.warn(f"{name} stopped at its budget after {fed:,} tokens in {checkpoint}; the pass has moved "
-                          f"on since, so it stays at {fed:,} (to fit it on more, start the run again)", stacklevel=3)
+    _check_resumed_budgets(config.extractor_tokens, state, checkpoint)
     bar = _progress(config, resumed_from, run is None or run.writes)
     next_checkpoint = _next_mark(state.tokens, config.checkpoint_every)
     batches = _batches(texts, config.batch_size)
@@ -159,10 +155,11 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
         for docs in batches if run is None else run.lockstep(batches):
             if config.max_tokens is not None and state.tokens >= config.max_tokens:
                 break  # (distributed: tokens are the global count, so every rank stops here)
-            if _budgets_spent(config.extractor_tokens, state, plan):
+            if len(state.stopped) == len(plan.extractors):
                 break  # every extractor has had its own budget
             n_tokens = _step(cap, tokenizer, docs, config.max_length, plan, state, lens.model)
             state.advance(docs, n_tokens)  # (distributed: the global step's tokens)
+            _spend_budgets(config.extractor_tokens, state)
             bar.update(n_tokens)
             if checkpoint is not None and next_checkpoint is not None and state.tokens >= next_checkpoint:
                 state.save(checkpoint)
@@ -184,15 +181,31 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
     return _report(lens, plan, state, resumed_from, time.perf_counter() - start, config)
 
 
-def _budgets_spent(budgets: Mapping[str, int], state: FitState, plan: Plan) -> bool:
-    """Before a batch: mark the extractors whose own budget (`FitConfig.extractor_tokens`) the tokens
-    so far reach (`state.stopped`: the tokens each was fed; `_step` feeds them no more); True when
-    every extractor is done. The rule is `max_tokens`'s, so an extractor's rows are those of a fit
-    with `max_tokens` at its budget."""
+def _spend_budgets(budgets: Mapping[str, int], state: FitState) -> None:
+    """After a batch: mark the extractors whose own budget (`FitConfig.extractor_tokens`) the tokens so
+    far reach (`state.stopped`: the tokens each was fed; `_step` feeds them no more). The rule is
+    `max_tokens`'s, so an extractor's rows are those of a fit with `max_tokens` at its budget; marked
+    before any checkpoint of that batch, so a resume knows which budgets were spent."""
     for name, budget in budgets.items():
         if name not in state.stopped and state.tokens >= budget:
             state.stopped[name] = state.tokens
-    return len(state.stopped) == len(plan.extractors)
+
+
+def _check_resumed_budgets(budgets: Mapping[str, int], state: FitState, checkpoint: Path | None) -> None:
+    """On resume, say where the budgets now given cannot be what the checkpointed fit did: a spent
+    budget raised (the pass has moved on: the extractor stays where it stopped), or a budget added or
+    lowered below the tokens already fed (it stops now, past it)."""
+    for name, fed in state.stopped.items():
+        budget = budgets.get(name)
+        if budget is None or budget > fed:
+            warnings.warn(f"{name} stopped at its budget after {fed:,} tokens in {checkpoint}; the pass has moved "
+                          f"on since, so it stays at {fed:,} (to fit it on more, start the run again)", stacklevel=4)
+    for name, budget in budgets.items():
+        if name not in state.stopped and state.tokens >= budget:
+            warnings.warn(f"{name}'s budget of {budget:,} tokens is below the {state.tokens:,} it was fed before "
+                          f"{checkpoint} was resumed; it stops now, at {state.tokens:,} (to fit it on {budget:,}, "
+                          "start the run again)", stacklevel=4)
+            state.stopped[name] = state.tokens
 
 
 def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:

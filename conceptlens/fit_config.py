@@ -52,6 +52,9 @@ class FitConfig:
         if not isinstance(self.extractor_tokens, dict):
             raise ValueError(f"extractor_tokens must map extractor names to token counts; got {self.extractor_tokens!r}")
         for name, tokens in self.extractor_tokens.items():
+            if not isinstance(name, str):
+                raise ValueError(f"extractor_tokens is keyed by extractor names (a pair's is 'SOURCE->TARGET', "
+                                 f"as the fit names it); got the key {name!r}")
             check_int(f"extractor_tokens[{name!r}]", tokens)
         check_int("checkpoint_every", self.checkpoint_every, optional=True)
         if self.checkpoint_every is not None and self.checkpoint_dir is None:

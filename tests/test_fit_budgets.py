@@ -88,3 +88,33 @@ def test_a_budget_raised_after_it_was_spent_is_said_and_not_applied(tmp_path):
     with pytest.warns(UserWarning, match=rf"sae stopped at its budget after {fed:,} tokens .* stays at {fed:,}"):
         again, _ = _fit(max_tokens=2400, extractor_tokens={"sae": 2000}, checkpoint_dir=str(tmp_path))
     assert again.concepts["sae"].config["fit"]["tokens"] == fed and again.tokens > first.tokens
+
+
+def test_a_budget_added_on_resume_below_the_tokens_already_fed_is_said_and_stops_there(tmp_path):
+    first, _ = _fit(max_tokens=1200, checkpoint_dir=str(tmp_path))  # no budgets: the SAE was fed all 1200+
+    with pytest.warns(UserWarning, match=rf"sae's budget of 400 tokens is below the {first.tokens:,} it was fed"):
+        again, _ = _fit(max_tokens=2400, extractor_tokens={"sae": 400}, checkpoint_dir=str(tmp_path))
+    assert again.concepts["sae"].config["fit"]["tokens"] == first.tokens < again.tokens
+
+
+def test_a_checkpoint_right_after_the_batch_that_spends_a_budget_resumes_without_feeding_it_again(tmp_path):
+    """The budget is marked spent before that batch's checkpoint, so the resumed fit neither feeds the
+    extractor again nor warns: it ends as the fit that was never stopped."""
+    import warnings
+
+    _, whole = _fit(max_tokens=2400, extractor_tokens={"sae": 800})
+    first, _ = _fit(max_tokens=800, extractor_tokens={"sae": 800}, checkpoint_dir=str(tmp_path))
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=False)["state"]["progress"]
+    assert saved["stopped"] == {"sae": saved["tokens"]} == {"sae": first.tokens}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, states = _fit(max_tokens=2400, extractor_tokens={"sae": 800}, checkpoint_dir=str(tmp_path))
+    for name in whole:
+        assert_same_state(states[name], whole[name], name)
+
+
+def test_budgets_are_keyed_by_extractor_names():
+    from conceptlens.fit import FitConfig
+
+    with pytest.raises(ValueError, match=r"keyed by extractor names \(a pair's is 'SOURCE->TARGET'.*\('a', 'b'\)"):
+        FitConfig(extractor_tokens={("a", "b"): 10})

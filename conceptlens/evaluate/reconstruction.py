@@ -46,7 +46,7 @@ def next_token_terms(logits: Tensor, clean: Tensor, ids: Tensor, mask: Tensor) -
     KL(softmax(clean) || softmax(logits)), and the number of predicted tokens (a token counts when
     it and its predecessor are real)."""
     valid = (mask[:, 1:] & mask[:, :-1]).bool()  # (B, T-1)
-    ce, kl = torch.zeros(len(ids), dtype=torch.float64), torch.zeros(len(ids), dtype=torch.float64)
+    ce, kl = (torch.zeros(len(ids), dtype=torch.float64, device=logits.device) for _ in range(2))  # summed where
     step = max(1, TERMS_BYTES // (8 * logits.shape[-1]))  # predictions per float64 (n, V) slice
     for b in range(len(ids)):  # one sequence at a time, in slices of its predictions: not (B, T, V) float64
         at = valid[b].nonzero().flatten()  # positions whose next token is predicted
@@ -55,7 +55,7 @@ def next_token_terms(logits: Tensor, clean: Tensor, ids: Tensor, mask: Tensor) -
             clean_logp = F.log_softmax(clean[b, part].double(), -1)
             ce[b] -= logp.gather(-1, ids[b, part + 1, None]).sum()
             kl[b] += (clean_logp.exp() * (clean_logp - logp)).sum()
-    return ce, kl, valid.sum(1).double().cpu()
+    return ce.cpu(), kl.cpu(), valid.sum(1).double().cpu()
 
 
 @torch.no_grad()

@@ -205,7 +205,7 @@ def _check_resumed_budgets(budgets: Mapping[str, int], state: FitState, checkpoi
             warnings.warn(f"{name}'s budget of {budget:,} tokens is below the {state.tokens:,} it was fed before "
                           f"{checkpoint} was resumed; it stops now, at {state.tokens:,} (to fit it on {budget:,}, "
                           "start the run again)", stacklevel=4)
-            state.stopped[name] = state.tokens
+    _spend_budgets(budgets, state)  # those stop now
 
 
 def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:

@@ -24,6 +24,7 @@ from conceptlens.evaluate.bootstrap import Estimate, bootstrap
 from conceptlens.evaluate.lines import Line
 from conceptlens.interface import AttachedModel
 from conceptlens.metrics.splice import _check_model, _replacer, splice_mask
+from conceptlens.steering.sweep_scores import logit_rows
 
 DENSE = 0.1
 """A latent is dense when it fires on more than this fraction of tokens."""
@@ -32,11 +33,6 @@ LOGITS_BYTES = 512 * 2**20
 """Most float32 logits one forward of `splice_terms` may return: a batch whose `(B, T, V)` logits
 exceed it runs as slices of rows. With Gemma-3's 262,144-token vocabulary, 16 documents of 128
 tokens give 2 GiB of logits per forward, and the clean ones stay alive through every edit."""
-
-TERMS_BYTES = 64 * 2**20
-"""Most bytes of one float64 `(n, V)` slice of `next_token_terms`: a sequence's predictions are scored
-in slices of this size (one slice for SmolLM2's 49,152-token vocabulary at 128 tokens; 32 predictions
-for Gemma-3's 262,144), so its temporaries stay near 5 such slices instead of 5 of the whole sequence."""
 
 NONE = Estimate(math.nan, math.nan, math.nan)
 
@@ -47,7 +43,9 @@ def next_token_terms(logits: Tensor, clean: Tensor, ids: Tensor, mask: Tensor) -
     it and its predecessor are real)."""
     valid = (mask[:, 1:] & mask[:, :-1]).bool()  # (B, T-1)
     ce, kl = (torch.zeros(len(ids), dtype=torch.float64, device=logits.device) for _ in range(2))  # summed where
-    step = max(1, TERMS_BYTES // (8 * logits.shape[-1]))  # predictions per float64 (n, V) slice
+    # predictions per float64 (n, V) slice, as the perplexities read logits (`sweep_scores.CHUNK_BYTES`): one
+    # slice for SmolLM2's 49,152-token vocabulary at 128 tokens, 32 predictions for Gemma-3's 262,144
+    step = logit_rows(logits.shape[1], logits.shape[-1])
     for b in range(len(ids)):  # one sequence at a time, in slices of its predictions: not (B, T, V) float64
         at = valid[b].nonzero().flatten()  # positions whose next token is predicted
         for part in at.split(step):

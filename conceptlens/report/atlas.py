@@ -170,30 +170,26 @@ def _load_extractor(run: Path, name: str) -> ExtractorView:
     for key, value in stats.items():
         if value.shape[:1] != (n,):
             raise ValueError(f"{stats_path}: {key} has shape {value.shape}; its first dimension must be n_concepts={n}")
-    return ExtractorView(name, folder, meta, stats, _read_json(folder / "tokens.json"), _directions(run / "concepts" / name, n),
-                         _fit_tokens(run / "concepts" / name / "config.json"))
+    return ExtractorView(name, folder, meta, stats, _read_json(folder / "tokens.json"),
+                         *_saved_set(run / "concepts" / name, n))
 
 
-def _fit_tokens(path: Path) -> int | None:
-    """The tokens a set's fit fed it (`config.json`'s config.fit.tokens, as `fit` records them), or None."""
-    saved = _read_json(path)
-    fit = (saved.get("config") or {}).get("fit") if isinstance(saved, dict) else None
-    tokens = fit.get("tokens") if isinstance(fit, dict) else None
-    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0 else None
-
-
-def _directions(folder: Path, n: int) -> np.ndarray | None:
-    """Unit directions of the extractor's ConceptSet (centred when it carries the fit's mean, as the
-    description measures them), or None when it was not saved."""
+def _saved_set(folder: Path, n: int) -> tuple[np.ndarray | None, int | None]:
+    """The extractor's ConceptSet, when saved: its unit directions (centred when it carries the fit's
+    mean, as the description measures them) and the tokens its fit fed it (config.fit.tokens, as `fit`
+    records them; None when not recorded); (None, None) when it was not saved."""
     if not (folder / "concepts.safetensors").is_file():
-        return None
+        return None, None
     from conceptlens.concepts.conceptset import ConceptSet
 
     cs = ConceptSet.load(folder)
     d = (cs.centred() if cs.mean is not None else cs).directions.numpy().astype(np.float32)  # as the activations
     if d.shape[0] != n:
         raise ValueError(f"{folder} holds {d.shape[0]} concepts but its description says {n}")
-    return d / np.maximum(np.linalg.norm(d, axis=1, keepdims=True), 1e-12)
+    fit = cs.config.get("fit")
+    tokens = fit.get("tokens") if isinstance(fit, dict) else None
+    fed = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0 else None
+    return d / np.maximum(np.linalg.norm(d, axis=1, keepdims=True), 1e-12), fed
 
 
 def _load_hierarchies(run: Path, sizes: dict[str, int]) -> dict[str, dict[str, Any]]:

@@ -65,8 +65,9 @@ def continuation_perplexity(model: Any, tokenizer: Any, generations: Sequence[Ge
 
 
 CHUNK_BYTES = 64 * 2**20
-"""Most bytes of one float64 `(chunk, V)` copy of logits the perplexities read: 256 rows of Gemma-3's
-262,144-token vocabulary were 512 MiB a copy, and the log-sum-exp made another."""
+"""Most bytes of one float64 `(chunk, V)` copy of logits the perplexities (and the suite's CE-loss and KL
+terms, `evaluate.reconstruction`) read: 256 rows of Gemma-3's 262,144-token vocabulary were 512 MiB a
+copy, and the log-sum-exp made another."""
 
 
 def logit_rows(chunk: int, vocab: int) -> int:

@@ -10,6 +10,7 @@ import conceptlens
 from conceptlens.evaluate.activations import ConceptEncoder
 from conceptlens.evaluate import reconstruction
 from conceptlens.evaluate.reconstruction import reconstruction_lines
+from conceptlens.steering import sweep_scores
 from conceptlens.metrics.quality import fvu
 from tests.conftest import tiny_model
 
@@ -46,14 +47,14 @@ def _manual(model, batch, edit):
 def test_reconstruction_figures_equal_a_manual_splice_with_a_forward_hook(rows_per_forward, predictions_per_slice,
                                                                          monkeypatch):
     """Also when a batch's logits exceed `LOGITS_BYTES` and its rows run in slices (here of 1 and 2 of
-    its 3 rows), and when a sequence's float64 terms exceed `TERMS_BYTES` and its predictions are
+    its 3 rows), and when a sequence's float64 terms exceed `sweep_scores.CHUNK_BYTES` and its predictions are
     scored in slices (here of 3 of its 8): the same figures as the whole batches of the manual splice."""
     model = tiny_model("llama")
     lens = conceptlens.attach(model)
     sizes = []
     if predictions_per_slice is not None:
         vocab = model.get_output_embeddings().weight.shape[0]
-        monkeypatch.setattr(reconstruction, "TERMS_BYTES", predictions_per_slice * 8 * vocab)
+        monkeypatch.setattr(sweep_scores, "CHUNK_BYTES", predictions_per_slice * 8 * vocab)
         slices = []
         log_softmax = F.log_softmax
         monkeypatch.setattr(reconstruction.F, "log_softmax",

@@ -21,7 +21,7 @@ import math
 import os
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import asdict, dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -147,19 +147,23 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
     if resumed_from:
         log.info("resuming %s at %d tokens (%d documents)", checkpoint, state.tokens, state.documents)
     _check_resumed_budgets(config.extractor_tokens, state, checkpoint)
-    bar = _progress(config, resumed_from, run is None or run.writes)
+    bar = _progress(config, plan, resumed_from, run is None or run.writes)
     next_checkpoint = _next_mark(state.tokens, config.checkpoint_every)
     batches = _batches(texts, config.batch_size)
     deferred = interrupts.deferred() if checkpoint is not None and run is None else nullcontext(None)
-    with lens.capture(sorted(plan.sites), dtype=config.dtype) as cap, deferred as ctrl_c:
+    live = _live_sites(plan, state)
+    with ExitStack() as hold, deferred as ctrl_c:
+        cap = hold.enter_context(lens.capture(sorted(live), dtype=config.dtype)) if live else None
         for docs in batches if run is None else run.lockstep(batches):
             if config.max_tokens is not None and state.tokens >= config.max_tokens:
                 break  # (distributed: tokens are the global count, so every rank stops here)
-            if len(state.stopped) == len(plan.extractors):
+            if not live:
                 break  # every extractor has had its own budget
             n_tokens = _step(cap, tokenizer, docs, config.max_length, plan, state, lens.model)
             state.advance(docs, n_tokens)  # (distributed: the global step's tokens)
             _spend_budgets(config.extractor_tokens, state)
+            if (now := _live_sites(plan, state)) != live:  # a site only spent extractors read: captured no
+                cap, live = _narrowed(lens, hold, cap, now, config), now  # more (every rank alike)
             bar.update(n_tokens)
             if checkpoint is not None and next_checkpoint is not None and state.tokens >= next_checkpoint:
                 state.save(checkpoint)
@@ -179,6 +183,18 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
     if run is not None:
         run.share(plan.extractors, state.row_filter)
     return _report(lens, plan, state, resumed_from, time.perf_counter() - start, config)
+
+
+def _live_sites(plan: Plan, state: FitState) -> set[str]:
+    """The sites some extractor without a spent budget still reads."""
+    return {site for name, key in plan.keys.items() if name not in state.stopped for site in key_sites(key)}
+
+
+def _narrowed(lens: AttachedModel, hold: ExitStack, cap: Any, sites: set[str], config: FitConfig) -> Any:
+    """The fit's capture of `sites` only, once budgets are spent: forwards stop at the deepest site
+    still read and filter no other (`FitReport.rows` counts a spent site's rows up to its budget)."""
+    cap.close()
+    return hold.enter_context(lens.capture(sorted(sites), dtype=config.dtype)) if sites else None
 
 
 def _spend_budgets(budgets: Mapping[str, int], state: FitState) -> None:
@@ -272,10 +288,15 @@ def _next_mark(tokens: int, every: int | None) -> int | None:
     return None if every is None else (tokens // every + 1) * every
 
 
-def _progress(config: FitConfig, initial: int, show: bool = True):
+def _progress(config: FitConfig, plan: Plan, initial: int, show: bool = True):
+    """The token bar; its total is where the fit will stop: `max_tokens`, or the largest of the
+    budgets when every extractor has its own (None, no total, when the data decides)."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=config.max_tokens, initial=initial, unit="tok", unit_scale=True,
+    totals = [config.max_tokens] if config.max_tokens is not None else []
+    if set(plan.extractors) <= set(config.extractor_tokens):
+        totals.append(max(config.extractor_tokens[name] for name in plan.extractors))
+    return tqdm(total=min(totals, default=None), initial=initial, unit="tok", unit_scale=True,
                 disable=not (config.progress and show), desc="fit", dynamic_ncols=True)
 
 

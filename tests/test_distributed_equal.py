@@ -60,8 +60,11 @@ def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(tmp_path):
 def test_extractors_with_their_own_budgets_stop_at_one_global_count_on_every_rank(tmp_path):
     """Per-extractor budgets (`FitConfig.extractor_tokens`) count the global step's tokens: two ranks
     stop the SAE, the k-means and the VQ codebook (each updated on the rank that owns it) where one
-    process with the global batch does, and the others go on to the end."""
-    budgets = {"topk": 300, "km": 700, "vq": 500}
+    process with the global batch does, and the others go on to the end. The token log and the
+    cross-layer transcoder are the only readers of three sites: once both budgets are spent, every
+    rank captures those no more."""
+    clt = "blocks.0.mlp.in+blocks.1.mlp.in->blocks.0.mlp_out+blocks.1.mlp_out"
+    budgets = {"topk": 300, "km": 700, "vq": 500, "tokens": 400, clt: 400}
     codes, results, _ = W.spawn(F.equal_body, 2, tmp_path, None, W.CORPUS, None, budgets)
     r0, r1 = _ok(codes, results)
     alone = F.equal_fit(8, False, extractor_tokens=budgets)
@@ -71,6 +74,10 @@ def test_extractors_with_their_own_budgets_stop_at_one_global_count_on_every_ran
         assert_same_state(r0["states"][name], r1["states"][name], name)
         assert_close_state(r0["states"][name], state, name)
     assert alone["states"]["km"]["n_seen"] < whole["states"]["km"]["n_seen"]  # the budget stopped it
+    assert r0["rows"] == r1["rows"] == alone["rows"]
+    for site in ("blocks.0.mlp.in", "blocks.1.mlp.in", "blocks.0.mlp_out"):  # counted up to the budgets only
+        assert 400 <= alone["rows"][site]["seen"] < whole["rows"][site]["seen"] == whole["tokens"]
+    assert alone["rows"]["blocks.1.mlp_out"] == whole["rows"]["blocks.1.mlp_out"]  # the crosscoder reads on
 
 
 def test_each_rank_receives_and_filters_only_the_sites_it_updates(tmp_path):

@@ -118,3 +118,42 @@ def test_budgets_are_keyed_by_extractor_names():
 
     with pytest.raises(ValueError, match=r"keyed by extractor names \(a pair's is 'SOURCE->TARGET'.*\('a', 'b'\)"):
         FitConfig(extractor_tokens={("a", "b"): 10})
+
+
+def test_a_site_read_only_by_spent_extractors_is_captured_no_more():
+    """Once the deep site's only extractor has had its budget, forwards stop at the shallow site
+    (the last block runs no more), the deep site's rows count up to the budget, and every state is
+    the one a fit of both sites without the narrowing gives."""
+    shallow = "blocks.0.resid_out"
+
+    def fit(**options):
+        extractors = _extractors()
+        lens = conceptlens.attach(tiny_model("llama"), CharTokenizer())
+        calls = []
+        lens.model.model.layers[1].register_forward_hook(lambda *_: calls.append(1))
+        report = lens.fit({SITE: {"sae": extractors["sae"]}, shallow: {"km": extractors["km"]}}, DOCS,
+                          **OPTIONS, **options)
+        return report, {n: extractors[n].state_dict() for n in ("sae", "km")}, len(calls)
+
+    short, short_states, short_calls = fit(max_tokens=800)
+    long, long_states, long_calls = fit(max_tokens=2400)
+    both, states, calls = fit(max_tokens=2400, extractor_tokens={"sae": 800})
+    assert both.tokens == long.tokens and both.batches == long.batches > short.batches
+    assert calls == short_calls == short.batches < long_calls  # the last block ran for the sae's batches only
+    assert both.rows[SITE] == short.rows[SITE] and both.rows[shallow] == long.rows[shallow]
+    assert_same_state(states["sae"], short_states["sae"])
+    assert_same_state(states["km"], long_states["km"])
+
+
+def test_the_progress_bar_ends_where_the_budgets_end():
+    from conceptlens.fit import FitConfig, _progress
+    from conceptlens.fit_keys import plan_extractors
+
+    lens = conceptlens.attach(tiny_model("llama"), CharTokenizer())
+    plan = plan_extractors(lens, {SITE: _extractors()})
+    total = lambda **c: _progress(FitConfig(progress=False, **c), plan, 0).total  # noqa: E731
+    assert total(max_tokens=2400) == 2400
+    assert total(max_tokens=2400, extractor_tokens={"sae": 800}) == 2400  # the others read on
+    assert total(extractor_tokens={"sae": 800, "km": 1200, "del": 400}) == 1200
+    assert total(max_tokens=1000, extractor_tokens={"sae": 800, "km": 1200, "del": 400}) == 1000
+    assert total() is None

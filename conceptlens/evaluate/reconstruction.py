@@ -24,15 +24,11 @@ from conceptlens.evaluate.bootstrap import Estimate, bootstrap
 from conceptlens.evaluate.lines import Line
 from conceptlens.interface import AttachedModel
 from conceptlens.metrics.splice import _check_model, _replacer, splice_mask
-from conceptlens.steering.sweep_scores import logit_rows
+from conceptlens.steering import sweep_scores
+from conceptlens.steering.sweep_scores import logit_rows, vocab_size
 
 DENSE = 0.1
 """A latent is dense when it fires on more than this fraction of tokens."""
-
-LOGITS_BYTES = 512 * 2**20
-"""Most float32 logits one forward of `splice_terms` may return: a batch whose `(B, T, V)` logits
-exceed it runs as slices of rows. With Gemma-3's 262,144-token vocabulary, 16 documents of 128
-tokens give 2 GiB of logits per forward, and the clean ones stay alive through every edit."""
 
 NONE = Estimate(math.nan, math.nan, math.nan)
 
@@ -68,7 +64,7 @@ def splice_terms(lens: AttachedModel, site: str, edits: Mapping[str, Callable[[T
     device = next(lens.model.parameters()).device
     out: dict[str, list[Tensor]] = {key: [] for key in ("clean", *edits)}
     offset = 0
-    for batch in _row_slices(batches, _vocab_size(lens.model)):
+    for batch in _row_slices(batches, vocab_size(lens.model)):
         batch = {k: v.to(device) for k, v in batch.items()}
         ids = batch["input_ids"]
         mask = batch.get("attention_mask", torch.ones_like(ids))
@@ -89,20 +85,13 @@ def splice_terms(lens: AttachedModel, site: str, edits: Mapping[str, Callable[[T
     return {key: torch.cat(v) for key, v in out.items()}
 
 
-def _vocab_size(model: torch.nn.Module) -> int | None:
-    """Rows of the model's output embedding (the logits' last dimension), or None when it has none."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    weight = getattr(head, "weight", None)
-    return weight.shape[0] if isinstance(weight, torch.Tensor) else None
-
-
 def _row_slices(batches: Iterable[Mapping[str, Tensor]], vocab: int | None) -> Iterable[Mapping[str, Tensor]]:
     """Each batch, or consecutive slices of its rows (every tensor cut along its first dimension)
-    whose logits fit in `LOGITS_BYTES`; a sequence's logits do not depend on the other rows."""
+    whose float32 logits fit in `sweep_scores.LOGITS_BYTES` (the clean ones stay alive through every
+    edit); a sequence's logits do not depend on the other rows."""
     for batch in batches:
         rows, length = batch["input_ids"].shape
-        step = rows if vocab is None else max(1, LOGITS_BYTES // (length * vocab * 4))
+        step = rows if vocab is None else max(1, sweep_scores.LOGITS_BYTES // (length * vocab * 4))
         for start in range(0, rows, step):  # one slice, the whole batch, when its logits fit
             yield {k: v[start:start + step] for k, v in batch.items()}
 

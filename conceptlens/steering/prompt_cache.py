@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from conceptlens.batching import pad_right
-from conceptlens.steering.sweep_scores import Generation, _target_logprobs, logit_rows
+from conceptlens.steering import sweep_scores
+from conceptlens.steering.sweep_scores import Generation
 
 
 class PromptCache:
@@ -92,20 +93,31 @@ class PromptCache:
         return out
 
     def _rest(self, model: Any, generations: Sequence[Generation], rows: Tensor, chunk: int = 256) -> Tensor:
-        """(B,) summed log-probabilities of each continuation's tokens after its first: one forward of
-        the continuations (right-padded) after the cached prompts, its logits read `chunk` tokens at a
-        time in float64 (all at once, 288 continuations of 12 tokens made 1.8 GB of copies)."""
+        """(B,) summed log-probabilities of each continuation's tokens after its first: forwards of the
+        continuations (right-padded) after the cached prompts, whole tiles of the prompts at a time
+        within `sweep_scores.LOGITS_BYTES` of logits (Gemma-3's 262,144-token vocabulary made 1.2 GB for
+        100 continuations), each read `chunk` tokens at a time in float64 (all at once, 288
+        continuations of 12 tokens made 1.8 GB of copies). A row's logits do not depend on the others."""
         device = next(model.parameters()).device
         feed = pad_right([g.tokens[:-1].tolist() for g in generations])  # token i predicts token i + 1
         prompt_mask = self.batch["attention_mask"][rows]
         mask = torch.cat([prompt_mask, feed["attention_mask"]], 1)
         positions = prompt_mask.sum(1, keepdim=True) + torch.arange(feed["input_ids"].shape[1])
-        logits = model(input_ids=feed["input_ids"].to(device), attention_mask=mask.to(device),
-                       position_ids=positions.to(device), cache=self.tiled(len(rows) // len(self.prompts)),
-                       use_cache=True).logits  # (B, m, V)
-        row, step = feed["attention_mask"].nonzero(as_tuple=True)
-        targets = pad_right([g.tokens[1:].tolist() for g in generations])["input_ids"][row, step]
-        chunk = logit_rows(chunk, logits.shape[-1])
-        logprobs = torch.cat([_target_logprobs(logits[row[i:i + chunk].to(device), step[i:i + chunk].to(device)],
-                                               targets[i:i + chunk]) for i in range(0, len(row), chunk)])
-        return torch.zeros(len(generations), dtype=torch.float64).index_add_(0, row, logprobs)
+        targets = pad_right([g.tokens[1:].tolist() for g in generations])["input_ids"]
+        n, (b, m) = len(self.prompts), feed["input_ids"].shape
+        vocab = sweep_scores.vocab_size(model)
+        tiles = b // n if vocab is None else max(1, sweep_scores.LOGITS_BYTES // (n * m * vocab * 4))
+        total = torch.zeros(b, dtype=torch.float64)
+        for first in range(0, b, tiles * n):  # rows first.. of whole tiles: the cache is tiled alike
+            part = slice(first, min(b, first + tiles * n))
+            logits = model(input_ids=feed["input_ids"][part].to(device), attention_mask=mask[part].to(device),
+                           position_ids=positions[part].to(device), cache=self.tiled((part.stop - first) // n),
+                           use_cache=True).logits  # (rows, m, V)
+            row, step = feed["attention_mask"][part].nonzero(as_tuple=True)
+            read = sweep_scores.logit_rows(chunk, logits.shape[-1])
+            logprobs = torch.cat([sweep_scores._target_logprobs(
+                logits[row[i:i + read].to(device), step[i:i + read].to(device)], targets[part][row[i:i + read],
+                step[i:i + read]]) for i in range(0, len(row), read)] or [torch.zeros(0, dtype=torch.float64)])
+            total[first:part.stop] = torch.zeros(part.stop - first, dtype=torch.float64).index_add_(0, row, logprobs)
+            del logits
+        return total

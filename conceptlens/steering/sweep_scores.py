@@ -70,6 +70,21 @@ terms, `evaluate.reconstruction`) read: 256 rows of Gemma-3's 262,144-token voca
 copy, and the log-sum-exp made another."""
 
 
+LOGITS_BYTES = 512 * 2**20
+"""Most float32 logits one forward that scores text may return (the suite's CE-loss and KL forwards,
+`evaluate.reconstruction`; the steering perplexities' forward over continuations,
+`prompt_cache.PromptCache`): more rows run as slices. With Gemma-3's 262,144-token vocabulary,
+16 documents of 128 tokens give 2 GiB of logits, 100 continuations of 12 tokens 1.2 GiB."""
+
+
+def vocab_size(model: Any) -> int | None:
+    """Rows of the model's output embedding (the logits' last dimension), or None when it has none."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    weight = getattr(head, "weight", None)
+    return weight.shape[0] if isinstance(weight, Tensor) else None
+
+
 def logit_rows(chunk: int, vocab: int) -> int:
     """Rows of `(N, vocab)` logits read at a time: `chunk`, or fewer to keep a float64 copy within
     `CHUNK_BYTES` (each row is scored alone, so the figures do not depend on it)."""

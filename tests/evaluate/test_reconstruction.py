@@ -46,7 +46,7 @@ def _manual(model, batch, edit):
 @pytest.mark.parametrize("rows_per_forward", [None, 1, 2])
 def test_reconstruction_figures_equal_a_manual_splice_with_a_forward_hook(rows_per_forward, predictions_per_slice,
                                                                          monkeypatch):
-    """Also when a batch's logits exceed `LOGITS_BYTES` and its rows run in slices (here of 1 and 2 of
+    """Also when a batch's logits exceed `sweep_scores.LOGITS_BYTES` and its rows run in slices (here of 1 and 2 of
     its 3 rows), and when a sequence's float64 terms exceed `sweep_scores.CHUNK_BYTES` and its predictions are
     scored in slices (here of 3 of its 8): the same figures as the whole batches of the manual splice."""
     model = tiny_model("llama")
@@ -61,7 +61,7 @@ def test_reconstruction_figures_equal_a_manual_splice_with_a_forward_hook(rows_p
                             lambda x, dim: slices.append(len(x)) or log_softmax(x, dim))
     if rows_per_forward is not None:
         vocab = model.get_output_embeddings().weight.shape[0]
-        monkeypatch.setattr(reconstruction, "LOGITS_BYTES", rows_per_forward * 9 * vocab * 4)
+        monkeypatch.setattr(sweep_scores, "LOGITS_BYTES", rows_per_forward * 9 * vocab * 4)
         model.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(len(kwargs["input_ids"])),
                                         with_kwargs=True)
     g = torch.Generator().manual_seed(0)

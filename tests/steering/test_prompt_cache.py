@@ -52,3 +52,30 @@ def test_perplexity_equals_the_uncached_reading_prompt_by_prompt(setup):
             assert got[i].isnan() and ref.isnan()
         else:
             torch.testing.assert_close(got[i], ref, rtol=1e-5, atol=0)
+
+
+def test_continuations_whose_logits_exceed_the_bound_run_a_tile_at_a_time_with_the_same_perplexities(setup,
+                                                                                                      monkeypatch):
+    """Past `sweep_scores.LOGITS_BYTES` the forward over continuations runs whole tiles of the prompts
+    at a time (here one tile of 3 rows: 3 forwards for 9 continuations), each with its own copy of the
+    cache: the figures equal the single forward's and each continuation read alone."""
+    from conceptlens.steering import sweep_scores
+
+    model, tok, _ = setup
+    cached = PromptCache(model, tok, PROMPTS)
+    ids = lambda text: torch.tensor(tok(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    continuations = ["w9 w10 w11", "w2 w5", "w3 w4", "w50 w50 w50 w50 w50", "w7 w8", "w60 w61 w62 w63",
+                     "w1 w1", "w12 w13 w14", "w40 w41"]
+    generations = [Generation(PROMPTS[i % 3], c, ids(c), torch.zeros(0)) for i, c in enumerate(continuations)]
+    whole = cached.perplexity(model, generations)
+    rows = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: rows.append(len(kwargs["input_ids"])),
+                                    with_kwargs=True)
+    longest = max(len(ids(c)) for c in continuations) - 1
+    monkeypatch.setattr(sweep_scores, "LOGITS_BYTES", 3 * longest * model.get_output_embeddings().weight.shape[0] * 4)
+    sliced = cached.perplexity(model, generations)
+    assert rows == [3, 3, 3]
+    torch.testing.assert_close(sliced, whole, rtol=1e-12, atol=0)
+    for i, gen in enumerate(generations):
+        (ref,) = continuation_perplexity(model, tok, [gen])
+        torch.testing.assert_close(sliced[i], ref, rtol=1e-5, atol=0)

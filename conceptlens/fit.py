@@ -74,6 +74,9 @@ class FitReport:
     """Per site: rows seen, kept, and dropped per reason (non-finite, first position, norm outlier)."""
     stats: dict[str, Any]
     """Per extractor key: its own statistics (FVU, L0, usage, ...) when it reports any."""
+    fed: dict[str, int] = field(default_factory=dict)
+    """Per extractor key: the tokens forwarded while it was fed (`tokens`, or where its own budget,
+    `FitConfig.extractor_tokens`, stopped it); a concept set also records it in `config["fit"]`."""
     concepts: dict[str, ConceptSet] = field(repr=False, default_factory=dict)
 
     @property
@@ -87,6 +90,9 @@ class FitReport:
         resumed = f" ({new:,} after resuming at {self.resumed_from:,})" if self.resumed_from else ""
         lines = [f"{self.tokens:,} tokens{resumed} in {self.documents:,} documents, {self.seconds:.1f} s "
                  f"({rate:,.0f} tok/s)"]
+        for name, fed in self.fed.items():
+            if fed < self.tokens:
+                lines.append(f"  {name}: fed the first {fed:,} tokens, its own budget")
         for site, c in self.rows.items():
             lines.append(f"  {site}: kept {c['kept']:,} of {c['seen']:,} rows (first position {c['first_position']:,}, "
                          f"norm outliers {c['norm_outlier']:,}, non-finite {c['nonfinite']:,})")
@@ -304,6 +310,7 @@ def _report(lens: AttachedModel, plan: Plan, state: FitState, resumed_from: int,
             config: FitConfig) -> FitReport:
     concepts: dict[str, ConceptSet] = {}
     stats: dict[str, Any] = {}
+    fed = {name: state.stopped.get(name, state.tokens) for name in plan.extractors}
     for name, extractor in plan.extractors.items():
         key = plan.keys[name]
         extractor_stats = getattr(extractor, "stats", None)
@@ -320,10 +327,10 @@ def _report(lens: AttachedModel, plan: Plan, state: FitState, resumed_from: int,
         if cs.config.get("space") == "clvq_z_e":  # codes in an encoder space: a label, not a site
             cs.site = f"{key[0]}->{key[1]}:z_e"
         cs.model = cs.model or lens.name
-        cs.config.setdefault("fit", {"tokens": state.stopped.get(name, state.tokens), **fit_info})
+        cs.config.setdefault("fit", {"tokens": fed[name], **fit_info})
         concepts[name] = cs
         if config.checkpoint_dir and (state.run is None or state.run.writes):
             cs.save(Path(config.checkpoint_dir) / "concepts" / folder(name))
     return FitReport(state.tokens, state.documents, state.batches, seconds, resumed_from,
-                     {k: dict(v) for k, v in state.row_filter.counts.items()}, stats, concepts)
+                     {k: dict(v) for k, v in state.row_filter.counts.items()}, stats, fed, concepts)
 

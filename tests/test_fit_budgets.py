@@ -44,6 +44,9 @@ def test_an_extractor_with_its_own_budget_ends_as_a_fit_of_that_budget_and_the_o
     assert both.concepts["km"].config["fit"]["tokens"] == long.tokens
     assert torch.equal(both.concepts["sae"].directions, short.concepts["sae"].directions)
     assert both.stats["sae"].steps == short.stats["sae"].steps < long.stats["sae"].steps
+    assert both.fed == {"sae": short.tokens, "km": long.tokens, "del": long.tokens}
+    assert f"  sae: fed the first {short.tokens:,} tokens, its own budget" in both.summary().splitlines()
+    assert "its own budget" not in long.summary()
 
 
 def test_the_fit_stops_once_every_extractor_has_had_its_budget():

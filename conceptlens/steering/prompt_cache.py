@@ -113,11 +113,10 @@ class PromptCache:
             logits = model(input_ids=feed["input_ids"][part].to(device), attention_mask=mask[part].to(device),
                            position_ids=positions[part].to(device), cache=self.tiled((part.stop - first) // n),
                            use_cache=True).logits  # (rows, m, V)
-            row, step = feed["attention_mask"][part].nonzero(as_tuple=True)
-            read = sweep_scores.logit_rows(chunk, logits.shape[-1])
-            logprobs = torch.cat([sweep_scores._target_logprobs(
-                logits[row[i:i + read].to(device), step[i:i + read].to(device)], targets[part][row[i:i + read],
-                step[i:i + read]]) for i in range(0, len(row), read)] or [torch.zeros(0, dtype=torch.float64)])
-            total[first:part.stop] = torch.zeros(part.stop - first, dtype=torch.float64).index_add_(0, row, logprobs)
+            row, step = feed["attention_mask"][part].nonzero(as_tuple=True)  # each real token of the part
+            read, wanted = sweep_scores.logit_rows(chunk, logits.shape[-1]), targets[part]
+            scored = [sweep_scores._target_logprobs(logits[r.to(device), s.to(device)], wanted[r, s])
+                      for r, s in zip(row.split(read), step.split(read))]
+            total[part].index_add_(0, row, torch.cat(scored or [torch.zeros(0, dtype=torch.float64)]))  # a view
             del logits
         return total

@@ -95,9 +95,10 @@ class PromptCache:
     def _rest(self, model: Any, generations: Sequence[Generation], rows: Tensor, chunk: int = 256) -> Tensor:
         """(B,) summed log-probabilities of each continuation's tokens after its first: forwards of the
         continuations (right-padded) after the cached prompts, whole tiles of the prompts at a time
-        within `sweep_scores.LOGITS_BYTES` of logits, one tile at least (Gemma-3's 262,144-token vocabulary made 1.2 GB for
-        100 continuations), each read `chunk` tokens at a time in float64 (all at once, 288
-        continuations of 12 tokens made 1.8 GB of copies). A row's logits do not depend on the others."""
+        within `sweep_scores.LOGITS_BYTES` of logits, one tile at least (Gemma-3's 262,144-token
+        vocabulary made 1.2 GB for 100 continuations), each read `chunk` tokens at a time in float64
+        (all at once, 288 continuations of 12 tokens made 1.8 GB of copies). A row's logits do not
+        depend on the others."""
         device = next(model.parameters()).device
         feed = pad_right([g.tokens[:-1].tolist() for g in generations])  # token i predicts token i + 1
         prompt_mask = self.batch["attention_mask"][rows]

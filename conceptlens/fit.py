@@ -159,7 +159,7 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
     deferred = interrupts.deferred() if checkpoint is not None and run is None else nullcontext(None)
     live = _live_sites(plan, state)
     with ExitStack() as hold, deferred as ctrl_c:
-        cap = hold.enter_context(lens.capture(sorted(live), dtype=config.dtype)) if live else None
+        cap = _capture(lens, hold, live, config)
         for docs in batches if run is None else run.lockstep(batches):
             if config.max_tokens is not None and state.tokens >= config.max_tokens:
                 break  # (distributed: tokens are the global count, so every rank stops here)
@@ -168,8 +168,9 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
             n_tokens = _step(cap, tokenizer, docs, config.max_length, plan, state, lens.model)
             state.advance(docs, n_tokens)  # (distributed: the global step's tokens)
             _spend_budgets(config.extractor_tokens, state)
-            if (now := _live_sites(plan, state)) != live:  # a site only spent extractors read: captured no
-                cap, live = _narrowed(lens, hold, cap, now, config), now  # more (every rank alike)
+            if (now := _live_sites(plan, state)) != live:  # a site only spent extractors read is captured
+                cap.close()  # no more: forwards stop at the deepest site still read (every rank alike)
+                cap, live = _capture(lens, hold, now, config), now
             bar.update(n_tokens)
             if checkpoint is not None and next_checkpoint is not None and state.tokens >= next_checkpoint:
                 state.save(checkpoint)
@@ -196,10 +197,9 @@ def _live_sites(plan: Plan, state: FitState) -> set[str]:
     return {site for name, key in plan.keys.items() if name not in state.stopped for site in key_sites(key)}
 
 
-def _narrowed(lens: AttachedModel, hold: ExitStack, cap: Any, sites: set[str], config: FitConfig) -> Any:
-    """The fit's capture of `sites` only, once budgets are spent: forwards stop at the deepest site
-    still read and filter no other (`FitReport.rows` counts a spent site's rows up to its budget)."""
-    cap.close()
+def _capture(lens: AttachedModel, hold: ExitStack, sites: set[str], config: FitConfig) -> Any:
+    """The fit's capture of `sites` (those `_live_sites` gives: a spent site is neither copied nor
+    filtered, so `FitReport.rows` counts its rows up to its budget), held open by `hold`; None for none."""
     return hold.enter_context(lens.capture(sorted(sites), dtype=config.dtype)) if sites else None
 
 

@@ -36,6 +36,24 @@ def test_generations_equal_uncached_ones_unsteered_and_steered(setup):
     assert [g.text for g in fast[:3]] != [g.text for g in plain]  # alpha 8 does steer
 
 
+def test_the_prompts_forward_computes_the_last_positions_logits_only(setup):
+    """The cache keeps the prompts' last next-token log-probabilities; the unembedding runs on the last
+    position alone (`logits_to_keep=1`), and they equal a plain forward's."""
+    model, tok, _ = setup
+    shapes = []
+    handle = model.get_output_embeddings().register_forward_hook(lambda m, i, o: shapes.append(tuple(o.shape)))
+    try:
+        cached = PromptCache(model, tok, PROMPTS)
+    finally:
+        handle.remove()
+    assert [s[:2] for s in shapes] == [(len(PROMPTS), 1)]
+    batch = _left_padded(tok, PROMPTS)
+    positions = (batch["attention_mask"].cumsum(1) - 1).clamp_min(0)
+    with torch.no_grad():
+        full = model(**batch, position_ids=positions).logits[:, -1].double().log_softmax(-1)
+    torch.testing.assert_close(cached.last, full, rtol=1e-5, atol=1e-6)
+
+
 def test_perplexity_equals_the_uncached_reading_prompt_by_prompt(setup):
     model, tok, _ = setup
     cached = PromptCache(model, tok, PROMPTS)

@@ -123,29 +123,47 @@ def test_budgets_are_keyed_by_extractor_names():
         FitConfig(extractor_tokens={("a", "b"): 10})
 
 
+SHALLOW = "blocks.0.resid_out"
+
+
+def _two_sites(**options):
+    """The SAE at the deep site, k-means at the shallow one: the report, both states, and how many
+    times the last block ran."""
+    extractors = _extractors()
+    lens = conceptlens.attach(tiny_model("llama"), CharTokenizer())
+    calls = []
+    lens.model.model.layers[1].register_forward_hook(lambda *_: calls.append(1))
+    report = lens.fit({SITE: {"sae": extractors["sae"]}, SHALLOW: {"km": extractors["km"]}}, DOCS,
+                      **OPTIONS, **options)
+    return report, {n: extractors[n].state_dict() for n in ("sae", "km")}, len(calls)
+
+
 def test_a_site_read_only_by_spent_extractors_is_captured_no_more():
     """Once the deep site's only extractor has had its budget, forwards stop at the shallow site
     (the last block runs no more), the deep site's rows count up to the budget, and every state is
     the one a fit of both sites without the narrowing gives."""
-    shallow = "blocks.0.resid_out"
-
-    def fit(**options):
-        extractors = _extractors()
-        lens = conceptlens.attach(tiny_model("llama"), CharTokenizer())
-        calls = []
-        lens.model.model.layers[1].register_forward_hook(lambda *_: calls.append(1))
-        report = lens.fit({SITE: {"sae": extractors["sae"]}, shallow: {"km": extractors["km"]}}, DOCS,
-                          **OPTIONS, **options)
-        return report, {n: extractors[n].state_dict() for n in ("sae", "km")}, len(calls)
-
-    short, short_states, short_calls = fit(max_tokens=800)
-    long, long_states, long_calls = fit(max_tokens=2400)
-    both, states, calls = fit(max_tokens=2400, extractor_tokens={"sae": 800})
+    short, short_states, short_calls = _two_sites(max_tokens=800)
+    long, long_states, long_calls = _two_sites(max_tokens=2400)
+    both, states, calls = _two_sites(max_tokens=2400, extractor_tokens={"sae": 800})
     assert both.tokens == long.tokens and both.batches == long.batches > short.batches
     assert calls == short_calls == short.batches < long_calls  # the last block ran for the sae's batches only
-    assert both.rows[SITE] == short.rows[SITE] and both.rows[shallow] == long.rows[shallow]
+    assert both.rows[SITE] == short.rows[SITE] and both.rows[SHALLOW] == long.rows[SHALLOW]
     assert_same_state(states["sae"], short_states["sae"])
     assert_same_state(states["km"], long_states["km"])
+
+
+def test_a_fit_resumed_after_the_deep_sites_budget_starts_at_the_shallow_site(tmp_path):
+    """Resumed from a checkpoint taken after the deep site's budget was spent, the fit captures the
+    shallow site only from its first batch (the last block never runs) and ends as the fit that was
+    never stopped."""
+    _, whole, _ = _two_sites(max_tokens=2400, extractor_tokens={"sae": 800})
+    first, _, _ = _two_sites(max_tokens=1600, extractor_tokens={"sae": 800}, checkpoint_dir=str(tmp_path))
+    resumed, states, calls = _two_sites(max_tokens=2400, extractor_tokens={"sae": 800},
+                                        checkpoint_dir=str(tmp_path))
+    assert resumed.resumed_from == first.tokens > 800 and resumed.batches > 0
+    assert calls == 0
+    for name in whole:
+        assert_same_state(states[name], whole[name], name)
 
 
 def test_the_progress_bar_ends_where_the_budgets_end():

@@ -50,10 +50,14 @@ class PromptCache:
 
     def tiled(self, copies: int, drop: int = 0) -> Any:
         """A fresh copy of the cache for `copies` tiles of the prompts, less its last `drop` positions."""
+        return self._rows(torch.arange(len(self.prompts)).repeat(copies), drop)
+
+    def _rows(self, rows: Tensor, drop: int = 0) -> Any:
+        """A fresh copy of the cache whose batch row i holds prompt `rows[i]`, less its last `drop` positions."""
         cache = copy.deepcopy(self.cache)
         if drop:
             cache.crop(-drop)
-        cache.batch_select_indices(torch.arange(len(self.prompts)).repeat(copies).to(self.last.device))
+        cache.batch_select_indices(rows.to(self.last.device))
         return cache
 
     def generate(self, model: Any, tokenizer: Any, copies: int, **kwargs: Any) -> list[Generation]:
@@ -95,8 +99,8 @@ class PromptCache:
 
     def _rest(self, model: Any, generations: Sequence[Generation], rows: Tensor, chunk: int = 256) -> Tensor:
         """(B,) summed log-probabilities of each continuation's tokens after its first: forwards of the
-        continuations (right-padded) after the cached prompts, whole tiles of the prompts at a time
-        within `sweep_scores.LOGITS_BYTES` of logits, one tile at least (Gemma-3's 262,144-token
+        continuations (right-padded) after the cached prompts (row b's prompt is `rows[b]`), as many rows
+        at a time as fit `sweep_scores.LOGITS_BYTES` of logits, one at least (Gemma-3's 262,144-token
         vocabulary made 1.2 GB for 100 continuations), each read `chunk` tokens at a time in float64
         (all at once, 288 continuations of 12 tokens made 1.8 GB of copies). A row's logits do not
         depend on the others."""
@@ -106,14 +110,14 @@ class PromptCache:
         mask = torch.cat([prompt_mask, feed["attention_mask"]], 1)
         positions = prompt_mask.sum(1, keepdim=True) + torch.arange(feed["input_ids"].shape[1])
         targets = pad_right([g.tokens[1:].tolist() for g in generations])["input_ids"]
-        n, (b, m) = len(self.prompts), feed["input_ids"].shape
+        b, m = feed["input_ids"].shape
         vocab = sweep_scores.vocab_size(model)
-        tiles = b // n if vocab is None else max(1, sweep_scores.LOGITS_BYTES // (n * m * vocab * 4))
+        per = b if vocab is None else max(1, sweep_scores.LOGITS_BYTES // (m * vocab * 4))
         total = torch.zeros(b, dtype=torch.float64)
-        for first in range(0, b, tiles * n):  # rows first.. of whole tiles: the cache is tiled alike
-            part = slice(first, min(b, first + tiles * n))
+        for first in range(0, b, per):
+            part = slice(first, min(b, first + per))
             logits = model(input_ids=feed["input_ids"][part].to(device), attention_mask=mask[part].to(device),
-                           position_ids=positions[part].to(device), cache=self.tiled((part.stop - first) // n),
+                           position_ids=positions[part].to(device), cache=self._rows(rows[part]),
                            use_cache=True).logits  # (rows, m, V)
             row, step = feed["attention_mask"][part].nonzero(as_tuple=True)  # each real token of the part
             read, wanted = sweep_scores.logit_rows(chunk, logits.shape[-1]), targets[part]

@@ -72,11 +72,12 @@ def test_perplexity_equals_the_uncached_reading_prompt_by_prompt(setup):
             torch.testing.assert_close(got[i], ref, rtol=1e-5, atol=0)
 
 
-def test_continuations_whose_logits_exceed_the_bound_run_a_tile_at_a_time_with_the_same_perplexities(setup,
-                                                                                                      monkeypatch):
-    """Past `sweep_scores.LOGITS_BYTES` the forward over continuations runs whole tiles of the prompts
-    at a time (here one tile of 3 rows: 3 forwards for 9 continuations), each with its own copy of the
-    cache: the figures equal the single forward's and each continuation read alone."""
+def test_continuations_whose_logits_exceed_the_bound_run_a_slice_at_a_time_with_the_same_perplexities(setup,
+                                                                                                       monkeypatch):
+    """Past `sweep_scores.LOGITS_BYTES` the forward over continuations runs as many rows at a time as fit
+    (here 2 of the 3 prompts' tile: 5 forwards for 9 continuations, slices that cut across tiles), each
+    with its own copy of those rows' cache: the figures equal the single forward's and each
+    continuation read alone."""
     from conceptlens.steering import sweep_scores
 
     model, tok, _ = setup
@@ -87,12 +88,15 @@ def test_continuations_whose_logits_exceed_the_bound_run_a_tile_at_a_time_with_t
     generations = [Generation(PROMPTS[i % 3], c, ids(c), torch.zeros(0)) for i, c in enumerate(continuations)]
     whole = cached.perplexity(model, generations)
     rows = []
-    model.register_forward_pre_hook(lambda module, args, kwargs: rows.append(len(kwargs["input_ids"])),
-                                    with_kwargs=True)
+    handle = model.register_forward_pre_hook(lambda module, args, kwargs: rows.append(len(kwargs["input_ids"])),
+                                             with_kwargs=True)
     longest = max(len(ids(c)) for c in continuations) - 1
-    monkeypatch.setattr(sweep_scores, "LOGITS_BYTES", 3 * longest * model.get_output_embeddings().weight.shape[0] * 4)
-    sliced = cached.perplexity(model, generations)
-    assert rows == [3, 3, 3]
+    monkeypatch.setattr(sweep_scores, "LOGITS_BYTES", 2 * longest * model.get_output_embeddings().weight.shape[0] * 4)
+    try:
+        sliced = cached.perplexity(model, generations)
+    finally:
+        handle.remove()
+    assert rows == [2, 2, 2, 2, 1]
     torch.testing.assert_close(sliced, whole, rtol=1e-12, atol=0)
     for i, gen in enumerate(generations):
         (ref,) = continuation_perplexity(model, tok, [gen])

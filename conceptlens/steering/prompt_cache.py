@@ -131,5 +131,5 @@ class PromptCache:
 def _last_logits_only(model: Any) -> dict[str, int]:
     """`logits_to_keep=1` where the model's forward takes it (HF's causal LMs): the prompts' forward
     needs only the last position's logits, and all of them are (n, T, V) floats (Gemma-3's
-    262,144-token vocabulary made 170 MB for the demo's 16 prompts)."""
+    262,144-token vocabulary made 170 MB for the steering part's 16 prompts)."""
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}

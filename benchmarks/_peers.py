@@ -8,7 +8,9 @@ own recommended hyper-parameters, and gives raw-unit reconstructions for evaluat
   AuxK for TopK); the mixing buffer is one batch since the rows come shuffled. `ours-topk-lr10x`
   (and `-lr3x`, and the same for BatchTopK and JumpReLU) is that model at 10x (3x) the lr, the
   short-budget setting `peers_ablate.py` supports (not the library default; `conceptlens fit`
-  gives 7.4x at 262 steps of 4096, `short_budget_lr`, see `lr_budget.py`).
+  gives 7.4x at 262 steps of 4096, `short_budget_lr`, see `lr_budget.py`). `ours-topk-budget` (and
+  the same for BatchTopK and JumpReLU) is that model at the lr `conceptlens fit` gives it for the
+  run's steps: what a user of the command line trains.
 - SAELens: its own `SAETrainer.step` (the seam its `fit` loop and `MultiSAETrainer` call) on
   a `TopKTrainingSAE` / `BatchTopKTrainingSAE`, with `SAETrainerConfig`'s defaults (Adam lr
   3e-4, constant schedule, grad-norm clip 1, no activation normalisation).
@@ -145,9 +147,11 @@ def default_lr(cls: type, width: int) -> float:
     return float(cls.Config(width=width, **({"k": 1} if "k" in cls.Config.__dataclass_fields__ else {})).learning_rate())
 
 
-def makers(d: int, width: int, k: int, batch: int) -> dict[str, Callable[[], Trainer]]:
-    """Every trainer that can run here, by name: ours always, the peers when importable."""
+def makers(d: int, width: int, k: int, batch: int, steps: int | None = None) -> dict[str, Callable[[], Trainer]]:
+    """Every trainer that can run here, by name: ours always, the peers when importable; given the run's
+    `steps`, also ours at the lr `conceptlens fit` gives an SAE for that budget (`-budget`)."""
     from conceptlens.concepts.sae import BatchTopKSAE, JumpReLUSAE, TopKSAE
+    from conceptlens.concepts.sae.config import short_budget_lr
 
     out: dict[str, Callable[[], Trainer]] = {}
     for arch, cls in (("topk", TopKSAE), ("batchtopk", BatchTopKSAE), ("jumprelu", JumpReLUSAE)):
@@ -156,6 +160,9 @@ def makers(d: int, width: int, k: int, batch: int) -> dict[str, Callable[[], Tra
         for times in (3, 10):
             out[f"ours-{arch}-lr{times}x"] = lambda cls=cls, times=times: Ours(
                 cls, d, width, k, batch, lr=times * default_lr(cls, width))
+        if steps is not None:
+            out[f"ours-{arch}-budget"] = lambda cls=cls: Ours(cls, d, width, k, batch,
+                                                             lr=short_budget_lr(width, max(1, steps), batch))
     if importlib.util.find_spec("sae_lens") is not None:
         out["saelens-topk"] = lambda: SAELens("topk", d, width, k, batch)
         out["saelens-batchtopk"] = lambda: SAELens("batchtopk", d, width, k, batch)

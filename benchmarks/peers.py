@@ -235,7 +235,7 @@ def main() -> None:
     train = torch.cat([rows] + [rows[torch.randperm(len(rows), generator=torch.Generator().manual_seed(e))]
                                 for e in range(1, args.epochs)])
     held_out = block15_rows(16384, split="test")[:args.held_out]
-    available = makers(train.shape[1], args.width, args.k, args.batch)
+    available = makers(train.shape[1], args.width, args.k, args.batch, steps=train.shape[0] // args.batch)
     names = args.trainers.split(",")
     missing = [n for n in names if n not in available]
     if missing:

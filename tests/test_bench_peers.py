@@ -129,3 +129,17 @@ def test_lr_variants_scale_each_models_default_lr() -> None:
         for times in (3, 10):
             sae = available[f"ours-{arch}-lr{times}x"]().sae
             assert type(sae) is cls and sae.config.learning_rate() == times * default
+
+
+def test_budget_variants_take_the_lr_conceptlens_fit_gives_for_the_runs_steps() -> None:
+    """`ours-ARCH-budget`: the lr `conceptlens fit` writes into run.toml for an SAE entry without one
+    (`budget_lr`) at a budget of `steps` batches."""
+    from conceptlens.commands.extractor_specs import budget_lr
+
+    assert "ours-topk-budget" not in _peers.makers(D, WIDTH, K, BATCH)  # the run's steps unknown
+    steps = 37
+    available = _peers.makers(D, WIDTH, K, BATCH, steps=steps)
+    for arch in ("topk", "batchtopk", "jumprelu"):
+        spec = {"method": arch, "width": WIDTH, "batch_size": BATCH}
+        lr = available[f"ours-{arch}-budget"]().sae.config.learning_rate()
+        assert lr == budget_lr(spec, steps * BATCH) > 2e-4 * math.sqrt(16384 / WIDTH)

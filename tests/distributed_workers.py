@@ -149,6 +149,20 @@ def sae_batches(n: int = 15) -> list[torch.Tensor]:
             for _ in range(n)]
 
 
+def jumprelu_body(comm: Comm, out: Path, sparse: bool) -> dict:
+    """A JumpReLU SAE's DDP steps on halves of `sae_batches`, through its sparse CPU step or the dense one."""
+    from conceptlens.concepts.sae import JumpReLUSAE, jumprelu
+
+    jumprelu.sparse_backward = lambda rows: sparse  # this spawned process's own module
+    sae = JumpReLUSAE(width=16, batch_size=32, buffer_size=32, warmup_tokens=64, b_dec_init="zeros",
+                      bandwidth=0.5, seed=5)
+    sae.comm = comm
+    for x in sae_batches():
+        half = x.shape[0] // 2
+        sae.update(x[:half] if comm.rank == 0 else x[half:])
+    return {k: v.detach() for k, v in sae.params.items()}
+
+
 def quality_body(comm: Comm, out: Path, shards: list[torch.Tensor]) -> dict:
     """Deleuzian and an SAE with their mixing buffers on, fed this rank's uneven shard."""
     dz, sae = quality_extractors()

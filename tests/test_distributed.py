@@ -50,6 +50,21 @@ def test_step_statistics_are_all_reduced_so_two_ranks_equal_one_process(tmp_path
         assert torch.equal(r0["sae_bf16"][name], r1["sae_bf16"][name])
 
 
+def test_a_jumprelu_sae_steps_alike_on_ranks_through_its_sparse_step(tmp_path):
+    """The DDP step decodes a JumpReLU code densely from its active and near-threshold entries; the
+    thresholds learn as through the dense step, and the ranks agree bit for bit."""
+    params = []
+    for sparse in (True, False):
+        codes, results, _ = W.spawn(W.jumprelu_body, 2, tmp_path / str(sparse), sparse)
+        r0, r1 = _ok(codes, results)
+        for name in r0:
+            assert torch.equal(r0[name], r1[name])
+        params.append(r0)
+    assert not torch.equal(params[0]["log_threshold"], params[0]["log_threshold"][0].expand(16))  # thresholds moved apart
+    for name, value in params[0].items():
+        torch.testing.assert_close(value, params[1][name], rtol=1e-4, atol=1e-5)
+
+
 def _planted(n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     dirs = 4 * torch.nn.functional.normalize(torch.randn(6, 10, generator=torch.Generator().manual_seed(0)), dim=1)

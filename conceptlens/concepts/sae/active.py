@@ -11,6 +11,8 @@ but those entries of the dense product's gradient are zero; its backward (x^T @ 
 costs O(B width d), as much as the forward. Here the encoder weights' gradient is a sparse-dense
 product over the active entries, O(B k d): the same gradient up to float summation order. On CPU
 only: on a GPU the dense product is cheap and the sparse one would read its size back to the host.
+A JumpReLU code gathers its active entries and those within half a bandwidth of their threshold
+(value 0), whose gradient the thresholds' straight-through estimator reads (`sae/jumprelu.py`).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from conceptlens.concepts.sae.active import Active, active_decode, active_pre, entry_rows, sparse_backward
 from conceptlens.concepts.sae.base import Code, SparseAutoencoder
 from conceptlens.concepts.sae.config import SAEConfig, check_float
 
@@ -51,7 +52,7 @@ class JumpReLUFunction(torch.autograd.Function):
         eps = ctx.bandwidth
         grad_pre = (pre > theta).to(grad.dtype) * grad
         grad_theta = -(theta / eps) * _rectangle((pre - theta) / eps) * grad
-        return grad_pre, grad_theta.sum(0), None
+        return grad_pre, grad_theta.sum_to_size(theta.shape), None
 
 
 class StepFunction(torch.autograd.Function):
@@ -68,7 +69,7 @@ class StepFunction(torch.autograd.Function):
         pre, theta = ctx.saved_tensors
         eps = ctx.bandwidth
         grad_theta = -(1 / eps) * _rectangle((pre - theta) / eps) * grad
-        return None, grad_theta.sum(0), None
+        return None, grad_theta.sum_to_size(theta.shape), None
 
 
 @dataclass(kw_only=True)
@@ -115,6 +116,35 @@ class JumpReLUSAE(SparseAutoencoder):
     def _activate(self, pre: Tensor, w: dict[str, Tensor], train: bool) -> Tensor:
         return JumpReLUFunction.apply(pre, w["threshold"], self._bandwidth())
 
+    def _encode(self, x: Tensor, w: dict[str, Tensor], train: bool) -> Code:
+        """In training on CPU, the code of the entries the step's gradients touch: the active ones
+        (pre > theta) and, for the threshold's straight-through estimator, those within half a
+        bandwidth of it (value 0 when below). The dense product only selects them; the encoder's
+        backward and the decode touch only them (`sae/active.py`), and each gets JumpReLU's value
+        and gradients, so the step's gradients are the dense step's up to summation order."""
+        if not (train and sparse_backward(x)):
+            return super()._encode(x, w, train)
+        theta, eps = w["threshold"], self._bandwidth()
+        with torch.no_grad():
+            pre = torch.addmm(w["b_enc"], x - w["b_dec"], w["W_enc"])  # (B, width)
+            touched = (pre > theta) | ((pre - theta).abs() < eps / 2)
+            rows, latents = touched.nonzero(as_tuple=True)  # (M,) each, grouped by row
+            offsets = torch.searchsorted(rows, torch.arange(pre.shape[0], device=rows.device))  # (B,)
+        values = JumpReLUFunction.apply(active_pre(pre, rows, latents, x, w), theta[latents], eps)  # (M,)
+        return Code(None, pre, Active(values, latents, offsets))
+
+    def _forward(self, x: Tensor, w: dict[str, Tensor]) -> tuple[Tensor, Code, Tensor]:
+        code = self._encode(x.to(self.compute_dtype), w, train=True)
+        if code.active is None:
+            return x, code, self._decode(code.z, w, train=True)
+        a = code.active
+        return x, code, active_decode(a.latents, a.values, a.offsets, w["W_dec"]) + w["b_dec"]
+
     def _penalty(self, x: Tensor, x_hat: Tensor, code: Code, w: dict[str, Tensor]) -> Tensor:
-        active = StepFunction.apply(code.pre, w["threshold"], self._bandwidth())  # (B, width)
-        return self.config.l0 * active.sum(-1).mean()
+        theta, eps = w["threshold"], self._bandwidth()
+        if code.active is None:
+            active = StepFunction.apply(code.pre, theta, eps)  # (B, width)
+            return self.config.l0 * active.sum(-1).mean()
+        a = code.active  # every active entry and every one the kernel reaches: the rest add 0, value and gradient
+        pre = code.pre[entry_rows(a.offsets, len(a.latents)), a.latents]  # (M,)
+        return self.config.l0 * StepFunction.apply(pre, theta[a.latents], eps).sum() / code.pre.shape[0]

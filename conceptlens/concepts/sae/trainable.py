@@ -24,7 +24,7 @@ class Code:
     """An encoding: the latents and the pre-activations they were gated from.
 
     `pre` `(N, width)`: the pre-activations (for SpaDE: the scaled negative squared distances);
-    `active`: a sparse training code's nonzeros row by row (TopK variants on CPU), which the step
+    `active`: a sparse training code's entries row by row (TopK variants and JumpReLU on CPU), which the step
     decodes, counts and takes its losses from without a pass over `z`.
     """
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from conceptlens.concepts.sae import BatchTopKSAE, MatryoshkaSAE, TopKSAE
-from conceptlens.concepts.sae import active, batchtopk, topk
+from conceptlens.concepts.sae import BatchTopKSAE, JumpReLUSAE, MatryoshkaSAE, TopKSAE
+from conceptlens.concepts.sae import active, batchtopk, jumprelu, topk
 from conceptlens.concepts.sae.active import Active, active_decode, active_pre, prefix_losses, row_major
 from conceptlens.concepts.sae.base import Code
 from conceptlens.concepts.sae.nested import ActMSAE
@@ -95,6 +95,44 @@ def test_counts_and_threshold_from_the_active_latents_equal_the_dense_ones(cls):
     assert fired[0][1].last.fvu == pytest.approx(fired[1][1].last.fvu, rel=1e-4)
     assert float(fired[0][2]) == pytest.approx(float(fired[1][2]), rel=1e-5)  # BatchTopK's inference threshold
     assert (float(fired[0][2]) > 0) == (cls is BatchTopKSAE)
+
+
+def test_jumprelu_training_step_equals_the_dense_step(monkeypatch):
+    """The sparse step reads only the active entries and those within half a bandwidth of their
+    threshold: the loss, the reconstruction and every gradient (the thresholds' straight-through
+    ones from the reconstruction and from the L0 penalty included) are the dense step's."""
+    x = 1 + 2 * torch.randn(300, 8, generator=torch.Generator().manual_seed(0))
+    results = []
+    for sparse in (True, False):
+        monkeypatch.setattr(jumprelu, "sparse_backward", lambda rows: sparse)
+        sae = JumpReLUSAE(width=32, batch_size=100, warmup_tokens=100, buffer_size=100, bandwidth=0.5, seed=0)
+        sae.update(x[:200])
+        batch = sae._normalise(x[200:])
+        w = sae._compute_weights()
+        target, code, x_hat = sae._forward(batch, w)
+        assert (code.active is not None) == sparse
+        if sparse:  # the code holds every active entry, and entries below the threshold with value 0
+            dense = JumpReLUSAE._encode(sae, batch, w, train=False).z.detach()
+            assert torch.equal(code.z.detach(), dense) and len(code.active.values) > int(dense.ne(0).sum()) > 0
+        loss = sae._recon_loss(target, code, x_hat, w) + sae._penalty(target, x_hat, code, w)
+        loss.backward()
+        results.append([loss.detach(), x_hat.detach()] + [p.grad.clone() for p in sae.params.values()])
+    assert results[1][-1].ne(0).sum() > 4  # several thresholds have a gradient
+    for sparse, dense in zip(*results):
+        torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-6)
+
+
+def test_jumprelu_fit_equals_the_dense_fit(monkeypatch):
+    x = 1 + 2 * torch.randn(1000, 8, generator=torch.Generator().manual_seed(2))
+    fits = []
+    for sparse in (True, False):
+        monkeypatch.setattr(jumprelu, "sparse_backward", lambda rows: sparse)
+        sae = JumpReLUSAE(width=32, batch_size=100, warmup_tokens=100, buffer_size=100, seed=0)
+        sae.update(x)
+        fits.append(sae)
+    assert torch.equal(fits[0].trainer.tracker.fired, fits[1].trainer.tracker.fired)
+    for name, value in fits[0].params.items():
+        torch.testing.assert_close(value, fits[1].params[name], rtol=1e-4, atol=1e-5)
 
 
 def test_sparse_backward_only_on_cpu():

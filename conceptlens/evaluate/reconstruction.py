@@ -24,8 +24,7 @@ from conceptlens.evaluate.bootstrap import Estimate, bootstrap
 from conceptlens.evaluate.lines import Line
 from conceptlens.interface import AttachedModel
 from conceptlens.metrics.splice import _check_model, _replacer, splice_mask
-from conceptlens.steering import sweep_scores
-from conceptlens.steering.sweep_scores import logit_rows, vocab_size
+from conceptlens.steering.sweep_scores import forward_rows, logit_rows, vocab_size
 
 DENSE = 0.1
 """A latent is dense when it fires on more than this fraction of tokens."""
@@ -91,7 +90,7 @@ def _row_slices(batches: Iterable[Mapping[str, Tensor]], vocab: int | None) -> I
     edit); a sequence's logits do not depend on the other rows."""
     for batch in batches:
         rows, length = batch["input_ids"].shape
-        step = rows if vocab is None else max(1, sweep_scores.LOGITS_BYTES // (length * vocab * 4))
+        step = forward_rows(rows, length, vocab)
         for start in range(0, rows, step):  # one slice, the whole batch, when its logits fit
             yield {k: v[start:start + step] for k, v in batch.items()}
 

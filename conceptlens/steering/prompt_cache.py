@@ -111,8 +111,7 @@ class PromptCache:
         positions = prompt_mask.sum(1, keepdim=True) + torch.arange(feed["input_ids"].shape[1])
         targets = pad_right([g.tokens[1:].tolist() for g in generations])["input_ids"]
         b, m = feed["input_ids"].shape
-        vocab = sweep_scores.vocab_size(model)
-        per = b if vocab is None else max(1, sweep_scores.LOGITS_BYTES // (m * vocab * 4))
+        per = sweep_scores.forward_rows(b, m, sweep_scores.vocab_size(model))
         total = torch.zeros(b, dtype=torch.float64)
         for first in range(0, b, per):
             part = slice(first, min(b, first + per))

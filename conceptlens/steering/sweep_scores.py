@@ -77,6 +77,12 @@ LOGITS_BYTES = 512 * 2**20
 16 documents of 128 tokens give 2 GiB of logits, 100 continuations of 12 tokens 1.2 GiB."""
 
 
+def forward_rows(rows: int, length: int, vocab: int | None) -> int:
+    """Rows of `length` tokens one forward may take so that its float32 logits fit `LOGITS_BYTES`:
+    all `rows` when the vocabulary is unknown (`vocab_size` None), one at least."""
+    return rows if vocab is None else max(1, LOGITS_BYTES // (length * vocab * 4))
+
+
 def vocab_size(model: Any) -> int | None:
     """Rows of the model's output embedding (the logits' last dimension), or None when it has none."""
     get = getattr(model, "get_output_embeddings", None)

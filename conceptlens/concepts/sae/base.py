@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from conceptlens._checks import check_int
 from conceptlens.concepts.base import ExtractorBase, NotFittedError
 from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.concepts.sae.active import active_decode
 from conceptlens.concepts.sae.buffers import TensorModule
 from conceptlens.concepts.sae.config import SAEConfig, build_config
 from conceptlens.concepts.sae.persist import EXTRA, SAEState, WarmUp, module_layout
@@ -150,9 +151,14 @@ class SparseAutoencoder(ExtractorBase, TensorModule):
 
     def _forward(self, x: Tensor, w: dict[str, Tensor]) -> tuple[Tensor, Code, Tensor]:
         """The target, the code and its reconstruction for a normalised batch (a transcoder
-        reads part of each row and reconstructs the rest)."""
+        reads part of each row and reconstructs the rest). A code given as its active entries
+        (`Code.active`: TopK variants and JumpReLU on CPU) is decoded by gathering their decoder
+        rows, with no dense `(B, width)` code."""
         code = self._encode(x.to(self.compute_dtype), w, train=True)
-        return x, code, self._decode(code.z, w, train=True)
+        if code.active is None:
+            return x, code, self._decode(code.z, w, train=True)
+        a = code.active
+        return x, code, active_decode(a.latents, a.values, a.offsets, w["W_dec"]) + w["b_dec"]
 
     def _weights(self) -> dict[str, Tensor]:
         """The weights the encoding uses, derived from `params` and `buffers` (differentiable)."""

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from conceptlens.concepts.sae.active import Active, active_decode, active_pre, entry_rows, sparse_backward
+from conceptlens.concepts.sae.active import Active, active_pre, entry_rows, sparse_backward
 from conceptlens.concepts.sae.base import Code, SparseAutoencoder
 from conceptlens.concepts.sae.config import SAEConfig, check_float
 
@@ -132,13 +132,6 @@ class JumpReLUSAE(SparseAutoencoder):
             offsets = torch.searchsorted(rows, torch.arange(pre.shape[0], device=rows.device))  # (B,)
         values = JumpReLUFunction.apply(active_pre(pre, rows, latents, x, w), theta[latents], eps)  # (M,)
         return Code(None, pre, Active(values, latents, offsets))
-
-    def _forward(self, x: Tensor, w: dict[str, Tensor]) -> tuple[Tensor, Code, Tensor]:
-        code = self._encode(x.to(self.compute_dtype), w, train=True)
-        if code.active is None:
-            return x, code, self._decode(code.z, w, train=True)
-        a = code.active
-        return x, code, active_decode(a.latents, a.values, a.offsets, w["W_dec"]) + w["b_dec"]
 
     def _penalty(self, x: Tensor, x_hat: Tensor, code: Code, w: dict[str, Tensor]) -> Tensor:
         theta, eps = w["threshold"], self._bandwidth()

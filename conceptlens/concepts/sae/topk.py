@@ -84,14 +84,6 @@ class TopKSAE(SparseAutoencoder):
         values = active_pre(pre, rows, latents, x, w).relu()  # (M,)
         return Code(None, pre, Active(values, latents, offsets))  # the dense z only if something reads it
 
-    def _forward(self, x: Tensor, w: dict[str, Tensor]) -> tuple[Tensor, Code, Tensor]:
-        code = self._encode(x.to(self.compute_dtype), w, train=True)
-        if code.active is None:
-            return x, code, self._decode(code.z, w, train=True)
-        a = code.active  # the decode gathers the active rows: no second top-k over z
-        x_hat = active_decode(a.latents, a.values, a.offsets, w["W_dec"])
-        return x, code, x_hat + w["b_dec"]
-
     def _activate(self, pre: Tensor, w: dict[str, Tensor], train: bool) -> Tensor:
         return topk_relu(pre, self.config.k)
 

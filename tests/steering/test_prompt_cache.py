@@ -97,7 +97,7 @@ def test_continuations_whose_logits_exceed_the_bound_run_a_slice_at_a_time_with_
     finally:
         handle.remove()
     assert rows == [2, 2, 2, 2, 1]
-    torch.testing.assert_close(sliced, whole, rtol=1e-12, atol=0)
+    torch.testing.assert_close(sliced, whole, rtol=1e-6, atol=0)  # forwards of other shapes: rounding may differ
     for i, gen in enumerate(generations):
         (ref,) = continuation_perplexity(model, tok, [gen])
         torch.testing.assert_close(sliced[i], ref, rtol=1e-5, atol=0)

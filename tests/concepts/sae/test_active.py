@@ -113,7 +113,8 @@ def test_jumprelu_training_step_equals_the_dense_step(monkeypatch):
         assert (code.active is not None) == sparse
         if sparse:  # the code holds every active entry, and entries below the threshold with value 0
             dense = JumpReLUSAE._encode(sae, batch, w, train=False).z.detach()
-            assert torch.equal(code.z.detach(), dense) and len(code.active.values) > int(dense.ne(0).sum()) > 0
+            torch.testing.assert_close(code.z.detach(), dense, rtol=1e-5, atol=1e-6)
+            assert len(code.active.values) > int(dense.ne(0).sum()) > 0
         loss = sae._recon_loss(target, code, x_hat, w) + sae._penalty(target, x_hat, code, w)
         loss.backward()
         results.append([loss.detach(), x_hat.detach()] + [p.grad.clone() for p in sae.params.values()])
@@ -130,7 +131,9 @@ def test_jumprelu_fit_equals_the_dense_fit(monkeypatch):
         sae = JumpReLUSAE(width=32, batch_size=100, warmup_tokens=100, buffer_size=100, seed=0)
         sae.update(x)
         fits.append(sae)
-    assert torch.equal(fits[0].trainer.tracker.fired, fits[1].trainer.tracker.fired)
+    fired = [fit.trainer.tracker.fired.double() for fit in fits]
+    assert fired[0].sum() > 0
+    torch.testing.assert_close(fired[0], fired[1], rtol=0.02, atol=2)  # an entry at a threshold may fire in one only
     for name, value in fits[0].params.items():
         torch.testing.assert_close(value, fits[1].params[name], rtol=1e-4, atol=1e-5)
 

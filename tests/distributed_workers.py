@@ -150,17 +150,29 @@ def sae_batches(n: int = 15) -> list[torch.Tensor]:
 
 
 def jumprelu_body(comm: Comm, out: Path, sparse: bool) -> dict:
-    """A JumpReLU SAE's DDP steps on halves of `sae_batches`, through its sparse CPU step or the dense one."""
+    """A JumpReLU SAE's DDP steps on halves of `sae_batches`, through its sparse CPU step or the dense one;
+    with how many codes given as their active entries were filled to a dense `(B, width)` code."""
     from conceptlens.concepts.sae import JumpReLUSAE, jumprelu
 
+    from conceptlens.concepts.sae.trainable import Code
+
     jumprelu.sparse_backward = lambda rows: sparse  # this spawned process's own module
+    dense_fills = []  # codes given as active entries that something filled to (B, width)
+    dense_z = Code.z.fget
+
+    def z(code):
+        if code._z is None:
+            dense_fills.append(len(code.pre))
+        return dense_z(code)
+
+    Code.z = property(z)
     sae = JumpReLUSAE(width=16, batch_size=32, buffer_size=32, warmup_tokens=64, b_dec_init="zeros",
                       bandwidth=0.5, seed=5)
     sae.comm = comm
     for x in sae_batches():
         half = x.shape[0] // 2
         sae.update(x[:half] if comm.rank == 0 else x[half:])
-    return {k: v.detach() for k, v in sae.params.items()}
+    return {"params": {k: v.detach() for k, v in sae.params.items()}, "dense_fills": len(dense_fills)}
 
 
 def quality_body(comm: Comm, out: Path, shards: list[torch.Tensor]) -> dict:

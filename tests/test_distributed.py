@@ -51,12 +51,15 @@ def test_step_statistics_are_all_reduced_so_two_ranks_equal_one_process(tmp_path
 
 
 def test_a_jumprelu_sae_steps_alike_on_ranks_through_its_sparse_step(tmp_path):
-    """The DDP step decodes a JumpReLU code densely from its active and near-threshold entries; the
-    thresholds learn as through the dense step, and the ranks agree bit for bit."""
+    """The DDP step decodes and counts a JumpReLU code from its active and near-threshold entries, as
+    the single-process step does, with no dense (B, width) code; the thresholds learn as through the
+    dense step, and the ranks agree bit for bit."""
     params = []
     for sparse in (True, False):
         codes, results, _ = W.spawn(W.jumprelu_body, 2, tmp_path / str(sparse), sparse)
         r0, r1 = _ok(codes, results)
+        assert r0["dense_fills"] == r1["dense_fills"] == 0
+        r0, r1 = r0["params"], r1["params"]
         for name in r0:
             assert torch.equal(r0[name], r1[name])
         params.append(r0)

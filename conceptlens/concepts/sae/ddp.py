@@ -1,6 +1,6 @@
 """The collectives of a data-parallel SAE step across processes: what DDP does, on tensors.
 
-    sae.comm = comm                 # a conceptlens.distributed.Comm; the fit sets it
+    sae.comm = comm                 # a conceptlens.distributed.Comm, when each rank feeds its own rows
     sae.update(x)                   # every step: local forward/backward, one all-reduce, Adam
 
 Each rank computes the gradient of its own rows' loss; one all-reduce sums the gradients
@@ -12,6 +12,7 @@ A rank without rows this step contributes zeros. The first step's parameters are
 from the lowest rank that has rows; non-trainable buffers (BatchTopK's threshold) are
 averaged over the ranks that had rows after every step. `SAETrainer` takes the step and
 calls these.
+`fit(distributed=True)` does not set it: it gathers the rows instead (DESIGN.md, "Distributed").
 """
 
 from __future__ import annotations

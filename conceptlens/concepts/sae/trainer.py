@@ -132,12 +132,11 @@ class SAETrainer:
         w = sae._compute_weights()
         self.optimiser().zero_grad(set_to_none=True)
         code, counts, numbers = None, x.new_zeros(width), x.new_zeros(3, dtype=torch.float64)
-        if n:
-            code = sae._encode(x.to(sae.compute_dtype), w, train=True)
-            x_hat = sae._decode(code.z, w, train=True)
+        if n:  # the single-process step's forward and loss (a sparse code stays sparse), on this rank's rows
+            x, code, x_hat = sae._forward(x, w)
             loss = sae._recon_loss(x, code, x_hat, w) + sae._penalty(x, x_hat, code, w)
             loss.backward()
-            counts = x.new_ones(n) @ code.z.detach().ne(0).float()  # (width,)
+            counts = _fired(code, x, width)  # (width,)
             sq_err, spread = (x - x_hat.detach()).pow(2).sum(), (x - x.mean(0)).pow(2).sum()
             numbers = torch.stack([sq_err, spread, loss.detach() * n]).double()
         total, fired, (sse, var, loss_sum) = ddp.all_reduce_step(comm, list(sae.params.values()), counts, numbers, n)
@@ -185,15 +184,7 @@ class SAETrainer:
             W /= W.norm(dim=1, keepdim=True).clamp(min=1e-12)
 
     def _record(self, x: Tensor, x_hat: Tensor, code: Code, loss: Tensor) -> None:
-        # per-latent firing counts as a matrix-vector product: on CPU, reductions of a
-        # (B, width) bool tensor along either dimension are several times slower
-        width = self.sae.config.width
-        if code.active is not None:  # count the active latents only: no pass over (B, width)
-            fired_at = code.active.values.detach().ne(0).to(x.dtype)  # (M,)
-            counts = x.new_zeros(width).index_add_(0, code.active.latents, fired_at)
-        else:
-            fired = code.z.detach().ne(0).float()  # (B, width)
-            counts = x.new_ones(x.shape[0]) @ fired  # (width,)
+        counts = _fired(code, x, self.sae.config.width)  # (width,)
         self.tracker.observe(counts.long(), x.shape[0])
         sse = (x - x_hat.detach()).pow(2).sum()
         var = (x - x.mean(0)).pow(2).sum().clamp(min=1e-12)
@@ -293,3 +284,14 @@ def match_layouts(optimiser: torch.optim.Optimizer) -> None:
         for key in ("exp_avg", "exp_avg_sq"):
             if key in state and state[key].stride() != p.stride():
                 state[key] = torch.empty_like(p).copy_(state[key])
+
+
+def _fired(code: Code, x: Tensor, width: int) -> Tensor:
+    """(width,) how many of the rows of `x` `(B, d)` fire each latent of `code`, in x's dtype. A code given
+    as its active entries is counted from them alone, with no pass over `(B, width)`; a dense one by a
+    matrix-vector product (on CPU, reductions of a (B, width) bool tensor along either dimension are
+    several times slower)."""
+    if code.active is not None:
+        fired_at = code.active.values.detach().ne(0).to(x.dtype)  # (M,)
+        return x.new_zeros(width).index_add_(0, code.active.latents, fired_at)
+    return x.new_ones(x.shape[0]) @ code.z.detach().ne(0).to(x.dtype)

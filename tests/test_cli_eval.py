@@ -253,8 +253,10 @@ def test_a_run_folder_tells_the_probes_which_train_documents_its_fit_read(tmp_pa
     (tmp_path / "fit_report.json").write_text('{"documents": 320}')
     (tmp_path / "run.toml").write_text('model = "smollm2-135m"\ndata = "bbc-news:train"\nshuffle = 3\n')
     assert _fit_read(tmp_path) == ("bbc-news", 3, 320)
-    (tmp_path / "run.toml").write_text('model = "smollm2-135m"\ndata = "movie-polarity"\n')  # unshuffled, train
-    assert _fit_read(tmp_path) == ("movie-polarity", None, 320)
+    (tmp_path / "run.toml").write_text('model = "smollm2-135m"\ndata = "movie-polarity"\nshuffle = false\n')
+    assert _fit_read(tmp_path) == ("movie-polarity", None, 320)  # --no-shuffle: the stored order
+    (tmp_path / "run.toml").write_text('model = "smollm2-135m"\ndata = "movie-polarity"\n')  # the train split,
+    assert _fit_read(tmp_path) == ("movie-polarity", 0, 320)  # in the order a fit gives when no shuffle is set
     for data in ("bbc-news:test", "wikitext"):  # a split or a set the probes do not learn on
         (tmp_path / "run.toml").write_text(f'model = "smollm2-135m"\ndata = "{data}"\n')
         assert _fit_read(tmp_path) is None

@@ -153,7 +153,7 @@ def _fit_read(run_dir: Path) -> tuple[str, int | None, int] | None:
     name, _, split = str(raw.get("data", "")).partition(":")
     if name not in PROBE_TASKS or (split or "train") != "train" or Path(str(raw["data"])).exists():
         return None
-    return name, raw.get("shuffle"), fit_documents(report)
+    return name, rc.shuffle_seed(raw), fit_documents(report)  # as the fit read it: false is the stored order
 
 
 def _run_folder(args: argparse.Namespace, suites: tuple[str, ...]) -> None:

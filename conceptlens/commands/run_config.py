@@ -120,19 +120,26 @@ def from_dict(raw: dict[str, Any]) -> RunConfig:
         if not isinstance(site, str) or not site.strip():
             raise ValueError(f"{site!r} is not a site name; sites look like embed, blocks.15.resid_out, "
                              "blocks.3.attn.z, final (list them: conceptlens sites --model M)")
-    shuffle = raw.get("shuffle", 0)
-    if shuffle is not False and (isinstance(shuffle, bool) or not isinstance(shuffle, int)):
-        raise ValueError(f"shuffle must be a seed (an integer) or false; got {shuffle!r}")
+    shuffle = shuffle_seed(raw)
     out = raw.get("out", "runs/fit")
     if not isinstance(out, str) or not out.strip():
         raise ValueError(f"out {out!r} is not a folder: give the run folder, e.g. --out runs/x")
     cfg = RunConfig(raw["model"], raw["data"], list(sites), [], out=out,
-                    shuffle=None if shuffle is False else shuffle, fit=_section(FitSection, raw.get("fit", {}), "fit"),
+                    shuffle=shuffle, fit=_section(FitSection, raw.get("fit", {}), "fit"),
                     describe=_section(DescribeSection, raw.get("describe", {}), "describe"))
     cfg.extractors = check_extractors(specs, cfg.sites)
     _check_numbers(cfg)
     _check_steer(cfg)
     return cfg
+
+
+def shuffle_seed(raw: dict[str, Any]) -> int | None:
+    """The seed of the documents' order a run's settings give (`shuffle`, 0 when absent), or None for
+    `shuffle = false` (the stored order); anything else is refused in one line."""
+    shuffle = raw.get("shuffle", 0)
+    if shuffle is not False and (isinstance(shuffle, bool) or not isinstance(shuffle, int)):
+        raise ValueError(f"shuffle must be a seed (an integer) or false; got {shuffle!r}")
+    return None if shuffle is False else shuffle
 
 
 def _check_steer(cfg: RunConfig) -> None:

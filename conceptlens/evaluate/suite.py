@@ -136,9 +136,12 @@ def _docs(task: str, split: str, n: int, seed: int, fit_read: tuple[str, int | N
 
 
 def _unread(full: Any, n: int, seed: int, read: set[int]) -> list[int]:
+    """n ids in the seeded order, passing over those a fit read and any other copy of their texts
+    (bbc-news repeats some articles)."""
     if not read:
         return act.pick(len(full), n, seed)
-    picked = [i for i in act.pick(len(full), len(full), seed) if i not in read][:n]
+    texts = {full.texts[i] for i in read}
+    picked = [i for i in act.pick(len(full), len(full), seed) if full.texts[i] not in texts][:n]
     if not picked:
         raise ValueError(f"{full.name} {full.split} holds {len(full)} documents, all read by the fit")
     return picked

@@ -45,12 +45,17 @@ def test_probe_train_documents_pass_over_those_a_fit_read():
     fit_texts = source("bbc-news:train", 7).texts[:fitted]  # the fit's shuffle with seed 7
     order = torch.randperm(len(full), generator=torch.Generator().manual_seed(7)).tolist()
     assert [full.texts[i] for i in order[:fitted]] == fit_texts  # (ids, since the set repeats some texts)
+    read = set(fit_texts)  # bbc-news repeats some articles: another copy of a fitted text is passed over too
     _, same = suite._docs("bbc-news", "train", 240, 7, ("bbc-news", 7, fitted))  # probes drawn with the fit's seed
-    assert same == order[fitted:fitted + 240]
+    copies = [i for i in order[fitted:fitted + 240] if full.texts[i] in read]
+    assert len(copies) == 1  # (id 206: a copy of a fitted article, with an id of its own)
+    assert same == [i for i in order[fitted:] if i not in copies][:240]
     _, other = suite._docs("bbc-news", "train", 240, 0, ("bbc-news", 7, fitted))  # another seed: its order, minus
     assert len(set(other)) == 240 and not set(order[:fitted]) & set(other)
+    assert not read & {full.texts[i] for i in other}
     ahead = torch.randperm(len(full), generator=torch.Generator().manual_seed(0)).tolist()
-    assert other == [i for i in ahead if i not in set(order[:fitted])][:240]
+    assert other == [i for i in ahead if full.texts[i] not in read][:240]
+    assert other != [i for i in ahead if i not in set(order[:fitted])][:240]  # ids alone would keep 6 copies
     _, unshuffled = suite._docs("bbc-news", "train", 10, 0, ("bbc-news", None, 1000))  # a fit in file order
     assert min(unshuffled) >= 1000
     assert suite._docs("bbc-news", "train", 10, 0, ("movie-polarity", 7, fitted))[1] == ahead[:10]  # another set's fit
@@ -72,22 +77,24 @@ def test_top_up_scores_on_train_articles_neither_the_fit_nor_the_probes_read(mon
 
     got_train, got_test, names = suite.capture_task(None, None, "s", {}, "bbc-news", config, docs=(240, 1000),
                                                     top_up=True)
-    assert got_train == ([train.texts[i] for i in order[320:560]], [label(train, i) for i in order[320:560]])
-    seen = {train.texts[i] for i in order[:560]}  # the fit's 320 and the probes' 240
+    fitted = {train.texts[i] for i in order[:320]}
+    probes = [i for i in order[320:] if train.texts[i] not in fitted]  # the probes' 240, then the top-up's
+    assert got_train == ([train.texts[i] for i in probes[:240]], [label(train, i) for i in probes[:240]])
+    excluded = fitted | {train.texts[i] for i in probes[:240]}  # the fit's 320 and the probes' 240
+    seen = set(excluded)
     scored = []
-    for full, i in [(test, i) for i in test_order] + [(train, i) for i in order[560:]]:
+    for full, i in [(test, i) for i in test_order] + [(train, i) for i in probes[240:]]:
         if full.texts[i] not in seen and len(scored) < 1000:
             seen.add(full.texts[i])
             scored.append((full, i))
     assert 900 < len(scored) == 1000 and len(scored) < len(test) + len(order) - 560  # some repeats passed over
     assert got_test == ([full.texts[i] for full, i in scored], [label(full, i) for full, i in scored])
-    assert not set(got_test[0]) & {train.texts[i] for i in order[:560]} and len(set(got_test[0])) == 1000
+    assert not set(got_test[0]) & excluded and len(set(got_test[0])) == 1000
     from_test = sum(full is test for full, _ in scored)
     assert from_test < len(test)  # bbc-news's test split repeats train articles
     assert suite.held_out("bbc-news", 240, 1000, 7, ("bbc-news", 7, 320), top_up=True)[2] == from_test
     left = suite.held_out("bbc-news", 240, 10_000, 7, ("bbc-news", 7, 320), top_up=True)[1]  # all that is left
-    assert len(left) == len(({train.texts[i] for i in order[560:]} | {test.texts[i] for i in test_order})
-                            - {train.texts[i] for i in order[:560]})
+    assert len(left) == len(({train.texts[i] for i in probes[240:]} | {test.texts[i] for i in test_order}) - excluded)
     assert len(suite.held_out("bbc-news", 240, 100, 7, ("bbc-news", 7, 320), top_up=True)[1]) == 100
 
     plain = suite.capture_task(None, None, "s", {}, "bbc-news", config, docs=(240, 1000))[1]  # the split alone

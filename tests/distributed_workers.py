@@ -175,6 +175,31 @@ def jumprelu_body(comm: Comm, out: Path, sparse: bool) -> dict:
     return {"params": {k: v.detach() for k, v in sae.params.items()}, "dense_fills": len(dense_fills)}
 
 
+def hsae_body(comm: Comm, out: Path) -> dict:
+    """An HSAE's DDP steps where rank 1 has rows for one step of every two (the other is an empty step)."""
+    from conceptlens.concepts.sae import HSAE
+
+    sae = HSAE(parents=6, children=3, subspace=4, k=2, batch_size=32, buffer_size=32, warmup_tokens=64, seed=5)
+    sae.comm = comm
+    for x in sae_batches():
+        sae.update(x if comm.rank == 0 else x[:32])
+    return {k: v.detach() for k, v in sae.params.items()}
+
+
+def stats_body(comm: Comm, out: Path) -> dict:
+    """A TopK SAE's step statistics when the ranks' rows have different means (`shifted_halves`)."""
+    sae = sae_for_ddp()
+    sae.comm = comm
+    for x in sae_batches():
+        sae.update(shifted_halves(x)[comm.rank])
+    return {"stats": tuple(sae.stats())}
+
+
+def shifted_halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    half = x.shape[0] // 2
+    return x[:half] + 2.0, x[half:] - 2.0
+
+
 def quality_body(comm: Comm, out: Path, shards: list[torch.Tensor]) -> dict:
     """Deleuzian and an SAE with their mixing buffers on, fed this rank's uneven shard."""
     dz, sae = quality_extractors()

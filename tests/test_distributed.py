@@ -68,6 +68,33 @@ def test_a_jumprelu_sae_steps_alike_on_ranks_through_its_sparse_step(tmp_path):
         torch.testing.assert_close(value, params[1][name], rtol=1e-4, atol=1e-5)
 
 
+def test_an_hsae_keeps_its_decoders_unit_and_alike_on_a_rank_that_steps_without_rows(tmp_path):
+    """H-SAE renormalises W_top and D_child after every Adam step: also on a rank that had no rows for
+    that step, or the ranks' parameters drift apart."""
+    codes, results, _ = W.spawn(W.hsae_body, 2, tmp_path)
+    r0, r1 = _ok(codes, results)
+    for name in r0:
+        assert torch.equal(r0[name], r1[name]), name
+    torch.testing.assert_close(r1["W_top"].norm(dim=-1), torch.ones(6))
+    torch.testing.assert_close(r1["D_child"].norm(dim=1), torch.ones_like(r1["D_child"].norm(dim=1)))
+
+
+def test_the_step_statistics_of_ranks_whose_rows_differ_in_mean_are_those_of_one_process(tmp_path):
+    """FVU's denominator is the spread of every rank's rows about their common mean, as one process
+    with the global batch has it, not the sum of each rank's spread about its own mean."""
+    codes, results, _ = W.spawn(W.stats_body, 2, tmp_path)
+    r0, r1 = _ok(codes, results)
+    assert r0["stats"] == r1["stats"]
+    alone = W.sae_for_ddp(batch_size=64)
+    for x in W.sae_batches():
+        alone.update(torch.cat(W.shifted_halves(x)))
+    ref = alone.stats()
+    assert r0["stats"][:2] == (ref.steps, ref.tokens)
+    for got, want in ((r0["stats"][2], ref.last), (r0["stats"][3], ref.mean)):
+        assert got.fvu > 0.05
+        assert tuple(got) == pytest.approx(tuple(want), rel=1e-4, abs=1e-6)
+
+
 def _planted(n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     dirs = 4 * torch.nn.functional.normalize(torch.randn(6, 10, generator=torch.Generator().manual_seed(0)), dim=1)

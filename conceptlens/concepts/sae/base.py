@@ -199,7 +199,12 @@ class SparseAutoencoder(ExtractorBase, TensorModule):
         return code
 
     def _after_step(self, code: Code) -> None:
-        """Update non-trainable state from the step's code; nothing by default."""
+        """Update non-trainable state from the step's code (a rank without rows has none, and does not
+        call it); nothing by default."""
+
+    def _constrain(self) -> None:
+        """Put the parameters back on the variant's constraint set after every Adam step (on every rank)
+        and after a merge; nothing by default (`unit_decoder` rows are the trainer's)."""
 
     def _fold(self, w: dict[str, Tensor], scale: float) -> dict[str, Tensor]:
         """Raw-space weights from normalised ones (see the module docstring)."""

@@ -8,6 +8,11 @@ weighted by each rank's row count, the latents' firing counts and the step's sta
 so every rank applies the same gradient (that of the mean loss over all ranks' rows: W
 ranks with per-rank batch B step like one process with batch W*B, for losses that are
 means over rows) and keeps identical parameters, Adam moments and dead-latent records.
+Two losses are not means over rows, so there the ranks step like W processes of batch B whose
+gradients are averaged, close to but not one process with batch W*B: BatchTopK keeps the top
+k*B of each rank's rows (and its threshold is the mean of the ranks' smallest kept values), and
+AuxK divides by the variance of each rank's residual. The step's statistics are exact (the
+FVU's spread is about every rank's rows' common mean).
 A rank without rows this step contributes zeros. The first step's parameters are broadcast
 from the lowest rank that has rows; non-trainable buffers (BatchTopK's threshold) are
 averaged over the ranks that had rows after every step. `SAETrainer` takes the step and
@@ -25,8 +30,8 @@ from torch import Tensor
 
 def all_reduce_step(comm: Any, params: list[Tensor], counts: Tensor, numbers: Tensor,
                     n: int) -> tuple[int, Tensor, list[float]]:
-    """Sum this rank's row-weighted gradients, firing counts `(width,)` and step numbers `(3,)`
-    (sse, var, loss * n) over the ranks; every parameter's `.grad` becomes the mean gradient.
+    """Sum this rank's row-weighted gradients, firing counts `(width,)` and step numbers (float64 sums
+    such as the squared error) over the ranks; every parameter's `.grad` becomes the mean gradient.
 
     Returns (rows of all ranks, at least 1; the summed counts `(width,)` int64; the summed numbers)."""
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]

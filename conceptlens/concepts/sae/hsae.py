@@ -145,6 +145,8 @@ class HSAE(SparseAutoencoder):
 
     def _after_step(self, code: Code) -> None:
         self._train_parts = ()
+
+    def _constrain(self) -> None:
         W_top, D_child = self.params["W_top"], self.params["D_child"]  # (inside no_grad)
         W_top /= W_top.norm(dim=-1, keepdim=True).clamp(min=1e-12)
         D_child /= D_child.norm(dim=1, keepdim=True).clamp(min=1e-12)

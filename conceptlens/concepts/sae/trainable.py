@@ -112,3 +112,6 @@ class Trainable(Protocol):
 
     def _after_step(self, code: Code) -> None:
         """Update non-trainable state from the step's code."""
+
+    def _constrain(self) -> None:
+        """Put the parameters back on the variant's constraint set after an Adam step or a merge."""

@@ -131,15 +131,20 @@ class SAETrainer:
             ddp.broadcast_first(comm, [*sae.params.values(), *sae.buffer_dict.values()], n > 0)
         w = sae._compute_weights()
         self.optimiser().zero_grad(set_to_none=True)
-        code, counts, numbers = None, x.new_zeros(width), x.new_zeros(3, dtype=torch.float64)
+        # the step's numbers: squared error, squared norm, loss * n, then the rows' sum (d,), so that the
+        # spread is that of every rank's rows about their common mean, as one process's batch has it
+        code, counts, numbers = None, x.new_zeros(width), x.new_zeros(3 + x.shape[1], dtype=torch.float64)
         if n:  # the single-process step's forward and loss (a sparse code stays sparse), on this rank's rows
             x, code, x_hat = sae._forward(x, w)
             loss = sae._recon_loss(x, code, x_hat, w) + sae._penalty(x, x_hat, code, w)
             loss.backward()
             counts = _fired(code, x, width)  # (width,)
-            sq_err, spread = (x - x_hat.detach()).pow(2).sum(), (x - x.mean(0)).pow(2).sum()
-            numbers = torch.stack([sq_err, spread, loss.detach() * n]).double()
-        total, fired, (sse, var, loss_sum) = ddp.all_reduce_step(comm, list(sae.params.values()), counts, numbers, n)
+            rows = x.double()
+            numbers = torch.cat([torch.stack([(x - x_hat.detach()).pow(2).sum().double(), rows.pow(2).sum(),
+                                              loss.detach().double() * n]), rows.sum(0)])
+        total, fired, (sse, sq_norm, loss_sum, *sums) = ddp.all_reduce_step(comm, list(sae.params.values()), counts,
+                                                                          numbers, n)
+        var = sq_norm - sum(s * s for s in sums) / total  # sum ||x - mean||^2 over every rank's rows
         with torch.no_grad():
             self._apply_gradients()
             self.tracker.observe(fired, total)
@@ -170,7 +175,8 @@ class SAETrainer:
         return self.optimizer
 
     def _apply_gradients(self) -> None:
-        """The Adam step, with the decoder rows' radial gradient removed and the rows renormalised."""
+        """The Adam step, with the decoder rows' radial gradient removed and the rows renormalised,
+        then the variant's own constraints (`_constrain`): on every rank, with rows or without."""
         sae = self.sae
         sae._reduce_gradients()
         W = sae.params.get("W_dec")
@@ -182,6 +188,7 @@ class SAETrainer:
         optimiser.step()
         if sae.unit_decoder and W is not None:
             W /= W.norm(dim=1, keepdim=True).clamp(min=1e-12)
+        sae._constrain()
 
     def _record(self, x: Tensor, x_hat: Tensor, code: Code, loss: Tensor) -> None:
         counts = _fired(code, x, self.sae.config.width)  # (width,)
@@ -268,6 +275,7 @@ class SAETrainer:
         W = sae.params.get("W_dec")
         if sae.unit_decoder and W is not None:
             W /= W.norm(dim=1, keepdim=True).clamp(min=1e-12)
+        sae._constrain()  # the mean of two unit rows is shorter
         self.tracker.merge(other.tracker)
         self.running.merge(other.running)
 

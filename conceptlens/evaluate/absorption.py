@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 from torch import Tensor
@@ -187,6 +187,18 @@ def _letter_mean(column: int) -> Any:
     return stat
 
 
+def decoder_rows(decode: Callable[[Tensor], Tensor], n: int, chunk: int = 1024) -> Tensor:
+    """(n, d) what each of a set's n latents adds to the reconstruction at unit activation, decode(e_i) -
+    decode(0), decoding `chunk` one-hot codes at a time (an (n, n) identity is 1 GiB at width 16,384)."""
+    base = decode(torch.zeros(1, n))  # (1, d): the bias
+    parts = []
+    for start in range(0, n, chunk):
+        latents = torch.arange(start, min(start + chunk, n))
+        parts.append(decode(torch.zeros(len(latents), n).index_put_((torch.arange(len(latents)), latents),
+                                                                     torch.tensor(1.0))) - base)
+    return torch.cat(parts)
+
+
 def absorption_lines(lens: AttachedModel, site: str, encoders: Mapping[str, ConceptEncoder], tok: Any,
                      words: list[tuple[int, str]], *, max_k: int = 10, seed: int = 0) -> list[Line]:
     """Mean absorption fraction and full-absorption rate of every set that reconstructs."""
@@ -201,7 +213,7 @@ def absorption_lines(lens: AttachedModel, site: str, encoders: Mapping[str, Conc
             raise ValueError(f"absorption needs a set that decodes; {name!r} does not ({enc.kind})")
         z = enc.encode(x)
         n = z.shape[1]
-        decoder = enc.decode(torch.eye(n)) - enc.decode(torch.zeros(1, n))
+        decoder = decoder_rows(enc.decode, n)
         per_word = torch.zeros(int(test.sum()), len(LETTERS), 3, dtype=torch.float64)
         splits = []
         for c, probe in probes.items():

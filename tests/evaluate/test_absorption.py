@@ -88,3 +88,18 @@ def test_a_vocabulary_without_words_is_a_one_line_error():
     with pytest.raises(ValueError, match=r"no whole-word tokens in the vocabulary of _Tokenizer .*' '") as err:
         alpha_tokens(tok, 10)
     assert "\n" not in str(err.value)
+
+
+def test_decoder_rows_are_each_latents_unit_contribution_read_in_chunks():
+    from conceptlens.evaluate.absorption import decoder_rows
+
+    g = torch.Generator().manual_seed(0)
+    W, b = torch.randn(7, 5, generator=g), torch.randn(5, generator=g)
+    calls = []
+
+    def decode(z):
+        calls.append(z.shape[0])
+        return torch.relu(z) @ W + b  # a latent's row is decode(e_i) - decode(0)
+
+    assert torch.equal(decoder_rows(decode, 7, chunk=3), (torch.eye(7) @ W + b) - b)
+    assert calls == [1, 3, 3, 1]  # the bias, then at most 3 one-hot codes at a time

@@ -48,6 +48,42 @@ def test_another_runs_folder_is_refused_and_overwrite_clears_only_its_files(file
     assert not list(out.glob(".overwritten*"))
 
 
+def test_overwrite_clears_nothing_behind_a_link_nor_before_the_sites_are_checked(files, tmp_path, capsys):  # noqa: F811
+    out, shared = tmp_path / "run", tmp_path / "shared"
+    assert main(base(files, out, "--no-describe")) == 0
+    shared.mkdir()
+    (shared / "keep.json").write_text("{}")  # matches hierarchy/*.json through the link
+    (out / "hierarchy").symlink_to(shared, target_is_directory=True)
+    (shared / "concepts.safetensors").write_text("not the run's")
+    (out / "concepts" / "linked").symlink_to(shared, target_is_directory=True)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    bad = _other_run(files, out, "--overwrite")
+    bad[bad.index("--site") + 1] = "blocks.99.resid_out"
+    capsys.readouterr()
+    assert main(bad) == 2  # a typo: refused once the model has loaded, before anything is cleared
+    assert "blocks.99.resid_out" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert main(_other_run(files, out, "--overwrite", "--no-describe")) == 0
+    assert sorted(p.name for p in shared.iterdir()) == ["concepts.safetensors", "keep.json"]
+    assert (out / "hierarchy").is_symlink() and (out / "concepts" / "linked").is_symlink()
+    assert json.loads((out / "fit_report.json").read_text())["concepts"] == ["k3"]
+
+
+def test_overwrite_refuses_a_folder_whose_run_toml_is_not_a_runs_and_clears_nothing_without_one(
+        files, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "run.toml").write_text('title = "my notes"\n')
+    (out / "eval.json").write_text('{"mine": 1}')
+    assert main(base(files, out, "--overwrite", "--no-describe")) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(out / "run.toml") in err and "not a conceptlens run" in err and "\n" not in err
+    assert (out / "run.toml").read_text() == 'title = "my notes"\n' and (out / "eval.json").exists()
+    (out / "run.toml").unlink()  # no run.toml: no run to clear; the fit writes its own files beside the user's
+    assert main(base(files, out, "--overwrite", "--no-describe")) == 0
+    assert (out / "eval.json").read_text() == '{"mine": 1}' and (out / "run.toml").is_file()
+
+
 def test_a_finished_describe_leaves_no_checkpoint_and_no_resume_restarts_an_interrupted_one(
         files, tmp_path, monkeypatch, capsys):  # noqa: F811
     out = tmp_path / "run"

@@ -9,8 +9,9 @@ Writes RUN/run.toml (the resolved config), RUN/checkpoint.pt (every --checkpoint
 RUN/concepts/<NAME>/ (one ConceptSet per extractor), RUN/fit_report.json, and unless
 --no-describe the description pass into RUN/describe/<NAME>/. Ctrl-C finishes the batch, writes
 a checkpoint and says its token count; the same command again resumes there. RUN holds one
-run: a folder of another run is refused unless --overwrite clears that run's files, and it is
-locked while written (a second writer fails at once). Every option is checked before the
+run: a folder of another run is refused unless --overwrite clears that run's files (once the model
+has loaded and the sites are checked, so a mistake loses nothing; never a file behind a symbolic
+link, nor any in a folder whose run.toml is not a run's), and it is locked while written (a second writer fails at once). Every option is checked before the
 model loads. Bundled sets are read in a seeded shuffled order (they are stored sorted by
 label); the description pass reads the documents after those the fit consumed, unless
 --describe-data names another source. With --max-tokens, an SAE whose spec sets no lr= gets the lr
@@ -141,8 +142,8 @@ def run(args: argparse.Namespace) -> int:
     with lock(out, "fit") if writes else nullcontext():  # before the model loads: a second writer fails at once
         if not args.overwrite:
             run_folder.check(out, cfg)
-        elif writes and (cleared := run_folder.clear(out)):
-            print(f"--overwrite: removed the {len(cleared)} files of the run {out} held (other files stay)")
+        elif writes:
+            run_folder.owned(out)  # a run.toml that is not a run's is refused now; its files are cleared once
         return _fit_and_describe(args, cfg, plan, texts, out, distributed, writes, chosen, kept)
 
 
@@ -160,6 +161,8 @@ def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, te
         lens.site(site)
     for spec in cfg.extractors:  # the sites an extractor of several sites names, before anything is written
         canonical_key(lens, rc.extractor_key(spec))
+    if writes and args.overwrite and (cleared := run_folder.clear(out)):  # only now: a bad site loses nothing
+        print(f"--overwrite: removed the {len(cleared)} files of the run {out} held (other files stay)")
     if writes:
         out.mkdir(parents=True, exist_ok=True)
         written = dataclasses.replace(cfg, fit=dataclasses.replace(cfg.fit, resume=True))  # a rerun of it resumes

@@ -2,11 +2,14 @@
 `--overwrite` first clears the files that run wrote (and nothing else).
 
     check(out, cfg)     # ValueError naming what differs from the run the folder holds
-    clear(out)          # --overwrite: the files the earlier run wrote, and nothing else
+    owned(out)          # --overwrite, before the model loads: ValueError unless run.toml is a run's
+    clear(out)          # --overwrite, once the sites are checked: the files that run wrote, and nothing else
 
 What a run owns (OWNED, relative to the folder): run.toml, checkpoint.pt, fit_report.json,
 quality.json, eval.json, each concepts/<NAME>/ ConceptSet's two files, the description pass's checkpoint,
-source.json and describe/<NAME>/ files, and hierarchy/<NAME>.json. Any other file stays.
+source.json and describe/<NAME>/ files, and hierarchy/<NAME>.json. Any other file stays, and so
+does everything behind a symbolic link (a linked file or folder is not the run's). A folder without
+a run.toml holds no run: nothing is cleared; one whose run.toml is not a run's is refused.
 The clear moves those files into `.overwritten.tmp/` inside the folder (renames on one
 filesystem) with run.toml last, then deletes that folder: a process killed mid-way leaves
 run.toml naming the old run, so the folder is still refused until `--overwrite` runs again.
@@ -46,19 +49,36 @@ def check(out: Path, cfg: rc.RunConfig) -> None:
                          "--overwrite to clear that run's files first (other files stay)")
 
 
+def owned(out: Path) -> list[Path]:
+    """The files of the run `out` holds (see OWNED), relative to `out`, run.toml last: none when it has
+    no run.toml; a one-line ValueError when its run.toml is not a run's."""
+    recorded = out / "run.toml"
+    if not recorded.is_file() or recorded.is_symlink():
+        return []
+    try:
+        rc.from_dict(rc.read_toml(recorded))
+    except (ValueError, TypeError, KeyError, AttributeError) as e:  # not the settings of a run
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{recorded} is not a conceptlens run's ({why}); --overwrite clears only the files "
+                         "of a run: use another --out") from None
+    found = []
+    for pattern in OWNED:  # glob follows linked folders: any linked part of the path leaves the file alone
+        for path in sorted(out.glob(pattern)) + sorted(out.glob(_leftover(pattern))):
+            rel = path.relative_to(out)
+            if path.is_file() and not any((out / part).is_symlink() for part in (*rel.parents[:-1], rel)):
+                found.append(rel)
+    return found
+
+
 def clear(out: Path) -> list[str]:
-    """Remove the run's own files from `out` (see OWNED); return them, relative to `out`."""
+    """Remove the run's own files from `out` (`owned`); return them, relative to `out`."""
     trash = out / TRASH
     shutil.rmtree(trash, ignore_errors=True)  # an earlier clear that was killed mid-way
     moved = []
-    for pattern in OWNED:
-        for path in sorted(out.glob(pattern)) + sorted(out.glob(_leftover(pattern))):
-            if not path.is_file() or path.is_symlink():
-                continue
-            rel = path.relative_to(out)
-            (trash / rel).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(path, trash / rel)
-            moved.append(str(rel))
+    for rel in owned(out):
+        (trash / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(out / rel, trash / rel)
+        moved.append(str(rel))
     inside = {out / parent for rel in moved for parent in Path(rel).parents if parent != Path(".")}
     for folder in sorted(inside, key=lambda p: -len(p.parts)):  # concepts/<NAME>/, then concepts/
         if folder.is_dir() and not any(folder.iterdir()):

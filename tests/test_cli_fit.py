@@ -182,6 +182,26 @@ def test_unknown_toml_keys_and_a_changed_run_are_refused(files, tmp_path, capsys
     assert "holds a run with another extractor" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("line, message", [
+    ('[describe]\nwindow = 8', "[describe] window must be a list of integers; got 8"),
+    ('[describe]\ndata = 5', "[describe] data must be a string; got 5"),
+    ('[describe]\nenabled = "no"', "[describe] enabled must be true or false; got 'no'"),
+    ('[fit]\nresume = "false"', "[fit] resume must be true or false; got 'false'"),
+    ('[fit]\nmax_tokens = 1.5', "[fit] max_tokens must be an integer; got 1.5"),
+    ('sites = 5', "sites must be a site name or a list of them"),
+    ('[extractor]\nmethod = "kmeans"', "extractor must be an array of tables ([[extractor]] in the file"),
+])
+def test_a_toml_value_of_the_wrong_type_is_one_line_naming_it(files, tmp_path, capsys, line, message):
+    config = tmp_path / "x.toml"
+    head = 'model = "m"\ndata = "bbc-news"\n' + ('' if line.startswith("sites") else 'sites = ["embed"]\n')
+    extractor = '' if line.startswith("[extractor]") else '[[extractor]]\nmethod = "kmeans"\nn_concepts = 3\n'
+    top = line.startswith("sites")  # a top-level key goes before any table
+    config.write_text(head + (line + "\n" + extractor if top else extractor + line + "\n"))
+    assert main(["fit", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("conceptlens fit: error:") and message in err and "\n" not in err
+
+
 def test_extractor_specs_parse_values():
     spec = rc.parse_extractor("matryoshka:width=64,k=4,prefixes=16/64,spherical=true,lr=1e-3,name=m1")
     assert spec == {"method": "matryoshka", "width": 64, "k": 4, "prefixes": (16, 64), "spherical": True,

@@ -28,6 +28,8 @@ anything is written. `budget_lrs` gives each SAE entry without an lr the lr for 
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,9 +97,37 @@ def _section(cls: type, values: Any, where: str) -> Any:
     unknown = sorted(set(values) - set(names))
     if unknown:
         raise ValueError(f"unknown key {unknown[0]!r} in [{where}]; valid keys: {', '.join(names)}")
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        if not _is(value, hints[key]):
+            raise ValueError(f"[{where}] {key} must be {_kind(hints[key])}; got {value!r}")
     if "window" in values:
         values = {**values, "window": tuple(values["window"])}
     return cls(**values)
+
+
+def _is(value: Any, hint: Any) -> bool:
+    """Whether a TOML value has the type a section field declares (bool is no int here)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is(value, a) for a in args)
+    if origin in (list, tuple):  # TOML arrays come as lists
+        return isinstance(value, (list, tuple)) and all(_is(v, args[0]) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, hint) and (hint is bool or not isinstance(value, bool))
+
+
+def _kind(hint: Any) -> str:
+    """A field's type in words: "an integer", "a list of strings", "a string or nothing"."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_kind(a) for a in args if a is not type(None))
+    if origin in (list, tuple):
+        return f"a list of {_kind(args[0]).split(' ', 1)[1]}s"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
 
 
 def from_dict(raw: dict[str, Any]) -> RunConfig:
@@ -112,7 +142,13 @@ def from_dict(raw: dict[str, Any]) -> RunConfig:
     sites = raw.get("sites") or []
     if isinstance(sites, str):
         sites = [sites]
+    if not isinstance(sites, list):
+        raise ValueError(f"sites must be a site name or a list of them, e.g. sites = [\"blocks.15.resid_out\"]; "
+                         f"got {sites!r}")
     specs = raw.get("extractor") or []
+    if not isinstance(specs, list) or not all(isinstance(e, dict) for e in specs):
+        raise ValueError("extractor must be an array of tables ([[extractor]] in the file, one per extractor; "
+                         f"--extractor 'topk:width=4608,k=32' on the command line); got {specs!r}")
     if not sites and (not specs or not all(isinstance(e, dict) and registry.canonical(str(e.get("method"))) in KEY_FORMS
                                   for e in specs)):
         raise ValueError("no site given: pass --site blocks.15.resid_out (repeatable) or sites = [...] in the file")

@@ -35,7 +35,7 @@ CHECKPOINT = "checkpoint.pt"
 FORMAT, VERSION = "conceptlens.fit-checkpoint", 2
 STATE_KEYS = ("fingerprint", "data_sha256", "progress", "rows", "torch_rng", "extractors")
 WHAT_DIFFERS = {"model": "another model (its config or weights differ)",
-                "extractors": "other sites or extractors", "batching": "other batch_size, max_length or filters"}
+                "extractors": "other sites or extractors", "batching": "other batch_size, max_length, filters or dtype"}
 
 
 class FitState:

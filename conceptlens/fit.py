@@ -27,6 +27,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator, Mapping, NamedTuple
 
+import torch
 from torch import Tensor
 
 from conceptlens import interrupts, runlock
@@ -118,6 +119,14 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
+def _rows_dtype(model: Any, dtype: torch.dtype | str) -> torch.dtype | str:
+    """The dtype of the rows a fit's extractors get: `dtype`, or for "model" the model's own (its
+    first floating parameter's)."""
+    if dtype != "model":
+        return dtype
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
 def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, tokenizer: Any, config: FitConfig) -> FitReport:
     from conceptlens import data as datasets
 
@@ -130,6 +139,9 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
         raise ValueError(f"extractor_tokens names {unknown[0]!r}, which is not an extractor of this fit; "
                          f"its extractors: {', '.join(sorted(plan.extractors))}")
     batching = {"batch_size": config.batch_size, "max_length": config.max_length, "filters": asdict(config.filters)}
+    rows = _rows_dtype(lens.model, config.dtype)
+    if rows != torch.float32:  # (only then, so a checkpoint of float32 rows from before this key still resumes)
+        batching["dtype"] = str(rows)  # the extractors' rows: a resume in another dtype would mix two fits
     moved = {name: key_name(key) for name, key in plan.keys.items() if name != key_name(key)}
     if moved:  # named extractors: which site each reads is part of what must not change
         batching["sites"] = moved

@@ -173,6 +173,16 @@ def test_resume_refuses_a_checkpoint_of_another_fit(lens, tmp_path):
         lens.fit({"blocks.1.resid_out": Recorder()}, DOCS, checkpoint_dir=str(tmp_path), progress=False)
 
 
+def test_resume_refuses_a_checkpoint_whose_rows_had_another_dtype(tmp_path):
+    lens = conceptlens.attach(tiny_model("llama").to(torch.bfloat16), CharTokenizer())
+    kw = dict(max_length=16, checkpoint_dir=str(tmp_path), progress=False)
+    lens.fit({"blocks.0.resid_out": Recorder()}, DOCS, dtype="model", max_tokens=100, **kw)  # bf16 rows
+    with pytest.raises(ValueError, match="other batch_size, max_length, filters or dtype"):
+        lens.fit({"blocks.0.resid_out": Recorder()}, DOCS, **kw)  # float32 rows
+    again = lens.fit({"blocks.0.resid_out": Recorder()}, DOCS, dtype=torch.bfloat16, max_tokens=600, **kw)
+    assert again.resumed_from >= 100 and again.tokens > again.resumed_from  # the same rows: it resumes
+
+
 def test_an_extractor_without_concepts_yet_is_reported_not_dropped_silently(lens):
     km = StreamingKMeans(n_concepts=4)
     with pytest.warns(UserWarning, match="no concepts from blocks.0.resid_out"):  # one-token documents:

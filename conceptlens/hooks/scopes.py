@@ -8,13 +8,16 @@ its hook: only the function it calls is rebuilt.
 
     hooks.steering.enter(scope, stacks, [(site, edit), ...], build)   # build(site, entries, tracker) -> fn
     hooks.steering.leave(scope)
+    with hooks.steering.suspended():   # a forward of the library's own (the steering unit's probe text):
+        model(**probe)                 # no edit applies and no scope sees it as its prompt
 
 A scope is any object with `observe(stack, tracker)`, called when a stack's forward starts.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from torch import Tensor, nn
 
@@ -32,14 +35,14 @@ Build = Callable[[Any, list[tuple[Any, Any]], TokenTracker], Callable[[Tensor], 
 class _SiteEdits:
     """One edited site: its entries, the function built from them, and its one hook."""
 
-    def __init__(self, build: Build) -> None:
-        self.build = build
+    def __init__(self, build: Build, stack: ScopeStack) -> None:
+        self.build, self.stack = build, stack
         self.entries: list[tuple[Any, Any]] = []
         self.fn: Callable[[Tensor], Tensor | None] = lambda x: None
         self.handle: Handle | None = None
 
     def __call__(self, x: Tensor) -> Tensor | None:
-        return self.fn(x)
+        return None if self.stack.paused else self.fn(x)
 
 
 class ScopeStack:
@@ -51,6 +54,17 @@ class ScopeStack:
         self.tracker: TokenTracker | None = None
         self._tracker_handles = HandleGroup()
         self._sites: dict[Any, _SiteEdits] = {}  # Site (hashed by identity) -> its edits and hook
+        self.paused = 0
+        """How many `suspended()` blocks are open: while any is, no edit applies and no scope observes."""
+
+    @contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Run the block's forwards as if no scope were open (they stay open, their hooks in place)."""
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
 
     def enter(self, scope: Any, stacks: dict[str, nn.Module], edits: list[tuple[Any, Any]], build: Build) -> None:
         """Open `scope` with its `(site, edit)` pairs; on any error nothing of it stays."""
@@ -62,7 +76,7 @@ class ScopeStack:
             for site in dict.fromkeys(site for site, _ in edits):
                 slot = self._sites.get(site)
                 if slot is None:
-                    slot = self._sites[site] = _SiteEdits(build)
+                    slot = self._sites[site] = _SiteEdits(build, self)
                 slot.entries += [(scope, edit) for s, edit in edits if s is site]
                 slot.fn = build(site, slot.entries, self.tracker)
                 if slot.handle is None:
@@ -102,5 +116,7 @@ class ScopeStack:
         self.tracker = None
 
     def _on_start(self, stack: str) -> None:
+        if self.paused:
+            return
         for scope in self.scopes:
             scope.observe(stack, self.tracker)

@@ -14,6 +14,7 @@ padding and the KV cache — so an edit gives the same tokens with and without `
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Literal, Sequence
 
@@ -53,7 +54,9 @@ class Steer:
         for edit, site in zip(edits, self.sites):
             edit.bind(lens)  # e.g. Add(scale="robust_norm") measures the site's token norm, before any hook
             warn_if_no_effect(lens, site, edit, positions)
-        self.edits = list(edits)
+        # the scope applies the edits as bound to this lens: a copy each, so binding the same edit to
+        # another lens (whose unit differs) later changes nothing here
+        self.edits = [copy.copy(edit) for edit in edits]
         self.positions = positions
         self.prompt_length: dict[str, Tensor] = {}  # stack -> (B,) real tokens in the first forward
         self._active = False

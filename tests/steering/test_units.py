@@ -205,3 +205,49 @@ def test_contrastive_vectors_and_keep_norm_edits_take_the_same_units():
         with lens.steer(*vec.edits(0.5, scale="robust_norm", keep_norm=keep_norm)) as scope:
             (edit,) = scope.edits
         torch.testing.assert_close(edit.vector, 0.5 * robust_norm(lens, SITE) * v / v.norm())
+
+
+def test_the_unit_is_measured_on_the_unsteered_model_whatever_scope_is_open():
+    """The probe text's forward runs with every open scope suspended: an outer edit at the site changes
+    neither the measured unit nor what an outer "prompt"/"generated" scope takes for its prompt."""
+    reference = robust_norm(conceptlens.attach(tiny_model("llama")), SITE)  # the same weights, nothing open
+    lens = conceptlens.attach(tiny_model("llama"))
+    push = torch.randn(32, generator=torch.Generator().manual_seed(3))
+    outer = lens.steer(Add(push, 50.0, site=SITE), positions="generated")
+    with outer:
+        inner = Add(torch.randn(32), 1.0, scale="robust_norm", site=SITE)
+        with lens.steer(inner):  # its unit is measured now, with the outer scope open
+            lens.model(torch.randint(3, 99, (2, 5)))  # the user's prompt: 2 rows
+    assert inner.norm == reference
+    assert [tuple(n.shape) for n in outer.prompt_length.values()] == [(2,)]
+
+
+def test_one_edit_steering_two_models_applies_each_models_own_unit():
+    ids = torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(5))
+    small, large = conceptlens.attach(scaled_model(1.0)), conceptlens.attach(scaled_model(300.0))
+    direction = torch.randn(32, generator=torch.Generator().manual_seed(1))
+    edit = Add(direction, 0.5, scale="robust_norm", site=SITE)
+    on_small = small.steer(edit)
+    large.steer(edit)  # binds the same edit to the other model's unit, 300 times larger
+    seen = Batches()
+    with torch.no_grad(), on_small, small.capture(SITE, keep_shape=True, on_batch=seen):
+        small.model(ids)
+    delta = seen.acts[SITE] - site_acts(small, ids)
+    want = 0.5 * robust_norm(small, SITE) * direction / direction.norm()
+    torch.testing.assert_close(delta, want.expand_as(delta), rtol=1e-4, atol=1e-4)
+
+
+def test_an_encoder_decoders_unit_reads_the_probe_texts_real_tokens_on_both_stacks():
+    from conceptlens.steering.units import _measure, _probe_batch
+
+    class Chars:  # one id per character; a single text gives one list of ids, as HF tokenizers do
+        all_special_ids: list[int] = []
+
+        def __call__(self, text, **kwargs):
+            return {"input_ids": [3 + ord(c) % 96 for c in text]}
+
+    lens = conceptlens.attach(tiny_model("t5"), Chars())
+    mask = _probe_batch(lens)["attention_mask"]
+    assert (mask == 0).any()  # the probe texts differ in length: right padding
+    real = int(mask.sum()) - len(mask)  # every real token but each sequence's first
+    assert len(_measure(lens, "encoder.blocks.0.resid_out")) == len(_measure(lens, "decoder.blocks.0.resid_out")) == real

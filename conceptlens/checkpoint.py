@@ -107,11 +107,11 @@ class FitState:
         self._check_fingerprint(path, state["fingerprint"])
         check_extractor_states(path, state["extractors"], self.extractors, widths or {})
         documents = state["progress"]["documents"]
-        consumed = list(islice(texts, documents))
-        data = hashlib.sha256()
-        for doc in consumed:
+        data, consumed = hashlib.sha256(), 0
+        for doc in islice(texts, documents):  # hashed as read: a resume after millions of documents holds none
             _hash_doc(data, doc)
-        if len(consumed) < documents or data.hexdigest() != state["data_sha256"]:
+            consumed += 1
+        if consumed < documents or data.hexdigest() != state["data_sha256"]:
             raise ValueError(f"checkpoint {path} was written by a fit of other data: its first {documents} documents "
                              f"differ from these; use another checkpoint_dir or resume=False")
         rows = copy.deepcopy(self.row_filter)

@@ -59,6 +59,15 @@ class FitConfig:
         check_int("checkpoint_every", self.checkpoint_every, optional=True)
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every needs checkpoint_dir")
+        for name in ("resume", "progress", "distributed"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
+        if not isinstance(self.filters, FilterConfig):
+            raise ValueError(f"filters must be a FilterConfig (e.g. FilterConfig(first_position=False)) or None for "
+                             f"the defaults; got {self.filters!r}")
+        if not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point) and self.dtype != "model":
+            raise ValueError(f"dtype must be a floating torch dtype (torch.float32, torch.bfloat16) or \"model\" "
+                             f"(the model's own); got {self.dtype!r}")
 
 
 def fit_config(config: FitConfig | None = None, what: str = "fit", /, **overrides: Any) -> FitConfig:

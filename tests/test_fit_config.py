@@ -27,6 +27,19 @@ def test_overrides_replace_fields_and_are_checked_like_the_config():
         fit_config(base, "Lens.fit", batchsize=8)
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("filters", {"first_position": False}, "filters must be a FilterConfig"),
+    ("resume", "no", "resume must be True or False; got 'no'"),
+    ("progress", 1, "progress must be True or False; got 1"),
+    ("dtype", "bfloat16", "dtype must be a floating torch dtype"),
+])
+def test_a_field_of_the_wrong_type_is_refused_in_one_line_naming_it(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        FitConfig(**{field: value})
+    with pytest.raises(ValueError, match=message):
+        fit_config(None, **{field: value})  # the keywords of Lens.fit
+
+
 def test_lens_fit_takes_a_config_and_every_field_as_an_override():
     lens = conceptlens.attach(tiny_model("llama"), CharTokenizer())
     by_config, by_keywords = Recorder(), Recorder()

@@ -10,6 +10,7 @@ site; the fit's filters, checkpoints and resume come with it), followed by `fini
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from itertools import islice
@@ -134,9 +135,10 @@ def _checked(lens: AttachedModel, concept_sets: Mapping[str, ConceptSet]) -> dic
         width = math.prod(int(s) for s in site.shape[2:])
         if width != cs.d:
             raise ValueError(f"concept set {name!r} has width {cs.d} but {site.name} has width {width}")
-        out[name] = cs if cs.site == site.name else ConceptSet(
-            cs.directions, site.name, method=cs.method, config=cs.config, model=cs.model, encoder=cs.encoder,
-            stats=cs.stats)
+        if cs.site != site.name:  # the same set (its mean, encoder, stats and all) under the site's own name
+            cs = copy.copy(cs)
+            cs.site = site.name
+        out[name] = cs
     return out
 
 

@@ -161,6 +161,17 @@ def test_histogram_bins_and_display_edges_hold_every_value():
         torch.testing.assert_close(map_xy(dirs).double().abs(), ref.abs(), rtol=1e-4, atol=1e-5)  # up to sign
 
 
+def test_a_set_named_by_another_name_of_its_site_is_described_as_itself(lens):
+    """`blocks.-1.resid_out` is blocks.1 of the 2-block model: the set keeps its mean (centred cosines),
+    not only its directions, when describe renames its site."""
+    mean = torch.randn(32, generator=torch.Generator().manual_seed(7))
+    canonical = random_set(seed=4, method="kmeans", mean=mean)
+    alias = ConceptSet(canonical.directions, "blocks.-1.resid_out", method="kmeans", mean=mean)
+    one, other = run(lens, {"k": canonical})["k"], run(lens, {"k": alias})["k"]
+    for key in ("top_values", "top_doc", "top_pos", "hist_counts", "frequency"):
+        assert torch.equal(one.stats[key], other.stats[key]), key
+
+
 def test_batching_does_not_change_the_description(lens):
     sets = {"a": random_set(seed=1), "b": random_set(n=3, seed=2)}
     one, other = run(lens, sets, batch_size=4), run(lens, sets, batch_size=11)

@@ -164,7 +164,12 @@ def _class_ids(labels: Sequence[Any] | None, names: Sequence[str] | None) -> tup
 
 
 def unembedding(lens: AttachedModel, site: str, width: int) -> torch.Tensor | None:
-    """The decoder's output embedding `(V, d)` when the site lives in its residual width, else None."""
+    """The decoder's output embedding `(V, d)` when the site lives in its residual stream's basis, else
+    None: a per-head site (attn.q/k/v/z, H * d_head wide, often d_model) or the MLP's hidden layer is
+    in another basis, where dot products with the unembedding mean nothing."""
+    shape = lens.site(site).shape
+    if len(shape) != 3 or site.endswith("mlp.post"):  # (B, T, H, d_head), or the MLP's own basis
+        return None
     model = lens.model
     get_head = getattr(model, "get_output_embeddings", None)  # a transformers model's
     head = get_head() if callable(get_head) else None

@@ -223,6 +223,15 @@ def test_labels_give_per_class_probes_and_base_rates(lens, tmp_path):
     assert info["format"] == "conceptlens.Description" and info["labels"] == ["x", "y", "z"]
 
 
+def test_the_unembedding_is_read_only_at_sites_in_the_residual_basis():
+    from conceptlens.describe.run import unembedding
+
+    gpt2 = conceptlens.attach(tiny_model("gpt2"), Tok())  # 4 heads of 8: attn.z is 32 wide, as the residual
+    assert torch.equal(unembedding(gpt2, "blocks.0.resid_out", 32), gpt2.model.get_output_embeddings().weight)
+    for site in ("blocks.0.attn.z", "blocks.0.attn.q", "blocks.0.attn.v"):
+        assert unembedding(gpt2, site, 32) is None, site
+
+
 def test_promoted_tokens_are_the_unembedding_extremes(lens):
     cs = random_set()
     d = run(lens, {"a": cs}, options=conceptlens.describe.FinishOptions(n_tokens=5))["a"]

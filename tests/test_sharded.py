@@ -19,7 +19,7 @@ def _alone() -> dict:
     return S.outcome(km, ae, books)
 
 
-@pytest.mark.parametrize("resume_at", [None, 5])
+@pytest.mark.parametrize("resume_at", [None, 1, 5])  # 1: before k-means and VQ initialise
 def test_two_shards_equal_one_unsharded_dictionary(tmp_path, resume_at):
     """k-means (15 centres: shards of 8 and 7, with reseeding), a TopK SAE (41 latents, AuxK
     on dead latents) and VQ codebooks (15 codes; k-means, spherical and random initialisation,

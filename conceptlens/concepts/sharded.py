@@ -214,5 +214,6 @@ class ShardedKMeans(SplitOverRanks, StreamingKMeans):
             raise ValueError(f"state holds {rows} centres; rank {self.shards.rank} of {self.shards.world} holds "
                              f"{self.shards.hi - self.shards.lo}: load each rank's state on the same world size")
         super().load_state_dict(state)
-        if self._idle is not None and self._idle.numel():  # one bound on every rank (they take the same branches)
-            self._idle_bound = int(self.shards.gather(self._idle, self.shards.sizes).max())
+        if self._centres is None or self._idle is None or not self._idle.numel():
+            return  # before k-means++ every rank holds all k idle counts (flush slices them): the bound is its own
+        self._idle_bound = int(self.shards.gather(self._idle, self.shards.sizes).max())  # one bound on every rank

@@ -21,7 +21,8 @@ Every collective runs under the process group's timeout; a failure (a dead rank,
 raises `DistributedError` naming the operation and the ranks that are gone.
 
 `Comm` also serves extractors driven by hand on per-rank data: with `extractor.comm` set,
-k-means, VQ, Deleuzian and the SAEs all-reduce their step statistics ("step" mode).
+k-means, VQ, Deleuzian (streaming mode; paper mode refuses a comm) and the SAEs all-reduce their step
+statistics ("step" mode).
 """
 
 from __future__ import annotations

@@ -119,6 +119,10 @@ class Deleuzian(ExtractorBase):
 
     @comm.setter
     def comm(self, value) -> None:  # noqa: ANN001
+        if value is not None and self.config.mode == "paper":
+            raise ValueError("Deleuzian(mode='paper') clusters its differences once, at the flush, from one "
+                             "process's reservoirs: it has no per-step statistics to all-reduce. Give every rank "
+                             "the same rows (fit(..., distributed=True)), or use mode='streaming' with comm")
         self.kmeans.comm = value
 
     @property

@@ -229,3 +229,13 @@ def test_streaming_blocks_read_nothing_back_from_the_device(monkeypatch):
     steps = dz.kmeans.n_steps
     dz.update(x[2000:])
     assert dz.kmeans.n_steps > steps + 10 and reads == []
+
+
+def test_paper_mode_refuses_a_comm_it_could_not_use():
+    from conceptlens.distributed import Comm
+
+    with pytest.raises(ValueError, match=r"mode='paper'.*no per-step statistics.*mode='streaming'"):
+        Deleuzian(4, mode="paper").comm = Comm.__new__(Comm)  # (no group needed: refused before any use)
+    streaming = Deleuzian(4)
+    streaming.comm = None
+    assert streaming.comm is None

@@ -235,11 +235,14 @@ def _probe_evaluator(lens: AttachedModel, ids: list[list[int]], batch_size: int,
     return evaluate, baseline
 
 
-def _depth(site: str) -> tuple[int, float]:
-    """(stack, block) order of a canonical site name: embed before block 0, final after the last."""
+def _depth(site: str) -> tuple[int, float, int]:
+    """(stack, block, within) order of a canonical site name: embed before block 0, final after the last;
+    within a block its resid_in before its other sites, and those before its resid_out (the order of
+    attention and MLP sites inside a block depends on the architecture: they count as one)."""
     stack, _, rest = site.partition(".") if site.startswith(("encoder.", "decoder.")) else ("", "", site)
     block = -1.0 if rest == "embed" else math.inf if rest == "final" else float(rest.split(".")[1])
-    return int(stack == "decoder"), block
+    within = 0 if rest.endswith(".resid_in") else 2 if rest.endswith(".resid_out") else 1
+    return int(stack == "decoder"), block, within
 
 
 @torch.no_grad()

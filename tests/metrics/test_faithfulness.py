@@ -115,6 +115,9 @@ def test_errors_name_the_problem(probe_setup):
     lens, texts, labels, u = probe_setup
     with pytest.raises(ValueError, match="before the ablated site"):
         faithfulness(lens, ConceptSet(u, site="blocks.1.resid_out"), texts, task=ProbeTask(labels, site=SITE))
+    with pytest.raises(ValueError, match="before the ablated site"):  # the same block, read at its input
+        faithfulness(lens, ConceptSet(u, site="blocks.1.resid_out"), texts,
+                     task=ProbeTask(labels, site="blocks.1.resid_in"))
     with pytest.raises(ValueError, match="3 labels for 200 texts"):
         faithfulness(lens, ConceptSet(u, site=SITE), texts, task=ProbeTask([0, 1, 0]))
     with pytest.raises(ValueError, match="n_controls"):

@@ -30,13 +30,15 @@ def nearest(x: Tensor, c: Tensor, c_sq: Tensor | None = None) -> tuple[Tensor, T
 
     Low-precision (bfloat16) x and c: the matmul runs in their dtype (accumulating in float32
     inside), |c|^2, |x|^2 and the scores are float32, so only the product x.c is rounded. It
-    is rounded on the scale of |x||c|, so both are first shifted by the centres' mean (in
+    is rounded on the scale of |x||c|, so both are first shifted by the rows' mean (in
     float32; distances do not change): a large common mean (a residual stream's) would
-    otherwise drown the gaps between centres (inertia 1.5x at a mean 300 on one coordinate)."""
+    otherwise drown the gaps between centres (inertia 1.5x at a mean 300 on one coordinate).
+    The shift depends on the rows alone, so each centre's distance does not depend on which other
+    centres are passed: the nearest over shards of the centres is the nearest over all of them."""
     low = x.dtype != torch.float32
     shift = None
     if low and c_sq is None:
-        shift = c.float().mean(0).to(x.dtype)  # (d,) any common shift will do: one in x's dtype
+        shift = x.mean(0, dtype=torch.float32).to(x.dtype)  # (d,) any common shift will do: one in x's dtype
         c = (c.float() - shift.float()).to(x.dtype)  # (float32 centres are rounded after the shift)
     cf = c.float()
     c_sq = (cf * cf).sum(1) if c_sq is None else c_sq  # (k,) float32
@@ -100,10 +102,10 @@ def squared_distances(x: Tensor, c: Tensor, x_sq: Tensor | None = None, c_sq: Te
     |x|^2 - 2 x.c + |c|^2 as one matmul (row norms may be passed in when already known);
     clamped at 0 against rounding. Low-precision (bfloat16) x and c: the matmul runs in their
     dtype, the norms and the sum in float32 (the result is float32); without given norms both
-    are first shifted by the mean of c, in float32, as in `nearest`.
+    are first shifted by the mean of x, in float32, as in `nearest`.
     """
     if x.dtype not in (torch.float32, torch.float64) and x_sq is None and c_sq is None:
-        shift = c.detach().float().mean(0).to(x.dtype)  # (d,)
+        shift = x.detach().mean(0, dtype=torch.float32).to(x.dtype)  # (d,)
         x, c = x - shift, (c.float() - shift.float()).to(x.dtype)  # c rounded after the shift
     xf, cf = x.float(), c.float()
     x_sq = (xf * xf).sum(1) if x_sq is None else x_sq

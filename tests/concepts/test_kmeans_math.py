@@ -21,6 +21,22 @@ def test_nearest_matches_the_full_distance_matrix(monkeypatch, block):
     torch.testing.assert_close(best, d2.min(1).values, rtol=1e-5, atol=1e-4)
 
 
+def test_bf16_distances_to_a_centre_do_not_depend_on_the_other_centres_passed():
+    """A sharded fit takes the nearest over each shard's nearest: in bfloat16 each centre's distance must
+    not change with the shard it is in (the shift that keeps the product's rounding small is the rows')."""
+    g = torch.Generator().manual_seed(0)
+    c = torch.randn(32, 32, generator=g)
+    c[:, 0] += 40  # a large common mean, as a residual stream has
+    x = (c[torch.randint(0, 32, (4000,), generator=g)] + 0.3 * torch.randn(4000, 32, generator=g)).bfloat16()
+    c = c.bfloat16()
+    labels, best = nearest(x, c)
+    (la, ba), (lb, bb) = nearest(x, c[:16]), nearest(x, c[16:])
+    first = ba <= bb  # the lowest index on a tie, as one argmin
+    assert torch.equal(torch.where(first, la, lb + 16), labels) and torch.equal(torch.where(first, ba, bb), best)
+    assert torch.equal(torch.cat([squared_distances(x, c[:16]), squared_distances(x, c[16:])], 1),
+                       squared_distances(x, c))
+
+
 def blobs(k: int, per: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     centres = 50 * torch.randn(k, 8, generator=g)

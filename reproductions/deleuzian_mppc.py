@@ -5,7 +5,8 @@ Paper (DINOv2 / ImageNet): MPPC 0.789 for Deleuzian vs 0.588 / 0.603 for SAEs.
     python reproductions/deleuzian_mppc.py           # about 6 minutes on 2 cores
 
 MPPC (metrics.quality.mppc): z-score each run's concept activations on the test units,
-R = Za^T Zb / N, mean over run-a concepts of the best correlation in run b. Two seeds of each
+R = Za^T Zb / N, MPPC = mean_j max_i R_ij: the mean over run b's concepts of the best correlation
+in run a. Two seeds of each
 method on the same training units: Deleuzian (paper mode; the seed changes pairing and
 k-means++), a TopK SAE (8x the width, k = 32; probed on its codes).
 """

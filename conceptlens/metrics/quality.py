@@ -1,7 +1,7 @@
 """How good a set of concepts is: probing, stability across runs, geometry, reconstruction.
 
     probe_loss(z_train, y_train, z_test, y_test).loss   # best single concept per label, test log-loss
-    mppc(z_run1, z_run2)                                 # 1.0 = every concept has a twin in run 2
+    mppc(z_run1, z_run2)                                 # 1.0 = every concept of run 2 has a twin in run 1
     fvu(x, x_hat), l0(z), dead_fraction(z)               # SAE reconstruction and sparsity
     ce_loss_recovered(clean, spliced, zero)              # 1.0 = splicing the SAE costs nothing
 
@@ -100,13 +100,18 @@ def probe_loss(z_train: Tensor, y_train: Tensor, z_test: Tensor, y_test: Tensor,
     For each label value (one-vs-rest) and each concept, fit a 1-D logistic regression on the
     train split; the concept with the lowest train log-loss is that class's probe, scored by
     its test log-loss. The result is the median over classes (a binary label gives two equal
-    one-vs-rest problems). Lower is better; ln 2 = 0.693 is chance for balanced classes.
+    one-vs-rest problems). Lower is better; ln 2 = 0.693 is chance for balanced classes. A label
+    value missing from either split is left out (as the paper's released probes do): its test
+    loss would be that of an empty class.
     Columns are standardised by the train split (`standardised_by`) first, so the L2 penalty
     weighs every concept alike whatever its scale (a cosine in [-1, 1] or an SAE latent).
     """
     classes = torch.unique(y_train)
     if len(classes) < 2:
         raise ValueError(f"y_train needs at least two label values; got {classes.tolist()}")
+    classes = classes[torch.isin(classes, y_test.to(classes.device))]
+    if not len(classes):
+        raise ValueError(f"no label value of y_train appears in y_test ({torch.unique(y_test).tolist()})")
     z_train, z_test = standardised_by(z_train, z_test)
     per_class, best = [], []
     for c in classes:
@@ -142,18 +147,19 @@ def _standardise(z: Tensor) -> Tensor:
 
 
 def mppc(z_a: Tensor, z_b: Tensor) -> float:
-    """Mean max Pearson correlation: how reproducible run a's concepts are in run b.
+    """Mean max Pearson correlation (Deleuzian concepts, 000): how well run b's concepts are found in run a.
 
         mppc(z_run1, z_run2)      # z: (N, n_concepts) activations of both runs on the SAME tokens
 
-    Mean over run a's concepts of the highest Pearson correlation with any concept of run b.
-    Asymmetric; 1.0 when every concept of a is an exact (affine) copy of one in b. A constant
-    concept has no correlation; it counts as 0.
+    With each run's activations z-scored, R = Za^T Zb / N and MPPC = mean_j max_i R_ij: the mean over
+    run b's concepts of the highest Pearson correlation with any concept of run a (as the paper and
+    its released code). Asymmetric when the runs differ in concept count; 1.0 when every concept of
+    b is an exact (affine) copy of one in a. A constant concept has no correlation; it counts as 0.
     """
     if z_a.shape[0] != z_b.shape[0]:
         raise ValueError(f"runs must be evaluated on the same tokens; got {z_a.shape[0]} and {z_b.shape[0]} rows")
     a, b = _standardise(z_a), _standardise(z_b)
-    best = torch.cat([(cols.T @ b / len(a)).max(1).values for cols in a.split(_chunk(len(a)), dim=1)])
+    best = torch.cat([(a.T @ cols / len(a)).max(0).values for cols in b.split(_chunk(len(b)), dim=1)])
     return float(best.mean())
 
 

@@ -73,6 +73,18 @@ def test_probe_loss_equals_direct_sklearn_computation():
     assert result.classes.tolist() == [0, 1, 2]
 
 
+def test_probe_loss_leaves_out_a_label_missing_from_the_test_split():
+    z, y = _labelled(seed=1)
+    z_tr, y_tr, z_te, y_te = z[:160], y[:160], z[160:], y[160:]
+    keep = y_te != 2  # no test row of class 2
+    full, partial = probe_loss(z_tr, y_tr, z_te, y_te), probe_loss(z_tr, y_tr, z_te[keep], y_te[keep])
+    assert partial.classes.tolist() == [0, 1]
+    assert partial.best_concept.tolist() == full.best_concept[:2].tolist()  # the same train fits
+    assert len(partial.per_class) == 2 and partial.loss == pytest.approx(float(partial.per_class.mean()))
+    with pytest.raises(ValueError, match="appears in y_test"):
+        probe_loss(z_tr, y_tr, z_te[:5], torch.full((5,), 7))
+
+
 def test_probe_loss_does_not_depend_on_the_scale_of_a_concept():
     z, y = _labelled(seed=3)
     scaled = z * torch.tensor([0.001, 0.01, 1.0, 30.0, 1.0, 0.5])  # cosines are ~100x smaller than projections
@@ -102,10 +114,14 @@ def test_mppc_self_is_one_and_matches_brute_force():
     copy = 3.0 * z_a[:, torch.randperm(8, generator=g)] + 1.0  # permuted, rescaled, shifted
     assert mppc(z_a, copy) == pytest.approx(1.0, abs=1e-12)
     z_b = z_a @ torch.randn(8, 5, generator=g) + torch.randn(300, 5, generator=g)
-    corr = np.corrcoef(z_a.numpy().T, z_b.numpy().T)[:8, 8:]
-    assert mppc(z_a, z_b) == pytest.approx(corr.max(1).mean(), rel=1e-6)
+    corr = np.corrcoef(z_a.numpy().T, z_b.numpy().T)[:8, 8:]  # R_ij: concept i of run a, j of run b
+    assert mppc(z_a, z_b) == pytest.approx(corr.max(0).mean(), rel=1e-6)  # mean_j max_i R_ij (the paper's)
+    assert mppc(z_b, z_a) == pytest.approx(corr.max(1).mean(), rel=1e-6)
+    assert corr.max(0).mean() != pytest.approx(corr.max(1).mean(), abs=0.01)  # the axes differ here
     with_dead = torch.cat([z_a, torch.zeros(300, 1)], 1)
     assert mppc(with_dead, with_dead) == pytest.approx(8 / 9, abs=1e-12)  # a constant concept counts 0
+    many = torch.cat([z_a, torch.relu(torch.randn(300, 24, generator=g))], 1)  # run a: b's 8 and 24 others
+    assert mppc(many, z_a) == pytest.approx(1.0, abs=1e-12)  # every concept of b is found in a
     with pytest.raises(ValueError, match="same tokens"):
         mppc(z_a, z_a[:10])
 

@@ -73,7 +73,9 @@ def concept_activations(cs: ConceptSet) -> ConceptActivations:
     centred = cs.mean is not None
     unit = torch.nn.functional.normalize((cs.centred() if centred else cs).directions.float(), dim=1)
     mean = cs.mean.float() if cs.mean is not None else torch.zeros(cs.d)
-    raw = cs.directions.float()
+    raw = cs.directions.float()  # the centres: a set given as `cs.centred()` holds c - mean
+    if cs.config.get("centred") and cs.mean is not None and cs.method in NEAREST:
+        raw = raw + cs.mean.float()
     cache: dict[torch.device, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
 
     def moved(device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:

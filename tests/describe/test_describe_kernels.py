@@ -271,3 +271,17 @@ def test_texts_decoded_once_per_pass_are_the_same_texts():
     Counting.calls = 0
     assert whole(tok, [3, 2, 5], known) == whole(Counting(), [3, 2, 5]) == {3: "<0xE2>", 2: "t2", 5: "t5"}
     assert Counting.calls == 1 + 3  # only id 5 was new to `known`; the second call decoded all three
+
+
+def test_a_centred_kmeans_set_assigns_tokens_to_the_nearest_centre_as_the_set_itself():
+    from conceptlens import ConceptSet
+    from conceptlens.describe.activations import concept_activations
+
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(4, 8, generator=g) + 5.0  # points near a large mean
+    x = centres[torch.randint(0, 4, (200,), generator=g)] + 0.5 * torch.randn(200, 8, generator=g)
+    cs = ConceptSet(centres, "s", method="kmeans", mean=x.mean(0))
+    truth = torch.cdist(x, centres).argmin(1)
+    for s in (cs, cs.centred()):
+        a = concept_activations(s)
+        assert torch.equal(a.assign_fn(a.encode(x), x), truth)

@@ -16,14 +16,19 @@ import torch
 from torch import Tensor, nn
 
 
+
+ALPHA_START = 0.2
+"""The encoder's alpha before training (CLVQ-VAE's released code: nn.Parameter(torch.tensor(0.2)))."""
+
 class ResidualEncoder(nn.Module):
-    """z_e = (1 - a) h + a LayerNorm(W h + b) with a = 0.5 sigmoid(alpha): (N, d) -> (N, d)."""
+    """z_e = (1 - a) h + a LayerNorm(W h + b) with a = 0.5 sigmoid(alpha): (N, d) -> (N, d); alpha
+    starts at `ALPHA_START`, as the paper's released code (a mix of 0.275)."""
 
     def __init__(self, d: int) -> None:
         super().__init__()
         self.linear = nn.Linear(d, d)
         self.norm = nn.LayerNorm(d)
-        self.alpha = nn.Parameter(torch.zeros(()))
+        self.alpha = nn.Parameter(torch.tensor(ALPHA_START))
 
     @property
     def mix(self) -> Tensor:

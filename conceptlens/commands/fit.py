@@ -11,8 +11,8 @@ RUN/concepts/<NAME>/ (one ConceptSet per extractor), RUN/fit_report.json, and un
 a checkpoint and says its token count; the same command again resumes there. RUN holds one
 run: a folder of another run is refused unless --overwrite clears that run's files (once the model
 has loaded and the sites are checked, so a mistake loses nothing; never a file behind a symbolic
-link, nor any in a folder whose run.toml is not a run's), and it is locked while written (a second writer fails at once). Every option is checked before the
-model loads. Bundled sets are read in a seeded shuffled order (they are stored sorted by
+link, nor any in a folder whose run.toml is not a run's), and it is locked while written (a second
+writer fails at once). Every option is checked before the model loads. Bundled sets are read in a seeded shuffled order (they are stored sorted by
 label); the description pass reads the documents after those the fit consumed, unless
 --describe-data names another source. With --max-tokens, an SAE whose spec sets no lr= gets the lr
 for its budget (`short_budget_lr`: the steps --max-tokens / batch_size), printed and written into

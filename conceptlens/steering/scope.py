@@ -5,11 +5,12 @@
 
 Each site with active edits has exactly one hook (kept by the model's HookManager, whose scope
 stack adds and removes only the hooks of sites a scope is first or last to edit), which applies
-that site's edits in the order they were entered; consecutive `Add`s with the same positions are summed into one
-vector first (so Add(a) with Add(-a) changes nothing, bit for bit: in one scope, or across nested
-scopes whose positions are "all" or the same slice; two nested "prompt" or "generated" scopes
-each take their own first forward as the prompt, so their Adds are applied one after the other). Positions are absolute — counted among a sequence's real tokens, through left
-padding and the KV cache — so an edit gives the same tokens with and without `use_cache`.
+that site's edits in the order they were entered; consecutive `Add`s with the same positions are
+summed into one vector first (so Add(a) with Add(-a) changes nothing, bit for bit: in one scope,
+or across nested scopes whose positions are "all" or the same slice; two nested "prompt" or
+"generated" scopes each take their own first forward as the prompt, so their Adds are applied
+one after the other). Positions are absolute — counted among a sequence's real tokens, through
+left padding and the KV cache — so an edit gives the same tokens with and without `use_cache`.
 `"prompt"` is the tokens of the first forward inside the scope; `"generated"` all later ones.
 """
 

@@ -92,7 +92,10 @@ class VQCodebook(ExtractorBase):
     def update(self, x: Tensor) -> None:
         """Consume `x` (N, d): collect until init_size tokens, then one EMA step per call, or
         per batch_size rows drawn from the mixing buffer."""
-        x = self._prepare(x)
+        self._consume(self._prepare(x))
+
+    def _consume(self, x: Tensor) -> None:
+        """`update` on rows already through `_prepare`."""
         shared = False  # distributed: rows gathered from every rank (the same everywhere)
         if self.fitted is None:
             if self.comm is not None:
@@ -291,7 +294,13 @@ class VQCodebook(ExtractorBase):
         if other.config.n_codes != self.config.n_codes or (self.d and other.d and other.d != self.d):
             raise ValueError(f"cannot merge a codebook of {other.config.n_codes} codes of width "
                              f"{other.d} into one of {self.config.n_codes} codes of width {self.d}")
+        mine = self._pending if self.fitted is None else None  # rows waiting for the initialisation:
+        theirs = other._pending if other.fitted is None else None  # none of them is dropped
         if other.fitted is not None:
-            if self.fitted is None:  # it becomes a copy of the other
+            if self.fitted is None:  # it becomes a copy of the other, then takes its own waiting rows
                 self.check_state({"config": other.config_dict()})
             self.load_state(merge_codebooks(self.state(), other.state(), self.config.decay, self.config.eps))
+            if mine is not None:
+                self._consume(mine)
+        elif theirs is not None:
+            self._consume(theirs.to(self._pending.device if self._pending is not None else theirs.device))

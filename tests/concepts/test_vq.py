@@ -207,6 +207,25 @@ def test_merge_adds_what_replicas_learnt_since_their_shared_start():
         merged.merge(VQCodebook(8))
 
 
+def test_merge_keeps_the_rows_either_side_holds_for_its_initialisation():
+    rows = torch.cat(_stream()[:4])[:120]
+    make = lambda: VQCodebook(16, init_size=64, batch_size=50, reseed_after=None)  # noqa: E731
+    a, b, alone = make(), make(), make()
+    a.update(rows[:40])
+    b.update(rows[40:80])
+    a.merge(b)  # both still waiting: a initialises on all 80 rows, as one fed both
+    alone.update(rows[:40])
+    alone.update(rows[40:80])
+    assert a.fitted is not None and torch.equal(a.codes, alone.codes) and a.tokens == alone.tokens
+    waiting, fitted, twin = make(), make(), make()
+    waiting.update(rows[80:120])
+    fitted.update(rows[:80])
+    twin.load_state_dict(fitted.state_dict())
+    waiting.merge(fitted)  # a copy of the fitted one, then its own 40 waiting rows
+    twin.update(rows[80:120])
+    assert torch.equal(waiting.codes, twin.codes) and waiting.tokens == twin.tokens
+
+
 @pytest.mark.parametrize("sizes", [(50, 20), (7, 64), (33, 33)])  # uneven shards
 def test_merge_after_one_step_each_equals_one_step_on_both(sizes):
     draw = mixture(8, 6, seed=3)

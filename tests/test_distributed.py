@@ -34,6 +34,8 @@ def test_step_statistics_are_all_reduced_so_two_ranks_equal_one_process(tmp_path
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         assert_same_state(r0[name][key], r1[name][key])  # the ranks agree bit for bit
         assert mine["steps"] == ref["steps"]
+        if "n_seen" in mine:  # k-means: every rank's rows, as one process counts them
+            assert r0[name]["n_seen"] == r1[name]["n_seen"] == ref["n_seen"]
     ref_sae = W.sae_for_ddp(batch_size=64)  # one process, batch = both ranks' rows
     for x in W.sae_batches():
         ref_sae.update(x)

@@ -96,7 +96,8 @@ class StreamingKMeans(ExtractorBase):
         """`update` on rows and weights already through `_check`."""
         if self.comm is not None and self._centres is None:  # every rank buffers the same rows
             x, weight = self._gather(x, weight)
-        self.n_seen += x.shape[0]
+        if self.comm is None or self._centres is None:  # (distributed steps count every rank's rows: `_step`)
+            self.n_seen += x.shape[0]
         if self._centres is None:
             px, pw = self._pending if self._pending is not None else (x[:0], weight[:0])
             self._pending = (torch.cat([px, x]), torch.cat([pw, weight]))
@@ -157,6 +158,7 @@ class StreamingKMeans(ExtractorBase):
                                                received.new_tensor([rows], dtype=torch.float64)]))
             sums, received = packed[: k * d].view(k, d).to(sums.dtype), packed[k * d: k * d + k].to(received.dtype)
             rows = int(packed[-1].item())
+            self.n_seen += rows
         self._centres, self._mass, received = apply_step(centres, self._mass, sums, received)
         self._idle = torch.where(received > 0, 0, self._idle + rows)
         self.n_steps += 1

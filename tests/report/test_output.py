@@ -121,3 +121,15 @@ def test_a_foreign_extractor_folder_name_is_refused_in_one_line(run, capsys):
     _one_line_error(capsys, "a'b")
     assert main(["report", str(run), "--out", ""]) == 2
     assert not (run / "report").exists()
+
+
+def test_index_rows_carry_float32_statistics_exactly():
+    """Rounded once, by the page: the index's figures are the concept pages' (no double rounding)."""
+    import numpy as np
+
+    from conceptlens.report.index_page import _clean
+
+    values = np.random.default_rng(0).random(10_000).astype(np.float32) * np.float32(0.01)
+    assert all(np.float32(_clean(v)) == v for v in values)
+    assert f"{100 * _clean(np.float32(0.004955047)):.3g}" == f"{100 * float(np.float32(0.004955047)):.3g}" == "0.496"
+    assert _clean(float("nan")) is None and _clean(3) == 3

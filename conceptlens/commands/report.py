@@ -21,5 +21,5 @@ def run(args: argparse.Namespace) -> int:
 
     summary = write_report(args.run, args.out, progress=not args.no_progress)
     print(f"report: {summary.pages:,} pages, {summary.bytes / 1e6:.1f} MB in {summary.seconds:.1f} s\n"
-          f"open file://{summary.path.resolve()}")
+          f"open {summary.path.resolve().as_uri()}")  # percent-encoded: a space or # in the path stays a path
     return 0

@@ -9,12 +9,13 @@ from tests.tiny_folder import save_tiny_llama
 
 
 def test_fit_describe_report(tmp_path, capsys):
-    model, run = save_tiny_llama(tmp_path / "tiny"), tmp_path / "run"
+    model, run = save_tiny_llama(tmp_path / "tiny"), tmp_path / "run #1"  # a URL must encode the space and #
     assert main(["fit", "--model", str(model), "--data", "bbc-news", "--site", "blocks.1.resid_out",
                  "--extractor", "kmeans:n_concepts=8", "--extractor", "topk:width=32,k=4,batch_size=256",
                  "--max-tokens", "2000", "--describe-tokens", "1500", "--out", str(run)]) == 0
     assert main(["report", str(run), "--no-progress"]) == 0
-    assert "open file://" in capsys.readouterr().out
+    assert f"open {(run / 'report' / 'index.html').resolve().as_uri()}" in capsys.readouterr().out
+    assert "run%20%231/report/index.html" in (run / "report" / "index.html").resolve().as_uri()
     report = run / "report"
     assert sorted(p.name for p in (report / "concepts").iterdir()) == ["kmeans", "topk"]
     assert len(list((report / "concepts" / "topk").glob("*.html"))) == 32

@@ -161,7 +161,11 @@ def _load_extractor(run: Path, name: str) -> ExtractorView:
     stats_path = folder / "stats.safetensors"
     if not stats_path.is_file():
         raise FileNotFoundError(f"{stats_path} not found: a description folder holds description.json and stats.safetensors")
-    stats = load_file(stats_path)
+    try:
+        stats = load_file(stats_path)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own plain Exception on a damaged file
+        raise ValueError(f"{stats_path} does not read as a safetensors file ({str(e).splitlines()[0]}): "
+                         "the description is damaged; run describe again") from None
     n = _content.field(folder / "description.json", "n_concepts", meta.get("n_concepts"), int, low=0,
                        high=_content.MAX_COUNT)
     if n and not stats:  # every description records each concept's frequency: n pages need n rows of something

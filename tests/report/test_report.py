@@ -144,6 +144,16 @@ def test_bad_contexts_order_is_named(tmp_path):
     assert not (run / "report").exists()
 
 
+def test_a_damaged_stats_file_is_one_line(tmp_path, capsys):
+    run = write_fake_run(tmp_path / "run", EXTRACTORS[1:2])
+    path = run / "describe" / "kmeans" / "stats.safetensors"
+    path.write_bytes(path.read_bytes()[:1000])  # cut short
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(path) in err and "run describe again" in err and "\n" not in err
+    assert not (run / "report").exists()
+
+
 def test_cli_writes_report_and_replaces_old(tmp_path, capsys):
     run = write_fake_run(tmp_path / "run", EXTRACTORS[:1], labels=False, steering=False)
     write_report(run)

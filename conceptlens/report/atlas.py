@@ -69,14 +69,19 @@ class ExtractorView:
             for _ in range(self.n):
                 yield []
             return
+        lines = 0
         with open(path, encoding="utf-8") as f:
             for expected, line in enumerate(f):
                 where = f"{path}: line {expected + 1}"
                 record = _content.field(where, "the record", parse_json(line, where), dict)
-                if record.get("concept") != expected:
+                if record.get("concept") != expected or expected >= self.n:
                     raise ValueError(f"{path}: line {expected + 1} is concept {record.get('concept')!r}, "
-                                     f"expected {expected} (one line per concept, in order)")
+                                     f"expected {expected} (one line per concept, in order, n_concepts={self.n})")
+                lines += 1
                 yield _content.field(where, "contexts", record.get("contexts", []), list)
+        if lines != self.n:
+            raise ValueError(f"{path} holds {lines} lines for n_concepts={self.n} (one line per concept): the "
+                             "description is damaged; run describe again")
 
     @property
     def control(self) -> bool:

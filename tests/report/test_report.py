@@ -154,6 +154,20 @@ def test_a_damaged_stats_file_is_one_line(tmp_path, capsys):
     assert not (run / "report").exists()
 
 
+@pytest.mark.parametrize("cut", [slice(0, 1), slice(None)])  # too few lines; one too many (added below)
+def test_a_contexts_file_of_another_length_is_one_line(tmp_path, capsys, cut):
+    run = write_fake_run(tmp_path / "run", EXTRACTORS[1:2])
+    path = run / "describe" / "kmeans" / "contexts.jsonl"
+    lines = path.read_text().splitlines()[cut]
+    if cut == slice(None):
+        lines.append('{"concept": %d, "contexts": []}' % len(lines))
+    path.write_text("\n".join(lines) + "\n")
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(path) in err and "n_concepts" in err and "\n" not in err and "Traceback" not in err
+    assert not (run / "report").exists()
+
+
 def test_cli_writes_report_and_replaces_old(tmp_path, capsys):
     run = write_fake_run(tmp_path / "run", EXTRACTORS[:1], labels=False, steering=False)
     write_report(run)

@@ -169,7 +169,7 @@ def _load_extractor(run: Path, name: str) -> ExtractorView:
     try:
         stats = load_file(stats_path)
     except Exception as e:  # noqa: BLE001 - safetensors raises its own plain Exception on a damaged file
-        raise ValueError(f"{stats_path} does not read as a safetensors file ({str(e).splitlines()[0]}): "
+        raise ValueError(f"{stats_path} is not a readable safetensors file ({str(e).splitlines()[0]}): "
                          "the description is damaged; run describe again") from None
     n = _content.field(folder / "description.json", "n_concepts", meta.get("n_concepts"), int, low=0,
                        high=_content.MAX_COUNT)

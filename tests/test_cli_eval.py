@@ -194,6 +194,14 @@ def test_cli_argument_errors(tmp_path, capsys):
     ConceptSet(torch.randn(3, 4), site="blocks.0.resid_out").save(tmp_path / "nomodel")
     assert main(["eval", str(tmp_path / "nomodel"), "--task", "wsj-pos"]) == 2
     assert "names no model; pass --model" in capsys.readouterr().err
+    ConceptSet(torch.randn(3, 4), site="blocks.0.resid_out", model="tiny").save(tmp_path / "held" / "concepts" / "a")
+    (tmp_path / "held" / "eval.json").write_text('{"format": "conceptlens.Evaluation", "version": 1, "model": "tiny", '
+                                                 '"sets": {}, "parts": [], "lines": []}')
+    before = (tmp_path / "held" / "eval.json").read_bytes()
+    assert main(["eval", str(tmp_path / "held"), "--model", "smollm2-135m", "--task", "wsj-pos"]) == 2
+    err = capsys.readouterr().err  # refused before the model loads
+    assert "holds figures of the model 'tiny', not 'smollm2-135m': pass --model 'tiny'" in err
+    assert err.count("\n") == 1 and (tmp_path / "held" / "eval.json").read_bytes() == before
 
 
 @pytest.mark.real_model

@@ -160,6 +160,7 @@ def _run_folder(args: argparse.Namespace, suites: tuple[str, ...]) -> None:
     import conceptlens
     from conceptlens.batching import check_max_length
     from conceptlens.commands._common import load_model
+    from conceptlens.evaluate import results
     from conceptlens.evaluate.bootstrap import DRAWS
 
     config = SuiteConfig(suites=suites, tasks=args.tasks, max_docs=args.max_docs, max_length=args.max_length,
@@ -173,6 +174,7 @@ def _run_folder(args: argparse.Namespace, suites: tuple[str, ...]) -> None:
         if cs.site is None:
             raise ValueError(f"{name}: {cs} names no site; set cs.site and save it again")
     model_name = _model_name(args, sets)
+    results.check_file(args.run_dir, model_name)  # before the model loads: its parts could not be saved
     model, tok = load_model(args, model_name)
     check_max_length(model, args.max_length, "--max-length")
     lens = conceptlens.attach(model, tok)

@@ -15,7 +15,9 @@ Format `conceptlens.Evaluation` version 1 (JSON; NaN written as null):
 
 Each finished part is merged in at once, so an interrupted `eval` keeps what it finished. A part
 run again replaces its lines for the sets it ran (all of its lines when its config changed); a
-set refitted since (another sha256) loses every earlier line; another model replaces the file.
+set refitted since (another sha256) loses every earlier line. A file of another model, or one that
+does not read, is refused (`check_file`, which `conceptlens eval` calls before the model loads):
+nothing a user computed is replaced without being asked.
 """
 
 from __future__ import annotations
@@ -112,16 +114,25 @@ def save_part(run: str | os.PathLike, part: Part, lines: Sequence[Line], interva
     return path
 
 
+def check_file(run: str | os.PathLike, model: str) -> None:
+    """Refuse, in one line, a `run/eval.json` that parts of `model` may not be merged into: one that
+    does not read (`load_results`'s error) or one of another model."""
+    _read_raw(Path(run) / FILE, model)
+
+
 def _read_raw(path: Path, model: str) -> dict[str, Any] | None:
-    """The earlier file when it is a valid one of the same model, else None (it is replaced)."""
+    """The earlier file (None: there is none); a ValueError when it does not read or is another model's."""
     if not path.is_file():
         return None
     try:
         load_results(path.parent)
-    except ValueError:
-        return None
+    except ValueError as e:
+        raise ValueError(f"{e}; move it away to start a new file (it is not replaced)") from None
     data = json.loads(path.read_text(encoding="utf-8"))
-    return data if data.get("model") == model else None
+    if data.get("model") != model:
+        raise ValueError(f"{path} holds figures of the model {data.get('model')!r}, not {model!r}: pass "
+                         f"--model {data.get('model')!r}, or move it away to start a new file (it is not replaced)")
+    return data
 
 
 def _merge(old: dict[str, Any] | None, part: Part, lines: Sequence[Line], interval: str) -> dict[str, Any]:

@@ -78,9 +78,24 @@ def test_a_part_run_again_replaces_only_its_own_figures(tmp_path):
     _save(tmp_path, refit, "absorption", [_line("a", "absorption", 0.1)])
     got = {(sl.part, sl.line.extractor) for sl in results.load_results(tmp_path).lines}
     assert got == {("absorption", "a")}
-    _save(tmp_path, infos, "probing toy", [_line("b", "toy", 0.7)], model="other")  # another model: a new file
-    back = results.load_results(tmp_path)
-    assert back.model == "other" and [sl.line.extractor for sl in back.lines] == ["b"]
+
+
+def test_a_file_of_another_model_or_one_that_does_not_read_is_refused_and_kept(tmp_path):
+    infos = _sets(tmp_path, {"a": 4})
+    path = _save(tmp_path, infos, "probing toy", [_line("a", "toy", 0.9)])
+    before = path.read_bytes()
+    message = r"holds figures of the model 'tiny', not 'other': pass --model 'tiny', or move it away"
+    with pytest.raises(ValueError, match=message):
+        results.check_file(tmp_path, "other")
+    with pytest.raises(ValueError, match=message):
+        _save(tmp_path, infos, "probing toy", [_line("a", "toy", 0.7)], model="other")
+    results.check_file(tmp_path, "tiny")  # the same model merges
+    path.write_bytes(before[:-40])  # cut short: it does not read
+    with pytest.raises(ValueError, match=r"eval.json.*move it away to start a new file \(it is not replaced\)"):
+        _save(tmp_path, infos, "probing toy", [_line("a", "toy", 0.7)])
+    assert path.read_bytes() == before[:-40]
+    path.unlink()
+    results.check_file(tmp_path, "other")  # no file: any model starts one
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -146,3 +146,56 @@ def test_bad_sizes_are_named(flag, capsys):
     args = ["demo", "--k", "64", "--width", "32"] if flag == "--k" else ["demo", flag, "-1"]
     assert main(args) == 2
     assert flag in capsys.readouterr().err
+
+
+def _demo_args(model, out, *more):
+    return ["demo", "--model", str(model), "--site", "blocks.1.resid_out", "--max-tokens", "3000", "--describe-tokens",
+            "3000", "--concepts", "8", "--width", "64", "--k", "4", "--out", str(out), "--no-progress", "--judge-model",
+            str(model), "--probe-docs", "60", "460", "--probe-draws", "2", "--ce-docs", "4", *more]
+
+
+def _held_run(out, *more):
+    """A folder holding the run of another seed: its run.toml, a set and a file of the user's."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    (out / "concepts" / "old").mkdir(parents=True)
+    (out / "run.toml").write_text(rc.to_toml(run_config(parser.parse_args(["--out", str(out), "--seed", "1", *more]))))
+    (out / "concepts" / "old" / "config.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    return _files(out)
+
+
+def _files(out):
+    return {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".conceptlens.lock"}
+
+
+def test_a_folder_holding_another_run_is_refused_before_the_model_loads_and_left_as_it_was(tmp_path, capsys,
+                                                                                         monkeypatch):
+    from conceptlens import models
+
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    out = tmp_path / "run"
+    before = _held_run(out)
+    assert main(["demo", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{out} holds a run with another shuffle (1, now 0); use another --out, or --overwrite" in err
+    assert err.count("\n") == 1 and _files(out) == before
+    assert main(["demo", "--out", str(tmp_path / "new"), "--judge-model", "no-such-judge"]) == 2
+    assert "unknown model 'no-such-judge'" in capsys.readouterr().err  # not after the fit, at the steering step
+
+
+def test_overwrite_clears_the_run_the_folder_held_once_the_site_is_checked(tmp_path, capsys):
+    model = save_tiny_llama(tmp_path / "tiny")
+    out = tmp_path / "run"
+    before = _held_run(out, "--model", str(model), "--site", "blocks.1.resid_out")
+    assert main(_demo_args(model, out, "--overwrite", "--site", "blocks.9.resid_out")) == 2
+    assert "blocks.9" in capsys.readouterr().err
+    assert _files(out) == before  # a bad site loses nothing
+    assert main(_demo_args(model, out)) == 2  # without --overwrite: refused
+    assert "holds a run with another shuffle (1, now 0)" in capsys.readouterr().err
+    assert main(_demo_args(model, out, "--overwrite")) == 0
+    assert "--overwrite: removed the 2 files of the run" in capsys.readouterr().out
+    assert (out / "notes.txt").read_text() == "mine" and not (out / "concepts" / "old").exists()
+    assert rc.read_toml(out / "run.toml")["shuffle"] == 0 and (out / "concepts" / "topk").is_dir()
+    assert main(_demo_args(model, out)) == 0  # the same run again: it resumes
+    assert "(0 after resuming at 4,096)" in capsys.readouterr().out

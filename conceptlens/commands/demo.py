@@ -56,7 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="encoder of the topic judge (logistic regression on its mean-pooled embeddings)")
     parser.add_argument("--judge-docs", type=positive_int, default=600,
                         help="train-split articles the judge learns from (a seeded draw)")
-    parser.add_argument("--out", type=out_dir, default="runs/demo", help="run folder (concepts, descriptions, report)")
+    parser.add_argument("--out", type=out_dir, default="runs/demo",
+                        help="run folder (concepts, descriptions, report); one that holds another run is refused")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="clear the files of the run --out holds first, once the model and site are checked "
+                             "(as `fit --overwrite`: other files stay)")
     parser.add_argument("--seed", type=count, default=0)
     parser.add_argument("--no-progress", action="store_true")
 
@@ -144,24 +148,44 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import conceptlens
     from conceptlens import data
-    from conceptlens.commands._common import load_model
-    from conceptlens.report import write_report
+    from conceptlens.commands import run_folder
+    from conceptlens.evaluate import results
+    from conceptlens.models import check_name
+    from conceptlens.runlock import lock
 
-    _check(args)
     start = time.perf_counter()
+    _check(args)
     topics = data.load("bbc-news", "test").label_names
     if args.topic not in topics:
         raise ValueError(f"--topic {args.topic!r} is not a bbc-news topic; choose one of {', '.join(topics)}")
-    cfg = run_config(args)
+    for model in (args.model, args.judge_model):
+        check_name(model)
+    cfg, out = run_config(args), Path(args.out)
+    with lock(out, "demo"):  # before the model loads: a second writer fails at once
+        if args.overwrite:
+            run_folder.owned(out)  # a run.toml that is not a run's is refused now; the clear waits for the site
+        else:
+            run_folder.check(out, cfg)  # the same run again resumes; another run's folder is refused
+            results.check_file(out, args.model)
+        return _run(args, cfg, out, start)
+
+
+def _run(args: argparse.Namespace, cfg, out: Path, start: float) -> int:
+    import conceptlens
+    from conceptlens.commands import run_folder
+    from conceptlens.commands._common import load_model
+    from conceptlens.report import write_report
+
     model, tok = load_model(args)
     lens = conceptlens.attach(model, tok)
     site = lens.site(args.site)
+    if args.overwrite and (cleared := run_folder.clear(out)):  # only now: a bad site loses nothing
+        print(f"--overwrite: removed the {len(cleared)} files of the run {out} held (other files stay)")
     print(f"{lens}\n")
     for name in ("embed", site.name, f"blocks.{site.name.split('.')[1]}.attn.k", "final"):
         print(" ", lens.site(name).describe())
-    out, took = Path(args.out), {}
+    took: dict[str, float] = {}
 
     def timed(phase: str, fn, *params):
         t = time.perf_counter()

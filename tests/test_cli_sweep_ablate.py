@@ -48,6 +48,20 @@ def test_sweep_prints_target_and_perplexity_per_alpha(folders, capsys):
     assert "0.5 is below 1" in capsys.readouterr().err
 
 
+def test_sweep_plot_names_a_bad_suffix_at_once_and_saves_into_a_new_folder_after_the_table(folders, tmp_path, capsys):
+    model_dir, concepts_dir, _ = folders
+    sweep = ["sweep", "--model", model_dir, "--concepts", concepts_dir, "--concept", "1", "--alphas", "0", "2",
+             "--prompts", "w5 w6", "--max-new-tokens", "2"]
+    assert main([*sweep, "--plot", str(tmp_path / "dose.jpeg")]) == 2
+    err = capsys.readouterr().err
+    assert "dose.jpeg' has no figure suffix; end it in .png, .pdf, .svg" in err and err.count("\n") == 1
+    figure = tmp_path / "figures" / "new" / "dose.svg"  # a folder that does not exist yet
+    assert main([*sweep, "--plot", str(figure)]) == 0
+    out = capsys.readouterr().out
+    assert out.index("largest alpha within") < out.index(f"figure saved to {figure}")
+    assert figure.read_text().lstrip().startswith("<?xml") and "<svg" in figure.read_text()
+
+
 def test_ablate_prints_baseline_controls_spread_and_the_zeroed_site(folders, capsys):
     model_dir, concepts_dir, texts = folders
     code = main(["ablate", "--concepts", concepts_dir, "--concept", "1", "3", "--data", texts, "--n-controls", "3",

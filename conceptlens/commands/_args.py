@@ -141,6 +141,18 @@ def out_file(text: str) -> str:
     return text
 
 
+FIGURE_FORMATS = ("png", "pdf", "svg")
+
+
+def figure_file(text: str) -> str:
+    """A figure to write (`out_file`) whose suffix names a format matplotlib saves: .png, .pdf or .svg."""
+    suffix = Path(text).suffix.lower().lstrip(".")
+    if suffix not in FIGURE_FORMATS:
+        raise argparse.ArgumentTypeError(f"{text!r} has no figure suffix; end it in "
+                                         f"{', '.join('.' + f for f in FIGURE_FORMATS)}")
+    return out_file(text)
+
+
 def int_list(text: str, flag: str) -> list[int]:
     """'2,1' -> [2, 1] (for an option `flag` that takes comma-separated integers)."""
     try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from conceptlens.commands._args import finite_float, nonempty_text, out_file, positive_int
+from conceptlens.commands._args import figure_file, finite_float, nonempty_text, positive_int
 from conceptlens.commands.steer import POSITIONS, SCALES, add_direction_arguments, chat_prompt, steering_direction
 
 PROMPTS = ("I went to the shop and", "The weather today is", "My favourite thing about the city is",
@@ -45,14 +45,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--positions", choices=POSITIONS, default="generated")
     parser.add_argument("--max-new-tokens", type=positive_int, default=24)
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
-    parser.add_argument("--plot", metavar="PNG", type=out_file,
-                        help="also save the dose-response figure of the target score")
+    parser.add_argument("--plot", metavar="PNG", type=figure_file,
+                        help="also save the dose-response figure of the target score (.png, .pdf or .svg; "
+                             "after the table is printed)")
 
 
 def run(args: argparse.Namespace) -> int:
     import conceptlens
     from conceptlens.commands._common import check_generation_length, load_model
     from conceptlens.steering import Add, sweep, token_logprob, units
+    from conceptlens.steering.sweep import plot_sweep
     from conceptlens.steering.sweep_scores import ConceptExpression
 
     if args.max_new_tokens < 1:
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         ConceptExpression(lens, direction.directions[0], site, mean=mean)
     prompts = [chat_prompt(tokenizer, p) if args.chat else p for p in args.prompts]
     result = sweep(lens, Add(direction, 1.0, scale=args.scale, site=site), args.alphas, prompts, score,
-                   positions=args.positions, max_new_tokens=args.max_new_tokens, plot=args.plot, budget=args.budget)
+                   positions=args.positions, max_new_tokens=args.max_new_tokens, budget=args.budget)
     unit = {"robust_norm": f"x the site's robust token norm {units.robust_norm(lens, site):.4g}",
             "site_norm": f"x the site's median token norm {units.site_norm(lens, site):.4g}",
             "unit": "unit direction", "raw": "raw direction"}[args.scale]
@@ -86,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"\nlargest alpha within the fluency budget (median perplexity at most {args.budget:g}x the "
               f"unsteered {reference:.2f}): {result.best_alpha:g}")
-    if args.plot:
+    if args.plot:  # after the table: a figure that cannot be written loses none of the sweep's figures
+        plot_sweep(result, args.plot)
         print(f"figure saved to {args.plot}")
     return 0
 

@@ -25,6 +25,8 @@ alpha's generations at once and its numbers are kept in `SweepResult.judged`.
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -187,6 +189,8 @@ def sweep(lens: AttachedModel, edits: Edits, alphas: Sequence[float], prompts: S
         raise ValueError(f"prompts must be a non-empty list of strings; got {prompts!r}")
     if not alphas:
         raise ValueError("alphas is empty; give the steering strengths to try, e.g. [0, 4, 8, 16]")
+    if plot is not None:
+        _figure_format(plot)  # before the sweep, which a bad name would otherwise lose
     batch = _left_padded(tokenizer, list(prompts))
     generate_kwargs = {"do_sample": False, "max_new_tokens": max_new_tokens, **generate_kwargs}
     at = _edits_at(edits)
@@ -297,5 +301,18 @@ def plot_sweep(result: SweepResult, path: str, title: str | None = None) -> None
     ax.set_ylabel(result.label)
     ax.set_title(title or f"{result.label} vs steering strength")
     ax.legend(loc="best", fontsize="small")
-    fmt = str(path).rsplit(".", 1)[-1].lower() if "." in str(path) else "png"
+    fmt = _figure_format(path)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=120))
+
+
+def _figure_format(path: str | os.PathLike) -> str:
+    """The format a figure at `path` is saved in (its suffix); a ValueError naming the valid ones."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    fmt = Path(path).suffix.lower().lstrip(".")
+    if fmt not in formats:
+        raise ValueError(f"cannot save a figure as {str(path)!r}: end its name in one of "
+                         f"{', '.join('.' + f for f in sorted(formats))}")
+    return fmt

@@ -167,3 +167,13 @@ def test_without_alpha_0_the_unsteered_continuations_set_the_budget(setup):
     assert "length" in result.table().splitlines()[0]
     with pytest.raises(ValueError, match="budget"):
         sweep(lens, Add(direction, 1.0, site="final"), [0.0], PROMPTS, len, budget=0.5)
+
+
+def test_a_plot_name_matplotlib_cannot_save_is_refused_before_any_generation(setup, tmp_path, monkeypatch):
+    from conceptlens.steering import sweep as sweep_module
+
+    model, tok, lens = setup
+    monkeypatch.setattr(sweep_module, "_generate", lambda *a, **k: pytest.fail("generated before the name was checked"))
+    with pytest.raises(ValueError, match=r"cannot save a figure as '.*dose.txt': end its name in one of .*\.png"):
+        sweep(lens, lambda a: Add(_unembedding(model, 50), a, site="final"), [0, 3], PROMPTS,
+              token_logprob(tok, "w50"), max_new_tokens=2, plot=str(tmp_path / "dose.txt"))

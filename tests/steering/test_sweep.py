@@ -170,8 +170,9 @@ def test_without_alpha_0_the_unsteered_continuations_set_the_budget(setup):
 
 
 def test_a_plot_name_matplotlib_cannot_save_is_refused_before_any_generation(setup, tmp_path, monkeypatch):
-    from conceptlens.steering import sweep as sweep_module
+    import importlib
 
+    sweep_module = importlib.import_module("conceptlens.steering.sweep")  # the package's `sweep` is the function
     model, tok, lens = setup
     monkeypatch.setattr(sweep_module, "_generate", lambda *a, **k: pytest.fail("generated before the name was checked"))
     with pytest.raises(ValueError, match=r"cannot save a figure as '.*dose.txt': end its name in one of .*\.png"):

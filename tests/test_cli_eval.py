@@ -202,6 +202,14 @@ def test_cli_argument_errors(tmp_path, capsys):
     err = capsys.readouterr().err  # refused before the model loads
     assert "holds figures of the model 'tiny', not 'smollm2-135m': pass --model 'tiny'" in err
     assert err.count("\n") == 1 and (tmp_path / "held" / "eval.json").read_bytes() == before
+    for recorded, why in (('model = ["a"]\n', "model must be a name (a non-empty string); got ['a']"),
+                          ('data = "bbc-news"\n', "model must be a name (a non-empty string); got None"),
+                          ('model = "tiny"\nshuffle = "yes"\n', "shuffle must be a seed"), ("model = \n", "")):
+        (tmp_path / "held" / "run.toml").write_text(recorded)  # a list, no model key, not TOML: one line each
+        assert main(["eval", str(tmp_path / "held"), "--task", "wsj-pos"]) == 2
+        err = capsys.readouterr().err
+        assert f"{tmp_path / 'held' / 'run.toml'}" in err and why in err and err.count("\n") == 1, err
+        assert "Traceback" not in err
 
 
 @pytest.mark.real_model

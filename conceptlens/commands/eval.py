@@ -18,6 +18,7 @@ import math
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from conceptlens.commands._args import count, existing_dir, positive_int, seed
 from conceptlens.evaluate.probing import KS, RANDOM_DRAWS
@@ -126,11 +127,11 @@ def _synthetic(args: argparse.Namespace) -> None:
 def _model_name(args: argparse.Namespace, sets: dict) -> str:
     """--model, else the model a run folder's run.toml loaded (a local folder or .gguf, which the sets
     name only by its last component), else the one model the sets name."""
-    from conceptlens.commands import run_config as rc
-
-    recorded = Path(args.run_dir) / "run.toml"
-    if args.model or recorded.is_file():
-        return args.model or rc.read_toml(recorded)["model"]
+    recorded = _recorded(Path(args.run_dir))
+    if args.model:
+        return args.model
+    if recorded is not None:
+        return recorded["model"]
     models = {cs.model for cs in sets.values()}
     unnamed = [name for name, cs in sets.items() if cs.model is None]
     if unnamed:
@@ -143,17 +144,34 @@ def _model_name(args: argparse.Namespace, sets: dict) -> str:
 def _fit_read(run_dir: Path) -> tuple[str, int | None, int] | None:
     """`SuiteConfig.fit_read` of a run folder whose fit read the train split of a labelled set the
     probes use (its run.toml's data and shuffle, its fit_report.json's documents), else None."""
-    from conceptlens.commands import run_config as rc
     from conceptlens.commands.describe import fit_documents
 
-    recorded, report = run_dir / "run.toml", run_dir / "fit_report.json"
-    if not (recorded.is_file() and report.is_file()):
+    recorded, report = _recorded(run_dir), run_dir / "fit_report.json"
+    if recorded is None or recorded["data"] is None or not report.is_file():
         return None
-    raw = rc.read_toml(recorded)
-    name, _, split = str(raw.get("data", "")).partition(":")
-    if name not in PROBE_TASKS or (split or "train") != "train" or Path(str(raw["data"])).exists():
+    name, _, split = recorded["data"].partition(":")
+    if name not in PROBE_TASKS or (split or "train") != "train" or Path(recorded["data"]).exists():
         return None
-    return name, rc.shuffle_seed(raw), fit_documents(report)  # as the fit read it: false is the stored order
+    return name, recorded["shuffle"], fit_documents(report)  # as the fit read it: None is the stored order
+
+
+def _recorded(run_dir: Path) -> dict[str, Any] | None:
+    """What eval reads of a run folder's run.toml (None: it has none): its model (a name), data (a
+    name) and shuffle (`shuffle_seed`), each checked; a one-line ValueError naming the file."""
+    from conceptlens.commands import run_config as rc
+
+    path = run_dir / "run.toml"
+    if not path.is_file():
+        return None
+    raw = rc.read_toml(path)
+    try:
+        for key in ("model", "data"):
+            if key in raw or key == "model":
+                if not isinstance(raw.get(key), str) or not raw[key].strip():
+                    raise ValueError(f"{key} must be a name (a non-empty string); got {raw.get(key)!r}")
+        return {"model": raw["model"], "data": raw.get("data"), "shuffle": rc.shuffle_seed(raw)}
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def _run_folder(args: argparse.Namespace, suites: tuple[str, ...]) -> None:

@@ -179,8 +179,32 @@ def _load_extractor(run: Path, name: str) -> ExtractorView:
     for key, value in stats.items():
         if value.shape[:1] != (n,):
             raise ValueError(f"{stats_path}: {key} has shape {value.shape}; its first dimension must be n_concepts={n}")
-    return ExtractorView(name, folder, meta, stats, _read_json(folder / "tokens.json"),
+    return ExtractorView(name, folder, meta, stats, _read_tokens(folder / "tokens.json", n, stats),
                          *_saved_set(run / "concepts" / name, n))
+
+
+def _read_tokens(path: Path, n: int, stats: dict[str, np.ndarray]) -> dict[str, Any] | None:
+    """`tokens.json` (None without it): promoted / suppressed, each a list of n lists of strings, no
+    longer than the rows of their logits in stats.safetensors; a one-line ValueError naming the field."""
+    data = _read_json(path)
+    if data is None:
+        return None
+    _content.field(path, "the file", data, dict)
+    for key in ("promoted", "suppressed"):
+        rows = _content.field(path, key, data.get(key), list, optional=True)
+        if rows is None:
+            continue
+        if len(rows) != n:
+            raise ValueError(f"{path}: {key} holds {len(rows)} lists; the description has {n} concepts")
+        logits = stats.get(f"{key}_logit")
+        most = logits.shape[1] if logits is not None and logits.ndim == 2 else None
+        for i, row in enumerate(rows):
+            if not isinstance(row, list) or not all(isinstance(t, str) for t in row):
+                raise ValueError(f"{path}: {key}[{i}] must be a list of token strings; got {str(row)[:60]}")
+            if most is not None and len(row) > most:
+                raise ValueError(f"{path}: {key}[{i}] holds {len(row)} tokens; stats.safetensors has {most} "
+                                 f"{key} logits per concept")
+    return data
 
 
 def _saved_set(folder: Path, n: int) -> tuple[np.ndarray | None, int | None]:
@@ -201,6 +225,22 @@ def _saved_set(folder: Path, n: int) -> tuple[np.ndarray | None, int | None]:
     return d / np.maximum(np.linalg.norm(d, axis=1, keepdims=True), 1e-12), fed
 
 
+def _acyclic(path: Path, data: dict[str, Any]) -> None:
+    """A one-line ValueError naming a cycle when the hierarchy's edges form one (a hierarchy is a DAG)."""
+    import networkx as nx
+
+    from conceptlens.report.hierarchy_page import dag_from_json
+
+    try:
+        cycle = nx.find_cycle(dag_from_json(data))
+    except nx.NetworkXNoCycle:
+        return
+    except (nx.NetworkXError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a node-link graph ({e})") from None
+    loop = " -> ".join(str(u) for u, _ in cycle) + f" -> {cycle[0][0]}"
+    raise ValueError(f"{path}: its edges form a cycle ({loop}); a hierarchy is a DAG (parent -> child)")
+
+
 def _load_hierarchies(run: Path, sizes: dict[str, int]) -> dict[str, dict[str, Any]]:
     """`hierarchy/<NAME>.json` (node-link, as `metrics.hierarchy.export_dag` writes it) per extractor,
     its node ids checked against the extractor's number of concepts."""
@@ -216,5 +256,6 @@ def _load_hierarchies(run: Path, sizes: dict[str, int]) -> dict[str, dict[str, A
                     for end in ends:
                         value = item.get(end) if isinstance(item, dict) else None
                         _content.field(path, f"{key}[{i}].{end}", value, int, low=0, high=n - 1)
+            _acyclic(path, data)
             out[name] = data
     return out

@@ -133,3 +133,33 @@ def test_index_rows_carry_float32_statistics_exactly():
     assert all(np.float32(_clean(v)) == v for v in values)
     assert f"{100 * _clean(np.float32(0.004955047)):.3g}" == f"{100 * float(np.float32(0.004955047)):.3g}" == "0.496"
     assert _clean(float("nan")) is None and _clean(3) == 3
+
+
+@pytest.mark.parametrize("tokens, message", [
+    (lambda t: t.update(promoted=t["promoted"][:2]), "promoted holds 2 lists; the description has 4 concepts"),
+    (lambda t: t["suppressed"][1].append("one more"), r"suppressed\[1\] holds \d+ tokens; stats.safetensors has"),
+    (lambda t: t["promoted"].__setitem__(3, [1, 2]), r"promoted\[3\] must be a list of token strings; got \[1, 2\]"),
+    (lambda t: t.update(promoted="abc"), "promoted must be a list"),
+])
+def test_a_damaged_tokens_file_is_one_line_naming_it(run, capsys, tokens, message):
+    path = run / "describe" / "topk" / "tokens.json"
+    data = json.loads(path.read_text())
+    tokens(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=message):
+        write_report(run)
+    assert main(["report", str(run), "--no-progress"]) == 2
+    _one_line_error(capsys, str(path))
+
+
+def test_a_hierarchy_with_a_cycle_is_one_line_naming_it(tmp_path, capsys):
+    run = write_fake_run(tmp_path / "run", [("topk", "topk-sae", 6)], labels=False, steering=False, hierarchy="topk")
+    path = run / "hierarchy" / "topk.json"
+    data = json.loads(path.read_text())
+    data["edges"].append({**data["edges"][0], "source": 3, "target": 0})  # 0 -> 1 -> 3 -> 0
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"its edges form a cycle \(0 -> 1 -> 3 -> 0\); a hierarchy is a DAG"):
+        write_report(run)
+    assert main(["report", str(run), "--no-progress"]) == 2
+    _one_line_error(capsys, str(path), "cycle")
+    assert not (run / "report").exists()

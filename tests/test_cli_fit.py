@@ -309,3 +309,21 @@ def test_no_progress_leaves_out_the_fit_progress_bar_only(files, tmp_path, capsy
     def printed(out, run):  # the report, less the run folder's name and the measured speed
         return [ln for ln in out.replace(str(run), "RUN").splitlines() if "tok/s" not in ln]
     assert printed(quiet.out, tmp_path / "b") == printed(shown.out, tmp_path / "a")
+
+
+def test_a_fit_that_leaves_no_document_to_describe_says_so_and_how(files, tmp_path, monkeypatch, capsys):
+    argv = base(files, tmp_path / "all", "--no-progress")
+    at = argv.index("--max-tokens")
+    whole = argv[:at] + argv[at + 2:]  # the fit reads all of docs.txt
+    with monkeypatch.context() as m:
+        m.setattr(models, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+        assert main(whole) == 2
+    err = capsys.readouterr().err
+    assert "without --max-tokens the fit reads all of" in err and "--describe-data DATA, or --no-describe" in err
+    assert err.count("\n") == 1 and not (tmp_path / "all").exists()
+    argv[at + 1] = "100000"  # more than docs.txt holds: the fit reads it all, then there is nothing to describe
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "the fit read all 120 documents of" in err and "pass --describe-data DATA, a smaller --max-tokens" in err
+    assert "Traceback" not in err and (tmp_path / "all" / "concepts" / "km").is_dir()  # the fit itself is kept
+    assert main(whole + ["--no-describe"]) == 0

@@ -66,6 +66,10 @@ def describe_run(lens: Any, cfg: rc.RunConfig, concept_sets: Mapping[str, Any], 
         return {}
     data = source(d.data or cfg.data, cfg.shuffle)
     skip = 0 if d.data else consumed
+    if skip and not _documents_after(data, skip):
+        raise ValueError(f"the fit read all {skip:,} documents of {cfg.data}, so none is left to describe (the pass "
+                         "reads the documents after the fit's): pass --describe-data DATA, a smaller --max-tokens, "
+                         "or --no-describe")
     prompts = (d.prompt, *SteeringRequest.prompts[1:])
     steering = SteeringRequest(list(d.steer), prompts=prompts) if d.steer else None
     print(f"\ndescribing {', '.join(concept_sets)} on {d.max_tokens or 'all'} tokens of "
@@ -81,6 +85,15 @@ def describe_run(lens: Any, cfg: rc.RunConfig, concept_sets: Mapping[str, Any], 
     for line in warnings(descriptions):
         print(f"  warning: {line}")
     return descriptions
+
+
+def _documents_after(data: Any, skip: int) -> bool:
+    """Whether `data` (a TextSet or a file, as `source` gives it) holds a document after its first `skip`."""
+    from itertools import islice
+
+    from conceptlens import data as datasets
+
+    return next(islice(datasets.iter_texts(data), skip, None), None) is not None
 
 
 def warnings(descriptions: Mapping[str, Any]) -> list[str]:

@@ -134,6 +134,11 @@ def run(args: argparse.Namespace) -> int:
             if e["name"] not in given | chosen.keys() and e.get("lr") is not None}
     plan = rc.build(cfg)
     texts = source(cfg.data, cfg.shuffle)
+    budgets = rc.extractor_tokens(cfg)
+    if cfg.describe.enabled and not cfg.describe.data and cfg.fit.max_tokens is None and \
+            not all(e["name"] in budgets for e in cfg.extractors):
+        raise ValueError(f"without --max-tokens the fit reads all of {cfg.data}, and the description pass reads the "
+                         "documents after the fit's: pass --max-tokens N, --describe-data DATA, or --no-describe")
     if cfg.describe.enabled and cfg.describe.data:
         source(cfg.describe.data, cfg.shuffle)
     out = Path(cfg.out)

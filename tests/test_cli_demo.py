@@ -12,6 +12,7 @@ from conceptlens.cli import main
 from conceptlens.commands import run_config as rc
 from conceptlens.commands.demo import add_arguments, pools_documents, run_config, sae_batch_size
 from conceptlens.commands.demo_probe import PART
+from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.sae.config import short_budget_lr
 from conceptlens.evaluate.lines import verdict
 from conceptlens.evaluate.results import load_results
@@ -199,3 +200,8 @@ def test_overwrite_clears_the_run_the_folder_held_once_the_site_is_checked(tmp_p
     assert rc.read_toml(out / "run.toml")["shuffle"] == 0 and (out / "concepts" / "topk").is_dir()
     assert main(_demo_args(model, out)) == 0  # the same run again: it resumes
     assert "(0 after resuming at 4,096)" in capsys.readouterr().out
+    assert not (out / "describe" / "checkpoint.pt").exists()  # the pass is done: no checkpoint of it is left
+    assert rc.read_toml(out / "run.toml")["model"] != ConceptSet.load(out / "concepts" / "random").model == \
+        ConceptSet.load(out / "concepts" / "topk").model == "tiny"  # a folder is named by its last part
+    assert main(["describe", str(out), "--top-n", "3"]) == 0  # redescribed with other options, from the start
+    assert json.loads((out / "describe" / "topk" / "description.json").read_text())["top_n"] == 3

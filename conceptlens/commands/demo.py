@@ -244,6 +244,7 @@ def _fit(lens, cfg, args: argparse.Namespace, out: Path):
 
 def _describe(lens, report, cfg, args: argparse.Namespace, out: Path):
     """(labels of the described documents, descriptions) incl. a control set of random directions."""
+    from conceptlens.checkpoint import CHECKPOINT
     from conceptlens.commands.fit import source
     from conceptlens.concepts.conceptset import ConceptSet
 
@@ -255,12 +256,15 @@ def _describe(lens, report, cfg, args: argparse.Namespace, out: Path):
     # must not be its initial decoder
     g = torch.Generator().manual_seed(1_000_003 + args.seed)
     mean = next((cs.mean for cs in sets.values() if cs.mean is not None), None)  # measured as the concepts are
-    sets["random"] = ConceptSet(torch.randn(n, d, generator=g), site, method="random", model=args.model, mean=mean)
+    model = next(iter(sets.values())).model  # named as the fit names its sets (a path by its last part)
+    sets["random"] = ConceptSet(torch.randn(n, d, generator=g), site, method="random", model=model, mean=mean)
     sets["random"].save(out / "concepts" / "random")
     print(f"\nDescription pass over held-out articles (test split, up to {args.describe_tokens:,} tokens), "
           f"with a control of {n} random directions")
-    return test.labels, lens.describe(sets, test, max_tokens=args.describe_tokens, out=str(out / "describe"),
-                                      progress=not args.no_progress)
+    descriptions = lens.describe(sets, test, max_tokens=args.describe_tokens, out=str(out / "describe"),
+                                 progress=not args.no_progress)
+    (out / "describe" / CHECKPOINT).unlink(missing_ok=True)  # done: `conceptlens describe RUN` starts afresh
+    return test.labels, descriptions
 
 
 def _quality(descriptions, report, out: Path) -> None:

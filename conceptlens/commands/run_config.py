@@ -190,11 +190,12 @@ def _check_steer(cfg: RunConfig) -> None:
 
 
 def _check_numbers(cfg: RunConfig) -> None:
-    for section, key in (("fit", "batch_size"), ("fit", "max_length"), ("fit", "max_tokens"),
-                         ("fit", "checkpoint_every"), ("describe", "max_tokens"), ("describe", "top_n")):
+    for section, key, flag in (("fit", "batch_size", "--batch-size"), ("fit", "max_length", "--max-length"),
+                               ("fit", "max_tokens", "--max-tokens"), ("fit", "checkpoint_every", "--checkpoint-every"),
+                               ("describe", "max_tokens", "--describe-tokens"), ("describe", "top_n", "--top-n")):
         value = getattr(getattr(cfg, section), key)
         if value is not None:  # TOML has no null: None is only a default (the whole source)
-            check_int(f"{section}.{key} (--{key.replace('_', '-')})", value)  # at most int64, as islice and torch take
+            check_int(f"{section}.{key} ({flag})", value)  # at most int64, as islice and torch take
     window = cfg.describe.window
     if len(window) != 2 or any(not isinstance(w, int) or w < 0 for w in window):
         raise ValueError(f"describe.window must be two integers >= 0 (tokens left, right); got {list(window)}")

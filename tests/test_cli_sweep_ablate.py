@@ -84,3 +84,18 @@ def test_ablate_argument_errors(folders, capsys):
     assert "--concept 9 is out of range" in capsys.readouterr().err
     assert main(["ablate", "--concepts", concepts_dir, "--concept", "1", "--data", texts, "--task", "probe"]) == 2
     assert "needs a bundled set with one label per document" in capsys.readouterr().err
+
+
+def test_ablate_names_a_width_that_is_not_the_sites_and_too_few_controls_before_the_model_loads(folders, tmp_path,
+                                                                                                capsys, monkeypatch):
+    from conceptlens import models
+
+    model_dir, concepts_dir, texts = folders
+    ConceptSet(torch.randn(6, 48), site="blocks.0.resid_out", model=model_dir).save(tmp_path / "wide")
+    assert main(["ablate", "--concepts", str(tmp_path / "wide"), "--concept", "1", "--data", texts,
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err  # the site's width is 32, the set's 48 (a message about a mean's width before)
+    assert "the concepts have width 48, but blocks.0.resid_out has width 32" in err and err.count("\n") == 1
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["ablate", "--concepts", concepts_dir, "--concept", "1", "--data", texts, "--n-controls", "1"]) == 2
+    assert "--n-controls must be at least 2 (their spread is part of the result); got 1" in capsys.readouterr().err

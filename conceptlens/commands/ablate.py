@@ -57,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("max_docs", "max_length", "batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer; got {getattr(args, name)}")
+    if args.n_controls < 2:  # before the model loads
+        raise ValueError(f"--n-controls must be at least 2 (their spread is part of the result); got {args.n_controls}")
     full = ConceptSet.load(args.concepts)
     n = len(full)
     bad = [i for i in args.concept if not 0 <= i < n]

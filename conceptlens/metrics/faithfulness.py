@@ -83,7 +83,11 @@ def faithfulness(lens: AttachedModel, concepts: ConceptSet | Tensor, texts: Text
     site = site or getattr(concepts, "site", None)
     if not site:
         raise ValueError(f"{type(concepts).__name__} carries no site; pass site='blocks.{{i}}.resid_out'")
-    site = lens.site(site).name
+    resolved = lens.site(site)
+    site, width = resolved.name, math.prod(int(s) for s in resolved.shape[2:])
+    if directions.shape[-1] != width:
+        raise ValueError(f"the concepts have width {directions.shape[-1]}, but {site} has width {width}: they were "
+                         "fitted at another site or on another model")
     if n_controls < 2:
         raise ValueError(f"n_controls must be at least 2 (their spread is part of the result); got {n_controls}")
     if mode not in ("projection", "mean"):

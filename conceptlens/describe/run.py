@@ -108,11 +108,21 @@ def _forget_other_pass(out: Path, source: dict[str, Any]) -> None:
     from conceptlens.fit import CHECKPOINT
 
     marker = out / "source.json"
-    if marker.is_file() and json.loads(marker.read_text()) != source and (out / CHECKPOINT).is_file():
-        (out / CHECKPOINT).unlink()
+    if marker.is_file() and _recorded_source(marker) != source and (out / CHECKPOINT).is_file():
+        (out / CHECKPOINT).unlink()  # a marker that does not read names no pass: the pass starts afresh
     out.mkdir(parents=True, exist_ok=True)
     text = json.dumps(source)
     atomic_write(marker, lambda p: Path(p).write_text(text))
+
+
+def _recorded_source(marker: Path) -> Any:
+    """The pass `source.json` records; None when it does not read (empty, cut short, not JSON)."""
+    import json
+
+    try:
+        return json.loads(marker.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 def _site(cs: ConceptSet) -> str:

@@ -260,3 +260,19 @@ def test_describer_refuses_states_and_shards_it_cannot_take():
     with pytest.raises(ValueError, match="with labels keep per-document sums"):
         ConceptDescriber(cs, n_documents=5).merge(ConceptDescriber(cs, n_documents=5))
     assert a.stats() == (0, 0)
+
+
+def test_a_pass_marker_that_does_not_read_drops_the_checkpoint_it_cannot_vouch_for(tmp_path):
+    from conceptlens.describe.run import _forget_other_pass
+    from conceptlens.fit import CHECKPOINT
+
+    source = {"skip_documents": 3, "data": "bbc-news"}
+    for damaged in ("", '{"skip_documents": 3,', "\udcff"):
+        (tmp_path / "source.json").write_text(damaged, errors="surrogateescape")
+        (tmp_path / CHECKPOINT).write_bytes(b"a pass over unknown documents")
+        _forget_other_pass(tmp_path, source)
+        assert not (tmp_path / CHECKPOINT).exists()
+        assert json.loads((tmp_path / "source.json").read_text()) == source
+    (tmp_path / CHECKPOINT).write_bytes(b"this pass")
+    _forget_other_pass(tmp_path, source)  # the same pass: its checkpoint stays
+    assert (tmp_path / CHECKPOINT).read_bytes() == b"this pass"

@@ -282,12 +282,21 @@ class CLVQTranscoder(ExtractorBase):
         self.vq.mark_shared_start()
 
     def _merge(self, other: CLVQTranscoder) -> None:
-        """Combine with a data-parallel replica (see `conceptlens.concepts.clvq_merge`)."""
+        """Combine with a data-parallel replica (see `conceptlens.concepts.clvq_merge`). Rows either
+        side holds for the initialisation are kept: a replica that has not initialised is fed the
+        other's waiting rows, or becomes a copy of an initialised other and is then fed its own."""
         if other.parts is None:
             return
-        if self.parts is None or not self.vq.is_initialised:
+        if not other.vq.is_initialised:  # its rows wait for the initialisation: fed here, as one fed both
+            if len(other.parts.pending[0]):
+                self.update(*(r.clone() for r in other.parts.pending))
+            return
+        mine = self.parts.pending if self.parts is not None and not self.vq.is_initialised else None
+        if mine is not None or self.parts is None:
             self.check_state({"config": other.config_dict()})  # it becomes a copy of the other
         self.load_state(merge_transcoders(self.state(), other.state(), self.vq.config.decay, self.vq.config.eps))
+        if mine is not None and len(mine[0]):
+            self.update(*mine)
 
 
 def _rms(x: Tensor) -> Tensor:

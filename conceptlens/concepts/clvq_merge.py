@@ -5,8 +5,9 @@
 Replicas started from one initialised state (the same `state_dict`): encoder and decoder
 parameters and Adam moments are averaged with equal weights, the codebooks merge as
 `VQCodebook.merge` (the shared start counted once), the step count is the larger one and
-buffered rows join. A transcoder that has not started takes the other's state. Across
-processes the fit all-reduces gradients every step instead.
+buffered rows join. A transcoder that has not started takes the other's state; rows waiting
+for the initialisation on either side are fed afterwards by `CLVQTranscoder.merge`, so none is
+dropped. Across processes the fit all-reduces gradients every step instead.
 """
 
 from __future__ import annotations

@@ -206,3 +206,29 @@ def test_codebook_counts_start_at_one_as_in_the_paper():
     assert torch.equal(tc.vq.fitted.counts, torch.ones(16))
     torch.testing.assert_close(tc.vq.fitted.sums, tc.vq.codes)  # smooth(1) = 1: sums = codes
     assert tc.concept_set().config["space"] == "clvq_z_e"
+
+
+def test_merge_keeps_the_rows_either_side_holds_for_its_initialisation():
+    src, tgt, _ = cross_site(seed=6)(400)
+    make = lambda: CLVQTranscoder(16, hidden=32, batch_size=64, codebook=dict(init_size=256))  # noqa: E731
+    a, b, alone = make(), make(), make()
+    a.update(src[:100], tgt[:100])
+    b.update(src[100:200], tgt[100:200])
+    a.merge(b)  # both still waiting: a holds all 200 rows, as one fed both
+    alone.update(src[:100], tgt[:100])
+    alone.update(src[100:200], tgt[100:200])
+    assert all(torch.equal(p, q) for p, q in zip(a.parts.pending, alone.parts.pending))
+    a.update(src[200:300], tgt[200:300])
+    alone.update(src[200:300], tgt[200:300])  # both initialise on the same 256 rows and step alike
+    assert a.vq.is_initialised and torch.equal(a.vq.codes, alone.vq.codes) and a.steps == alone.steps
+    waiting, fitted, twin = make(), make(), make()
+    fitted.update(src[:300], tgt[:300])
+    twin.load_state_dict(fitted.state_dict())
+    waiting.update(src[300:400], tgt[300:400])
+    waiting.merge(fitted)  # a copy of the fitted one, then its own 100 waiting rows
+    twin.update(src[300:400], tgt[300:400])
+    assert torch.equal(waiting.vq.codes, twin.vq.codes) and waiting.steps == twin.steps
+    assert waiting.vq.tokens == twin.vq.tokens
+    codes, steps = fitted.vq.codes.clone(), fitted.steps
+    fitted.merge(make())  # an empty replica adds nothing
+    assert torch.equal(fitted.vq.codes, codes) and fitted.steps == steps

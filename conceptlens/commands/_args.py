@@ -146,11 +146,11 @@ FIGURE_FORMATS = ("png", "pdf", "svg")
 
 def figure_file(text: str) -> str:
     """A figure to write (`out_file`) whose suffix names a format matplotlib saves: .png, .pdf or .svg."""
-    suffix = Path(text).suffix.lower().lstrip(".")
-    if suffix not in FIGURE_FORMATS:
+    out_file(text)  # a folder, or a path that cannot be written, is named as such first
+    if Path(text).suffix.lower().lstrip(".") not in FIGURE_FORMATS:
         raise argparse.ArgumentTypeError(f"{text!r} has no figure suffix; end it in "
                                          f"{', '.join('.' + f for f in FIGURE_FORMATS)}")
-    return out_file(text)
+    return text
 
 
 def int_list(text: str, flag: str) -> list[int]:

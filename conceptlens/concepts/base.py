@@ -143,6 +143,9 @@ class ExtractorBase:
     State: ClassVar[Any]
     """The state dataclass, with `to_dict(config)` and the classmethod `from_dict(state_dict)`."""
     method: ClassVar[str] = "custom"
+    legacy_config: ClassVar[dict[str, Any]] = {}
+    """Config values that states saved before a key existed were fitted with (a missing key is
+    read as these, not as today's default, so an old checkpoint resumes as it was fitted)."""
     distributed: ClassVar[str | None] = None
     """How ranks fed their own rows by hand stay in step: "step" (collectives inside every
     update, through `comm`), "merge" (states merged once at the end), None (not supported).
@@ -209,7 +212,8 @@ class ExtractorBase:
         if saved_class is not None and saved_class != type(self).__name__:
             raise ValueError(f"state is for a {saved_class!r}; this is a {type(self).__name__!r}")
         mine = self.config_dict()
-        saved = {"dtype": "float32", **state["config"]} if "dtype" in mine else state["config"]  # older states: float32
+        legacy = {**({"dtype": "float32"} if "dtype" in mine else {}), **self.legacy_config}  # older states
+        saved = {**{k: v for k, v in legacy.items() if k in mine}, **state["config"]}
         differ = config_differences(saved, mine)
         if differ:
             raise ValueError(f"state was saved with a different config: {differ} (key, saved, this)")
@@ -225,7 +229,7 @@ class ExtractorBase:
         """A fresh object that has loaded `state`."""
         if not isinstance(state, dict) or "config" not in state:
             raise ValueError(f"not a {cls.__name__} state: expected a dict with a 'config' entry")
-        obj = cls.from_config(state["config"])
+        obj = cls.from_config({**cls.legacy_config, **state["config"]})
         obj.load_state_dict(state)
         return obj
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from conceptlens._checks import known_kwargs
+from conceptlens._checks import check_choice, known_kwargs
 from conceptlens.concepts.base import ExtractorBase, NotFittedError
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.clvq_modules import ResidualEncoder
@@ -35,6 +35,7 @@ from conceptlens.concepts.clvq_config import (DECODERS, CLVQConfig, CLVQState, C
                                               TranscoderParts)
 from conceptlens.concepts.clvq_merge import merge_transcoders
 from conceptlens.concepts.vq import VQCodebook
+from conceptlens.concepts.vq_config import DISTANCES
 from conceptlens.concepts.vq_math import fvu_from_sums, fvu_sums, laplace_smooth
 
 SPACE = "clvq_z_e"
@@ -276,6 +277,16 @@ class CLVQTranscoder(ExtractorBase):
 
     def state_dict(self) -> dict[str, Any]:
         return self.state().to_dict(self.config_dict(), self.vq.config_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """`ExtractorBase.load_state_dict`; the codebook samples over the distance its saved state
+        records (a transcoder saved before `VQConfig.distance` existed sampled over Euclidean ones,
+        and resumes so; `codebook` options of the constructor cannot name it for an older state)."""
+        super().load_state_dict(state)
+        saved = state.get("vq", {}).get("config", {}) if isinstance(state.get("vq"), dict) else {}
+        distance = saved.get("distance", VQCodebook.legacy_config["distance"])
+        check_choice("the codebook's saved distance", distance, DISTANCES)
+        self.vq.config.distance = distance
 
     def mark_shared_start(self) -> None:
         """Declare the current state the start of replicas (see `VQCodebook.mark_shared_start`)."""

@@ -9,8 +9,10 @@
 Training follows the EMA codebook of VQ-VAE / VQ-VAE-2: each code is the EMA of the sum of
 its assigned tokens divided by the Laplace-smoothed EMA of its count. During training a
 token is assigned to one of its `top_k` nearest codes, drawn with probabilities
-softmax(-distance / temperature) (distance = Euclidean, so the temperature is in activation
-units); evaluation (`assign`, `encode`, `quantize`) always takes the nearest code.
+softmax(-distance / temperature) over the squared Euclidean distances, as the CLVQ-VAE's released
+quantiser (`distance="euclidean"`: over Euclidean ones, as codebooks saved before that option;
+such a checkpoint resumes as it was fitted); evaluation (`assign`, `encode`, `quantize`) always
+takes the nearest code.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from conceptlens.concepts.kmeans import squared_distances
 from conceptlens.concepts.vq_config import CodebookState, SharedStart, VQConfig, VQState, VQStats, VQStep
 from conceptlens.concepts.vq_math import (INIT_METHODS, InitMethod, codes_from_ema, ema_update, fvu_from_sums,
                                           fvu_sums, initial_codes, laplace_smooth, perplexity, sample_top_k,
-                                          samples_randomly)
+                                          sampled_distances, samples_randomly)
 from conceptlens.concepts.vq_merge import merge_codebooks
 
 __all__ = ["CodebookState", "INIT_METHODS", "InitMethod", "SharedStart", "VQCodebook", "VQConfig", "VQState", "VQStats",
@@ -49,6 +51,7 @@ class VQCodebook(ExtractorBase):
     """
 
     Config, State = VQConfig, VQState
+    legacy_config = {"distance": "euclidean"}
     method = "vq"
     distributed = "step"
 
@@ -57,9 +60,10 @@ class VQCodebook(ExtractorBase):
                  temperature: float = 1.0, init: InitMethod = "kmeans", init_size: int | None = None,
                  reseed_after: int | None = 100, reseed_threshold: float = 0.03,
                  batch_size: int | None = None, buffer_size: int | None = None, seed: int = 0,
-                 dtype: str = "float32", device: str | torch.device | None = None) -> None:
+                 dtype: str = "float32", distance: str = "squared",
+                 device: str | torch.device | None = None) -> None:
         self.config = VQConfig(n_codes, decay, eps, top_k, temperature, init, init_size,
-                               reseed_after, reseed_threshold, batch_size, buffer_size, seed, dtype)
+                               reseed_after, reseed_threshold, batch_size, buffer_size, seed, dtype, distance)
         self._set_device(device)
         self.d: int | None = None
         self.fitted: CodebookState | None = None
@@ -155,7 +159,7 @@ class VQCodebook(ExtractorBase):
             if samples_randomly(cfg.top_k, cfg.temperature, cfg.n_codes):
                 start = sum(sizes[: self.comm.rank])
                 u = torch.rand(sum(sizes), 1, generator=self._gen)[start:start + len(x)]
-        code = sample_top_k(dist, cfg.top_k, cfg.temperature, self._gen, u)
+        code = sample_top_k(sampled_distances(dist, cfg), cfg.top_k, cfg.temperature, self._gen, u)
         # per-code counts and sums by scatter-add: O(N d), where a one-hot matmul is O(N K d)
         counts = torch.zeros_like(fit.counts).index_add_(0, code, x.new_ones(len(x)).to(fit.counts.dtype))  # (K,)
         sums = torch.zeros_like(fit.sums).index_add_(0, code, x.to(fit.sums.dtype))                          # (K, d)

@@ -20,6 +20,10 @@ from conceptlens.concepts.base import MAX_CONCEPTS, check_dtype
 from conceptlens.concepts.vq_math import INIT_METHODS, InitMethod, codes_from_ema, laplace_smooth
 
 
+DISTANCES = ("squared", "euclidean")
+"""What a codebook's sampling softmax takes (`VQConfig.distance`)."""
+
+
 @dataclass
 class VQConfig:
     """Hyper-parameters of a `VQCodebook`."""
@@ -33,7 +37,7 @@ class VQConfig:
     top_k: int = 5
     """Training draws each token's code among its top_k nearest (1 = nearest only)."""
     temperature: float = 1.0
-    """Sampling temperature T of softmax(-distance / T); 0 = nearest."""
+    """Sampling temperature T of softmax(-distance / T) (`distance`); 0 = nearest."""
     init: InitMethod = "kmeans"
     """Codebook initialisation on the first init_size tokens."""
     init_size: int | None = None
@@ -54,6 +58,11 @@ class VQConfig:
     distances computed in it; the EMA counts and sums, the codes derived from them and the
     initialising k-means stay float32, hits int64 and FVU sums float64. `assign` / `encode`
     measure distances in float32."""
+    distance: str = "squared"
+    """What the sampling softmax takes: "squared" Euclidean distances, as the CLVQ-VAE's released
+    quantiser (T in squared activation units: at T = 1 a code whose squared distance exceeds the
+    nearest's by a few units is rarely drawn), or "euclidean" ones (T in activation units; what
+    codebooks saved before this option sampled with, and still do when resumed)."""
 
     def __post_init__(self) -> None:
         check_int("n_codes", self.n_codes, high=MAX_CONCEPTS)
@@ -65,6 +74,7 @@ class VQConfig:
         for name in ("eps", "temperature", "reseed_threshold"):
             check_float(name, getattr(self, name))
         check_choice("init", self.init, INIT_METHODS)
+        check_choice("distance", self.distance, DISTANCES)
         check_int("seed", self.seed, 0)
         if self.rows_to_init < self.n_codes:
             raise ValueError(f"init_size={self.rows_to_init} is smaller than n_codes={self.n_codes}: "

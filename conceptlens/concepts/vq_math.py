@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -47,11 +47,17 @@ def samples_randomly(k: int, temperature: float, n_codes: int) -> bool:
     return temperature != 0 and min(k, n_codes) > 1
 
 
+def sampled_distances(dist: Tensor, config: Any) -> Tensor:
+    """The distances a codebook's sampling softmax takes, from Euclidean ones `dist` (N, K):
+    squared, or as they are (`VQConfig.distance`)."""
+    return dist.square() if config.distance == "squared" else dist
+
+
 def sample_top_k(dist: Tensor, k: int, temperature: float,
                  generator: torch.Generator | None = None, u: Tensor | None = None) -> Tensor:
     """Draw one code per row among its k nearest, p ∝ exp(-dist / temperature).
 
-    dist: (N, K) distances -> (N,) long. temperature 0 or k 1 gives the nearest code. The
+    dist: (N, K) distances (a codebook passes its `sampled_distances`) -> (N,) long. temperature 0 or k 1 gives the nearest code. The
     uniforms come from the CPU `generator`, whatever the device of dist, unless given as
     `u` `(N, 1)` (a distributed step's slice of the uniforms of the whole step).
     """

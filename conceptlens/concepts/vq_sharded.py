@@ -34,7 +34,8 @@ from conceptlens.concepts.kmeans_math import _unit, kmeans_plusplus, squared_dis
 from conceptlens.concepts.sharded import SplitOverRanks
 from conceptlens.concepts.vq import VQCodebook
 from conceptlens.concepts.vq_config import CodebookState, VQStep
-from conceptlens.concepts.vq_math import codes_from_ema, ema_update, fvu_sums, laplace_smooth, sample_nearest
+from conceptlens.concepts.vq_math import (codes_from_ema, ema_update, fvu_sums, laplace_smooth, sample_nearest,
+                                          sampled_distances)
 
 
 class ShardedVQ(SplitOverRanks, VQCodebook):
@@ -96,7 +97,7 @@ class ShardedVQ(SplitOverRanks, VQCodebook):
             dist = torch.cdist(x, codes)  # (N, K/W) Euclidean, as `VQCodebook.train_step`
         else:
             dist = squared_distances(x, codes).sqrt_()
-        neg, index = (-dist).topk(min(k, dist.shape[1]), dim=1)  # (N, k'), this shard's nearest first
+        neg, index = (-sampled_distances(dist, self.config)).topk(min(k, dist.shape[1]), dim=1)  # (N, k')
         index = index + self.shards.lo
         sse = (x.double() - codes[index[:, 0] - self.shards.lo].double()).pow(2).sum(1)  # (N,)
         if self.shards.comm is None:

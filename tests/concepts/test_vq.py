@@ -284,3 +284,18 @@ def test_bad_settings_and_inputs_are_named():
         vq.encode(torch.randn(2, 3))
     with pytest.raises(ValueError, match="expected width d=3"):
         vq.update(torch.randn(4, 5))
+
+
+@pytest.mark.parametrize("distance, share", [("squared", math.exp(-4) / (math.exp(-1) + math.exp(-4))),
+                                             ("euclidean", math.exp(-2) / (math.exp(-1) + math.exp(-2)))])
+def test_a_training_step_draws_over_the_squared_distance_as_the_clvq_code(distance, share):
+    """Codes at distances 1 and 2 from every row: at T = 1 the farther is drawn with probability
+    e^-4 / (e^-1 + e^-4) = 0.047 over squared distances (the CLVQ-VAE quantiser, the default) and
+    e^-2 / (e^-1 + e^-2) = 0.269 over Euclidean ones (`distance="euclidean"`, older codebooks)."""
+    vq = VQCodebook(2, top_k=2, temperature=1.0, init="random", init_size=2, reseed_after=None, seed=3,
+                    **({} if distance == "squared" else {"distance": distance}))
+    vq.update(torch.tensor([[1.0, 0.0], [2.0, 0.0]]))  # the codes: the two init rows
+    assert sorted(vq.codes[:, 0].tolist()) == [1.0, 2.0]
+    far = int(vq.codes[:, 0].argmax())
+    step = vq.train_step(torch.zeros(40_000, 2))
+    assert (step.code == far).float().mean().item() == pytest.approx(share, abs=0.01)

@@ -47,6 +47,8 @@ def make(case: str):
     from conceptlens.concepts import clvq, deleuzian, kmeans, sharded, vq, vq_sharded
 
     name, kwargs, _ = CASES[case]
+    if name in ("VQCodebook", "ShardedVQ") and hasattr(vq.VQConfig, "distance"):  # as the code of b2b0d37 sampled
+        kwargs = {**kwargs, "distance": "euclidean"}
     for module in (kmeans, sharded, vq, vq_sharded, clvq, deleuzian):
         if hasattr(module, name):
             return getattr(module, name)(seed=0, **kwargs)

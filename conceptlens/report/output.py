@@ -40,7 +40,9 @@ def check_out(run: Path, out: Path) -> set[str] | None:
     if not any(out.iterdir()):
         return set()
     owned = _manifest(out)
+    folders = {parent.as_posix() for rel in owned for parent in Path(rel).parents if parent != Path(".")}
     foreign = [rel for rel in _entries(out) if rel not in owned]
+    foreign += [f"{rel}/ (an empty folder)" for rel in _empty_folders(out) if rel not in folders]
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
         raise ValueError(f"report folder {out} holds {foreign[0]!r}{more}, which no report wrote; give a new or "
@@ -78,6 +80,13 @@ def _entries(folder: Path) -> list[str]:
             ok = os.path.isfile(path) and not os.path.islink(path)
             found.append((rel / name).as_posix() + ("" if ok else " (a symbolic link or special file)"))
     return sorted(found)
+
+
+def _empty_folders(folder: Path) -> list[str]:
+    """Every empty folder under `folder` (not following links), as a relative POSIX path: a
+    rebuild removes the folders it leaves empty, so one the report did not make is not its own."""
+    return sorted(Path(top).relative_to(folder).as_posix() for top, dirs, files in os.walk(folder)
+                  if not dirs and not files and Path(top) != folder)
 
 
 def new_staging(out: Path) -> Path:

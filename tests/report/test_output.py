@@ -163,3 +163,17 @@ def test_a_hierarchy_with_a_cycle_is_one_line_naming_it(tmp_path, capsys):
     assert main(["report", str(run), "--no-progress"]) == 2
     _one_line_error(capsys, str(path), "cycle")
     assert not (run / "report").exists()
+
+
+def test_an_empty_folder_of_the_users_inside_an_earlier_report_is_refused_and_kept(run, capsys):
+    out = run / "report"
+    write_report(run)
+    (out / "my notes").mkdir()  # empty: a rebuild, which removes the folders it empties, would remove it
+    assert main(["report", str(run), "--no-progress"]) == 2
+    _one_line_error(capsys, "'my notes/ (an empty folder)'", "which no report wrote")
+    assert (out / "my notes").is_dir()
+    (out / "my notes").rmdir()
+    for page in (out / "concepts" / "kmeans").iterdir():  # a report's own folder left empty is its own
+        page.unlink()
+    write_report(run)
+    assert (out / "concepts" / "kmeans" / "0.html").is_file()

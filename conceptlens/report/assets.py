@@ -118,11 +118,13 @@ JS = r"""
     const ex = mapSel.value, pts = D.rows.filter(r => D.extractors[r[idx.ex]].name === ex && r[idx.x] !== null);
     if (!pts.length) return;
     const xs = pts.map(r => r[idx.x]), ys = pts.map(r => r[idx.y]);
-    const x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(...ys), y1 = Math.max(...ys);
+    // reduce, not Math.min(...xs): a spread of more than ~1e5 arguments overflows the call stack
+    const lo = a => a.reduce((m, v) => v < m ? v : m, Infinity), hi = a => a.reduce((m, v) => v > m ? v : m, -Infinity);
+    const x0 = lo(xs), x1 = hi(xs), y0 = lo(ys), y1 = hi(ys);
     const sx = v => 12 + (W - 24) * (x1 > x0 ? (v - x0) / (x1 - x0) : 0.5);
     const sy = v => H - 12 - (H - 24) * (y1 > y0 ? (v - y0) / (y1 - y0) : 0.5);
     const classes = D.labels || [];
-    const fmax = Math.max(...pts.map(r => r[idx.frequency] || 0), 1e-12);
+    const fmax = Math.max(hi(pts.map(r => r[idx.frequency] || 0)), 1e-12);
     for (const r of pts) {
       const a = document.createElementNS(NS, "a");
       a.setAttribute("href", href(ex, r[idx.concept]));

@@ -278,3 +278,16 @@ def test_controls_are_rows_of_the_quality_table_not_concepts(browser, described)
     assert shown == {"kmeans"} and not (described / "concepts" / "random").exists()
     quality = [tr.text for tr in browser.find_elements(By.CSS_SELECTOR, "table.quality tbody tr")]
     assert any(row.startswith("control: random, best of 6 (for kmeans)") for row in quality)
+
+
+def test_the_map_draws_a_set_of_more_concepts_than_a_call_takes_arguments(browser, report):
+    """Math.min(...xs) over the map's points overflowed the call stack past ~1e5 concepts."""
+    browser.get((report / "index.html").as_uri())
+    drawn = browser.execute_script("""
+      const D = window.ATLAS_DATA, ex = D.columns.indexOf("ex");
+      const rows = D.rows.filter(r => D.extractors[r[ex]].name === "kmeans");
+      for (let i = 0; i < 150000; i++) { const r = rows[i % rows.length].slice(); r[D.columns.indexOf("x")] = i;
+                                         D.rows.push(r); }
+      document.getElementById("map-extractor").dispatchEvent(new Event("change"));
+      return document.querySelectorAll("#map a circle").length;""")
+    assert drawn == 150_008 and _errors(browser) == []

@@ -105,7 +105,8 @@ def _extractors_block(atlas: Atlas) -> str:
         fed = "" if ex.fit_tokens is None else f"{ex.fit_tokens:,}"
         rows.append((esc(ex.name), f"<code>{esc(ex.site)}</code>", esc(ex.method), str(ex.n), fed,
                      esc(ex.meta.get("activation", "")),
-                     f'<a class="first" href="concepts/{esc(ex.name)}/0.html">first concept</a> {h}'))
+                     (f'<a class="first" href="concepts/{esc(ex.name)}/0.html">first concept</a> ' if ex.n else
+                      "no concepts ") + h))  # a set of none has no page to link
     html = table(["name", "site", "method", "concepts", "fit tokens", "activation", ""], rows,
                  [False, False, False, True, True, False, False])
     return "<h2>Extractors</h2>" + figure(html, LEGENDS["extractors"] + " " + LEGENDS["activation"])
@@ -133,4 +134,4 @@ def index_page(atlas: Atlas, shown: Sequence[str], suite: Suite | None = None) -
             f'<script src="static/atlas-data.js"></script><script src="static/atlas.js"></script>')
     nav = [("index.html", "index"), ("matches.html", "matches")]
     nav += [(f"hierarchy/{name}.html", f"hierarchy: {name}") for name in atlas.hierarchies]
-    return page(f"Concept atlas: {atlas.run.name}", body, "", nav)
+    return page(f"Concept atlas: {atlas.run.resolve().name or atlas.run.resolve()}", body, "", nav)  # `report .` too

@@ -177,3 +177,20 @@ def test_an_empty_folder_of_the_users_inside_an_earlier_report_is_refused_and_ke
         page.unlink()
     write_report(run)
     assert (out / "concepts" / "kmeans" / "0.html").is_file()
+
+
+def test_a_set_of_no_concepts_links_to_no_page_and_a_run_given_as_dot_has_its_name_as_title(tmp_path, monkeypatch):
+    from safetensors.numpy import save_file
+
+    run = write_fake_run(tmp_path / "my-run", [("topk", "topk-sae", 4)], labels=False, steering=False)
+    empty = run / "describe" / "none"
+    empty.mkdir()
+    meta = json.loads((run / "describe" / "topk" / "description.json").read_text())
+    (empty / "description.json").write_text(json.dumps({**meta, "name": "none", "n_concepts": 0}))
+    save_file({}, empty / "stats.safetensors")
+    (empty / "contexts.jsonl").write_text("")
+    monkeypatch.chdir(run)
+    index = (write_report(".").path).read_text()
+    assert "<title>Concept atlas: my-run" in index
+    assert 'href="concepts/none/0.html"' not in index and 'href="concepts/topk/0.html"' in index
+    assert "no concepts" in index

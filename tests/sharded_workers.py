@@ -47,7 +47,7 @@ def feed(km: StreamingKMeans, ae: TopKSAE, steps: slice = slice(None), codebooks
 
 def outcome(km: StreamingKMeans, ae: TopKSAE, codebooks: dict | None = None) -> dict:
     cs = ae.concept_set()
-    out = {"centres": km.concept_set().directions, "mass": km.mass, "reseeded": km.n_reseeded,
+    out = {"centres": km.concept_set().directions, "mass": km.mass, "reseeded": km.n_reseeded, "kstats": km.stats(),
            "directions": cs.directions, "encoder": cs.encoder, "frequency": cs.stats["firing_frequency"],
            "stats": ae.stats(), "encode": ae.encode(sae_batches()[0][:5])}
     for name, vq in (codebooks or {}).items():
@@ -122,3 +122,16 @@ def traffic_body(comm, out: Path) -> dict:
     for x in sae_batches():
         ae.update(x)
     return {**calls, "steps": ae.stats().steps, "outcome": sae_outcome(ae)}
+
+
+def two_points(sharded: bool) -> StreamingKMeans:
+    """Four centres on rows of two distinct points: k-means++ seeds two centres that receive no mass."""
+    km = (ShardedKMeans if sharded else StreamingKMeans)(4, init_size=16, reseed_after=None, seed=0)
+    km.update(torch.tensor([[0.0, 0.0], [10.0, 10.0]]).repeat(8, 1))
+    km.flush()
+    return km
+
+
+def live_body(comm, out: Path) -> dict:
+    km = two_points(True)
+    return {"stats": km.stats(), "mass": km.mass}

@@ -129,3 +129,12 @@ def test_sharded_fit_under_torchrun_resumes_and_equals_one_unsharded_process(tmp
     for name, cs in report.concepts.items():
         for rank in ranks:
             assert_close_state(rank["concepts"][name], {"directions": cs.directions, "encoder": cs.encoder}, name)
+
+
+def test_the_live_fraction_counts_every_shards_centres(tmp_path):
+    alone = S.two_points(False)
+    assert 0 < alone.stats().live_fraction < 1  # some centres hold no mass
+    codes, results, _ = W.spawn(S.live_body, 2, tmp_path)
+    assert codes == [0, 0], results
+    for r in results:  # each rank's report is one process's (it read its own shard's centres before)
+        assert torch.equal(r["mass"], alone.mass) and r["stats"] == alone.stats()

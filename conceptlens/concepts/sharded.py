@@ -29,6 +29,7 @@ from torch import Tensor
 
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.kmeans import StreamingKMeans
+from conceptlens.concepts.kmeans_config import KMeansStats
 from conceptlens.concepts.kmeans_math import _unit, apply_step, mass_weighted_mean, nearest, step_statistics
 
 
@@ -136,6 +137,12 @@ class ShardedKMeans(SplitOverRanks, StreamingKMeans):
     @property
     def mass(self) -> Tensor:
         return self.shards.gather(self._state()[1], self.shards.sizes)
+
+    def stats(self) -> KMeansStats:
+        """One process's statistics: the live fraction over every shard's centres (a collective, as
+        `mass`: every rank calls it; a fit's report does)."""
+        own = super().stats()
+        return own if self._centres is None else own._replace(live_fraction=(self.mass > 0).float().mean().item())
 
     def _update(self, x: Tensor, weight: Tensor) -> None:
         if self.comm is not None:

@@ -1,5 +1,6 @@
 """File helpers shared by ConceptSet files and fit checkpoints: atomic writes, checksums,
-and the clean-up of temporary files a killed process left behind."""
+the clean-up of temporary files a killed process left behind, and safetensors files read with a
+one-line error."""
 
 from __future__ import annotations
 
@@ -41,6 +42,20 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Non
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def read_safetensors(path: str | os.PathLike, framework: str = "pt", fix: str = "") -> tuple[dict[str, Any], dict[str, str]]:
+    """Every tensor of a safetensors file (torch tensors, or numpy arrays with framework="numpy")
+    and its metadata; a one-line ValueError naming the file when it does not read (`fix`: what
+    to do then, appended)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework=framework) as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+    except Exception as err:  # noqa: BLE001 - a damaged header fails in many ways, some as a plain Exception
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"{path} is not a readable safetensors file ({why})" + (f": {fix}" if fix else "")) from None
 
 
 def save_object(obj: Any, path: str | os.PathLike) -> None:

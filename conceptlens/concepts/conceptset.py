@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
 from conceptlens._content import MAX_COUNT, check_concept_tensors, field, parse_json
-from conceptlens._io import atomic_write, remove_leftovers, tensor_digest
+from conceptlens._io import atomic_write, read_safetensors, remove_leftovers, tensor_digest
 from conceptlens.concepts.registry import canonical, names
 
 FORMAT = "conceptlens.ConceptSet"
@@ -212,12 +211,7 @@ class ConceptSet:
 
 def _read_tensors(path: Path) -> tuple[dict[str, Tensor], str | None]:
     """The tensors of a set's file and the config text stored in it (None in version-1 files)."""
-    try:
-        with safe_open(path, framework="pt") as f:
-            metadata = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as err:  # noqa: BLE001 - a corrupt header can fail in many ways
-        raise ValueError(f"{path} is not a readable safetensors file: {err}") from None
+    tensors, metadata = read_safetensors(path)
     if metadata.get("format") != FORMAT:
         raise ValueError(f"{path} is not a ConceptSet tensor file (expected format {FORMAT!r})")
     return tensors, metadata.get("config")

@@ -157,7 +157,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 
 def _load_extractor(run: Path, name: str) -> ExtractorView:
-    from safetensors.numpy import load_file
+    from conceptlens._io import read_safetensors
 
     folder = run / "describe" / name
     meta = _read_json(folder / "description.json")
@@ -166,11 +166,7 @@ def _load_extractor(run: Path, name: str) -> ExtractorView:
     stats_path = folder / "stats.safetensors"
     if not stats_path.is_file():
         raise FileNotFoundError(f"{stats_path} not found: a description folder holds description.json and stats.safetensors")
-    try:
-        stats = load_file(stats_path)
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own plain Exception on a damaged file
-        raise ValueError(f"{stats_path} is not a readable safetensors file ({str(e).splitlines()[0]}): "
-                         "the description is damaged; run describe again") from None
+    stats = read_safetensors(stats_path, "numpy", "the description is damaged; run describe again")[0]
     n = _content.field(folder / "description.json", "n_concepts", meta.get("n_concepts"), int, low=0,
                        high=_content.MAX_COUNT)
     if n and not stats:  # every description records each concept's frequency: n pages need n rows of something

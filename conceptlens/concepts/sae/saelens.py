@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from conceptlens._content import MAX_COUNT, check_tensor, field, read_json
-from conceptlens._io import atomic_write
+from conceptlens._io import atomic_write, read_safetensors
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.registry import names, saelens_architectures
 from conceptlens.concepts.sae.base import SparseAutoencoder
@@ -156,10 +156,7 @@ def _checked_cfg(path: Path) -> dict[str, Any]:
 
 
 def _checked_weights(directory: Path, cfg: dict[str, Any], arch: str) -> dict[str, torch.Tensor]:
-    try:
-        w = {k: v.float() for k, v in load_file(directory / WEIGHTS_FILE).items()}
-    except Exception as err:  # noqa: BLE001 - a corrupt header can fail in many ways
-        raise ValueError(f"{directory / WEIGHTS_FILE} is not a readable safetensors file: {err}") from None
+    w = {k: v.float() for k, v in read_safetensors(directory / WEIGHTS_FILE)[0].items()}
     expected = {"W_enc": (cfg["d_in"], cfg["d_sae"]), "b_enc": (cfg["d_sae"],),
                 "W_dec": (cfg["d_sae"], cfg["d_in"]), "b_dec": (cfg["d_in"],)}
     if arch == "jumprelu":

@@ -245,3 +245,22 @@ def test_a_checkpoint_dir_that_cannot_be_written_fails_before_any_work(lens, tmp
     _one_line_value_error(lambda: _fit(lens, tmp_path / "a_file" / "run", texts()), "cannot be written")
     _one_line_value_error(lambda: _fit(lens, Path("/proc/conceptlens-run"), texts()), "cannot be written")
     assert consumed == []
+
+
+@pytest.mark.parametrize("framework", ["pt", "numpy"])
+def test_a_damaged_safetensors_file_is_one_line_naming_it_and_what_to_do(tmp_path, framework):
+    from safetensors.torch import save_file
+
+    from conceptlens._io import read_safetensors
+
+    path = tmp_path / "stats.safetensors"
+    save_file({"a": torch.arange(6.0), "b": torch.ones(2, 3)}, path, metadata={"format": "x"})
+    tensors, metadata = read_safetensors(path, framework)
+    assert metadata == {"format": "x"} and sorted(tensors) == ["a", "b"] and tensors["a"].tolist() == list(range(6))
+    for damaged in (path.read_bytes()[:40], b"\xff" * 7, b""):
+        path.write_bytes(damaged)
+        with pytest.raises(ValueError) as err:
+            read_safetensors(path, framework, "run describe again")
+        message = str(err.value)
+        assert message.startswith(f"{path} is not a readable safetensors file (") and "\n" not in message
+        assert message.endswith("): run describe again")

@@ -11,7 +11,9 @@ from safetensors.torch import load_file
 
 import conceptlens.fit
 from conceptlens import models
-from conceptlens.cli import main
+from conceptlens.cli import build_parser, main
+from conceptlens.commands import fit as fit_cli
+from conceptlens.commands.fit import planned_concepts
 from conceptlens.commands import run_config as rc
 from conceptlens.concepts import ConceptSet, registry
 from conceptlens.concepts.sae import SparseAutoencoder
@@ -157,6 +159,7 @@ def test_describe_command_redoes_the_pass_with_other_options(files, tmp_path, ca
     (["--out", ""], "out '' is not a folder"),
     (["--steer", "3,17"], "steering concept '3' is not SET:INDEX (e.g. 'kmeans:12')"),
     (["--steer", "km:1,kmeans:2"], "describe.steer (--steer) names set 'kmeans'; this run's sets are km, topk"),
+    (["--steer", "km:1,topk:16"], "steering concept topk:16 is out of range: 'topk' has 16 concepts (0-15)"),
 ])
 def test_bad_options_fail_before_the_model_loads(files, tmp_path, monkeypatch, capsys, change, message):
     def no_load(*args, **kwargs):
@@ -294,9 +297,12 @@ def test_the_cli_fits_every_one_site_method_of_the_registry(files, tmp_path):
     for method, options in TINY.items():
         sae = issubclass(registry.method(method).load(), SparseAutoencoder)
         argv += ["--extractor", f"{method}:{options}{SAE_SIZES if sae else ''}"]
+    planned = {name: planned_concepts(ex) for group in rc.build(fit_cli.resolve(build_parser().parse_args(argv))).values()
+               for name, ex in group.items()}
     assert main(argv) == 0
     for method in TINY:
-        assert ConceptSet.load(tmp_path / "all" / "concepts" / method).method == method
+        cs = ConceptSet.load(tmp_path / "all" / "concepts" / method)
+        assert cs.method == method and planned[method] == len(cs), method  # what --steer indices are checked by
 
 
 def argv_prev(argv, i):

@@ -51,6 +51,10 @@ def test_cli_fits_multi_site_keys_as_the_library_does(files, tmp_path, capsys): 
     for name in ("transcoder", "crosscoder", "clt", "clvq"):
         saved = load_file(out / "concepts" / name / "concepts.safetensors")
         assert torch.equal(saved["directions"], report.concepts[name].directions), name
+    from conceptlens.commands.fit import planned_concepts
+
+    assert all(planned_concepts(ex) == len(report.concepts[name]) for group in plan.values()
+               for name, ex in group.items())  # what `fit --steer` checks its indices against
     cfg = rc.from_dict(tomllib.loads((out / "run.toml").read_text()))
     assert cfg.sites == [] and [e["site"] for e in cfg.extractors] == [PAIR, SITES, GROUPS, PAIR]
     assert main(args) == 0  # a rerun reads the same keys from run.toml and resumes the finished fit

@@ -121,6 +121,28 @@ def jsonable(value: Any) -> Any:
     return value
 
 
+def planned_concepts(extractor: Any) -> int | None:
+    """How many concepts an extractor not yet fitted will give (its n_concepts, n_codes or width),
+    or None when its config names none of them."""
+    config = getattr(extractor, "config", None)
+    for key in ("n_concepts", "n_codes", "width"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _check_steer_indices(cfg: rc.RunConfig, plan: Any) -> None:
+    """describe.steer's SET:INDEX within each set's planned size, before the model loads (the
+    description pass would refuse them after the fit)."""
+    if not (cfg.describe.enabled and cfg.describe.steer):
+        return
+    from conceptlens.describe.steering import SteeringRequest
+
+    sizes = {name: planned_concepts(ex) for group in plan.values() for name, ex in group.items()}
+    SteeringRequest(list(cfg.describe.steer)).chosen({n: 2**62 if c is None else c for n, c in sizes.items()})
+
+
 def run(args: argparse.Namespace) -> int:
     from conceptlens.models import check_name
     from conceptlens.runlock import lock
@@ -133,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
     kept = {e["name"]: e["lr"] for e in cfg.extractors
             if e["name"] not in given | chosen.keys() and e.get("lr") is not None}
     plan = rc.build(cfg)
+    _check_steer_indices(cfg, plan)
     texts = source(cfg.data, cfg.shuffle)
     budgets = rc.extractor_tokens(cfg)
     if cfg.describe.enabled and not cfg.describe.data and cfg.fit.max_tokens is None and \

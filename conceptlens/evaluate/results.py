@@ -35,6 +35,10 @@ from conceptlens.evaluate.lines import Line, verdict
 
 FILE = "eval.json"
 FORMAT = "conceptlens.Evaluation"
+JUDGE = "(judge)"
+"""The `extractor` of lines about a part's own instrument, not a set: the steering judges' held-out
+accuracy (no set can be named so: parentheses are not in a set's name)."""
+INSTRUMENTS = (JUDGE,)
 
 
 class SetInfo(NamedTuple):
@@ -144,8 +148,9 @@ def _merge(old: dict[str, Any] | None, part: Part, lines: Sequence[Line], interv
     key = (part.site, part.part)
     earlier = next((p for p in old["parts"] if (p["site"], p["part"]) == key), None)
     same = earlier is not None and earlier["config"] == config
+    ran = {*part.sets, *INSTRUMENTS}  # a part run again replaces its instruments' lines too
     kept = [r for r in old["lines"] if r["extractor"] not in refitted
-            and not ((r["site"], r["part"]) == key and (not same or r["extractor"] in part.sets))]
+            and not ((r["site"], r["part"]) == key and (not same or r["extractor"] in ran))]
     kept_sets = sorted({*part.sets, *(s for s in (earlier or {}).get("sets", []) if same and s not in refitted)})
     parts = [p for p in old["parts"] if (p["site"], p["part"]) != key]
     parts.append({"site": part.site, "part": part.part, "sets": kept_sets, "config": config,
@@ -189,9 +194,9 @@ def _estimate(where: str, name: str, v: Any) -> Estimate:
 def _saved_line(where: str, r: Any, sets: dict[str, SetInfo]) -> SavedLine:
     r = _content.field(where, "the entry", r, dict)
     text = {k: _content.field(where, k, r.get(k, ""), str) for k in ("site", "part", "extractor", "metric", "note")}
-    if text["extractor"] not in sets:
+    if text["extractor"] not in sets and text["extractor"] not in INSTRUMENTS:
         raise ValueError(f"{where}: extractor {text['extractor']!r} is not one of the sets {sorted(sets)}")
-    n = sets[text["extractor"]].n_concepts
+    n = sets[text["extractor"]].n_concepts if text["extractor"] in sets else 0  # an instrument has no concepts
     concept = _content.field(where, "concept", r.get("concept"), int, low=0, high=max(n - 1, 0), optional=True)
     bases = []
     for j, b in enumerate(_content.field(where, "baselines", r.get("baselines", []), list)):

@@ -41,6 +41,7 @@ import torch
 from conceptlens.evaluate import activations as act
 from conceptlens.evaluate.bootstrap import Estimate, bootstrap, paired_difference
 from conceptlens.evaluate.lines import Line, verdict
+from conceptlens.evaluate.results import JUDGE
 from conceptlens.interface import AttachedModel
 
 TASKS = {"bbc-news": "Write about {}. ", "movie-polarity": "Write something {}. "}
@@ -168,7 +169,7 @@ def _judge(task: str, encoder: Any, encoder_tok: Any, tok: Any, chosen_on: list[
         right = torch.tensor(judge.classifier.predict(judge.embed(texts[part])) == labels[part], dtype=torch.float64)
         accuracy = bootstrap(torch.stack([right, torch.ones_like(right)], 1), lambda t: t[..., 0] / t[..., 1],
                              seed=config.seed)
-        lines.append(Line("judge", metric, accuracy, [], f"{config.judge_model} mean-pooled, logistic regression "
+        lines.append(Line(JUDGE, metric, accuracy, [], f"{config.judge_model} mean-pooled, logistic regression "
                           f"fitted on {len(fit)} train-split docs ({used} tokens); {note}"))
     return judge, lines
 

@@ -16,7 +16,9 @@ from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.evaluate import activations as act
 from conceptlens.evaluate.activations import Probed
 from conceptlens.evaluate.bootstrap import Estimate
+from conceptlens.evaluate import results
 from conceptlens.evaluate.lines import Line, format_lines, verdict
+from conceptlens.evaluate.results import JUDGE
 from conceptlens.evaluate.steering import SteeringConfig, against_diff_of_means, select_concepts, steering_lines
 from tests.tiny_folder import save_tiny_llama
 
@@ -43,7 +45,7 @@ def test_against_diff_of_means_counts_paired_verdicts_by_hand():
              Line("topk", "steer bbc-news a: P(a) minus random", Estimate(-0.4, -0.5, -0.3),
                   [("no difference", Estimate(0.0, 0.0, 0.0))]),
              Line("topk", "steer bbc-news a: P(a)", Estimate(0.2, 0.1, 0.3), [("random direction", nan)]),
-             Line("judge", "bbc-news judge held-out accuracy", Estimate(0.9, 0.8, 1.0), [])]
+             Line(JUDGE, "bbc-news judge held-out accuracy", Estimate(0.9, 0.8, 1.0), [])]
     said = against_diff_of_means(lines).splitlines()
     assert said == ["topk: its chosen concept steers worse than diff-of-means on 2 of 3 labels, like it on 1, better "
                     "on 0 (paired 95% intervals over the prompts; lower on 3 by the point value): where the intervals "
@@ -90,7 +92,14 @@ def test_steering_lines_judge_like_sklearn_and_select_on_train_only(tiny, monkey
     assert all(ln.note.startswith(f"concept {ln.concept} at ") for ln in pages)
     assert all([name for name, _ in ln.baselines] == ["random direction", "diff-of-means", "prompt prefix"]
                for ln in steer)
-    assert sum(ln.extractor == "judge" for ln in lines) == 4
+    assert sum(ln.extractor == JUDGE for ln in lines) == 4
+    for _ in range(2):  # saved, and saved again as a rerun: the judges' lines read back, once each
+        run = folder.parent / "steered-run"
+        sets["dense"].save(run / "concepts" / "dense")
+        infos = {"dense": results.set_info(sets["dense"], run / "concepts" / "dense", site)}
+        results.save_part(run, results.Part("tiny", infos, site, "steering", {"seed": 0}, 1.0), lines)
+    back = results.load_results(run)
+    assert [sl.line for sl in back.lines if sl.line.extractor == JUDGE] == [ln for ln in lines if ln.extractor == JUDGE]
     # the judge's P(label) at the chosen alpha, recomputed: sklearn on hand mean-pooled embeddings of
     # the train-split documents the concepts were not chosen on, in the seeded order, while the
     # token budget lasts

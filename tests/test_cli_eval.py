@@ -273,6 +273,8 @@ def test_a_run_folder_tells_the_probes_which_train_documents_its_fit_read(tmp_pa
     assert _fit_read(tmp_path) == ("movie-polarity", None, 320)  # --no-shuffle: the stored order
     (tmp_path / "run.toml").write_text('model = "smollm2-135m"\ndata = "movie-polarity"\n')  # the train split,
     assert _fit_read(tmp_path) == ("movie-polarity", 0, 320)  # in the order a fit gives when no shuffle is set
+    ConceptSet(torch.randn(3, 4), site="blocks.0.resid_out").save(tmp_path / "concepts" / "topk")
+    assert _fit_read(tmp_path / "concepts" / "topk") == ("movie-polarity", 0, 320)  # a set of the run: its fit's
     for data in ("bbc-news:test", "wikitext"):  # a split or a set the probes do not learn on
         (tmp_path / "run.toml").write_text(f'model = "smollm2-135m"\ndata = "{data}"\n')
         assert _fit_read(tmp_path) is None

@@ -300,7 +300,7 @@ def _probe(lens, tok, report, args: argparse.Namespace):
               "probe_length": args.probe_length, "random_draws": args.probe_draws, "seed": args.seed}
     demo_probe.save_part(args, sets, site, demo_probe.PART, config, time.perf_counter() - t, lines)
     t = time.perf_counter()
-    recon = demo_probe.reconstruction(lens, tok, sets, args.ce_docs, args.seed)
+    recon = demo_probe.reconstruction(lens, tok, sets, args.ce_docs, args.seed, report.documents)
     demo_probe.save_part(args, sets, site, "demo: reconstruction", {"ce_docs": args.ce_docs, "seed": args.seed},
                          time.perf_counter() - t, recon)
     return rows

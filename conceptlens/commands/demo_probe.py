@@ -147,8 +147,9 @@ def run_probes(lens: Any, tok: Any, sets: dict[str, Any], site: str, *, n_train:
     return lines, train
 
 
-def reconstruction(lens: Any, tok: Any, sets: dict[str, Any], docs: int, seed: int) -> list[Line]:
-    """CE-loss recovered (and KL) of the sets that reconstruct, next to zero- and mean-ablation, printed."""
+def reconstruction(lens: Any, tok: Any, sets: dict[str, Any], docs: int, seed: int, fitted: int) -> list[Line]:
+    """CE-loss recovered (and KL) of the sets that reconstruct, next to zero- and mean-ablation, printed;
+    on test articles none of which repeats the text of one of the `fitted` train articles the fit read."""
     from conceptlens.evaluate.activations import concept_encoder
     from conceptlens.evaluate.lines import format_lines
     from conceptlens.evaluate.suite import SuiteConfig, run_suite
@@ -156,7 +157,8 @@ def reconstruction(lens: Any, tok: Any, sets: dict[str, Any], docs: int, seed: i
     decoding = {name: cs for name, cs in sets.items() if concept_encoder(cs).decode is not None}
     if not decoding:
         return []
-    lines = run_suite(lens, tok, decoding, SuiteConfig(suites=("reconstruction",), recon_docs=docs, seed=seed))
+    lines = run_suite(lens, tok, decoding, SuiteConfig(suites=("reconstruction",), recon_docs=docs, seed=seed,
+                                                       fit_read=(TASK, seed, fitted)))
     keep = [ln for ln in lines if ln.metric in ("CE loss recovered", "KL to clean (nats/token)", "FVU")]
     print(f"\nReconstruction spliced in at the site on {docs} held-out test-split articles (95% bootstrap intervals):")
     print(format_lines(keep))

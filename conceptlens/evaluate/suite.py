@@ -132,16 +132,16 @@ def _docs(task: str, split: str, n: int, seed: int, fit_read: tuple[str, int | N
     from conceptlens import data
 
     full = data.load(task, split)
-    return full, _unread(full, n, seed, _read_ids(len(full), fit_read, task))
+    train = full if split == "train" else data.load(task, "train")  # a fit reads the train split
+    return full, _unread(full, n, seed, {train.texts[i] for i in _read_ids(len(train), fit_read, task)})
 
 
-def _unread(full: Any, n: int, seed: int, read: set[int]) -> list[int]:
-    """n ids in the seeded order, passing over those a fit read and any other copy of their texts
-    (bbc-news repeats some articles)."""
+def _unread(full: Any, n: int, seed: int, read: set[str]) -> list[int]:
+    """n ids in the seeded order, passing over every copy of the texts a fit read (bbc-news repeats
+    some articles, within and across its splits)."""
     if not read:
         return act.pick(len(full), n, seed)
-    texts = {full.texts[i] for i in read}
-    picked = [i for i in act.pick(len(full), len(full), seed) if full.texts[i] not in texts][:n]
+    picked = [i for i in act.pick(len(full), len(full), seed) if full.texts[i] not in read][:n]
     if not picked:
         raise ValueError(f"{full.name} {full.split} holds {len(full)} documents, all read by the fit")
     return picked
@@ -157,9 +157,9 @@ def held_out(task: str, n_train: int, n_test: int, seed: int, fit_read: tuple[st
     from conceptlens import data
 
     train_set, test_set = data.load(task, "train"), data.load(task, "test")
-    read = _read_ids(len(train_set), fit_read, task)
+    read = {train_set.texts[i] for i in _read_ids(len(train_set), fit_read, task)}
     picked, test_order = _unread(train_set, len(train_set), seed, read), act.pick(len(test_set), len(test_set), seed)
-    seen = {train_set.texts[i] for i in read} | {train_set.texts[i] for i in picked[:n_train]}
+    seen = read | {train_set.texts[i] for i in picked[:n_train]}
     test: list[tuple[Any, int]] = []
     for full, ids in ((test_set, test_order), (train_set, picked[n_train:] if top_up else [])):
         for i in ids:
@@ -174,7 +174,8 @@ def _reconstruction(lens: AttachedModel, tok: Any, site: str, decoders: Mapping[
     from conceptlens.evaluate.reconstruction import reconstruction_lines
 
     def batches(split: str) -> list[dict[str, torch.Tensor]]:
-        full, picked = _docs(config.recon_data, split, config.recon_docs, config.seed)
+        # held-out text: no test article whose text the fit read (bbc-news's test split repeats train articles)
+        full, picked = _docs(config.recon_data, split, config.recon_docs, config.seed, config.fit_read)
         texts = [full.texts[i] for i in picked]
         return [encode_batch(tok, texts[i:i + config.batch_size], config.max_length)
                 for i in range(0, len(texts), config.batch_size)]

@@ -61,6 +61,30 @@ def test_probe_train_documents_pass_over_those_a_fit_read():
     assert suite._docs("bbc-news", "train", 10, 0, ("movie-polarity", 7, fitted))[1] == ahead[:10]  # another set's fit
     with pytest.raises(ValueError, match="all read by the fit"):
         suite._docs("bbc-news", "train", 10, 7, ("bbc-news", 7, len(full)))
+    test = data.load("bbc-news", "test")  # held-out text (the reconstruction part's): no copy of a fitted article
+    test_order = torch.randperm(len(test), generator=torch.Generator().manual_seed(3)).tolist()
+    repeats = [i for i in test_order[:32] if test.texts[i] in read]
+    assert repeats  # the test split repeats train articles this fit read
+    _, held = suite._docs("bbc-news", "test", 32, 3, ("bbc-news", 7, fitted))
+    assert held == [i for i in test_order if test.texts[i] not in read][:32]
+
+
+def test_the_reconstruction_part_scores_no_test_article_the_fit_read(monkeypatch):
+    from conceptlens import data
+    from conceptlens.commands.sources import source
+    from conceptlens.evaluate import reconstruction
+
+    scored: list[str] = []
+    monkeypatch.setattr(suite, "encode_batch", lambda tok, texts, n: {"input_ids": texts, "texts": texts})
+    monkeypatch.setattr(suite.act, "collect", lambda lens, site, readers, batches, add: [add(torch.ones(1, 4), None)
+                                                                                       for _ in batches])
+    monkeypatch.setattr(reconstruction, "reconstruction_lines",
+                        lambda lens, site, decoders, batches, mean, seed: scored.extend(t for b in batches
+                                                                                        for t in b["texts"]) or [])
+    fit = source("bbc-news:train", 3).texts[:640]
+    suite._reconstruction(None, None, "s", {}, suite.SuiteConfig(recon_docs=32, seed=3, fit_read=("bbc-news", 3, 640)))
+    assert len(scored) == 32 and not set(scored) & set(fit)
+    assert set(scored) <= set(data.load("bbc-news", "test").texts)
 
 
 def test_top_up_scores_on_train_articles_neither_the_fit_nor_the_probes_read(monkeypatch):

@@ -232,12 +232,14 @@ class SAETrainer:
             return  # it has seen nothing
         if sae.d is not None and theirs.d != sae.d:
             raise ValueError(f"cannot merge an SAE of width d={theirs.d} into one of width d={sae.d}")
-        rows = [self.mixer.state_dict()["data"], other.mixer.state_dict()["data"]]
-        if not sae.params and theirs.params:  # this one has not started: take the other's state
+        mine, rows = self.mixer.state_dict()["data"], other.mixer.state_dict()["data"]  # rows: what joins
+        if not sae.params and theirs.params:  # this one has not started: take the other's state (and buffer)
             sae.load_state_dict(theirs.state_dict())
-            rows = rows[:1]
+            rows = mine
         elif sae.params and theirs.params:
             self._average(other)
+        elif sae.params and theirs.scale is None:  # the other still warms up: its raw rows join (this scale),
+            pass  # as they would if it merged this one (it takes this state, then adds its own rows)
         elif not sae.params and not theirs.params and sae.scale is None:  # both warming up: pool the sums
             sae.d = theirs.d
             self.warm = WarmUp(self.warm.sum_sq + other.warm.sum_sq, self.warm.rows + other.warm.rows)
@@ -248,9 +250,8 @@ class SAETrainer:
         elif theirs.scale != sae.scale:
             raise ValueError(f"replicas must share the input width and warm-up scale (start them from one "
                              f"state_dict); got d={sae.d}, scale={sae.scale} and d={theirs.d}, scale={theirs.scale}")
-        for data in rows:  # the buffered rows join this buffer (trained on at the next update or flush)
-            if data is not None and len(data):
-                self.mixer.add(data.to(self.mixer.device))
+        if rows is not None and len(rows):  # the other's buffered rows join this buffer (this one's are in it)
+            self.mixer.add(rows.to(self.mixer.device))
 
     def _average(self, other: SAETrainer) -> None:
         """Equal-weight average of parameters, buffers and Adam moments; firing counts and trained

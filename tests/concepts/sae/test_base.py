@@ -1,5 +1,7 @@
 """The Extractor protocol for every SAE variant: resume, raw-space export, merge, errors."""
 
+import copy
+
 import pytest
 import torch
 
@@ -152,3 +154,27 @@ def test_rejects_bad_input_and_state(name):
     other = TopKSAE(**SMALL, k=5)  # another class, or another config
     with pytest.raises(ValueError, match="config|state is for"):
         other.load_state_dict(sae.state_dict())
+
+
+def test_merge_keeps_each_buffered_row_once_in_either_order(name):
+    """Each replica's buffered rows are in the merged buffer once (its own were added a second time),
+    and a replica still warming up merges into a trained one as the reverse merge does."""
+    base = feed(VARIANTS[name](), stream()[:4])
+    a, b = VARIANTS[name](), VARIANTS[name]()
+    a.load_state_dict(base.state_dict())
+    b.load_state_dict(base.state_dict())
+    feed(a, stream(seed=1)[:3])
+    feed(b, stream(seed=2)[:2])
+    held = a.trainer.mixer.count + b.trainer.mixer.count
+    a.merge(b)
+    assert a.trainer.mixer.count == held
+    warming = VARIANTS[name]()
+    warming.update(stream(seed=4)[0][:7])  # fewer rows than the warm-up takes
+    assert warming.scale is None
+    trained, twin = copy.deepcopy(a), copy.deepcopy(warming)
+    trained.merge(warming)  # it refused a replica still warming up
+    twin.merge(a)  # the reverse: it takes the trained state, then adds its own rows
+    assert trained.trainer.mixer.count == twin.trainer.mixer.count == a.trainer.mixer.count + 7
+    assert sorted(trained.trainer.mixer.state_dict()["data"].sum(1).tolist()) == \
+        sorted(twin.trainer.mixer.state_dict()["data"].sum(1).tolist())
+    assert all(torch.equal(trained.params[k], twin.params[k]) for k in trained.params)

@@ -11,6 +11,13 @@ a = 0.5 sigmoid(alpha) in [0, 0.5]; a `VQCodebook` (EMA, top-k temperature sampl
 z_e with a straight-through estimator; a decoder (an MLP, or a small transformer over each
 sequence's codes) reconstructing the target site. Loss: MSE(x_tgt, x_hat) +
 commitment * MSE(z_e, sg(q)), minimised by Adam; the codebook itself moves only by EMA.
+
+Where it differs from the released CLVQ-VAE, deliberately: its transformer decoder (6 layers,
+8 heads, no causal mask) attends to z_e as memory, so the continuous encoding reaches the
+reconstruction around the codes; ours attends to the codes only (memory = z_q), causal by
+default, 2 layers and 4 heads, so the target is reconstructed from the codes alone and a code's
+decoded effect (`stats["decoded"]`) is what it carries. The MLP decoder (the default) reads z_q
+alone too. The perplexity term of its loss (weight 0 or 0.01) is left out (weight 0).
 """
 
 from __future__ import annotations

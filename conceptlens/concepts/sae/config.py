@@ -37,7 +37,9 @@ class SAEConfig:
     warmup_tokens: int = 4096
     """Tokens over which the input scale (E||x||^2 = d) is estimated before the first step."""
     dead_after: int = 10_000_000
-    """A latent is dead when it has not fired in this many tokens."""
+    """A latent is dead when it has not fired in this many tokens (Gao et al.'s 10M for the TopK
+    SAE's AuxK; the SpaDE paper's baselines count 20 batches, as `reproductions/spade_f1.py` sets
+    it: 5,000 tokens at batch 256). At budgets below it no latent is dead and AuxK stays off."""
     b_dec_init: Literal["geometric_median", "mean", "zeros"] = "geometric_median"
     """Where the pre-encoder bias starts, computed on the first batch."""
     dtype: str = "float32"

@@ -30,6 +30,11 @@ features, because it scales noise-only features up to the signal's size (4 magni
 axis of d = 16: F1 0.43 per feature, 1.0 isotropic). k-means++ starts also fix the width =
 number of concepts case, where uniform starts often put two prototypes in one concept (4
 magnitudes, width 4, 20k rows: F1 1.0, was 0.50; reproductions/spade_f1.py).
+
+It trains with every SAE's optimiser (`SAETrainer`: Adam at a constant lr, by default the
+width rule's; `conceptlens fit` gives its budget rule), not the paper's (Adam lr 1e-2 decaying
+by a cosine to 1e-4, gradients clipped at norm 1.0): a stream has no known length to decay
+over. `reproductions/spade_f1.py` passes lr=1e-2, the paper's starting lr, and no schedule.
 """
 
 from __future__ import annotations

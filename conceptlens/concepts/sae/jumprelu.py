@@ -98,8 +98,10 @@ class JumpReLUSAE(SparseAutoencoder):
     config: JumpReLUConfig
 
     def _init_params(self, x: Tensor) -> dict[str, Tensor]:
-        """Thresholds start at `threshold_init` spread units of the first normalised batch `x`."""
+        """Thresholds start at `threshold_init` spread units of the first normalised batch `x` (1 when
+        its rows do not vary: one row, or copies of one; the rows are scaled to E||x||^2 = d)."""
         spread = ((x - x.mean(0)).pow(2).sum(1).mean() / x.shape[1]).sqrt().float()  # RMS spread per feature
+        spread = torch.where(spread > 0, spread, torch.ones_like(spread))
         self.buffer_dict = {"spread": spread}
         log_theta = torch.full((self.config.width,), math.log(self.config.threshold_init * float(spread)))
         return {**super()._init_params(x), "log_threshold": log_theta}

@@ -327,3 +327,14 @@ def test_geometric_median_stops_when_it_repeats_itself_with_the_same_bits(monkey
     calls.clear()
     geometric_median(x, iters=40)
     assert len(calls) < 40  # it settled on a point or a cycle and stopped stepping
+
+
+@pytest.mark.parametrize("rows", [torch.full((1, 6), 2.0), torch.tensor([[1.0, -2.0, 0.5, 3.0, 0.0, 1.0]]).repeat(4, 1)])
+def test_jumprelu_starts_on_a_first_batch_whose_rows_do_not_vary(rows):
+    """One row, or copies of one: no spread to set the thresholds by (log 0 raised 'math domain error');
+    they start at threshold_init in units of the normalised rows' scale, and the bandwidth with them."""
+    sae = JumpReLUSAE(width=8, batch_size=4, warmup_tokens=1, seed=0)
+    sae.update(rows)
+    sae.flush()
+    assert sae.stats().steps >= 1 and float(sae.buffer_dict["spread"]) == 1.0
+    assert torch.allclose(sae.params["log_threshold"].exp(), torch.full((8,), sae.config.threshold_init), rtol=1e-2)

@@ -103,6 +103,12 @@ def run(args: argparse.Namespace) -> int:
     suites = tuple(s for s in args.suite if s != "synthetic")
     if suites and args.run_dir is None:
         raise ValueError(f"--suite {','.join(suites)} needs a RUN_DIR (only the synthetic part runs without one)")
+    if "absorption" in suites:
+        from conceptlens.evaluate.absorption import MIN_WORDS
+
+        if args.absorption_words < MIN_WORDS:  # before the model loads
+            raise ValueError(f"--absorption-words {args.absorption_words}: absorption needs at least {MIN_WORDS} "
+                             "words (a fifth of them test the letter probes)")
     if suites:
         _run_folder(args, suites)
     if "synthetic" in args.suite:

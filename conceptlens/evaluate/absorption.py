@@ -49,6 +49,9 @@ SPACE_MARKS = (" ", "\u0120", "\u2581")  # a decoded space, byte-level BPE's Ġ,
 WORD = re.compile(r"[A-Za-z]{2,}")
 
 
+MIN_WORDS = 5
+"""Fewest words the part takes: a fifth of them, at least one, are the held-out test words."""
+
 def _pieces(tok: Any) -> tuple[list[str], str | None]:
     """Each id's vocabulary string and, for a WordPiece tokenizer, its continuation prefix (`##`):
     there a word starts at every piece without it, elsewhere only at a piece with a space mark."""
@@ -202,6 +205,9 @@ def decoder_rows(decode: Callable[[Tensor], Tensor], n: int, chunk: int = 1024) 
 def absorption_lines(lens: AttachedModel, site: str, encoders: Mapping[str, ConceptEncoder], tok: Any,
                      words: list[tuple[int, str]], *, max_k: int = 10, seed: int = 0) -> list[Line]:
     """Mean absorption fraction and full-absorption rate of every set that reconstructs."""
+    if len(words) < MIN_WORDS:
+        raise ValueError(f"absorption needs at least {MIN_WORDS} words (a fifth of them test the letter probes); "
+                         f"got {len(words)}: pass --absorption-words {MIN_WORDS} or more")
     x = word_activations(lens, site, tok, [i for i, _ in words])
     letter = torch.tensor([LETTERS.index(w[0].lower()) for _, w in words])
     test = torch.zeros(len(words), dtype=torch.bool)

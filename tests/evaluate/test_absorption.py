@@ -103,3 +103,11 @@ def test_decoder_rows_are_each_latents_unit_contribution_read_in_chunks():
 
     assert torch.equal(decoder_rows(decode, 7, chunk=3), (torch.eye(7) @ W + b) - b)
     assert calls == [1, 3, 3, 1]  # the bias, then at most 3 one-hot codes at a time
+
+
+def test_fewer_words_than_a_test_split_needs_is_a_one_line_error():
+    from conceptlens.evaluate.absorption import absorption_lines
+
+    words = [(i, w) for i, w in enumerate(["apple", "bird", "cat", "dog"])]  # a fifth of 4 is no test word
+    with pytest.raises(ValueError, match="absorption needs at least 5 words .*; got 4: pass --absorption-words 5"):
+        absorption_lines(None, "blocks.0.resid_out", {}, None, words)

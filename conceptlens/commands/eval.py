@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -234,7 +233,7 @@ def _run_site(args: argparse.Namespace, lens, tok, model_name: str, site: str, g
     from conceptlens.evaluate import results
     from conceptlens.evaluate.activations import concept_encoder
     from conceptlens.evaluate.lines import format_lines, verdict
-    from conceptlens.evaluate.suite import run_parts
+    from conceptlens.evaluate.suite import part_config, run_parts
 
     kinds = {n: concept_encoder(cs).kind for n, cs in group.items()}
     print(f"\n## {site}\n\nconcept activations: {'; '.join(f'{n}: {k}' for n, k in kinds.items())}", flush=True)
@@ -245,7 +244,8 @@ def _run_site(args: argparse.Namespace, lens, tok, model_name: str, site: str, g
         lines = [ln for ln in all_lines if ln.concept is None]  # per-concept scores: saved, for the concept pages
         footer = f"\n\n{len(all_lines) - len(lines)} per-concept scores" if len(lines) < len(all_lines) else ""
         if not args.no_save:
-            part_info = results.Part(model_name, infos, site, part, asdict(config), time.perf_counter() - wall)
+            part_info = results.Part(model_name, infos, site, part, part_config(config, part),
+                                     time.perf_counter() - wall)
             where = results.save_part(args.run_dir, part_info, all_lines, results.interval_text(config.random_draws))
             hint = f"; `conceptlens report {args.run_dir}` shows them" if (where.parent / "describe").is_dir() else ""
             footer = (footer or "\n") + f"\nsaved in {where}{hint}"

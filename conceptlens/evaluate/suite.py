@@ -14,6 +14,7 @@ model or run folder; `run_parts` leaves it to its caller.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping
@@ -84,6 +85,21 @@ class SuiteConfig:
             raise ValueError(f"concept_top must be 0 or a positive integer; got {self.concept_top}")
         if not self.ks or min(self.ks) < 1:
             raise ValueError(f"ks must be positive integers; got {list(self.ks)}")
+
+
+OWN_KEYS = {"reconstruction": ("recon_data", "recon_docs"), "absorption": ("absorption_words",),
+            "probing": ("max_docs", "max_classes", "ks", "random_draws", "readings", "concept_top",
+                        "probe_candidates")}
+"""SuiteConfig fields only one kind of part reads ("probing" stands for the quality part too)."""
+
+
+def part_config(config: SuiteConfig, part: str) -> dict[str, Any]:
+    """The settings a part's figures depend on, as `eval.json` records them: a part run again with the
+    same ones keeps the figures of the sets it did not run (the part names its task; other parts'
+    own settings, the parts chosen and the progress bar do not count)."""
+    kind = "probing" if part.split()[0] in ("probing", "quality") else part
+    others = {key for k, keys in OWN_KEYS.items() if k != kind for key in keys}
+    return {k: v for k, v in dataclasses.asdict(config).items() if k not in {"suites", "tasks", "progress", *others}}
 
 
 def run_suite(lens: AttachedModel, tok: Any, sets: Mapping[str, ConceptSet], config: SuiteConfig) -> list[Line]:

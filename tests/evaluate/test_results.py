@@ -132,3 +132,24 @@ def test_each_concept_alone_is_sklearns_one_feature_probe_next_to_the_tasks_cont
     assert lines[0].value == k1.value  # rank 1 alone is the k = 1 probe
     assert lines[0].baselines[0][1] == k1.baselines[0][1] and lines[0].baselines[1][1] == k1.baselines[1][1]
     assert lines[0].note == "rank 1 of 32 by mean difference (higher on b)"
+
+
+def test_a_part_run_again_on_some_sets_keeps_the_others_when_only_other_parts_settings_changed(tmp_path):
+    from conceptlens.evaluate.suite import SuiteConfig, part_config
+
+    infos = _sets(tmp_path, {"a": 4, "b": 6})
+    first = SuiteConfig(suites=("probing",), tasks=("bbc-news",))
+    _save(tmp_path, infos, "probing bbc-news", [_line("a", "toy", 0.9), _line("b", "toy", 0.7)],
+          config=part_config(first, "probing bbc-news"))
+    # another task list, other parts and their settings: the bbc-news probing settings are the same
+    again = SuiteConfig(suites=("probing", "absorption"), tasks=("bbc-news", "movie-polarity"), absorption_words=50,
+                        recon_docs=8, progress=True)
+    assert part_config(again, "probing bbc-news") == part_config(first, "probing bbc-news")
+    _save(tmp_path, {"a": infos["a"]}, "probing bbc-news", [_line("a", "toy", 0.95)],
+          config=part_config(again, "probing bbc-news"))
+    got = {sl.line.extractor: sl.line.value.value for sl in results.load_results(tmp_path).lines}
+    assert got == {"a": 0.95, "b": 0.7}  # b's figures stay: they were measured with the same settings
+    changed = SuiteConfig(suites=("probing",), tasks=("bbc-news",), ks=(1, 2))
+    assert part_config(changed, "probing bbc-news") != part_config(first, "probing bbc-news")
+    assert part_config(changed, "reconstruction") == part_config(first, "reconstruction")  # ks: not its setting
+    assert "concept_top" in part_config(first, "probing bbc-news")  # the report reads it from the part's config

@@ -105,6 +105,9 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
         table = printed[printed.index("best within budget\n"):]
         rows = table.splitlines()[1:9:2]  # each row: a P(sports) line, then a perplexity line
         assert "held-out accuracy" in printed and all(" P(sports) " in row for row in rows)
+        held = re.search(r"held-out accuracy [\d.]+ on (\d+) test articles \(none a copy of one it learned on\)",
+                         printed)
+        assert held and int(held[1]) < 444  # the test split repeats some of the 600 train articles it learned on
         for row, name in zip(rows, ("deleuzian:", "diff-of-means", "random", "prefix 'Write about sports.'")):
             assert row.startswith(name) or (name == "deleuzian:" and row.split()[0].split(":")[0] in
                                             ("topk", "kmeans")), (row, name)

@@ -114,9 +114,12 @@ def steer_example(lens: Any, tok: Any, descriptions: dict[str, Any], labels: lis
     learn = pick(len(train), args.judge_docs, args.seed)
     judge = TopicJudge(encoder, encoder_tok, [train.texts[i] for i in learn], [train.labels[i] for i in learn],
                        max_length=JUDGE_TOKENS, seed=args.seed)
-    accuracy = judge.accuracy(test.texts, test.labels)
+    learnt = {train.texts[i] for i in learn}  # the test split repeats some train articles: not held out
+    held = [i for i in range(len(test)) if test.texts[i] not in learnt]
+    accuracy = judge.accuracy([test.texts[i] for i in held], [test.labels[i] for i in held])
     print(f"Judge: logistic regression on mean-pooled {args.judge_model} embeddings of {len(learn)} train "
-          f"articles (first {JUDGE_TOKENS} tokens); held-out accuracy {accuracy:.3f} on {len(test)} test articles")
+          f"articles (first {JUDGE_TOKENS} tokens); held-out accuracy {accuracy:.3f} on {len(held)} test articles "
+          "(none a copy of one it learned on)")
     cs = ConceptSet.load(out / "concepts" / name)
     directions = {f"{name}:{concept}" + (" centred" if cs.mean is not None else ""):
                   (cs.centred() if cs.mean is not None else cs).directions[concept],

@@ -129,8 +129,10 @@ def test_steering_lines_judge_like_sklearn_and_select_on_train_only(tiny, monkey
     line = steer[0]
     assert line.value.value == pytest.approx(expected, abs=1e-5)
     assert judge.classes == list(reference.classes_)
-    test = data.load(task, "test")  # the judge's held-out accuracy: the reference's on test-split documents
-    held = act.pick(len(test), config.judge_docs, config.seed + 1)
+    test = data.load(task, "test")  # the judge's held-out accuracy: the reference's on test-split documents,
+    learnt = {full.texts[i] for i in order}  # none a copy of one it learned on
+    held = [i for i in act.pick(len(test), len(test), config.seed + 1) if test.texts[i] not in learnt]
+    held = held[:config.judge_docs]
     right = reference.predict(pooled([test.texts[i] for i in held])) == [test.label_names[test.labels[i]]
                                                                           if isinstance(test.labels[i], int)
                                                                           else test.labels[i] for i in held]

@@ -308,5 +308,11 @@ class SparseAutoencoder(ExtractorBase, TensorModule):
 
     def _merge(self, other: SparseAutoencoder) -> None:
         """Combine with a data-parallel replica (local SGD; `SAETrainer.merge`); `merge` also takes
-        its state dict."""
+        its state dict. Replicas of one state marked by `mark_shared_start` count its history once."""
         self.trainer.merge(other.trainer)
+
+    def mark_shared_start(self) -> None:
+        """Declare the current state the start of replicas: call it before handing out the state dict
+        (each round of local SGD: on the merged state before it is handed out again), so that merging
+        the replicas that loaded it counts the firing counts and tokens it already holds once."""
+        self.trainer.mark_shared_start()

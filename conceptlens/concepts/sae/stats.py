@@ -52,6 +52,7 @@ class RunningStats:
         self.tokens = 0
         self._last: Tensor | list[float] | None = None  # (4,) float64: on the device while training
         self._ema: Tensor | list[float] = [0.0] * len(StepStats._fields)
+        self.origin: int | None = None  # tokens at the shared start of replicas (`mark_shared_start`)
 
     def observe(self, step: Tensor, n_tokens: int) -> None:
         """`step`: the 4 `StepStats` values as a tensor, kept on its device (no host read per step);
@@ -75,11 +76,12 @@ class RunningStats:
         return SAEStats(self.steps, self.tokens, self.last, mean)
 
     def merge(self, other: RunningStats) -> None:
-        """A replica's record: tokens add, steps are the larger count (replicas step in
-        parallel), the averages are weighted by tokens."""
-        total = self.tokens + other.tokens
+        """A replica's record: tokens add (those of a shared start both carry, once), steps are the
+        larger count (replicas step in parallel), the averages are weighted by tokens."""
+        shared = self.origin if self.origin is not None and self.origin == other.origin else 0
+        total = self.tokens + other.tokens - shared
         if other.steps and total:
-            a, b = self.tokens / total, other.tokens / total
+            a, b = self.tokens / (self.tokens + other.tokens), other.tokens / (self.tokens + other.tokens)
             self._ema = [a * m + b * o for m, o in zip(_floats(self._ema), _floats(other._ema))]
             self._last = self._last if self.steps >= other.steps else other._last
         self.steps = max(self.steps, other.steps)
@@ -87,12 +89,18 @@ class RunningStats:
 
     def state_dict(self) -> dict[str, Any]:
         last = None if self._last is None else _floats(self._last)
-        return {"steps": self.steps, "tokens": self.tokens, "last": last, "ema": _floats(self._ema)}
+        out = {"steps": self.steps, "tokens": self.tokens, "last": last, "ema": _floats(self._ema)}
+        return out if self.origin is None else {**out, "origin": self.origin}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps, self.tokens = state["steps"], state["tokens"]
+        self.origin = state.get("origin")
         self._last = None if state["last"] is None else list(state["last"])
         self._ema = list(state["ema"])
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, Tensor) else value
 
 
 def _floats(values: Tensor | list[float]) -> list[float]:
@@ -112,6 +120,7 @@ class LatentTracker:
         self.since_fired = torch.zeros(width, dtype=torch.int64, device=device)  # (width,)
         self.tokens = 0
         self._bound = 0  # host-side upper bound on max(since_fired), so `none_dead` reads nothing back
+        self.origin: dict[str, Any] | None = None  # fired and tokens at the shared start of replicas
 
     def observe(self, fired_counts: Tensor, n_tokens: int) -> None:
         """`fired_counts` `(width,)`: how many of the step's `n_tokens` tokens each latent fired on."""
@@ -138,20 +147,36 @@ class LatentTracker:
         return self.fired.float() / max(self.tokens, 1)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"fired": self.fired.clone(), "since_fired": self.since_fired.clone(), "tokens": self.tokens}
+        out = {"fired": self.fired.clone(), "since_fired": self.since_fired.clone(), "tokens": self.tokens}
+        return out if self.origin is None else {**out, "origin": {k: _copy(v) for k, v in self.origin.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.fired = state["fired"].to(self.fired.device).clone()
         self.since_fired = state["since_fired"].to(self.since_fired.device).clone()
         self.tokens = state["tokens"]
+        origin = state.get("origin")
+        self.origin = None if origin is None else {"fired": origin["fired"].to(self.fired.device).clone(),
+                                                   "tokens": origin["tokens"]}
         self.refresh()
 
+    def mark_shared_start(self) -> None:
+        self.origin = {"fired": self.fired.clone(), "tokens": self.tokens}
+
     def merge(self, other: LatentTracker) -> None:
-        """Combine the records of two replicas: counts add, the most recent firing wins."""
-        self.fired += other.fired.to(self.fired.device)
+        """Combine the records of two replicas: counts add (those of a shared start both carry,
+        once: `mark_shared_start`), the most recent firing wins."""
+        fired, tokens = other.fired.to(self.fired.device), other.tokens
+        if self._shares_start(other):
+            fired, tokens = fired - self.origin["fired"], tokens - self.origin["tokens"]  # type: ignore[index]
+        self.fired += fired
         self.since_fired = torch.minimum(self.since_fired, other.since_fired.to(self.since_fired.device))
-        self.tokens += other.tokens
+        self.tokens += tokens
         self.refresh()
+
+    def _shares_start(self, other: LatentTracker) -> bool:
+        a, b = self.origin, other.origin
+        return a is not None and b is not None and a["tokens"] == b["tokens"] and \
+            torch.equal(a["fired"], b["fired"].to(a["fired"].device))
 
 
 def geometric_median(x: Tensor, iters: int = 30, eps: float = 1e-8) -> Tensor:

@@ -222,6 +222,12 @@ class SAETrainer:
         self.running.load_state_dict(state.running)
 
     # ---- replicas ---------------------------------------------------------------------
+    def mark_shared_start(self) -> None:
+        """Declare the current state the start of replicas (before handing out its state dict), so
+        that a `merge` of replicas that loaded it counts its firing counts and tokens once."""
+        self.tracker.mark_shared_start()
+        self.running.origin = self.running.tokens
+
     @torch.no_grad()
     def merge(self, other: SAETrainer) -> None:
         """Absorb a data-parallel replica's training (see `SparseAutoencoder._merge`)."""

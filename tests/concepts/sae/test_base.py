@@ -178,3 +178,26 @@ def test_merge_keeps_each_buffered_row_once_in_either_order(name):
     assert sorted(trained.trainer.mixer.state_dict()["data"].sum(1).tolist()) == \
         sorted(twin.trainer.mixer.state_dict()["data"].sum(1).tolist())
     assert all(torch.equal(trained.params[k], twin.params[k]) for k in trained.params)
+
+
+def test_rounds_of_local_sgd_count_the_shared_start_once(name):
+    """Replicas of a state marked as their shared start both carry its history: a merge counts its
+    tokens and firing counts once, round after round (they were added again at every merge)."""
+    a = feed(VARIANTS[name](), stream()[:4])
+    a.flush()
+    trained = a.stats().tokens
+    for round_ in range(3):
+        a.mark_shared_start()
+        start = a.trainer.tracker.fired.clone()
+        b = VARIANTS[name]()
+        b.load_state_dict(a.state_dict())
+        feed(a, stream(seed=10 + round_)[:2])
+        feed(b, stream(seed=20 + round_)[:3])
+        a.flush()
+        b.flush()
+        fired = a.trainer.tracker.fired + b.trainer.tracker.fired - start
+        shared = a.trainer.running.origin  # the tokens of the start, which both replicas report
+        trained += (a.stats().tokens - shared) + (b.stats().tokens - shared)
+        a.merge(b)
+        assert a.stats().tokens == trained and torch.equal(a.trainer.tracker.fired, fired)
+        assert a.trainer.tracker.tokens == trained

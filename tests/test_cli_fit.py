@@ -186,6 +186,11 @@ def test_unknown_toml_keys_and_a_changed_run_are_refused(files, tmp_path, capsys
     changed = [a.replace("n_concepts=4", "n_concepts=6") for a in base(files, out, "--no-describe")]
     assert main(changed) == 2
     assert "holds a run with another extractor" in capsys.readouterr().err
+    model = str(files / "model")
+    for spelling in (model + "/", str(files / "." / "model")):  # the same folder, spelled otherwise: it resumes
+        again = [spelling if a == model else a for a in base(files, out, "--no-describe", "--max-tokens", "100")]
+        assert main(again) == 0, capsys.readouterr().err
+    assert "(0 after resuming at" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("line, message", [
@@ -196,16 +201,19 @@ def test_unknown_toml_keys_and_a_changed_run_are_refused(files, tmp_path, capsys
     ('[fit]\nmax_tokens = 1.5', "[fit] max_tokens must be an integer; got 1.5"),
     ('sites = 5', "sites must be a site name or a list of them"),
     ('[extractor]\nmethod = "kmeans"', "extractor must be an array of tables ([[extractor]] in the file"),
+    ('describe = 5', "[describe] must be a table; got describe = 5"),
+    ('fit = [1]', "[fit] must be a table; got fit = [1]"),
 ])
 def test_a_toml_value_of_the_wrong_type_is_one_line_naming_it(files, tmp_path, capsys, line, message):
     config = tmp_path / "x.toml"
     head = 'model = "m"\ndata = "bbc-news"\n' + ('' if line.startswith("sites") else 'sites = ["embed"]\n')
     extractor = '' if line.startswith("[extractor]") else '[[extractor]]\nmethod = "kmeans"\nn_concepts = 3\n'
-    top = line.startswith("sites")  # a top-level key goes before any table
+    top = line.startswith(("sites", "describe =", "fit ="))  # a top-level key goes before any table
     config.write_text(head + (line + "\n" + extractor if top else extractor + line + "\n"))
-    assert main(["fit", str(config)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("conceptlens fit: error:") and message in err and "\n" not in err
+    for flags in ([], ["--top-n", "3"]):  # flags are laid over the file's tables
+        assert main(["fit", str(config), *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("conceptlens fit: error:") and message in err and "\n" not in err
 
 
 def test_extractor_specs_parse_values():

@@ -72,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve(args: argparse.Namespace) -> rc.RunConfig:
     """The file (if any) with the flags laid over it, checked."""
     raw = rc.read_toml(args.config) if args.config else {}
+    for section in ("fit", "describe"):  # flags are laid into these tables: a value there must be one
+        if not isinstance(raw.get(section, {}), dict):
+            raise ValueError(f"[{section}] must be a table; got {section} = {raw[section]!r}")
     for key in ("model", "data", "out"):
         if getattr(args, key) is not None:
             raw[key] = getattr(args, key)

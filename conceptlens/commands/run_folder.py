@@ -40,13 +40,23 @@ def check(out: Path, cfg: rc.RunConfig) -> None:
     old, new = rc.to_dict(rc.from_dict(rc.read_toml(out / "run.toml"))), rc.to_dict(cfg)
     for raw in (old, new):  # run.toml leaves None out (`lr=none` is recorded as no lr)
         raw["extractor"] = [{k: v for k, v in spec.items() if v is not None} for spec in raw["extractor"]]
-    differs = [(key, old[key], new[key]) for key in IDENTITY if old[key] != new[key]]
+    differs = [(key, old[key], new[key]) for key in IDENTITY if old[key] != new[key]
+               and not (key in ("model", "data") and _same_path(old[key], new[key]))]
     differs += [(f"fit.{key}", old["fit"][key], new["fit"][key]) for key in ("batch_size", "max_length")
                 if old["fit"][key] != new["fit"][key]]
     if differs:
         key, was, now = differs[0]
         raise ValueError(f"{out} holds a run with another {key} ({was!r}, now {now!r}); use another --out, or "
                          "--overwrite to clear that run's files first (other files stay)")
+
+
+def _same_path(a: object, b: object) -> bool:
+    """Whether two spellings of a model or data source name one local file or folder (`tiny`, `tiny/`,
+    `./tiny`, its absolute path); a registered or hub name is only ever equal to itself."""
+    if not (isinstance(a, str) and isinstance(b, str)):
+        return False
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
 def owned(out: Path) -> list[Path]:

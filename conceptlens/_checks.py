@@ -119,3 +119,28 @@ def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
     choices = tuple(choices)
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}; got {value!r}")
+
+
+def usable_devices() -> list[str]:
+    """The devices tensors can live on here: cpu, cuda and each cuda:N with CUDA, mps with Metal."""
+    import torch
+
+    valid = ["cpu"] + (["cuda", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+                       if torch.cuda.is_available() else [])
+    return valid + (["mps"] if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+                    else [])
+
+
+def check_device(name: str, device: Any) -> Any:
+    """`device` as a torch.device when tensors can live on it here; else a one-line ValueError naming
+    it and the valid choices (meta holds no values: nothing can be fitted on it)."""
+    import torch
+
+    try:
+        kind = device if isinstance(device, torch.device) else torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        kind = None
+    valid = usable_devices()
+    if kind is None or str(kind) not in valid:
+        raise ValueError(f"{name} {device!r} is not available here; valid: {', '.join(valid)}")
+    return kind

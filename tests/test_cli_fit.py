@@ -154,6 +154,8 @@ def test_describe_command_redoes_the_pass_with_other_options(files, tmp_path, ca
     (["--top-n", "0"], "describe.top_n (--top-n) must be a positive integer; got 0"),
     (["--max-tokens", "0"], "fit.max_tokens (--max-tokens) must be a positive integer; got 0"),
     (["--extractor", "kmeans:n_concepts=4,name=.."], "extractor name '..' is not a safe folder name"),
+    (["--extractor", "topk:width=16,k=2,device=foo"], "device 'foo' is not available here; valid: cpu"),
+    (["--extractor", "kmeans:n_concepts=4,device=meta"], "device 'meta' is not available here; valid: cpu"),
     (["--extractor", "kmeans:n_concepts=4,name=."], "extractor name '.' is not a safe folder name"),
     (["--extractor", "kmeans:n_concepts=4,name=.cache"], "extractor name '.cache' is not a safe folder name"),
     (["--out", ""], "out '' is not a folder"),

@@ -49,19 +49,15 @@ def apply_runtime(args: argparse.Namespace) -> None:
 
 
 def check_device(device: str) -> None:
-    """A device the model can run on here: cpu, cuda[:N] with CUDA, mps with Metal; else a
+    """A device the model can run on here: cpu, cuda[:N] with CUDA, mps with Metal (or auto); else a
     one-line ValueError listing the valid choices (meta holds no weights: nothing can run on it)."""
-    import torch
+    from conceptlens._checks import check_device as usable, usable_devices
 
-    valid = ["cpu", "auto"] + (["cuda", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
-                               if torch.cuda.is_available() else [])
-    valid += ["mps"] if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available() else []
     try:
-        kind = torch.device(device)
-    except (RuntimeError, ValueError):
-        kind = None
-    if kind is None or str(kind) not in valid:
-        raise ValueError(f"--device {device!r} is not available here; valid: {', '.join(valid)}")
+        usable("--device", device)
+    except ValueError:
+        raise ValueError(f"--device {device!r} is not available here; valid: "
+                         f"{', '.join(['cpu', 'auto', *usable_devices()[1:]])}") from None
 
 
 def load_model(args: argparse.Namespace, name: str | None = None) -> tuple[Any, Any]:

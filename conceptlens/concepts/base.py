@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, Self, run
 import torch
 from torch import Tensor
 
+from conceptlens._checks import check_device
 from conceptlens.concepts.conceptset import ConceptSet
 
 
@@ -172,7 +173,7 @@ class ExtractorBase:
         self.load_state(self.State.from_dict(state))
 
     def _set_device(self, device: str | torch.device | None) -> None:
-        self.device = None if device is None else torch.device(device)
+        self.device = None if device is None else check_device("device", device)
 
     def _check_width(self, x: Tensor) -> None:
         """Raise a one-line ValueError unless `x` is `(N, d)` at this extractor's width `d`;
@@ -251,7 +252,7 @@ class ExtractorBase:
 
     def to(self, device: str | torch.device) -> ExtractorBase:
         """Move every tensor of the state to `device` (and place later inputs there); returns self."""
-        device = torch.device(device)
+        device = check_device("device", device)
         state = map_tensors(self.state_dict(), lambda t: t.to(device))
         self._set_device(device)
         self.load_state_dict(state)

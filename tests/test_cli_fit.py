@@ -343,6 +343,6 @@ def test_a_fit_that_leaves_no_document_to_describe_says_so_and_how(files, tmp_pa
     argv[at + 1] = "100000"  # more than docs.txt holds: the fit reads it all, then there is nothing to describe
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "the fit read all 120 documents of" in err and "pass --describe-data DATA, a smaller --max-tokens" in err
+    assert "the fit read all 120 documents of" in err and "pass --describe-data DATA (held-out text) or --no-describe" in err
     assert "Traceback" not in err and (tmp_path / "all" / "concepts" / "km").is_dir()  # the fit itself is kept
     assert main(whole + ["--no-describe"]) == 0

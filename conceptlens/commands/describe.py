@@ -68,8 +68,8 @@ def describe_run(lens: Any, cfg: rc.RunConfig, concept_sets: Mapping[str, Any], 
     skip = 0 if d.data else consumed
     if skip and not _documents_after(data, skip):
         raise ValueError(f"the fit read all {skip:,} documents of {cfg.data}, so none is left to describe (the pass "
-                         "reads the documents after the fit's): pass --describe-data DATA, a smaller --max-tokens, "
-                         "or --no-describe")
+                         "reads the documents after the fit's): pass --describe-data DATA (held-out text) or "
+                         "--no-describe; the fit is kept (a shorter one needs --overwrite and a smaller --max-tokens)")
     prompts = (d.prompt, *SteeringRequest.prompts[1:])
     steering = SteeringRequest(list(d.steer), prompts=prompts) if d.steer else None
     print(f"\ndescribing {', '.join(concept_sets)} on {d.max_tokens or 'all'} tokens of "

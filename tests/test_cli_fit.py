@@ -346,3 +346,12 @@ def test_a_fit_that_leaves_no_document_to_describe_says_so_and_how(files, tmp_pa
     assert "the fit read all 120 documents of" in err and "pass --describe-data DATA (held-out text) or --no-describe" in err
     assert "Traceback" not in err and (tmp_path / "all" / "concepts" / "km").is_dir()  # the fit itself is kept
     assert main(whole + ["--no-describe"]) == 0
+
+
+def test_a_fit_that_fits_no_extractor_fails_in_one_line(files, tmp_path, capsys):
+    argv = base(files, tmp_path / "none", "--no-progress")
+    argv = [a for i, a in enumerate(argv) if a != "--extractor" and argv[i - 1] != "--extractor"]
+    argv[argv.index("--max-length") + 1] = "1"  # one token per document: the first position, never kept
+    assert main([*argv, "--extractor", "kmeans:n_concepts=4,init_size=64"]) == 2
+    err = capsys.readouterr().err
+    assert "no extractor was fitted (kmeans: too few rows" in err and "--max-tokens" in err

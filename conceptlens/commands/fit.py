@@ -226,6 +226,10 @@ def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, te
         print(line, file=sys.stderr)
     for name, cs in report.concepts.items():
         print(f"  {name}: {cs} -> {out / 'concepts' / name}")
+    failed = [name for name, s in report.stats.items() if isinstance(s, dict) and "error" in s]
+    if failed and not report.concepts:  # nothing to describe or use: not a success
+        raise ValueError(f"no extractor was fitted ({', '.join(failed)}: too few rows; the fit above says how many "
+                         "it kept): give more tokens (--max-tokens), longer documents (--max-length) or more data")
     if cfg.describe.enabled:
         describe_run(lens, cfg, report.concepts, documents, out, progress=not args.no_progress)
     return 0

@@ -121,3 +121,22 @@ def test_side_by_side_columns():
     assert text.splitlines() == [f"{'a':<30} | b", f"{'-' * 30} | {'-' * 30}", f"{'word ' * 5 + 'word':<30} | five",
                                  "word word".ljust(30) + " |"]
     assert side_by_side("a", "x", "b", "y", width=40) == "a:\nx\n\nb:\ny"  # narrow: stacked
+
+
+def test_a_set_of_a_run_steers_the_model_its_run_fitted_and_a_bad_index_is_named_before_it_loads(folders, tmp_path,
+                                                                                                capsys, monkeypatch):
+    model_dir, _ = folders
+    run = tmp_path / "run"
+    ConceptSet(torch.randn(3, 32, generator=torch.Generator().manual_seed(0)), site="blocks.1.resid_out",
+               model="model").save(run / "concepts" / "km")  # a set names a local model by its last part only
+    (run / "run.toml").write_text(f'model = "{model_dir}"\ndata = "bbc-news"\nsites = ["blocks.1.resid_out"]\n')
+    code, out, err = _steer(capsys, "--concepts", str(run / "concepts" / "km"), "--concept", "1", "--prompt", PROMPT,
+                            "--max-new-tokens", "2")  # no --model: the run's (SmolLM2 before, width 576: refused)
+    assert code == 0, err
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    code, _, err = _steer(capsys, "--concepts", str(run / "concepts" / "km"), "--concept", "7", "--prompt", PROMPT)
+    assert code == 2 and "--concept 7 is out of range" in err
+    loose = tmp_path / "loose"
+    ConceptSet(torch.randn(3, 32), site="blocks.1.resid_out").save(loose)
+    code, _, err = _steer(capsys, "--concepts", str(loose), "--concept", "1", "--prompt", PROMPT)
+    assert code == 2 and "names no model: pass --model" in err

@@ -18,6 +18,7 @@ import argparse
 import math
 import shutil
 import textwrap
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,7 +36,9 @@ SCALES = ("robust_norm", "site_norm", "unit", "raw")
 def add_direction_arguments(parser: argparse.ArgumentParser) -> None:
     """What to steer along and where (shared by `steer` and `sweep`): --model, --concepts DIR or
     --direction-word WORD, --concept, --site."""
-    parser.add_argument("--model", default="smollm2-135m", help="registered name, hub id or local folder")
+    parser.add_argument("--model", help="registered name, hub id or local folder (default: the model the concept set "
+                                        "was fitted on, as its run's run.toml names it; smollm2-135m with "
+                                        "--direction-word)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--concepts", metavar="DIR", type=concept_dir, help="a saved ConceptSet folder")
     source.add_argument("--direction-word", metavar="WORD", type=nonempty_text,
@@ -70,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
+    choose_model(args)
     model, tokenizer = load_model(args)
     check_generation_length(model, tokenizer, args.max_new_tokens)
     lens = conceptlens.attach(model, tokenizer)
@@ -81,6 +85,36 @@ def run(args: argparse.Namespace) -> int:
           f"positions={args.positions}\n")
     print(side_by_side("unsteered", bare, "steered", steered))
     return 0
+
+
+def choose_model(args: argparse.Namespace) -> None:
+    """Set args.model when not given: the model of the run the concept set belongs to (its run.toml,
+    which names a local model by its whole path), else the one the set names; smollm2-135m for
+    --direction-word. Checks --concept against the set's size first, all before the model loads."""
+    from conceptlens import ConceptSet
+    from conceptlens.commands import run_config as rc
+
+    if args.concepts is not None:
+        n = len(ConceptSet.load(args.concepts))
+        bad = [i for i in args.concept or [] if not -n <= i < n]
+        if bad:
+            raise ValueError(f"--concept {bad[0]} is out of range: {args.concepts} holds {n} concepts, "
+                             f"valid indices are 0-{n - 1} (or -{n} to -1)")
+    if args.model:
+        return
+    if args.concepts is None:
+        args.model = "smollm2-135m"
+        return
+    folder = Path(args.concepts)
+    recorded = folder.parent.parent / "run.toml"
+    if folder.parent.name == "concepts" and recorded.is_file():
+        model = rc.read_toml(recorded).get("model")
+        if isinstance(model, str) and model.strip():
+            args.model = model
+            return
+    args.model = ConceptSet.load(folder).model
+    if not args.model:
+        raise ValueError(f"{args.concepts} names no model: pass --model")
 
 
 def strength(edit: Any) -> str:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 
 from conceptlens.commands._args import figure_file, finite_float, nonempty_text, positive_int
-from conceptlens.commands.steer import POSITIONS, SCALES, add_direction_arguments, chat_prompt, steering_direction
+from conceptlens.commands.steer import (POSITIONS, SCALES, add_direction_arguments, chat_prompt, choose_model,
+                                        steering_direction)
 
 PROMPTS = ("I went to the shop and", "The weather today is", "My favourite thing about the city is",
            "Yesterday the committee decided to")
@@ -59,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
+    choose_model(args)
     model, tokenizer = load_model(args)
     check_generation_length(model, tokenizer, args.max_new_tokens)
     if tokenizer.pad_token is None and len(args.prompts) > 1:

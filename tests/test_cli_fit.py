@@ -136,6 +136,12 @@ def test_describe_command_redoes_the_pass_with_other_options(files, tmp_path, ca
     assert [s["alpha"] for s in entry["samples"]] == [0.0, 0.25, 0.5, 1.0, 2.0] and "chosen_alpha" in entry
     assert main(["describe", str(out), "--concepts", "nope"]) == 2
     assert "no concept set 'nope'" in capsys.readouterr().err
+    with pytest.MonkeyPatch.context() as patch:  # --steer is checked before the model loads
+        patch.setattr(models, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+        for steer, message in (("km:4", "steering concept km:4 is out of range: 'km' has 4 concepts (0-3)"),
+                               ("topk:1", "steering samples for set 'topk', which is not described here")):
+            assert main(["describe", str(out), "--concepts", "km", "--steer", steer]) == 2
+            assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("change, message", [

@@ -155,6 +155,12 @@ def _describe(args: argparse.Namespace) -> int:
     sets = {name: ConceptSet.load(out / "concepts" / name) for name in chosen}
     source(cfg.describe.data or cfg.data, cfg.shuffle)  # a missing or empty data file: before the model loads
     _check_model(out, cfg.model, sets)
+    if cfg.describe.steer:  # SET:INDEX among the sets described here, before the model loads
+        from conceptlens.describe import SteeringRequest
+        from conceptlens.fit_keys import cross_layer
+
+        SteeringRequest(list(cfg.describe.steer)).chosen(
+            {name: len(cs) for name, cs in sets.items() if not cross_layer(cs.config.get("fit"))})
     model, tok = load_model(args, cfg.model)
     describe_run(conceptlens.attach(model, tok), cfg, sets, consumed, out)
     return 0

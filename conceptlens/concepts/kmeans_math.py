@@ -96,16 +96,18 @@ def batched_seeds(x: Tensor, k: int, generator: torch.Generator, weight: Tensor 
     return torch.cat(chosen).to(x.device)
 
 
-def squared_distances(x: Tensor, c: Tensor, x_sq: Tensor | None = None, c_sq: Tensor | None = None) -> Tensor:
+def squared_distances(x: Tensor, c: Tensor, x_sq: Tensor | None = None, c_sq: Tensor | None = None,
+                      shift: Tensor | None = None) -> Tensor:
     """Squared Euclidean distances `(N, k)` between rows of x `(N, d)` and c `(k, d)`.
 
     |x|^2 - 2 x.c + |c|^2 as one matmul (row norms may be passed in when already known);
     clamped at 0 against rounding. Low-precision (bfloat16) x and c: the matmul runs in their
     dtype, the norms and the sum in float32 (the result is float32); without given norms both
-    are first shifted by the mean of x, in float32, as in `nearest`.
+    are first shifted by `shift` (d,) (default: the mean of x), in float32, as in `nearest`: a
+    caller whose rows are split across ranks passes one every rank has.
     """
     if x.dtype not in (torch.float32, torch.float64) and x_sq is None and c_sq is None:
-        shift = x.detach().mean(0, dtype=torch.float32).to(x.dtype)  # (d,)
+        shift = (x.detach().mean(0, dtype=torch.float32) if shift is None else shift.float()).to(x.dtype)  # (d,)
         x, c = x - shift, (c.float() - shift.float()).to(x.dtype)  # c rounded after the shift
     xf, cf = x.float(), c.float()
     x_sq = (xf * xf).sum(1) if x_sq is None else x_sq

@@ -25,7 +25,6 @@ from conceptlens._checks import known_kwargs
 from conceptlens.concepts.base import ExtractorBase, NotFittedError, map_tensors
 from conceptlens.concepts.buffer import MixingBuffer
 from conceptlens.concepts.conceptset import ConceptSet
-from conceptlens.concepts.kmeans import squared_distances
 # the config, result and state types, the math and the merge live in vq_config.py, vq_math.py and
 # vq_merge.py; the public names are re-exported here
 from conceptlens.concepts.vq_config import CodebookState, SharedStart, VQConfig, VQState, VQStats, VQStep
@@ -149,17 +148,17 @@ class VQCodebook(ExtractorBase):
         cfg, fit = self.config, self._fitted()
         x, codes = self._prepare(x), fit.codes
         synced = self.comm is not None and not shared
-        if x.dtype == torch.float32:
-            dist = torch.cdist(x, codes)                               # (N, K) Euclidean
-        else:  # the matmul in the compute dtype, norms and distances in float32
-            dist = squared_distances(x, codes).sqrt_()
+        # bfloat16: the matmul shifted by the codes' mean, which every rank has (its own rows' mean would
+        # round each rank's part of a step otherwise than one process rounds the whole step)
+        shift = codes.mean(0) if x.dtype != torch.float32 and cfg.distance == "squared" else None  # (old rule: Euclidean)
+        dist = sampled_distances(x, codes, cfg, shift)                 # (N, K)
         u = None
         if synced:
             sizes = self.comm.sizes(len(x))
             if samples_randomly(cfg.top_k, cfg.temperature, cfg.n_codes):
                 start = sum(sizes[: self.comm.rank])
                 u = torch.rand(sum(sizes), 1, generator=self._gen)[start:start + len(x)]
-        code = sample_top_k(sampled_distances(dist, cfg), cfg.top_k, cfg.temperature, self._gen, u)
+        code = sample_top_k(dist, cfg.top_k, cfg.temperature, self._gen, u)
         # per-code counts and sums by scatter-add: O(N d), where a one-hot matmul is O(N K d)
         counts = torch.zeros_like(fit.counts).index_add_(0, code, x.new_ones(len(x)).to(fit.counts.dtype))  # (K,)
         sums = torch.zeros_like(fit.sums).index_add_(0, code, x.to(fit.sums.dtype))                          # (K, d)

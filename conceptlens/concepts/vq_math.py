@@ -47,10 +47,15 @@ def samples_randomly(k: int, temperature: float, n_codes: int) -> bool:
     return temperature != 0 and min(k, n_codes) > 1
 
 
-def sampled_distances(dist: Tensor, config: Any) -> Tensor:
-    """The distances a codebook's sampling softmax takes, from Euclidean ones `dist` (N, K):
-    squared, or as they are (`VQConfig.distance`)."""
-    return dist.square() if config.distance == "squared" else dist
+def sampled_distances(x: Tensor, codes: Tensor, config: Any, shift: Tensor | None = None) -> Tensor:
+    """`(N, K)` the distances a codebook's sampling softmax takes (`VQConfig.distance`), which also
+    give each row's nearest code: squared, as one matmul (`squared_distances`, whatever the number
+    of rows, so a row's distances do not depend on the rows beside it and ranks that split a batch
+    draw as one process does); Euclidean as codebooks fitted before that option computed them.
+    `shift`: the bfloat16 matmul's shift (`squared_distances`; default the rows' mean)."""
+    if config.distance == "squared":
+        return squared_distances(x, codes, shift=shift)
+    return torch.cdist(x, codes) if x.dtype == torch.float32 else squared_distances(x, codes, shift=shift).sqrt_()
 
 
 def sample_top_k(dist: Tensor, k: int, temperature: float,

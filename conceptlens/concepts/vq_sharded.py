@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from conceptlens.concepts.conceptset import ConceptSet
-from conceptlens.concepts.kmeans_math import _unit, kmeans_plusplus, squared_distances
+from conceptlens.concepts.kmeans_math import _unit, kmeans_plusplus
 from conceptlens.concepts.sharded import SplitOverRanks
 from conceptlens.concepts.vq import VQCodebook
 from conceptlens.concepts.vq_config import CodebookState, VQStep
@@ -93,11 +93,8 @@ class ShardedVQ(SplitOverRanks, VQCodebook):
         """Each row's `top_k` nearest codes over every shard: (negated distances (N, k), global
         indices (N, k), nearest first; squared error to the nearest code (N,) float64)."""
         k = min(self.config.top_k, self.config.n_codes)
-        if x.dtype == torch.float32:
-            dist = torch.cdist(x, codes)  # (N, K/W) Euclidean, as `VQCodebook.train_step`
-        else:
-            dist = squared_distances(x, codes).sqrt_()
-        neg, index = (-sampled_distances(dist, self.config)).topk(min(k, dist.shape[1]), dim=1)  # (N, k')
+        dist = sampled_distances(x, codes, self.config)  # (N, K/W), as `VQCodebook.train_step`
+        neg, index = (-dist).topk(min(k, dist.shape[1]), dim=1)  # (N, k'), this shard's nearest first
         index = index + self.shards.lo
         sse = (x.double() - codes[index[:, 0] - self.shards.lo].double()).pow(2).sum(1)  # (N,)
         if self.shards.comm is None:

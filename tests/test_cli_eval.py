@@ -188,6 +188,8 @@ def test_cli_argument_errors(tmp_path, capsys):
     assert "--max-docs: 0 is not a positive integer" in capsys.readouterr().err
     assert main(["eval", str(tmp_path), "--concept-top", "-1"]) == 2
     assert "--concept-top: -1 is not a count" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path), "--max-length", "1"]) == 2
+    assert "--max-length: 1 is not a document length (the first position is left out" in capsys.readouterr().err
     assert main(["eval", str(tmp_path), "--absorption-words", "4"]) == 2
     assert "--absorption-words 4: absorption needs at least 5 words" in capsys.readouterr().err
     ConceptSet(torch.randn(3, 4)).save(tmp_path / "nosite")

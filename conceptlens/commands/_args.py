@@ -44,6 +44,12 @@ def positive_int(text: str) -> int:
     return _int(text, 1, "a positive integer")
 
 
+def token_length(text: str) -> int:
+    """Tokens per document: at least 2, since the first position of every document is left out of
+    the rows (its norm dwarfs the others') and one token would leave none."""
+    return _int(text, 2, "a document length (the first position is left out, so one token leaves none)")
+
+
 def seed(text: str) -> int:
     """A random seed: an integer in [0, 2**63 - 1] (torch's generators take int64)."""
     return _int(text, 0, "a seed")

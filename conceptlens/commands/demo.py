@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from conceptlens.commands._args import count, nonempty_text, out_dir, positive_int
+from conceptlens.commands._args import count, nonempty_text, out_dir, positive_int, token_length
 from conceptlens.commands.demo_steer import PROMPTS, steer_example
 from conceptlens.evaluate.probing import RANDOM_DRAWS
 from conceptlens.evaluate.readings import READINGS
@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bbc-news articles of the k-sparse probe table: train (train split, after the fit's) "
                              "and held-out test (the test split's, then train-split articles after the probes'; none "
                              "repeats a text the fit or the probes read)")
-    parser.add_argument("--probe-length", type=positive_int, default=64, help="tokens per probed article")
+    parser.add_argument("--probe-length", type=token_length, default=64, help="tokens per probed article")
     parser.add_argument("--probe-draws", type=positive_int, default=RANDOM_DRAWS,
                         help=f"draws of the matched random control (default: {RANDOM_DRAWS})")
     parser.add_argument("--probe-read", choices=READINGS, default="code",

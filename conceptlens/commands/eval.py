@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conceptlens.commands._args import count, existing_dir, positive_int, seed
+from conceptlens.commands._args import count, existing_dir, positive_int, seed, token_length
 from conceptlens.evaluate.probing import KS, RANDOM_DRAWS
 from conceptlens.evaluate.readings import READINGS
 from conceptlens.evaluate.suite import DEFAULT_SUITES, PROBE_TASKS, SUITES, SuiteConfig
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model to load (default: the one RUN/run.toml loaded, else the one the "
                         "sets name)")
     parser.add_argument("--max-docs", type=positive_int, default=400, help="documents (sentences) per split")
-    parser.add_argument("--max-length", type=positive_int, default=128, help="tokens per document")
+    parser.add_argument("--max-length", type=token_length, default=128, help="tokens per document")
     parser.add_argument("--batch-size", type=positive_int, default=16)
     parser.add_argument("--max-classes", type=positive_int, default=8, help="wsj-pos: probe the most frequent tags only")
     parser.add_argument("--ks", type=_ks, default=KS, help="k of the k-sparse probes (default: 1,2,5,20)")

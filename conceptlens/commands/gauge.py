@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from conceptlens.commands._args import data_source, positive_int, seed
+from conceptlens.commands._args import data_source, positive_int, seed, token_length
 from conceptlens.metrics.gauge import QueryKeyMoments, key_cosine, key_distance, qk_spectrum, score_cosine
 
 
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layer", type=int, default=10, help="block index (negative counts from the end)")
     parser.add_argument("--data", type=data_source, default="bbc-news", help="bundled set name, .txt or .jsonl path")
     parser.add_argument("--max-tokens", type=positive_int, default=20_000, help="tokens streamed into the q/k moments")
-    parser.add_argument("--max-length", type=positive_int, default=128, help="tokens per document")
+    parser.add_argument("--max-length", type=token_length, default=128, help="tokens per document")
     parser.add_argument("--pairs", type=positive_int, default=4000, help="random key pairs for the distance statistics")
     parser.add_argument("--sample-docs", type=positive_int, default=8,
                         help="documents whose keys are paired and on which the audit runs")

@@ -202,19 +202,34 @@ def iter_texts(source: Any) -> Iterator[str]:
 def _iter_named(source: str | os.PathLike) -> Iterator[str]:
     path = Path(source)
     if path.is_file():
-        if path.suffix == ".txt":
-            with open(path, encoding="utf-8") as f:
-                yield from (line.rstrip("\r\n") for line in f if line.strip())
-        elif path.suffix == ".jsonl":
-            yield from _iter_jsonl(path)
-        else:
+        if path.suffix not in (".txt", ".jsonl"):
             raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use .txt (one document per line) or .jsonl")
+        try:
+            if path.suffix == ".txt":
+                with open(path, encoding="utf-8") as f:
+                    yield from (line.rstrip("\r\n") for line in f if line.strip())
+            else:
+                yield from _iter_jsonl(path)
+        except UnicodeDecodeError as err:  # decoded in chunks: find the line for the message
+            raise ValueError(f"{path}:{_undecodable_line(path)} is not UTF-8 text ({err.reason}, byte "
+                             f"{err.object[err.start:err.start + 1]!r}); save the file as UTF-8") from None
         return
     name, _, split = str(source).partition(":")
     if name in SET_NAMES:
         yield from load(name, split or "train").texts
         return
     raise FileNotFoundError(f"{str(source)!r} is neither a file nor a bundled text set; sets: {', '.join(SET_NAMES)}")
+
+
+def _undecodable_line(path: Path) -> int:
+    """The number of the first line of `path` that is not UTF-8 (1 when none can be found)."""
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError:
+                return number
+    return 1
 
 
 def _iter_jsonl(path: Path) -> Iterator[str]:

@@ -152,3 +152,17 @@ def test_iter_texts_errors(tmp_path):
 
     with pytest.raises(ValueError, match="'sentence'"):
         list(data.iter_texts(NoText()))
+
+
+@pytest.mark.parametrize("suffix, line", [(".txt", "a document {i}\n"), (".jsonl", '{{"text": "a document {i}"}}\n')])
+def test_a_byte_that_is_not_utf8_is_named_with_its_file_and_line(tmp_path, suffix, line):
+    from conceptlens.data import iter_texts
+
+    path = tmp_path / f"docs{suffix}"
+    lines = [line.format(i=i).encode() for i in range(3000)]  # past the decoder's first chunk
+    lines[2500] = lines[2500].replace(b"document", b"docum\xffent")
+    path.write_bytes(b"".join(lines))
+    with pytest.raises(ValueError) as err:
+        list(iter_texts(str(path)))
+    assert str(err.value).startswith(f"{path}:2501 is not UTF-8 text (invalid start byte, byte b'\\xff')")
+    assert "\n" not in str(err.value)

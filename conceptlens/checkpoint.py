@@ -113,7 +113,7 @@ class FitState:
             consumed += 1
         if consumed < documents or data.hexdigest() != state["data_sha256"]:
             raise ValueError(f"checkpoint {path} was written by a fit of other data: its first {documents} documents "
-                             f"differ from these; use another checkpoint_dir or resume=False")
+                             f"differ from these; use another checkpoint_dir or resume=False (--no-resume on the command line)")
         rows = copy.deepcopy(self.row_filter)
         try:
             rows.load_state_dict(state["rows"])
@@ -138,7 +138,7 @@ class FitState:
         for part, what in WHAT_DIFFERS.items():
             if stored.get(part) != self.fingerprint.get(part):
                 raise ValueError(f"checkpoint {path} was written by a fit of {what}; "
-                                 "use another checkpoint_dir or resume=False")
+                                 "use another checkpoint_dir or resume=False (--no-resume on the command line)")
 
 
 def _writable_folder(folder: Path) -> None:
@@ -157,16 +157,16 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     try:
         payload = torch.load(path, weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file gets the same advice
-        raise ValueError(f"cannot read checkpoint {path}: {_one_line(err)}; delete it or pass resume=False") from None
+        raise ValueError(f"cannot read checkpoint {path}: {_one_line(err)}; delete it or pass resume=False (--no-resume on the command line)") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"{path} is not a conceptlens fit checkpoint (or one from an older version, without "
-                         "checksum); delete it or pass resume=False")
+                         "checksum); delete it or pass resume=False (--no-resume on the command line)")
     if payload.get("version") != VERSION:
         raise ValueError(f"checkpoint {path} has version {payload.get('version')!r}; this version reads {VERSION}")
     state = check_depth(path, payload.get("state"))
     if not isinstance(state, dict) or payload.get("sha256") != state_digest(state):
         raise ValueError(f"checkpoint {path} is corrupt: its content does not match its sha256; "
-                         "delete it or pass resume=False")
+                         "delete it or pass resume=False (--no-resume on the command line)")
     if "ranks" not in state:
         _check_structure(path, state)
         return state

@@ -96,7 +96,7 @@ def test_a_finished_describe_leaves_no_checkpoint_and_no_resume_restarts_an_inte
     assert (out / "describe" / "checkpoint.pt").is_file()  # of a pass over topk
     capsys.readouterr()
     assert main(["describe", str(out), "--concepts", "km"]) == 2  # that checkpoint is not km's
-    assert "resume=False" in capsys.readouterr().err
+    assert "resume=False (--no-resume on the command line)" in capsys.readouterr().err
     assert main(["describe", str(out), "--concepts", "km", "--no-resume"]) == 0
     assert not (out / "describe" / "checkpoint.pt").exists()
 

@@ -53,7 +53,7 @@ def write_report(run: str | os.PathLike, out: str | os.PathLike | None = None, *
     try:
         pages = _write_pages(atlas, tmp, progress)
         size = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
-        commit(tmp, out, owned)
+        commit(tmp, out, owned, atlas.run)
     except BaseException:
         discard(tmp)
         raise

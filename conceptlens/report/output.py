@@ -6,9 +6,10 @@ a report did not write is ever removed.
     ... write the pages into staging ...
     commit(staging, out, owned)             # manifest, then the old report swapped out and deleted
 
-A report folder carries `conceptlens-report.json`, the list of the files it wrote. An earlier
-report is replaced only when every file in it is on that list (and none is a symlink); its files
-are then deleted by that list, folders only when left empty.
+A report folder carries `conceptlens-report.json`, the list of the files it wrote and the run it
+was made from. An earlier report is replaced only when every file in it is on that list (and none
+is a symlink) and it is this run's (or sits at RUN/report); its files are then deleted by that
+list, folders only when left empty.
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ def check_out(run: Path, out: Path) -> set[str] | None:
         raise ValueError(f"report folder {out} is a file, not a folder")
     if not any(out.iterdir()):
         return set()
-    owned = _manifest(out)
+    owned, made_from = _manifest(out)
+    if made_from is not None and out.resolve() != (run / "report").resolve() and made_from != str(run.resolve()):
+        raise ValueError(f"report folder {out} holds the report of another run ({made_from}); give another --out, "
+                         "or remove it first")
     folders = {parent.as_posix() for rel in owned for parent in Path(rel).parents if parent != Path(".")}
     foreign = [rel for rel in _entries(out) if rel not in owned]
     foreign += [f"{rel}/ (an empty folder)" for rel in _empty_folders(out) if rel not in folders]
@@ -50,7 +54,7 @@ def check_out(run: Path, out: Path) -> set[str] | None:
     return owned
 
 
-def _manifest(out: Path) -> set[str]:
+def _manifest(out: Path) -> tuple[set[str], str | None]:
     path = out / MANIFEST
     refuse = ValueError(f"{out} exists and is not a conceptlens report (no valid {MANIFEST}); give a new or "
                         f"empty folder, or remove {out} yourself")
@@ -63,7 +67,8 @@ def _manifest(out: Path) -> set[str]:
     files = data.get("files") if isinstance(data, dict) and data.get("format") == FORMAT else None
     if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
         raise refuse
-    return {*files, MANIFEST}
+    run = data.get("run")  # the run folder it was made from (a report written before it was recorded: None)
+    return {*files, MANIFEST}, run if isinstance(run, str) else None
 
 
 def _entries(folder: Path) -> list[str]:
@@ -100,12 +105,13 @@ def discard(staging: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
 
 
-def commit(staging: Path, out: Path, owned: set[str] | None) -> None:
+def commit(staging: Path, out: Path, owned: set[str] | None, run: Path | None = None) -> None:
     """Write the manifest of `staging`, then put it at `out`: by one rename when `out` is new or
     empty, else by renaming the earlier report aside, this one in, and deleting the earlier
     report's own files (a crash between the renames leaves the earlier one at `.NAME.old-*`)."""
     files = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
-    (staging / MANIFEST).write_text(json.dumps({"format": FORMAT, "version": 1, "files": files}, indent=1),
+    made = {} if run is None else {"run": str(run.resolve())}
+    (staging / MANIFEST).write_text(json.dumps({"format": FORMAT, "version": 1, "files": files, **made}, indent=1),
                                     encoding="utf-8")
     os.chmod(staging, 0o777 & ~_umask())  # mkdtemp made it 0700; the report gets a plain mkdir's mode
     if not owned:

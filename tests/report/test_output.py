@@ -194,3 +194,15 @@ def test_a_set_of_no_concepts_links_to_no_page_and_a_run_given_as_dot_has_its_na
     assert "<title>Concept atlas: my-run" in index
     assert 'href="concepts/none/0.html"' not in index and 'href="concepts/topk/0.html"' in index
     assert "no concepts" in index
+
+
+def test_a_report_of_another_run_is_not_replaced(run, tmp_path, capsys):
+    other = write_fake_run(tmp_path / "other", EXTRACTORS, labels=False, steering=False, seed=1)
+    out = tmp_path / "shared"
+    write_report(run, out)
+    before = _tree(out)
+    assert main(["report", str(other), "--out", str(out), "--no-progress"]) == 2
+    _one_line_error(capsys, f"holds the report of another run ({run.resolve()})", "give another --out")
+    assert _tree(out) == before and json.loads((out / MANIFEST).read_text())["run"] == str(run.resolve())
+    write_report(run, out)  # its own run's report is rebuilt there
+    assert main(["report", str(other), "--no-progress"]) == 0  # and each run's own folder takes its own

@@ -108,7 +108,17 @@ def run(args: argparse.Namespace) -> int:
         if args.absorption_words < MIN_WORDS:  # before the model loads
             raise ValueError(f"--absorption-words {args.absorption_words}: absorption needs at least {MIN_WORDS} "
                              "words (a fifth of them test the letter probes)")
-    if suites:
+    if suites and not args.no_save:  # the folder eval.json goes to: writable, and no other writer, from the start
+        import os
+
+        from conceptlens.runlock import lock
+
+        if not os.access(args.run_dir, os.W_OK):
+            raise PermissionError(f"{args.run_dir} is not writable, so eval.json could not be saved: pass --no-save "
+                                  "to print only")
+        with lock(args.run_dir, "eval", create=False):
+            _run_folder(args, suites)
+    elif suites:
         _run_folder(args, suites)
     if "synthetic" in args.suite:
         _synthetic(args)

@@ -148,6 +148,17 @@ def test_the_library_writers_take_the_lock(tmp_path):
         with pytest.raises(RunFolderBusy, match=busy):
             write_report(held)
         assert sorted(p.name for p in held.iterdir()) == [LOCK_FILE]  # none of them wrote anything
+        from conceptlens import models
+        from conceptlens.cli import main
+
+        cs.model = "smollm2-135m"
+        cs.save(held / "concepts" / "a")
+        loads = models.load
+        models.load = lambda *a, **k: pytest.fail("eval loaded the model before finding the folder busy")
+        try:  # eval, which saves into the folder, finds it busy before it loads the model or computes a part
+            assert main(["eval", str(held), "--suite", "probing", "--task", "bbc-news", "--no-progress"]) == 2
+        finally:
+            models.load = loads
     finally:
         proc.kill()
         proc.wait()

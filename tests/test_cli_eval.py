@@ -199,6 +199,8 @@ def test_cli_argument_errors(tmp_path, capsys):
     assert main(["eval", str(tmp_path / "nomodel"), "--task", "wsj-pos"]) == 2
     assert "names no model; pass --model" in capsys.readouterr().err
     ConceptSet(torch.randn(3, 4), site="blocks.0.resid_out", model="tiny").save(tmp_path / "held" / "concepts" / "a")
+    assert main(["eval", str(tmp_path / "held"), "--ks", "1,5", "--task", "wsj-pos"]) == 2
+    assert "--ks 5 is more latents than a has (3): a k-sparse probe chooses k of them" in capsys.readouterr().err
     (tmp_path / "held" / "eval.json").write_text('{"format": "conceptlens.Evaluation", "version": 1, "model": "tiny", '
                                                  '"sets": {}, "parts": [], "lines": []}')
     before = (tmp_path / "held" / "eval.json").read_bytes()

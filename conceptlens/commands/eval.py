@@ -14,6 +14,7 @@ finds it. See EVALUATION.md for the definitions.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -217,6 +218,12 @@ def _run_folder(args: argparse.Namespace, suites: tuple[str, ...]) -> None:
     for name, cs in sets.items():
         if cs.site is None:
             raise ValueError(f"{name}: {cs} names no site; set cs.site and save it again")
+        if ("probing" in suites or "quality" in suites) and max(args.ks) > len(cs) and tuple(args.ks) != KS:
+            raise ValueError(f"--ks {max(args.ks)} is more latents than {name} has ({len(cs)}): a k-sparse probe "
+                             f"chooses k of them; give ks up to {len(cs)}")
+    fewest = min(len(cs) for cs in sets.values())
+    if tuple(args.ks) == KS and max(KS) > fewest:  # the defaults: those a set of `fewest` latents can take
+        config = dataclasses.replace(config, ks=tuple(k for k in KS if k <= fewest) or (1,))
     model_name = _model_name(args, sets)
     results.check_file(args.run_dir, model_name)  # before the model loads: its parts could not be saved
     model, tok = load_model(args, model_name)

@@ -123,7 +123,9 @@ class FitState:
             try:
                 extractor.load_state_dict(state["extractors"][name])
             except Exception as err:  # noqa: BLE001 - only an extractor that could not be copied gets here
-                raise ValueError(f"checkpoint {path}: the state of {name} does not load: {_one_line(err)}") from None
+                raise ValueError(f"checkpoint {path}: the state of {name} does not load: {_one_line(err)}; resume "
+                                 "with the settings it was written with, or start again with resume=False "
+                                 "(--no-resume on the command line)") from None
         self.row_filter.load_state_dict(state["rows"])
         torch.set_rng_state(state["torch_rng"])
         progress = state["progress"]
@@ -225,7 +227,9 @@ def check_extractor_states(path: Path, states: dict[str, Any], extractors: dict[
         try:
             probe.load_state_dict(state)
         except Exception as err:  # noqa: BLE001 - a wrong state can fail in any way; report it in one line
-            raise ValueError(f"checkpoint {path}: the state of {name} does not load: {_one_line(err)}") from None
+            raise ValueError(f"checkpoint {path}: the state of {name} does not load: {_one_line(err)}; resume "
+                                 "with the settings it was written with, or start again with resume=False "
+                                 "(--no-resume on the command line)") from None
         check_extractor(f"checkpoint {path}", name, probe, widths.get(name))
 
 

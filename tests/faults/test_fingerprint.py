@@ -77,7 +77,8 @@ def test_a_refused_resume_leaves_every_extractor_as_it_was(tmp_path):
     again = {"blocks.0.resid_out": StreamingKMeans(n_concepts=3, init_size=16, seed=2),
              SITE: StreamingKMeans(n_concepts=5, init_size=16, seed=2)}  # same type, another config
     fresh = {k: e.state_dict() for k, e in again.items()}
-    with pytest.raises(ValueError, match=f"{SITE} does not load"):
+    with pytest.raises(ValueError, match=f"{SITE} does not load: .*; resume with the settings it was written with, "
+                       r"or start again with resume=False \(--no-resume on the command line\)"):
         _fit(tiny_model("llama"), tmp_path, extractors=again)
     for key, extractor in again.items():
         assert_same_state(fresh[key], extractor.state_dict())

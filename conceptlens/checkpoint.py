@@ -228,8 +228,8 @@ def check_extractor_states(path: Path, states: dict[str, Any], extractors: dict[
             probe.load_state_dict(state)
         except Exception as err:  # noqa: BLE001 - a wrong state can fail in any way; report it in one line
             raise ValueError(f"checkpoint {path}: the state of {name} does not load: {_one_line(err)}; resume "
-                                 "with the settings it was written with, or start again with resume=False "
-                                 "(--no-resume on the command line)") from None
+                             "with the settings it was written with, or start again with resume=False "
+                             "(--no-resume on the command line)") from None
         check_extractor(f"checkpoint {path}", name, probe, widths.get(name))
 
 

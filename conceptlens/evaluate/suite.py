@@ -190,8 +190,10 @@ def _reconstruction(lens: AttachedModel, tok: Any, site: str, decoders: Mapping[
     from conceptlens.evaluate.reconstruction import reconstruction_lines
 
     def batches(split: str) -> list[dict[str, torch.Tensor]]:
-        # held-out text: no test article whose text the fit read (bbc-news's test split repeats train articles)
-        full, picked = _docs(config.recon_data, split, config.recon_docs, config.seed, config.fit_read)
+        # held-out text: no test article whose text the fit read (bbc-news's test split repeats train articles);
+        # the train split only gives the site's mean (mean-ablation), which any text may give
+        fit_read = config.fit_read if split == "test" else None
+        full, picked = _docs(config.recon_data, split, config.recon_docs, config.seed, fit_read)
         texts = [full.texts[i] for i in picked]
         return [encode_batch(tok, texts[i:i + config.batch_size], config.max_length)
                 for i in range(0, len(texts), config.batch_size)]

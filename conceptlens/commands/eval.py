@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from conceptlens.commands import run_folder
 from conceptlens.commands._args import count, existing_dir, positive_int, seed, token_length
 from conceptlens.evaluate.probing import KS, RANDOM_DRAWS
 from conceptlens.evaluate.readings import READINGS
@@ -143,7 +144,7 @@ def _synthetic(args: argparse.Namespace) -> None:
 def _model_name(args: argparse.Namespace, sets: dict) -> str:
     """--model, else the model a run folder's run.toml loaded (a local folder or .gguf, which the sets
     name only by its last component), else the one model the sets name."""
-    recorded = _recorded(_run_of(Path(args.run_dir)))
+    recorded = _recorded(run_folder.run_of(Path(args.run_dir)))
     if args.model:
         return args.model
     if recorded is not None:
@@ -162,7 +163,7 @@ def _fit_read(run_dir: Path) -> tuple[str, int | None, int] | None:
     probes use (its run.toml's data and shuffle, its fit_report.json's documents), else None."""
     from conceptlens.commands.describe import fit_documents
 
-    run_dir = _run_of(run_dir)  # a set folder of a run: the run's fit
+    run_dir = run_folder.run_of(run_dir)  # a set folder of a run: the run's fit
     recorded, report = _recorded(run_dir), run_dir / "fit_report.json"
     if recorded is None or recorded["data"] is None or not report.is_file():
         return None
@@ -170,16 +171,6 @@ def _fit_read(run_dir: Path) -> tuple[str, int | None, int] | None:
     if name not in PROBE_TASKS or (split or "train") != "train" or Path(recorded["data"]).exists():
         return None
     return name, recorded["shuffle"], fit_documents(report)  # as the fit read it: None is the stored order
-
-
-def _run_of(path: Path) -> Path:
-    """The run folder of `path`: itself, or for a set folder of a run (RUN/concepts/NAME) that run."""
-    from conceptlens.concepts.conceptset import CONFIG_FILE
-
-    run = path.parent.parent
-    if (path / CONFIG_FILE).is_file() and path.parent.name == "concepts" and (run / "run.toml").is_file():
-        return run
-    return path
 
 
 def _recorded(run_dir: Path) -> dict[str, Any] | None:

@@ -59,6 +59,16 @@ def _same_path(a: object, b: object) -> bool:
     return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
+def run_of(path: Path) -> Path:
+    """The run folder of `path`: itself, or for a set folder of a run (RUN/concepts/NAME) that run."""
+    from conceptlens.concepts.conceptset import CONFIG_FILE
+
+    run = path.parent.parent
+    if (path / CONFIG_FILE).is_file() and path.parent.name == "concepts" and (run / "run.toml").is_file():
+        return run
+    return path
+
+
 def owned(out: Path) -> list[Path]:
     """The files of the run `out` holds (see OWNED), relative to `out`, run.toml last: none when it has
     no run.toml; a one-line ValueError when its run.toml is not a run's."""

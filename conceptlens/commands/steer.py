@@ -93,6 +93,7 @@ def choose_model(args: argparse.Namespace) -> None:
     --direction-word. Checks --concept against the set's size first, all before the model loads."""
     from conceptlens import ConceptSet
     from conceptlens.commands import run_config as rc
+    from conceptlens.commands import run_folder
 
     if args.concepts is not None:
         n = len(ConceptSet.load(args.concepts))
@@ -106,9 +107,9 @@ def choose_model(args: argparse.Namespace) -> None:
         args.model = "smollm2-135m"
         return
     folder = Path(args.concepts)
-    recorded = folder.parent.parent / "run.toml"
-    if folder.parent.name == "concepts" and recorded.is_file():
-        model = rc.read_toml(recorded).get("model")
+    run = run_folder.run_of(folder)
+    if run != folder:  # a set of a run: the model its run.toml names (a local one by its whole path)
+        model = rc.read_toml(run / "run.toml").get("model")
         if isinstance(model, str) and model.strip():
             args.model = model
             return

@@ -95,15 +95,16 @@ def choose_model(args: argparse.Namespace) -> None:
     from conceptlens.commands import run_config as rc
     from conceptlens.commands import run_folder
 
-    if args.concepts is not None:
-        n = len(ConceptSet.load(args.concepts))
+    concepts = None if args.concepts is None else ConceptSet.load(args.concepts)
+    if concepts is not None:
+        n = len(concepts)
         bad = [i for i in args.concept or [] if not -n <= i < n]
         if bad:
             raise ValueError(f"--concept {bad[0]} is out of range: {args.concepts} holds {n} concepts, "
                              f"valid indices are 0-{n - 1} (or -{n} to -1)")
     if args.model:
         return
-    if args.concepts is None:
+    if concepts is None:
         args.model = "smollm2-135m"
         return
     folder = Path(args.concepts)
@@ -113,7 +114,7 @@ def choose_model(args: argparse.Namespace) -> None:
         if isinstance(model, str) and model.strip():
             args.model = model
             return
-    args.model = ConceptSet.load(folder).model
+    args.model = concepts.model
     if not args.model:
         raise ValueError(f"{args.concepts} names no model: pass --model")
 
@@ -142,10 +143,6 @@ def steering_direction(lens: Any, args: argparse.Namespace) -> tuple[ConceptSet,
     indices = args.concept if args.concept else ([0] if n == 1 else None)
     if indices is None:
         raise ValueError(f"{args.concepts} holds {n} concepts: choose with --concept I (0-{n - 1})")
-    bad = [i for i in indices if not -n <= i < n]
-    if bad:
-        raise ValueError(f"--concept {bad[0]} is out of range: {args.concepts} holds {n} concepts, "
-                         f"valid indices are 0-{n - 1} (or -{n} to -1)")
     site = _concept_site(lens, concepts.site, args.site, args.concepts)
     centre = concepts.mean is not None and not getattr(args, "no_centre", False)
     direction = (concepts.centred() if centre else concepts).directions[indices].sum(0)

@@ -46,6 +46,7 @@ class FitState:
         self.extractors = extractors
         self.fingerprint = fingerprint
         self.tokens = self.documents = self.batches = 0
+        self.last_batch_from = 0  # tokens before the last batch: a fit of max_tokens above it stops where this did
         self.stopped: dict[str, int] = {}  # extractor -> tokens it was fed, once its own budget is reached
         self._data = hashlib.sha256()  # of the documents consumed so far, in order
         self.run: Any = None  # a conceptlens.distributed.DistributedRun in a distributed fit
@@ -56,6 +57,7 @@ class FitState:
             _hash_doc(self._data, doc)
         self.documents += len(docs)
         self.batches += 1
+        self.last_batch_from = self.tokens
         self.tokens += n_tokens
 
     def save(self, path: Path) -> None:
@@ -63,7 +65,7 @@ class FitState:
             "fingerprint": self.fingerprint,
             "data_sha256": self._data.hexdigest(),
             "progress": {"tokens": self.tokens, "documents": self.documents, "batches": self.batches,
-                         "stopped": dict(self.stopped)},
+                         "last_batch_from": self.last_batch_from, "stopped": dict(self.stopped)},
             "rows": self.row_filter.state_dict(),  # the key files have always used
             "torch_rng": torch.get_rng_state(),
             "extractors": {name: e.state_dict() for name, e in self.extractors.items()
@@ -78,7 +80,7 @@ class FitState:
         atomic_write(path, lambda tmp: save_object(payload, tmp))
 
     def open(self, path: Path, texts: Iterator[str], *, resume: bool = True,
-             widths: dict[str, int] | None = None) -> Iterator[str]:
+             widths: dict[str, int] | None = None, max_tokens: int | None = None) -> Iterator[str]:
         """Before a fit writing to `path`: check that its folder can be written, remove
         temporary files a killed run left, and resume from `path` when it exists (see `resume`)."""
         _writable_folder(path.parent)
@@ -89,14 +91,17 @@ class FitState:
             raise ValueError(f"checkpoint {path} is a {'folder' if path.is_dir() else 'special file'}, not a file; "
                              "remove it or use another checkpoint_dir")
         if resume and path.is_file():
-            return self.resume(path, texts, widths)
+            return self.resume(path, texts, widths, max_tokens)
         return texts
 
-    def resume(self, path: Path, texts: Iterator[str], widths: dict[str, int] | None = None) -> Iterator[str]:
+    def resume(self, path: Path, texts: Iterator[str], widths: dict[str, int] | None = None,
+               max_tokens: int | None = None) -> Iterator[str]:
         """Load the checkpoint at `path`; return `texts` past the documents it had consumed.
 
-        Every check (readability, checksum, structure, fingerprint, the consumed documents,
-        each extractor's state) runs before anything of the caller's is changed.
+        Every check (readability, checksum, structure, fingerprint, the budget, the consumed
+        documents, each extractor's state) runs before anything of the caller's is changed. A
+        fit with `max_tokens` resumes only a checkpoint it could have written itself: one whose
+        last batch began below `max_tokens` (a fit stops at the batch that reaches its budget).
         """
         state = read_checkpoint(path)
         if self.run is not None or "ranks" in state:  # this rank's part of a distributed checkpoint
@@ -105,6 +110,7 @@ class FitState:
             state = own_checkpoint(state, path, self.run)
             _check_structure(path, state)
         self._check_fingerprint(path, state["fingerprint"])
+        _check_budget(path, state["progress"], max_tokens)
         check_extractor_states(path, state["extractors"], self.extractors, widths or {})
         documents = state["progress"]["documents"]
         data, consumed = hashlib.sha256(), 0
@@ -130,6 +136,7 @@ class FitState:
         torch.set_rng_state(state["torch_rng"])
         progress = state["progress"]
         self.tokens, self.documents, self.batches = progress["tokens"], progress["documents"], progress["batches"]
+        self.last_batch_from = progress.get("last_batch_from", 0)  # (checkpoints from before it: unknown)
         self.stopped = dict(progress.get("stopped", {}))  # (checkpoints from before extractor budgets: none)
         self._data = data
         return texts
@@ -181,6 +188,32 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
+def check_budget(path: Path, max_tokens: int | None) -> None:
+    """Before anything is written for a fit that will resume `path`: the one-line ValueError its resume
+    would raise when the checkpoint is past `max_tokens`. Reads only its progress (memory-mapped, not
+    verified: a file that does not read is left for the resume to report)."""
+    if max_tokens is None or not path.is_file():
+        return
+    try:
+        state = torch.load(path, weights_only=True, mmap=True)["state"]
+        progress = (state["ranks"][0] if "ranks" in state else state)["progress"]
+    except Exception:  # noqa: BLE001 - the resume reads it again, and says what is wrong
+        return
+    if isinstance(progress, dict) and isinstance(progress.get("tokens"), int):
+        _check_budget(path, progress, max_tokens)
+
+
+def _check_budget(path: Path, progress: dict[str, Any], max_tokens: int | None) -> None:
+    """Refuse a checkpoint past `max_tokens`: its last batch began at or above it, so a fit of
+    `max_tokens` would have stopped before it (a checkpoint from before `last_batch_from` is not checked)."""
+    began = progress.get("last_batch_from")
+    if max_tokens is not None and began is not None and began >= max_tokens:
+        raise ValueError(f"checkpoint {path} holds a fit of {progress['tokens']:,} tokens, past max_tokens="
+                         f"{max_tokens:,}: a fit stops at the batch that reaches its budget, and this one's last "
+                         f"batch began at {began:,}; give max_tokens above {began:,}, or start again with "
+                         "resume=False (--max-tokens, --no-resume or --overwrite on the command line)")
+
+
 def _check_structure(path: Path | str, state: dict[str, Any]) -> None:
     missing = [key for key in STATE_KEYS if key not in state]
     if missing:
@@ -191,6 +224,10 @@ def _check_structure(path: Path | str, state: dict[str, Any]) -> None:
             for k in ("tokens", "documents", "batches")):
         raise ValueError(f"checkpoint {path}: progress must hold non-negative ints tokens, documents, batches; "
                          f"got {progress!r}")
+    began = progress.get("last_batch_from", 0)
+    if not isinstance(began, int) or isinstance(began, bool) or not 0 <= began <= progress["tokens"]:
+        raise ValueError(f"checkpoint {path}: progress's last_batch_from must be an int from 0 to its tokens "
+                         f"({progress['tokens']}); got {began!r}")
     stopped = progress.get("stopped", {})
     if not isinstance(stopped, dict) or not all(
             isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in stopped.items()):

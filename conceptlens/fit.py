@@ -160,7 +160,7 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
     if checkpoint is not None:
         widths = {name: math.prod(int(s) for s in lens.site(k).shape[2:]) for name, k in plan.keys.items()
                   if isinstance(k, str)}
-        texts = state.open(checkpoint, texts, resume=config.resume, widths=widths)
+        texts = state.open(checkpoint, texts, resume=config.resume, widths=widths, max_tokens=config.max_tokens)
     resumed_from, start = state.tokens, time.perf_counter()
     if resumed_from:
         log.info("resuming %s at %d tokens (%d documents)", checkpoint, state.tokens, state.documents)

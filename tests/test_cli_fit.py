@@ -62,6 +62,20 @@ def test_fit_writes_the_run_folder_and_a_rerun_resumes_to_the_same_concepts(file
     assert "2 extractors" not in capsys.readouterr().err
 
 
+def test_a_rerun_with_a_lower_max_tokens_is_refused_before_run_toml_records_it(files, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(base(files, out, "--no-describe")) == 0
+    recorded, tokens = (out / "run.toml").read_text(), json.loads((out / "fit_report.json").read_text())["tokens"]
+    capsys.readouterr()
+    args = base(files, out, "--no-describe")
+    args[args.index("--max-tokens") + 1] = "200"
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"holds a fit of {tokens:,} tokens, past max_tokens=200" in err
+    assert (out / "run.toml").read_text() == recorded  # still the budget its concepts were fitted on
+    assert json.loads((out / "fit_report.json").read_text())["tokens"] == tokens
+
+
 def interrupt_at_step(monkeypatch, n: int):
     """Make the n-th step of the next fit loop raise KeyboardInterrupt (as Ctrl-C does); returns the real step."""
     step, calls = conceptlens.fit._step, []

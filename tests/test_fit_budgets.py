@@ -178,3 +178,24 @@ def test_the_progress_bar_ends_where_the_budgets_end():
     assert total(extractor_tokens={"sae": 800, "km": 1200, "del": 400}) == 1200
     assert total(max_tokens=1000, extractor_tokens={"sae": 800, "km": 1200, "del": 400}) == 1000
     assert total() is None
+
+
+def test_a_checkpoint_past_a_lowered_max_tokens_is_refused_and_one_it_could_have_written_resumes(tmp_path):
+    first, saved = _fit(max_tokens=1600, checkpoint_dir=str(tmp_path))
+    began = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["state"]["progress"]["last_batch_from"]
+    assert began < 1600 <= first.tokens  # its last batch reached the budget
+    lens = conceptlens.attach(tiny_model("llama"), CharTokenizer())
+    extractors = _extractors()
+    before = {name: e.state_dict() for name, e in extractors.items()}
+    message = (f"holds a fit of {first.tokens:,} tokens, past max_tokens=800: .*last batch began at {began:,}; "
+               f"give max_tokens above {began:,}, or start again with resume=False")
+    with pytest.raises(ValueError, match=message):
+        lens.fit({SITE: extractors}, DOCS, max_tokens=800, checkpoint_dir=str(tmp_path), **OPTIONS)
+    for name, extractor in extractors.items():  # refused before the checkpoint's states were loaded
+        assert_same_state(extractor.state_dict(), before[name], name)
+    # a budget just above where its last batch began stops where it did: the resume equals a fresh fit of it
+    fresh, fresh_states = _fit(max_tokens=began + 1)
+    resumed, states = _fit(max_tokens=began + 1, checkpoint_dir=str(tmp_path))
+    assert resumed.resumed_from == resumed.tokens == fresh.tokens == first.tokens
+    for name in saved:
+        assert_same_state(states[name], fresh_states[name], name)

@@ -183,6 +183,7 @@ def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, te
     import conceptlens
     from conceptlens.commands._common import load_model
     from conceptlens.commands.describe import describe_run
+    from conceptlens.checkpoint import CHECKPOINT, check_budget
     from conceptlens.fit import FitConfig
     from conceptlens.fit_keys import canonical_key
 
@@ -194,6 +195,8 @@ def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, te
         canonical_key(lens, rc.extractor_key(spec))
     if writes and args.overwrite and (cleared := run_folder.clear(out)):  # only now: a bad site loses nothing
         print(f"--overwrite: removed the {len(cleared)} files of the run {out} held (other files stay)")
+    if cfg.fit.resume:  # a checkpoint past a lowered --max-tokens: refused before run.toml records the budget
+        check_budget(out / CHECKPOINT, cfg.fit.max_tokens)
     if writes:
         out.mkdir(parents=True, exist_ok=True)
         written = dataclasses.replace(cfg, fit=dataclasses.replace(cfg.fit, resume=True))  # a rerun of it resumes

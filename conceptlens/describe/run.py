@@ -72,11 +72,12 @@ def describe(lens: AttachedModel, concept_sets: Mapping[str, ConceptSet], data: 
         plan.setdefault(_site(cs), {})[name] = d
     steered = steering.chosen({name: d.n for name, d in describers.items()}) if steering is not None else {}
     texts = islice(datasets.iter_texts(data), skip_documents, None)
-    if out is not None:
-        _forget_other_pass(Path(out), {"skip_documents": skip_documents,
-                                       "data": data if isinstance(data, str) else getattr(data, "name", None)})
     # a fit's own budgets per extractor (`extractor_tokens`) are not this pass's; given here, they are
     streaming = fit_config(fit, "describe", checkpoint_dir=out, **{"extractor_tokens": {}, **fit_options})
+    if out is not None:
+        _forget_other_pass(Path(out), {"skip_documents": skip_documents,
+                                       "data": data if isinstance(data, str) else getattr(data, "name", None)},
+                           streaming.max_tokens)
     filters = streaming.filters
     report = run_fit(lens, plan, texts, tokenizer=tokenizer, config=streaming)
     options = options or FinishOptions()
@@ -99,17 +100,23 @@ def describe(lens: AttachedModel, concept_sets: Mapping[str, ConceptSet], data: 
     return results
 
 
-def _forget_other_pass(out: Path, source: dict[str, Any]) -> None:
+def _forget_other_pass(out: Path, source: dict[str, Any], max_tokens: int | None) -> None:
     """A checkpoint of a pass over other documents (e.g. before the fit ran longer) is dropped:
-    the fit's fingerprint cannot see which documents an iterator skipped."""
+    the fit's fingerprint cannot see which documents an iterator skipped; so is one of a pass past
+    `max_tokens` (an interrupted longer pass), which a fit would refuse to resume."""
     import json
 
     from conceptlens._io import atomic_write
+    from conceptlens.checkpoint import check_budget
     from conceptlens.fit import CHECKPOINT
 
-    marker = out / "source.json"
-    if marker.is_file() and _recorded_source(marker) != source and (out / CHECKPOINT).is_file():
-        (out / CHECKPOINT).unlink()  # a marker that does not read names no pass: the pass starts afresh
+    marker, checkpoint = out / "source.json", out / CHECKPOINT
+    if marker.is_file() and _recorded_source(marker) != source and checkpoint.is_file():
+        checkpoint.unlink()  # a marker that does not read names no pass: the pass starts afresh
+    try:
+        check_budget(checkpoint, max_tokens)
+    except ValueError:
+        checkpoint.unlink()  # the pass starts afresh on the budget now given
     out.mkdir(parents=True, exist_ok=True)
     text = json.dumps(source)
     atomic_write(marker, lambda p: Path(p).write_text(text))

@@ -209,6 +209,18 @@ def test_resume_and_merge_equal_one_pass(lens, tmp_path):
     assert torch.equal(merged.sums["hist"].sum(1), whole.stats["hist_counts"].sum(1))
 
 
+def test_a_pass_resumed_with_a_smaller_budget_describes_that_budget(lens, tmp_path):
+    """A checkpoint of a longer pass (interrupted past the budget now given) is dropped, not resumed: the
+    description is a pass of the budget given, as the command line prints it."""
+    cs = {"a": random_set(seed=3)}
+    fresh = run(lens, cs, batch_size=4, max_tokens=60)["a"]
+    longer = run(lens, cs, batch_size=4, max_tokens=150, out=str(tmp_path))["a"]
+    assert longer.info["tokens"] > fresh.info["tokens"] >= 60
+    again = run(lens, cs, batch_size=4, max_tokens=60, out=str(tmp_path))["a"]
+    assert again.info["tokens"] == fresh.info["tokens"]
+    assert torch.equal(again.stats["top_values"], fresh.stats["top_values"])
+
+
 def test_labels_give_per_class_probes_and_base_rates(lens, tmp_path):
     d = run(lens, {"a": random_set()}, labels=LABELS, label_names=["x", "y", "z"], skip_documents=6,
             out=str(tmp_path))["a"]
@@ -270,9 +282,9 @@ def test_a_pass_marker_that_does_not_read_drops_the_checkpoint_it_cannot_vouch_f
     for damaged in ("", '{"skip_documents": 3,', "\udcff"):
         (tmp_path / "source.json").write_text(damaged, errors="surrogateescape")
         (tmp_path / CHECKPOINT).write_bytes(b"a pass over unknown documents")
-        _forget_other_pass(tmp_path, source)
+        _forget_other_pass(tmp_path, source, None)
         assert not (tmp_path / CHECKPOINT).exists()
         assert json.loads((tmp_path / "source.json").read_text()) == source
     (tmp_path / CHECKPOINT).write_bytes(b"this pass")
-    _forget_other_pass(tmp_path, source)  # the same pass: its checkpoint stays
+    _forget_other_pass(tmp_path, source, None)  # the same pass: its checkpoint stays
     assert (tmp_path / CHECKPOINT).read_bytes() == b"this pass"

@@ -117,10 +117,19 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
     saved = load_results(out)
     parts = {p["part"] for p in saved.parts}
     assert {PART, "demo: reconstruction"} <= parts
-    probe = [sl.line for sl in saved.lines if sl.part == PART]
+    lines = [sl.line for sl in saved.lines if sl.part == PART]
+    probe = [ln for ln in lines if ln.metric.endswith(", codes")]  # the printed table's reading
     assert len(probe) == 15 and {ln.extractor for ln in probe} == {"deleuzian", "topk", "kmeans"}
     assert all(f"{ln.value.value:.3f} [{ln.value.low:.3f}, {ln.value.high:.3f}] {verdict(ln)}" in printed
                for ln in probe)  # the printed table's cells, verdicts included
+    other = [ln for ln in lines if ln not in probe]  # the other reading, whose verdicts the demo sums up
+    assert len(other) == 15 and all(ln.metric.endswith(" k=5 accuracy") for ln in other)
+    after = printed[printed.index("(--probe-read activation):"):]
+    for name in ("deleuzian", "topk", "kmeans"):  # the saved lines are the ones the printed verdicts sum up
+        missed = [ln.metric.split()[0] for ln in other if ln.extractor == name and verdict(ln) != "wins"]
+        said = next(line for line in after.splitlines() if line.startswith(f"{name}: "))
+        assert ("every topic" in said) if not missed else \
+            (f"on {len(missed)} of 5 topics: " in said and all(f"{t} (" in said for t in missed)), said
     index = (out / "report" / "index.html").read_text()
     assert "<h2>Evaluation suite</h2>" in index and PART in index and "demo: reconstruction" in index
     if "no steering example" not in printed:

@@ -121,8 +121,8 @@ def run_probes(lens: Any, tok: Any, sets: dict[str, Any], site: str, *, n_train:
                max_length: int, draws: int, seed: int, k: int = 5, reading: str = "code",
                fitted: int = 0) -> tuple[list[Line], Any]:
     """Capture the probe documents, print the per-topic table and its plain summary, then the summary
-    of the other reading (`READINGS`, on the same rows); the lines and the train rows (which the
-    demo's steering baseline reuses)."""
+    of the other reading (`READINGS`, on the same rows); the lines of both readings (the atlas shows
+    both, as the demo prints both verdicts) and the train rows (which the demo's steering baseline reuses)."""
     from conceptlens import data
     from conceptlens.evaluate.suite import held_out
 
@@ -143,8 +143,9 @@ def run_probes(lens: Any, tok: Any, sets: dict[str, Any], site: str, *, n_train:
     print(summary(lines))
     other = next(r for r in READINGS if r != reading)
     print(f"The same probes, {READ_NOTE[other]} (--probe-read {other}):")
-    print(summary(topic_lines(train, test, names, k=k, seed=seed, reading=other)))
-    return lines, train
+    other_lines = topic_lines(train, test, names, k=k, seed=seed, reading=other)
+    print(summary(other_lines))
+    return lines + other_lines, train
 
 
 def reconstruction(lens: Any, tok: Any, sets: dict[str, Any], docs: int, seed: int, fitted: int) -> list[Line]:

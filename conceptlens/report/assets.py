@@ -17,6 +17,7 @@ a:hover { text-decoration: underline; }
 h2 { font-size: 16px; margin: 22px 0 8px; }
 .muted, .meta { color: var(--muted); }
 table { border-collapse: collapse; margin: 6px 0; }
+.scroll { overflow-x: auto; max-width: 100%; }
 th, td { padding: 3px 8px; border-bottom: 1px solid var(--line); text-align: left; vertical-align: top; }
 td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
 th.sort { cursor: pointer; user-select: none; white-space: nowrap; }
@@ -74,9 +75,10 @@ JS = r"""
     const ex = sel.value, text = q.value.trim().toLowerCase();
     if (ex && D.extractors[r[idx.ex]].name !== ex) return false;
     if (!text) return true;
-    const hay = (D.extractors[r[idx.ex]].name + " #" + r[idx.concept] + " " + r[idx.tokens] + " " +
+    const hay = (D.extractors[r[idx.ex]].name + " " + r[idx.tokens] + " " +
                  (r[idx.promoted] || "") + " " + (r[idx.best_class] || "")).toLowerCase();
-    return text.split(/\s+/).every(w => hay.includes(w));
+    const id = "#" + r[idx.concept];  // "#6" names concept 6, not 60 or 607
+    return text.split(/\s+/).every(w => /^#\d+$/.test(w) ? w === id : hay.includes(w));
   }
   function render() {
     const keep = rows.filter(matches);
@@ -131,7 +133,7 @@ JS = r"""
       const c = document.createElementNS(NS, "circle");
       c.setAttribute("cx", sx(r[idx.x]).toFixed(1)); c.setAttribute("cy", sy(r[idx.y]).toFixed(1));
       c.setAttribute("r", (2 + 4 * Math.sqrt((r[idx.frequency] || 0) / fmax)).toFixed(1));
-      const k = classes.indexOf(r[idx.best_class]);
+      const k = r[idx.gain] > 0 ? classes.indexOf(r[idx.best_class]) : -1;  // no class above its base rate: grey
       c.setAttribute("fill", k >= 0 ? palette[k % palette.length] : "#999999");
       c.setAttribute("fill-opacity", matches(r) ? "0.75" : "0.08");
       const t = document.createElementNS(NS, "title");

@@ -10,7 +10,7 @@ import numpy as np
 
 from conceptlens.report.atlas import ExtractorView
 from conceptlens.report.histogram import histogram_svg
-from conceptlens.report.html import context_html, esc, num, page, pct, table, token_text
+from conceptlens.report.html import context_html, esc, label_token, num, page, pct, table, token_text
 from conceptlens.report.legends import LEGENDS, figure
 from conceptlens.report.quality import duplicates
 
@@ -19,7 +19,7 @@ ROOT = "../../"
 
 def top_tokens(contexts: Sequence[dict[str, Any]], k: int = 4) -> list[str]:
     """The most frequent activating (centre) tokens of the top contexts, strongest first on ties."""
-    centres = [c["tokens"][c["center"]].strip() or c["tokens"][c["center"]]
+    centres = [label_token(c["tokens"][c["center"]])
                for c in contexts if 0 <= c.get("center", -1) < len(c.get("tokens", []))]
     counts = Counter(centres)
     first = {t: i for i, t in reversed(list(enumerate(centres)))}
@@ -32,7 +32,7 @@ def first_tokens(contexts_per_concept: Any) -> list[str | None]:
     for contexts in contexts_per_concept:
         c = contexts[0] if contexts else None
         if c is not None and 0 <= c.get("center", -1) < len(c.get("tokens", [])):
-            out.append(c["tokens"][c["center"]].strip() or c["tokens"][c["center"]])
+            out.append(label_token(c["tokens"][c["center"]]))
         else:
             out.append(None)
     return out
@@ -101,8 +101,10 @@ def _neighbours_block(ex: ExtractorView, i: int, labels: dict[str, list[str]],
                                   ("nearest_coact", "nearest_coact_score", f"Nearest by co-activation ({coact})")):
         if key in ex.stats:
             items = [concept_link(ex.name, int(j), labels, f" ({num(s, 3)})")
-                     for j, s in zip(ex.stats[key][i], ex.stats[score_key][i]) if 0 <= j < ex.n]
-            cols.append(f"<div><h2>{title}</h2><ol>" + "".join(f"<li>{x}</li>" for x in items) + "</ol></div>")
+                     for j, s in zip(ex.stats[key][i], ex.stats[score_key][i])
+                     if 0 <= j < ex.n and (key != "nearest_coact" or s > 0)]  # a zero score: never together
+            listed = "".join(f"<li>{x}</li>" for x in items) or f"<li>none with a {coact} score above 0</li>"
+            cols.append(f"<div><h2>{title}</h2><ol>{listed}</ol></div>")
     if partners:
         items = [concept_link(other, int(best[i]), labels, f" (cosine {num(cos[i], 3)})") for other, best, cos in partners]
         cols.append('<div><h2>Closest in other extractors</h2><ul>' + "".join(f"<li>{x}</li>" for x in items)

@@ -47,6 +47,12 @@ def token_text(token: str) -> str:
     return token.replace("\n", "\u21b5").replace("\t", "\u2192")
 
 
+def label_token(token: str) -> str:
+    """A token as a concept's label shows it: without its surrounding spaces, or, when it is only
+    whitespace, with every character visible (a space as the open-box sign) rather than blank."""
+    return token.strip() or token_text(token).replace(" ", "\u2423")
+
+
 def page(title: str, body: str, root: str, nav: Iterable[tuple[str, str]] = ()) -> str:
     """A whole HTML page; `root` is the relative path from the page to the report folder ('' or '../../')."""
     links = "".join(f'<a href="{esc(root + href)}">{esc(text)}</a>' for href, text in nav)

@@ -14,7 +14,7 @@ import numpy as np
 from conceptlens.report.atlas import Atlas, ExtractorView
 from conceptlens.report.concept_page import first_tokens
 from conceptlens.report.evaluation import Suite
-from conceptlens.report.html import esc, page, table
+from conceptlens.report.html import esc, label_token, page, table
 from conceptlens.report.legends import LEGENDS, figure
 from conceptlens.report.quality import duplicates, quality_block
 from conceptlens.report.warnings import banners, norms_block
@@ -68,7 +68,7 @@ def extractor_rows(k: int, ex: ExtractorView, labels: Sequence[str]) -> list[lis
         dup = dups[i]
         rows.append([_clean(v) for v in [
             k, i, *(s[key][i] if key in s else None for key in ("frequency", "mean_activation", "max_activation")),
-            labels[i], " ".join(t.strip() or t for t in promoted[i][:5]) if promoted else None, *best,
+            labels[i], " ".join(label_token(t) for t in promoted[i][:5]) if promoted else None, *best,
             *(xy[i] if xy is not None else (None, None)), s["assigned"][i] if "assigned" in s else None,
             f"#{dup[0]} ({dup[1]:.4f})" if dup else None]])
     return rows
@@ -116,9 +116,10 @@ def index_page(atlas: Atlas, shown: Sequence[str], suite: Suite | None = None) -
     options = "".join(f'<option value="{esc(ex.name)}">{esc(ex.name)}</option>' for ex in atlas.extractors)
     head = "".join(f'<th class="sort" data-col="{c}" data-kind="{kind}">{esc(h)}</th>' for c, kind, h in SHOWN if c in shown)
     heads = {ex.name: first_tokens(ex.contexts()) for ex in atlas.extractors}
-    concepts = (f'<table id="concepts"><thead><tr><th>extractor</th><th class="sort num" data-col="concept" '
-                f'data-kind="num">#</th>{head}</tr></thead><tbody></tbody></table>')
-    quality = suite.block() if suite is not None else quality_block(atlas, heads)  # the older table without eval.json
+    concepts = (f'<div class="scroll"><table id="concepts"><thead><tr><th>extractor</th><th class="sort num" '
+                f'data-col="concept" data-kind="num">#</th>{head}</tr></thead><tbody></tbody></table></div>')
+    # the suite's tables, then the describe pass's own: its best single concepts next to the random control's
+    quality = (suite.block() if suite is not None else "") + quality_block(atlas, heads, suite is not None)
     body = (banners(atlas, heads) + _run_block(atlas) + _extractors_block(atlas) + quality
             + norms_block(atlas)
             + f'<h2>Map of the directions</h2><div class="controls"><label>extractor <select id="map-extractor">{options}'

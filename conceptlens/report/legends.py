@@ -35,12 +35,13 @@ LEGENDS = {
               "norm): the tokens whose logits it raises or lowers most; hover for the logit change per unit norm.",
     "neighbours": "Nearest by direction: largest cosine between unit directions (centred as the activations are); "
                   "a cosine above 0.99 is a near-duplicate. Nearest by co-activation: Jaccard of firing (SAEs) or "
-                  "Pearson correlation of activations (dense sets) on a strided sample of tokens.",
+                  "Pearson correlation of activations (dense sets) on a strided sample of tokens; scores of 0 or below are "
+                  "not listed.",
     "steering": "The prompt continued greedily with alpha times the site's typical token norm added along the unit "
                 "direction at every position; alpha 0 is the unsteered text.",
     "map": "Each point is a concept: PCA of its unit direction (centred as the activations are), so nearby points "
            "point alike; axes have no units. Size: frequency. Colour: the class its best probe predicts (grey: no "
-           "labels). Click a point to open the concept.",
+           "labels, or no class whose probe beats its base rate). Click a point to open the concept.",
     "concepts": "Frequency and assigned share: see above. Mean / max act.: mean and largest activation over the "
                 "described tokens. Top tokens: the most frequent centre tokens of the top contexts. Promoted tokens: "
                 "see a concept page. Best class, probe loss, base rate, gain (nats): the class whose probe gains most "

@@ -79,8 +79,9 @@ def quality_rows(atlas: Atlas, heads: dict[str, list[str | None]]) -> list[tuple
     return rows
 
 
-def quality_block(atlas: Atlas, heads: dict[str, list[str | None]]) -> str:
-    """The Quality section of the index: the table and its legend."""
+def quality_block(atlas: Atlas, heads: dict[str, list[str | None]], after_suite: bool = False) -> str:
+    """The Quality section of the index: the table and its legend (`after_suite`: titled as the
+    description pass's table, shown under the evaluation suite's)."""
     rows = quality_rows(atlas, heads)
     cols = list(dict.fromkeys(k for _, r in rows for k in r))
     cells = []
@@ -89,7 +90,8 @@ def quality_block(atlas: Atlas, heads: dict[str, list[str | None]]) -> str:
         name = f'<span class="{kind}">{esc(label)}</span>' if kind else esc(label)
         cells.append((name, *(_cell(r.get(c)) for c in cols)))
     html = table(["set", *map(esc, cols)], cells, [False] + [True] * len(cols), attrs=' class="quality"')
-    return "<h2>Quality</h2>" + figure(html, LEGENDS["quality"])
+    title = "Quality of single concepts (the description pass's probes)" if after_suite else "Quality"
+    return f"<h2>{title}</h2>" + figure(html, LEGENDS["quality"])
 
 
 def _cell(v: Any) -> str:

@@ -291,3 +291,32 @@ def test_the_map_draws_a_set_of_more_concepts_than_a_call_takes_arguments(browse
       document.getElementById("map-extractor").dispatchEvent(new Event("change"));
       return document.querySelectorAll("#map a circle").length;""")
     assert drawn == 150_008 and _errors(browser) == []
+
+
+MAP_FILLS = """
+  const D = window.ATLAS_DATA, col = c => D.columns.indexOf(c), ex = col("ex");
+  const rows = D.rows.filter(r => D.extractors[r[ex]].name === "kmeans");
+  rows[0][col("gain")] = -0.1; rows[1][col("gain")] = 0; rows[2][col("gain")] = 0.2;  // its best class kept
+  document.getElementById("map-extractor").dispatchEvent(new Event("change"));
+  const fill = i => [...document.querySelectorAll("#map circle")]
+    .find(c => c.querySelector("title").textContent.startsWith("kmeans #" + rows[i][col("concept")] + ":"))
+    .getAttribute("fill");
+  return [fill(0), fill(1), fill(2), rows.slice(0, 3).map(r => r[col("best_class")])];"""
+
+
+def test_the_map_greys_a_concept_whose_best_probe_does_not_beat_its_base_rate(browser, report):
+    browser.get((report / "index.html").as_uri())
+    below, level, above, classes = browser.execute_script(MAP_FILLS)
+    assert all(classes)  # each row names a best class; only its gain decides the colour
+    assert below == level == "#999999" and above != "#999999"
+
+
+def test_the_filter_names_one_concept_by_its_number(browser, report):
+    browser.get((report / "index.html").as_uri())
+    box = browser.find_element(By.ID, "filter")
+    box.send_keys("#1")
+    shown = sorted(a.text for a in browser.find_elements(By.CSS_SELECTOR, "#concepts a.concept"))
+    assert shown == ["#1", "#1"]  # topk #1 and kmeans #1, not topk #10 or #11
+    box.send_keys(" topk")
+    assert [a.get_attribute("href").split("/concepts/")[1]
+            for a in browser.find_elements(By.CSS_SELECTOR, "#concepts a.concept")] == ["topk/1.html"]

@@ -94,6 +94,9 @@ def test_top_tokens_counts_centres():
     ctx = [{"tokens": ["a", " goal"], "center": 1}, {"tokens": [" cup", "x"], "center": 0},
            {"tokens": [" goal"], "center": 0}]
     assert top_tokens(ctx) == ["goal", "cup"]
+    blank = [{"tokens": [" "], "center": 0}, {"tokens": ["\n\n"], "center": 0}, {"tokens": ["  "], "center": 0},
+             {"tokens": [" "], "center": 0}]  # whitespace tokens are shown, not left blank
+    assert top_tokens(blank) == ["\u2423", "\u21b5\u21b5", "\u2423\u2423"]
 
 
 def test_matching_is_the_best_assignment():
@@ -224,3 +227,26 @@ def test_the_extractors_table_shows_the_tokens_each_set_was_fed(tmp_path):
     rows = re.findall(r"<tr>(.*?)</tr>", html[html.index("<h2>Extractors</h2>"):], re.S)
     cells = {re.sub("<[^>]+>", "", r.split("</td>")[0]).strip(): r for r in rows[1:4]}
     assert "40,960" in cells["topk"] and "81,920" in cells["kmeans"] and "fit tokens" in rows[0]
+
+
+def test_co_activation_neighbours_with_a_zero_score_are_not_listed(tmp_path):
+    """A latent that never fired has a co-activation score of 0 with every other: listing them (in index
+    order) showed neighbours that never fire with it."""
+    from safetensors.numpy import load_file, save_file
+
+    run = write_fake_run(tmp_path / "run", [("topk", "topk-sae", 12)])
+    path = run / "describe" / "topk" / "stats.safetensors"
+    stats = load_file(path)
+    stats["nearest_coact_score"][2] = 0.0  # concept 2 fired with none
+    stats["nearest_coact_score"][3, 1:] = 0.0  # concept 3 with one only
+    save_file(stats, path)
+    write_report(run)
+
+    def listed(i: int) -> list[str]:
+        html = (run / "report" / "concepts" / "topk" / f"{i}.html").read_text()
+        block = html.split("Nearest by co-activation")[1].split("</ol>")[0]
+        return re.findall(r"<li>(.*?)</li>", block, re.S)
+
+    assert listed(2) == ["none with a Jaccard score above 0"]
+    assert len(listed(3)) == 1 and f'href="../topk/{stats["nearest_coact"][3, 0]}.html"' in listed(3)[0]
+    assert len(listed(4)) == stats["nearest_coact"].shape[1]

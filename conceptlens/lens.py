@@ -15,8 +15,10 @@ is still attached.
 
 from __future__ import annotations
 
+import threading
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from weakref import WeakKeyDictionary, WeakSet
 
 import torch
 from torch import Tensor, nn
@@ -39,6 +41,25 @@ if TYPE_CHECKING:
     from conceptlens.steering.ablate import Mode
 
 
+_MANAGERS: WeakKeyDictionary[nn.Module, WeakSet[HookManager]] = WeakKeyDictionary()
+"""Model -> the hook managers of the lenses attached to it (weakly): the one table across lenses, read
+only by `HookManager.private_forward`, so the library's own probe forward runs unsteered under every lens."""
+_MANAGERS_LOCK = threading.Lock()
+
+
+def _register(model: nn.Module, hooks: HookManager) -> Callable[[], list[HookManager]]:
+    """Record `hooks` as a manager of `model`; returns the live managers of the model, on each call."""
+    with _MANAGERS_LOCK:
+        managers = _MANAGERS.setdefault(model, WeakSet())
+        managers.add(hooks)
+
+    def peers() -> list[HookManager]:
+        with _MANAGERS_LOCK:
+            return [m for m in managers if not m.closed]
+
+    return peers
+
+
 class Lens:
     """The sites of one model and the scopes that read and edit them."""
 
@@ -51,6 +72,7 @@ class Lens:
         self.tokenizer = tokenizer
         self.hooks = HookManager(model)
         """Every hook, patch and hook table of this lens on the model (hooks/manager.py)."""
+        self.hooks.peers = _register(model, self.hooks)
         self.adapter = Adapter(model, hooks=self.hooks)
         base = getattr(model, "base_model", model)
         self.stacks: dict[str, nn.Module] = {name: get_path(base, path)
@@ -151,14 +173,17 @@ class Lens:
 
     @known_kwargs
     def ablate(self, concepts: ConceptSet | Tensor, *, site: str | None = None,
-               positions: Positions = "all", mode: Mode = "projection") -> Steer:
+               positions: Positions = "all", mode: Mode = "projection", mean: Tensor | None = None) -> Steer:
         """Ablate the concept directions at their site: `mode` "projection" (ProjectOut, the
-        default), "mean" (component replaced by the set's mean) or "zero" (see `steering.ablate`)."""
+        default), "mean" (component replaced by the mean activation's: `mean`, or the set's own) or
+        "zero" (see `steering.ablate`)."""
+        if mean is not None and mode != "mean":
+            raise ValueError(f"mean= is read only by mode='mean'; got mode={mode!r}")
         if mode == "projection":
             return Steer(self, [ProjectOut(concepts, site=site)], positions)
         from conceptlens.steering.ablate import Ablate
 
-        return Steer(self, [Ablate(concepts, mode, site=site)], positions)
+        return Steer(self, [Ablate(concepts, mode, mean=mean, site=site)], positions)
 
     def close(self) -> None:
         """Remove every hook and patch this lens has on the model (open scopes included); the

@@ -108,16 +108,19 @@ class Capture:
 
     # -- hooks ----------------------------------------------------------------------------
     def _on_stack_start(self, name: str) -> None:
-        if name == self.start_stack:
+        if name == self.start_stack and self.hooks.reads(self):
             self._acts, self._shapes = {}, {}
 
     def _stack_post_hook(self, module, args, output) -> None:
-        self._flush()
+        if self.hooks.reads(self):  # (another capture's private forward: not this capture's rows)
+            self._flush()
 
     def _reader(self, site: Site):
         name, stack = site.name, site.stack
 
         def read(x: Tensor) -> None:
+            if not self.hooks.reads(self):
+                return
             x = x.detach()
             self._shapes[stack] = (x.shape[0], x.shape[1])
             if self.keep_shape:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator, NamedTuple
 from weakref import WeakKeyDictionary
 
@@ -84,6 +84,10 @@ class HookManager:
         """Site name -> its SiteScale over the probe text (steering/units.py), measured once."""
         self.steering = ScopeStack(self)
         """The open steering scopes, in entry order, and one edit hook per edited site."""
+        self.reader: Any = None
+        """Inside `private_forward`: the one capture that reads the model's forwards (others ignore them)."""
+        self.peers: Callable[[], list[HookManager]] = lambda: [self]
+        """The managers of every lens attached to the model, this one included (`Lens` sets it)."""
 
     @property
     def model(self) -> nn.Module:
@@ -164,6 +168,30 @@ class HookManager:
                     above = upper["below"]
 
         return self._record("attention_registry", None, name, remove)
+
+    @contextmanager
+    def private_forward(self, capture: Any) -> Iterator[None]:
+        """Forwards of the library's own inside the block (the steering unit's probe text): every lens
+        attached to the model runs them as if nothing of it were open: no steering edit applies, no
+        scope observes, and no capture but `capture` reads them (a user's open capture, `on_batch`
+        included, never sees the probe's rows)."""
+        with ExitStack() as stack:
+            for manager in self.peers():
+                stack.enter_context(manager.steering.suspended())
+                stack.enter_context(manager._read_only_by(capture))
+            yield
+
+    @contextmanager
+    def _read_only_by(self, capture: Any) -> Iterator[None]:
+        before, self.reader = self.reader, capture
+        try:
+            yield
+        finally:
+            self.reader = before
+
+    def reads(self, capture: Any) -> bool:
+        """Whether `capture` reads the forward running now (see `private_forward`)."""
+        return self.reader is None or self.reader is capture
 
     @contextmanager
     def dropping_new_hooks(self) -> Iterator[None]:

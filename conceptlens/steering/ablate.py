@@ -50,6 +50,10 @@ class Ablate(Edit):
         self.mean = None if mean is None else torch.as_tensor(mean).detach().float().reshape(-1)
         if self.mean is not None and self.mean.shape[0] != self.basis.shape[1]:
             raise ValueError(f"mean has width {self.mean.shape[0]}; the directions have {self.basis.shape[1]}")
+        if self.mean is not None and not torch.isfinite(self.mean).all():
+            bad = (~torch.isfinite(self.mean)).nonzero().flatten().tolist()
+            raise ValueError(f"mean holds NaN or inf at coordinate{'s' if len(bad) > 1 else ''} {bad[:8]}; "
+                             "mean-ablation needs a finite mean")
         # the mean's component along the span, (d,): what mean-ablation puts back
         self.offset = None if self.mean is None else (self.mean @ self.basis.T) @ self.basis
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from numbers import Real
 from typing import Any, Literal, Sequence
 
 import torch
@@ -48,7 +49,7 @@ def _directions(concepts: Concepts) -> Tensor:
 
 def _number(name: str, value: Any) -> float:
     """A finite real number (not a bool), as float; ValueError naming the value otherwise."""
-    ok = isinstance(value, (int, float)) or (isinstance(value, Tensor) and value.numel() == 1)
+    ok = isinstance(value, Real) or (isinstance(value, Tensor) and value.numel() == 1)  # numpy scalars too
     number = float(value) if ok and not isinstance(value, bool) else math.nan
     if not math.isfinite(number):
         raise ValueError(f"{name} must be a finite number; got {value!r}")
@@ -194,6 +195,9 @@ class ProjectOut(Edit):
     def __init__(self, concepts: Concepts, *, site: str | None = None) -> None:
         self.site = _site_of(concepts, site)
         directions = _directions(concepts).double()
+        if not len(directions) or not directions.any():
+            raise ValueError(f"ProjectOut needs at least one nonzero direction; got {len(directions)} "
+                             f"direction{'' if len(directions) == 1 else 's'}, none nonzero")
         # SVD, not QR: the span is right whichever directions are dependent or repeated.
         _, s, vh = torch.linalg.svd(directions, full_matrices=False)
         self.basis = vh[s > 1e-10 * s.max()].float().contiguous()  # (rank, d) orthonormal rows

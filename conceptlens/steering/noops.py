@@ -64,4 +64,4 @@ def _component(lens: AttachedModel, name: str, basis: Any) -> float | None:
         return None
     acts = site_scale(lens, name).acts.double()
     total = float(acts.norm())
-    return float((acts @ basis.double().T).norm()) / total if total > 0 else None
+    return float((acts @ basis.double().cpu().T).norm()) / total if total > 0 else None  # (the probe's rows: CPU)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import math
+from numbers import Integral
 from typing import Literal, Sequence
 
 import torch
@@ -40,10 +41,15 @@ class Steer:
             raise ValueError("steer needs at least one edit, e.g. Add(concepts, alpha=4.0)")
         for edit in edits:
             if not isinstance(edit, Edit):
-                raise TypeError(f"not an edit: {edit!r}; use Add, ProjectOut, Clamp or CodeAblate")
+                what = f"a tensor of shape {tuple(edit.shape)}" if isinstance(edit, Tensor) else _short(edit)
+                raise TypeError(f"not an edit: {what}; wrap it in Add(v, alpha), ProjectOut, Clamp or CodeAblate")
         if isinstance(positions, slice):
             if positions.step not in (None, 1):
                 raise ValueError(f"positions slice must have step 1; got {positions}")
+            for bound in (positions.start, positions.stop):
+                if bound is not None and (not isinstance(bound, Integral) or isinstance(bound, bool) or bound < 0):
+                    raise ValueError(f"positions slice bounds must be absolute token positions (ints >= 0, or None); "
+                                     f"got {positions}: a negative bound does not count from the end here")
         elif positions not in _NAMED:
             raise ValueError(f"positions must be one of {_NAMED} or a slice of absolute positions; got {positions!r}")
         self.lens = lens
@@ -150,3 +156,8 @@ def _same_positions(a: Steer, b: Steer) -> bool:
         return True
     return isinstance(a.positions, slice) and a.positions == b.positions
 
+
+def _short(value: object, limit: int = 80) -> str:
+    """`repr(value)` on one line, cut to `limit` characters."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -131,7 +131,7 @@ def _measure(lens: AttachedModel, name: str) -> Tensor:
     device = next(model.parameters()).device
     if getattr(model.config, "is_encoder_decoder", False):  # the decoder reads the probe text too, padding masked
         batch["decoder_input_ids"], batch["decoder_attention_mask"] = batch["input_ids"], batch["attention_mask"]
-    with lens.hooks.steering.suspended(), lens.capture(name) as capture:  # the unsteered model, whatever is open
+    with lens.capture(name) as capture, lens.hooks.private_forward(capture):  # the unsteered model, whatever is open
         acts, meta = capture.forward(**{k: v.to(device) for k, v in batch.items()})
     x = acts[name]
     rows = x.flatten(1)[(meta.position > 0).to(x.device)].float().cpu()  # (N, d)

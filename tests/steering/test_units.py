@@ -222,6 +222,31 @@ def test_the_unit_is_measured_on_the_unsteered_model_whatever_scope_is_open():
     assert [tuple(n.shape) for n in outer.prompt_length.values()] == [(2,)]
 
 
+def test_the_unit_of_a_second_lens_on_the_model_is_measured_without_the_first_lenss_edits():
+    reference = robust_norm(conceptlens.attach(tiny_model("llama")), SITE)  # the same weights, nothing open
+    model = tiny_model("llama")
+    first, second = conceptlens.attach(model), conceptlens.attach(model)
+    push = torch.randn(32, generator=torch.Generator().manual_seed(3))
+    with first.steer(Add(push, 10.0, site="blocks.0.resid_out")):
+        edit = Add(torch.randn(32), 0.5, scale="robust_norm", site=SITE)
+        second.steer(edit)  # measured now, with the first lens's edit open upstream
+    assert edit.norm == reference == robust_norm(second, SITE)
+
+
+def test_the_probe_texts_forward_reaches_no_capture_the_user_has_open():
+    """On an encoder-decoder the probe runs the encoder whole, past an encoder site the user captures:
+    its rows went to the user's on_batch as if they were a batch of the user's."""
+    model = tiny_model("t5")
+    lens = conceptlens.attach(model)
+    ids = torch.randint(3, 99, (2, 7), generator=torch.Generator().manual_seed(2))
+    seen = Batches()
+    with lens.capture("encoder.blocks.0.resid_out", on_batch=seen), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (a random direction: the no-op check may warn)
+        with lens.steer(ProjectOut(torch.randn(32), site="decoder.blocks.0.resid_out")), torch.no_grad():
+            model(input_ids=ids, decoder_input_ids=ids[:, :3])  # the user's one forward
+    assert len(seen) == 1 and len(seen.acts["encoder.blocks.0.resid_out"]) == ids.numel()
+
+
 def test_one_edit_steering_two_models_applies_each_models_own_unit():
     ids = torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(5))
     small, large = conceptlens.attach(scaled_model(1.0)), conceptlens.attach(scaled_model(300.0))

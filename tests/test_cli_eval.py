@@ -14,7 +14,7 @@ from conceptlens.evaluate import table
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.sae import TopKSAE
 from conceptlens.concepts.vq import VQCodebook
-from conceptlens.metrics.quality import dead_fraction, fvu, l0, probe_loss
+from conceptlens.metrics.quality import dead_fraction, fvu, l0, standardised_probe_loss
 from tests.conftest import tiny_model
 
 
@@ -84,7 +84,7 @@ def test_metric_rows_find_planted_concepts():
     (train, directions), (test, _) = _synthetic(seed=2), _synthetic(seed=3)
     rows = table.metric_rows(directions, train, test, ["a", "b", "c"], candidates=None)
     names = [r.metric for r in rows]
-    reference = probe_loss(train.z, train.y, test.z, test.y)
+    reference = standardised_probe_loss(train.z, train.y, test.z, test.y)
     assert names[:4] == ["probe loss (median class)", "  a", "  b", "  c"]
     assert rows[0].value == pytest.approx(reference.loss)
     assert rows[2].note == "concept 4" and rows[2].value < 0.1

@@ -108,7 +108,7 @@ def map_xy(directions: Tensor) -> Tensor:
 
 def class_probes(doc_sum: Tensor, doc_rows: Tensor, labels: Sequence[int], n_classes: int) -> tuple[Tensor, Tensor]:
     """Per concept and class, the test log-loss of a 1-D logistic probe on document-mean
-    activations, standardised by the train documents (as `metrics.quality.probe_loss`): `(n, C)`,
+    activations, standardised by the train documents (as `metrics.quality.standardised_probe_loss`): `(n, C)`,
     and the base-rate entropy per class `(C,)` (nats). Described documents alternate train / test
     in their order (even: train, odd: test)."""
     from conceptlens.metrics.quality import _chunk, fit_logistic_1d, logistic_log_loss, standardised_by

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from conceptlens.metrics.quality import effective_rank, lda_directions, max_pairwise_cosine, probe_loss
+from conceptlens.metrics.quality import effective_rank, lda_directions, max_pairwise_cosine, standardised_probe_loss
 
 BASELINE_DRAWS = 64
 """Random Gaussian directions drawn (seed 0) for the chance level of cosine rows."""
@@ -116,7 +116,7 @@ def metric_rows(directions: Tensor, train: Features, test: Features, class_names
     dozens of tags) to seconds.
     """
     keep = torch.arange(train.z.shape[1]) if candidates is None else probe_candidates(train.z, train.y, candidates)
-    probe = probe_loss(train.z[:, keep], train.y, test.z[:, keep], test.y)
+    probe = standardised_probe_loss(train.z[:, keep], train.y, test.z[:, keep], test.y)
     bases = probe_baselines(train.y, test.y, probe.classes)
     screened = "" if candidates is None else f" (of {len(keep)} screened)"
     rows = [Row("probe loss (median class)", probe.loss, f"nats; test log-loss of the best single concept per class"

@@ -18,7 +18,8 @@ _EXPORTS = {
               "key_cosine", "key_norm", "key_pca_explained"],
     "gauge_audit": ["AUDIT_METRICS", "AuditMetric", "gauge_audit", "AuditReport", "GaugeTransform", "random_gauge", "apply_gauge", "gauged"],
     "capture_qk": ["qk_capture", "QKCapture"],
-    "quality": ["probe_loss", "ProbeResult", "fit_logistic_1d", "mppc", "effective_rank", "max_pairwise_cosine",
+    "quality": ["probe_loss", "standardised_probe_loss", "ProbeResult", "fit_logistic_1d", "mppc", "effective_rank",
+                "max_pairwise_cosine",
                 "fvu", "l0", "dead_fraction", "ce_loss_recovered", "lda_directions", "LDADirections",
                 "best_latent_f1"],
     "hierarchy": ["CoactivationStats", "build_dag", "dag_depth", "export_dag"],
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
                                                     monosemanticity)
     from conceptlens.metrics.quality import (LDADirections, ProbeResult, best_latent_f1, ce_loss_recovered,
                                              dead_fraction, effective_rank, fit_logistic_1d, fvu, l0, lda_directions,
-                                             max_pairwise_cosine, mppc, probe_loss)
+                                             max_pairwise_cosine, mppc, probe_loss, standardised_probe_loss)
     from conceptlens.metrics.faithfulness import FaithfulnessResult, ProbeTask, faithfulness, next_token_loss_sum
     from conceptlens.metrics.duality import (Direction, InnerProduct, ProbeWeight, direction_to_probe,
                                              probe_to_direction)

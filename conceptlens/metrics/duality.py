@@ -94,14 +94,21 @@ class InnerProduct:
         return cls(torch.eye(d, dtype=torch.float64), "identity")
 
     @classmethod
-    def covariance(cls, x: Tensor, shrinkage: float = 1e-3) -> InnerProduct:
-        """M = Sigma^-1 with Sigma the activation covariance of `x` `(N, d)`, shrunk towards
-        (tr Sigma / d) I by `shrinkage` so that it is invertible."""
+    def covariance(cls, x: Tensor, shrinkage: float = 0.0) -> InnerProduct:
+        """M = Sigma^-1 with Sigma the activation covariance of `x` `(N, d)`: v = Sigma w, equivariant.
+        `shrinkage` > 0 shrinks Sigma towards (tr Sigma / d) I, which makes a singular Sigma (fewer
+        rows than d, or a dead coordinate) invertible but is no longer v = Sigma w nor equivariant:
+        on a probe weight along low-variance directions the shrink term can outweigh Sigma w."""
         if not 0 <= shrinkage <= 1:
             raise ValueError(f"shrinkage must be in [0, 1]; got {shrinkage}")
         xc = x.double() - x.double().mean(0)
         S = xc.T @ xc / max(x.shape[0] - 1, 1)
-        S = (1 - shrinkage) * S + shrinkage * S.trace() / S.shape[0] * torch.eye(S.shape[0], dtype=S.dtype)
+        if shrinkage:
+            S = (1 - shrinkage) * S + shrinkage * S.trace() / S.shape[0] * torch.eye(S.shape[0], dtype=S.dtype)
+        rank = int(torch.linalg.matrix_rank(S))
+        if rank < S.shape[0]:
+            raise ValueError(f"the covariance of x ({x.shape[0]} rows, d = {S.shape[0]}) has rank {rank}, so it has "
+                             "no inverse: give more rows, or shrinkage > 0 (then v is not exactly Sigma w)")
         M = torch.linalg.inv(S)
         return cls((M + M.T) / 2, "covariance")
 

@@ -1,6 +1,7 @@
 """How good a set of concepts is: probing, stability across runs, geometry, reconstruction.
 
-    probe_loss(z_train, y_train, z_test, y_test).loss   # best single concept per label, test log-loss
+    probe_loss(z_train, y_train, z_test, y_test).loss   # best single concept per label, test log-loss (000)
+    standardised_probe_loss(...)                         # the same on standardised columns: scale-free
     mppc(z_run1, z_run2)                                 # 1.0 = every concept of run 2 has a twin in run 1
     fvu(x, x_hat), l0(z), dead_fraction(z)               # SAE reconstruction and sparsity
     ce_loss_recovered(clean, spliced, zero)              # 1.0 = splicing the SAE costs nothing
@@ -93,26 +94,40 @@ class ProbeResult(NamedTuple):
 
 
 def probe_loss(z_train: Tensor, y_train: Tensor, z_test: Tensor, y_test: Tensor, C: float = 1.0) -> ProbeResult:
-    """How well the single best concept predicts a label: 1-D logistic probes on every concept.
+    """The Deleuzian paper's probe loss (000, SPECS.md): how well the single best concept predicts a label.
 
         probe_loss(z_tr, y_tr, z_te, y_te).loss       # z: (N, n_concepts), y: (N,) labels
 
-    For each label value (one-vs-rest) and each concept, fit a 1-D logistic regression on the
-    train split; the concept with the lowest train log-loss is that class's probe, scored by
-    its test log-loss. The result is the median over classes (a binary label gives two equal
-    one-vs-rest problems). Lower is better; ln 2 = 0.693 is chance for balanced classes. A label
-    value missing from either split is left out (as the paper's released probes do): its test
-    loss would be that of an empty class.
-    Columns are standardised by the train split (`standardised_by`) first, so the L2 penalty
-    weighs every concept alike whatever its scale (a cosine in [-1, 1] or an SAE latent).
+    For each label value (one-vs-rest) and each concept, fit a 1-D logistic regression (L2, C) on
+    the train split's raw activations, as the paper's released probes fit scikit-learn's
+    `LogisticRegression()`; the concept with the lowest train log-loss is that class's probe,
+    scored by its test log-loss. The result is the median over classes (a binary label gives two
+    equal one-vs-rest problems). Lower is better; ln 2 = 0.693 is chance for balanced classes. A
+    label value missing from either split is left out (as the released probes do): its test loss
+    would be that of an empty class. With the penalty the value depends on each concept's scale;
+    `standardised_probe_loss` is the scale-free variant the atlas and the quality table use.
     """
+    return _probe_loss(z_train, y_train, z_test, y_test, C, standardise=False)
+
+
+def standardised_probe_loss(z_train: Tensor, y_train: Tensor, z_test: Tensor, y_test: Tensor,
+                            C: float = 1.0) -> ProbeResult:
+    """`probe_loss` on columns standardised by the train split (`standardised_by`): ours, not the
+    paper's. Why: the L2 penalty then weighs every concept alike whatever its scale (a cosine in
+    [-1, 1], an SAE latent, a raw projection), so sets read in different units compare by what
+    their concepts carry, not by their units. The describe pass's per-class probes are the same."""
+    return _probe_loss(z_train, y_train, z_test, y_test, C, standardise=True)
+
+
+def _probe_loss(z_train: Tensor, y_train: Tensor, z_test: Tensor, y_test: Tensor, C: float,
+                standardise: bool) -> ProbeResult:
     classes = torch.unique(y_train)
     if len(classes) < 2:
         raise ValueError(f"y_train needs at least two label values; got {classes.tolist()}")
     classes = classes[torch.isin(classes, y_test.to(classes.device))]
     if not len(classes):
         raise ValueError(f"no label value of y_train appears in y_test ({torch.unique(y_test).tolist()})")
-    z_train, z_test = standardised_by(z_train, z_test)
+    z_train, z_test = standardised_by(z_train, z_test) if standardise else (z_train.double(), z_test.double())
     per_class, best = [], []
     for c in classes:
         yc_train, yc_test = (y_train == c).double(), (y_test == c).double()

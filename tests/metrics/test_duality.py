@@ -35,15 +35,23 @@ def test_covariance_direction_is_the_activation_pattern_and_affine_equivariant()
     w = ProbeWeight(torch.randn(4, generator=g, dtype=torch.float64))
     xc = x - x.mean(0)
     sigma = xc.T @ xc / (len(x) - 1)
-    v = probe_to_direction(w, InnerProduct.covariance(x, shrinkage=0.0)).vector
+    v = probe_to_direction(w, InnerProduct.covariance(x)).vector  # the default: no shrinkage
     torch.testing.assert_close(v, sigma @ w.covector)  # Haufe et al.'s pattern Sigma w
     A = torch.randn(4, 4, generator=g, dtype=torch.float64) + 3 * torch.eye(4, dtype=torch.float64)
     w_moved = ProbeWeight(torch.linalg.solve(A.T, w.covector))  # a covector moves by A^-T: same read-out
     torch.testing.assert_close(w_moved.read(x @ A.T), w.read(x))
-    v_moved = probe_to_direction(w_moved, InnerProduct.covariance(x @ A.T, shrinkage=0.0)).vector
+    v_moved = probe_to_direction(w_moved, InnerProduct.covariance(x @ A.T)).vector
     torch.testing.assert_close(v_moved, A @ v)  # the direction moves by A: equivariant
     v_eucl = probe_to_direction(w_moved, InnerProduct.identity(4)).vector
     assert not torch.allclose(v_eucl, A @ w.covector)  # the Euclidean choice is not
+
+
+def test_a_singular_covariance_is_refused_unless_shrunk():
+    x, _ = _data()
+    few = x[:3]  # 3 rows in d = 4: rank 2 after centring
+    with pytest.raises(ValueError, match=r"the covariance of x \(3 rows, d = 4\) has rank 2.*shrinkage > 0"):
+        InnerProduct.covariance(few)
+    assert InnerProduct.covariance(few, shrinkage=0.1).dim == 4
 
 
 def test_types_cannot_stand_in_for_each_other():

@@ -19,6 +19,7 @@ from conceptlens.metrics.quality import (
     max_pairwise_cosine,
     mppc,
     probe_loss,
+    standardised_probe_loss,
 )
 
 
@@ -50,27 +51,49 @@ def test_logistic_newton_equals_sklearn_per_column():
         fit_logistic_1d(z, yb, C=math.inf)
 
 
-def test_probe_loss_equals_direct_sklearn_computation():
-    z, y = _labelled(seed=1)
-    z_tr, y_tr, z_te, y_te = z[:160], y[:160], z[160:], y[160:]
-    result = probe_loss(z_tr, y_tr, z_te, y_te)
-    from sklearn.preprocessing import StandardScaler
-
-    scaler = StandardScaler().fit(z_tr.double().numpy())  # the probe standardises by the train split
-    z_tr, z_te = (torch.from_numpy(scaler.transform(z.double().numpy())) for z in (z_tr, z_te))
+def _sklearn_probe_loss(z_tr, y_tr, z_te, y_te):
+    """The released probes' computation, by hand: per class and concept sklearn's LogisticRegression (C 1)
+    on the raw 1-D activations; the lowest train log-loss picks the concept, its test log-loss counts."""
     expected, best = [], []
     for c in range(3):
         yc_tr, yc_te = (y_tr == c).numpy(), (y_te == c).numpy()
-        fits = [_sklearn_fit(z_tr[:, j].numpy(), yc_tr) for j in range(z.shape[1])]
+        fits = [_sklearn_fit(z_tr[:, j].numpy(), yc_tr) for j in range(z_tr.shape[1])]
         train = [log_loss(yc_tr, f.predict_proba(z_tr[:, j].numpy().reshape(-1, 1))) for j, f in enumerate(fits)]
         j = int(np.argmin(train))
         best.append(j)
         expected.append(log_loss(yc_te, fits[j].predict_proba(z_te[:, j].numpy().reshape(-1, 1)), labels=[0, 1]))
+    return expected, best
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.01])  # activations of a cosine's scale: the penalty then counts
+def test_probe_loss_equals_the_released_probes_on_raw_activations(scale):
+    z, y = _labelled(seed=1)
+    z = z * scale
+    z_tr, y_tr, z_te, y_te = z[:160], y[:160], z[160:], y[160:]
+    result = probe_loss(z_tr, y_tr, z_te, y_te)
+    expected, best = _sklearn_probe_loss(z_tr.double(), y_tr, z_te.double(), y_te)
     assert result.best_concept.tolist() == best
-    assert best[0] == 1 and best[2] == 3  # the planted concepts win
+    if scale == 1.0:
+        assert best[0] == 1 and best[2] == 3  # the planted concepts win
     np.testing.assert_allclose(result.per_class.numpy(), expected, rtol=1e-5)
     assert result.loss == pytest.approx(float(np.median(expected)), rel=1e-5)
     assert result.classes.tolist() == [0, 1, 2]
+
+
+def test_standardised_probe_loss_is_the_released_probes_on_standardised_columns():
+    from sklearn.preprocessing import StandardScaler
+
+    z, y = _labelled(seed=1)
+    z = z * 0.01
+    z_tr, y_tr, z_te, y_te = z[:160], y[:160], z[160:], y[160:]
+    result = standardised_probe_loss(z_tr, y_tr, z_te, y_te)
+    scaler = StandardScaler().fit(z_tr.double().numpy())
+    expected, best = _sklearn_probe_loss(*(torch.from_numpy(scaler.transform(t.double().numpy())) if i % 2 == 0 else t
+                                           for i, t in enumerate((z_tr, y_tr, z_te, y_te))))
+    assert result.best_concept.tolist() == best
+    np.testing.assert_allclose(result.per_class.numpy(), expected, rtol=1e-5)
+    raw = probe_loss(z_tr, y_tr, z_te, y_te)  # the paper's value differs at this scale: the penalty counts
+    assert (raw.per_class - result.per_class).abs().max() > 0.01
 
 
 def test_probe_loss_leaves_out_a_label_missing_from_the_test_split():
@@ -85,10 +108,11 @@ def test_probe_loss_leaves_out_a_label_missing_from_the_test_split():
         probe_loss(z_tr, y_tr, z_te[:5], torch.full((5,), 7))
 
 
-def test_probe_loss_does_not_depend_on_the_scale_of_a_concept():
+def test_standardised_probe_loss_does_not_depend_on_the_scale_of_a_concept():
     z, y = _labelled(seed=3)
     scaled = z * torch.tensor([0.001, 0.01, 1.0, 30.0, 1.0, 0.5])  # cosines are ~100x smaller than projections
-    a, b = probe_loss(z[:160], y[:160], z[160:], y[160:]), probe_loss(scaled[:160], y[:160], scaled[160:], y[160:])
+    a = standardised_probe_loss(z[:160], y[:160], z[160:], y[160:])
+    b = standardised_probe_loss(scaled[:160], y[:160], scaled[160:], y[160:])
     assert a.best_concept.tolist() == b.best_concept.tolist()
     torch.testing.assert_close(a.per_class, b.per_class, rtol=1e-6, atol=1e-9)
 

@@ -172,6 +172,26 @@ class DistributedRun:
     def lockstep(self, batches: Iterator[list[str]]) -> Iterator[list[str]]:
         return lockstep(batches, self.comm)
 
+    def pad_to_global_width(self, batch: dict[str, Tensor], real: bool = True) -> dict[str, Tensor]:
+        """`batch` (right-padded `input_ids`, `attention_mask`) padded to the widest batch of any rank
+        this step: one process pads the global batch to its longest document, and a forward's float
+        results on the real tokens can change with the padded width. `real` False: a stub batch (no
+        document on this rank), whose width does not count."""
+        width = batch["input_ids"].shape[1]
+        wanted = self.comm.max_int(width if real else 0)
+        if wanted <= width:
+            return batch
+        return {key: torch.nn.functional.pad(value, (0, wanted - width), value=0) for key, value in batch.items()}
+
+    def agree_on_progress(self, tokens: int, batches: int) -> None:
+        """After a resume: every rank is at the same step, or a one-line `DistributedError`."""
+        at = self.comm.gather_objects((tokens, batches))
+        if len(set(at)) > 1:
+            where = ", ".join(f"rank {r} at {t:,} tokens" for r, (t, _) in enumerate(at))
+            raise DistributedError(f"rank {self.comm.rank}/{self.comm.world}: the ranks resumed at different points "
+                                   f"({where}): every rank must read the same checkpoint (the run folder on a "
+                                   "file system they share)")
+
     def gather_step(self, acts: dict[str, Tensor], meta: Any, ids: Tensor, n_tokens: int, documents: int,
                     with_ids: bool = False) -> GlobalStep:
         """Every rank's rows of this step in document order, at the sites this rank reads

@@ -64,8 +64,9 @@ class FitReport:
     """What a fit saw and produced."""
 
     tokens: int
-    """Real (non-padding) tokens forwarded."""
+    """Real (non-padding) tokens forwarded (distributed: of every rank)."""
     documents: int
+    """Documents read (distributed: by this rank; `conceptlens fit` reports the sum over ranks)."""
     batches: int
     seconds: float
     """Wall time of this call (not counting time before a resume)."""
@@ -161,6 +162,8 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
         widths = {name: math.prod(int(s) for s in lens.site(k).shape[2:]) for name, k in plan.keys.items()
                   if isinstance(k, str)}
         texts = state.open(checkpoint, texts, resume=config.resume, widths=widths, max_tokens=config.max_tokens)
+        if run is not None:  # e.g. ranks without a shared run folder: one resumed, another started afresh
+            run.agree_on_progress(state.tokens, state.batches)
     resumed_from, start = state.tokens, time.perf_counter()
     if resumed_from:
         log.info("resuming %s at %d tokens (%d documents)", checkpoint, state.tokens, state.documents)
@@ -259,6 +262,8 @@ def _step(cap, tokenizer, docs: list[str], max_length: int, plan: Plan, state: F
     ids = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -1)[: len(docs)]  # (B, T)
     if n_tokens == 0:  # distributed, nothing real on this rank: a stub gives the sites' shapes, no rows
         batch = encode_batch(tokenizer, ["."], max_length)
+    if run is not None:  # every rank pads to the global batch's width, as one process pads its batch
+        batch = run.pad_to_global_width(batch, real=n_tokens > 0)
     device = input_device(model)  # with a device map: the input embeddings' device
     acts, meta = cap.forward(**{k: v.to(device) for k, v in batch.items()})  # no_grad inside
     first_doc = state.documents

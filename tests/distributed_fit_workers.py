@@ -86,6 +86,28 @@ def equal_body(comm: Comm, out: Path, run_dir: str | None = None, corpus: list[s
     return equal_fit(4, True, run_dir, corpus, max_tokens, extractor_tokens)
 
 
+SHORT_CORPUS = [f"doc {i} " + "ab" * (i % 6) for i in range(24)]
+"""Documents shorter than max_length and of varied lengths: in most steps one rank's batch is wider than the other's."""
+
+
+def padded_fit(batch_size: int, distributed: bool) -> dict:
+    """A JumpReLU SAE (whose threshold turns a rounding difference in a row into another code) and a
+    TopK SAE after a fit of SHORT_CORPUS: states and tokens."""
+    from conceptlens.concepts.sae import JumpReLUSAE
+    from tests.conftest import CharTokenizer, tiny_model
+
+    lens = conceptlens.attach(tiny_model("llama"), CharTokenizer())
+    extractors = {"jump": JumpReLUSAE(width=8, batch_size=16, buffer_size=32, warmup_tokens=16, seed=1),
+                  "topk": TopKSAE(width=8, k=2, batch_size=16, buffer_size=32, warmup_tokens=16, seed=2)}
+    report = lens.fit({"blocks.1.resid_out": extractors}, SHORT_CORPUS, batch_size=batch_size, max_length=24,
+                      progress=False, distributed=distributed)
+    return {"states": {k: e.state_dict() for k, e in extractors.items()}, "tokens": report.tokens}
+
+
+def padded_body(comm: Comm, out: Path) -> dict:
+    return padded_fit(4, True)
+
+
 def routed_fit(batch_size: int, distributed: bool, run_dir: str | None = None) -> dict:
     """Two k-means at two sites (a distributed fit updates them on ranks 1 and 0): states, rows, tokens."""
     from tests.conftest import CharTokenizer, tiny_model

@@ -257,3 +257,10 @@ def fit_body(comm: Comm, out: Path, run_dir: str | None, kill: dict | None = Non
     return {"states": {str(k): e.state_dict() for k, e in extractors.items()}, "tokens": report.tokens,
             "documents": report.documents, "batches": report.batches, "resumed_from": report.resumed_from,
             "kmeans_updates": extractors["blocks.1.resid_out"].calls}
+
+
+def own_folder_body(comm: Comm, out: Path, cwds: list[str]) -> dict:
+    """`fit_body` into the relative run folder "run" from each rank's own working directory: ranks
+    on nodes that share no file system, one command line."""
+    os.chdir(cwds[comm.rank])
+    return fit_body(comm, out, "run")

@@ -8,7 +8,7 @@ import torch
 from conceptlens.concepts import TopKSAE
 from conceptlens.distributed import Comm, DistributedError
 from tests import distributed_workers as W
-from tests.conftest import assert_same_state
+from tests.conftest import assert_same_state, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is unavailable")
 
@@ -220,6 +220,24 @@ def test_a_dead_rank_stops_the_others_with_a_clear_error_and_both_resume_bit_ide
             assert_same_state(a["states"][key], b["states"][key])
 
 
+def test_ranks_that_resume_at_different_points_stop_at_once_naming_where(tmp_path):
+    """Ranks that do not share the run folder: rank 0 resumes a checkpoint, rank 1 finds none and starts
+    afresh. They stepped together on other documents until the collectives of the next checkpoint
+    failed after the full timeout, naming no cause."""
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    node0.mkdir(), node1.mkdir()
+    _ok(*W.spawn(W.own_folder_body, 2, tmp_path / "first", [str(node0), str(node0)])[:2])
+    assert (node0 / "run" / "checkpoint.pt").is_file()
+    codes, results, seconds = W.spawn(W.own_folder_body, 2, tmp_path / "split", [str(node0), str(node1)],
+                                      collective_timeout=60.0)
+    assert codes == [1, 1], results
+    for rank, text in enumerate(results):
+        line = text.splitlines()[0]
+        assert line.startswith(f"DistributedError: rank {rank}/2: the ranks resumed at different points (rank 0 at ")
+        assert "rank 1 at 0 tokens" in line and "a file system they share" in line
+    assert seconds < 50  # at once, not after the collective timeout
+
+
 def test_fit_distributed_without_a_process_group_names_the_fix():
     with pytest.raises(DistributedError, match="torchrun"):
         Comm()
@@ -312,3 +330,50 @@ def test_a_checkpoint_stores_the_owners_states_shared():
 def _tensors(sae_state):
     """An SAE state's parameters and buffers (its module tensors, without the training state)."""
     return {k: v for k, v in sae_state.items() if k != "_extra_state"}
+
+
+def test_a_run_folder_fitted_and_described_under_torchrun_equals_one_process_with_the_global_batch(tmp_path):
+    """`conceptlens fit` on 2 ranks of batch 4 against one process of batch 8: fit_report.json counts every
+    rank's documents (it held rank 0's), and the description pass reads the same documents with the same
+    batch (rank 0 described with its own batch of 4: other documents, other statistics)."""
+    import json
+    import os
+    import random
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from conceptlens.cli import main
+    from tests.steering.test_sweep import word_tokenizer
+
+    model, tok = tiny_model("llama"), word_tokenizer()
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    rng = random.Random(0)
+    lines = [" ".join(f"w{rng.randrange(3, 99)}" for _ in range(rng.randrange(3, 14))) for _ in range(90)]
+    (tmp_path / "docs.txt").write_text("\n".join(lines) + "\n")
+
+    def args(out: Path, batch: int) -> list[str]:
+        return ["fit", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "docs.txt"), "--out", str(out),
+                "--site", "blocks.1.resid_out", "--extractor", "kmeans:n_concepts=4,init_size=64,name=km",
+                "--batch-size", str(batch), "--max-length", "16", "--max-tokens", "300", "--describe-tokens", "300",
+                "--top-n", "3", "--window", "2,1", "--no-progress"]
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(W.free_port()), "-m", "conceptlens.cli", *args(tmp_path / "ranks", 4)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CONCEPTLENS_DIST_TIMEOUT": "60", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert main(args(tmp_path / "alone", 8)) == 0
+    reports = [json.loads((tmp_path / run / "fit_report.json").read_text()) for run in ("ranks", "alone")]
+    assert reports[0]["documents"] == reports[1]["documents"] and reports[0]["tokens"] == reports[1]["tokens"]
+    infos = [json.loads((tmp_path / run / "describe" / "km" / "description.json").read_text())
+             for run in ("ranks", "alone")]
+    assert [(i["first_document"], i["documents"], i["tokens"]) for i in infos[:1]] == \
+        [(i["first_document"], i["documents"], i["tokens"]) for i in infos[1:]]
+    stats = [load_file(tmp_path / run / "describe" / "km" / "stats.safetensors") for run in ("ranks", "alone")]
+    for key in ("hist_counts", "top_doc", "top_pos", "frequency"):
+        assert torch.equal(stats[0][key], stats[1][key]), key

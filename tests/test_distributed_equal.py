@@ -57,6 +57,18 @@ def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(tmp_path):
         assert_close_state(r0["states"][name], state, name)
 
 
+def test_ranks_pad_to_the_steps_widest_batch_so_a_thresholded_sae_equals_one_process(tmp_path):
+    """Each rank padded its batch to its own longest document; the forward's rows then differed from one
+    process's by rounding (7e-9), and JumpReLU's threshold turned that into other codes (W_enc off by 0.03)."""
+    codes, results, _ = W.spawn(F.padded_body, 2, tmp_path)
+    r0, r1 = _ok(codes, results)
+    alone = F.padded_fit(8, False)
+    assert r0["tokens"] == r1["tokens"] == alone["tokens"]
+    for name, state in alone["states"].items():
+        assert_same_state(r0["states"][name], r1["states"][name], name)
+        assert_close_state(r0["states"][name], state, name)
+
+
 def test_extractors_with_their_own_budgets_stop_at_one_global_count_on_every_rank(tmp_path):
     """Per-extractor budgets (`FitConfig.extractor_tokens`) count the global step's tokens: two ranks
     stop the SAE, the k-means and the VQ codebook (each updated on the rank that owns it) where one

@@ -8,7 +8,10 @@
 Writes RUN/run.toml (the resolved config), RUN/checkpoint.pt (every --checkpoint-every tokens),
 RUN/concepts/<NAME>/ (one ConceptSet per extractor), RUN/fit_report.json, and unless
 --no-describe the description pass into RUN/describe/<NAME>/. Ctrl-C finishes the batch, writes
-a checkpoint and says its token count; the same command again resumes there. RUN holds one
+a checkpoint and says its token count; the same command again resumes there (under torchrun, which
+passes a second Ctrl-C on to the ranks at once, it resumes from the last --checkpoint-every
+checkpoint). A distributed run folder equals one process's with batch W * --batch-size, the
+description pass included (rank 0 describes with that batch). RUN holds one
 run: a folder of another run is refused unless --overwrite clears that run's files (once the model
 has loaded and the sites are checked, so a mistake loses nothing; never a file behind a symbolic
 link, nor any in a folder whose run.toml is not a run's), and it is locked while written (a second
@@ -220,6 +223,7 @@ def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, te
         documents = int(total)
     if not writes:
         return 0
+    report = dataclasses.replace(report, documents=documents)  # every rank's, as one process counts them
     fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(report) if f.name != "concepts"}
     text = json.dumps(jsonable(fields) | {"concepts": sorted(report.concepts)}, indent=1)
     atomic_write(out / "fit_report.json", lambda p: Path(p).write_text(text, encoding="utf-8"))
@@ -234,5 +238,8 @@ def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, te
         raise ValueError(f"no extractor was fitted ({', '.join(failed)}: too few rows; the fit above says how many "
                          "it kept): give more tokens (--max-tokens), longer documents (--max-length) or more data")
     if cfg.describe.enabled:
+        if distributed:  # rank 0 describes alone, with the global batch one process of the same fit uses
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            cfg = dataclasses.replace(cfg, fit=dataclasses.replace(cfg.fit, batch_size=cfg.fit.batch_size * world))
         describe_run(lens, cfg, report.concepts, documents, out, progress=not args.no_progress)
     return 0

@@ -7,7 +7,9 @@
 TransformerLens names: `blocks.{i}.hook_resid_pre` / `_post`, `hook_attn_out`, `hook_mlp_out`,
 `attn.hook_q` / `hook_k` -> `attn.q_pre` / `k_pre` (pre-rotary; the projection-read `attn.q` / `k`
 where there is no rotary), `attn.hook_rot_q` / `hook_rot_k` -> `attn.q` / `k`, `attn.hook_v`,
-`attn.hook_z`, `attn.hook_pattern`, `mlp.hook_post`, `ln_final.hook_normalized` -> `final`.
+`attn.hook_z`, `attn.hook_pattern`, `mlp.hook_post`. TransformerLens's `ln2.hook_normalized` and
+`ln_final.hook_normalized` are refused with the site to use: they hold the normalised input before
+the norm's weight and bias, which no site here holds (`mlp.in` and `final` are after them).
 HF module paths from the model or its base model name the site that is that module's output
 (`model.layers.5.mlp` -> `blocks.5.mlp_out`); a path naming one part of a summed site, or a
 shared layer run as several blocks, raises with the site to use. Unknown names raise `KeyError`
@@ -31,10 +33,12 @@ TRANSFORMER_LENS = {
     "hook_resid_pre": "resid_in", "hook_resid_post": "resid_out", "hook_attn_out": "attn_out",
     "hook_mlp_out": "mlp_out", "attn.hook_q": "attn.q_pre", "attn.hook_k": "attn.k_pre", "attn.hook_v": "attn.v",
     "attn.hook_rot_q": "attn.q", "attn.hook_rot_k": "attn.k", "attn.hook_z": "attn.z",
-    "attn.hook_pattern": "attn.pattern", "mlp.hook_post": "mlp.post", "ln2.hook_normalized": "mlp.in",
+    "attn.hook_pattern": "attn.pattern", "mlp.hook_post": "mlp.post",
 }
 """TransformerLens hook (after `blocks.{i}.`) -> conceptlens site (after `blocks.{i}.`)."""
-_TL_GLOBAL = {"hook_embed_total": "embed", "ln_final.hook_normalized": "final"}
+_TL_GLOBAL = {"hook_embed_total": "embed"}
+_TL_BEFORE_WEIGHT = {"ln2.hook_normalized": "mlp.in", "ln_final.hook_normalized": "final"}
+"""TransformerLens hooks before a norm's weight and bias -> the site after them (named in the refusal)."""
 
 
 class SiteTable(Protocol):
@@ -71,6 +75,12 @@ class NameResolver:
         return self.canonical(name)
 
     def canonical(self, name: str) -> str:
+        hook = name.split(".", 2)[-1] if name.startswith(("blocks.", "encoder.", "decoder.")) else name
+        if hook in _TL_BEFORE_WEIGHT:
+            after = _TL_BEFORE_WEIGHT[hook]
+            site = after if hook == name else name[: -len(hook)] + after
+            raise KeyError(f"no site {name!r}: TransformerLens's {hook} is the normalised input before the norm's "
+                           f"weight and bias, which no site here holds; {site} is the norm's output, after them")
         name = _TL_GLOBAL.get(name, name)
         match = _BLOCK_NAME.match(name)
         if not match:

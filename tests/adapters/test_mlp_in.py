@@ -35,7 +35,8 @@ def test_mlp_in_is_what_the_mlp_reads(family):
             out = getattr(block, mlp)(acts[f"blocks.{i}.mlp.in"])
             out = getattr(block, post)(out) if post else out
             torch.testing.assert_close(out, acts[f"blocks.{i}.mlp_out"], rtol=1e-4, atol=1e-5)
-    assert lens.site("blocks.0.ln2.hook_normalized").name == "blocks.0.mlp.in"  # TransformerLens's name
+    with pytest.raises(KeyError, match="before the norm's weight and bias.*blocks.0.mlp.in is the norm's output"):
+        lens.site("blocks.0.ln2.hook_normalized")  # TransformerLens's hook: not this site (before the weight)
 
 
 def test_no_mlp_in_without_a_separate_mlp_module():

@@ -53,12 +53,14 @@ def test_transformer_lens_and_hf_module_names():
              "blocks.0.attn.hook_q": "blocks.0.attn.q_pre", "blocks.0.attn.hook_k": "blocks.0.attn.k_pre",
              "blocks.0.attn.hook_v": "blocks.0.attn.v", "blocks.0.attn.hook_z": "blocks.0.attn.z",
              "blocks.0.mlp.hook_post": "blocks.0.mlp.post", "blocks.0.attn.hook_pattern": "blocks.0.attn.pattern",
-             "ln_final.hook_normalized": "final", "model.layers.1": "blocks.1.resid_out",
+             "model.layers.1": "blocks.1.resid_out",
              "model.layers.0.mlp": "blocks.0.mlp_out", "layers.0.self_attn": "blocks.0.attn_out", "model.norm": "final"}
     for name, canonical in pairs.items():
         assert lens.site_name(name) == canonical, name
     with pytest.raises(KeyError, match="no site"):
         lens.site("model.layers.0.self_attn.rotary_nonexistent")
+    with pytest.raises(KeyError, match="before the norm's weight and bias.*; final is the norm's output"):
+        lens.site("ln_final.hook_normalized")
 
 
 def test_pre_rotary_q_is_the_projection_and_rotary_q_differs():

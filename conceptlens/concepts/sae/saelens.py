@@ -36,13 +36,19 @@ LAYOUT_VERSION = "6.0.0"
 # method -> SAELens architecture, and back (an architecture reads as the first method declaring it)
 ARCHITECTURE = saelens_architectures(rows="site")
 METHOD = {arch: next(iter(names(saelens=arch))) for arch in ("standard", "topk", "jumprelu")}
-# our site names -> TransformerLens hook names, which SAELens configs use
-HOOKS = {"resid_in": "hook_resid_pre", "resid_out": "hook_resid_post",
-         "attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out", "mlp.in": "ln2.hook_normalized"}
+# our site names -> the TransformerLens hook names SAELens configs use, where the two hold the same
+# tensor (checked against TransformerLens's own cache in the tests). Not here: TransformerLens's
+# `hook_embed` (the token embedding alone: before GPT-2's position embedding) and its
+# `ln*.hook_normalized` (before the norm's weight and bias), which are not our `embed`, `mlp.in`, `final`.
+HOOKS = {"resid_in": "hook_resid_pre", "resid_out": "hook_resid_post", "attn_out": "hook_attn_out",
+         "mlp_out": "hook_mlp_out"}
 
 
 def hook_name(site: str | None) -> str | None:
-    """`blocks.5.resid_out` -> `blocks.5.hook_resid_post`; other names are kept as they are."""
+    """`blocks.5.resid_out` -> `blocks.5.hook_resid_post`, `embed` -> `blocks.0.hook_resid_pre`; names
+    without a TransformerLens twin are kept as they are."""
+    if site == "embed":
+        return "blocks.0.hook_resid_pre"
     match = re.fullmatch(r"blocks\.(-?\d+)\.([\w.]+)", site or "")
     if match and match.group(2) in HOOKS:
         return f"blocks.{match.group(1)}.{HOOKS[match.group(2)]}"
@@ -90,7 +96,10 @@ def import_saelens(directory: str | os.PathLike, *, centre: bool | None = None) 
     `center_writing_weights`, i.e. TransformerLens-processed activations) folds the
     per-token centring x - mean_d(x) into the encoder, so `encode` takes our raw `resid_out`
     rows; the decoder then reconstructs the centred activation. The hook name becomes our
-    site name (`blocks.1.hook_resid_post` -> `blocks.1.resid_out`) and is kept in the config.
+    site name (`blocks.1.hook_resid_post` -> `blocks.1.resid_out`) and is kept in the config; a
+    hook no site of ours equals (`hook_embed`, `ln2.hook_normalized`, ...) stays the set's site, which
+    a lens refuses: set `cs.site` where the two coincide for your model. A config from before
+    SAELens 6 (`hook_point`, `activation_fn_str`) is read as SAELens reads it.
     """
     directory = Path(directory)
     for name in (CFG_FILE, WEIGHTS_FILE):
@@ -98,7 +107,7 @@ def import_saelens(directory: str | os.PathLike, *, centre: bool | None = None) 
             raise FileNotFoundError(f"{directory / name} not found: "
                                     f"a SAELens folder holds {CFG_FILE} and {WEIGHTS_FILE}")
     cfg = _checked_cfg(directory / CFG_FILE)
-    arch = cfg.get("architecture", "standard")
+    arch = cfg["architecture"]
     if arch not in METHOD:
         raise ValueError(f"architecture {arch!r} is not supported; supported: {sorted(METHOD)}")
     for key, ok in (("normalize_activations", ("none", False, None)), ("reshape_activations", ("none", None))):
@@ -137,8 +146,9 @@ def import_saelens(directory: str | os.PathLike, *, centre: bool | None = None) 
 
 
 def _checked_cfg(path: Path) -> dict[str, Any]:
-    """cfg.json with the JSON types and ranges of the fields this reader uses."""
-    cfg = field(path, "the file", read_json(path), dict)
+    """cfg.json with the JSON types and ranges of the fields this reader uses, a config from before
+    SAELens 6 read in 6's terms (`_before_6`)."""
+    cfg = _before_6(path, field(path, "the file", read_json(path), dict))
     d_sae = field(path, "d_sae", cfg.get("d_sae"), int, low=1, high=MAX_COUNT)
     field(path, "d_in", cfg.get("d_in"), int, low=1, high=MAX_COUNT)
     if cfg.get("architecture") == "topk":
@@ -152,6 +162,27 @@ def _checked_cfg(path: Path) -> dict[str, Any]:
               optional=True)
         for key in ("hook_name", "model_name", "conceptlens_site"):
             field(path, f"{where}{key}", block.get(key), str, optional=True)
+    return cfg
+
+
+def _before_6(path: Path, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A config without 6's fields in 6's terms, as SAELens itself reads one: `hook_point` is the hook
+    name, no architecture is "standard", and an `activation_fn(_str)` "topk" with a k in
+    `activation_fn_kwargs` is a TopK SAE of that k; another activation than ReLU is refused."""
+    if "architecture" in cfg:
+        return cfg
+    cfg = dict(cfg)
+    if "hook_point" in cfg and "hook_name" not in cfg:
+        cfg["hook_name"] = cfg["hook_point"]
+    activation = cfg.get("activation_fn", cfg.get("activation_fn_str", "relu"))
+    kwargs = cfg.get("activation_fn_kwargs") or {}
+    if activation == "topk" and isinstance(kwargs, dict) and kwargs.get("k") is not None:
+        cfg["architecture"], cfg["k"] = "topk", kwargs["k"]
+    elif activation == "relu":
+        cfg["architecture"] = "standard"
+    else:
+        raise ValueError(f"{path}: activation {activation!r} (a config from before SAELens 6) is not supported; "
+                         "supported: relu, topk with activation_fn_kwargs.k")
     return cfg
 
 
@@ -193,9 +224,7 @@ def site_from_hook_name(hook: str | None) -> str | None:
     """
     if not hook:
         return hook
-    if hook == "hook_embed" or hook == "blocks.0.hook_resid_pre":
-        return "embed" if hook == "hook_embed" else "blocks.0.resid_in"
-    if hook in ("ln_final.hook_normalized", "model.norm"):
+    if hook == "model.norm":  # the HF module's output: after its weight, as our `final`
         return "final"
     match = re.fullmatch(r"blocks\.(-?\d+)\.(.+)", hook)
     if match and match.group(2) in _TL_SITE:

@@ -156,8 +156,9 @@ def test_refused_layouts_name_the_field(tmp_path):
     ("blocks.5.hook_resid_post", "blocks.5.resid_out"), ("blocks.5.hook_resid_pre", "blocks.5.resid_in"),
     ("blocks.2.hook_mlp_out", "blocks.2.mlp_out"), ("blocks.2.attn.hook_z", "blocks.2.attn.z"),
     ("model.layers.7", "blocks.7.resid_out"), ("model.layers.7.mlp", "blocks.7.mlp_out"),
-    ("transformer.h.3.attn", "blocks.3.attn_out"), ("ln_final.hook_normalized", "final"),
-    ("something.else", "something.else"),
+    ("transformer.h.3.attn", "blocks.3.attn_out"), ("model.norm", "final"),
+    ("ln_final.hook_normalized", "ln_final.hook_normalized"), ("hook_embed", "hook_embed"),
+    ("blocks.0.hook_resid_pre", "blocks.0.resid_in"), ("something.else", "something.else"),
 ])
 def test_hook_names_map_to_sites_and_back(hook, site):
     from conceptlens.concepts.sae.saelens import site_from_hook_name
@@ -174,3 +175,61 @@ def test_export_names_the_hub_id_of_a_registered_model(tmp_path):
     assert json.loads((tmp_path / "cfg.json").read_text())["metadata"]["model_name"] == \
         "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert import_saelens(tmp_path).model == "smollm2-135m"
+
+
+def test_every_hook_name_we_map_holds_the_same_tensor_as_in_transformerlens():
+    """GPT-2 with non-trivial LayerNorm weights, in HF and (the same weights, no processing, as SAELens 6
+    loads models) in TransformerLens: each site we name by a TransformerLens hook reads that hook's
+    tensor. `ln2.hook_normalized` (before the norm's weight) and `hook_embed` (without the position
+    embedding) were mapped to `mlp.in` and `embed`: 0.6 relative apart."""
+    pytest.importorskip("sae_lens")
+    tl = pytest.importorskip("transformer_lens")
+    from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import conceptlens
+    from conceptlens.concepts.sae.saelens import HOOKS, site_from_hook_name
+
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=100)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "ln_" in name:
+                p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") else 0.0))
+    cfg = tl.HookedTransformerConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_mlp=128, d_vocab=100, n_ctx=64,
+                                     act_fn="gelu_new", normalization_type="LN")
+    model = tl.HookedTransformer(cfg)
+    model.load_state_dict(convert_gpt2_weights(hf, cfg), strict=False)
+    ids = torch.randint(0, 100, (1, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, cache = model.eval().run_with_cache(ids)
+    sites = ["embed", *(f"blocks.{i}.{name}" for i in (0, 1) for name in HOOKS), "blocks.1.mlp.in", "final"]
+    with conceptlens.attach(hf).capture(sites) as capture:
+        acts, _ = capture.forward(input_ids=ids, attention_mask=torch.ones_like(ids))
+    mapped = {site: hook_name(site) for site in sites if hook_name(site) != site}
+    assert sorted(mapped) == sorted(set(sites) - {"blocks.1.mlp.in", "final"})
+    for site, hook in mapped.items():
+        torch.testing.assert_close(acts[site].reshape(-1, 32), cache[hook].reshape(-1, 32), rtol=1e-5, atol=1e-5)
+        assert site_from_hook_name(hook) in (site, "blocks.0.resid_in")  # embed is block 0's input
+    for hook in ("blocks.1.ln2.hook_normalized", "ln_final.hook_normalized", "hook_embed"):  # no site holds these
+        assert site_from_hook_name(hook) == hook
+
+
+def test_a_config_from_before_saelens_6_reads_as_saelens_reads_it(tmp_path):
+    sae_lens = pytest.importorskip("sae_lens")
+    _theirs("topk", tmp_path, k=4, rescale_acts_by_decoder_norm=False)
+    cfg = json.loads((tmp_path / "cfg.json").read_text())
+    for key in ("architecture", "k", "metadata"):
+        cfg.pop(key)
+    cfg |= {"activation_fn_str": "topk", "activation_fn_kwargs": {"k": 4}, "hook_point": "blocks.1.hook_resid_post",
+            "model_name": "gpt2"}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    theirs = sae_lens.SAE.load_from_disk(tmp_path)
+    cs = import_saelens(tmp_path)
+    assert cs.method == "topk" and cs.config["k"] == 4 and cs.site == "blocks.1.resid_out"
+    x = torch.randn(64, D_IN, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(sae_from_concept_set(cs).encode(x), theirs.encode(x), rtol=1e-5, atol=1e-5)
+    (tmp_path / "cfg.json").write_text(json.dumps({**cfg, "activation_fn_str": "tanh-relu"}))
+    with pytest.raises(ValueError, match="activation 'tanh-relu' .* not supported; supported: relu, topk"):
+        import_saelens(tmp_path)

@@ -23,7 +23,7 @@ own recommended hyper-parameters, and gives raw-unit reconstructions for evaluat
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -83,12 +83,24 @@ class SAELens:
 
     @torch.no_grad()
     def encode(self, x: Tensor) -> Tensor:
-        self.sae.eval()
-        return self.sae.encode(x)
+        return self.deployed().encode(x)
 
     @torch.no_grad()
     def reconstruct(self, x: Tensor) -> Tensor:
-        return self.sae.decode(self.encode(x))
+        sae = self.deployed()
+        return sae.decode(sae.encode(x))
+
+    def deployed(self) -> Any:
+        """The SAE as SAELens deploys it (`save_inference_model`, then `SAE.load_from_disk`): a BatchTopK
+        SAE becomes a JumpReLU at its learned threshold, as ours is scored, so no held-out row's code
+        depends on the rows scored beside it (the training SAE's `encode` takes top-k over the batch)."""
+        import tempfile
+
+        from sae_lens import SAE
+
+        with tempfile.TemporaryDirectory() as folder:
+            self.sae.save_inference_model(folder)
+            return SAE.load_from_disk(folder).eval()
 
 
 class Sparsify:

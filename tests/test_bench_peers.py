@@ -55,6 +55,23 @@ def test_ours_and_saelens_share_one_fvu() -> None:
     assert trainers["ours-topk"].sae.stats().steps == 6  # one optimiser step per batch, as the peers take
 
 
+def test_saelens_batchtopk_is_scored_as_saelens_deploys_it() -> None:
+    """At its learned threshold, row by row (a JumpReLU, as `save_inference_model` writes it and ours is
+    scored): the training SAE's encode took top-k over the whole held-out batch."""
+    pytest.importorskip("sae_lens")
+    trainers, _, held_out = run(["saelens-batchtopk"])
+    trainer = trainers["saelens-batchtopk"]
+    together, alone = trainer.encode(held_out), torch.cat([trainer.encode(row[None]) for row in held_out[:20]])
+    torch.testing.assert_close(together[:20], alone)  # no row's code depends on its neighbours
+    sae = trainer.sae
+    with torch.no_grad():  # by hand: the pre-activation in decoder-norm units (SAELens's training default),
+        pre = (held_out - sae.b_dec) @ sae.W_enc + sae.b_enc  # then ReLU and the threshold
+        if sae.cfg.rescale_acts_by_decoder_norm:
+            pre = pre * sae.W_dec.norm(dim=1)
+        by_hand = torch.relu(pre) * (pre > sae.topk_threshold)
+    torch.testing.assert_close(together, by_hand, rtol=1e-5, atol=1e-5)
+
+
 def test_sparsify_evaluation_leaves_its_training_weights_alone() -> None:
     pytest.importorskip("sparsify")
     pytest.importorskip("schedulefree")

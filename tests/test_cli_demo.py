@@ -82,6 +82,12 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
     quality = json.loads((out / "quality.json").read_text())
     assert set(quality["extractors"]) == {"deleuzian", "topk", "kmeans", "random/8", "random/64"}  # matched in count
     assert "FVU" in quality["extractors"]["topk"] and "FVU" not in quality["extractors"]["kmeans"]
+    from conceptlens.report import Atlas
+    from conceptlens.report.quality import quality_rows
+
+    shown = dict(quality_rows(Atlas.load(out), {}))  # the atlas's quality table: the console's figure
+    for name in ("deleuzian", "topk", "kmeans"):
+        assert shown[name]["effective rank"] == pytest.approx(quality["extractors"][name]["effective rank"], rel=1e-5)
     assert "Deleuzian 8 concepts (paper mode on document means, no skew weighting)" in printed
     assert "k-means 8 (on document means, tokens assigned to the nearest)" in printed
     assert (out / "run.toml").read_text().count('unit = "document"') == 2  # Deleuzian and k-means

@@ -258,7 +258,8 @@ def _quality(task: str, train: act.Probed, test: act.Probed, sets: Mapping[str, 
 
     lines = []
     for name, cs in sets.items():
-        rows = metric_rows(cs.directions, Features(train.x, train.z[name], train.y),
+        directions = (cs.centred() if cs.mean is not None else cs).directions  # as the activations read them
+        rows = metric_rows(directions, Features(train.x, train.z[name], train.y),
                            Features(test.x, test.z[name], test.y), class_names, None, config.probe_candidates)
         for r in rows:
             bases = [] if math.isnan(r.baseline) else [(r.baseline_name, _point(r.baseline))]

@@ -46,7 +46,9 @@ class FitState:
         self.extractors = extractors
         self.fingerprint = fingerprint
         self.tokens = self.documents = self.batches = 0
-        self.last_batch_from = 0  # tokens before the last batch: a fit of max_tokens above it stops where this did
+        self.last_batch_from: int | None = 0
+        """Tokens before the last batch: a fit of max_tokens above it stops where this did (None: a
+        checkpoint from before it was recorded, resumed and not yet advanced)."""
         self.stopped: dict[str, int] = {}  # extractor -> tokens it was fed, once its own budget is reached
         self._data = hashlib.sha256()  # of the documents consumed so far, in order
         self.run: Any = None  # a conceptlens.distributed.DistributedRun in a distributed fit
@@ -65,7 +67,8 @@ class FitState:
             "fingerprint": self.fingerprint,
             "data_sha256": self._data.hexdigest(),
             "progress": {"tokens": self.tokens, "documents": self.documents, "batches": self.batches,
-                         "last_batch_from": self.last_batch_from, "stopped": dict(self.stopped)},
+                         "stopped": dict(self.stopped)} | ({} if self.last_batch_from is None else
+                                                         {"last_batch_from": self.last_batch_from}),
             "rows": self.row_filter.state_dict(),  # the key files have always used
             "torch_rng": torch.get_rng_state(),
             "extractors": {name: e.state_dict() for name, e in self.extractors.items()
@@ -136,7 +139,7 @@ class FitState:
         torch.set_rng_state(state["torch_rng"])
         progress = state["progress"]
         self.tokens, self.documents, self.batches = progress["tokens"], progress["documents"], progress["batches"]
-        self.last_batch_from = progress.get("last_batch_from", 0)  # (checkpoints from before it: unknown)
+        self.last_batch_from = progress.get("last_batch_from")  # (checkpoints from before it: unknown, kept so)
         self.stopped = dict(progress.get("stopped", {}))  # (checkpoints from before extractor budgets: none)
         self._data = data
         return texts
@@ -194,13 +197,19 @@ def check_budget(path: Path, max_tokens: int | None) -> None:
     verified: a file that does not read is left for the resume to report)."""
     if max_tokens is None or not path.is_file():
         return
-    try:
-        state = torch.load(path, weights_only=True, mmap=True)["state"]
-        progress = (state["ranks"][0] if "ranks" in state else state)["progress"]
-    except Exception:  # noqa: BLE001 - the resume reads it again, and says what is wrong
+    progress = None
+    for mmap in (True, False):  # (a file in torch's legacy format cannot be memory-mapped)
+        try:
+            state = torch.load(path, weights_only=True, mmap=mmap)["state"]
+            progress = (state["ranks"][0] if "ranks" in state else state)["progress"]
+            break
+        except Exception:  # noqa: BLE001 - the resume reads it again, and says what is wrong
+            continue
+    if not isinstance(progress, dict):
         return
-    if isinstance(progress, dict) and isinstance(progress.get("tokens"), int):
-        _check_budget(path, progress, max_tokens)
+    began = progress.get("last_batch_from")
+    if isinstance(progress.get("tokens"), int) and isinstance(began, int) and not isinstance(began, bool):
+        _check_budget(path, progress, max_tokens)  # (a damaged field is for the resume to name)
 
 
 def _check_budget(path: Path, progress: dict[str, Any], max_tokens: int | None) -> None:

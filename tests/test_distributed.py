@@ -377,3 +377,9 @@ def test_a_run_folder_fitted_and_described_under_torchrun_equals_one_process_wit
     stats = [load_file(tmp_path / run / "describe" / "km" / "stats.safetensors") for run in ("ranks", "alone")]
     for key in ("hist_counts", "top_doc", "top_pos", "frequency"):
         assert torch.equal(stats[0][key], stats[1][key]), key
+    # run.toml records that batch, so describing the folder again reads what the fit's own pass read
+    assert "[describe]" in (toml := (tmp_path / "ranks" / "run.toml").read_text()) and "batch_size = 8" in toml
+    assert main(["describe", str(tmp_path / "ranks"), "--no-resume"]) == 0
+    again = load_file(tmp_path / "ranks" / "describe" / "km" / "stats.safetensors")
+    for key in ("hist_counts", "top_doc", "top_pos", "frequency"):
+        assert torch.equal(again[key], stats[1][key]), key

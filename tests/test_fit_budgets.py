@@ -199,3 +199,28 @@ def test_a_checkpoint_past_a_lowered_max_tokens_is_refused_and_one_it_could_have
     assert resumed.resumed_from == resumed.tokens == fresh.tokens == first.tokens
     for name in saved:
         assert_same_state(states[name], fresh_states[name], name)
+
+
+def test_a_checkpoint_from_before_the_budget_record_stays_unchecked_and_a_damaged_record_is_the_resumes(tmp_path):
+    """A checkpoint without `last_batch_from` (written before it) resumes under any budget and, saved again
+    without a batch, does not claim one; a damaged record is left for the resume to name, in one line."""
+    from conceptlens._io import save_object, state_digest
+    from conceptlens.checkpoint import check_budget, read_checkpoint
+
+    _fit(max_tokens=1600, checkpoint_dir=str(tmp_path))
+    path = tmp_path / "checkpoint.pt"
+
+    def rewrite(change):
+        payload = torch.load(path, weights_only=True)
+        change(payload["state"]["progress"])
+        payload["sha256"] = state_digest(payload["state"])
+        save_object(payload, path)
+
+    rewrite(lambda progress: progress.pop("last_batch_from"))
+    check_budget(path, 800)  # unknown: not refused
+    resumed, _ = _fit(max_tokens=800, checkpoint_dir=str(tmp_path))  # resumed, nothing to add, saved again
+    assert resumed.resumed_from == resumed.tokens and "last_batch_from" not in read_checkpoint(path)["progress"]
+    rewrite(lambda progress: progress.update(last_batch_from="12"))
+    check_budget(path, 800)  # no TypeError here: the resume reads the file and names what is wrong
+    with pytest.raises(ValueError, match="last_batch_from must be an int"):
+        _fit(max_tokens=800, checkpoint_dir=str(tmp_path))

@@ -75,7 +75,8 @@ class NameResolver:
         return self.canonical(name)
 
     def canonical(self, name: str) -> str:
-        hook = name.split(".", 2)[-1] if name.startswith(("blocks.", "encoder.", "decoder.")) else name
+        block = _BLOCK_NAME.match(name)
+        hook = block.group(3) if block else name
         if hook in _TL_BEFORE_WEIGHT:
             after = _TL_BEFORE_WEIGHT[hook]
             site = after if hook == name else name[: -len(hook)] + after

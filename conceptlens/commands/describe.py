@@ -75,6 +75,7 @@ def describe_run(lens: Any, cfg: rc.RunConfig, concept_sets: Mapping[str, Any], 
     print(f"\ndescribing {', '.join(concept_sets)} on {d.max_tokens or 'all'} tokens of "
           f"{d.data or cfg.data} (documents from {skip})")
     streaming = {**dataclasses.asdict(cfg.fit), "max_tokens": d.max_tokens,  # the fit's batches, the pass's budget
+                 "batch_size": d.batch_size or cfg.fit.batch_size,
                  "progress": progress}
     descriptions = lens.describe(dict(concept_sets), data, skip_documents=skip, top_n=d.top_n, window=tuple(d.window),
                                  out=str(out / "describe"), steering=steering, **streaming)

@@ -11,7 +11,8 @@ RUN/concepts/<NAME>/ (one ConceptSet per extractor), RUN/fit_report.json, and un
 a checkpoint and says its token count; the same command again resumes there (under torchrun, which
 passes a second Ctrl-C on to the ranks at once, it resumes from the last --checkpoint-every
 checkpoint). A distributed run folder equals one process's with batch W * --batch-size, the
-description pass included (rank 0 describes with that batch). RUN holds one
+description pass included: rank 0 describes with that batch, which run.toml records as [describe]
+batch_size (set it lower where one device cannot hold it). RUN holds one
 run: a folder of another run is refused unless --overwrite clears that run's files (once the model
 has loaded and the sites are checked, so a mistake loses nothing; never a file behind a symbolic
 link, nor any in a folder whose run.toml is not a run's), and it is locked while written (a second
@@ -200,6 +201,10 @@ def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, te
         print(f"--overwrite: removed the {len(cleared)} files of the run {out} held (other files stay)")
     if cfg.fit.resume:  # a checkpoint past a lowered --max-tokens: refused before run.toml records the budget
         check_budget(out / CHECKPOINT, cfg.fit.max_tokens)
+    if distributed and cfg.describe.batch_size is None:  # rank 0 describes alone, with one process's batch
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        cfg = dataclasses.replace(cfg, describe=dataclasses.replace(cfg.describe,
+                                                                    batch_size=cfg.fit.batch_size * world))
     if writes:
         out.mkdir(parents=True, exist_ok=True)
         written = dataclasses.replace(cfg, fit=dataclasses.replace(cfg.fit, resume=True))  # a rerun of it resumes
@@ -238,8 +243,5 @@ def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, te
         raise ValueError(f"no extractor was fitted ({', '.join(failed)}: too few rows; the fit above says how many "
                          "it kept): give more tokens (--max-tokens), longer documents (--max-length) or more data")
     if cfg.describe.enabled:
-        if distributed:  # rank 0 describes alone, with the global batch one process of the same fit uses
-            world = int(os.environ.get("WORLD_SIZE", "1"))
-            cfg = dataclasses.replace(cfg, fit=dataclasses.replace(cfg.fit, batch_size=cfg.fit.batch_size * world))
         describe_run(lens, cfg, report.concepts, documents, out, progress=not args.no_progress)
     return 0

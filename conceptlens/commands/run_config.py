@@ -67,6 +67,9 @@ class DescribeSection:
     steer: list[str] = field(default_factory=list)
     """Concepts to record steering samples for, as "SET:INDEX" (e.g. "kmeans:12")."""
     prompt: str = "I went to the shop and"
+    batch_size: int | None = None
+    """Documents per batch of the description pass; None: the fit's. A fit under torchrun records its
+    global batch (ranks x [fit] batch_size) here, which rank 0 describes with, as one process would."""
 
 
 @dataclass
@@ -192,7 +195,8 @@ def _check_steer(cfg: RunConfig) -> None:
 def _check_numbers(cfg: RunConfig) -> None:
     for section, key, flag in (("fit", "batch_size", "--batch-size"), ("fit", "max_length", "--max-length"),
                                ("fit", "max_tokens", "--max-tokens"), ("fit", "checkpoint_every", "--checkpoint-every"),
-                               ("describe", "max_tokens", "--describe-tokens"), ("describe", "top_n", "--top-n")):
+                               ("describe", "max_tokens", "--describe-tokens"), ("describe", "top_n", "--top-n"),
+                               ("describe", "batch_size", "run.toml")):
         value = getattr(getattr(cfg, section), key)
         if value is not None:  # TOML has no null: None is only a default (the whole source)
             check_int(f"{section}.{key} ({flag})", value)  # at most int64, as islice and torch take

@@ -171,10 +171,10 @@ class HookManager:
 
     @contextmanager
     def private_forward(self, capture: Any) -> Iterator[None]:
-        """Forwards of the library's own inside the block (the steering unit's probe text): every lens
-        attached to the model runs them as if nothing of it were open: no steering edit applies, no
-        scope observes, and no capture but `capture` reads them (a user's open capture, `on_batch`
-        included, never sees the probe's rows)."""
+        """Forwards of the library's own inside the block (the steering unit's probe text), for every
+        lens attached to the model: no steering scope's edit applies or observes, and no capture but
+        `capture` reads them (a user's open capture, `on_batch` included, never sees the probe's rows).
+        A function put on with `lens.hook` is the user's own hook and still runs."""
         with ExitStack() as stack:
             for manager in self.peers():
                 stack.enter_context(manager.steering.suspended())

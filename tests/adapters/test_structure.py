@@ -61,6 +61,9 @@ def test_transformer_lens_and_hf_module_names():
         lens.site("model.layers.0.self_attn.rotary_nonexistent")
     with pytest.raises(KeyError, match="before the norm's weight and bias.*; final is the norm's output"):
         lens.site("ln_final.hook_normalized")
+    t5 = conceptlens.attach(tiny_model("t5"))  # a stack's prefix names the stack's own site
+    with pytest.raises(KeyError, match="; encoder.blocks.0.mlp.in is the norm's output"):
+        t5.site("encoder.blocks.0.ln2.hook_normalized")
 
 
 def test_pre_rotary_q_is_the_projection_and_rotary_q_differs():

@@ -107,7 +107,7 @@ def import_saelens(directory: str | os.PathLike, *, centre: bool | None = None) 
             raise FileNotFoundError(f"{directory / name} not found: "
                                     f"a SAELens folder holds {CFG_FILE} and {WEIGHTS_FILE}")
     cfg = _checked_cfg(directory / CFG_FILE)
-    arch = cfg["architecture"]
+    arch = cfg.get("architecture", "standard")
     if arch not in METHOD:
         raise ValueError(f"architecture {arch!r} is not supported; supported: {sorted(METHOD)}")
     for key, ok in (("normalize_activations", ("none", False, None)), ("reshape_activations", ("none", None))):
@@ -166,20 +166,27 @@ def _checked_cfg(path: Path) -> dict[str, Any]:
 
 
 def _before_6(path: Path, cfg: dict[str, Any]) -> dict[str, Any]:
-    """A config without 6's fields in 6's terms, as SAELens itself reads one: `hook_point` is the hook
+    """A config written before SAELens 6 (its `sae_lens_version`, top-level or in `metadata`, below 6 or
+    absent, as SAELens decides) in 6's terms, as SAELens itself reads one: `hook_point` is the hook
     name, no architecture is "standard", and an `activation_fn(_str)` "topk" with a k in
-    `activation_fn_kwargs` is a TopK SAE of that k; another activation than ReLU is refused."""
-    if "architecture" in cfg:
+    `activation_fn_kwargs` is a TopK SAE of that k (whatever `architecture` says); another activation
+    than ReLU of a "standard" SAE is refused."""
+    meta = cfg.get("metadata")
+    version = str((meta.get("sae_lens_version") if isinstance(meta, dict) else None) or cfg.get("sae_lens_version")
+                  or "0")
+    major = re.match(r"\d+", version)
+    if major is not None and int(major.group()) >= 6:
         return cfg
     cfg = dict(cfg)
     if "hook_point" in cfg and "hook_name" not in cfg:
         cfg["hook_name"] = cfg["hook_point"]
     activation = cfg.get("activation_fn", cfg.get("activation_fn_str", "relu"))
     kwargs = cfg.get("activation_fn_kwargs") or {}
+    cfg.setdefault("architecture", "standard")
     if activation == "topk" and isinstance(kwargs, dict) and kwargs.get("k") is not None:
         cfg["architecture"], cfg["k"] = "topk", kwargs["k"]
-    elif activation == "relu":
-        cfg["architecture"] = "standard"
+    elif activation == "relu" or cfg["architecture"] != "standard":
+        pass  # a jumprelu or topk SAE names its activation by its architecture
     else:
         raise ValueError(f"{path}: activation {activation!r} (a config from before SAELens 6) is not supported; "
                          "supported: relu, topk with activation_fn_kwargs.k")

@@ -230,6 +230,11 @@ def test_a_config_from_before_saelens_6_reads_as_saelens_reads_it(tmp_path):
     x = torch.randn(64, D_IN, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(sae_from_concept_set(cs).encode(x), theirs.encode(x), rtol=1e-5, atol=1e-5)
+    # SAELens 4-5 wrote architecture "standard" beside a topk activation; its version decides, as SAELens does
+    (tmp_path / "cfg.json").write_text(json.dumps({**cfg, "architecture": "standard", "sae_lens_version": "5.9.1"}))
+    assert type(sae_lens.SAE.load_from_disk(tmp_path)).__name__ == "TopKSAE"
+    cs = import_saelens(tmp_path)
+    assert cs.method == "topk" and cs.config["k"] == 4
     (tmp_path / "cfg.json").write_text(json.dumps({**cfg, "activation_fn_str": "tanh-relu"}))
     with pytest.raises(ValueError, match="activation 'tanh-relu' .* not supported; supported: relu, topk"):
         import_saelens(tmp_path)

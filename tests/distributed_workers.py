@@ -14,6 +14,7 @@ import signal
 import socket
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -27,6 +28,18 @@ from conceptlens.filters import FilterConfig
 from conceptlens.metrics.gauge import QueryKeyMoments
 
 CORPUS = [f"document {i}: " + "abcdefghij"[i % 7:] * (1 + i % 5) for i in range(41)]  # odd: uneven shards
+
+
+@contextmanager
+def one_thread():
+    """torch on one thread, as every spawned rank runs: a one-process reference then takes the ranks'
+    kernels, so a comparison with them does not hang on how another thread count rounds."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def free_port() -> int:

@@ -51,10 +51,10 @@ def quality_rows(descriptions: Mapping[str, Any], directions: Mapping[str, torch
         if name == "random":  # the control, matched in count to each set: best of n against best of n
             for n in sizes:
                 rows[f"random/{n}"] = {"probe": best_per_class(d, n), "n": n,
-                                       "effective rank": effective_rank(_unit(directions[name][:n]))}
+                                       "effective rank": effective_rank(directions[name][:n], unit=True)}
             continue
         row: dict[str, Any] = {"probe": best_per_class(d), "n": int(d.info["n_concepts"]),
-                               "effective rank": effective_rank(_unit(directions[name]))}
+                               "effective rank": effective_rank(directions[name], unit=True)}
         mean = getattr(fit_stats.get(name), "mean", None)  # an SAE's SAEStats: EMA of its last ~100 steps
         if mean is not None:
             row["FVU"], row["L0"] = float(mean.fvu), float(mean.l0)
@@ -96,8 +96,3 @@ def write_quality(rows: Mapping[str, Mapping[str, Any]], base_rate: Mapping[str,
     text = json.dumps({"extractors": table, "baseline": baseline, "note": note}, indent=1)
     atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
-
-def _unit(directions: torch.Tensor) -> torch.Tensor:
-    """Rows scaled to unit length: the effective rank of the atlas's quality table (its legend: "of the
-    unit directions"), so the console and the atlas print one figure."""
-    return torch.nn.functional.normalize(directions.double(), dim=1)

@@ -89,7 +89,7 @@ def steer_example(lens: Any, tok: Any, descriptions: dict[str, Any], labels: lis
     from conceptlens._io import atomic_write
     from conceptlens.commands._common import load_model
     from conceptlens.commands.demo_probe import save_part
-    from conceptlens.evaluate.activations import pick
+    from conceptlens.evaluate.activations import pick, pick_unread
     from conceptlens.commands.demo_quality import best_per_class
     from conceptlens.concepts.conceptset import ConceptSet
     from conceptlens.evaluate.steering import diff_of_means as rows_diff_of_means  # of probed rows
@@ -115,7 +115,7 @@ def steer_example(lens: Any, tok: Any, descriptions: dict[str, Any], labels: lis
     judge = TopicJudge(encoder, encoder_tok, [train.texts[i] for i in learn], [train.labels[i] for i in learn],
                        max_length=JUDGE_TOKENS, seed=args.seed)
     learnt = {train.texts[i] for i in learn}  # the test split repeats some train articles: not held out
-    held = [i for i in range(len(test)) if test.texts[i] not in learnt]
+    held = pick_unread(test, len(test), args.seed, learnt)
     accuracy = judge.accuracy([test.texts[i] for i in held], [test.labels[i] for i in held])
     print(f"Judge: logistic regression on mean-pooled {args.judge_model} embeddings of {len(learn)} train "
           f"articles (first {JUDGE_TOKENS} tokens); held-out accuracy {accuracy:.3f} on {len(held)} test articles "

@@ -73,11 +73,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
-    choose_model(args)
+    concepts = choose_model(args)
     model, tokenizer = load_model(args)
     check_generation_length(model, tokenizer, args.max_new_tokens)
     lens = conceptlens.attach(model, tokenizer)
-    direction, site, what = steering_direction(lens, args)
+    direction, site, what = steering_direction(lens, args, concepts)
     edit = Add(direction, args.alpha, scale=args.scale, site=site)
     prompt = chat_prompt(tokenizer, args.prompt) if args.chat else args.prompt
     bare, steered = continuations(lens, edit, prompt, positions=args.positions, max_new_tokens=args.max_new_tokens)
@@ -87,10 +87,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def choose_model(args: argparse.Namespace) -> None:
+def choose_model(args: argparse.Namespace) -> ConceptSet | None:
     """Set args.model when not given: the model of the run the concept set belongs to (its run.toml,
     which names a local model by its whole path), else the one the set names; smollm2-135m for
-    --direction-word. Checks --concept against the set's size first, all before the model loads."""
+    --direction-word. Checks --concept against the set's size first, all before the model loads.
+    Returns the --concepts set, loaded (None for --direction-word), for `steering_direction`."""
     from conceptlens import ConceptSet
     from conceptlens.commands import run_config as rc
     from conceptlens.commands import run_folder
@@ -103,20 +104,21 @@ def choose_model(args: argparse.Namespace) -> None:
             raise ValueError(f"--concept {bad[0]} is out of range: {args.concepts} holds {n} concepts, "
                              f"valid indices are 0-{n - 1} (or -{n} to -1)")
     if args.model:
-        return
+        return concepts
     if concepts is None:
         args.model = "smollm2-135m"
-        return
+        return None
     folder = Path(args.concepts)
     run = run_folder.run_of(folder)
     if run != folder:  # a set of a run: the model its run.toml names (a local one by its whole path)
         model = rc.read_toml(run / "run.toml").get("model")
         if isinstance(model, str) and model.strip():
             args.model = model
-            return
+            return concepts
     args.model = concepts.model
     if not args.model:
         raise ValueError(f"{args.concepts} names no model: pass --model")
+    return concepts
 
 
 def strength(edit: Any) -> str:
@@ -127,10 +129,12 @@ def strength(edit: Any) -> str:
     return f"{'unit direction' if edit.scale == 'unit' else 'raw direction'}: |v| = {size:.4g}"
 
 
-def steering_direction(lens: Any, args: argparse.Namespace) -> tuple[ConceptSet, str, str]:
+def steering_direction(lens: Any, args: argparse.Namespace,
+                       concepts: ConceptSet | None = None) -> tuple[ConceptSet, str, str]:
     """(the direction as a one-concept set, site name, description) from --concepts/--concept or
-    --direction-word. A set keeps the model its concepts were fitted on, so `Add` warns when
-    it is used on another model, as it does in the library."""
+    --direction-word; `concepts`: the --concepts set when already loaded (`choose_model`). A set keeps
+    the model its concepts were fitted on, so `Add` warns when it is used on another model, as it
+    does in the library."""
     from conceptlens import ConceptSet
 
     if args.direction_word is not None:
@@ -138,7 +142,7 @@ def steering_direction(lens: Any, args: argparse.Namespace) -> tuple[ConceptSet,
             raise ValueError("--concept selects from --concepts; it does not apply to --direction-word")
         direction, site, what = word_direction(lens, args.direction_word, args.site)
         return ConceptSet(direction, site, method="unembedding", model=lens.name), site, what
-    concepts = ConceptSet.load(args.concepts)
+    concepts = concepts if concepts is not None else ConceptSet.load(args.concepts)
     n = len(concepts)
     indices = args.concept if args.concept else ([0] if n == 1 else None)
     if indices is None:

@@ -60,13 +60,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
-    choose_model(args)
+    concepts = choose_model(args)
     model, tokenizer = load_model(args)
     check_generation_length(model, tokenizer, args.max_new_tokens)
     if tokenizer.pad_token is None and len(args.prompts) > 1:
         tokenizer.pad_token = tokenizer.eos_token
     lens = conceptlens.attach(model, tokenizer)
-    direction, site, what = steering_direction(lens, args)
+    direction, site, what = steering_direction(lens, args, concepts)
     for alpha in args.alphas:  # every alpha checked in the model's dtype before any generation
         Add(direction, alpha, scale=args.scale, site=site).bind(lens)
     mean = _mean(args) if args.concepts else None

@@ -52,6 +52,7 @@ WORD = re.compile(r"[A-Za-z]{2,}")
 MIN_WORDS = 5
 """Fewest words the part takes: a fifth of them, at least one, are the held-out test words."""
 
+
 def _pieces(tok: Any) -> tuple[list[str], str | None]:
     """Each id's vocabulary string and, for a WordPiece tokenizer, its continuation prefix (`##`):
     there a word starts at every piece without it, elsewhere only at a piece with a space mark."""

@@ -133,6 +133,13 @@ def pick(n: int, k: int, seed: int) -> list[int]:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:k].tolist()
 
 
+def pick_unread(full: Any, k: int, seed: int, read: set[str]) -> list[int]:
+    """Up to k ids of `full` (a TextSet) in `pick`'s seeded order, passing over every copy of the texts
+    `read` (a fit's or a judge's: bbc-news repeats some articles, within and across its splits)."""
+    order = pick(len(full), len(full), seed)
+    return order[:k] if not read else [i for i in order if full.texts[i] not in read][:k]
+
+
 def label_ids(task_set: Any, token_level: bool, max_classes: int) -> tuple[dict[str, int], list[str]]:
     """Tag -> class id for the probed classes, and class names by id."""
     if not token_level:

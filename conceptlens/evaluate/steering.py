@@ -154,8 +154,7 @@ def _judge(task: str, encoder: Any, encoder_tok: Any, tok: Any, chosen_on: list[
     judge = TopicJudge(encoder, encoder_tok, [train.texts[i] for i in fit], [name(train, i) for i in fit],
                        max_length=config.max_length, seed=config.seed)
     learnt = {train.texts[i] for i in fit}  # a test document that repeats one the judge learned on is not held out
-    held = [i for i in act.pick(len(test), len(test), config.seed + 1) if test.texts[i] not in learnt]
-    held = held[:config.judge_docs]
+    held = act.pick_unread(test, config.judge_docs, config.seed + 1, learnt)
     ids = {i: tok(test.texts[i], add_special_tokens=False)["input_ids"] for i in held}
     short = [i for i in held if len(ids[i]) <= config.short_tokens]
     kind = f"the {len(short)} of at most {config.short_tokens} tokens"

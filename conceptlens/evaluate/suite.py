@@ -153,11 +153,8 @@ def _docs(task: str, split: str, n: int, seed: int, fit_read: tuple[str, int | N
 
 
 def _unread(full: Any, n: int, seed: int, read: set[str]) -> list[int]:
-    """n ids in the seeded order, passing over every copy of the texts a fit read (bbc-news repeats
-    some articles, within and across its splits)."""
-    if not read:
-        return act.pick(len(full), n, seed)
-    picked = [i for i in act.pick(len(full), len(full), seed) if full.texts[i] not in read][:n]
+    """`act.pick_unread`, refusing a split whose every document the fit read."""
+    picked = act.pick_unread(full, n, seed, read)
     if not picked:
         raise ValueError(f"{full.name} {full.split} holds {len(full)} documents, all read by the fit")
     return picked

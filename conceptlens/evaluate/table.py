@@ -124,8 +124,8 @@ def metric_rows(directions: Tensor, train: Features, test: Features, class_names
     rows += [Row(f"  {class_names[c]}", float(loss), f"concept {int(keep[j])}", float(base), "base-rate entropy")
              for c, loss, j, base in zip(probe.classes, probe.per_class, probe.best_concept, bases)]
     n, d = directions.shape
-    unit = F.normalize(directions.double(), dim=1)  # the span's shape, not the rows' lengths
-    rows.append(Row("effective rank", effective_rank(unit), f"of {n} unit directions in {d} dimensions"))
+    rows.append(Row("effective rank", effective_rank(directions, unit=True),
+                    f"of {n} unit directions in {d} dimensions"))
     if n > 1:
         mpc = max_pairwise_cosine(directions)
         rows += [Row("max pairwise cosine", float(mpc.max()), "largest over all pairs", random_pairwise_cosine(n, d),

@@ -178,12 +178,14 @@ def mppc(z_a: Tensor, z_b: Tensor) -> float:
     return float(best.mean())
 
 
-def effective_rank(directions: Tensor, site: Any = None) -> float:
+def effective_rank(directions: Tensor, site: Any = None, *, unit: bool = False) -> float:
     """exp(entropy of the normalised singular values) of `(n, d)`: how many directions the
-    concepts really span (Roy & Vetterli 2007); between 1 and min(n, d). Gauge-dependent at a
-    q/k `site` (GaugeWarning)."""
+    concepts really span (Roy & Vetterli 2007; the Deleuzian paper's, of C as given); between 1 and
+    min(n, d). `unit=True`: of the rows scaled to unit length, the quality tables' figure (the span's
+    shape, whatever the rows' lengths). Gauge-dependent at a q/k `site` (GaugeWarning)."""
     warn_if_qk(site, "effective rank")
-    s = torch.linalg.svdvals(directions.double())
+    directions = directions.double()
+    s = torch.linalg.svdvals(torch.nn.functional.normalize(directions, dim=1) if unit else directions)
     p = s[s > 0] / s.sum()
     return float(torch.exp(-(p * p.log()).sum()))
 

@@ -47,7 +47,7 @@ def best_probe(ex: ExtractorView, n: int | None = None) -> dict[str, float]:
 
 
 def _rank(ex: ExtractorView, n: int | None = None) -> float | None:
-    return None if ex.directions is None else effective_rank(torch.from_numpy(ex.directions[:n]))
+    return None if ex.directions is None else effective_rank(torch.from_numpy(ex.directions[:n]), unit=True)
 
 
 def quality_rows(atlas: Atlas, heads: dict[str, list[str | None]]) -> list[tuple[str, dict[str, Any]]]:

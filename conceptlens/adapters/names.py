@@ -104,8 +104,7 @@ class NameResolver:
         if module is not None:
             outputs = [s.name for s in self.sites.values() if s.module is module and s.point == "output"
                        and s.find(Plus) is None]  # a summed site is not that module's output alone
-            inputs = [s.name for s in self.sites.values() if s.module is module and s.point == "input"]
-            found = [n for n in outputs if ".resid_out" in n] or outputs or inputs
+            found = [n for n in outputs if ".resid_out" in n] or outputs  # an input site is not its output
             if any(self.sites[n].find(CallOf) is not None for n in found):
                 return None  # one shared layer is several blocks: the module path names none of them
             if found:
@@ -138,6 +137,13 @@ class NameResolver:
             return (f"no site {name!r}: that module is one shared layer run as {len(blocks)} blocks "
                     f"({', '.join(blocks[:4])}{', ...' if len(blocks) > 4 else ''}); name the block, "
                     f"e.g. {blocks[0]}.resid_out")
+        inputs = [s.name for s in self.sites.values() if s.module is module and s.point == "input"]
+        if inputs:
+            parent = self._module(name.rsplit(".", 1)[0])
+            around = [s.name for s in self.sites.values() if s.module is parent and s.point == "output"
+                      and s.find(Plus) is None] if parent is not None else []
+            return (f"no site {name!r}: that module's output is no site here; its input is {inputs[0]}"
+                    + (f", and its parent's output is {around[0]}" if around else ""))
         return None
 
     def _unknown(self, name: str, canonical: str) -> str:

@@ -52,7 +52,7 @@ def _wrap(manager: HookManager, name: str, previous: Callable[[], Callable | Non
             observe(module, query, key, value, kwargs)
         hooks = manager.qkv.get(module)
         if hooks:
-            query, key, value = _run_hooks(manager, hooks, [query, key, value], args, kwargs, module)
+            query, key, value = _run_hooks(manager, hooks, [query, key, value], args, kwargs, module, name)
         original = previous() or _global_entry(name) or _eager_of(module)
         return original(module, query, key, value, *args, **kwargs)
 
@@ -60,7 +60,7 @@ def _wrap(manager: HookManager, name: str, previous: Callable[[], Callable | Non
 
 
 def _run_hooks(manager: HookManager, hooks: list, qkv: list[Tensor], args: tuple, kwargs: dict,
-               module: nn.Module) -> list[Tensor]:
+               module: nn.Module, implementation: str) -> list[Tensor]:
     length = qkv[0].shape[2]
     state = manager.kv_calls.get(module)
     layout = manager.key_layouts.get(module, "")
@@ -77,7 +77,7 @@ def _run_hooks(manager: HookManager, hooks: list, qkv: list[Tensor], args: tuple
             elif not current and entry in manager.qkv_edits:
                 continue  # cross-attention reading the cache it filled (and edited) in an earlier step
         if index == 3:
-            pattern = eager_pattern(module, qkv[0], qkv[1], args, kwargs)  # (B, H, T, S)
+            pattern = eager_pattern(module, qkv[0], qkv[1], args, kwargs, implementation)  # (B, H, T, S)
             if own is not None:
                 pattern = split_keys.part_of(pattern, own, current, layout)
             fn(pattern.transpose(1, 2))  # (B, T, H, S): one row per query token; read only

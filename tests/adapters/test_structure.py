@@ -59,6 +59,12 @@ def test_transformer_lens_and_hf_module_names():
         assert lens.site_name(name) == canonical, name
     with pytest.raises(KeyError, match="no site"):
         lens.site("model.layers.0.self_attn.rotary_nonexistent")
+    # a module whose *input* is a site names no site: its output is another tensor
+    with pytest.raises(KeyError, match="output is no site here; its input is blocks.0.mlp.post, and its parent's "
+                                       "output is blocks.0.mlp_out"):
+        lens.site("model.layers.0.mlp.down_proj")
+    with pytest.raises(KeyError, match="its input is blocks.0.attn.z, and its parent's output is blocks.0.attn_out"):
+        lens.site("model.layers.0.self_attn.o_proj")
     with pytest.raises(KeyError, match="before the norm's weight and bias.*; final is the norm's output"):
         lens.site("ln_final.hook_normalized")
     t5 = conceptlens.attach(tiny_model("t5"))  # a stack's prefix names the stack's own site
@@ -101,6 +107,28 @@ def test_z_post_and_pattern_sites(family):
     post = acts[f"{p}blocks.0.mlp.post"]
     assert post.shape[-1] == lens.site(f"{p}blocks.0.mlp.post").shape[-1] > model.config.get_text_config().to_dict().get(
         "hidden_size", 0) // 2
+
+
+@pytest.mark.parametrize("family, attn", [("llama", "sdpa"), ("bert", "sdpa"), ("bart", "sdpa"),
+                                          ("llama", "flex_attention")])
+@pytest.mark.parametrize("padded", [False, True])
+def test_pattern_is_the_kernels_pattern_under_every_implementation(family, attn, padded):
+    """Unpadded, sdpa is handed no mask and masks by is_causal; flex is handed a BlockMask: the
+    pattern still equals eager attention's weights (an encoder's stays unmasked; a pad query's row
+    is eager's uniform one, not NaN)."""
+    model = tiny_model(family, attn=attn)
+    lens = conceptlens.attach(model)
+    inputs = tiny_inputs(family)
+    if not padded:
+        inputs = {k: v for k, v in inputs.items() if k != "attention_mask"}
+    p = "decoder." if family == "bart" else ""
+    with torch.no_grad(), lens.capture([f"{p}blocks.0.attn.pattern"], keep_shape=True) as cap:
+        acts, _ = cap.forward(**inputs)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        out = model(**inputs, output_attentions=True)
+    weights = (out.decoder_attentions if p else out.attentions)[0].transpose(1, 2)  # (B, T, H, S)
+    torch.testing.assert_close(acts[f"{p}blocks.0.attn.pattern"], weights, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", ["llama", "t5"])

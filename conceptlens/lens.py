@@ -109,8 +109,13 @@ class Lens:
         return self.adapter.resolve(name).name
 
     def hook(self, site: str | Site, fn: SiteFn) -> Handle:
-        """Low-level: run `fn(tensor) -> None | tensor` at a site until the handle is removed."""
-        return hook_site(self.hooks, self._site(site), fn)
+        """Low-level: run `fn(tensor) -> None | tensor` at a site until the handle is removed; a
+        returned tensor replaces the site's value, cast to its dtype (a float32 result on a bf16 model)."""
+        def run(x: Tensor) -> Tensor | None:
+            out = fn(x)
+            return out.to(x.dtype) if isinstance(out, Tensor) and out.dtype != x.dtype else out
+
+        return hook_site(self.hooks, self._site(site), run)
 
     @known_kwargs
     def capture(self, sites: str | Site | Iterable[str | Site], on_batch: OnBatch | None = None, *,
@@ -126,6 +131,9 @@ class Lens:
         """
         if isinstance(sites, (str, Site)):
             sites = [sites]
+        elif not isinstance(sites, Iterable) or isinstance(sites, (bytes, Mapping)):
+            raise TypeError(f"sites must be a site name, a Site or a list of them; got {type(sites).__name__} "
+                            f"{sites!r:.60}")
         resolved = [self._site(s) for s in sites]
         special = None
         if drop_special:
@@ -198,9 +206,10 @@ class Lens:
 
     def _site(self, site: str | Site) -> Site:
         if isinstance(site, Site):
-            if self.sites.get(site.name) is not site:
+            own = self.sites.get(site.name)
+            if own is None or own.module is not site.module or own.point != site.point:
                 raise ValueError(f"site {site.name!r} belongs to another model")
-            return site
+            return own  # this lens's own (a lens of the same model describes the same site)
         return self.site(site)
 
 

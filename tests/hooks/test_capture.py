@@ -149,3 +149,44 @@ def test_positions_a_model_pads_inside_are_no_tokens():
     with lens.capture(["blocks.0.resid_out"], keep_shape=True, on_batch=seen), torch.no_grad():
         model(input_ids=ids)
     assert seen.acts["blocks.0.resid_out"].shape[1] == 16 and int(seen.meta.keep.sum()) == ids.numel()
+
+
+def test_sites_argument_errors_and_a_site_of_another_lens_on_the_same_model():
+    model = tiny_model("llama")
+    lens, other = conceptlens.attach(model), conceptlens.attach(model)
+    for bad in (3, None, b"blocks.0.resid_out"):
+        with pytest.raises(TypeError, match=f"sites must be a site name, a Site or a list of them; got "
+                                            f"{type(bad).__name__}"):
+            lens.capture(bad)
+    # a Site from a lens of the same model is the same site; of another model, refused
+    with lens.capture([other.site("blocks.0.resid_out")], keep_shape=True) as cap:
+        acts, _ = cap.forward(**tiny_inputs("llama"))
+    assert acts["blocks.0.resid_out"].shape[:2] == (3, 7)
+    with pytest.raises(ValueError, match="belongs to another model"):
+        lens.capture([conceptlens.attach(tiny_model("llama", seed=1)).site("blocks.0.resid_out")])
+
+
+@pytest.mark.parametrize("site", ["blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.resid_out", "blocks.0.attn.z"])
+def test_a_hook_result_is_cast_to_the_sites_dtype(site):
+    """A float32 result of `lens.hook` on a bf16 model replaces the site's value in bf16 at every site
+    (it failed inside the attention kernel at q, resid_out and z)."""
+    model = tiny_model("llama", attn="sdpa").to(torch.bfloat16)
+    lens = conceptlens.attach(model)
+    inputs = tiny_inputs("llama")
+    with torch.no_grad():
+        clean = model(**inputs).logits
+    handle = lens.hook(site, lambda x: x.float() * 2)  # a real edit, returned in float32
+    try:
+        with torch.no_grad():
+            doubled = model(**inputs).logits
+    finally:
+        handle.remove()
+    seen = []
+    handle = lens.hook(site, lambda x: seen.append(x.dtype) or (x * 2))
+    try:
+        with torch.no_grad():
+            reference = model(**inputs).logits
+    finally:
+        handle.remove()
+    assert seen and set(seen) == {torch.bfloat16}
+    assert torch.equal(doubled, reference) and not torch.equal(doubled, clean)

@@ -47,15 +47,31 @@ def _eager_of(module: nn.Module) -> Callable:
 
 
 def _wrap(manager: HookManager, name: str, previous: Callable[[], Callable | None]) -> Callable:
-    def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, *args, **kwargs):
-        for observe in list(manager.observers):
-            observe(module, query, key, value, kwargs)
-        hooks = manager.qkv.get(module)
-        if hooks:
-            query, key, value = _run_hooks(manager, hooks, [query, key, value], args, kwargs, module, name)
-        original = previous() or _global_entry(name) or _eager_of(module)
-        return original(module, query, key, value, *args, **kwargs)
+    """This manager's registry entry. Entries of several lenses on one model chain (the later above);
+    the top one runs every lens's edits, then every lens's reads, earlier lenses first, then the
+    kernel: a lens reads the edits of another as it reads its own (DESIGN.md, "Order")."""
+    def run(module: nn.Module, qkv: list[Tensor], args: tuple, kwargs: dict, edits: bool) -> list[Tensor]:
+        lower = getattr(previous(), "__conceptlens_run__", None)
+        if lower is not None:  # a lens attached before this one
+            qkv = lower(module, qkv, args, kwargs, edits)
+        if edits:
+            for observe in list(manager.observers):
+                observe(module, *qkv, kwargs)
+        hooks = [h for h in manager.qkv.get(module, ()) if (h in manager.qkv_edits) == edits]
+        return _run_hooks(manager, hooks, qkv, args, kwargs, module, name) if hooks else qkv
 
+    def kernel(module: nn.Module) -> Callable:
+        below = previous()
+        lower = getattr(below, "__conceptlens_kernel__", None)
+        return lower(module) if lower is not None else below or _global_entry(name) or _eager_of(module)
+
+    def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, *args, **kwargs):
+        qkv = run(module, [query, key, value], args, kwargs, True)
+        qkv = run(module, qkv, args, kwargs, False)
+        return kernel(module)(module, *qkv, *args, **kwargs)
+
+    setattr(attention, "__conceptlens_run__", run)
+    setattr(attention, "__conceptlens_kernel__", kernel)
     return attention
 
 
@@ -96,7 +112,9 @@ def _run_hooks(manager: HookManager, hooks: list, qkv: list[Tensor], args: tuple
 def _kv_at_update(manager: HookManager, module: nn.Module) -> Callable:
     """The k/v hooks of `module`, run on the keys/values a cache `update` is about to store (of a
     module that attends to two stacks' keys, the hooks of the part that cache holds)."""
-    def run(key: Tensor, value: Tensor, cache_class: str, part: str = "") -> tuple[Tensor, Tensor]:
+    def run(key: Tensor, value: Tensor, cache_class: str, part: str = "",
+            edits: bool | None = None) -> tuple[Tensor, Tensor]:
+        """`edits`: True runs only the edits, False only the reads, None both (edits first)."""
         both = manager.key_layouts.get(module, "") != "stack"
         kv = {1: key, 2: value}  # indexed as the q/k/v hooks' index
         for index in (1, 2):
@@ -104,7 +122,8 @@ def _kv_at_update(manager: HookManager, module: nn.Module) -> Callable:
             if shape is not None and kv[index].ndim == 4 and (kv[index].shape[1], kv[index].shape[3]) != shape:
                 raise kv_cache.changed(module, cache_class, "kv"[index - 1])
         for index, fn, _ in [h for h in manager.qkv.get(module, ()) if h[0] in (1, 2) and
-                             (both or h[2] == (part != "cross"))]:  # edits first
+                             (both or h[2] == (part != "cross")) and
+                             (edits is None or (h in manager.qkv_edits) == edits)]:  # edits first
             new = fn(kv[index].transpose(1, 2))  # (B, T, H, d): exactly this call's tokens
             if new is not None:
                 kv[index] = new.transpose(1, 2).to(kv[index].dtype)

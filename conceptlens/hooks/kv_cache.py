@@ -8,7 +8,7 @@ only in the first case (and only outside autograd). So while a module has k/v ho
 its calls that carries a cache routes that cache's `update` through the hooks: they see
 exactly this call's new keys/values (before storage), and the cache stores the edited ones.
 
-    handle = watch(hooks, attention_module, run_kv)   # run_kv(key, value, cache_class, part) -> (key, value), (B, H, T, d)
+    handle = watch(hooks, attention_module, run_kv)   # run_kv(key, value, cache_class, part, edits) -> (key, value), (B, H, T, d)
     state = hooks.kv_calls.get(attention_module)      # during the call: did it carry a cache / update it?
 """
 
@@ -100,13 +100,24 @@ def watch(manager: HookManager, module: nn.Module,
 
 
 def _routed(original: Callable, run_kv: Callable, state: CallState, cache_class: str, part: str) -> Callable:
+    """`update` through `run_kv`. Patched by several lenses of one model, the outer (later) patch runs
+    every lens's edits, then every lens's reads, inner (earlier) lenses first, then the cache's own
+    `update`; each lens's call state records the update."""
     def update(key_states: Tensor, value_states: Tensor, *args, **kwargs):
-        key_states, value_states = run_kv(key_states, value_states, cache_class, part)
-        out = original(key_states, value_states, *args, **kwargs)
-        state.updated, state.cache_class = True, cache_class
-        state.returned = tuple(out) if isinstance(out, (tuple, list)) and len(out) == 2 else ()
-        if part:
-            state.parts[part] = state.returned
+        chain, fn = [], update
+        while (route := getattr(fn, "__conceptlens_kv__", None)) is not None:
+            chain.append(route)
+            fn = route[0]
+        for edits in (True, False):
+            for _, run, _, cls, where in reversed(chain):
+                key_states, value_states = run(key_states, value_states, cls, where, edits)
+        out = fn(key_states, value_states, *args, **kwargs)
+        returned = tuple(out) if isinstance(out, (tuple, list)) and len(out) == 2 else ()
+        for _, _, call, cls, where in chain:
+            call.updated, call.cache_class, call.returned = True, cls, returned
+            if where:
+                call.parts[where] = returned
         return out
 
+    setattr(update, "__conceptlens_kv__", (original, run_kv, state, cache_class, part))
     return update

@@ -164,3 +164,33 @@ def test_a_scope_adds_and_removes_only_its_own_hooks():
             assert inner[len(outer):] == [("forward_hook", "model.layers.1", str(next(iter(block1._forward_hooks))))]
         assert lens.hooks.attached() == outer and hook_snapshot(model) == snap
     assert lens.hooks.attached() == []
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+@pytest.mark.parametrize("order", ["steer_first", "capture_first"])
+def test_a_second_lens_on_one_model_reads_the_first_lenses_edits(use_cache, order):
+    """Edits run before reads across lenses of one model as within one, at q/k/v (through the
+    attention registry and the cache's update) as at a module's output, whichever scope opened first."""
+    model = tiny_model("llama", attn="sdpa")
+    first, second = conceptlens.attach(model), conceptlens.attach(model)
+    inputs = tiny_inputs("llama")
+    sites = ["blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.1.attn.pattern", "blocks.0.resid_out"]
+    g = torch.Generator().manual_seed(0)
+    edits = [Add(torch.randn(4 * 8 if s.endswith(".q") else 2 * 8 if ".attn." in s else 32, generator=g), alpha=1.0,
+                 site=s) for s in sites[:3] + sites[4:]]
+    with first.capture(sites, keep_shape=True) as cap:
+        clean, _ = cap.forward(**inputs, use_cache=use_cache)
+
+    def read(lens, steer_lens):
+        if order == "steer_first":
+            with steer_lens.steer(*edits, positions=slice(1, 3)), lens.capture(sites, keep_shape=True) as cap:
+                return cap.forward(**inputs, use_cache=use_cache)[0]
+        with lens.capture(sites, keep_shape=True) as cap, steer_lens.steer(*edits, positions=slice(1, 3)):
+            return cap.forward(**inputs, use_cache=use_cache)[0]
+
+    own, other = read(first, first), read(second, first)
+    reverse = read(first, second)  # the later lens steers, the earlier one reads
+    for site in sites:
+        assert not torch.equal(own[site], clean[site]), site
+        assert torch.equal(other[site], own[site]), site
+        assert torch.equal(reverse[site], own[site]), site

@@ -6,6 +6,8 @@ and the CLI.
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -57,6 +59,10 @@ class FitConfig:
                                  f"as the fit names it); got the key {name!r}")
             check_int(f"extractor_tokens[{name!r}]", tokens)
         check_int("checkpoint_every", self.checkpoint_every, optional=True)
+        if self.checkpoint_dir is not None and not (isinstance(self.checkpoint_dir, (str, os.PathLike))
+                                                    and str(self.checkpoint_dir)):
+            raise ValueError(f"checkpoint_dir must be a folder path, or None for no checkpoint; got "
+                             f"{self.checkpoint_dir!r}")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every needs checkpoint_dir")
         for name in ("resume", "progress", "distributed"):

@@ -52,15 +52,25 @@ def key_sites(key: Key) -> tuple[str, ...]:
 def canonical_key(lens: AttachedModel, key: Any) -> Key:
     """The key with canonical site names; a one-line error for a malformed cross-layer key."""
     if isinstance(key, str):
-        return lens.site(key).name
+        return _fit_site(lens, key)
     flat = all(isinstance(k, str) for k in key)
     groups = len(key) == 2 and all(isinstance(g, tuple) and g and all(isinstance(s, str) for s in g) for g in key)
     if len(key) < 2 or not (flat or groups):
         raise ValueError(f"a cross-layer key is (source_site, target_site), (site, site, ...) or ((input sites...), "
                          f"(output sites...)); got {key!r}")
     if flat:
-        return tuple(lens.site(k).name for k in key)
-    return tuple(lens.site(s).name for s in key[0]), tuple(lens.site(s).name for s in key[1])
+        return tuple(_fit_site(lens, k) for k in key)
+    return tuple(_fit_site(lens, s) for s in key[0]), tuple(_fit_site(lens, s) for s in key[1])
+
+
+def _fit_site(lens: AttachedModel, name: str) -> str:
+    """The canonical name of a site whose rows have a fixed width; a pattern's grow with the sequence."""
+    site = lens.site(name)
+    if not all(isinstance(s, int) for s in site.shape[2:]):
+        fixed = [n for n, s in lens.sites.items() if all(isinstance(w, int) for w in s.shape[2:])]
+        raise ValueError(f"site {site.name!r} has shape ({', '.join(map(str, site.shape))}), whose width grows with the sequence: "
+                         f"no extractor can fit it; fit a site of fixed width, e.g. {', '.join(fixed[:4])}")
+    return site.name
 
 
 def where(extractor: Any, key: Key) -> tuple[str, dict[str, Any]]:

@@ -157,3 +157,34 @@ def test_the_fit_prints_fvu_l0_and_steps_and_warns_about_an_sae_with_few_steps(f
     steps = json.loads((tmp_path / "many" / "fit_report.json").read_text())["stats"]["topk"]["steps"]
     assert steps >= MIN_SAE_STEPS and "warning: topk" not in capsys.readouterr().err
     assert load_file(tmp_path / "many" / "concepts" / "topk" / "concepts.safetensors")
+
+
+@pytest.mark.parametrize("bad, message", [
+    (("--max-length", "100"), "--max-length=100 is beyond the position limit of GPT2LMHeadModel: 64 tokens"),
+    (("--site", "blocks.1.attn.pattern"), "site 'blocks.1.attn.pattern' has shape (B, T, 4, T), whose width grows"),
+])
+def test_overwrite_clears_nothing_before_the_max_length_and_the_sites_width_are_checked(
+        files, tmp_path, capsys, bad, message):  # noqa: F811
+    """Options the model decides (its position limit, a site whose width grows with the sequence)
+    are refused before --overwrite clears the old run, and before run.toml records them."""
+    from tests.conftest import tiny_model
+    from tests.steering.test_sweep import word_tokenizer
+
+    gpt2 = tmp_path / "gpt2"
+    tiny_model("gpt2").save_pretrained(gpt2)
+    word_tokenizer().save_pretrained(gpt2)
+    out = tmp_path / "run"
+    good = base(files, out, "--no-describe")
+    good[good.index("--model") + 1] = str(gpt2)
+    assert main(good) == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    fresh = tmp_path / "fresh"
+    for argv in (good + ["--overwrite"], [fresh if a == str(out) else a for a in good]):
+        argv = [str(a) for a in argv]
+        argv[argv.index(bad[0]) + 1] = bad[1]
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert not (fresh / "run.toml").exists()  # so the corrected command is not refused as another run

@@ -32,6 +32,8 @@ def test_overrides_replace_fields_and_are_checked_like_the_config():
     ("resume", "no", "resume must be True or False; got 'no'"),
     ("progress", 1, "progress must be True or False; got 1"),
     ("dtype", "bfloat16", "dtype must be a floating torch dtype"),
+    ("checkpoint_dir", "", "checkpoint_dir must be a folder path, or None for no checkpoint; got ''"),
+    ("checkpoint_dir", 3, "checkpoint_dir must be a folder path, or None for no checkpoint; got 3"),
 ])
 def test_a_field_of_the_wrong_type_is_refused_in_one_line_naming_it(field, value, message):
     with pytest.raises(ValueError, match=message):

@@ -375,3 +375,20 @@ def test_a_fit_that_fits_no_extractor_fails_in_one_line(files, tmp_path, capsys)
     assert main([*argv, "--extractor", "kmeans:n_concepts=4,init_size=64"]) == 2
     err = capsys.readouterr().err
     assert "no extractor was fitted (kmeans: too few rows" in err and "--max-tokens" in err
+
+
+def test_run_toml_holds_any_string_and_a_tuple_option_resumes_its_own_run(files, tmp_path):
+    """Control characters in a string option are escaped (a raw one made run.toml unreadable, so the run
+    could be neither resumed, described nor overwritten); a tuple option (betas=0.9/0.99) reads back as
+    the list TOML holds, and the same command resumes its run instead of calling it another."""
+    import tomllib
+
+    out = tmp_path / "run"
+    weird = "".join(chr(c) for c in range(32)) + "\x7f \\ \" é"
+    argv = base(files, out, "--no-describe")
+    argv[argv.index("topk:width=16,k=2,batch_size=64,warmup_tokens=64")] = \
+        "topk:width=16,k=2,batch_size=64,warmup_tokens=64,betas=0.9/0.99"
+    cfg = fit_cli.resolve(build_parser().parse_args(argv + ["--prompt", weird]))
+    assert tomllib.loads(rc.to_toml(cfg))["describe"]["prompt"] == weird
+    assert main(argv) == 0
+    assert main(argv) == 0  # resumed: the same run

@@ -188,3 +188,28 @@ def test_overwrite_clears_nothing_before_the_max_length_and_the_sites_width_are_
         assert message in err and "\n" not in err
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert not (fresh / "run.toml").exists()  # so the corrected command is not refused as another run
+
+
+def test_a_set_the_last_fit_did_not_write_is_neither_described_nor_shown(files, tmp_path, capsys):  # noqa: F811
+    """A refit in which one extractor fits nothing leaves that set's folder from the earlier fit; `describe
+    RUN` and the atlas follow fit_report.json's list instead of describing it as this run's."""
+    out = tmp_path / "run"
+    argv = base(files, out)
+    argv[argv.index("topk:width=16,k=2,batch_size=64,warmup_tokens=64")] = "vq:n_codes=150,init_size=150"
+    assert main(argv) == 0
+    assert sorted(p.name for p in (out / "describe").iterdir() if p.is_dir()) == ["km", "vq"]
+    refit = list(argv) + ["--no-resume"]
+    refit[refit.index("--max-tokens") + 1] = "60"  # too few rows for vq to start: the fit writes km only
+    capsys.readouterr()
+    assert main(refit) == 0
+    assert "warning: no concepts from vq" in capsys.readouterr().err
+    assert json.loads((out / "fit_report.json").read_text())["concepts"] == ["km"]
+    assert (out / "concepts" / "vq" / "concepts.safetensors").is_file()  # the earlier fit's, left in place
+    capsys.readouterr()
+    assert main(["describe", str(out), "--describe-tokens", "200"]) == 0
+    assert "vq" not in capsys.readouterr().out
+    assert main(["describe", str(out), "--concepts", "vq"]) == 2
+    assert "an earlier fit's: the last fit, fit_report.json, wrote no such set" in capsys.readouterr().err
+    assert main(["report", str(out), "--no-progress"]) == 0
+    assert "warning: left out of the atlas: vq, from an earlier fit" in capsys.readouterr().err
+    assert not (out / "report" / "vq").exists()

@@ -147,12 +147,18 @@ def _describe(args: argparse.Namespace) -> int:
         raw.setdefault("fit", {})["resume"] = False
     cfg = rc.from_dict(raw)
     found = sorted(p.name for p in (out / "concepts").glob("*") if (p / CONFIG_FILE).is_file())
+    report_path = out / "fit_report.json"
+    consumed = fit_documents(report_path) if report_path.is_file() else 0
+    fitted = fit_concepts(report_path) if report_path.is_file() else None
+    if fitted is not None:  # a folder the last fit did not write is an earlier fit's: its documents are others
+        found = [name for name in found if name in fitted]
     chosen = args.concepts or found
     missing = sorted(set(chosen) - set(found))
     if not found or missing:
-        raise ValueError(f"no concept set {missing[0] if missing else ''!r} in {out / 'concepts'}; found {found}")
-    report_path = out / "fit_report.json"
-    consumed = fit_documents(report_path) if report_path.is_file() else 0
+        stale = " (an earlier fit's: the last fit, fit_report.json, wrote no such set)" if missing and \
+            fitted is not None and (out / "concepts" / missing[0] / CONFIG_FILE).is_file() else ""
+        raise ValueError(f"no concept set {missing[0] if missing else ''!r} in {out / 'concepts'}{stale}; "
+                         f"found {found}")
     sets = {name: ConceptSet.load(out / "concepts" / name) for name in chosen}
     source(cfg.describe.data or cfg.data, cfg.shuffle)  # a missing or empty data file: before the model loads
     _check_model(out, cfg.model, sets)
@@ -165,6 +171,15 @@ def _describe(args: argparse.Namespace) -> int:
     model, tok = load_model(args, cfg.model)
     describe_run(conceptlens.attach(model, tok), cfg, sets, consumed, out)
     return 0
+
+
+def fit_concepts(path: Path) -> list[str] | None:
+    """The sets the fit of RUN/fit_report.json wrote (None where it does not list them)."""
+    from conceptlens._content import field, read_json
+
+    report = field(path, "the file", read_json(path), dict)
+    names = report.get("concepts")
+    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else None
 
 
 def fit_documents(path: Path) -> int:

@@ -27,6 +27,8 @@ anything is written. `budget_lrs` gives each SAE entry without an lr the lr for 
 
 from __future__ import annotations
 
+import json
+
 import dataclasses
 import types
 import typing
@@ -269,8 +271,8 @@ def _toml(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(value, str):  # JSON's escapes are TOML's; TOML also forbids a raw DEL
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} as TOML")

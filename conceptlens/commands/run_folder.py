@@ -17,6 +17,8 @@ run.toml naming the old run, so the folder is still refused until `--overwrite` 
 
 from __future__ import annotations
 
+import json
+
 import os
 import shutil
 from pathlib import Path
@@ -37,7 +39,8 @@ def check(out: Path, cfg: rc.RunConfig) -> None:
     """Refuse, in one line naming what differs, a folder whose run.toml is another run's."""
     if not (out / "run.toml").is_file():
         return
-    old, new = rc.to_dict(rc.from_dict(rc.read_toml(out / "run.toml"))), rc.to_dict(cfg)
+    # as TOML holds them: a tuple option (betas=0.9/0.99) reads back as a list
+    old, new = (json.loads(json.dumps(rc.to_dict(c))) for c in (rc.from_dict(rc.read_toml(out / "run.toml")), cfg))
     for raw in (old, new):  # run.toml leaves None out (`lr=none` is recorded as no lr)
         raw["extractor"] = [{k: v for k, v in spec.items() if v is not None} for spec in raw["extractor"]]
     differs = [(key, old[key], new[key]) for key in IDENTITY if old[key] != new[key]

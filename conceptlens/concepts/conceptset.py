@@ -148,6 +148,19 @@ class ConceptSet:
             "encoder_keys": sorted(self.encoder), "stats_keys": sorted(self.stats),
         }
 
+    def _tensors(self) -> dict[str, Tensor]:
+        """The tensors `save` writes, by their names in the file."""
+        tensors = {"directions": self.directions.contiguous()}
+        tensors |= {f"encoder.{k}": v.contiguous() for k, v in self.encoder.items()}
+        tensors |= {f"stats.{k}": v.contiguous() for k, v in self.stats.items()}
+        if self.mean is not None:
+            tensors["mean"] = self.mean.contiguous()
+        return tensors
+
+    def digest(self) -> str:
+        """The sha256 of the set's tensors, as `save` records it in config.json."""
+        return tensor_digest(self._tensors())
+
     def save(self, directory: str | os.PathLike) -> Path:
         """Write `concepts.safetensors` and `config.json` into `directory`, atomically as a whole.
 
@@ -158,11 +171,7 @@ class ConceptSet:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         remove_leftovers(directory, (TENSOR_FILE, CONFIG_FILE))
-        tensors = {"directions": self.directions.contiguous()}
-        tensors |= {f"encoder.{k}": v.contiguous() for k, v in self.encoder.items()}
-        tensors |= {f"stats.{k}": v.contiguous() for k, v in self.stats.items()}
-        if self.mean is not None:
-            tensors["mean"] = self.mean.contiguous()
+        tensors = self._tensors()
         text = json.dumps({**self.to_config(), "sha256": tensor_digest(tensors)}, indent=2)
         atomic_write(directory / TENSOR_FILE,
                      lambda p: save_file(tensors, p, metadata={"format": FORMAT, "config": text}))

@@ -74,10 +74,11 @@ def describe(lens: AttachedModel, concept_sets: Mapping[str, ConceptSet], data: 
     texts = islice(datasets.iter_texts(data), skip_documents, None)
     # a fit's own budgets per extractor (`extractor_tokens`) are not this pass's; given here, they are
     streaming = fit_config(fit, "describe", checkpoint_dir=out, **{"extractor_tokens": {}, **fit_options})
-    if out is not None:
+    digests = {name: d.concepts.digest() for name, d in describers.items()}
+    if out is not None:  # a pass of other documents, or of other sets (a fit that ran on), starts afresh
         _forget_other_pass(Path(out), {"skip_documents": skip_documents,
-                                       "data": data if isinstance(data, str) else getattr(data, "name", None)},
-                           streaming.max_tokens)
+                                       "data": data if isinstance(data, str) else getattr(data, "name", None),
+                                       "sets": digests}, streaming.max_tokens)
     filters = streaming.filters
     report = run_fit(lens, plan, texts, tokenizer=tokenizer, config=streaming)
     options = options or FinishOptions()
@@ -88,6 +89,7 @@ def describe(lens: AttachedModel, concept_sets: Mapping[str, ConceptSet], data: 
         results[name] = finish(d, name=name, lens=lens, tokenizer=tokenizer,
                                classes=None if classes is None else (classes[0][skip_documents:], classes[1]),
                                options=options, known=known, heads=heads)
+        results[name].info["set_sha256"] = digests[name]  # the set described: the atlas refuses another
         site = _site(d.concepts)
         watch = next(w.norms for w in plan[site].values() if w.norms is not None)
         results[name].info["norms"] = {**watch.summary(lambda ids: fin.whole(tokenizer, ids, known)),
@@ -101,8 +103,9 @@ def describe(lens: AttachedModel, concept_sets: Mapping[str, ConceptSet], data: 
 
 
 def _forget_other_pass(out: Path, source: dict[str, Any], max_tokens: int | None) -> None:
-    """A checkpoint of a pass over other documents (e.g. before the fit ran longer) is dropped:
-    the fit's fingerprint cannot see which documents an iterator skipped; so is one of a pass past
+    """A checkpoint of a pass over other documents (e.g. before the fit ran longer) or of other sets
+    (refitted since) is dropped: the fit's fingerprint cannot see which documents an iterator skipped,
+    nor a set's directions (its describers have the same shapes); so is one of a pass past
     `max_tokens` (an interrupted longer pass), which a fit would refuse to resume."""
     import json
 
@@ -111,8 +114,15 @@ def _forget_other_pass(out: Path, source: dict[str, Any], max_tokens: int | None
     from conceptlens.fit import CHECKPOINT
 
     marker, checkpoint = out / "source.json", out / CHECKPOINT
-    if marker.is_file() and _recorded_source(marker) != source and checkpoint.is_file():
-        checkpoint.unlink()  # a marker that does not read names no pass: the pass starts afresh
+    recorded = _recorded_source(marker) if marker.is_file() else source
+    if not isinstance(recorded, dict):
+        recorded = {}  # a marker that does not read names no pass: the pass starts afresh
+    sets = source.get("sets", {})
+    was = recorded.get("sets", sets)
+    refitted = isinstance(was, dict) and was.keys() == sets.keys() and was != sets  # other sets' names: refused
+    if ({k: v for k, v in recorded.items() if k != "sets"} != {k: v for k, v in source.items() if k != "sets"}
+            or refitted) and checkpoint.is_file():
+        checkpoint.unlink()
     try:
         check_budget(checkpoint, max_tokens)
     except ValueError:

@@ -17,6 +17,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the run config is shown only when tomllib exists
     tomllib = None  # type: ignore[assignment]
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -122,6 +123,14 @@ class Atlas:
             raise FileNotFoundError(f"{run} has no describe/<NAME>/description.json: run `conceptlens describe {run}` first")
         for name in names:  # a run folder from elsewhere may hold any name: it becomes a path and a URL
             check_name(name, f"{describe}: extractor folder")
+        fit_report = _read_json(run / "fit_report.json")
+        fitted = fit_report.get("concepts") if isinstance(fit_report, dict) else None
+        if isinstance(fitted, list):  # a set the last fit did not write (its folder stayed) is an earlier run's
+            stale = [n for n in names if n not in fitted and (run / "concepts" / n / "concepts.safetensors").is_file()]
+            if stale:
+                warnings.warn(f"left out of the atlas: {', '.join(stale)}, from an earlier fit in {run} (the last fit, "
+                              "fit_report.json, wrote no such set)", stacklevel=2)
+            names = [n for n in names if n not in stale]
         views = [_load_extractor(run, name) for name in names]
         if all(v.control for v in views):
             raise ValueError(f"{run}/describe holds only controls ({', '.join(names)}): describe a concept set too")
@@ -130,7 +139,7 @@ class Atlas:
             extractors=[v for v in views if not v.control],
             controls=[v for v in views if v.control],
             config=_read_toml(run / "run.toml"),
-            fit_report=_read_json(run / "fit_report.json"),
+            fit_report=fit_report,
             quality=_read_json(run / "quality.json"),
             hierarchies=_load_hierarchies(run, {v.name: v.n for v in views if not v.control}),
             evaluation=load_results(run),
@@ -176,7 +185,7 @@ def _load_extractor(run: Path, name: str) -> ExtractorView:
         if value.shape[:1] != (n,):
             raise ValueError(f"{stats_path}: {key} has shape {value.shape}; its first dimension must be n_concepts={n}")
     return ExtractorView(name, folder, meta, stats, _read_tokens(folder / "tokens.json", n, stats),
-                         *_saved_set(run / "concepts" / name, n))
+                         *_saved_set(run / "concepts" / name, n, meta.get("set_sha256"), run))
 
 
 def _read_tokens(path: Path, n: int, stats: dict[str, np.ndarray]) -> dict[str, Any] | None:
@@ -203,15 +212,21 @@ def _read_tokens(path: Path, n: int, stats: dict[str, np.ndarray]) -> dict[str, 
     return data
 
 
-def _saved_set(folder: Path, n: int) -> tuple[np.ndarray | None, int | None]:
+def _saved_set(folder: Path, n: int, described: Any = None, run: Path | None = None
+               ) -> tuple[np.ndarray | None, int | None]:
     """The extractor's ConceptSet, when saved: its unit directions (centred when it carries the fit's
     mean, as the description measures them) and the tokens its fit fed it (config.fit.tokens, as `fit`
-    records them; None when not recorded); (None, None) when it was not saved."""
+    records them; None when not recorded); (None, None) when it was not saved. A set that is not the
+    one its description describes (`described`: the description's set_sha256; a fit ran on since)
+    is refused in one line."""
     if not (folder / "concepts.safetensors").is_file():
         return None, None
     from conceptlens.concepts.conceptset import ConceptSet
 
     cs = ConceptSet.load(folder)
+    if isinstance(described, str) and cs.digest() != described:
+        raise ValueError(f"describe/{folder.name} describes an earlier fit of {folder} (the set has been fitted "
+                         f"again since): run `conceptlens describe {run or folder.parent.parent}` first")
     d = (cs.centred() if cs.mean is not None else cs).directions.numpy().astype(np.float32)  # as the activations
     if d.shape[0] != n:
         raise ValueError(f"{folder} holds {d.shape[0]} concepts but its description says {n}")

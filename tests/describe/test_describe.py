@@ -221,6 +221,25 @@ def test_a_pass_resumed_with_a_smaller_budget_describes_that_budget(lens, tmp_pa
     assert torch.equal(again.stats["top_values"], fresh.stats["top_values"])
 
 
+def test_a_pass_over_sets_fitted_again_starts_afresh_and_the_atlas_refuses_a_stale_description(lens, tmp_path):
+    """The checkpoint of a pass over other sets of the same shapes (the fit ran on) is not resumed
+    into the new sets' description; a description of an earlier fit of its set is refused by the atlas."""
+    from conceptlens.report.atlas import Atlas
+
+    old, new = {"a": random_set(seed=3)}, {"a": random_set(seed=4)}
+    fresh = run(lens, new, batch_size=4, max_tokens=60)["a"]
+    run(lens, old, batch_size=4, max_tokens=60, out=str(tmp_path / "describe"))
+    again = run(lens, new, batch_size=4, max_tokens=60, out=str(tmp_path / "describe"))["a"]
+    assert torch.equal(again.stats["top_values"], fresh.stats["top_values"])
+    assert again.info["set_sha256"] == new["a"].digest() != old["a"].digest()
+    new["a"].save(tmp_path / "concepts" / "a")
+    assert Atlas.load(tmp_path).extractor("a").n == 6
+    old["a"].save(tmp_path / "concepts" / "a")  # fitted again since its description
+    with pytest.raises(ValueError, match="describe/a describes an earlier fit of .*concepts/a .*run `conceptlens "
+                                         "describe"):
+        Atlas.load(tmp_path)
+
+
 def test_labels_give_per_class_probes_and_base_rates(lens, tmp_path):
     d = run(lens, {"a": random_set()}, labels=LABELS, label_names=["x", "y", "z"], skip_documents=6,
             out=str(tmp_path))["a"]

@@ -44,9 +44,12 @@ class Description:
                 f"tokens={i.get('tokens')}, documents={i.get('documents')})")
 
     def save(self, folder: str | os.PathLike) -> Path:
-        """Write the four files into `folder`, each atomically."""
+        """Write the four files into `folder`, each atomically; description.json goes first and comes
+        back last, so a save killed half-way leaves no description (a rerun writes it), never new
+        statistics under an earlier description.json."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
+        (folder / FILES[0]).unlink(missing_ok=True)
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.stats.items()}
         atomic_write(folder / FILES[1], lambda p: save_file(tensors, p, metadata={"format": FORMAT}))
         lines = "".join(json.dumps(c, separators=(",", ":")) + "\n" for c in self.contexts)

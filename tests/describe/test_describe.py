@@ -307,3 +307,26 @@ def test_a_pass_marker_that_does_not_read_drops_the_checkpoint_it_cannot_vouch_f
     (tmp_path / CHECKPOINT).write_bytes(b"this pass")
     _forget_other_pass(tmp_path, source, None)  # the same pass: its checkpoint stays
     assert (tmp_path / CHECKPOINT).read_bytes() == b"this pass"
+
+
+def test_a_save_killed_half_way_leaves_no_description_rather_than_a_mixed_one(lens, tmp_path, monkeypatch):
+    from conceptlens.describe import description as module
+
+    first = run(lens, {"a": random_set(seed=5)}, batch_size=4, max_tokens=60)["a"]
+    second = run(lens, {"a": random_set(seed=6)}, batch_size=4, max_tokens=60)["a"]
+    first.save(tmp_path / "a")
+    real = module.atomic_write
+
+    def dies_at_contexts(path, write):
+        if str(path).endswith("contexts.jsonl"):
+            raise KeyboardInterrupt
+        real(path, write)
+
+    monkeypatch.setattr(module, "atomic_write", dies_at_contexts)
+    with pytest.raises(KeyboardInterrupt):
+        second.save(tmp_path / "a")  # new statistics written, then killed
+    with pytest.raises(FileNotFoundError, match="description.json not found"):
+        Description.load(tmp_path / "a")
+    monkeypatch.setattr(module, "atomic_write", real)
+    second.save(tmp_path / "a")
+    assert torch.equal(Description.load(tmp_path / "a").stats["top_values"], second.stats["top_values"])

@@ -36,6 +36,10 @@ class AttachedModel(Protocol):
     def name(self) -> str:
         """The model's portable id (registered name, hub id or a local folder's name)."""
 
+    @property
+    def sites(self) -> dict[str, Site]:
+        """Every site of the model, by canonical name."""
+
     def site(self, name: str) -> Site:
         """The site `name` resolves to; KeyError with the valid names otherwise."""
 

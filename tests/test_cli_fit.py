@@ -392,3 +392,27 @@ def test_run_toml_holds_any_string_and_a_tuple_option_resumes_its_own_run(files,
     assert tomllib.loads(rc.to_toml(cfg))["describe"]["prompt"] == weird
     assert main(argv) == 0
     assert main(argv) == 0  # resumed: the same run
+
+
+def test_the_models_dtype_is_part_of_the_run(files, tmp_path, monkeypatch, capsys):
+    """A --dtype bfloat16 fit records its dtype: `fit RUN/run.toml` resumes it (it was refused as "another
+    model"), `describe RUN` loads the model in it (as `eval RUN` does), and another --dtype is another run."""
+    out = tmp_path / "run"
+    argv = base(files, out, "--no-describe", "--dtype", "bfloat16")
+    step = interrupt_at_step(monkeypatch, 4)
+    assert main(argv) == 130
+    monkeypatch.setattr(conceptlens.fit, "_step", step)
+    assert rc.read_toml(out / "run.toml")["dtype"] == "bfloat16"
+    loads, real = [], models.load
+
+    def load(name, **kwargs):
+        loads.append(kwargs.get("dtype"))
+        return real(name, **kwargs)
+
+    monkeypatch.setattr(models, "load", load)
+    assert main(["fit", str(out / "run.toml")]) == 0
+    assert main(["describe", str(out), "--describe-tokens", "100"]) == 0
+    assert loads == [torch.bfloat16, torch.bfloat16]
+    capsys.readouterr()
+    assert main(base(files, out, "--no-describe")) == 2
+    assert "holds a run with another dtype ('bfloat16', now None)" in capsys.readouterr().err

@@ -60,14 +60,14 @@ def check_device(device: str) -> None:
                          f"{', '.join(['cpu', 'auto', *usable_devices()[1:]])}") from None
 
 
-def load_model(args: argparse.Namespace, name: str | None = None) -> tuple[Any, Any]:
-    """`models.load(name or args.model)` with the command's --device and --dtype."""
+def load_model(args: argparse.Namespace, name: str | None = None, dtype: str | None = None) -> tuple[Any, Any]:
+    """`models.load(name or args.model)` with the command's --device and --dtype (else `dtype`: a run's)."""
     import torch
 
     from conceptlens import models
 
     kwargs: dict[str, Any] = {}
-    dtype = getattr(args, "dtype", None)
+    dtype = getattr(args, "dtype", None) or dtype
     if dtype and dtype != "auto":
         kwargs["dtype"] = getattr(torch, dtype)
     device = getattr(args, "device", None)

@@ -168,7 +168,7 @@ def _describe(args: argparse.Namespace) -> int:
 
         SteeringRequest(list(cfg.describe.steer)).chosen(
             {name: len(cs) for name, cs in sets.items() if not cross_layer(cs.config.get("fit"))})
-    model, tok = load_model(args, cfg.model)
+    model, tok = load_model(args, cfg.model, cfg.dtype)
     describe_run(conceptlens.attach(model, tok), cfg, sets, consumed, out)
     return 0
 

@@ -175,7 +175,7 @@ def _fit_read(run_dir: Path) -> tuple[str, int | None, int] | None:
 
 def _recorded(run_dir: Path) -> dict[str, Any] | None:
     """What eval reads of a run folder's run.toml (None: it has none): its model (a name), data (a
-    name) and shuffle (`shuffle_seed`), each checked; a one-line ValueError naming the file."""
+    name), shuffle (`shuffle_seed`) and the model's dtype, each checked; a one-line ValueError naming the file."""
     from conceptlens.commands import run_config as rc
 
     path = run_dir / "run.toml"
@@ -187,7 +187,10 @@ def _recorded(run_dir: Path) -> dict[str, Any] | None:
             if key in raw or key == "model":
                 if not isinstance(raw.get(key), str) or not raw[key].strip():
                     raise ValueError(f"{key} must be a name (a non-empty string); got {raw.get(key)!r}")
-        return {"model": raw["model"], "data": raw.get("data"), "shuffle": rc.shuffle_seed(raw)}
+        dtype = raw.get("dtype")
+        if dtype is not None and dtype not in rc.MODEL_DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not a model dtype; valid: {', '.join(rc.MODEL_DTYPES)}")
+        return {"model": raw["model"], "data": raw.get("data"), "shuffle": rc.shuffle_seed(raw), "dtype": dtype}
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
 
@@ -217,7 +220,8 @@ def _run_folder(args: argparse.Namespace, suites: tuple[str, ...]) -> None:
         config = dataclasses.replace(config, ks=tuple(k for k in KS if k <= fewest) or (1,))
     model_name = _model_name(args, sets)
     results.check_file(args.run_dir, model_name)  # before the model loads: its parts could not be saved
-    model, tok = load_model(args, model_name)
+    recorded = _recorded(run_folder.run_of(Path(args.run_dir)))  # the run's --dtype, unless given again
+    model, tok = load_model(args, model_name, recorded["dtype"] if recorded and not args.model else None)
     check_max_length(model, args.max_length, "--max-length")
     lens = conceptlens.attach(model, tok)
     by_site: dict[str, dict] = {}

@@ -86,6 +86,8 @@ def resolve(args: argparse.Namespace) -> rc.RunConfig:
         raw["sites"] = args.site
     if args.extractor:
         raw["extractor"] = [rc.parse_extractor(spec) for spec in args.extractor]
+    if getattr(args, "dtype", None) is not None:
+        raw["dtype"] = args.dtype
     if args.no_shuffle:
         raw["shuffle"] = False
     elif args.shuffle is not None:
@@ -192,7 +194,7 @@ def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, te
     from conceptlens.batching import check_max_length
     from conceptlens.fit_keys import canonical_key
 
-    model, tok = load_model(args, cfg.model)
+    model, tok = load_model(args, cfg.model, cfg.dtype)
     lens = conceptlens.attach(model, tok)
     for site in cfg.sites:
         lens.site(site)

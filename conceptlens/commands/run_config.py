@@ -38,6 +38,7 @@ from typing import Any
 
 from conceptlens._checks import check_int
 from conceptlens._content import read_toml as read_checked_toml
+from conceptlens.commands._common import DTYPES as MODEL_DTYPES
 from conceptlens.commands.extractor_specs import (BUDGET, KEY_FORMS, METHODS, budget_lr,  # noqa: F401
                                                   check_extractors, entry_budget, extractor_key, method_class,
                                                   parse_extractor)
@@ -86,6 +87,8 @@ class RunConfig:
     """Seed of the document order for bundled sets (they are stored sorted by label); None keeps it."""
     fit: FitSection = field(default_factory=FitSection)
     describe: DescribeSection = field(default_factory=DescribeSection)
+    dtype: str | None = None
+    """The model's weights dtype (--dtype; None: the loader's), so `describe RUN` and a resume load it so."""
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
@@ -165,9 +168,12 @@ def from_dict(raw: dict[str, Any]) -> RunConfig:
     out = raw.get("out", "runs/fit")
     if not isinstance(out, str) or not out.strip():
         raise ValueError(f"out {out!r} is not a folder: give the run folder, e.g. --out runs/x")
+    dtype = raw.get("dtype")
+    if dtype is not None and dtype not in MODEL_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not a model dtype; valid: {', '.join(MODEL_DTYPES)}")
     cfg = RunConfig(raw["model"], raw["data"], list(sites), [], out=out,
                     shuffle=shuffle, fit=_section(FitSection, raw.get("fit", {}), "fit"),
-                    describe=_section(DescribeSection, raw.get("describe", {}), "describe"))
+                    describe=_section(DescribeSection, raw.get("describe", {}), "describe"), dtype=dtype)
     cfg.extractors = check_extractors(specs, cfg.sites)
     _check_numbers(cfg)
     _check_steer(cfg)

@@ -31,7 +31,7 @@ OWNED = ("checkpoint.pt", "fit_report.json", "quality.json", "eval.json", "conce
          "describe/*/tokens.json", "hierarchy/*.json", "run.toml")
 """Files a run writes, as globs; run.toml last (see the module docstring)."""
 TRASH = ".overwritten.tmp"
-IDENTITY = ("model", "data", "sites", "shuffle", "extractor")
+IDENTITY = ("model", "data", "sites", "shuffle", "extractor", "dtype")
 """What makes two configs one run (with fit.batch_size and fit.max_length)."""
 
 

@@ -120,6 +120,7 @@ def run_config(args: argparse.Namespace):
     documents = pools_documents(args.max_tokens, args.concepts)
     cfg = rc.from_dict({
         "model": args.model, "data": "bbc-news:train", "sites": [args.site], "out": args.out, "shuffle": args.seed,
+        **({"dtype": args.dtype} if getattr(args, "dtype", None) else {}),
         "fit": {"max_tokens": args.max_tokens, "checkpoint_every": max(args.max_tokens // 2, 1)},
         "describe": {"data": "bbc-news:test", "max_tokens": args.describe_tokens},
         "extractor": [

@@ -1,4 +1,4 @@
-"""Ctrl-C that waits for the current batch, so a fit can checkpoint what it has done.
+"""Ctrl-C (or a scheduler's SIGTERM) that waits for the current batch, so a fit can checkpoint what it has done.
 
     with deferred() as ctrl_c:
         for batch in batches:
@@ -7,8 +7,10 @@
                 break          # then save and raise KeyboardInterrupt
 
 A first Ctrl-C (SIGINT) only sets `pressed`; a second one raises KeyboardInterrupt at once,
-as Python does by default. Outside the main thread (where no signal handler can be set) the
-scope changes nothing.
+as Python does by default. SIGTERM (what a job scheduler or `timeout` sends before it kills)
+does the same where nobody else handles it: the batch finishes and the checkpoint is written
+within the grace period a scheduler gives. Outside the main thread (where no signal handler can
+be set) the scope changes nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any, Iterator
 
 
 class CtrlC:
-    """Whether SIGINT arrived inside a `deferred()` scope."""
+    """Whether SIGINT (or SIGTERM) arrived inside a `deferred()` scope."""
 
     def __init__(self) -> None:
         self.pressed = False
@@ -30,7 +32,8 @@ class CtrlC:
         if self.pressed:
             raise KeyboardInterrupt
         self.pressed = True
-        print("\nCtrl-C: finishing this batch and writing a checkpoint (Ctrl-C again to stop at once)",
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"\n{what}: finishing this batch and writing a checkpoint ({what} again to stop at once)",
               file=sys.stderr, flush=True)
 
 
@@ -43,7 +46,12 @@ def deferred() -> Iterator[CtrlC]:
         yield ctrl_c  # not ours to change: another handler (or a thread) keeps its behaviour
         return
     previous = signal.signal(signal.SIGINT, ctrl_c._handle)
+    term = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # another handler's SIGTERM stays theirs
+    if term:
+        signal.signal(signal.SIGTERM, ctrl_c._handle)
     try:
         yield ctrl_c
     finally:
         signal.signal(signal.SIGINT, previous)
+        if term:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -80,8 +80,8 @@ def test_nested_scopes_of_one_process_share_its_lock_and_a_created_folder_goes_a
     assert (folder / "run.toml").is_file() and (folder / LOCK_FILE).read_text() == ""
 
 
-def _interrupt(proc: subprocess.Popen, go: Path) -> tuple[int, str]:
-    proc.send_signal(signal.SIGINT)  # Ctrl-C in the middle of a batch
+def _interrupt(proc: subprocess.Popen, go: Path, signum: int = signal.SIGINT) -> tuple[int, str]:
+    proc.send_signal(signum)  # Ctrl-C (or a scheduler's SIGTERM) in the middle of a batch
     go.touch()
     _, err = proc.communicate(timeout=300)
     line = err.strip().splitlines()[-1]
@@ -94,11 +94,13 @@ def _interrupt(proc: subprocess.Popen, go: Path) -> tuple[int, str]:
     return tokens, found.group(2)
 
 
-def test_ctrl_c_during_a_fit_checkpoints_and_the_rerun_resumes_from_the_count_it_printed(files, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_during_a_fit_checkpoints_and_the_rerun_resumes_from_the_count_it_printed(
+        files, tmp_path, signum):  # noqa: F811
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     assert main(base(files, whole, *NO_PERIODIC)) == 0
     proc, go = _paused(tmp_path, 3, base(files, cut, *NO_PERIODIC))
-    tokens, path = _interrupt(proc, go)
+    tokens, path = _interrupt(proc, go, signum)
     assert Path(path) == cut / "checkpoint.pt" and not (cut / "concepts").exists()
     assert main(base(files, cut, *NO_PERIODIC)) == 0
     assert json.loads((cut / "fit_report.json").read_text())["resumed_from"] == tokens

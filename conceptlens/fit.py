@@ -201,7 +201,10 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
     for name, extractor in plan.extractors.items():  # train on rows still held in mixing buffers
         flush = getattr(extractor, "flush", None)
         if callable(flush) and (run is None or run.updates(name)):
-            flush()
+            try:
+                flush()
+            except NotFittedError:  # too few rows to start: the report says so, the other sets are kept
+                pass
     if run is not None:
         run.share(plan.extractors, state.row_filter)
     return _report(lens, plan, state, resumed_from, time.perf_counter() - start, config)

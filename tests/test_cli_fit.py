@@ -416,3 +416,13 @@ def test_the_models_dtype_is_part_of_the_run(files, tmp_path, monkeypatch, capsy
     capsys.readouterr()
     assert main(base(files, out, "--no-describe")) == 2
     assert "holds a run with another dtype ('bfloat16', now None)" in capsys.readouterr().err
+
+
+def test_a_kmeans_of_more_concepts_than_rows_is_not_fitted_and_the_other_sets_are(files, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = base(files, out, "--no-describe")
+    argv[argv.index("kmeans:n_concepts=4,init_size=64,name=km")] = "kmeans:n_concepts=4000,name=km"
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "km: not fitted (StreamingKMeans saw" in printed and "fewer than n_concepts=4000" in printed
+    assert json.loads((out / "fit_report.json").read_text())["concepts"] == ["topk"]

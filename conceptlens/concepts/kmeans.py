@@ -118,6 +118,9 @@ class StreamingKMeans(ExtractorBase):
         if self._centres is not None or self._pending is None:
             return
         x, w = self._pending
+        if x.shape[0] < self.config.n_concepts:  # k-means++ would repeat rows as centres
+            raise NotFittedError(f"StreamingKMeans saw {x.shape[0]:,} rows in all, fewer than "
+                                 f"n_concepts={self.config.n_concepts}: give it more rows or fewer concepts")
         self._pending = None
         self._centres = x[self._seed_rows(x, w)].float().clone()  # float32 whatever the rows
         self._mass = self._mass.to(x.device)

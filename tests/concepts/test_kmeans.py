@@ -191,3 +191,19 @@ def test_bad_arguments_raise():
         km.update(torch.randn(5, 4), weight=-torch.ones(5))
     with pytest.raises(ValueError, match="spherical and unit must match"):
         km.merge(StreamingKMeans(3, spherical=True))
+
+
+def test_fewer_rows_than_concepts_is_not_fitted_and_a_fit_keeps_the_other_sets():
+    """k-means++ on 30 rows for 40 centres repeated rows as centres; now the set is not fitted, said
+    in one line (a fit that holds it still gives its other sets: tests/test_cli_fit.py)."""
+    from conceptlens.concepts.base import NotFittedError
+
+    km = StreamingKMeans(40)
+    km.update(torch.randn(30, 8))
+    with pytest.raises(NotFittedError, match="saw 30 rows in all, fewer than n_concepts=40"):
+        km.flush()
+    with pytest.raises(NotFittedError, match="saw 30 rows in all"):
+        km.concept_set()
+    km.update(torch.randn(20, 8))  # still buffering: more rows make it fit
+    km.flush()
+    assert len(km.concept_set()) == 40

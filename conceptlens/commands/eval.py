@@ -141,10 +141,12 @@ def _synthetic(args: argparse.Namespace) -> None:
     print(f"\n### synthetic ({took})\n\n{format_lines(lines)}", flush=True)
 
 
-def _model_name(args: argparse.Namespace, sets: dict) -> str:
-    """--model, else the model a run folder's run.toml loaded (a local folder or .gguf, which the sets
-    name only by its last component), else the one model the sets name."""
-    recorded = _recorded(run_folder.run_of(Path(args.run_dir)))
+def _model_name(args: argparse.Namespace, sets: dict, recorded: Any = "read") -> str:
+    """--model, else the model a run folder's run.toml loaded (`recorded`, as `_recorded` reads it, or
+    read here: a local folder or .gguf, which the sets name only by its last component), else the one
+    model the sets name."""
+    if recorded == "read":
+        recorded = _recorded(run_folder.run_of(Path(args.run_dir)))
     if args.model:
         return args.model
     if recorded is not None:
@@ -187,10 +189,8 @@ def _recorded(run_dir: Path) -> dict[str, Any] | None:
             if key in raw or key == "model":
                 if not isinstance(raw.get(key), str) or not raw[key].strip():
                     raise ValueError(f"{key} must be a name (a non-empty string); got {raw.get(key)!r}")
-        dtype = raw.get("dtype")
-        if dtype is not None and dtype not in rc.MODEL_DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not a model dtype; valid: {', '.join(rc.MODEL_DTYPES)}")
-        return {"model": raw["model"], "data": raw.get("data"), "shuffle": rc.shuffle_seed(raw), "dtype": dtype}
+        return {"model": raw["model"], "data": raw.get("data"), "shuffle": rc.shuffle_seed(raw),
+                "dtype": rc.model_dtype(raw)}
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
 
@@ -218,10 +218,10 @@ def _run_folder(args: argparse.Namespace, suites: tuple[str, ...]) -> None:
     fewest = min(len(cs) for cs in sets.values())
     if tuple(args.ks) == KS and max(KS) > fewest:  # the defaults: those a set of `fewest` latents can take
         config = dataclasses.replace(config, ks=tuple(k for k in KS if k <= fewest) or (1,))
-    model_name = _model_name(args, sets)
+    recorded = _recorded(run_folder.run_of(Path(args.run_dir)))
+    model_name = _model_name(args, sets, recorded)
     results.check_file(args.run_dir, model_name)  # before the model loads: its parts could not be saved
-    recorded = _recorded(run_folder.run_of(Path(args.run_dir)))  # the run's --dtype, unless given again
-    model, tok = load_model(args, model_name, recorded["dtype"] if recorded and not args.model else None)
+    model, tok = load_model(args, model_name, recorded["dtype"] if recorded and not args.model else None)  # the run's
     check_max_length(model, args.max_length, "--max-length")
     lens = conceptlens.attach(model, tok)
     by_site: dict[str, dict] = {}

@@ -27,9 +27,8 @@ anything is written. `budget_lrs` gives each SAE entry without an lr the lr for 
 
 from __future__ import annotations
 
-import json
-
 import dataclasses
+import json
 import types
 import typing
 from dataclasses import asdict, dataclass, field
@@ -168,9 +167,7 @@ def from_dict(raw: dict[str, Any]) -> RunConfig:
     out = raw.get("out", "runs/fit")
     if not isinstance(out, str) or not out.strip():
         raise ValueError(f"out {out!r} is not a folder: give the run folder, e.g. --out runs/x")
-    dtype = raw.get("dtype")
-    if dtype is not None and dtype not in MODEL_DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not a model dtype; valid: {', '.join(MODEL_DTYPES)}")
+    dtype = model_dtype(raw)
     cfg = RunConfig(raw["model"], raw["data"], list(sites), [], out=out,
                     shuffle=shuffle, fit=_section(FitSection, raw.get("fit", {}), "fit"),
                     describe=_section(DescribeSection, raw.get("describe", {}), "describe"), dtype=dtype)
@@ -178,6 +175,14 @@ def from_dict(raw: dict[str, Any]) -> RunConfig:
     _check_numbers(cfg)
     _check_steer(cfg)
     return cfg
+
+
+def model_dtype(raw: dict[str, Any]) -> str | None:
+    """The model's dtype a run's settings give (`dtype`, None when absent); anything else is refused in one line."""
+    dtype = raw.get("dtype")
+    if dtype is not None and dtype not in MODEL_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not a model dtype; valid: {', '.join(MODEL_DTYPES)}")
+    return dtype
 
 
 def shuffle_seed(raw: dict[str, Any]) -> int | None:

@@ -18,7 +18,6 @@ run.toml naming the old run, so the folder is still refused until `--overwrite` 
 from __future__ import annotations
 
 import json
-
 import os
 import shutil
 from pathlib import Path

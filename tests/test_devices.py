@@ -89,6 +89,31 @@ def test_input_device_follows_the_device_map(pair):
         offloaded.hf_device_map["model.embed_tokens"] = "cpu"
 
 
+def test_robust_norm_steering_and_sweeps_with_the_embeddings_on_disk(tmp_path):
+    """The first parameter is on `meta` when the embeddings are offloaded: inputs go to the
+    embeddings' execution device, never to `meta`."""
+    from conceptlens.steering import robust_norm, sweep, token_logprob
+    from tests.steering.test_sweep import PROMPTS, word_tokenizer
+
+    model, tok = tiny_model("llama"), word_tokenizer()
+    model.save_pretrained(tmp_path)
+    device_map = {"model.embed_tokens": "disk", "model.rotary_emb": "cpu", "model.layers": "cpu",
+                  "model.norm": "cpu", "lm_head": "cpu"}
+    offloaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path, device_map=device_map,
+                                                        offload_folder=str(tmp_path / "offload")).eval()
+    assert next(offloaded.parameters()).device.type == "meta"
+    results = []
+    for m in (model, offloaded):
+        m.generation_config.eos_token_id = 1
+        lens = conceptlens.attach(m, tok)
+        direction = model.get_output_embeddings().weight[50].detach()
+        result = sweep(lens, lambda a: Add(direction, a, scale="robust_norm", site="blocks.1.resid_out"), [0, 4],
+                       PROMPTS, token_logprob(tok, "w50"), max_new_tokens=3)
+        results.append((robust_norm(lens, "blocks.1.resid_out"), result.texts, result.perplexity))
+    assert results[0][0] == results[1][0] and results[0][1] == results[1][1]
+    torch.testing.assert_close(results[0][2], results[1][2])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_capture_in_the_models_dtype_on_request(dtype):
     model = tiny_model("llama").to(dtype)

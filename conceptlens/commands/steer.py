@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from conceptlens.commands._args import concept_dir, finite_float, nonempty_text, positive_int
+from conceptlens.devices import input_device
 
 if TYPE_CHECKING:
     from conceptlens.concepts.conceptset import ConceptSet
@@ -199,7 +200,7 @@ def continuations(lens: Any, edit: Any, prompt: str, *, positions: str = "genera
                   max_new_tokens: int = 32) -> tuple[str, str]:
     """Greedy continuations of `prompt` without and with `edit`: (unsteered, steered)."""
     tokenizer, model = lens.tokenizer, lens.model
-    device = next(model.parameters()).device
+    device = input_device(model)
     inputs = {k: v.to(device) for k, v in tokenizer([prompt], return_tensors="pt").items()}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     start = inputs["input_ids"].shape[1]

@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 import torch
 from torch import Tensor
 
+from conceptlens.devices import input_device
 from conceptlens.evaluate.activations import ConceptEncoder
 from conceptlens.evaluate.bootstrap import bootstrap
 from conceptlens.evaluate.lines import Line
@@ -97,7 +98,7 @@ def alpha_tokens(tok: Any, limit: int, seed: int = 0) -> list[tuple[int, str]]:
 def word_activations(lens: AttachedModel, site: str, tok: Any, ids: list[int], batch_size: int = 64) -> Tensor:
     """`(N, d)` activations at `site` of each token id placed after `PROMPT`."""
     prefix = tok(PROMPT, add_special_tokens=True)["input_ids"]
-    device = next(lens.model.parameters()).device
+    device = input_device(lens.model)
     out = []
     with lens.capture(site) as cap:
         for i in range(0, len(ids), batch_size):

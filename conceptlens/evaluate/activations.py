@@ -26,6 +26,7 @@ from torch import Tensor
 from conceptlens._memory import release
 from conceptlens.batching import encode_batch
 from conceptlens.concepts.conceptset import CONFIG_FILE, ConceptSet
+from conceptlens.devices import input_device
 from conceptlens.interface import AttachedModel
 
 TOKEN_TASKS = ("wsj-pos",)
@@ -186,7 +187,7 @@ def collect(lens: AttachedModel, site: str, encoders: Mapping[str, ConceptEncode
         name: enc.encode if isinstance(enc, ConceptEncoder) else enc for name, enc in encoders.items()}
     xs, ys, docs, token_rows = [], [], [], []
     zs: dict[str, list[Tensor]] = {name: [] for name in encoders}
-    device = next(lens.model.parameters()).device
+    device = input_device(lens.model)
     offset = 0
     with lens.capture(site) as cap:
         for batch, labels in batches:

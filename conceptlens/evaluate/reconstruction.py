@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from conceptlens.devices import input_device
 from conceptlens.evaluate.activations import ConceptEncoder
 from conceptlens.evaluate.bootstrap import Estimate, bootstrap
 from conceptlens.evaluate.lines import Line
@@ -60,7 +61,7 @@ def splice_terms(lens: AttachedModel, site: str, edits: Mapping[str, Callable[[T
     replaced rows `(N, d)` and their document ids."""
     _check_model(lens)
     name = lens.site(site).name
-    device = next(lens.model.parameters()).device
+    device = input_device(lens.model)
     out: dict[str, list[Tensor]] = {key: [] for key in ("clean", *edits)}
     offset = 0
     for batch in _row_slices(batches, vocab_size(lens.model)):

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from conceptlens.batching import pad_right
+from conceptlens.devices import input_device
 from conceptlens.interface import AttachedModel
 from conceptlens.metrics.controls import (SiteMoments, base_rate_entropy, concept_subsets, covariance_directions,
                                           majority_accuracy, random_orthonormal, unigram_entropy)
@@ -188,7 +189,7 @@ def _targets(batches: list[dict[str, Tensor]]) -> Tensor:
 @torch.no_grad()
 def _site_moments(lens: AttachedModel, batches: list[dict[str, Tensor]], site: str) -> SiteMoments:
     """Mean and covariance of the clean activations at `site`, first positions left out."""
-    device = next(lens.model.parameters()).device
+    device = input_device(lens.model)
     moments = SiteMoments()
     with lens.capture(site) as capture:
         for batch in batches:
@@ -201,7 +202,7 @@ def _site_moments(lens: AttachedModel, batches: list[dict[str, Tensor]], site: s
 
 @torch.no_grad()
 def _next_token(lens: AttachedModel, batches: list[dict[str, Tensor]], edit: Edit | None, positions: Positions) -> float:
-    device = next(lens.model.parameters()).device
+    device = input_device(lens.model)
     total, count = 0.0, 0
     with _ablating(lens, edit, positions):
         for batch in batches:
@@ -254,7 +255,7 @@ def _features(lens: AttachedModel, batches: list[dict[str, Tensor]], site: str, 
               edit: Edit | None, positions: Positions) -> Tensor:
     """(n_texts, d) pooled activations at `site`; the capture opens inside the ablation so it
     reads the edited activations even at the ablated site itself."""
-    device = next(lens.model.parameters()).device
+    device = input_device(lens.model)
     pooled = []
     with _ablating(lens, edit, positions), lens.capture(site) as capture:
         for batch in batches:

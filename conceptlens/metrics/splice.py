@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple
 import torch
 from torch import Tensor
 
+from conceptlens.devices import input_device
 from conceptlens.interface import AttachedModel
 from conceptlens.metrics.faithfulness import next_token_loss_sum
 from conceptlens.metrics.quality import ce_loss_recovered
@@ -97,7 +98,7 @@ def splice_ce(lens: AttachedModel, site: str, reconstruction: Any, batches: Mapp
     fn = _as_function(reconstruction)
     zeros: Reconstruction = torch.zeros_like
     name = lens.site(site).name
-    device = next(lens.model.parameters()).device
+    device = input_device(lens.model)
     totals = torch.zeros(3, dtype=torch.float64)
     count = 0
     for batch in [batches] if isinstance(batches, Mapping) else batches:

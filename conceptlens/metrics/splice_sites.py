@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from conceptlens.concepts import registry
+from conceptlens.devices import input_device
 from conceptlens.metrics.faithfulness import next_token_loss_sum
 from conceptlens.metrics.quality import ce_loss_recovered
 from conceptlens.metrics.splice import SpliceResult, _check_model, _replacer, splice_mask
@@ -66,7 +67,7 @@ def _moved(new: Tensor) -> Callable[[Tensor], Tensor]:
 
 
 def _prepared(lens: AttachedModel, batches: Batches) -> Iterable[dict[str, Tensor]]:
-    device = next(lens.model.parameters()).device
+    device = input_device(lens.model)
     for batch in [batches] if isinstance(batches, Mapping) else batches:
         batch = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
         if batch.get("attention_mask") is None:

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from conceptlens.batching import encode_batch
+from conceptlens.devices import input_device
 from conceptlens.interface import AttachedModel
 from conceptlens.steering.edits import Add, add_vector
 from conceptlens.steering.prompt_cache import PromptCache
@@ -35,7 +36,7 @@ PROMPTS = ("My favourite recipe for a quick dinner is", "The weather this mornin
 def mean_activation(lens: AttachedModel, tokenizer: Any, site: str, texts: Sequence[str], max_length: int = 128,
                     batch_size: int = 16) -> torch.Tensor:
     """(d,) mean activation at `site` over every (non-padding) token of `texts`."""
-    device = next(lens.model.parameters()).device
+    device = input_device(lens.model)
     total: torch.Tensor | None = None
     count = 0
     with lens.capture(site) as cap:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from conceptlens.batching import encode_batch
+from conceptlens.devices import input_device
 
 if TYPE_CHECKING:
     from conceptlens.steering.sweep import Generation, SweepResult
@@ -48,7 +49,7 @@ class TopicJudge:
     @torch.no_grad()
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """(n, d) float64 mean-pooled last hidden states; batches of texts of similar length (little padding)."""
-        device = next(self.encoder.parameters()).device
+        device = input_device(self.encoder)
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
         rows = []
         for start in range(0, len(texts), self.batch_size):

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from conceptlens.batching import pad_right
+from conceptlens.devices import input_device
 from conceptlens.steering import sweep_scores
 from conceptlens.steering.sweep_scores import Generation
 
@@ -40,7 +41,7 @@ class PromptCache:
             raise ValueError(f"prompts must be a non-empty list of strings; got {prompts!r}")
         self.prompts = list(prompts)
         self.batch = _left_padded(tokenizer, self.prompts)
-        device = next(model.parameters()).device
+        device = input_device(model)
         positions = (self.batch["attention_mask"].cumsum(1) - 1).clamp_min(0)  # as generate counts them
         out = model(**{k: v.to(device) for k, v in self.batch.items()}, position_ids=positions.to(device),
                     use_cache=True, **_last_logits_only(model))
@@ -104,7 +105,7 @@ class PromptCache:
         vocabulary made 1.2 GB for 100 continuations), each read `chunk` tokens at a time in float64
         (all at once, 288 continuations of 12 tokens made 1.8 GB of copies). A row's logits do not
         depend on the others."""
-        device = next(model.parameters()).device
+        device = input_device(model)
         feed = pad_right([g.tokens[:-1].tolist() for g in generations])  # token i predicts token i + 1
         prompt_mask = self.batch["attention_mask"][rows]
         mask = torch.cat([prompt_mask, feed["attention_mask"]], 1)

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from conceptlens._io import atomic_write
+from conceptlens.devices import input_device
 from conceptlens.interface import AttachedModel
 from conceptlens.steering.edits import Edit
 from conceptlens.steering.scope import Positions
@@ -262,7 +263,7 @@ def _left_padded(tokenizer: Any, prompts: list[str]) -> dict[str, Tensor]:
 def _generate(model: Any, tokenizer: Any, batch: dict[str, Tensor], prompts: list[str],
               kwargs: dict[str, Any], logits: bool = True) -> list[Generation]:
     """Greedy (unless `kwargs` say otherwise) continuations; `logits=False` keeps (n, 0) logits."""
-    device = next(model.parameters()).device
+    device = input_device(model)
     batch = {k: v.to(device) for k, v in batch.items()}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out = model.generate(**batch, output_logits=logits, return_dict_in_generate=True, pad_token_id=pad, **kwargs)

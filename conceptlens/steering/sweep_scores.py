@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from conceptlens.batching import pad_right
+from conceptlens.devices import input_device
 from conceptlens.interface import AttachedModel
 
 
@@ -46,7 +47,7 @@ def continuation_perplexity(model: Any, tokenizer: Any, generations: Sequence[Ge
     model reads it. Greedy unsteered text scores low (~1-3); word salad scores hundreds.
     Only the continuations' predicting positions are read, `chunk` at a time in float64."""
     batch, starts = _joined(tokenizer, generations)
-    device = next(model.parameters()).device
+    device = input_device(model)
     logits = model(**{k: v.to(device) for k, v in batch.items()}).logits  # (P, T, V), the model's dtype
     lengths = [len(g.tokens) for g in generations]
     rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
@@ -144,7 +145,7 @@ class ConceptExpression:
         if not len(generation.tokens):
             return math.nan
         batch, (start,) = _joined(self.lens.tokenizer, [generation])
-        device = next(self.lens.model.parameters()).device
+        device = input_device(self.lens.model)
         with self.lens.capture(self.site) as capture:
             acts, _ = capture.forward(**{k: v.to(device) for k, v in batch.items()})
         new = acts[self.site].flatten(1)[start:].double().cpu()  # (T, d) -> the continuation's tokens

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from conceptlens.devices import input_device
 from conceptlens.interface import AttachedModel
 
 PROBE_TEXT = (
@@ -128,7 +129,7 @@ def _probe_batch(lens: AttachedModel) -> dict[str, torch.Tensor]:
 def _measure(lens: AttachedModel, name: str) -> Tensor:
     batch = _probe_batch(lens)
     model = lens.model
-    device = next(model.parameters()).device
+    device = input_device(model)
     if getattr(model.config, "is_encoder_decoder", False):  # the decoder reads the probe text too, padding masked
         batch["decoder_input_ids"], batch["decoder_attention_mask"] = batch["input_ids"], batch["attention_mask"]
     with lens.capture(name) as capture, lens.hooks.private_forward(capture):  # the unsteered model, whatever is open

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from conceptlens.batching import encode_batch
 from conceptlens.concepts.conceptset import ConceptSet
+from conceptlens.devices import input_device
 from conceptlens.interface import AttachedModel
 from conceptlens.steering.edits import Add, Edit, Scale
 
@@ -107,7 +108,7 @@ def _principal(diffs: Tensor) -> Tensor:
 def last_token_acts(lens: AttachedModel, tokenizer, texts: list[str], sites: list[str], batch_size: int,
                     max_length: int) -> dict[str, Tensor]:
     """site -> (len(texts), d) activations of each text's last real token."""
-    device = next(lens.model.parameters()).device
+    device = input_device(lens.model)
     rows: dict[str, list[Tensor]] = {s: [] for s in sites}
     with lens.capture(sites, keep_shape=True) as cap:
         for start in range(0, len(texts), batch_size):

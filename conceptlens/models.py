@@ -18,12 +18,16 @@ import os
 import pickle
 import re
 import shutil
+import struct
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
+from filelock import FileLock
 
 from conceptlens._cache import cache_dir
 
@@ -68,25 +72,39 @@ def _load_smollm2(folder: Path, **kwargs: Any) -> tuple[Any, Any]:
 
 
 def _cache_fp32(gguf: Path, target: Path) -> None:
-    """Dequantise the GGUF file once and save an fp32 copy (written aside, then renamed)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """Dequantise the GGUF file once and save an fp32 copy (written aside, then renamed). One
+    process converts while others (the ranks of a first torchrun fit) wait for its copy."""
     if not gguf.is_file():
         raise FileNotFoundError(f"{gguf} is missing from the installed package")
-    log.info("dequantising %s once into an fp32 copy at %s", gguf.name, target)
+    locks = cache_dir("locks")
+    locks.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(locks / f"{target.name}.lock")):
+        if (target / "config.json").is_file():  # made while this process waited
+            return
+        log.info("dequantising %s once into an fp32 copy at %s", gguf.name, target)
+        with _readable(gguf):
+            model, tokenizer = _dequantised(gguf)
+        scratch = target.with_name(f"{target.name}.partial-{os.getpid()}")
+        shutil.rmtree(scratch, ignore_errors=True)
+        try:
+            model.save_pretrained(scratch)
+            tokenizer.save_pretrained(scratch)
+            shutil.rmtree(target, ignore_errors=True)  # a folder without config.json is no finished copy
+            scratch.rename(target)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _dequantised(gguf: Path) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
                                                  **NO_REMOTE_CODE)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, **NO_REMOTE_CODE)
     model.hf_quantizer = None  # type: ignore[assignment]  # set per instance by transformers, undeclared on the class
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
+    return model, tokenizer
 
 
 def _load_minilm(folder: Path, **kwargs: Any) -> tuple[Any, Any]:
@@ -105,7 +123,7 @@ REGISTRY: dict[str, Registered] = {
 }
 
 
-def load(name: str, **kwargs: Any) -> tuple[Any, Any]:
+def load(name: str | os.PathLike, **kwargs: Any) -> tuple[Any, Any]:
     """Load `(model, tokenizer)` in eval mode.
 
     A registered name (`"smollm2-135m"`, `"minilm-l6"`) loads from its installed package, with
@@ -113,19 +131,53 @@ def load(name: str, **kwargs: Any) -> tuple[Any, Any]:
     (SmolLM2 defaults to float32); a
     `.gguf` file is dequantised once into a cached fp32 copy; any other string goes to
     `AutoModelForCausalLM.from_pretrained` (falling back to `AutoModel` for encoders), as a
-    hub id or a local folder, with `kwargs` passed on. A name that can be none of these fails
-    at once with one line (`check_name`). Local models record a portable id (the folder or
-    file name) as `name_or_path`, which ConceptSets store.
+    hub id or a local folder (a `Path`, or a string with `~`), with `kwargs` passed on
+    (`torch_dtype=` is read as `dtype=`). A name that can be none of these fails at once with
+    one line (`check_name`); so does a damaged weights file. Local models record a portable id
+    (the folder or file name) as `name_or_path`, which ConceptSets store.
     """
     from transformers.utils import logging
 
     was_enabled = logging.is_progress_bar_enabled()
     logging.disable_progress_bar()  # a per-tensor "Loading weights" bar is noise here
+    if "torch_dtype" in kwargs:  # transformers' older name: our own default dtype must not win over it
+        if "dtype" in kwargs:
+            raise ValueError("give dtype= or torch_dtype=, not both")
+        kwargs["dtype"] = kwargs.pop("torch_dtype")
     try:
-        return _load(name, **kwargs)
+        model, tokenizer = _load(os.fspath(name) if isinstance(name, os.PathLike) else name, **kwargs)
     finally:
         if was_enabled:
             logging.enable_progress_bar()
+    if getattr(model, "dtype", None) == torch.float16:
+        _warn_if_overflowing(model, tokenizer)
+    return model, tokenizer
+
+
+HALF_PROBE = "The capital of France is Paris, and the river Seine runs through it. It rained all week."
+
+
+@torch.no_grad()
+def _warn_if_overflowing(model: Any, tokenizer: Any) -> None:
+    """float16 tops out at 65504; models trained in bfloat16 (Gemma, T5) overflow it to inf and
+    NaN a few blocks in, and every capture, edit and generation after that is NaN. One short
+    forward finds it at load time, so it is not blamed on a later step."""
+    from conceptlens.devices import input_device
+
+    batch = {k: v.to(input_device(model)) for k, v in tokenizer(HALF_PROBE, return_tensors="pt").items()}
+    if model.config.is_encoder_decoder:
+        batch["decoder_input_ids"] = batch["input_ids"]
+    out = model(**batch, output_hidden_states=True)
+    for key in ("hidden_states", "encoder_hidden_states", "decoder_hidden_states"):
+        states = getattr(out, key, None) or ()
+        first = next((i for i, h in enumerate(states) if not torch.isfinite(h).all()), None)
+        if first is not None:  # states[0] is the embeddings' output, states[i] block i - 1's
+            where = f"block {first - 1} of {len(states) - 1}" if first else "the embeddings"
+            stack = f"the {key.split('_')[0]}'s " if key != "hidden_states" else ""
+            warnings.warn(f"{model.name_or_path} overflows float16: {stack}hidden states are inf or NaN from the output "
+                          f"of {where} on, on a short sentence, so captures, edits and generations will be NaN; load "
+                          "it in bfloat16 or float32 (--dtype bfloat16)", stacklevel=3)
+            return
 
 
 def _load(name: str, **kwargs: Any) -> tuple[Any, Any]:
@@ -135,12 +187,29 @@ def _load(name: str, **kwargs: Any) -> tuple[Any, Any]:
         model.name_or_path = model.config._name_or_path = name  # portable: ConceptSets record it
         return model, tokenizer
     check_name(name)
+    path = Path(name).expanduser()
     if name.endswith(".gguf"):
-        return _load_gguf(Path(name), **kwargs)
-    model, tokenizer = _load_auto(name, **kwargs)
-    if Path(name).is_dir():
-        model.name_or_path = portable_id(name)
+        return _load_gguf(path, **kwargs)
+    if not path.is_dir():  # a hub id
+        return _load_auto(name, **kwargs)
+    model, tokenizer = _load_auto(path, **kwargs)
+    model.name_or_path = portable_id(path)
     return model, tokenizer
+
+
+@contextmanager
+def _readable(name: str | Path) -> Iterator[None]:
+    """A weights file that cannot be read (cut short by a copy or a download) fails in one line."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, struct.error, EOFError, ValueError) as err:
+        # a GGUF file cut inside its tensor data: numpy cannot shape the rest of it
+        if isinstance(err, ValueError) and not str(err).startswith("cannot reshape array"):
+            raise
+        raise ValueError(f"{name}: its weights cannot be read ({err}); the file is damaged or incomplete, copy or "
+                         "download it again") from None
 
 
 def _load_auto(name: str | Path, **kwargs: Any) -> tuple[Any, Any]:
@@ -150,16 +219,26 @@ def _load_auto(name: str | Path, **kwargs: Any) -> tuple[Any, Any]:
     auto: type[AutoModelForSeq2SeqLM] | type[AutoModelForCausalLM] | type[AutoModel]
     if config.is_encoder_decoder:
         auto = AutoModelForSeq2SeqLM
-    elif type(config) in AutoModelForCausalLM._model_mapping:
+    elif type(config) in AutoModelForCausalLM._model_mapping and _saved_with_lm_head(config):
         auto = AutoModelForCausalLM
     else:
         auto = AutoModel
     try:
-        model = auto.from_pretrained(name, **{**NO_REMOTE_CODE, **kwargs})
+        with _readable(name):
+            model = auto.from_pretrained(name, **{**NO_REMOTE_CODE, **kwargs})
     except pickle.UnpicklingError:  # torch.load(weights_only=True) refused a pickle that would run code
         raise ValueError(f"{name}: its weights are a pickle (pytorch_model.bin) that holds more than tensors; it is "
                          "not loaded, since unpickling it could run code: use a folder with model.safetensors") from None
     return model.eval(), AutoTokenizer.from_pretrained(name, **NO_REMOTE_CODE)
+
+
+def _saved_with_lm_head(config: Any) -> bool:
+    """Whether a checkpoint holds a next-token head. BERT-like configs have a causal-LM class too
+    (BertLMHeadModel), but an encoder saved as BertModel would get a random head there: its
+    `architectures` say which class it was saved from. A config that names none is a decoder."""
+    names = getattr(config, "architectures", None) or []
+    return getattr(config, "is_decoder", False) or not names or any(
+        name.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for name in names)
 
 
 def _load_gguf(path: Path, **kwargs: Any) -> tuple[Any, Any]:

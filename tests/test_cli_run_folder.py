@@ -213,3 +213,30 @@ def test_a_set_the_last_fit_did_not_write_is_neither_described_nor_shown(files, 
     assert main(["report", str(out), "--no-progress"]) == 0
     assert "warning: left out of the atlas: vq, from an earlier fit" in capsys.readouterr().err
     assert not (out / "report" / "vq").exists()
+
+
+def test_relative_model_and_data_paths_are_recorded_absolute(files, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """`describe RUN` run from another folder reads the fit's own documents, not that folder's docs.txt."""
+    import shutil
+
+    from conceptlens.commands import run_config as rc
+
+    here = tmp_path / "project"
+    shutil.copytree(files, here)
+    monkeypatch.chdir(here)
+    out = tmp_path / "run"
+    argv = base(files, out, "--no-describe")
+    argv[argv.index("--model") + 1], argv[argv.index("--data") + 1] = "model", "./docs.txt"
+    assert main(argv) == 0
+    recorded = rc.read_toml(out / "run.toml")
+    assert recorded["model"] == str(here / "model") and recorded["data"] == str(here / "docs.txt")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "docs.txt").write_text("w5 w6 w7\n" * 500)  # another file under the same name
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert main(["describe", str(out), "--describe-tokens", "200"]) == 0
+    assert f"tokens of {here / 'docs.txt'} (documents from" in capsys.readouterr().out
+    argv[argv.index("--model") + 1] = str(here / "model")
+    assert main(argv) == 2  # ./docs.txt here is another file: another run
+    assert "holds a run with another data" in capsys.readouterr().err

@@ -104,10 +104,30 @@ def resolve(args: argparse.Namespace) -> rc.RunConfig:
              "window": int_list(args.window, "--window") if args.window else None,
              "steer": args.steer}
     describe.update({k: v for k, v in flags.items() if v is not None})
+    _record_local_paths_absolute(raw)
     cfg = rc.from_dict(raw)
     if cfg.fit.checkpoint_every is None:
         cfg.fit.checkpoint_every = DEFAULT_CHECKPOINT_EVERY
     return cfg
+
+
+def _record_local_paths_absolute(raw: dict[str, Any]) -> None:
+    """A model folder or data file given relative to the current folder is recorded by its
+    absolute path, so `describe RUN` or a resume run from elsewhere reads the same files, not
+    whatever another folder holds under that name (a registered model or bundled set name that
+    is no local path stays as it is)."""
+    from conceptlens.models import REGISTRY
+
+    def absolute(value: Any) -> Any:
+        return os.path.abspath(Path(value).expanduser()) if isinstance(value, str) and value and \
+            Path(value).expanduser().exists() else value
+
+    if raw.get("model") not in REGISTRY:
+        raw["model"] = absolute(raw.get("model"))
+    raw["data"] = absolute(raw.get("data"))
+    describe = raw.get("describe")
+    if isinstance(describe, dict) and "data" in describe:
+        describe["data"] = absolute(describe["data"])
 
 
 def jsonable(value: Any) -> Any:

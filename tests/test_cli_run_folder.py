@@ -215,6 +215,30 @@ def test_a_set_the_last_fit_did_not_write_is_neither_described_nor_shown(files, 
     assert not (out / "report" / "vq").exists()
 
 
+def test_a_control_set_of_random_directions_is_described_and_shown_though_the_fit_wrote_it_not(files, tmp_path,  # noqa: F811
+                                                                                               capsys):
+    """The demo saves concepts/random (a control the description pass makes, not in fit_report.json):
+    `describe RUN` describes it again with the rest, and the atlas shows it as control rows, unwarned."""
+    import torch
+
+    from conceptlens.concepts.conceptset import ConceptSet
+    from conceptlens.report.atlas import Atlas
+
+    out = tmp_path / "run"
+    assert main(base(files, out)) == 0
+    km = ConceptSet.load(out / "concepts" / "km")
+    ConceptSet(torch.randn(16, km.d, generator=torch.Generator().manual_seed(0)), km.site, method="random",
+               model=km.model, mean=km.mean).save(out / "concepts" / "random")
+    capsys.readouterr()
+    assert main(["describe", str(out), "--describe-tokens", "200"]) == 0
+    assert json.loads((out / "describe" / "random" / "description.json").read_text())["control"] is True
+    assert main(["report", str(out), "--no-progress"]) == 0
+    assert "left out of the atlas" not in capsys.readouterr().err
+    atlas = Atlas.load(out)
+    assert [v.name for v in atlas.controls] == ["random"] and "random" not in [v.name for v in atlas.extractors]
+    assert not (out / "report" / "random").exists()  # control rows, no pages
+
+
 def test_relative_model_and_data_paths_are_recorded_absolute(files, tmp_path, monkeypatch, capsys):  # noqa: F811
     """`describe RUN` run from another folder reads the fit's own documents, not that folder's docs.txt."""
     import shutil

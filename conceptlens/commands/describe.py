@@ -151,7 +151,8 @@ def _describe(args: argparse.Namespace) -> int:
     consumed = fit_documents(report_path) if report_path.is_file() else 0
     fitted = fit_concepts(report_path) if report_path.is_file() else None
     if fitted is not None:  # a folder the last fit did not write is an earlier fit's: its documents are others
-        found = [name for name in found if name in fitted]
+        # (a control, random directions, is the description pass's own: described again with the rest)
+        found = [name for name in found if name in fitted or _control(out / "concepts" / name / CONFIG_FILE)]
     chosen = args.concepts or found
     missing = sorted(set(chosen) - set(found))
     if not found or missing:
@@ -171,6 +172,15 @@ def _describe(args: argparse.Namespace) -> int:
     model, tok = load_model(args, cfg.model, cfg.dtype)
     describe_run(conceptlens.attach(model, tok), cfg, sets, consumed, out)
     return 0
+
+
+def _control(config: Path) -> bool:
+    """Whether the saved set at `config` is a control (random directions) rather than a fit's concepts."""
+    from conceptlens._content import read_json
+    from conceptlens.describe.run import CONTROL_METHODS
+
+    saved = read_json(config)
+    return isinstance(saved, dict) and saved.get("method") in CONTROL_METHODS
 
 
 def fit_concepts(path: Path) -> list[str] | None:

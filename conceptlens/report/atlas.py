@@ -87,7 +87,7 @@ class ExtractorView:
     @property
     def control(self) -> bool:
         """A baseline set (random directions): shown as control rows, never as concepts."""
-        return bool(self.meta.get("control", self.method in CONTROL_METHODS))
+        return _is_control(self.meta)
 
     def steering(self) -> dict[int, dict[str, Any]]:
         return {int(s["concept"]): s for s in self.meta.get("steering") or []}
@@ -125,8 +125,10 @@ class Atlas:
             check_name(name, f"{describe}: extractor folder")
         fit_report = _read_json(run / "fit_report.json")
         fitted = fit_report.get("concepts") if isinstance(fit_report, dict) else None
-        if isinstance(fitted, list):  # a set the last fit did not write (its folder stayed) is an earlier run's
-            stale = [n for n in names if n not in fitted and (run / "concepts" / n / "concepts.safetensors").is_file()]
+        if isinstance(fitted, list):  # a set the last fit did not write (its folder stayed) is an earlier run's;
+            # a control (random directions) is made by the description pass, not by the fit
+            stale = [n for n in names if n not in fitted and not _described_as_control(describe / n)
+                     and (run / "concepts" / n / "concepts.safetensors").is_file()]
             if stale:
                 warnings.warn(f"left out of the atlas: {', '.join(stale)}, from an earlier fit in {run} (the last fit, "
                               "fit_report.json, wrote no such set)", stacklevel=2)
@@ -163,6 +165,15 @@ def _read_toml(path: Path) -> dict[str, Any]:
     if not path.is_file() or tomllib is None:
         return {}
     return read_toml(path)
+
+
+def _is_control(meta: dict[str, Any]) -> bool:
+    return bool(meta.get("control", meta.get("method") in CONTROL_METHODS))
+
+
+def _described_as_control(folder: Path) -> bool:
+    meta = _read_json(folder / "description.json")
+    return isinstance(meta, dict) and _is_control(meta)
 
 
 def _load_extractor(run: Path, name: str) -> ExtractorView:

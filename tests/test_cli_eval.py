@@ -268,19 +268,21 @@ def test_a_run_folder_evaluates_with_the_model_its_run_loaded(tmp_path):
     assert _model_name(argparse.Namespace(run_dir=tmp_path, model=None), sets) == "gemma-3-270m-q4_k_m"
 
 
-def test_a_run_folder_tells_the_probes_which_train_documents_its_fit_read(tmp_path):
+def test_a_run_folder_tells_the_probes_which_documents_its_fit_read(tmp_path):
     from conceptlens.commands.eval import _fit_read
 
     assert _fit_read(tmp_path) is None  # a folder of saved sets only
     (tmp_path / "fit_report.json").write_text('{"documents": 320}')
     (tmp_path / "run.toml").write_text('model = "smollm2-135m"\ndata = "bbc-news:train"\nshuffle = 3\n')
-    assert _fit_read(tmp_path) == ("bbc-news", 3, 320)
+    assert _fit_read(tmp_path) == ("bbc-news:train", 3, 320)
     (tmp_path / "run.toml").write_text('model = "smollm2-135m"\ndata = "movie-polarity"\nshuffle = false\n')
     assert _fit_read(tmp_path) == ("movie-polarity", None, 320)  # --no-shuffle: the stored order
     (tmp_path / "run.toml").write_text('model = "smollm2-135m"\ndata = "movie-polarity"\n')  # the train split,
     assert _fit_read(tmp_path) == ("movie-polarity", 0, 320)  # in the order a fit gives when no shuffle is set
     ConceptSet(torch.randn(3, 4), site="blocks.0.resid_out").save(tmp_path / "concepts" / "topk")
     assert _fit_read(tmp_path / "concepts" / "topk") == ("movie-polarity", 0, 320)  # a set of the run: its fit's
-    for data in ("bbc-news:test", "wikitext"):  # a split or a set the probes do not learn on
+    for data in ("bbc-news:test", "bbc-news:all"):  # a fit over test articles too: the probes are scored on none
         (tmp_path / "run.toml").write_text(f'model = "smollm2-135m"\ndata = "{data}"\n')
-        assert _fit_read(tmp_path) is None
+        assert _fit_read(tmp_path) == (data, 0, 320)
+    (tmp_path / "run.toml").write_text('model = "smollm2-135m"\ndata = "wikitext"\n')  # a set the probes do not use
+    assert _fit_read(tmp_path) is None

@@ -161,8 +161,8 @@ def _model_name(args: argparse.Namespace, sets: dict, recorded: Any = "read") ->
 
 
 def _fit_read(run_dir: Path) -> tuple[str, int | None, int] | None:
-    """`SuiteConfig.fit_read` of a run folder whose fit read the train split of a labelled set the
-    probes use (its run.toml's data and shuffle, its fit_report.json's documents), else None."""
+    """`SuiteConfig.fit_read` of a run folder whose fit read a labelled set the probes use, any split
+    (its run.toml's data and shuffle, its fit_report.json's documents), else None."""
     from conceptlens.commands.describe import fit_documents
 
     run_dir = run_folder.run_of(run_dir)  # a set folder of a run: the run's fit
@@ -170,9 +170,9 @@ def _fit_read(run_dir: Path) -> tuple[str, int | None, int] | None:
     if recorded is None or recorded["data"] is None or not report.is_file():
         return None
     name, _, split = recorded["data"].partition(":")
-    if name not in PROBE_TASKS or (split or "train") != "train" or Path(recorded["data"]).exists():
+    if name not in PROBE_TASKS or Path(recorded["data"]).is_file():
         return None
-    return name, recorded["shuffle"], fit_documents(report)  # as the fit read it: None is the stored order
+    return recorded["data"], recorded["shuffle"], fit_documents(report)  # as the fit read it: None is the stored order
 
 
 def _recorded(run_dir: Path) -> dict[str, Any] | None:
@@ -234,7 +234,8 @@ def _run_folder(args: argparse.Namespace, suites: tuple[str, ...]) -> None:
     print(f"95% intervals: bootstrap over held-out documents ({DRAWS} replicates); the random control pools its "
           f"{args.random_draws} draws. Suites: {', '.join(config.suites)}.")
     if config.fit_read is not None:
-        print(f"Probes learn on none of the {config.fit_read[2]:,} {config.fit_read[0]} train documents the fit read.")
+        print(f"Probes neither learn nor are scored on any of the {config.fit_read[2]:,} {config.fit_read[0]} "
+              "documents the fit read.")
     for site_name, group in by_site.items():
         _run_site(args, lens, tok, model_name, site_name, group, folders, config)
 

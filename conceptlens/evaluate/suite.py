@@ -67,9 +67,9 @@ class SuiteConfig:
     """quality part: concepts per class screened for the single-concept probe (None: all)"""
     seed: int = 0
     fit_read: tuple[str, int | None, int] | None = None
-    """(labelled set, shuffle seed or None, documents): the train documents a fit read (the first
-    `documents` of that set's train split, shuffled with the seed as `fit` reads a bundled set);
-    probes never learn on them"""
+    """(labelled set as `fit --data` names it, NAME or NAME:SPLIT, train by default; shuffle seed or
+    None; documents): the documents a fit read (the first `documents` of that split, shuffled with the
+    seed as `fit` reads a bundled set); probes neither learn nor are scored on them"""
     progress: bool = False
 
     def __post_init__(self) -> None:
@@ -135,12 +135,18 @@ def run_parts(lens: AttachedModel, tok: Any, sets: Mapping[str, ConceptSet], con
                 yield f"{part} {task}", _probing(lens, tok, site, encoders, sets, task, part, config)
 
 
-def _read_ids(n: int, fit_read: tuple[str, int | None, int] | None, task: str) -> set[int]:
-    """Ids of the `task` train documents a fit read (`SuiteConfig.fit_read`): its first `documents` in its shuffle."""
-    if fit_read is None or fit_read[0] != task:
+def _read_texts(fit_read: tuple[str, int | None, int] | None, task: str) -> set[str]:
+    """Texts of the `task` documents a fit read (`SuiteConfig.fit_read`): the first `documents` of its
+    split in its shuffle (of any split: bbc-news:all or :test reads test articles too)."""
+    from conceptlens import data
+
+    name, _, split = fit_read[0].partition(":") if fit_read is not None else ("", "", "")
+    if fit_read is None or name != task:
         return set()
     _, shuffle, documents = fit_read
-    return set(range(min(documents, n)) if shuffle is None else act.pick(n, documents, shuffle))
+    full = data.load(name, split or "train")
+    n = len(full)
+    return {full.texts[i] for i in (range(min(documents, n)) if shuffle is None else act.pick(n, documents, shuffle))}
 
 
 def _docs(task: str, split: str, n: int, seed: int, fit_read: tuple[str, int | None, int] | None = None) -> Any:
@@ -148,8 +154,7 @@ def _docs(task: str, split: str, n: int, seed: int, fit_read: tuple[str, int | N
     from conceptlens import data
 
     full = data.load(task, split)
-    train = full if split == "train" else data.load(task, "train")  # a fit reads the train split
-    return full, _unread(full, n, seed, {train.texts[i] for i in _read_ids(len(train), fit_read, task)})
+    return full, _unread(full, n, seed, _read_texts(fit_read, task))
 
 
 def _unread(full: Any, n: int, seed: int, read: set[str]) -> list[int]:
@@ -170,7 +175,7 @@ def held_out(task: str, n_train: int, n_test: int, seed: int, fit_read: tuple[st
     from conceptlens import data
 
     train_set, test_set = data.load(task, "train"), data.load(task, "test")
-    read = {train_set.texts[i] for i in _read_ids(len(train_set), fit_read, task)}
+    read = _read_texts(fit_read, task)
     picked, test_order = _unread(train_set, len(train_set), seed, read), act.pick(len(test_set), len(test_set), seed)
     seen = read | {train_set.texts[i] for i in picked[:n_train]}
     test: list[tuple[Any, int]] = []

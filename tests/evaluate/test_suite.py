@@ -69,6 +69,18 @@ def test_probe_train_documents_pass_over_those_a_fit_read():
     assert held == [i for i in test_order if test.texts[i] not in read][:32]
 
 
+def test_a_fit_over_all_or_test_articles_leaves_them_out_of_the_probes_test_documents():
+    """`fit --data bbc-news:all` (or :test) read test articles: the probes are scored on none of them."""
+    from conceptlens.commands.sources import source
+
+    for spec in ("bbc-news:all", "bbc-news:test"):
+        read = set(source(spec, 5).texts[:200])
+        train, test, _ = suite.held_out("bbc-news", 200, 200, 0, (spec, 5, 200))
+        scored = {full.texts[i] for full, i in train + test}
+        assert len(train) == len(test) == 200 and not read & scored
+        assert read & {full.texts[i] for full, i in suite.held_out("bbc-news", 200, 200, 0)[1]}  # else: some of them
+
+
 def test_the_reconstruction_part_scores_no_test_article_the_fit_read(monkeypatch):
     from conceptlens import data
     from conceptlens.commands.sources import source

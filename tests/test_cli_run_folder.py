@@ -264,3 +264,18 @@ def test_relative_model_and_data_paths_are_recorded_absolute(files, tmp_path, mo
     argv[argv.index("--model") + 1] = str(here / "model")
     assert main(argv) == 2  # ./docs.txt here is another file: another run
     assert "holds a run with another data" in capsys.readouterr().err
+
+
+def test_a_folder_named_like_a_bundled_set_does_not_shadow_it(tmp_path, monkeypatch):
+    """`fit --out bbc-news` makes a folder of that name: later `--data bbc-news` still means the set."""
+    from conceptlens.commands._args import data_source
+    from conceptlens.commands.fit import _record_local_paths_absolute
+    from conceptlens.commands.sources import source
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bbc-news").mkdir()
+    assert data_source("bbc-news") == "bbc-news" and data_source("bbc-news:test") == "bbc-news:test"
+    assert source("bbc-news", None).name == "bbc-news"
+    raw = {"model": "smollm2-135m", "data": "bbc-news", "describe": {"data": "bbc-news"}}
+    _record_local_paths_absolute(raw)
+    assert raw == {"model": "smollm2-135m", "data": "bbc-news", "describe": {"data": "bbc-news"}}

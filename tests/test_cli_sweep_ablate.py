@@ -86,6 +86,18 @@ def test_ablate_argument_errors(folders, capsys):
     assert "needs a bundled set with one label per document" in capsys.readouterr().err
 
 
+def test_ablate_reads_the_split_a_bundled_set_names(folders, capsys, monkeypatch):
+    from conceptlens import data
+
+    _, concepts_dir, _ = folders
+    loaded = []
+    load = data.load
+    monkeypatch.setattr(data, "load", lambda name, split="train": loaded.append((name, split)) or load(name, split))
+    assert main(["ablate", "--concepts", concepts_dir, "--concept", "1", "--data", "bbc-news:train", "--max-docs", "2",
+                 "--max-length", "8", "--n-controls", "2", "--no-progress"]) == 0
+    assert loaded == [("bbc-news", "train")] and "2 held-out documents of bbc-news:train" in capsys.readouterr().out
+
+
 def test_ablate_names_a_width_that_is_not_the_sites_and_too_few_controls_before_the_model_loads(folders, tmp_path,
                                                                                                 capsys, monkeypatch):
     from conceptlens import models

@@ -94,7 +94,7 @@ def data_source(text: str) -> str:
     from conceptlens.data import SET_NAMES
 
     name, _, split = text.partition(":")
-    if name in SET_NAMES and not Path(text).exists():
+    if name in SET_NAMES and not Path(text).is_file():  # a folder named like a set (an --out) is no data
         if split not in ("", "train", "test", "all"):
             raise argparse.ArgumentTypeError(f"{text!r}: unknown split {split!r}; use train, test or all")
         return text

@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-centre", action="store_true", help="ablate the stored directions, not centred ones")
     parser.add_argument("--task", choices=("next_token", "probe"), default="next_token")
     parser.add_argument("--data", type=data_source, default="bbc-news",
-                        help="bundled set (its test split is used), or a .txt / .jsonl file of texts (next_token)")
+                        help="bundled set, its test split unless SET:SPLIT names one (train, test, all), or a .txt / "
+                             ".jsonl file of texts (next_token)")
     parser.add_argument("--probe-site", help="--task probe: where the probe reads (default: the concepts' site)")
     parser.add_argument("--controls", choices=tuple(CONTROLS), default="covariance",
                         help="covariance (default): random directions with the activation covariance; random: "
@@ -71,9 +72,8 @@ def run(args: argparse.Namespace) -> int:
     centre = full.mean is not None and not args.no_centre
     base = full.centred() if centre else full
     chosen = base[list(args.concept)]
-    model, tok = load_model(args, args.model or full.model)
-    lens = conceptlens.attach(model, tok)
-    test = data.load(args.data, "test") if not Path(args.data).exists() else None
+    name, _, split = args.data.partition(":")  # before the model loads
+    test = data.load(name, split or "test") if not Path(args.data).is_file() else None
     pool = test.texts if test is not None else list(data.iter_texts(args.data))
     picked = torch.randperm(len(pool), generator=torch.Generator().manual_seed(args.seed))[:args.max_docs].tolist()
     texts = [pool[i] for i in picked]
@@ -83,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--task probe needs a bundled set with one label per document "
                              f"(bbc-news, movie-polarity); got {args.data!r}")
         task = ProbeTask([test.labels[i] for i in picked], site=args.probe_site)
+    model, tok = load_model(args, args.model or full.model)
+    lens = conceptlens.attach(model, tok)
     result = faithfulness(lens, chosen, texts, task=task, mode=args.mode, controls=args.controls, control_set=base,
                           n_controls=args.n_controls, seed=args.seed, batch_size=args.batch_size,
                           max_length=args.max_length, progress=not args.no_progress,

@@ -33,7 +33,7 @@ import os
 import sys
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from conceptlens._io import atomic_write
 from conceptlens.commands import run_config as rc
@@ -118,16 +118,16 @@ def _record_local_paths_absolute(raw: dict[str, Any]) -> None:
     is no local path stays as it is)."""
     from conceptlens.models import REGISTRY
 
-    def absolute(value: Any) -> Any:
+    def absolute(value: Any, local: Callable[[Path], bool]) -> Any:
         return os.path.abspath(Path(value).expanduser()) if isinstance(value, str) and value and \
-            Path(value).expanduser().exists() else value
+            local(Path(value).expanduser()) else value
 
     if raw.get("model") not in REGISTRY:
-        raw["model"] = absolute(raw.get("model"))
-    raw["data"] = absolute(raw.get("data"))
+        raw["model"] = absolute(raw.get("model"), Path.exists)
+    raw["data"] = absolute(raw.get("data"), Path.is_file)  # a folder named like a bundled set (an --out) is no data
     describe = raw.get("describe")
     if isinstance(describe, dict) and "data" in describe:
-        describe["data"] = absolute(describe["data"])
+        describe["data"] = absolute(describe["data"], Path.is_file)
 
 
 def jsonable(value: Any) -> Any:

@@ -16,7 +16,7 @@ def source(spec: str, shuffle: int | None) -> Any:
     from conceptlens import data
 
     name, _, split = spec.partition(":")
-    if name in data.SET_NAMES and not Path(spec).exists():
+    if name in data.SET_NAMES and not Path(spec).is_file():  # a folder named like a set (an --out) is no data
         texts = data.load(name, split or "train")
         if shuffle is None:
             return texts

@@ -28,10 +28,32 @@ def pad_right(rows: Sequence[Sequence[int]]) -> dict[str, Tensor]:
     return {"input_ids": input_ids, "attention_mask": mask}
 
 
+CHARS_PER_TOKEN = 64
+"""A text longer than `CHARS_PER_TOKEN * max_length` characters is cut there before it is tokenized (a
+tokenizer reads a whole text before truncating it, and one line of a file may be a whole book), as long
+as the cut still holds more than `max_length + CUT_MARGIN` tokens: the first `max_length` are then the
+whole text's (a text that is mostly whitespace is tokenized whole)."""
+CUT_MARGIN = 16
+
+
+def tokenize(tokenizer: Any, texts: Sequence[str], max_length: int, **extra: Any) -> Any:
+    """`tokenizer(texts, truncation=True, max_length=max_length, **extra)`, each long text cut first."""
+    cut = CHARS_PER_TOKEN * max_length
+
+    def short(text: str) -> str:
+        if len(text) <= cut:
+            return text
+        head = text[:cut]
+        enough = len(tokenizer(head, add_special_tokens=False)["input_ids"]) > max_length + CUT_MARGIN
+        return head if enough else text
+
+    return tokenizer([short(text) for text in texts], truncation=True, max_length=max_length, **extra)
+
+
 def encode_batch(tokenizer: Any, texts: list[str], max_length: int, *, offsets: bool = False) -> dict[str, Tensor]:
     """Tokenize (truncating to `max_length`) and pad; `offsets=True` adds `offset_mapping` (B, T, 2)."""
     extra = {"return_offsets_mapping": True} if offsets else {}
-    encoded = tokenizer(texts, truncation=True, max_length=max_length, **extra)
+    encoded = tokenize(tokenizer, texts, max_length, **extra)
     batch = pad_right(encoded["input_ids"])
     if offsets:
         spans = torch.zeros(*batch["input_ids"].shape, 2, dtype=torch.long)

@@ -206,7 +206,8 @@ def _iter_named(source: str | os.PathLike) -> Iterator[str]:
             raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use .txt (one document per line) or .jsonl")
         try:
             if path.suffix == ".txt":
-                with open(path, encoding="utf-8") as f:
+                # a document ends at \n (or \r\n) only: a lone \r inside one is no line break; utf-8-sig drops a BOM
+                with open(path, encoding="utf-8-sig", newline="\n") as f:
                     yield from (line.rstrip("\r\n") for line in f if line.strip())
             else:
                 yield from _iter_jsonl(path)
@@ -233,7 +234,7 @@ def _undecodable_line(path: Path) -> int:
 
 
 def _iter_jsonl(path: Path) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # a BOM (editors on Windows write one) is no JSON
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue

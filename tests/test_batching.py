@@ -38,3 +38,34 @@ def test_encode_batch_truncates_pads_and_keeps_offsets():
     assert torch.equal(batch["offset_mapping"][0], torch.tensor([[0, 1], [2, 4], [5, 8]]))
     assert batch["offset_mapping"][1].tolist() == [[0, 2], [0, 0], [0, 0]]
     assert tok.pad_token is None
+
+
+def test_a_long_text_is_cut_before_it_is_tokenized_to_the_same_first_tokens():
+    """One line of a file may be a book: it is not tokenized whole to keep 128 tokens, and the tokens
+    kept are the whole text's (MiniLM's own WordPiece tokenizer, special tokens included)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from conceptlens import batching, models
+
+    tok = AutoTokenizer.from_pretrained(models._package_dir(models.REGISTRY["minilm-l6"]) / "model")
+    words = ["the", "market", "rallied", "sharply,", "while", "analysts", "(cautiously)", "noted", "1,204.5%"]
+    rng = random.Random(0)
+    book = " ".join(rng.choice(words) for _ in range(200_000))
+    spaces = " " * 20_000 + "hello world " * 40  # mostly whitespace: the cut would lose its words
+    seen: list[int] = []
+
+    def spy(texts, **kwargs):
+        seen.extend(len(t) for t in ([texts] if isinstance(texts, str) else texts))
+        return tok(texts, **kwargs)
+
+    for text in (book, spaces, "short text"):
+        seen.clear()
+        batch = batching.encode_batch(spy, [text, "short text"], 128, offsets=True)
+        whole = tok([text, "short text"], truncation=True, max_length=128, return_offsets_mapping=True)
+        assert batch["input_ids"][0, :len(whole["input_ids"][0])].tolist() == whole["input_ids"][0]
+        assert batch["offset_mapping"][0, :len(whole["input_ids"][0])].tolist() == [list(s) for s in
+                                                                                     whole["offset_mapping"][0]]
+        assert max(seen) <= (batching.CHARS_PER_TOKEN * 128 if text is book else len(text))
+    assert tok.decode(batching.tokenize(tok, [spaces], 8)["input_ids"][0]) == "[CLS] hello world hello world hello world [SEP]"

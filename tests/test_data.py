@@ -134,6 +134,17 @@ def test_iter_texts_sources(tmp_path):
     assert list(data.iter_texts("bbc-news")) == data.load("bbc-news", "train").texts
 
 
+def test_a_bom_and_windows_or_lone_carriage_returns_read_as_the_text_says(tmp_path):
+    """Saved by a Windows editor: a BOM starts the file (it is no text, nor a JSON error), lines end in
+    \r\n, and a lone \r inside a document (old Mac text pasted in) does not split it."""
+    txt = tmp_path / "docs.txt"
+    txt.write_bytes("\ufeffone\r\ntwo\rparts\r\n\r\nthree\n".encode("utf-8"))
+    assert list(data.iter_texts(txt)) == ["one", "two\rparts", "three"]
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_bytes(("\ufeff" + json.dumps({"text": "first"}) + "\r\n" + json.dumps({"text": "x\ry"})).encode("utf-8"))
+    assert list(data.iter_texts(jsonl)) == ["first", "x\ry"]
+
+
 def test_iter_texts_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="bbc-news, movie-polarity, wsj-pos"):
         list(data.iter_texts("no-such-corpus"))

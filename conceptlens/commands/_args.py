@@ -104,7 +104,7 @@ def data_source(text: str) -> str:
     if not path.is_file() or path.suffix not in (".txt", ".jsonl"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a .txt (one document per line) or .jsonl file")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             has_text = any(line.strip() for line in f)
     except (OSError, UnicodeDecodeError) as err:
         raise argparse.ArgumentTypeError(f"cannot read {text!r}: {err}") from None

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from conceptlens.batching import pad_right
+from conceptlens.batching import pad_right, tokenize
 from conceptlens.devices import input_device
 from conceptlens.interface import AttachedModel
 from conceptlens.metrics.controls import (SiteMoments, base_rate_entropy, concept_subsets, covariance_directions,
@@ -159,7 +159,7 @@ def _token_ids(texts: Texts, tokenizer: Any, max_length: int) -> list[list[int]]
     if isinstance(texts[0], str):
         if tokenizer is None:
             raise ValueError("string texts need a tokenizer: conceptlens.attach(model, tokenizer) or tokenizer=")
-        ids = tokenizer(list(texts), truncation=True, max_length=max_length)["input_ids"]
+        ids = tokenize(tokenizer, list(texts), max_length)["input_ids"]
     else:
         ids = [list(map(int, t))[:max_length] for t in texts]
     empty = [i for i, t in enumerate(ids) if not t]

@@ -77,10 +77,16 @@ def position_limit(model: nn.Module) -> int | None:
     return min(limits) if limits else None
 
 
-def check_max_length(model: nn.Module, max_length: Any, name: str = "max_length") -> None:
-    """ValueError unless `max_length` is a positive int (not a bool) within the model's position limit."""
+def check_max_length(model: nn.Module, max_length: Any, name: str = "max_length", tokenizer: Any = None) -> None:
+    """ValueError unless `max_length` is a positive int (not a bool) within the model's position limit
+    and, given its tokenizer, above the special tokens it adds to each text (else a tokenizer does not
+    truncate at all: BERT's [CLS] and [SEP] leave no room in 2, and it keeps whole documents)."""
     check_int(name, max_length)
     limit = position_limit(model)
     if limit is not None and max_length > limit:
         raise ValueError(f"{name}={max_length} is beyond the position limit of {type(model).__name__}: "
                          f"{limit} tokens (learned position embeddings); use {name} <= {limit}")
+    specials = tokenizer.num_special_tokens_to_add() if hasattr(tokenizer, "num_special_tokens_to_add") else 0
+    if max_length <= specials:
+        raise ValueError(f"{name}={max_length} leaves no room for text: {type(tokenizer).__name__} adds {specials} "
+                         f"special tokens to each; use {name} >= {specials + 1}")

@@ -146,7 +146,7 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
     moved = {name: key_name(key) for name, key in plan.keys.items() if name != key_name(key)}
     if moved:  # named extractors: which site each reads is part of what must not change
         batching["sites"] = moved
-    check_max_length(lens.model, config.max_length)
+    check_max_length(lens.model, config.max_length, tokenizer=lens.tokenizer)
     state = FitState(RowFilter(config.filters), plan.extractors, fit_fingerprint(lens.model, plan.extractors, batching))
     run = state.run = DistributedRun.start() if config.distributed else None
     if run is not None:

@@ -69,3 +69,22 @@ def test_a_long_text_is_cut_before_it_is_tokenized_to_the_same_first_tokens():
                                                                                      whole["offset_mapping"][0]]
         assert max(seen) <= (batching.CHARS_PER_TOKEN * 128 if text is book else len(text))
     assert tok.decode(batching.tokenize(tok, [spaces], 8)["input_ids"][0]) == "[CLS] hello world hello world hello world [SEP]"
+
+
+def test_a_max_length_with_no_room_past_the_special_tokens_is_refused():
+    """BERT adds [CLS] and [SEP]: its tokenizer does not truncate to 2 at all (it warns and keeps the
+    whole document), so max_length 2 would feed documents past the model's positions."""
+    import pytest
+    from transformers import AutoTokenizer
+
+    from conceptlens import batching, models
+    from tests.conftest import tiny_model
+
+    tok = AutoTokenizer.from_pretrained(models._package_dir(models.REGISTRY["minilm-l6"]) / "model")
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"^--max-length=2 leaves no room for text: BertTokenizer(Fast)? adds 2 special "
+                                         r"tokens to each; use --max-length >= 3$"):
+        batching.check_max_length(model, 2, "--max-length", tok)
+    batching.check_max_length(model, 3, "--max-length", tok)
+    assert len(tok(["word " * 50], truncation=True, max_length=3)["input_ids"][0]) == 3
+    batching.check_max_length(model, 1, "--max-length", WordTokenizer())  # no special tokens: 1 is room

@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
     import conceptlens
     from conceptlens import ConceptSet, data
+    from conceptlens.batching import check_max_length
     from conceptlens.commands._common import load_model
     from conceptlens.metrics.faithfulness import ProbeTask, faithfulness
 
@@ -84,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
                              f"(bbc-news, movie-polarity); got {args.data!r}")
         task = ProbeTask([test.labels[i] for i in picked], site=args.probe_site)
     model, tok = load_model(args, args.model or full.model)
+    check_max_length(model, args.max_length, "--max-length", tok)
     lens = conceptlens.attach(model, tok)
     result = faithfulness(lens, chosen, texts, task=task, mode=args.mode, controls=args.controls, control_set=base,
                           n_controls=args.n_controls, seed=args.seed, batch_size=args.batch_size,

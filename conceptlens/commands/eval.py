@@ -222,7 +222,7 @@ def _run_folder(args: argparse.Namespace, suites: tuple[str, ...]) -> None:
     model_name = _model_name(args, sets, recorded)
     results.check_file(args.run_dir, model_name)  # before the model loads: its parts could not be saved
     model, tok = load_model(args, model_name, recorded["dtype"] if recorded and not args.model else None)  # the run's
-    check_max_length(model, args.max_length, "--max-length")
+    check_max_length(model, args.max_length, "--max-length", tok)
     lens = conceptlens.attach(model, tok)
     by_site: dict[str, dict] = {}
     for name, cs in sets.items():

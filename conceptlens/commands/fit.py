@@ -220,7 +220,7 @@ def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, te
         lens.site(site)
     for spec in cfg.extractors:  # the sites an extractor of several sites names, before anything is written
         canonical_key(lens, rc.extractor_key(spec))
-    check_max_length(model, cfg.fit.max_length, "--max-length")  # (the fit checks it again, after run.toml)
+    check_max_length(model, cfg.fit.max_length, "--max-length", tok)  # (the fit checks it again, after run.toml)
     if writes and args.overwrite and (cleared := run_folder.clear(out)):  # only now: a bad site loses nothing
         print(f"--overwrite: removed the {len(cleared)} files of the run {out} held (other files stay)")
     if cfg.fit.resume:  # a checkpoint past a lowered --max-tokens: refused before run.toml records the budget

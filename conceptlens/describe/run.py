@@ -76,9 +76,8 @@ def describe(lens: AttachedModel, concept_sets: Mapping[str, ConceptSet], data: 
     streaming = fit_config(fit, "describe", checkpoint_dir=out, **{"extractor_tokens": {}, **fit_options})
     digests = {name: d.concepts.digest() for name, d in describers.items()}
     if out is not None:  # a pass of other documents, or of other sets (a fit that ran on), starts afresh
-        _forget_other_pass(Path(out), {"skip_documents": skip_documents,
-                                       "data": data if isinstance(data, str) else getattr(data, "name", None),
-                                       "sets": digests}, streaming.max_tokens)
+        _forget_other_pass(Path(out), {"skip_documents": skip_documents, "data": _source_id(data), "sets": digests},
+                           streaming.max_tokens)
     filters = streaming.filters
     report = run_fit(lens, plan, texts, tokenizer=tokenizer, config=streaming)
     options = options or FinishOptions()
@@ -100,6 +99,23 @@ def describe(lens: AttachedModel, concept_sets: Mapping[str, ConceptSet], data: 
         if out is not None:
             results[name].save(Path(out) / name)
     return results
+
+
+def _source_id(data: Any) -> str | None:
+    """What names the documents of a pass: a path or set name as given; a bundled set's name, split and
+    the digest of its documents in their order (another split or shuffle is another pass)."""
+    from conceptlens import data as datasets
+
+    if isinstance(data, str):
+        return data
+    if isinstance(data, datasets.TextSet):
+        import hashlib
+
+        digest = hashlib.sha256()
+        for text in data.texts:
+            digest.update(hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest())
+        return f"{data.name}:{data.split}:{digest.hexdigest()[:16]}"
+    return getattr(data, "name", None)
 
 
 def _forget_other_pass(out: Path, source: dict[str, Any], max_tokens: int | None) -> None:

@@ -309,6 +309,24 @@ def test_a_pass_marker_that_does_not_read_drops_the_checkpoint_it_cannot_vouch_f
     assert (tmp_path / CHECKPOINT).read_bytes() == b"this pass"
 
 
+def test_a_pass_over_another_split_or_order_of_a_bundled_set_starts_afresh(tmp_path):
+    """`describe RUN --describe-data bbc-news:train` after an interrupted pass over its test split: the
+    checkpoint of the other documents is dropped, not resumed on these."""
+    from conceptlens import data
+    from conceptlens.commands.sources import source
+    from conceptlens.describe.run import _forget_other_pass, _source_id
+    from conceptlens.fit import CHECKPOINT
+
+    passes = [source("bbc-news:test", 0), source("bbc-news:train", 0), source("bbc-news:train", 1),
+              data.load("bbc-news", "train")]
+    assert len({_source_id(p) for p in passes}) == 4 and _source_id(source("bbc-news:test", 0)) == _source_id(passes[0])
+    for was, now in zip(passes, passes[1:]):
+        _forget_other_pass(tmp_path, {"skip_documents": 0, "data": _source_id(was)}, None)
+        (tmp_path / CHECKPOINT).write_bytes(b"an interrupted pass")
+        _forget_other_pass(tmp_path, {"skip_documents": 0, "data": _source_id(now)}, None)
+        assert not (tmp_path / CHECKPOINT).exists()
+
+
 def test_a_save_killed_half_way_leaves_no_description_rather_than_a_mixed_one(lens, tmp_path, monkeypatch):
     from conceptlens.describe import description as module
 

@@ -23,14 +23,22 @@ Key = str | tuple[str, ...] | tuple[tuple[str, ...], tuple[str, ...]]
 a tuple of tensors for a group."""
 
 
-def key_name(key: Key) -> str:
+def key_name(key: Key, extractor: Any = None) -> str:
     """The entry's default name: the site, "source->target", "a+b" (or "first..last" past two
-    sites), "inputs->outputs" for groups."""
+    sites; two sites read by an `extractor` whose directions span them, a crosscoder's, are "a+b"
+    too, not a source and target), "inputs->outputs" for groups."""
     if isinstance(key, str):
         return key
+    if len(key) == 2 and _spans(extractor) and all(isinstance(k, str) for k in key):
+        return "+".join(key_sites(key))
     if len(key) == 2:
         return f"{_group_name(key[0])}->{_group_name(key[1])}"
     return _group_name(key)
+
+
+def _spans(extractor: Any) -> bool:
+    """Whether an extractor's directions live at every site it reads (a crosscoder's)."""
+    return getattr(extractor, "directions_at", "source") == "sites"
 
 
 def _group_name(group: str | tuple[str, ...]) -> str:
@@ -80,13 +88,12 @@ def where(extractor: Any, key: Key) -> tuple[str, dict[str, Any]]:
     (its directions span several sites: `split_concept_set`)."""
     if isinstance(key, str):
         return key, {"target_site": None}
-    spans = getattr(extractor, "directions_at", "source") == "sites"  # a crosscoder's, even over two sites
-    if len(key) == 2 and all(isinstance(k, str) for k in key) and not spans:
+    if len(key) == 2 and all(isinstance(k, str) for k in key) and not _spans(extractor):  # a crosscoder spans two
         source, target = key_sites(key)
         at = target if getattr(extractor, "directions_at", "source") == "target" else source
         return at, {"source_site": source, "target_site": target}
     if all(isinstance(k, str) for k in key):  # a crosscoder reads and writes every site
-        return key_name(key), {"target_site": None, "sources": list(key), "targets": list(key)}
+        return key_name(key, extractor), {"target_site": None, "sources": list(key), "targets": list(key)}
     return key_name(key), {"target_site": None, "sources": list(key[0]), "targets": list(key[1])}
 
 
@@ -154,7 +161,7 @@ def plan_extractors(lens: AttachedModel, extractors: Mapping[Key, Any]) -> Plan:
     keys: dict[str, tuple[Key, Key]] = {}  # name -> (canonical key, key as written)
     for key, value in extractors.items():
         canonical = canonical_key(lens, key)
-        group = value if isinstance(value, Mapping) else {key_name(canonical): value}
+        group = value if isinstance(value, Mapping) else {key_name(canonical, value): value}
         for name, extractor in group.items():
             if not isinstance(name, str) or not is_name(folder(name)):
                 raise ValueError(f"extractor name {name!r} at {key!r} is not a safe folder name; {NAME_RULE}")
@@ -162,7 +169,8 @@ def plan_extractors(lens: AttachedModel, extractors: Mapping[Key, Any]) -> Plan:
                 raise TypeError(f"extractor {name!r} for {key!r} has no update(x) method: {type(extractor).__name__}")
             if name in named:
                 raise ValueError(f"two extractors are named {name!r} (from keys {keys[name][1]!r} and {key!r}, "
-                                 f"which read {key_name(keys[name][0])!r} and {key_name(canonical)!r}); give "
+                                 f"which read {key_name(keys[name][0], named[name])!r} and "
+                                 f"{key_name(canonical, extractor)!r}); give "
                                  "each a distinct name: {site: {name: extractor, ...}}")
             named[name], keys[name] = extractor, (canonical, key)
     sites = {s for key, _ in keys.values() for s in key_sites(key)}

@@ -159,7 +159,7 @@ def _token_ids(texts: Texts, tokenizer: Any, max_length: int) -> list[list[int]]
     if isinstance(texts[0], str):
         if tokenizer is None:
             raise ValueError("string texts need a tokenizer: conceptlens.attach(model, tokenizer) or tokenizer=")
-        ids = tokenize(tokenizer, list(texts), max_length)["input_ids"]
+        ids = tokenize(tokenizer, [str(text) for text in texts], max_length)["input_ids"]
     else:
         ids = [list(map(int, t))[:max_length] for t in texts]
     empty = [i for i, t in enumerate(ids) if not t]

@@ -57,7 +57,8 @@ def test_sets_are_labelled_where_their_directions_live(tmp_path):
     meta = json.loads((export_transcoder(tc, tmp_path / "saelens") / "cfg.json").read_text())["metadata"]
     # mlp.in has no TransformerLens twin (ln2.hook_normalized is before the norm's weight): our name stays
     assert (meta["hook_name"], meta["hook_name_out"]) == ("blocks.0.mlp.in", "blocks.0.hook_mlp_out")
-    cc = report.concepts["blocks.0.resid_out->blocks.1.resid_out"]
+    cc = report.concepts["blocks.0.resid_out+blocks.1.resid_out"]  # spanning both sites: no source and target
+    assert cc.site == "blocks.0.resid_out+blocks.1.resid_out"
     assert cc.config["fit"]["targets"] == ["blocks.0.resid_out", "blocks.1.resid_out"]
     assert list(split_concept_set(cc)) == cc.config["fit"]["targets"]
     clt = report.concepts["blocks.0.mlp.in+blocks.1.mlp.in->blocks.0.mlp_out+blocks.1.mlp_out"]

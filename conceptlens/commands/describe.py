@@ -29,10 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_describe_options(parser: argparse.ArgumentParser) -> None:
     """The description pass's options, shared by `describe` and `fit`."""
-    parser.add_argument("--describe-data", help="describe on this source instead of the documents after the fit's")
-    parser.add_argument("--describe-tokens", type=int, help="tokens of the description pass (20000)")
-    parser.add_argument("--top-n", type=int, help="top contexts kept per concept (16)")
-    parser.add_argument("--window", help="tokens left,right of each top token (8,4)")
+    parser.add_argument("--describe-data", help="describe on this source instead of the documents after the fit's (default: run.toml's "
+                        "describe.data, if any)")
+    parser.add_argument("--describe-tokens", type=int, help="tokens of the description pass (default: run.toml's, else 20000)")
+    parser.add_argument("--top-n", type=int, help="top contexts kept per concept (default: run.toml's, else 16)")
+    parser.add_argument("--window", help="tokens left,right of each top token (default: run.toml's, else 8,4)")
     parser.add_argument("--steer", type=steer_names,
                         help="concepts to record steering samples for, as SET:INDEX, e.g. kmeans:12,topk:5")
     parser.add_argument("--prompt", help="first prompt of the steering samples (two more are fixed)")

@@ -41,6 +41,7 @@ from conceptlens.commands import fit_summary, run_folder
 from conceptlens.commands._args import int_list
 from conceptlens.commands.describe import add_describe_options
 from conceptlens.commands.sources import source
+from conceptlens.data import SET_NAMES
 
 DEFAULT_CHECKPOINT_EVERY = 20_000
 
@@ -48,13 +49,16 @@ DEFAULT_CHECKPOINT_EVERY = 20_000
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="a run.toml (flags override it)")
     parser.add_argument("--model", help="registered name (smollm2-135m, minilm-l6), local folder or hub id")
-    parser.add_argument("--data", help="bundled set (bbc-news, movie-polarity, wsj-pos), .txt or .jsonl path")
+    parser.add_argument("--data", help=f"bundled set, SET or SET:SPLIT (train, the default, test or all; sets: "
+                        f"{', '.join(SET_NAMES)}), or a .txt (one document per line) or .jsonl ({{\"text\": ...}} "
+                        "per line) file")
     parser.add_argument("--out", help="run folder (default runs/fit)")
     parser.add_argument("--site", action="append", help="site to read (repeatable), e.g. blocks.15.resid_out")
     parser.add_argument("--extractor", action="append", metavar="SPEC",
-                        help=f"METHOD:key=value,... (repeatable; name= and site= optional, site= required for "
-                             f"several sites: A->B, A+B, A+B->C+D); methods: "
-                             f"{', '.join(rc.METHODS)}")
+                        help=f"METHOD:key=value,... (repeatable). A one-site method is fitted once per --site, "
+                             f"or at the one site= picks among them; a method of several sites names them with "
+                             f"site= (A->B transcoder, A+B crosscoder, A+B->C+D) and needs no --site; name= "
+                             f"optional. Methods: {', '.join(rc.METHODS)}")
     parser.add_argument("--batch-size", type=int, help="documents per forward (16)")
     parser.add_argument("--max-length", type=int, help="tokens per document (128)")
     parser.add_argument("--max-tokens", type=int, help="stop the fit after this many tokens (default: all); an SAE "

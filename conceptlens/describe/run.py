@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -71,6 +72,9 @@ def describe(lens: AttachedModel, concept_sets: Mapping[str, ConceptSet], data: 
                                                 watch_norms=_site(cs) not in plan)
         plan.setdefault(_site(cs), {})[name] = d
     steered = steering.chosen({name: d.n for name, d in describers.items()}) if steering is not None else {}
+    if steered and not getattr(lens.model, "can_generate", lambda: False)():
+        warnings.warn(f"no steering samples: {type(lens.model).__name__} does not generate text (an encoder), so "
+                      f"steering {', '.join(f'{n}:{i}' for n, ids in steered.items() for i in ids)} is left out", stacklevel=2)
     texts = islice(datasets.iter_texts(data), skip_documents, None)
     # a fit's own budgets per extractor (`extractor_tokens`) are not this pass's; given here, they are
     streaming = fit_config(fit, "describe", checkpoint_dir=out, **{"extractor_tokens": {}, **fit_options})

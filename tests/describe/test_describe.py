@@ -348,3 +348,15 @@ def test_a_save_killed_half_way_leaves_no_description_rather_than_a_mixed_one(le
     monkeypatch.setattr(module, "atomic_write", real)
     second.save(tmp_path / "a")
     assert torch.equal(Description.load(tmp_path / "a").stats["top_values"], second.stats["top_values"])
+
+
+def test_steering_samples_asked_of_an_encoder_are_said_to_be_left_out():
+    """An encoder cannot continue a prompt: `--steer` on MiniLM gave a description without samples, unsaid."""
+    from conceptlens.describe import SteeringRequest
+
+    bert = conceptlens.attach(tiny_model("bert"), Tok())
+    assert not bert.model.can_generate()
+    with pytest.warns(UserWarning, match=r"^no steering samples: BertForMaskedLM does not generate text \(an "
+                                         r"encoder\), so steering a:1, a:4 is left out$"):
+        d = run(bert, {"a": random_set()}, steering=SteeringRequest(["a:1", "a:4"]))["a"]
+    assert d.info.get("steering") == []

@@ -2,9 +2,10 @@
 
     python examples/ablate.py [--model smollm2-135m] [--max-tokens 20000] [--texts 60]
 
-Fits 8 k-means concepts at a middle block, projects them out while a linear topic probe
-(trained on clean activations of a later block) reads BBC News test articles, and compares the
-probe's log-loss with the harm done by 5 random orthonormal sets of the same rank.
+Fits 8 k-means concepts at a middle block, projects their centred directions (centroid minus the
+fit's mean activation) out while a linear topic probe (trained on clean activations of a later
+block) reads BBC News test articles, and compares the probe's log-loss with the harm done by 5
+sets of random directions of the same rank drawn with the activations' covariance.
 """
 
 import argparse
@@ -25,7 +26,7 @@ lens = conceptlens.attach(model, tok)
 n = lens.adapter.n_blocks[""]
 site, probe_site = f"blocks.{n // 2}.resid_out", f"blocks.{n - 1}.resid_out"
 cs = lens.fit({site: StreamingKMeans(n_concepts=8, seed=0)}, "bbc-news", max_tokens=args.max_tokens,
-              progress=False).concepts[site]
+              progress=False).concepts[site].centred()  # raw centroids point mostly along the mean
 
 test = data.load("bbc-news", "test")
 step = max(1, len(test) // args.texts)  # spread over the topics

@@ -307,9 +307,34 @@ def check_name(name: str) -> None:
     if not _HUB_ID.fullmatch(name) or path.is_absolute() or name.startswith("."):
         raise ValueError(f"unknown model {name!r}: {hint}registered: {sorted(REGISTRY)}; or give a local folder, "
                          "a .gguf file or a hub id ('org/name')")
-    if _offline() and not _cached_on_hub(name):
+    if _cached_on_hub(name):
+        return
+    if _offline():
         raise ValueError(f"unknown model {name!r}: {hint}registered: {sorted(REGISTRY)}; it is not a local folder "
                          "and hub ids need network access (HF_HUB_OFFLINE is set and it is not in the Hub cache)")
+    _check_on_hub(name, f"unknown model {name!r}: {hint}registered: {sorted(REGISTRY)}; it is not a local folder")
+
+
+HUB_TIMEOUT = 10.0
+"""Seconds `check_name` waits for the Hub's answer about an id it has not cached (once, no retries:
+a download's retries on an unreachable Hub took 25 s and printed ten lines)."""
+
+
+def _check_on_hub(name: str, unknown: str) -> None:
+    """One line when the Hub has no model `name`, or cannot be reached to fetch it."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        HfApi().model_info(name, timeout=HUB_TIMEOUT)
+    except GatedRepoError:  # it exists: loading says what access it needs
+        return
+    except RepositoryNotFoundError:
+        raise ValueError(f"{unknown}, nor a model on the Hub (or it is private: log in with `hf auth login`)") from None
+    except Exception as err:  # noqa: BLE001 - no network, DNS, proxy, timeout: any of them, the same line
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{unknown}, not in the Hub cache, and the Hub cannot be reached ({reason}); set "
+                         "HF_HUB_OFFLINE=1 to use only local and cached models") from None
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")

@@ -65,6 +65,40 @@ def test_bad_names_fail_in_one_line_before_loading(name, message, monkeypatch):
         models.check_name(name)
 
 
+def test_an_uncached_hub_id_online_is_one_line_from_one_question_to_the_hub(monkeypatch):
+    """Online, an id the Hub cache lacks is asked about once (a download's five retries took 25 s and
+    printed ten lines when the Hub was unreachable)."""
+    import httpx
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(models, "_offline", lambda: False)
+    asked = []
+    response = httpx.Response(404, request=httpx.Request("GET", "https://huggingface.co/api/models/org/x"))
+    for error, message in [
+        (OSError("[Errno -2] Name or service not known"), r"^unknown model 'org/x': registered: \['minilm-l6', "
+         r"'smollm2-135m'\]; it is not a local folder, not in the Hub cache, and the Hub cannot be reached "
+         r"\(\[Errno -2\] Name or service not known\); set HF_HUB_OFFLINE=1 to use only local and cached models$"),
+        (RepositoryNotFoundError("404", response=response), r"it is not a local folder, nor a model on the Hub "
+         r"\(or it is private"),
+    ]:
+        def model_info(self, repo_id, timeout=None, error=error):
+            asked.append((repo_id, timeout))
+            raise error
+
+        monkeypatch.setattr(HfApi, "model_info", model_info)
+        with pytest.raises(ValueError, match=message):
+            models.check_name("org/x")
+    assert asked == [("org/x", models.HUB_TIMEOUT)] * 2
+
+    def gated(self, repo_id, timeout=None):
+        raise GatedRepoError("403", response=response)
+
+    monkeypatch.setattr(HfApi, "model_info", gated)
+    models.check_name("org/x")  # it exists: loading says what access it needs
+
+
 def test_missing_files_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="GGUF file .*x.gguf not found"):
         models.check_name(str(tmp_path / "x.gguf"))

@@ -187,7 +187,10 @@ def iter_texts(source: Any) -> Iterator[str]:
         columns = source.column_names
         if columns is not None and "text" not in columns:
             raise ValueError(f"the dataset has no 'text' column; its columns are {list(columns)}")
-        for row in source:
+        for i, row in enumerate(source):
+            if not isinstance(row["text"], str):
+                raise TypeError(f"row {i} of the dataset has a {type(row['text']).__name__} in its 'text' column, "
+                                "not a str (filter it out, e.g. dataset.filter(lambda r: r['text']))")
             yield row["text"]
     elif isinstance(source, Iterable):
         for i, text in enumerate(source):

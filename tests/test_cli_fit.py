@@ -225,12 +225,16 @@ def test_unknown_toml_keys_and_a_changed_run_are_refused(files, tmp_path, capsys
     ('[extractor]\nmethod = "kmeans"', "extractor must be an array of tables ([[extractor]] in the file"),
     ('describe = 5', "[describe] must be a table; got describe = 5"),
     ('fit = [1]', "[fit] must be a table; got fit = [1]"),
+    ('data = ["a.txt", "b.txt"]', "data must be one name or path, e.g. data = \"...\"; got ['a.txt', 'b.txt'] (one "
+                                  "fit reads one source: join the files into one .txt or .jsonl)"),
+    ('model = 5', "model must be one name or path, e.g. model = \"...\"; got 5"),
 ])
 def test_a_toml_value_of_the_wrong_type_is_one_line_naming_it(files, tmp_path, capsys, line, message):
     config = tmp_path / "x.toml"
-    head = 'model = "m"\ndata = "bbc-news"\n' + ('' if line.startswith("sites") else 'sites = ["embed"]\n')
+    head = "".join(f"{key} = {value}\n" for key, value in (("model", '"m"'), ("data", '"bbc-news"'))
+                   if not line.startswith(key)) + ('' if line.startswith("sites") else 'sites = ["embed"]\n')
     extractor = '' if line.startswith("[extractor]") else '[[extractor]]\nmethod = "kmeans"\nn_concepts = 3\n'
-    top = line.startswith(("sites", "describe =", "fit ="))  # a top-level key goes before any table
+    top = line.startswith(("sites", "describe =", "fit =", "data", "model"))  # a top-level key goes before any table
     config.write_text(head + (line + "\n" + extractor if top else extractor + line + "\n"))
     for flags in ([], ["--top-n", "3"]):  # flags are laid over the file's tables
         assert main(["fit", str(config), *flags]) == 2

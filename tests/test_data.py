@@ -164,6 +164,15 @@ def test_iter_texts_errors(tmp_path):
     with pytest.raises(ValueError, match="'sentence'"):
         list(data.iter_texts(NoText()))
 
+    class NoneText:  # a datasets.Dataset with a missing text: a fit failed deep in the tokenizer
+        column_names = ["text"]
+
+        def __iter__(self):
+            return iter([{"text": "a"}, {"text": None}])
+
+    with pytest.raises(TypeError, match=r"^row 1 of the dataset has a NoneType in its 'text' column, not a str"):
+        list(data.iter_texts(NoneText()))
+
 
 @pytest.mark.parametrize("suffix, line", [(".txt", "a document {i}\n"), (".jsonl", '{{"text": "a document {i}"}}\n')])
 def test_a_byte_that_is_not_utf8_is_named_with_its_file_and_line(tmp_path, suffix, line):

@@ -144,7 +144,11 @@ def from_dict(raw: dict[str, Any]) -> RunConfig:
     if unknown:
         raise ValueError(f"unknown key {unknown[0]!r}; valid keys: {', '.join(top)}")
     for key in ("model", "data"):
-        if not isinstance(raw.get(key), str) or not raw[key]:
+        if raw.get(key) is not None and not isinstance(raw[key], str):
+            raise ValueError(f"{key} must be one name or path, e.g. {key} = \"...\"; got {raw[key]!r}"
+                             + (" (one fit reads one source: join the files into one .txt or .jsonl)"
+                                if key == "data" and isinstance(raw[key], list) else ""))
+        if not raw.get(key):
             raise ValueError(f"no {key} given: pass --{key} or set {key} = \"...\" in the config file")
     sites = raw.get("sites") or []
     if isinstance(sites, str):

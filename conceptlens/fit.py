@@ -147,7 +147,7 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
              if name != key_name(key, plan.extractors[name])}
     if moved:  # named extractors: which site each reads is part of what must not change
         batching["sites"] = moved
-    check_max_length(lens.model, config.max_length, tokenizer=lens.tokenizer)
+    check_max_length(lens.model, config.max_length, tokenizer=tokenizer)
     state = FitState(RowFilter(config.filters), plan.extractors, fit_fingerprint(lens.model, plan.extractors, batching))
     run = state.run = DistributedRun.start() if config.distributed else None
     if run is not None:

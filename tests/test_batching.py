@@ -88,3 +88,19 @@ def test_a_max_length_with_no_room_past_the_special_tokens_is_refused():
     batching.check_max_length(model, 3, "--max-length", tok)
     assert len(tok(["word " * 50], truncation=True, max_length=3)["input_ids"][0]) == 3
     batching.check_max_length(model, 1, "--max-length", WordTokenizer())  # no special tokens: 1 is room
+
+
+def test_fit_checks_max_length_against_the_tokenizer_it_is_given():
+    import pytest
+    from transformers import AutoTokenizer
+
+    import conceptlens
+    from conceptlens import models
+    from conceptlens.concepts.kmeans import StreamingKMeans
+    from tests.conftest import tiny_model
+
+    tok = AutoTokenizer.from_pretrained(models._package_dir(models.REGISTRY["minilm-l6"]) / "model")
+    lens = conceptlens.attach(tiny_model("llama"))
+    with pytest.raises(ValueError, match="max_length=2 leaves no room for text"):
+        lens.fit({"blocks.0.resid_out": StreamingKMeans(n_concepts=2)}, ["a text"], tokenizer=tok, max_length=2,
+                 progress=False)

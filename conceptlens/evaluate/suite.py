@@ -184,6 +184,9 @@ def held_out(task: str, n_train: int, n_test: int, seed: int, fit_read: tuple[st
             if len(test) < n_test and full.texts[i] not in seen:
                 seen.add(full.texts[i])
                 test.append((full, i))
+    if not test:
+        raise ValueError(f"{task}: every test document was read by the fit or the probes; fit on the train split "
+                         "(the default) to leave held-out documents")
     return [(train_set, i) for i in picked[:n_train]], test, sum(full is test_set for full, _ in test)
 
 

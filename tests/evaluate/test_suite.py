@@ -135,3 +135,11 @@ def test_top_up_scores_on_train_articles_neither_the_fit_nor_the_probes_read(mon
 
     plain = suite.capture_task(None, None, "s", {}, "bbc-news", config, docs=(240, 1000))[1]  # the split alone
     assert plain == ([full.texts[i] for full, i in scored[:from_test]], [label(test, i) for _, i in scored[:from_test]])
+
+
+def test_a_fit_that_read_every_test_article_is_one_line_not_an_empty_probe():
+    from conceptlens import data
+
+    every = len(data.load("bbc-news", "test"))
+    with pytest.raises(ValueError, match="^bbc-news: every test document was read by the fit or the probes"):
+        suite.held_out("bbc-news", 50, 50, 0, ("bbc-news:test", 0, every))

@@ -149,6 +149,11 @@ class FitState:
             raise ValueError(f"checkpoint {path}: its fingerprint is not a dict")
         for part, what in WHAT_DIFFERS.items():
             if stored.get(part) != self.fingerprint.get(part):
+                if part == "batching" and isinstance(stored.get(part), dict):  # name the options that differ
+                    ours, theirs = self.fingerprint[part], stored[part]
+                    what = "other " + ", ".join(k if k != "sites" else "sites for its named extractors"
+                                                for k in sorted(ours.keys() | theirs.keys())
+                                                if ours.get(k) != theirs.get(k))
                 raise ValueError(f"checkpoint {path} was written by a fit of {what}; "
                                  "use another checkpoint_dir or resume=False (--no-resume on the command line)")
 

@@ -143,9 +143,10 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
     rows = _rows_dtype(lens.model, config.dtype)
     if rows != torch.float32:  # (only then, so a checkpoint of float32 rows from before this key still resumes)
         batching["dtype"] = str(rows)  # the extractors' rows: a resume in another dtype would mix two fits
-    moved = {name: key_name(key, plan.extractors[name]) for name, key in plan.keys.items()
-             if name != key_name(key, plan.extractors[name])}
-    if moved:  # named extractors: which site each reads is part of what must not change
+    # named extractors: which sites each reads is part of what must not change (in key_name's form
+    # without the extractor, "a->b" for any two sites, so checkpoints from before "a+b" resume)
+    moved = {name: key_name(key) for name, key in plan.keys.items() if name != key_name(key, plan.extractors[name])}
+    if moved:
         batching["sites"] = moved
     check_max_length(lens.model, config.max_length, tokenizer=tokenizer)
     state = FitState(RowFilter(config.filters), plan.extractors, fit_fingerprint(lens.model, plan.extractors, batching))

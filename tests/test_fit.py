@@ -173,11 +173,28 @@ def test_resume_refuses_a_checkpoint_of_another_fit(lens, tmp_path):
         lens.fit({"blocks.1.resid_out": Recorder()}, DOCS, checkpoint_dir=str(tmp_path), progress=False)
 
 
+def test_resume_names_the_sites_when_a_named_extractor_reads_other_sites(lens, tmp_path):
+    lens.fit({"blocks.0.resid_out": {"km": Recorder()}}, DOCS, checkpoint_dir=str(tmp_path), progress=False)
+    with pytest.raises(ValueError, match="other sites for its named extractors;"):
+        lens.fit({"blocks.1.resid_out": {"km": Recorder()}}, DOCS, checkpoint_dir=str(tmp_path), progress=False)
+
+
+def test_a_named_crosscoders_sites_are_fingerprinted_as_before_the_a_plus_b_name(lens, tmp_path):
+    from conceptlens.concepts.sae.crosscoder import Crosscoder
+
+    # the form checkpoints written before a two-site crosscoder was named "a+b" hold: they resume
+    key = ("blocks.0.resid_out", "blocks.1.resid_out")
+    lens.fit({key: {"cc": Crosscoder(width=8, k=2)}}, DOCS, checkpoint_dir=str(tmp_path), max_length=16,
+             max_tokens=50, progress=False)
+    stored = torch.load(tmp_path / "checkpoint.pt", weights_only=False)["state"]["fingerprint"]
+    assert stored["batching"]["sites"] == {"cc": "blocks.0.resid_out->blocks.1.resid_out"}
+
+
 def test_resume_refuses_a_checkpoint_whose_rows_had_another_dtype(tmp_path):
     lens = conceptlens.attach(tiny_model("llama").to(torch.bfloat16), CharTokenizer())
     kw = dict(max_length=16, checkpoint_dir=str(tmp_path), progress=False)
     lens.fit({"blocks.0.resid_out": Recorder()}, DOCS, dtype="model", max_tokens=100, **kw)  # bf16 rows
-    with pytest.raises(ValueError, match="other batch_size, max_length, filters or dtype"):
+    with pytest.raises(ValueError, match="a fit of other dtype;"):
         lens.fit({"blocks.0.resid_out": Recorder()}, DOCS, **kw)  # float32 rows
     again = lens.fit({"blocks.0.resid_out": Recorder()}, DOCS, dtype=torch.bfloat16, max_tokens=600, **kw)
     assert again.resumed_from >= 100 and again.tokens > again.resumed_from  # the same rows: it resumes

@@ -30,24 +30,35 @@ def pad_right(rows: Sequence[Sequence[int]]) -> dict[str, Tensor]:
 
 CHARS_PER_TOKEN = 64
 """A text longer than `CHARS_PER_TOKEN * max_length` characters is cut there before it is tokenized (a
-tokenizer reads a whole text before truncating it, and one line of a file may be a whole book), as long
-as the cut still holds more than `max_length + CUT_MARGIN` tokens: the first `max_length` are then the
-whole text's (a text that is mostly whitespace is tokenized whole)."""
+tokenizer reads a whole text before truncating it, and one line of a file may be a whole book), at the
+whitespace before the limit (a word is tokenized whole: WordPiece gives one [UNK] for a word of over 100
+characters, but pieces for its part) and at the end a tokenizer with `truncation_side="left"` keeps, as
+long as the cut still holds more than `max_length + CUT_MARGIN` tokens: the `max_length` kept are then
+the whole text's (a text that is mostly whitespace is tokenized whole)."""
 CUT_MARGIN = 16
 
 
 def tokenize(tokenizer: Any, texts: Sequence[str], max_length: int, **extra: Any) -> Any:
     """`tokenizer(texts, truncation=True, max_length=max_length, **extra)`, each long text cut first."""
     cut = CHARS_PER_TOKEN * max_length
+    left = getattr(tokenizer, "truncation_side", "right") == "left"
 
     def short(text: str) -> str:
         if len(text) <= cut:
             return text
-        head = text[:cut]
-        enough = len(tokenizer(head, add_special_tokens=False)["input_ids"]) > max_length + CUT_MARGIN
-        return head if enough else text
+        part = _cut(text[::-1], cut)[::-1] if left else _cut(text, cut)
+        enough = len(tokenizer(part, add_special_tokens=False)["input_ids"]) > max_length + CUT_MARGIN
+        return part if enough else text
 
     return tokenizer([short(text) for text in texts], truncation=True, max_length=max_length, **extra)
+
+
+def _cut(text: str, cut: int) -> str:
+    """`text[:cut]`, ended at the last whitespace (if any) unless the cut already falls on one."""
+    if text[cut].isspace():
+        return text[:cut]
+    space = max(text.rfind(c, 0, cut) for c in " \t\n\r\f\v\u3000\xa0")
+    return text[:space] if space > 0 else text[:cut]
 
 
 def encode_batch(tokenizer: Any, texts: list[str], max_length: int, *, offsets: bool = False) -> dict[str, Tensor]:

@@ -71,6 +71,30 @@ def test_a_long_text_is_cut_before_it_is_tokenized_to_the_same_first_tokens():
     assert tok.decode(batching.tokenize(tok, [spaces], 8)["input_ids"][0]) == "[CLS] hello world hello world hello world [SEP]"
 
 
+def test_the_cut_keeps_a_long_word_whole_and_the_end_a_left_truncating_tokenizer_keeps():
+    """WordPiece gives one [UNK] for a word of over 100 characters but pieces for a part of it: a cut
+    inside such a word changed the last tokens kept. A tokenizer that truncates on the left keeps the
+    text's end, which a cut at the start lost."""
+    from transformers import AutoTokenizer
+
+    from conceptlens import batching, models
+
+    path = models._package_dir(models.REGISTRY["minilm-l6"]) / "model"
+    tok = AutoTokenizer.from_pretrained(path)
+    word = "acgt" * 40  # 160 characters: one [UNK] whole
+    for n in (8, 128):
+        cut = batching.CHARS_PER_TOKEN * n
+        straddling = ("x " * cut)[: cut - 96] + " " + word + " tail"  # the cut falls 95 characters into it
+        spaced = "sequence:" + " " * (cut - 104) + word * 2
+        for text in (straddling, spaced):
+            assert batching.tokenize(tok, [text], n)["input_ids"] == tok([text], truncation=True, max_length=n)["input_ids"]
+    left = AutoTokenizer.from_pretrained(path, truncation_side="left")
+    book = "the start of a book. " * 500 + "THE END"
+    kept = batching.tokenize(left, [book], 8)["input_ids"][0]
+    assert kept == left([book], truncation=True, max_length=8)["input_ids"][0]
+    assert left.decode(kept, skip_special_tokens=True).endswith("the end")
+
+
 def test_a_max_length_with_no_room_past_the_special_tokens_is_refused():
     """BERT adds [CLS] and [SEP]: its tokenizer does not truncate to 2 at all (it warns and keeps the
     whole document), so max_length 2 would feed documents past the model's positions."""

@@ -140,3 +140,34 @@ def test_a_set_of_a_run_steers_the_model_its_run_fitted_and_a_bad_index_is_named
     ConceptSet(torch.randn(3, 32), site="blocks.1.resid_out").save(loose)
     code, _, err = _steer(capsys, "--concepts", str(loose), "--concept", "1", "--prompt", PROMPT)
     assert code == 2 and "names no model: pass --model" in err
+
+
+@pytest.mark.parametrize("command", ["steer", "sweep"])
+def test_steering_an_encoder_is_refused_in_one_line(command, capsys):
+    assert main([command, "--model", "minilm-l6", "--direction-word", "news", *(["--prompt", "hi"] if command ==
+                                                                                "steer" else [])]) == 2
+    err = capsys.readouterr().err  # a traceback ("no attribute generate") before
+    assert f"{command} continues" in err and "BertModel has no language-model head (an encoder)" in err
+    assert err.count("\n") == 1
+
+
+def test_a_crosscoders_concept_is_steered_at_the_site_given(folders, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    model_dir, _ = folders
+    sites = ["blocks.0.resid_out", "blocks.1.resid_out"]
+    at_0, at_1 = torch.zeros(2, 32), torch.zeros(2, 32)
+    at_0[1, 0], at_1[1, 1] = 1.0, 1.0  # concept 1: coordinate 0 at blocks.0, coordinate 1 at blocks.1
+    ConceptSet(torch.cat([at_0, at_1], 1), site="+".join(sites), method="crosscoder",
+               config={"widths": [32, 32], "fit": {"target_site": None, "sources": sites, "targets": sites}}
+               ).save(tmp_path / "cc")
+    argv = ["--model", model_dir, "--concepts", str(tmp_path / "cc"), "--concept", "1", "--prompt", PROMPT,
+            "--max-new-tokens", "2", "--scale", "raw", "--alpha", "3"]
+    code, _, err = _steer(capsys, *argv)  # a site error about 'blocks.0.resid_out+blocks.1.resid_out' before
+    assert code == 2 and "span 2 sites (blocks.0.resid_out, blocks.1.resid_out): steer at one of them with --site" in err
+    assert _steer(capsys, *argv, "--site", "blocks.2.resid_out")[0] == 2
+    seen = []
+    monkeypatch.setattr("conceptlens.commands.steer.continuations",
+                        lambda lens, edit, *a, **k: seen.append(edit) or ("a", "b"))
+    code, out, _ = _steer(capsys, *argv, "--site", "blocks.1.resid_out")
+    assert code == 0 and "concept 1, alpha 3 at blocks.1.resid_out" in out
+    assert seen[0].vector.tolist() == (3 * at_1[1]).tolist()

@@ -95,7 +95,8 @@ def test_ablate_reads_the_split_a_bundled_set_names(folders, capsys, monkeypatch
     monkeypatch.setattr(data, "load", lambda name, split="train": loaded.append((name, split)) or load(name, split))
     assert main(["ablate", "--concepts", concepts_dir, "--concept", "1", "--data", "bbc-news:train", "--max-docs", "2",
                  "--max-length", "8", "--n-controls", "2", "--no-progress"]) == 0
-    assert loaded == [("bbc-news", "train")] and "2 held-out documents of bbc-news:train" in capsys.readouterr().out
+    out = capsys.readouterr().out  # train documents are not held out
+    assert loaded == [("bbc-news", "train")] and "; 2 documents of bbc-news:train" in out
 
 
 def test_ablate_names_a_width_that_is_not_the_sites_and_too_few_controls_before_the_model_loads(folders, tmp_path,
@@ -111,3 +112,27 @@ def test_ablate_names_a_width_that_is_not_the_sites_and_too_few_controls_before_
     monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model was loaded"))
     assert main(["ablate", "--concepts", concepts_dir, "--concept", "1", "--data", texts, "--n-controls", "1"]) == 2
     assert "--n-controls must be at least 2 (their spread is part of the result); got 1" in capsys.readouterr().err
+
+
+def test_ablate_finds_the_model_the_sets_run_toml_names_and_refuses_what_does_not_apply(folders, tmp_path, capsys):
+    model_dir, _, texts = folders
+    run = tmp_path / "run"
+    ConceptSet(torch.randn(6, 32), site="blocks.0.resid_out", model="a-name-that-is-no-model").save(
+        run / "concepts" / "km")
+    (run / "run.toml").write_text(f'model = "{model_dir}"\n')  # the run's model, by its whole path
+    argv = ["ablate", "--concepts", str(run / "concepts" / "km"), "--concept", "1", "--data", texts,
+            "--n-controls", "2", "--max-docs", "2", "--no-progress"]
+    code, out = main(argv), capsys.readouterr().out
+    assert code == 0 and "ablating concept 1 at blocks.0.resid_out" in out
+    assert main([*argv, "--probe-site", "blocks.1.resid_out"]) == 2  # ignored before
+    err = capsys.readouterr().err
+    assert "--probe-site 'blocks.1.resid_out' is where --task probe's probe reads" in err and err.count("\n") == 1
+
+
+def test_next_token_ablation_of_an_encoder_is_refused_in_one_line(tmp_path, capsys):
+    ConceptSet(torch.randn(4, 384), site="blocks.3.resid_out", model="minilm-l6").save(tmp_path / "cs")
+    assert main(["ablate", "--concepts", str(tmp_path / "cs"), "--concept", "1", "--max-docs", "2",
+                 "--no-progress"]) == 2  # a traceback ("no attribute logits") before
+    err = capsys.readouterr().err
+    assert "--task next_token needs a model that predicts tokens, and BertModel has no language-model head" in err
+    assert "use --task probe" in err and err.count("\n") == 1

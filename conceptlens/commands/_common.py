@@ -93,3 +93,12 @@ def check_generation_length(model: Any, tokenizer: Any, max_new_tokens: int, opt
         source = "the tokenizer's model_max_length"
     if limit is not None and max_new_tokens > limit:
         raise ValueError(f"{option} {max_new_tokens} exceeds {source} of {limit} tokens; use at most {limit}")
+
+
+def check_predicts_tokens(model: Any, what: str, instead: str) -> None:
+    """A one-line ValueError unless `model` has a language-model head that `generate()` can drive (a
+    decoder's or encoder-decoder's): `what` needs its next-token predictions; `instead` says what to do."""
+    can = getattr(model, "can_generate", None)
+    if not (callable(can) and can()):
+        raise ValueError(f"{what} needs a model that predicts tokens, and {type(model).__name__} has no language-model "
+                         f"head (an encoder); {instead}")

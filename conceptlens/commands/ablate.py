@@ -23,7 +23,7 @@ from conceptlens.metrics.faithfulness_result import CONTROLS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="model to load (default: the one the set names)")
+    parser.add_argument("--model", help="model to load (default: the one the set's run.toml names, else the set's)")
     parser.add_argument("--concepts", metavar="DIR", type=concept_dir, required=True, help="a saved ConceptSet folder")
     parser.add_argument("--concept", type=int, nargs="+", metavar="I", required=True, help="concepts to ablate")
     parser.add_argument("--mode", choices=("projection", "mean"), default="projection",
@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     import conceptlens
     from conceptlens import ConceptSet, data
     from conceptlens.batching import check_max_length
-    from conceptlens.commands._common import load_model
+    from conceptlens.commands._common import check_predicts_tokens, load_model
+    from conceptlens.commands.steer import model_of
     from conceptlens.metrics.faithfulness import ProbeTask, faithfulness
 
     for name in ("max_docs", "max_length", "batch_size"):
@@ -68,8 +69,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--concept {bad[0]} is out of range: {args.concepts} holds {n} concepts (0-{n - 1})")
     if full.site is None:
         raise ValueError(f"the concept set in {args.concepts} records no site")
-    if not (args.model or full.model):
-        raise ValueError(f"{full} names no model; pass --model")
+    if args.probe_site is not None and args.task != "probe":
+        raise ValueError(f"--probe-site {args.probe_site!r} is where --task probe's probe reads; --task {args.task} "
+                         "reads no probe (add --task probe)")
+    model_name = args.model or model_of(args.concepts, full)
     centre = full.mean is not None and not args.no_centre
     base = full.centred() if centre else full
     chosen = base[list(args.concept)]
@@ -84,15 +87,17 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--task probe needs a bundled set with one label per document "
                              f"(bbc-news, movie-polarity); got {args.data!r}")
         task = ProbeTask([test.labels[i] for i in picked], site=args.probe_site)
-    model, tok = load_model(args, args.model or full.model)
+    model, tok = load_model(args, model_name)
+    if task == "next_token":
+        check_predicts_tokens(model, "--task next_token", "use --task probe")
     check_max_length(model, args.max_length, "--max-length", tok)
     lens = conceptlens.attach(model, tok)
     result = faithfulness(lens, chosen, texts, task=task, mode=args.mode, controls=args.controls, control_set=base,
                           n_controls=args.n_controls, seed=args.seed, batch_size=args.batch_size,
                           max_length=args.max_length, progress=not args.no_progress,
                           positions=slice(1, None) if args.positions == "after-first" else "all")
-    label = ", ".join(map(str, args.concept))
+    label, held = ", ".join(map(str, args.concept)), "held-out " if test is not None and split in ("", "test") else ""
     print(f"{full}\nablating concept{'s' if len(args.concept) > 1 else ''} {label}{' (centred)' if centre else ''} "
-          f"at {full.site} by {args.mode}, positions {args.positions}; {len(texts)} held-out documents of {args.data}\n")
+          f"at {full.site} by {args.mode}, positions {args.positions}; {len(texts)} {held}documents of {args.data}\n")
     print(result.summary())
     return 0

@@ -69,13 +69,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import conceptlens
-    from conceptlens.commands._common import check_generation_length, load_model
+    from conceptlens.commands._common import check_generation_length, check_predicts_tokens, load_model
     from conceptlens.steering import Add
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
     concepts = choose_model(args)
     model, tokenizer = load_model(args)
+    check_predicts_tokens(model, "steer continues a prompt, so it", "steer a decoder (smollm2-135m, a Gemma) or an "
+                          "encoder-decoder, or measure an encoder's concepts with `ablate --task probe`")
     check_generation_length(model, tokenizer, args.max_new_tokens)
     lens = conceptlens.attach(model, tokenizer)
     direction, site, what = steering_direction(lens, args, concepts)
@@ -94,8 +96,6 @@ def choose_model(args: argparse.Namespace) -> ConceptSet | None:
     --direction-word. Checks --concept against the set's size first, all before the model loads.
     Returns the --concepts set, loaded (None for --direction-word), for `steering_direction`."""
     from conceptlens import ConceptSet
-    from conceptlens.commands import run_config as rc
-    from conceptlens.commands import run_folder
 
     concepts = None if args.concepts is None else ConceptSet.load(args.concepts)
     if concepts is not None:
@@ -109,17 +109,24 @@ def choose_model(args: argparse.Namespace) -> ConceptSet | None:
     if concepts is None:
         args.model = "smollm2-135m"
         return None
-    folder = Path(args.concepts)
-    run = run_folder.run_of(folder)
-    if run != folder:  # a set of a run: the model its run.toml names (a local one by its whole path)
+    args.model = model_of(args.concepts, concepts)
+    return concepts
+
+
+def model_of(folder: str | Path, concepts: ConceptSet) -> str:
+    """The model a saved set was fitted on: the one its run's run.toml names (a local model, GGUF file
+    included, by its whole path), else the one the set names; a one-line error when neither does."""
+    from conceptlens.commands import run_config as rc
+    from conceptlens.commands import run_folder
+
+    run = run_folder.run_of(Path(folder))
+    if run != Path(folder):  # a set of a run
         model = rc.read_toml(run / "run.toml").get("model")
         if isinstance(model, str) and model.strip():
-            args.model = model
-            return concepts
-    args.model = concepts.model
-    if not args.model:
-        raise ValueError(f"{args.concepts} names no model: pass --model")
-    return concepts
+            return model
+    if not concepts.model:
+        raise ValueError(f"{folder} names no model: pass --model")
+    return concepts.model
 
 
 def strength(edit: Any) -> str:
@@ -148,6 +155,8 @@ def steering_direction(lens: Any, args: argparse.Namespace,
     indices = args.concept if args.concept else ([0] if n == 1 else None)
     if indices is None:
         raise ValueError(f"{args.concepts} holds {n} concepts: choose with --concept I (0-{n - 1})")
+    if concepts.config.get("widths"):  # a crosscoder's: a block of each direction at each of its sites
+        concepts = _at_one_site(lens, concepts, args.site, args.concepts)
     site = _concept_site(lens, concepts.site, args.site, args.concepts)
     centre = concepts.mean is not None and not getattr(args, "no_centre", False)
     direction = (concepts.centred() if centre else concepts).directions[indices].sum(0)
@@ -180,6 +189,19 @@ def _concept_site(lens: Any, stored: str | None, given: str | None, folder: str)
     if stored is not None and given is not None and lens.site(given).name != lens.site(stored).name:
         raise ValueError(f"the concepts in {folder} live at {stored!r}; --site {given!r} is a different space")
     return lens.site(given or stored).name
+
+
+def _at_one_site(lens: Any, concepts: ConceptSet, given: str | None, folder: str) -> ConceptSet:
+    """The directions' block at `given` of a set that spans several sites (`split_concept_set`)."""
+    from conceptlens.concepts.sae.crosscoder import split_concept_set
+
+    blocks = split_concept_set(concepts)
+    if given is None:
+        raise ValueError(f"the concepts in {folder} span {len(blocks)} sites ({', '.join(blocks)}): "
+                         "steer at one of them with --site")
+    if (name := lens.site(given).name) not in blocks:
+        raise ValueError(f"--site {given!r} is not a site of the concepts in {folder}; they span {', '.join(blocks)}")
+    return blocks[name]
 
 
 def _check_width(lens: Any, site: str, direction: Tensor) -> None:

@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import conceptlens
-    from conceptlens.commands._common import check_generation_length, load_model
+    from conceptlens.commands._common import check_generation_length, check_predicts_tokens, load_model
     from conceptlens.steering import Add, sweep, token_logprob, units
     from conceptlens.steering.sweep import plot_sweep
     from conceptlens.steering.sweep_scores import ConceptExpression
@@ -62,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
     concepts = choose_model(args)
     model, tokenizer = load_model(args)
+    check_predicts_tokens(model, "sweep continues prompts, so it", "sweep a decoder (smollm2-135m, a Gemma) or an "
+                          "encoder-decoder")
     check_generation_length(model, tokenizer, args.max_new_tokens)
     if tokenizer.pad_token is None and len(args.prompts) > 1:
         tokenizer.pad_token = tokenizer.eos_token

@@ -105,3 +105,27 @@ def test_gauge_command_on_smollm2(capsys, tmp_path):
     audit = {line.split()[0]: line.split()[-1] for line in out[out.index("gauge audit"):].splitlines()[1:]}
     assert audit == {"key_norm": "moved", "key_cosine": "moved", "key_pca": "moved",
                      "key_distance": "invariant", "score_cosine": "invariant", "qk_spectrum": "invariant"}
+
+
+def test_a_model_that_normalises_q_and_k_gets_the_table_and_a_one_line_reason_for_no_audit(tmp_path, capsys):
+    """Qwen3 (and Gemma-3) normalise q and k per head: the audit cannot move its weights along the gauge.
+    It raised NotImplementedError after the whole pass; the table is still the streamed q/k's."""
+    import transformers as tf
+
+    from conceptlens.cli import main
+    from tests.conftest import _LLAMA_LIKE
+    from tests.steering.test_sweep import word_tokenizer
+
+    torch.manual_seed(0)
+    tf.Qwen3ForCausalLM(tf.Qwen3Config(**_LLAMA_LIKE, head_dim=8)).save_pretrained(tmp_path / "qwen3")
+    word_tokenizer().save_pretrained(tmp_path / "qwen3")
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(" ".join(f"w{(7 * i + j) % 90 + 3}" for j in range(12)) for i in range(12)) + "\n")
+    code = main(["gauge", "--model", str(tmp_path / "qwen3"), "--layer", "1", "--data", str(texts),
+                 "--max-tokens", "100", "--max-length", "16", "--sample-docs", "2", "--pairs", "50"])
+    out = capsys.readouterr().out
+    assert code == 0
+    reason = ("gauge audit left out: qwen3: model.layers.0.self_attn normalises q/k (q_norm/k_norm); a gauge of "
+              "W_Q/W_K would change the normalised vectors")
+    assert out.index(reason) < out.index("tokens in") < out.index("key head") < out.rindex(reason)  # before the pass
+    assert len(out[out.index("key head"):out.index("columns (per key head")].strip().splitlines()) == 3

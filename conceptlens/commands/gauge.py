@@ -5,7 +5,8 @@
 Streams query/key second moments of the layer through `lens.fit` (no activations kept),
 prints per key head the metrics the q/k gauge cannot move, next to a raw key cosine that
 it can, and finally moves the model along a random gauge element and prints which metrics
-moved with it (`conceptlens.metrics.gauge_audit`).
+moved with it (`conceptlens.metrics.gauge_audit`). A model that normalises q and k per head
+(Gemma-3, Qwen3) gets the table and, before the pass, one line on why the audit is left out.
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     from conceptlens.commands._common import load_model
     from conceptlens.metrics.capture_qk import qk_capture
     from conceptlens.metrics.gauge_audit import gauge_audit
+    from conceptlens.metrics.gauge_group import random_gauge
 
     for name in ("max_tokens", "pairs", "sample_docs", "max_length"):
         if getattr(args, name) < 1:
@@ -152,6 +154,12 @@ def run(args: argparse.Namespace) -> int:
     width = math.prod(int(s) for s in lens.site(k_site).shape[2:])
     check_memory(f"--pairs {args.pairs}", args.pairs * (16 + 2 * 4 * width))  # two indices, two key rows per pair
     print(f"{lens}\n  {lens.site(q_site).describe()}\n  {lens.site(k_site).describe()}\n")
+    try:  # before the pass: a model whose gauge cannot be applied to its weights gets the table, not the audit
+        random_gauge(model, seed=args.seed, group=args.group)
+        left_out = None
+    except NotImplementedError as err:
+        left_out = f"gauge audit left out: {err}"
+        print(f"{left_out}\n")
 
     stream = data.iter_texts(args.data)
     texts = list(islice(stream, args.sample_docs))  # also the first documents of the fit: one read of the source
@@ -167,6 +175,9 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(table))
     print(format_legend())
 
+    if left_out is not None:
+        print(f"\n{left_out}")
+        return 0
     layer = int(q_site.split(".")[1])
     audit = gauge_audit(model, batch, capture_qk=qk_capture(layers=[layer]), seed=args.seed, group=args.group)
     print(f"\n{audit}")

@@ -24,7 +24,7 @@ from conceptlens.evaluate.activations import ConceptEncoder
 from conceptlens.evaluate.bootstrap import Estimate, bootstrap
 from conceptlens.evaluate.lines import Line
 from conceptlens.interface import AttachedModel
-from conceptlens.metrics.splice import _check_model, _replacer, splice_mask
+from conceptlens.metrics.splice import _check_model, _replacer, predicts_next_token, splice_mask
 from conceptlens.steering.sweep_scores import forward_rows, logit_rows, vocab_size
 
 DENSE = 0.1
@@ -139,9 +139,13 @@ def _recovered(t: Tensor) -> Tensor:  # columns: clean CE, zero CE, edited CE
 
 def reconstruction_lines(lens: AttachedModel, site: str, encoders: Mapping[str, ConceptEncoder],
                          batches: Sequence[Mapping[str, Tensor]], site_mean: Tensor, seed: int = 0) -> list[Line]:
-    """FVU, CE-loss recovered, KL, L0, dead and dense fractions of every set in `encoders` (all must decode)."""
+    """FVU, CE-loss recovered, KL, L0, dead and dense fractions of every set in `encoders` (all must decode);
+    on a model that predicts no next token (an encoder, an encoder-decoder) without CE-loss recovered
+    and KL, which FVU's line says."""
     n_docs = sum(len(b["input_ids"]) for b in batches)
     stats = {name: RowStats(enc, n_docs) for name, enc in encoders.items()}
+    if not predicts_next_token(lens.model):
+        return _row_lines(lens, site, stats, batches, seed)
     edits: dict[str, Callable[[Tensor], Tensor]] = {name: (lambda s: lambda x: s.decode(s.encoder.encode(x)))(s)
                                                     for name, s in stats.items()}
     edits |= {" zero": torch.zeros_like, " mean": lambda x: site_mean.to(x).expand_as(x)}
@@ -163,25 +167,49 @@ def reconstruction_lines(lens: AttachedModel, site: str, encoders: Mapping[str, 
     clean_ce = float(clean.sum() / tokens.sum())
     lines = []
     for name, s in stats.items():
-        scalars, sums, fired = s.totals()
-        rows = scalars[:, 2:3]
-        per_latent = torch.cat([fired, rows], 1)
         spliced_ce = float(terms[name][:, 0].sum() / tokens.sum())
+        fvu, *sparsity = _stat_lines(name, s, seed)
         lines += [
-            Line(name, "FVU", bootstrap(torch.cat([scalars, sums], 1), _fvu, seed=seed),
-                 [("mean predictor", Estimate(1.0, math.nan, math.nan))], f"{int(rows.sum()):,} held-out tokens",
-                 higher_is_better=False),
+            fvu,
             Line(name, "CE loss recovered", bootstrap(ce(name), _recovered, seed=seed),
                  [("mean-ablation", mean_rec), ("zero-ablation", Estimate(0.0, math.nan, math.nan))],
                  f"clean {clean_ce:.3f}, spliced {spliced_ce:.3f} nats/token over {int(tokens.sum()):,} predictions"),
             Line(name, "KL to clean (nats/token)", kl(name), [("mean-ablation", mean_kl), ("zero-ablation", zero_kl)],
                  "KL(clean, spliced) of the next-token distributions", higher_is_better=False),
-            Line(name, "L0", bootstrap(scalars[:, [3, 2]], lambda t: t[..., 0] / t[..., 1], seed=seed), [],
-                 "active latents per token"),
-            Line(name, "dead fraction", Estimate(float((fired.sum(0) == 0).double().mean()), math.nan, math.nan), [],
-                 "latents that never fired on the held-out tokens; no interval: a resample holds fewer distinct "
-                 "documents, so it counts more latents unseen", higher_is_better=False),
-            Line(name, f"dense fraction (>{DENSE:.0%} of tokens)",
-                 bootstrap(per_latent, lambda t: (t[..., :-1] > DENSE * t[..., -1:]).double().mean(-1), seed=seed),
-                 [], "", higher_is_better=False)]
+            *sparsity]
     return lines
+
+
+def _row_lines(lens: AttachedModel, site: str, stats: Mapping[str, RowStats],
+               batches: Sequence[Mapping[str, Tensor]], seed: int) -> list[Line]:
+    """FVU, L0, dead and dense fractions from the site's rows alone (the first token of each sequence
+    left out, as the splice leaves it): a model that predicts no next token has no CE or KL to give."""
+    from conceptlens.evaluate.activations import collect
+
+    def on_rows(x: Tensor, doc: Tensor) -> None:
+        for s in stats.values():
+            s.update(x, doc)
+
+    collect(lens, site, {}, ((dict(b), torch.zeros(len(b["input_ids"]))) for b in batches), on_rows)
+    why = f"; no CE loss recovered or KL: {type(lens.model).__name__} predicts no next token"
+    return [line._replace(note=line.note + why) if line.metric == "FVU" else line
+            for name, s in stats.items() for line in _stat_lines(name, s, seed)]
+
+
+def _stat_lines(name: str, s: RowStats, seed: int) -> list[Line]:
+    """FVU, L0, dead and dense fractions of one set's held-out rows."""
+    scalars, sums, fired = s.totals()
+    rows = scalars[:, 2:3]
+    per_latent = torch.cat([fired, rows], 1)
+    return [
+        Line(name, "FVU", bootstrap(torch.cat([scalars, sums], 1), _fvu, seed=seed),
+             [("mean predictor", Estimate(1.0, math.nan, math.nan))], f"{int(rows.sum()):,} held-out tokens",
+             higher_is_better=False),
+        Line(name, "L0", bootstrap(scalars[:, [3, 2]], lambda t: t[..., 0] / t[..., 1], seed=seed), [],
+             "active latents per token"),
+        Line(name, "dead fraction", Estimate(float((fired.sum(0) == 0).double().mean()), math.nan, math.nan), [],
+             "latents that never fired on the held-out tokens; no interval: a resample holds fewer distinct "
+             "documents, so it counts more latents unseen", higher_is_better=False),
+        Line(name, f"dense fraction (>{DENSE:.0%} of tokens)",
+             bootstrap(per_latent, lambda t: (t[..., :-1] > DENSE * t[..., -1:]).double().mean(-1), seed=seed),
+             [], "", higher_is_better=False)]

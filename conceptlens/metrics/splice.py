@@ -76,10 +76,14 @@ def _replacer(fn: Reconstruction, where: Tensor) -> Callable[[Tensor], Tensor]:
     return replace
 
 
+def predicts_next_token(model: Any) -> bool:
+    """Whether `model` is a decoder-only language model: its logits predict each next token."""
+    return not getattr(model.config, "is_encoder_decoder", False) and getattr(model, "can_generate", lambda: False)()
+
+
 def _check_model(lens: AttachedModel) -> None:
-    model = lens.model
-    if getattr(model.config, "is_encoder_decoder", False) or not getattr(model, "can_generate", lambda: False)():
-        raise ValueError(f"CE-loss recovered needs a decoder-only language model; {type(model).__name__} "
+    if not predicts_next_token(lens.model):
+        raise ValueError(f"CE-loss recovered needs a decoder-only language model; {type(lens.model).__name__} "
                          "is not one (use FVU for encoders)")
 
 

@@ -116,3 +116,33 @@ def test_reconstruction_figures_equal_a_manual_splice_with_a_forward_hook(rows_p
     assert by_metric["dense fraction (>10% of tokens)"].value.value == float((rate > 0.1).double().mean())
     for line in lines:
         assert line.value.low <= line.value.value <= line.value.high or math.isnan(line.value.low)
+
+
+def test_an_encoder_gets_fvu_and_sparsity_and_says_why_there_is_no_ce_or_kl():
+    """BERT predicts no next token: the part stopped at CE-loss recovered; FVU, L0, dead and dense
+    fractions need only the site's rows (each sequence's first left out, as the splice leaves it)."""
+    model = tiny_model("bert")
+    lens = conceptlens.attach(model)
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(2):
+        ids = torch.randint(3, 99, (3, 9), generator=g)
+        mask = torch.ones_like(ids)
+        mask[1, 6:] = 0
+        batches.append({"input_ids": ids, "attention_mask": mask})
+    enc = _encoder()
+    lines = reconstruction_lines(lens, "blocks.0.resid_out", {"sae": enc}, batches, torch.zeros(32))
+    by_metric = {ln.metric: ln for ln in lines}
+    assert list(by_metric) == ["FVU", "L0", "dead fraction", "dense fraction (>10% of tokens)"]
+    assert by_metric["FVU"].note.endswith("no CE loss recovered or KL: BertForMaskedLM predicts no next token")
+    rows = []
+    handle = model.bert.encoder.layer[0].register_forward_hook(
+        lambda m, a, out: rows.append((out[0] if isinstance(out, tuple) else out).clone()))
+    with torch.no_grad():
+        for batch in batches:
+            model(**batch)
+    handle.remove()
+    x = torch.cat([h[b["attention_mask"].bool() & (b["attention_mask"].cumsum(1) > 1)] for h, b in zip(rows, batches)])
+    z = enc.encode(x)
+    assert by_metric["FVU"].value.value == pytest.approx(fvu(x, enc.decode(z)), rel=1e-6)
+    assert by_metric["L0"].value.value == pytest.approx(float((z != 0).double().sum(1).mean()), rel=1e-9)

@@ -47,7 +47,8 @@ def tokenize(tokenizer: Any, texts: Sequence[str], max_length: int, **extra: Any
         if len(text) <= cut:
             return text
         part = _cut(text[::-1], cut)[::-1] if left else _cut(text, cut)
-        enough = len(tokenizer(part, add_special_tokens=False)["input_ids"]) > max_length + CUT_MARGIN
+        mark = max_length + CUT_MARGIN  # counted up to the mark only (whole, a long part warns of its length)
+        enough = len(tokenizer(part, add_special_tokens=False, truncation=True, max_length=mark + 1)["input_ids"]) > mark
         return part if enough else text
 
     return tokenizer([short(text) for text in texts], truncation=True, max_length=max_length, **extra)

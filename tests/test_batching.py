@@ -58,7 +58,8 @@ def test_a_long_text_is_cut_before_it_is_tokenized_to_the_same_first_tokens():
 
     def spy(texts, **kwargs):
         seen.extend(len(t) for t in ([texts] if isinstance(texts, str) else texts))
-        return tok(texts, **kwargs)
+        assert kwargs["truncation"] is True and kwargs["max_length"] <= 128 + batching.CUT_MARGIN + 1  # no warning
+        return tok(texts, **kwargs)                                                 # that a text is too long
 
     for text in (book, spaces, "short text"):
         seen.clear()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -430,3 +431,12 @@ def test_a_kmeans_of_more_concepts_than_rows_is_not_fitted_and_the_other_sets_ar
     printed = capsys.readouterr().out
     assert "km: not fitted (StreamingKMeans saw" in printed and "fewer than n_concepts=4000" in printed
     assert json.loads((out / "fit_report.json").read_text())["concepts"] == ["topk"]
+
+
+def test_no_site_names_an_example_and_how_to_list_the_models_sites(files, tmp_path, capsys):
+    model = tmp_path / "my model"  # a path with a space: the command is quoted
+    shutil.copytree(files / "model", model)
+    assert main(["fit", "--model", str(model), "--data", str(files / "docs.txt"), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err  # named blocks.15.resid_out before, a site of 30-block SmolLM2 only
+    assert f"no site given: pass --site, e.g. blocks.3.resid_out (repeatable), or sites = [...] in the file; list " \
+           f"the model's with: conceptlens sites --model '{model}'" in err and err.count("\n") == 1

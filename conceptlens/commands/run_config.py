@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import types
 import typing
 from dataclasses import asdict, dataclass, field
@@ -162,7 +163,8 @@ def from_dict(raw: dict[str, Any]) -> RunConfig:
                          f"--extractor 'topk:width=4608,k=32' on the command line); got {specs!r}")
     if not sites and (not specs or not all(isinstance(e, dict) and registry.canonical(str(e.get("method"))) in KEY_FORMS
                                   for e in specs)):
-        raise ValueError("no site given: pass --site blocks.15.resid_out (repeatable) or sites = [...] in the file")
+        raise ValueError(f"no site given: pass --site, e.g. blocks.3.resid_out (repeatable), or sites = [...] in the "
+                         f"file; list the model's with: conceptlens sites --model {shlex.quote(raw['model'])}")
     for site in sites:  # which names are sites depends on the model: its own resolver checks them once it loads
         if not isinstance(site, str) or not site.strip():
             raise ValueError(f"{site!r} is not a site name; sites look like embed, blocks.15.resid_out, "

@@ -279,3 +279,15 @@ def test_a_folder_named_like_a_bundled_set_does_not_shadow_it(tmp_path, monkeypa
     raw = {"model": "smollm2-135m", "data": "bbc-news", "describe": {"data": "bbc-news"}}
     _record_local_paths_absolute(raw)
     assert raw == {"model": "smollm2-135m", "data": "bbc-news", "describe": {"data": "bbc-news"}}
+
+
+def test_overwrite_clears_the_runs_report_but_no_file_the_report_did_not_write(files, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "run"
+    assert main(base(files, out)) == 0
+    assert main(["report", str(out), "--no-progress"]) == 0
+    assert (out / "report" / "concepts" / "km" / "0.html").is_file()
+    (out / "report" / "mine.txt").write_text("mine")
+    capsys.readouterr()
+    assert main(_other_run(files, out, "--overwrite")) == 0  # the old report showed the old concepts
+    assert "--overwrite: removed the" in capsys.readouterr().out
+    assert sorted(p.relative_to(out).as_posix() for p in (out / "report").rglob("*")) == ["report/mine.txt"]

@@ -7,7 +7,8 @@
 
 What a run owns (OWNED, relative to the folder): run.toml, checkpoint.pt, fit_report.json,
 quality.json, eval.json, each concepts/<NAME>/ ConceptSet's two files, the description pass's checkpoint,
-source.json and describe/<NAME>/ files, and hierarchy/<NAME>.json. Any other file stays, and so
+source.json and describe/<NAME>/ files, hierarchy/<NAME>.json, and the files of its report at report/ that
+the report's manifest lists (a report of the old concepts would outlive them). Any other file stays, and so
 does everything behind a symbolic link (a linked file or folder is not the run's). A folder without
 a run.toml holds no run: nothing is cleared; one whose run.toml is not a run's is refused.
 The clear moves those files into `.overwritten.tmp/` inside the folder (renames on one
@@ -29,6 +30,8 @@ OWNED = ("checkpoint.pt", "fit_report.json", "quality.json", "eval.json", "conce
          "describe/*/description.json", "describe/*/stats.safetensors", "describe/*/contexts.jsonl",
          "describe/*/tokens.json", "hierarchy/*.json", "run.toml")
 """Files a run writes, as globs; run.toml last (see the module docstring)."""
+REPORT = "report"
+"""`conceptlens report`'s default folder: the files its manifest lists are the run's too."""
 TRASH = ".overwritten.tmp"
 IDENTITY = ("model", "data", "sites", "shuffle", "extractor", "dtype")
 """What makes two configs one run (with fit.batch_size and fit.max_length)."""
@@ -85,11 +88,28 @@ def owned(out: Path) -> list[Path]:
                          "of a run: use another --out") from None
     found = []
     for pattern in OWNED:  # glob follows linked folders: any linked part of the path leaves the file alone
-        for path in sorted(out.glob(pattern)) + sorted(out.glob(_leftover(pattern))):
+        paths = sorted(out.glob(pattern)) + sorted(out.glob(_leftover(pattern)))
+        if pattern == "run.toml":  # before it: the files of the run's report (at RUN/report, this run's)
+            paths = [out / rel for rel in _report_files(out)] + paths
+        for path in paths:
             rel = path.relative_to(out)
             if path.is_file() and not any((out / part).is_symlink() for part in (*rel.parents[:-1], rel)):
                 found.append(rel)
     return found
+
+
+def _report_files(out: Path) -> list[Path]:
+    """The files of the report at RUN/report that its manifest lists (`report.output`), relative to `out`;
+    none when it holds no valid manifest, or the report of another run."""
+    from conceptlens.report.output import _manifest
+
+    try:
+        listed, made_from = _manifest(out / REPORT)
+    except ValueError:
+        return []
+    if made_from is not None and Path(made_from) != out.resolve():
+        return []
+    return [Path(REPORT) / rel for rel in sorted(listed)]
 
 
 def clear(out: Path) -> list[str]:

@@ -171,3 +171,27 @@ def test_a_crosscoders_concept_is_steered_at_the_site_given(folders, capsys, tmp
     code, out, _ = _steer(capsys, *argv, "--site", "blocks.1.resid_out")
     assert code == 0 and "concept 1, alpha 3 at blocks.1.resid_out" in out
     assert seen[0].vector.tolist() == (3 * at_1[1]).tolist()
+
+
+def test_a_direction_word_of_several_tokens_is_refused_with_the_pieces_and_a_one_token_spelling(folders, capsys):
+    model_dir, _ = folders  # it steered along the first piece's row, silently
+    argv = ["--model", model_dir, "--site", "final", "--prompt", PROMPT, "--max-new-tokens", "2"]
+    code, _, err = _steer(capsys, *argv, "--direction-word", "w50 w51")
+    assert code == 2 and "--direction-word 'w50 w51' is 2 tokens here ('w50', 'w51'); give a word of one token" in err
+
+
+def test_the_refusal_names_the_spelling_with_a_leading_space_when_that_is_one_token():
+    from types import SimpleNamespace
+
+    from conceptlens.commands.steer import word_direction
+
+    pieces = {"wedding": [7, 8], " wedding": [9]}  # as SmolLM2's BPE splits them
+
+    def tokenizer(text, add_special_tokens):
+        return {"input_ids": pieces[text]}
+
+    tokenizer.decode = lambda ids: {7: "wed", 8: "ding", 9: " wedding"}[ids[0]]
+    lens = SimpleNamespace(tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=r"^--direction-word 'wedding' is 2 tokens here \('wed', 'ding'\); "
+                                         r"' wedding', with a leading space, is one$"):
+        word_direction(lens, "wedding", None)

@@ -5,7 +5,7 @@
 
 The direction is a concept of a saved ConceptSet (several indices are summed; sets that
 carry the fit's mean activation are centred first, unless `--no-centre`) or the unembedding
-row of a word's first token. `--scale` is `Add`'s: by default `robust_norm`, so alpha is a
+row of a word of one token. `--scale` is `Add`'s: by default `robust_norm`, so alpha is a
 multiple of the site's typical token norm without its massive coordinates
 (`conceptlens.steering.units`) and means the same on every model (0.25-1 is typical;
 `conceptlens sweep` finds where fluency breaks); `site_norm` counts the massive coordinates,
@@ -166,10 +166,16 @@ def steering_direction(lens: Any, args: argparse.Namespace,
 
 
 def word_direction(lens: Any, word: str, site: str | None) -> tuple[Tensor, str, str]:
-    """The unembedding row of `word`'s first token, at `site` (default: the middle block's resid_out)."""
+    """The unembedding row of `word`, one token, at `site` (default: the middle block's resid_out)."""
     ids = lens.tokenizer(word, add_special_tokens=False)["input_ids"]
     if not ids:
         raise ValueError(f"--direction-word {word!r} encodes to no tokens")
+    if len(ids) > 1:  # its first token's row alone would steer towards a word piece
+        spaced = f" {word.lstrip()}"
+        hint = f"; {spaced!r}, with a leading space, is one" if spaced != word and len(
+            lens.tokenizer(spaced, add_special_tokens=False)["input_ids"]) == 1 else "; give a word of one token"
+        pieces = ", ".join(repr(lens.tokenizer.decode([i])) for i in ids)
+        raise ValueError(f"--direction-word {word!r} is {len(ids)} tokens here ({pieces}){hint}")
     head = lens.model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(lens.model).__name__} has no output embeddings; use --concepts")

@@ -233,11 +233,16 @@ def absorption_lines(lens: AttachedModel, site: str, encoders: Mapping[str, Conc
             tp = (y_test == 1) & (probe.scores(x[test]) > 0)
             result = absorption(x[test][tp], z[test][tp], decoder, probe.direction, main)
             per_word[tp, c] = torch.stack([result.fraction, result.full.double(), torch.ones(int(tp.sum()))], 1)
-        per_word = per_word.flatten(1)
         note = (f"{int(test.sum())} test words, {len(splits)} letters, "
                 f"{sum(splits) / max(len(splits), 1):.1f} main latents per letter")
+        share = "share of probe true positives"
+        if per_word[..., 2].sum() == 0:  # both figures are over the true positives: none, no figure
+            why = (f"; no figure: no letter probe found its letter in any of the {int(test.sum())} test words "
+                   f"(probes learnt from {int((~test).sum())}; more --absorption-words)")
+            note, share = note + why, share + why
+        per_word = per_word.flatten(1)
         lines += [Line(name, "absorption fraction", bootstrap(per_word, _letter_mean(0), seed=seed), [], note,
                        higher_is_better=False),
-                  Line(name, "full absorption rate", bootstrap(per_word, _letter_mean(1), seed=seed), [],
-                       "share of probe true positives", higher_is_better=False)]
+                  Line(name, "full absorption rate", bootstrap(per_word, _letter_mean(1), seed=seed), [], share,
+                       higher_is_better=False)]
     return lines

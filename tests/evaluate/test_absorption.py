@@ -111,3 +111,22 @@ def test_fewer_words_than_a_test_split_needs_is_a_one_line_error():
     words = [(i, w) for i, w in enumerate(["apple", "bird", "cat", "dog"])]  # a fifth of 4 is no test word
     with pytest.raises(ValueError, match="absorption needs at least 5 words .*; got 4: pass --absorption-words 5"):
         absorption_lines(None, "blocks.0.resid_out", {}, None, words)
+
+
+def test_no_probe_true_positive_is_named_as_the_reason_for_no_figure(monkeypatch):
+    """Too few words: no letter probe fires on its letter's test words, and the figures (over true
+    positives) are NaN; the note says why and what to change (a bare nan before)."""
+    import math
+
+    from conceptlens.evaluate import absorption as ab
+    from conceptlens.evaluate.activations import ConceptEncoder
+
+    words, _, z, decoder = _words()
+    monkeypatch.setattr(ab, "word_activations", lambda lens, site, tok, ids: z @ decoder)
+    monkeypatch.setattr(ab, "letter_probe", lambda x, y: ab.LetterProbe(torch.zeros(x.shape[1]).double(), -1.0))
+    enc = ConceptEncoder("sae", lambda x: x @ decoder.T, lambda c: c @ decoder)
+    lines = ab.absorption_lines(None, "blocks.0.resid_out", {"sae": enc}, None, list(enumerate(words)))
+    assert [math.isnan(line.value.value) for line in lines] == [True, True]
+    why = "no figure: no letter probe found its letter in any of the 16 test words (probes learnt from 64; " \
+          "more --absorption-words)"
+    assert all(line.note.endswith(why) for line in lines)

@@ -37,6 +37,9 @@ def test_cli_fits_multi_site_keys_as_the_library_does(files, tmp_path, capsys): 
                 f"cross_layer_transcoder:site={GROUPS},width=8,k=2,name=clt,{SMALL}", f"clvq:site={PAIR},n_codes=4,seed=3",
                 sites=())
     assert main(args) == 0, capsys.readouterr().err
+    assert ("fitting transcoder, clvq at blocks.0.mlp.in->blocks.0.mlp_out; crosscoder at blocks.0.resid_out+"
+            "blocks.1.resid_out; clt at blocks.0.mlp.in+blocks.1.mlp.in->blocks.0.mlp_out+blocks.1.mlp_out -> ") in \
+        capsys.readouterr().out  # "fitting transcoder, crosscoder, clt, clvq at  -> " before: the --site list
     small = dict(batch_size=32, warmup_tokens=32, buffer_size=64, seed=3,
                  lr=short_budget_lr(8, 400 // 32, 32))  # the lr the CLI gives an SAE for this budget
     plan = {("blocks.0.mlp.in", "blocks.0.mlp_out"): {"transcoder": Transcoder(width=8, **small)},

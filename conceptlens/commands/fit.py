@@ -216,7 +216,7 @@ def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, te
     from conceptlens.checkpoint import CHECKPOINT, check_budget
     from conceptlens.fit import FitConfig
     from conceptlens.batching import check_max_length
-    from conceptlens.fit_keys import canonical_key
+    from conceptlens.fit_keys import canonical_key, key_name
 
     model, tok = load_model(args, cfg.model, cfg.dtype)
     lens = conceptlens.attach(model, tok)
@@ -237,7 +237,12 @@ def _fit_and_describe(args: argparse.Namespace, cfg: rc.RunConfig, plan: Any, te
         out.mkdir(parents=True, exist_ok=True)
         written = dataclasses.replace(cfg, fit=dataclasses.replace(cfg.fit, resume=True))  # a rerun of it resumes
         atomic_write(out / "run.toml", lambda p: Path(p).write_text(rc.to_toml(written), encoding="utf-8"))
-        print(f"{lens}\nfitting {', '.join(e['name'] for e in cfg.extractors)} at {', '.join(cfg.sites)} -> {out}")
+        at: dict[str, list[str]] = {}  # "a+b" for a crosscoder, which has no --site
+        for key, group in plan.items():
+            for name, extractor in group.items():
+                at.setdefault(key_name(canonical_key(lens, key), extractor), []).append(name)
+        where = "; ".join(f"{', '.join(names)} at {site}" for site, names in at.items())
+        print(f"{lens}\nfitting {where} -> {out}")
         budgets = {e["name"]: rc.entry_budget(e, cfg.fit.max_tokens) or 0 for e in cfg.extractors}
         for line in fit_summary.budget_lr_lines(chosen, plan, budgets):
             print(line)

@@ -136,3 +136,12 @@ def test_next_token_ablation_of_an_encoder_is_refused_in_one_line(tmp_path, caps
     err = capsys.readouterr().err
     assert "--task next_token needs a model that predicts tokens, and BertModel has no language-model head" in err
     assert "use --task probe" in err and err.count("\n") == 1
+
+
+def test_a_sweep_of_both_signs_names_the_largest_fluent_alpha_on_each_side(folders, capsys):
+    model_dir, concepts_dir, _ = folders  # it named the larger magnitude alone: a negative alpha looked "largest"
+    assert main(["sweep", "--model", model_dir, "--concepts", concepts_dir, "--concept", "1", "--alphas", "-0.25", "0",
+                 "0.25", "--prompts", "w5 w6", "--max-new-tokens", "2", "--budget", "1000"]) == 0
+    assert re.search(r"largest alphas within the fluency budget \(median perplexity at most 1000x the unsteered "
+                     r"\d+\.\d\d\): 0\.25 towards the direction, -0\.25 away from the direction\n",
+                     capsys.readouterr().out)

@@ -8,7 +8,8 @@ prompt is continued greedily under `Add(direction, alpha)`; each continuation ge
 score — the log-probability of `--target-word`s per step, or by default how far the
 unsteered model, reading the text, finds it along the direction (`ConceptExpression`, in robust
 norms) — and its perplexity under the unsteered model. The command names the largest alpha
-whose median perplexity stays within `--budget` (2x) of the unsteered continuations'.
+whose median perplexity stays within `--budget` (2x) of the unsteered continuations' (on each side
+of 0 when the alphas have both signs).
 """
 
 from __future__ import annotations
@@ -89,6 +90,11 @@ def run(args: argparse.Namespace) -> int:
     reference = float(result.reference.nanquantile(0.5))
     if result.best_alpha is None:
         print(f"\nno alpha keeps the median perplexity within {args.budget:g}x the unsteered {reference:.2f}")
+    elif min(args.alphas) < 0:  # towards and away from the direction, each walked from 0 on its own
+        ends = {side: result.furthest(sign) for side, sign in (("towards", 1.0), ("away from", -1.0))}
+        print(f"\nlargest alphas within the fluency budget (median perplexity at most {args.budget:g}x the "
+              f"unsteered {reference:.2f}): " + ", ".join(f"{'none' if a is None else f'{a:g}'} {side} the direction"
+                                                          for side, a in ends.items()))
     else:
         print(f"\nlargest alpha within the fluency budget (median perplexity at most {args.budget:g}x the "
               f"unsteered {reference:.2f}): {result.best_alpha:g}")

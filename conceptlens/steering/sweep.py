@@ -108,16 +108,20 @@ class SweepResult(NamedTuple):
         """The alpha of largest magnitude that is fluent (`fluent`) together with every alpha of its
         sign closer to 0 (a first break ends the walk: repetitive salad can read fluently again);
         None without fluency or when no alpha is."""
+        ends = [a for a in (self.furthest(1.0), self.furthest(-1.0)) if a is not None]
+        return max(ends, key=abs, default=None)
+
+    def furthest(self, sign: float) -> float | None:
+        """`best_alpha` among the alphas of `sign` (and 0): how far steering towards (1) or away from
+        (-1) the direction stays fluent."""
         fluent = self.fluent
         if fluent is None:
             return None
         best = None
-        for sign in (1.0, -1.0):
-            for i in sorted((i for i, a in enumerate(self.alphas) if a * sign >= 0), key=lambda i: abs(self.alphas[i])):
-                if not fluent[i]:
-                    break
-                if best is None or abs(self.alphas[i]) > abs(best):
-                    best = self.alphas[i]
+        for i in sorted((i for i, a in enumerate(self.alphas) if a * sign >= 0), key=lambda i: abs(self.alphas[i])):
+            if not fluent[i]:
+                break
+            best = self.alphas[i]
         return best
 
     def table(self) -> str:

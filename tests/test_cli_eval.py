@@ -208,6 +208,15 @@ def test_cli_argument_errors(tmp_path, capsys):
     err = capsys.readouterr().err  # refused before the model loads
     assert "holds figures of the model 'tiny', not 'smollm2-135m': pass --model 'tiny'" in err
     assert err.count("\n") == 1 and (tmp_path / "held" / "eval.json").read_bytes() == before
+    from conceptlens.commands import _common
+
+    def loaded(*args, **kwargs):
+        raise ValueError("the model loads")
+
+    with pytest.MonkeyPatch.context() as patch:  # --no-save writes nothing there: the other model's file is no bar
+        patch.setattr(_common, "load_model", loaded)
+        assert main(["eval", str(tmp_path / "held"), "--model", "smollm2-135m", "--task", "wsj-pos", "--no-save"]) == 2
+        assert "the model loads" in capsys.readouterr().err
     for recorded, why in (('model = ["a"]\n', "model must be a name (a non-empty string); got ['a']"),
                           ('data = "bbc-news"\n', "model must be a name (a non-empty string); got None"),
                           ('model = "tiny"\nshuffle = "yes"\n', "shuffle must be a seed"), ("model = \n", "")):

@@ -220,7 +220,8 @@ def _run_folder(args: argparse.Namespace, suites: tuple[str, ...]) -> None:
         config = dataclasses.replace(config, ks=tuple(k for k in KS if k <= fewest) or (1,))
     recorded = _recorded(run_folder.run_of(Path(args.run_dir)))
     model_name = _model_name(args, sets, recorded)
-    results.check_file(args.run_dir, model_name)  # before the model loads: its parts could not be saved
+    if not args.no_save:  # before the model loads: its parts could not be saved (--no-save saves none)
+        results.check_file(args.run_dir, model_name)
     model, tok = load_model(args, model_name, recorded["dtype"] if recorded and not args.model else None)  # the run's
     check_max_length(model, args.max_length, "--max-length", tok)
     lens = conceptlens.attach(model, tok)

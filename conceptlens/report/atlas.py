@@ -120,7 +120,7 @@ class Atlas:
         names = sorted(p.name for p in describe.iterdir() if (p / "description.json").is_file()) \
             if describe.is_dir() else []
         if not names:
-            raise FileNotFoundError(f"{run} has no describe/<NAME>/description.json: run `conceptlens describe {run}` first")
+            raise FileNotFoundError(_no_descriptions(run))
         for name in names:  # a run folder from elsewhere may hold any name: it becomes a path and a URL
             check_name(name, f"{describe}: extractor folder")
         fit_report = _read_json(run / "fit_report.json")
@@ -153,6 +153,19 @@ class Atlas:
             if ex.name == name:
                 return ex
         raise KeyError(f"no extractor {name!r} in {self.run}; it has {[e.name for e in self.extractors]}")
+
+
+def _no_descriptions(run: Path) -> str:
+    """Why `run` holds nothing to show, and the command that makes it: describe for a run, the report
+    of its run for a concept set folder."""
+    from conceptlens.concepts.conceptset import CONFIG_FILE
+
+    if (run / "run.toml").is_file():
+        return f"{run} has no describe/<NAME>/description.json: run `conceptlens describe {run}` first"
+    if (run / CONFIG_FILE).is_file() and run.parent.name == "concepts" and (run.parent.parent / "run.toml").is_file():
+        return f"{run} is a concept set of the run {run.parent.parent}: `conceptlens report {run.parent.parent}` shows it"
+    what = "a concept set folder" if (run / CONFIG_FILE).is_file() else "no run folder"
+    return f"{run} is {what}: a report shows a run folder that `conceptlens fit` wrote (with its run.toml)"
 
 
 def _read_json(path: Path) -> Any:

@@ -128,11 +128,22 @@ def test_matches_page_pairs_same_site_only(tmp_path):
     assert any(cos == "1" for _, _, cos in rows)
 
 
-def test_no_description_is_a_clear_error(tmp_path, capsys):
-    (tmp_path / "run").mkdir()
-    assert main(["report", str(tmp_path / "run")]) == 2
+def test_no_description_is_a_clear_error_that_names_the_command_to_run(tmp_path, capsys):
+    import torch
+
+    from conceptlens import ConceptSet
+
+    run = tmp_path / "run"
+    run.mkdir()
+    assert main(["report", str(run)]) == 2
+    assert "is no run folder: a report shows a run folder that `conceptlens fit` wrote" in capsys.readouterr().err
+    (run / "run.toml").write_text('model = "smollm2-135m"\n')
+    assert main(["report", str(run)]) == 2
+    assert f"run `conceptlens describe {run}` first" in capsys.readouterr().err
+    ConceptSet(torch.randn(2, 4), site="blocks.0.resid_out").save(run / "concepts" / "km")
+    assert main(["report", str(run / "concepts" / "km")]) == 2  # suggested describe, which takes runs only
     err = capsys.readouterr().err
-    assert "describe" in err and "Traceback" not in err
+    assert f"is a concept set of the run {run}: `conceptlens report {run}` shows it" in err and err.count("\n") == 1
     assert main(["report", str(tmp_path / "missing")]) == 2
     assert "no run folder" in capsys.readouterr().err
 

@@ -333,7 +333,9 @@ def _check_on_hub(name: str, unknown: str) -> None:
         raise ValueError(f"{unknown}, nor a model on the Hub (or it is private: log in with `hf auth login`)") from None
     except Exception as err:  # noqa: BLE001 - no network, DNS, proxy, timeout: any of them, the same line
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"{unknown}, not in the Hub cache, and the Hub cannot be reached ({reason}); set "
+        status = getattr(getattr(err, "response", None), "status_code", None)
+        answer = f"the Hub answered {status}" if isinstance(status, int) else "the Hub cannot be reached"
+        raise ValueError(f"{unknown}, not in the Hub cache, and {answer} ({reason}); set "
                          "HF_HUB_OFFLINE=1 to use only local and cached models") from None
 
 

@@ -97,6 +97,14 @@ def test_an_uncached_hub_id_online_is_one_line_from_one_question_to_the_hub(monk
 
     monkeypatch.setattr(HfApi, "model_info", gated)
     models.check_name("org/x")  # it exists: loading says what access it needs
+    from huggingface_hub.errors import HfHubHTTPError
+
+    def busy(self, repo_id, timeout=None):  # reached, and it answered: not "cannot be reached"
+        raise HfHubHTTPError("429 Too Many Requests", response=httpx.Response(429, request=response.request))
+
+    monkeypatch.setattr(HfApi, "model_info", busy)
+    with pytest.raises(ValueError, match=r"not in the Hub cache, and the Hub answered 429 \(429 Too Many Requests\)"):
+        models.check_name("org/x")
 
 
 def test_missing_files_are_named(tmp_path):

@@ -61,8 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"optional. Methods: {', '.join(rc.METHODS)}")
     parser.add_argument("--batch-size", type=int, help="documents per forward (16)")
     parser.add_argument("--max-length", type=int, help="tokens per document (128)")
-    parser.add_argument("--max-tokens", type=int, help="stop the fit after this many tokens (default: all); an SAE "
-                        "without lr= then gets the lr for this budget")
+    parser.add_argument("--max-tokens", type=int, help="stop the fit at the batch that reaches this many tokens (default: "
+                        "all; the last batch is whole, so a fit may read up to a batch more); an SAE without lr= then "
+                        "gets the lr for this budget")
     parser.add_argument("--checkpoint-every", type=int, help=f"tokens between checkpoints ({DEFAULT_CHECKPOINT_EVERY})")
     parser.add_argument("--no-resume", action="store_true", help="start again even if RUN holds a checkpoint")
     parser.add_argument("--overwrite", action="store_true",

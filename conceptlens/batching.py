@@ -30,11 +30,12 @@ def pad_right(rows: Sequence[Sequence[int]]) -> dict[str, Tensor]:
 
 CHARS_PER_TOKEN = 64
 """A text longer than `CHARS_PER_TOKEN * max_length` characters is cut there before it is tokenized (a
-tokenizer reads a whole text before truncating it, and one line of a file may be a whole book), at the
-whitespace before the limit (a word is tokenized whole: WordPiece gives one [UNK] for a word of over 100
-characters, but pieces for its part) and at the end a tokenizer with `truncation_side="left"` keeps, as
-long as the cut still holds more than `max_length + CUT_MARGIN` tokens: the `max_length` kept are then
-the whole text's (a text that is mostly whitespace is tokenized whole)."""
+tokenizer reads a whole text before truncating it, and one line of a file may be a whole book): at the
+whitespace before the limit, from the end a tokenizer with `truncation_side="left"` keeps, so no word is
+cut in two (WordPiece gives one [UNK] for a word of over 100 characters but pieces for its part; byte
+BPE splits a word's suffix otherwise than the word), and only when the cut still holds more than
+`max_length + CUT_MARGIN` tokens: the `max_length` kept are then the whole text's. A text without
+whitespace there, or mostly whitespace, is tokenized whole."""
 CUT_MARGIN = 16
 
 
@@ -46,7 +47,10 @@ def tokenize(tokenizer: Any, texts: Sequence[str], max_length: int, **extra: Any
     def short(text: str) -> str:
         if len(text) <= cut:
             return text
-        part = _cut(text[::-1], cut)[::-1] if left else _cut(text, cut)
+        part = _cut(text[::-1], cut) if left else _cut(text, cut)
+        if part is None:  # no whitespace to cut at: a word cut in two tokenizes otherwise
+            return text
+        part = part[::-1] if left else part
         mark = max_length + CUT_MARGIN  # counted up to the mark only (whole, a long part warns of its length)
         enough = len(tokenizer(part, add_special_tokens=False, truncation=True, max_length=mark + 1)["input_ids"]) > mark
         return part if enough else text
@@ -54,12 +58,13 @@ def tokenize(tokenizer: Any, texts: Sequence[str], max_length: int, **extra: Any
     return tokenizer([short(text) for text in texts], truncation=True, max_length=max_length, **extra)
 
 
-def _cut(text: str, cut: int) -> str:
-    """`text[:cut]`, ended at the last whitespace (if any) unless the cut already falls on one."""
+def _cut(text: str, cut: int) -> str | None:
+    """`text[:cut]`, ended at the last whitespace unless the cut already falls on one; None without
+    whitespace before `cut`."""
     if text[cut].isspace():
         return text[:cut]
     space = max(text.rfind(c, 0, cut) for c in " \t\n\r\f\v\u3000\xa0")
-    return text[:space] if space > 0 else text[:cut]
+    return text[:space] if space > 0 else None
 
 
 def encode_batch(tokenizer: Any, texts: list[str], max_length: int, *, offsets: bool = False) -> dict[str, Tensor]:

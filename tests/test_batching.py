@@ -94,6 +94,17 @@ def test_the_cut_keeps_a_long_word_whole_and_the_end_a_left_truncating_tokenizer
     kept = batching.tokenize(left, [book], 8)["input_ids"][0]
     assert kept == left([book], truncation=True, max_length=8)["input_ids"][0]
     assert left.decode(kept, skip_special_tokens=True).endswith("the end")
+    seen: list[int] = []  # no whitespace within the cut: the text is tokenized whole (byte BPE splits a word's
+
+    def spy(texts, **kwargs):  # suffix otherwise than the word, and a left cut kept the suffix)
+        seen.extend(len(t) for t in ([texts] if isinstance(texts, str) else texts))
+        return left(texts, **kwargs)
+
+    spy.truncation_side = "left"
+    unspaced = "a few words " + "acgt" * 2000
+    assert batching.tokenize(spy, [unspaced], 8)["input_ids"] == left([unspaced], truncation=True,
+                                                                      max_length=8)["input_ids"]
+    assert seen == [len(unspaced)]
 
 
 def test_a_max_length_with_no_room_past_the_special_tokens_is_refused():

@@ -291,3 +291,18 @@ def test_overwrite_clears_the_runs_report_but_no_file_the_report_did_not_write(f
     assert main(_other_run(files, out, "--overwrite")) == 0  # the old report showed the old concepts
     assert "--overwrite: removed the" in capsys.readouterr().out
     assert sorted(p.relative_to(out).as_posix() for p in (out / "report").rglob("*")) == ["report/mine.txt"]
+
+
+def test_overwrite_clears_no_file_outside_the_report_whatever_its_manifest_lists(files, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "run"
+    assert main(base(files, out)) == 0
+    assert main(["report", str(out), "--no-progress"]) == 0
+    manifest = out / "report" / "conceptlens-report.json"
+    data = json.loads(manifest.read_text())
+    data["files"] += ["../notes.txt", "../../outside.txt", str(tmp_path / "abs.txt")]  # a hostile list
+    manifest.write_text(json.dumps(data))
+    for kept in (out / "notes.txt", tmp_path / "outside.txt", tmp_path / "abs.txt"):
+        kept.write_text("mine")
+    assert main(_other_run(files, out, "--overwrite")) == 0
+    assert all(p.read_text() == "mine" for p in (out / "notes.txt", tmp_path / "outside.txt", tmp_path / "abs.txt"))
+    assert not (out / "report").exists()

@@ -31,40 +31,53 @@ def pad_right(rows: Sequence[Sequence[int]]) -> dict[str, Tensor]:
 CHARS_PER_TOKEN = 64
 """A text longer than `CHARS_PER_TOKEN * max_length` characters is cut there before it is tokenized (a
 tokenizer reads a whole text before truncating it, and one line of a file may be a whole book): at the
-whitespace before the limit, from the end a tokenizer with `truncation_side="left"` keeps, so no word is
-cut in two (WordPiece gives one [UNK] for a word of over 100 characters but pieces for its part; byte
-BPE splits a word's suffix otherwise than the word), and only when the cut still holds more than
-`max_length + CUT_MARGIN` tokens: the `max_length` kept are then the whole text's. A text without
-whitespace there, or mostly whitespace, is tokenized whole."""
+whitespace before the limit (from the end a tokenizer with `truncation_side="left"` keeps, with that
+whitespace, which byte BPE reads with the word after it), so no word is cut in two (WordPiece gives one
+[UNK] for a word of over 100 characters but pieces for its part; byte BPE splits a word's suffix
+otherwise than the word), and only when the cut still holds more than `max_length + CUT_MARGIN` tokens:
+the `max_length` kept are then the whole text's. A text without whitespace there, or mostly
+whitespace, is tokenized whole."""
 CUT_MARGIN = 16
 
 
 def tokenize(tokenizer: Any, texts: Sequence[str], max_length: int, **extra: Any) -> Any:
-    """`tokenizer(texts, truncation=True, max_length=max_length, **extra)`, each long text cut first."""
+    """`tokenizer(texts, truncation=True, max_length=max_length, **extra)`, each long text cut first
+    (offsets, when asked for, count from the start of the whole text)."""
     cut = CHARS_PER_TOKEN * max_length
     left = getattr(tokenizer, "truncation_side", "right") == "left"
+    dropped = [0] * len(texts)  # characters cut from the start of each text (a left cut)
 
-    def short(text: str) -> str:
+    def short(i: int, text: str) -> str:
         if len(text) <= cut:
             return text
-        part = _cut(text[::-1], cut) if left else _cut(text, cut)
-        if part is None:  # no whitespace to cut at: a word cut in two tokenizes otherwise
+        end = _cut(text[::-1], cut, keep_space=True) if left else _cut(text, cut, keep_space=False)
+        if end is None:  # no whitespace to cut at: a word cut in two tokenizes otherwise
             return text
-        part = part[::-1] if left else part
+        part = text[len(text) - end:] if left else text[:end]
         mark = max_length + CUT_MARGIN  # counted up to the mark only (whole, a long part warns of its length)
-        enough = len(tokenizer(part, add_special_tokens=False, truncation=True, max_length=mark + 1)["input_ids"]) > mark
-        return part if enough else text
+        if len(tokenizer(part, add_special_tokens=False, truncation=True, max_length=mark + 1)["input_ids"]) <= mark:
+            return text
+        dropped[i] = len(text) - len(part) if left else 0
+        return part
 
-    return tokenizer([short(text) for text in texts], truncation=True, max_length=max_length, **extra)
+    encoded = tokenizer([short(i, text) for i, text in enumerate(texts)], truncation=True, max_length=max_length,
+                        **extra)
+    if extra.get("return_offsets_mapping") and any(dropped):
+        encoded["offset_mapping"] = [[(a + shift, b + shift) if b > a else (a, b) for a, b in row]
+                                     for row, shift in zip(encoded["offset_mapping"], dropped)]
+    return encoded
 
 
-def _cut(text: str, cut: int) -> str | None:
-    """`text[:cut]`, ended at the last whitespace unless the cut already falls on one; None without
-    whitespace before `cut`."""
+def _cut(text: str, cut: int, *, keep_space: bool) -> int | None:
+    """Where to end `text[:cut]`: at `cut` when it falls on whitespace, else at the last whitespace
+    before it, which is kept with `keep_space` (a left cut, reversed: byte BPE reads a word's leading
+    space with it); None without whitespace before `cut`."""
     if text[cut].isspace():
-        return text[:cut]
-    space = max(text.rfind(c, 0, cut) for c in " \t\n\r\f\v\u3000\xa0")
-    return text[:space] if space > 0 else None
+        return cut + keep_space
+    for i in range(cut - 1, 0, -1):
+        if text[i].isspace():
+            return i + keep_space
+    return None
 
 
 def encode_batch(tokenizer: Any, texts: list[str], max_length: int, *, offsets: bool = False) -> dict[str, Tensor]:

@@ -1,5 +1,6 @@
 """Hand padding: exact ids, masks and offsets, and the tokenizer left untouched."""
 
+import pytest
 import torch
 
 from conceptlens.batching import encode_batch, pad_right
@@ -101,6 +102,17 @@ def test_the_cut_keeps_a_long_word_whole_and_the_end_a_left_truncating_tokenizer
         return left(texts, **kwargs)
 
     spy.truncation_side = "left"
+    spaces = [" ", "\u2009", "\u2003", "\u202f", "\u3000"]  # any whitespace: a thin space too (it cut a word)
+    for n in (8, 32):
+        for space in spaces:
+            text = "sequence:" + space * (batching.CHARS_PER_TOKEN * n - 104) + word * 2  # cut 95 chars into it
+            for t in (tok, left):
+                assert batching.tokenize(t, [text], n)["input_ids"] == t([text], truncation=True, max_length=n)["input_ids"]
+    book = "alpha beta gamma " * 400 + "omega end"  # offsets count from the whole text, not from a left cut
+    ours = batching.encode_batch(left, [book], 8, offsets=True)["offset_mapping"][0].tolist()
+    assert ours == [list(s) for s in left([book], truncation=True, max_length=8,
+                                         return_offsets_mapping=True)["offset_mapping"][0]]
+    assert book[ours[-2][0]:ours[-2][1]] == "end"
     unspaced = "a few words " + "acgt" * 2000
     assert batching.tokenize(spy, [unspaced], 8)["input_ids"] == left([unspaced], truncation=True,
                                                                       max_length=8)["input_ids"]
@@ -140,3 +152,16 @@ def test_fit_checks_max_length_against_the_tokenizer_it_is_given():
     with pytest.raises(ValueError, match="max_length=2 leaves no room for text"):
         lens.fit({"blocks.0.resid_out": StreamingKMeans(n_concepts=2)}, ["a text"], tokenizer=tok, max_length=2,
                  progress=False)
+
+
+@pytest.mark.real_model
+def test_a_left_cut_keeps_the_space_byte_bpe_reads_with_the_next_word():
+    """SmolLM2's byte BPE: a left cut that starts the kept part after the space splits its first word
+    otherwise ('xx' where the whole text has 'xxx'), up to the kept tokens when the word is long."""
+    from conceptlens import batching, models
+
+    tok = models.load("smollm2-135m")[1]
+    tok.truncation_side = "left"
+    for n in (4, 8):
+        text = "a " * 300 + "x" * (batching.CHARS_PER_TOKEN * n - 5) + " end"  # the cut falls on the space
+        assert batching.tokenize(tok, [text], n)["input_ids"] == tok([text], truncation=True, max_length=n)["input_ids"]

@@ -140,12 +140,12 @@ def _recovered(t: Tensor) -> Tensor:  # columns: clean CE, zero CE, edited CE
 def reconstruction_lines(lens: AttachedModel, site: str, encoders: Mapping[str, ConceptEncoder],
                          batches: Sequence[Mapping[str, Tensor]], site_mean: Tensor, seed: int = 0) -> list[Line]:
     """FVU, CE-loss recovered, KL, L0, dead and dense fractions of every set in `encoders` (all must decode);
-    on a model that predicts no next token (an encoder, an encoder-decoder) without CE-loss recovered
-    and KL, which FVU's line says."""
+    on an encoder, which predicts no next token, without CE-loss recovered and KL, which FVU's line
+    says (an encoder-decoder is refused in one line)."""
     n_docs = sum(len(b["input_ids"]) for b in batches)
     stats = {name: RowStats(enc, n_docs) for name, enc in encoders.items()}
-    if not predicts_next_token(lens.model):
-        return _row_lines(lens, site, stats, batches, seed)
+    if not predicts_next_token(lens.model) and not getattr(lens.model.config, "is_encoder_decoder", False):
+        return _row_lines(lens, site, stats, batches, seed)  # an encoder (an encoder-decoder is refused)
     edits: dict[str, Callable[[Tensor], Tensor]] = {name: (lambda s: lambda x: s.decode(s.encoder.encode(x)))(s)
                                                     for name, s in stats.items()}
     edits |= {" zero": torch.zeros_like, " mean": lambda x: site_mean.to(x).expand_as(x)}
@@ -191,7 +191,7 @@ def _row_lines(lens: AttachedModel, site: str, stats: Mapping[str, RowStats],
             s.update(x, doc)
 
     collect(lens, site, {}, ((dict(b), torch.zeros(len(b["input_ids"]))) for b in batches), on_rows)
-    why = f"; no CE loss recovered or KL: {type(lens.model).__name__} predicts no next token"
+    why = f"; no CE loss recovered or KL: {type(lens.model).__name__} is an encoder, it predicts no next token"
     return [line._replace(note=line.note + why) if line.metric == "FVU" else line
             for name, s in stats.items() for line in _stat_lines(name, s, seed)]
 

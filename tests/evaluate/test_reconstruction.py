@@ -134,7 +134,12 @@ def test_an_encoder_gets_fvu_and_sparsity_and_says_why_there_is_no_ce_or_kl():
     lines = reconstruction_lines(lens, "blocks.0.resid_out", {"sae": enc}, batches, torch.zeros(32))
     by_metric = {ln.metric: ln for ln in lines}
     assert list(by_metric) == ["FVU", "L0", "dead fraction", "dense fraction (>10% of tokens)"]
-    assert by_metric["FVU"].note.endswith("no CE loss recovered or KL: BertForMaskedLM predicts no next token")
+    assert by_metric["FVU"].note.endswith("no CE loss recovered or KL: BertForMaskedLM is an encoder, it predicts "
+                                          "no next token")
+    with pytest.raises(ValueError, match="CE-loss recovered needs a decoder-only language model; "
+                                         "T5ForConditionalGeneration is not one"):  # one line, as before
+        reconstruction_lines(conceptlens.attach(tiny_model("t5")), "blocks.0.resid_out", {"sae": enc}, batches,
+                             torch.zeros(32))
     rows = []
     handle = model.bert.encoder.layer[0].register_forward_hook(
         lambda m, a, out: rows.append((out[0] if isinstance(out, tuple) else out).clone()))

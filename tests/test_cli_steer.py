@@ -195,3 +195,8 @@ def test_the_refusal_names_the_spelling_with_a_leading_space_when_that_is_one_to
     with pytest.raises(ValueError, match=r"^--direction-word 'wedding' is 2 tokens here \('wed', 'ding'\); "
                                          r"' wedding', with a leading space, is one$"):
         word_direction(lens, "wedding", None)
+    pieces = {" wedding": [5, 6], "wedding": [6]}  # SentencePiece: the space is a piece of its own ('▁')
+    tokenizer.decode = lambda ids: {5: "", 6: "wedding"}[ids[0]]
+    with pytest.raises(ValueError, match=r"^--direction-word ' wedding' is 2 tokens here \('', 'wedding'\); "
+                                         r"'wedding', without spaces, is one$"):
+        word_direction(lens, " wedding", None)

@@ -171,9 +171,10 @@ def word_direction(lens: Any, word: str, site: str | None) -> tuple[Tensor, str,
     if not ids:
         raise ValueError(f"--direction-word {word!r} encodes to no tokens")
     if len(ids) > 1:  # its first token's row alone would steer towards a word piece
-        spaced = f" {word.lstrip()}"
-        hint = f"; {spaced!r}, with a leading space, is one" if spaced != word and len(
-            lens.tokenizer(spaced, add_special_tokens=False)["input_ids"]) == 1 else "; give a word of one token"
+        spellings = [(f" {word.strip()}", "with a leading space"), (word.strip(), "without spaces")]
+        one = next(((w, how) for w, how in spellings if w != word
+                    and len(lens.tokenizer(w, add_special_tokens=False)["input_ids"]) == 1), None)
+        hint = f"; {one[0]!r}, {one[1]}, is one" if one else "; give a word of one token"
         pieces = ", ".join(repr(lens.tokenizer.decode([i])) for i in ids)
         raise ValueError(f"--direction-word {word!r} is {len(ids)} tokens here ({pieces}){hint}")
     head = lens.model.get_output_embeddings()

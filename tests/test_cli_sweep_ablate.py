@@ -145,3 +145,6 @@ def test_a_sweep_of_both_signs_names_the_largest_fluent_alpha_on_each_side(folde
     assert re.search(r"largest alphas within the fluency budget \(median perplexity at most 1000x the unsteered "
                      r"\d+\.\d\d\): 0\.25 towards the direction, -0\.25 away from the direction\n",
                      capsys.readouterr().out)
+    assert main(["sweep", "--model", model_dir, "--concepts", concepts_dir, "--concept", "1", "--alphas", "-0.25", "0",
+                 "--prompts", "w5 w6", "--max-new-tokens", "2", "--budget", "1000"]) == 0
+    assert re.search(r"\): -0\.25 away from the direction\n", capsys.readouterr().out)  # not "none towards"

@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     if result.best_alpha is None:
         print(f"\nno alpha keeps the median perplexity within {args.budget:g}x the unsteered {reference:.2f}")
     elif min(args.alphas) < 0:  # towards and away from the direction, each walked from 0 on its own
-        ends = {side: result.furthest(sign) for side, sign in (("towards", 1.0), ("away from", -1.0))}
+        ends = {side: result.furthest(sign) for side, sign in (("towards", 1.0), ("away from", -1.0))
+                if any(a * sign > 0 for a in args.alphas)}  # a side no alpha tried is not "none"
         print(f"\nlargest alphas within the fluency budget (median perplexity at most {args.budget:g}x the "
               f"unsteered {reference:.2f}): " + ", ".join(f"{'none' if a is None else f'{a:g}'} {side} the direction"
                                                           for side, a in ends.items()))

@@ -45,6 +45,8 @@ class FitState:
         self.row_filter = row_filter  # which captured rows reach the extractors, with its counts
         self.extractors = extractors
         self.fingerprint = fingerprint
+        self.also_resumes: list[dict[str, Any]] = []
+        """Fingerprints an earlier version wrote for this same fit (a checkpoint holding one resumes)."""
         self.tokens = self.documents = self.batches = 0
         self.last_batch_from: int | None = 0
         """Tokens before the last batch: a fit of max_tokens above it stops where this did (None: a
@@ -147,6 +149,8 @@ class FitState:
     def _check_fingerprint(self, path: Path, stored: Any) -> None:
         if not isinstance(stored, dict):
             raise ValueError(f"checkpoint {path}: its fingerprint is not a dict")
+        if stored in self.also_resumes:
+            return
         for part, what in WHAT_DIFFERS.items():
             if stored.get(part) != self.fingerprint.get(part):
                 if part == "batching" and isinstance(stored.get(part), dict):  # name the options that differ

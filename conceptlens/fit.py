@@ -150,6 +150,9 @@ def _fit(lens: AttachedModel, extractors: Mapping[Key, Any], data: Any, *, token
         batching["sites"] = moved
     check_max_length(lens.model, config.max_length, tokenizer=tokenizer)
     state = FitState(RowFilter(config.filters), plan.extractors, fit_fingerprint(lens.model, plan.extractors, batching))
+    named = {name: key_name(plan.keys[name], plan.extractors[name]) for name in moved}
+    if named != moved:  # a checkpoint of a named crosscoder written while its sites were recorded as "a+b"
+        state.also_resumes.append(fit_fingerprint(lens.model, plan.extractors, batching | {"sites": named}))
     run = state.run = DistributedRun.start() if config.distributed else None
     if run is not None:
         # an extractor not sharded is updated on one rank, shared at the end; its sites go to that rank

@@ -179,15 +179,24 @@ def test_resume_names_the_sites_when_a_named_extractor_reads_other_sites(lens, t
         lens.fit({"blocks.1.resid_out": {"km": Recorder()}}, DOCS, checkpoint_dir=str(tmp_path), progress=False)
 
 
-def test_a_named_crosscoders_sites_are_fingerprinted_as_before_the_a_plus_b_name(lens, tmp_path):
+def test_a_named_crosscoders_checkpoints_resume_from_before_and_after_its_a_plus_b_name(lens, tmp_path):
     from conceptlens.concepts.sae.crosscoder import Crosscoder
 
     # the form checkpoints written before a two-site crosscoder was named "a+b" hold: they resume
     key = ("blocks.0.resid_out", "blocks.1.resid_out")
     lens.fit({key: {"cc": Crosscoder(width=8, k=2)}}, DOCS, checkpoint_dir=str(tmp_path), max_length=16,
              max_tokens=50, progress=False)
-    stored = torch.load(tmp_path / "checkpoint.pt", weights_only=False)["state"]["fingerprint"]
-    assert stored["batching"]["sites"] == {"cc": "blocks.0.resid_out->blocks.1.resid_out"}
+    payload = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert payload["state"]["fingerprint"]["batching"]["sites"] == {"cc": "blocks.0.resid_out->blocks.1.resid_out"}
+    # a checkpoint written while the sites were recorded as "a+b" resumes too
+    from conceptlens._io import state_digest
+
+    payload["state"]["fingerprint"]["batching"]["sites"] = {"cc": "blocks.0.resid_out+blocks.1.resid_out"}
+    payload["sha256"] = state_digest(payload["state"])
+    torch.save(payload, tmp_path / "checkpoint.pt")
+    again = lens.fit({key: {"cc": Crosscoder(width=8, k=2)}}, DOCS, checkpoint_dir=str(tmp_path), max_length=16,
+                     max_tokens=100, progress=False)
+    assert again.resumed_from >= 50
 
 
 def test_resume_refuses_a_checkpoint_whose_rows_had_another_dtype(tmp_path):

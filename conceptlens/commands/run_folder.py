@@ -100,16 +100,14 @@ def owned(out: Path) -> list[Path]:
 
 def _report_files(out: Path) -> list[Path]:
     """The files of the report at RUN/report that its manifest lists (`report.output`), relative to `out`;
-    none when it holds no valid manifest, or the report of another run."""
+    none when it holds no valid manifest."""
     from conceptlens.report.output import _entries, _manifest
 
     if (out / REPORT).is_symlink():
         return []
-    try:
-        listed, made_from = _manifest(out / REPORT)
+    try:  # at RUN/report it is the run's, as `report` rebuilds it, wherever it was made (a moved or copied run)
+        listed, _ = _manifest(out / REPORT)
     except ValueError:
-        return []
-    if made_from is not None and Path(made_from) != out.resolve():
         return []
     # the files found there (no link followed) that the list names: a listed "../run.toml" is none of them
     return [Path(REPORT) / rel for rel in sorted(listed & set(_entries(out / REPORT)))]

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import unicodedata
 from typing import Any, Sequence
 
 import torch
@@ -72,12 +73,18 @@ def _cut(text: str, cut: int, *, keep_space: bool) -> int | None:
     """Where to end `text[:cut]`: at `cut` when it falls on whitespace, else at the last whitespace
     before it, which is kept with `keep_space` (a left cut, reversed: byte BPE reads a word's leading
     space with it); None without whitespace before `cut`."""
-    if text[cut].isspace():
+    if _space(text[cut]):
         return cut + keep_space
     for i in range(cut - 1, 0, -1):
-        if text[i].isspace():
+        if _space(text[i]):
             return i + keep_space
     return None
+
+
+def _space(char: str) -> bool:
+    """Whitespace every tokenizer splits words at: space, tab, newline, return and the Unicode space
+    separators (BERT's normaliser deletes other control characters, \x1c or \x85, joining the words)."""
+    return char in " \t\n\r" or unicodedata.category(char) == "Zs"
 
 
 def encode_batch(tokenizer: Any, texts: list[str], max_length: int, *, offsets: bool = False) -> dict[str, Tensor]:

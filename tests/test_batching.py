@@ -108,6 +108,8 @@ def test_the_cut_keeps_a_long_word_whole_and_the_end_a_left_truncating_tokenizer
             text = "sequence:" + space * (batching.CHARS_PER_TOKEN * n - 104) + word * 2  # cut 95 chars into it
             for t in (tok, left):
                 assert batching.tokenize(t, [text], n)["input_ids"] == t([text], truncation=True, max_length=n)["input_ids"]
+    joined = "a " + "b" * 90 + "\x1c" + "b" * 200 + " a" * 200  # BERT deletes \x1c: one word of 291 characters
+    assert batching.tokenize(tok, [joined], 4)["input_ids"] == tok([joined], truncation=True, max_length=4)["input_ids"]
     book = "alpha beta gamma " * 400 + "omega end"  # offsets count from the whole text, not from a left cut
     ours = batching.encode_batch(left, [book], 8, offsets=True)["offset_mapping"][0].tolist()
     assert ours == [list(s) for s in left([book], truncation=True, max_length=8,

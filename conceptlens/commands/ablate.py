@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from conceptlens import ConceptSet, data
     from conceptlens.batching import check_max_length
     from conceptlens.commands._common import check_predicts_tokens, load_model
-    from conceptlens.commands.steer import model_of
+    from conceptlens.commands.run_folder import model_of
     from conceptlens.metrics.faithfulness import ProbeTask, faithfulness
 
     for name in ("max_docs", "max_length", "batch_size"):

@@ -22,8 +22,12 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from conceptlens.commands import run_config as rc
+
+if TYPE_CHECKING:
+    from conceptlens.concepts.conceptset import ConceptSet
 
 OWNED = ("checkpoint.pt", "fit_report.json", "quality.json", "eval.json", "concepts/*/concepts.safetensors",
          "concepts/*/config.json", "describe/checkpoint.pt", "describe/source.json",
@@ -72,6 +76,19 @@ def run_of(path: Path) -> Path:
     if (path / CONFIG_FILE).is_file() and path.parent.name == "concepts" and (run / "run.toml").is_file():
         return run
     return path
+
+
+def model_of(folder: str | Path, concepts: ConceptSet) -> str:
+    """The model a saved set was fitted on: the one its run's run.toml names (a local model, GGUF file
+    included, by its whole path), else the one the set names; a one-line error when neither does."""
+    run = run_of(Path(folder))
+    if run != Path(folder):  # a set of a run
+        model = rc.read_toml(run / "run.toml").get("model")
+        if isinstance(model, str) and model.strip():
+            return model
+    if not concepts.model:
+        raise ValueError(f"{folder} names no model: pass --model")
+    return concepts.model
 
 
 def owned(out: Path) -> list[Path]:

@@ -18,7 +18,6 @@ import argparse
 import math
 import shutil
 import textwrap
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -109,24 +108,10 @@ def choose_model(args: argparse.Namespace) -> ConceptSet | None:
     if concepts is None:
         args.model = "smollm2-135m"
         return None
+    from conceptlens.commands.run_folder import model_of
+
     args.model = model_of(args.concepts, concepts)
     return concepts
-
-
-def model_of(folder: str | Path, concepts: ConceptSet) -> str:
-    """The model a saved set was fitted on: the one its run's run.toml names (a local model, GGUF file
-    included, by its whole path), else the one the set names; a one-line error when neither does."""
-    from conceptlens.commands import run_config as rc
-    from conceptlens.commands import run_folder
-
-    run = run_folder.run_of(Path(folder))
-    if run != Path(folder):  # a set of a run
-        model = rc.read_toml(run / "run.toml").get("model")
-        if isinstance(model, str) and model.strip():
-            return model
-    if not concepts.model:
-        raise ValueError(f"{folder} names no model: pass --model")
-    return concepts.model
 
 
 def strength(edit: Any) -> str:

@@ -58,7 +58,9 @@ def test_a_resealed_checkpoint_is_checked_by_content(lens, tmp_path, change, nam
     finally:
         sys.setrecursionlimit(limit)
     km = StreamingKMeans(n_concepts=3, init_size=16, seed=2)
+    hostile = (run / CHECKPOINT).read_bytes()
     one_line_error(ValueError, lambda: _fit(lens, run, DOCS, km), CHECKPOINT, *names)
+    assert (run / CHECKPOINT).read_bytes() == hostile  # refused, not replaced: the user decides what to keep
 
 
 def _reseal(folder: Path, change_config=None, change_tensors=None) -> None:
@@ -102,7 +104,8 @@ def test_a_resealed_concept_set_is_checked_by_content(tmp_path, config, tensors,
     folder = tmp_path / "set"
     _saved_set(folder)
     _reseal(folder, config, tensors)
-    one_line_error(ValueError, lambda: ConceptSet.load(folder), "concepts.safetensors", *names)
+    message = one_line_error(ValueError, lambda: ConceptSet.load(folder), "concepts.safetensors", *names)
+    assert str(folder) in message  # which set on disk is bad, not only which field
 
 
 def test_a_deeply_nested_config_json_is_one_line_not_a_recursion_error(tmp_path):

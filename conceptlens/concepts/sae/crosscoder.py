@@ -139,6 +139,7 @@ def split_concept_set(cs: ConceptSet, sites: list[str] | None = None) -> dict[st
     if len(sites) != len(widths):
         raise ValueError(f"{len(sites)} site names for a set of {len(widths)} sites")
     blocks = cs.directions.split(widths, dim=1)
+    means = cs.mean.split(widths) if cs.mean is not None else [None] * len(widths)
     return {site: ConceptSet(block, site, method=cs.method, config={**cs.config, "site_index": i}, model=cs.model,
-                             stats=cs.stats)
-            for i, (site, block) in enumerate(zip(sites, blocks))}
+                             stats=cs.stats, mean=mean)
+            for i, (site, block, mean) in enumerate(zip(sites, blocks, means))}

@@ -127,6 +127,16 @@ def test_raw_space_fold_matches_the_training_space(name):
     assert [p.directions.shape[1] for p in parts.values()] == [10, 6, 4] and parts["b"].site == "b"
 
 
+def test_a_multi_site_sets_mean_is_split_with_its_directions():
+    cs = feed(make("relu"), chunks()).concept_set()
+    mean = torch.arange(20.0)
+    with_mean = ConceptSet(cs.directions, cs.site, method=cs.method, config=cs.config, model=cs.model, mean=mean)
+    parts = split_concept_set(with_mean, ["a", "b", "c"])
+    for got, want in zip((p.mean for p in parts.values()), mean.split([10, 6, 4])):
+        assert got is not None and torch.equal(got, want)
+    assert all(p.mean is None for p in split_concept_set(cs, ["a", "b", "c"]).values())
+
+
 def test_the_penalty_weighs_each_latent_by_its_summed_site_norms():
     cc = feed(make("relu"), chunks())
     xs = chunks(1, seed=5)[0]

@@ -42,6 +42,41 @@ def test_head_table_matches_brute_force_over_token_pairs():
     torch.testing.assert_close(twins.cosine_mean, torch.ones(2, dtype=torch.float64))
 
 
+def test_the_rms_score_uses_the_models_own_scaling():
+    q, k = _stream()
+    moments = QueryKeyMoments()
+    moments.update(q, k)
+    scores = torch.einsum("ihd,jhd->ijh", q, k.repeat_interleave(2, 1)) * 0.1  # a model scaling by 0.1, not 8^-0.5
+    want = scores.pow(2).mean((0, 1)).view(2, 2).mean(1).sqrt()
+    torch.testing.assert_close(gauge.head_table(moments, k, n_pairs=10, scaling=0.1).rms_score, want)
+
+
+def test_gauge_prints_gemmas_scores_at_its_query_pre_attn_scalar(tmp_path, capsys):
+    """Gemma scales q.k by query_pre_attn_scalar^-0.5, not head_dim^-0.5: the same weights with a scalar
+    4 times smaller print an rms score twice as large."""
+    import transformers as tf
+
+    from conceptlens.cli import main
+    from tests.conftest import _LLAMA_LIKE
+    from tests.steering.test_sweep import word_tokenizer
+
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(" ".join(f"w{(7 * i + j) % 90 + 3}" for j in range(12)) for i in range(12)) + "\n")
+    rms = []
+    for scalar in (32, 8):
+        torch.manual_seed(0)
+        folder = tmp_path / f"gemma{scalar}"
+        config = tf.Gemma3TextConfig(**_LLAMA_LIKE, head_dim=8, query_pre_attn_scalar=scalar)
+        tf.Gemma3ForCausalLM(config).save_pretrained(folder)
+        word_tokenizer().save_pretrained(folder)
+        assert main(["gauge", "--model", str(folder), "--layer", "1", "--data", str(texts), "--max-tokens", "100",
+                     "--max-length", "16", "--sample-docs", "2", "--pairs", "50"]) == 0
+        out = capsys.readouterr().out
+        rows = out[out.index("key head"):out.index("columns (per key head")].strip().splitlines()[1:]
+        rms.append(torch.tensor([float(row.split()[4]) for row in rows]))
+    torch.testing.assert_close(rms[1], 2 * rms[0], rtol=0.01, atol=0.002)
+
+
 def test_head_table_invariant_columns_ignore_a_gauge():
     q, k = _stream(seed=2)
     g = torch.Generator().manual_seed(3)

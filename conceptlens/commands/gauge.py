@@ -47,8 +47,8 @@ class HeadTable(NamedTuple):
     top_share: Tensor
     """largest eigenvalue of S_q S_k over their sum"""
     rms_score: Tensor
-    """sqrt(tr(S_q S_k) / (g d_head)): rms of q.k / sqrt(d_head) over (query, key) token pairs and
-    the g query heads of the group"""
+    """scaling * sqrt(tr(S_q S_k) / g): rms of the score q.k * scaling (the model's, 1 / sqrt(d_head)
+    unless it sets another) over (query, key) token pairs and the g query heads of the group"""
     distance_mean: Tensor
     """mean key_distance over random key pairs"""
     distance_median: Tensor
@@ -59,12 +59,14 @@ class HeadTable(NamedTuple):
     """mean plain key cosine over the same pairs (NOT invariant, for contrast)"""
 
 
-def head_table(moments: QueryKeyMoments, keys: Tensor, n_pairs: int, seed: int = 0) -> HeadTable:
+def head_table(moments: QueryKeyMoments, keys: Tensor, n_pairs: int, seed: int = 0,
+               scaling: float | None = None) -> HeadTable:
     """Summarise a layer's heads from streamed moments and a sample of keys `(N, H_kv, d_head)`.
 
-        table = head_table(moments, k, n_pairs=4000)
+        table = head_table(moments, k, n_pairs=4000, scaling=attention.scaling)
 
-    Pairs (i, j), i != j, are drawn uniformly with a generator seeded by `seed`.
+    Pairs (i, j), i != j, are drawn uniformly with a generator seeded by `seed`. `scaling` is the
+    factor the model multiplies q.k by (None: 1 / sqrt(d_head); Gemma's is query_pre_attn_scalar^-0.5).
     """
     if len(keys) < 2:
         raise ValueError(f"need at least two keys to pair; got {len(keys)}")
@@ -78,7 +80,8 @@ def head_table(moments: QueryKeyMoments, keys: Tensor, n_pairs: int, seed: int =
     dist = key_distance(k1, k2, moments.S_q)  # (P, H_kv)
     cos = score_cosine(k1, k2, moments.S_q)
     g = moments.group_size
-    return HeadTable(g, entropy.exp(), spec[:, 0] / spec.sum(-1), (spec.sum(-1) / (g * moments.d_head)).sqrt(),
+    scaling = moments.d_head ** -0.5 if scaling is None else scaling
+    return HeadTable(g, entropy.exp(), spec[:, 0] / spec.sum(-1), (spec.sum(-1) / g).sqrt() * scaling,
                      dist.mean(0), dist.median(0).values, cos.mean(0), cos.std(0), key_cosine(k1, k2).mean(0))
 
 
@@ -97,8 +100,8 @@ LEGEND = (
     ("QK rank", "count, 1..d_head", "exp(entropy) of the normalised eigenvalues of S_q S_k: how many q/k "
                                     "directions carry the scores"),
     ("top eig", "fraction, 0..1", "largest eigenvalue of S_q S_k over their sum"),
-    ("rms score", "logits", "root mean square of q.k / sqrt(d_head) over (query, key) token pairs and the "
-                            "group's query heads"),
+    ("rms score", "logits", "root mean square of the score q.k times the model's scaling (1 / sqrt(d_head) "
+                            "unless it sets another) over (query, key) token pairs and the group's query heads"),
     ("dist mean", "logits^2", "mean over key pairs of (k1 - k2)^T S_q (k1 - k2) / d_head: the mean squared "
                               "score change when k1 replaces k2, summed over the group's query heads"),
     ("dist med", "logits^2", "median of the same"),
@@ -169,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
     print(report.summary())
 
     batch = sample_batch(tok, texts, args.max_length)
-    table = head_table(moments, sample_keys(lens, k_site, batch), args.pairs, args.seed)
+    table = head_table(moments, sample_keys(lens, k_site, batch), args.pairs, args.seed,
+                       scaling=getattr(lens.site(q_site).module, "scaling", None))
     print(f"\nblock {q_site.split('.')[1]}: {moments.n_q:,} queries streamed; {args.pairs:,} random key pairs "
           f"from {len(texts)} documents (scos = score cosine; only 'raw cos' depends on the gauge)")
     print(format_table(table))

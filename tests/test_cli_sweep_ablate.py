@@ -148,3 +148,7 @@ def test_a_sweep_of_both_signs_names_the_largest_fluent_alpha_on_each_side(folde
     assert main(["sweep", "--model", model_dir, "--concepts", concepts_dir, "--concept", "1", "--alphas", "-0.25", "0",
                  "--prompts", "w5 w6", "--max-new-tokens", "2", "--budget", "1000"]) == 0
     assert re.search(r"\): -0\.25 away from the direction\n", capsys.readouterr().out)  # not "none towards"
+    assert main(["sweep", "--model", model_dir, "--concepts", concepts_dir, "--concept", "1", "--alphas", "-1000", "0",
+                 "1000", "--prompts", "w5 w6", "--max-new-tokens", "2", "--budget", "1"]) == 0
+    out = capsys.readouterr().out  # only 0 within the budget: no alpha towards or away is ("0 towards" before)
+    assert re.search(r"\): none towards the direction, none away from the direction\n", out), out

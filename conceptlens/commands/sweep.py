@@ -92,9 +92,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nno alpha keeps the median perplexity within {args.budget:g}x the unsteered {reference:.2f}")
     elif min(args.alphas) < 0:  # towards and away from the direction, each walked from 0 on its own
         ends = {side: result.furthest(sign) for side, sign in (("towards", 1.0), ("away from", -1.0))
-                if any(a * sign > 0 for a in args.alphas)}  # a side no alpha tried is not "none"
+                if any(a * sign > 0 for a in args.alphas)}  # a side no alpha tried is not "none"; 0 is on neither
         print(f"\nlargest alphas within the fluency budget (median perplexity at most {args.budget:g}x the "
-              f"unsteered {reference:.2f}): " + ", ".join(f"{'none' if a is None else f'{a:g}'} {side} the direction"
+              f"unsteered {reference:.2f}): " + ", ".join(f"{'none' if not a else f'{a:g}'} {side} the direction"
                                                           for side, a in ends.items()))
     else:
         print(f"\nlargest alpha within the fluency budget (median perplexity at most {args.budget:g}x the "

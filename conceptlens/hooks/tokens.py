@@ -41,23 +41,74 @@ class StackInputs:
     attention_mask: Tensor | None = None
     past: Tensor | int = 0
     """Cached length before this forward: an int, or `cache_position` (T,)."""
+    carried: Tensor | None = None
+    """(B,) position of each row's next token, carried from the stack's previous forward when this
+    one continues its cache and has a 4-D mask (set by `TokenTracker`): a sliding-window layer's
+    mask shows only the window, not the left padding before it."""
+
+    def _mask4(self) -> Tensor | None:
+        """transformers' 4-D mask as bool (True: attended), or None. Of its mapping per layer type,
+        which `generate` passes with a static cache, the full-attention one when there is one."""
+        mask = self.attention_mask
+        if isinstance(mask, dict):
+            mask = mask.get("full_attention", next(iter(mask.values()), None))
+        if not (isinstance(mask, Tensor) and mask.ndim == 4):
+            return None
+        return mask if mask.dtype == torch.bool else mask == 0  # additive masks: 0 where attended
+
+    def _past_length(self, length: int) -> int:
+        past = self.past
+        return int(past[-1]) + 1 - length if isinstance(past, Tensor) else past
+
+    def _own_keys(self, mask: Tensor) -> Tensor:
+        """(B, T): whether each of this forward's T tokens attends its own key. transformers masks
+        every key of a padding query (and no query's own key otherwise), so this is the padding
+        mask of this forward's tokens whatever window the layer has. Their keys are the mask's
+        last T of the first `past + T` columns (a static cache has more), or its last T columns
+        when it shows a sliding window shorter than that."""
+        t = mask.shape[2]
+        end = min(mask.shape[-1], self._past_length(t) + t)
+        i = torch.arange(t, device=mask.device)
+        return mask[:, 0, i, end - t + i]
 
     def key_mask(self) -> Tensor | None:
         """(B, S) mask of real tokens, cached ones included, or None where it cannot be told.
 
-        A 2-D mask is taken as given. transformers' own 4-D masks (or its mapping of them per
-        layer type, which `generate` passes with a static cache) give it as the keys the last
-        query may attend among the first `past + T`: left padding is the only masked key there.
+        A 2-D mask is taken as given. Of a 4-D mask, a first forward's tokens are those that
+        attend their own key (`_own_keys`: a sliding window hides earlier tokens from the last
+        query); with a cache, the keys the last query may attend among the first `past + T`
+        (left padding is the only masked key there unless a window hides it: `carried`).
         """
-        mask = self.attention_mask
-        if isinstance(mask, dict):
-            mask = mask.get("full_attention", next(iter(mask.values()), None))
-        if isinstance(mask, Tensor) and mask.ndim == 4:
-            past = self.past
-            total = int(past[-1]) + 1 if isinstance(past, Tensor) else past + mask.shape[2]
-            row = mask[:, 0, -1, :total]
-            mask = row if row.dtype == torch.bool else row == 0  # additive masks: 0 where attended
-        return mask if isinstance(mask, Tensor) and mask.ndim == 2 else None
+        mask = self._mask4()
+        if mask is None:
+            mask = self.attention_mask
+            return mask if isinstance(mask, Tensor) and mask.ndim == 2 else None
+        t = mask.shape[2]
+        past = self._past_length(t)
+        return self._own_keys(mask) if past == 0 else mask[:, 0, -1, :past + t]
+
+    def next_positions(self, batch: int, device: torch.device) -> Tensor | None:
+        """(B,) the position the token after this forward's takes in each row (None if unknown)."""
+        length = self.length()
+        if length is None:
+            return None
+        return self.meta(batch, length, device).position[:, -1] + 1
+
+    def batch(self) -> int | None:
+        """Rows in this forward (its ids', else its mask's)."""
+        if isinstance(self.input_ids, Tensor) and self.input_ids.ndim == 2:
+            return self.input_ids.shape[0]
+        mask = self._mask4()
+        if mask is None:
+            mask = self.attention_mask if isinstance(self.attention_mask, Tensor) else None
+        return None if mask is None else mask.shape[0]
+
+    def length(self) -> int | None:
+        """Tokens in this forward (its ids', else its 4-D mask's queries)."""
+        if isinstance(self.input_ids, Tensor) and self.input_ids.ndim == 2:
+            return self.input_ids.shape[1]
+        mask = self._mask4()
+        return None if mask is None else mask.shape[2]
 
     def meta(self, batch: int, length: int, device: torch.device, special_ids: Tensor | None = None) -> TokenMeta:
         """Bookkeeping for a `(batch, length, ...)` tensor of this stack. Positions past the
@@ -72,6 +123,12 @@ class StackInputs:
             return TokenMeta(torch.arange(batch, device=device)[:, None].expand(batch, length), position,
                              torch.cat([inner.token, inner.token.new_full((batch, extra), -1)], 1),
                              torch.cat([inner.keep, inner.keep.new_zeros((batch, extra))], 1))
+        mask4 = self._mask4()
+        carried = self.carried
+        if mask4 is not None and carried is not None and carried.shape[0] == batch and mask4.shape[2] == length:
+            keep = self._own_keys(mask4).to(device)
+            position = carried.to(device)[:, None] + (keep.long().cumsum(-1) - 1).clamp(min=0)
+            return self._with_tokens(batch, length, device, keep, position, special_ids)
         mask = self.key_mask()
         if mask is not None and (mask.shape[0] != batch or mask.shape[1] < length):
             mask = None  # 4-D or unrelated mask: every row counts
@@ -85,6 +142,10 @@ class StackInputs:
             start = past.to(device) if isinstance(past, Tensor) else past + torch.arange(length, device=device)
             position = start.reshape(1, -1).expand(batch, length) if start.numel() == length else \
                 torch.arange(length, device=device).expand(batch, length)
+        return self._with_tokens(batch, length, device, keep, position, special_ids)
+
+    def _with_tokens(self, batch: int, length: int, device: torch.device, keep: Tensor, position: Tensor,
+                     special_ids: Tensor | None) -> TokenMeta:
         ids = self.input_ids
         if ids is not None and ids.ndim == 2 and ids.shape[0] == batch and ids.shape[1] >= length:
             token = ids[:, -length:].to(device)
@@ -141,7 +202,10 @@ class TokenTracker:
 
     def _pre_hook(self, name: str, recorder: InputRecorder):
         def hook(module, args, kwargs):
-            self.inputs[name] = recorder(args, kwargs)
+            inputs, before = recorder(args, kwargs), self.inputs.get(name)
+            if before is not None and inputs._mask4() is not None:
+                inputs.carried = _carried(before, inputs)
+            self.inputs[name] = inputs
             self._cache = {}
             if self.on_start is not None:
                 self.on_start(name)
@@ -157,3 +221,15 @@ class TokenTracker:
 
     def clear(self) -> None:
         self.inputs, self._cache = {}, {}
+
+
+def _carried(before: StackInputs, now: StackInputs) -> Tensor | None:
+    """`now.carried`: the positions after `before`'s tokens, when `now` continues `before`'s cache
+    (its past is `before`'s past plus its tokens) in as many rows; else None."""
+    mask, length = now._mask4(), now.length()
+    before_length, before_batch = before.length(), before.batch()
+    if mask is None or length is None or before_length is None or before_batch != mask.shape[0]:
+        return None
+    if now._past_length(length) != before._past_length(before_length) + before_length or now._past_length(length) == 0:
+        return None
+    return before.next_positions(mask.shape[0], mask.device)

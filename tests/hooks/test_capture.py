@@ -82,6 +82,43 @@ def test_positions_through_the_kv_cache_during_generate():
         assert torch.equal(meta.row, torch.arange(3))
 
 
+def _sliding_only():
+    """Mistral whose every layer has a 3-token window: a static cache's masks show only the window."""
+    import transformers as tf
+
+    from tests.conftest import _LLAMA_LIKE
+
+    torch.manual_seed(0)
+    return tf.MistralForCausalLM(tf.MistralConfig(**_LLAMA_LIKE, sliding_window=3)).eval()
+
+
+@pytest.mark.parametrize("make", [_sliding_only, lambda: tiny_model("llama")], ids=["sliding-only", "llama"])
+def test_a_static_cache_captures_the_rows_and_positions_of_a_dynamic_one(make):
+    """With every layer sliding, the static cache's 4-D masks hide the tokens before the window:
+    the prompt pass kept only the window's rows and every generated token sat at position 2."""
+    model = make()
+    lens = conceptlens.attach(model)
+    ids = torch.randint(3, 99, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # two left pads
+    captured = {}
+    for cache in ("dynamic", "static"):
+        seen = Batches()
+        with torch.no_grad(), lens.capture(["blocks.1.resid_out", "blocks.0.attn.k"], on_batch=seen):
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                           cache_implementation=cache)
+        captured[cache] = seen
+    dynamic, static = captured["dynamic"], captured["static"]
+    assert len(static) == len(dynamic) == 4
+    for (acts, meta), (want_acts, want) in zip(static, dynamic):
+        assert torch.equal(meta.row, want.row) and torch.equal(meta.position, want.position)
+        assert torch.equal(meta.keep, want.keep) and torch.equal(meta.token, want.token)
+        for name, x in acts.items():
+            torch.testing.assert_close(x, want_acts[name], rtol=0, atol=1e-5)
+    assert torch.equal(dynamic[0][1].position[:7], torch.arange(7))  # row 0: its 7 real tokens
+    assert torch.equal(dynamic[-1][1].position, torch.tensor([9, 11]))  # the third generated token
+
+
 def test_keep_shape_meta_and_drop_special():
     class Tok:
         all_special_ids = [5, 6]

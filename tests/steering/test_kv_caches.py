@@ -22,8 +22,15 @@ def _sliding_gemma2():
     return tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
 
 
+def _sliding_only():
+    """Mistral with every layer sliding (3 tokens): a static cache's masks show only the window."""
+    torch.manual_seed(0)
+    return tf.MistralForCausalLM(tf.MistralConfig(**_LLAMA_LIKE, sliding_window=3)).eval()
+
+
 def _models():
-    return {"llama": lambda: tiny_model("llama"), "gpt2": lambda: tiny_model("gpt2"), "gemma2": _sliding_gemma2}
+    return {"llama": lambda: tiny_model("llama"), "gpt2": lambda: tiny_model("gpt2"), "gemma2": _sliding_gemma2,
+            "sliding-only": _sliding_only}
 
 
 def _generate(model, lens, edit, positions, **kwargs):
@@ -42,7 +49,7 @@ def _edit(lens, site_name, seed=3):
     return Add(vector, site=site.name)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2", "sliding-only"])
 @pytest.mark.parametrize("which", ["k", "v"])
 @pytest.mark.parametrize("positions", POSITIONS, ids=str)
 def test_static_cache_gives_the_tokens_and_logits_of_no_cache(family, which, positions):

@@ -82,17 +82,18 @@ def test_positions_through_the_kv_cache_during_generate():
         assert torch.equal(meta.row, torch.arange(3))
 
 
-def _sliding_only():
-    """Mistral whose every layer has a 3-token window: a static cache's masks show only the window."""
+def _sliding_only(window):
+    """Mistral whose every layer slides: a static cache's masks show only the window."""
     import transformers as tf
 
     from tests.conftest import _LLAMA_LIKE
 
     torch.manual_seed(0)
-    return tf.MistralForCausalLM(tf.MistralConfig(**_LLAMA_LIKE, sliding_window=3)).eval()
+    return tf.MistralForCausalLM(tf.MistralConfig(**_LLAMA_LIKE, sliding_window=window)).eval()
 
 
-@pytest.mark.parametrize("make", [_sliding_only, lambda: tiny_model("llama")], ids=["sliding-only", "llama"])
+@pytest.mark.parametrize("make", [lambda: _sliding_only(3), lambda: _sliding_only(11), lambda: tiny_model("llama")],
+                         ids=["window-3", "window-filled-while-generating", "llama"])
 def test_a_static_cache_captures_the_rows_and_positions_of_a_dynamic_one(make):
     """With every layer sliding, the static cache's 4-D masks hide the tokens before the window:
     the prompt pass kept only the window's rows and every generated token sat at position 2."""

@@ -94,7 +94,8 @@ def _run_block(atlas: Atlas) -> str:
     if fr:
         parts.append(f"fit on {fr.get('tokens', 0):,} tokens in {fr.get('documents', 0):,} documents "
                      f"({float(fr.get('seconds') or 0):.1f} s)")
-    parts.append(f"described on {int(meta.get('tokens') or 0):,} tokens in {int(meta.get('documents') or 0):,} documents")
+    parts.append(f"described on {int(meta.get('tokens') or 0):,} kept tokens of {int(meta.get('documents') or 0):,} "
+                 "documents (each one's first token and norm outliers left out)")
     return f'<p class="meta">{"; ".join(parts)}</p>'
 
 

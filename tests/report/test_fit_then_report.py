@@ -17,6 +17,11 @@ def test_fit_describe_report(tmp_path, capsys):
     assert f"open {(run / 'report' / 'index.html').resolve().as_uri()}" in capsys.readouterr().out
     assert "run%20%231/report/index.html" in (run / "report" / "index.html").resolve().as_uri()
     report = run / "report"
+    described = json.loads((run / "describe" / "kmeans" / "description.json").read_text())
+    fit = json.loads((run / "fit_report.json").read_text())
+    index = (report / "index.html").read_text()  # the description's count is of kept rows, not of tokens read
+    assert f"fit on {fit['tokens']:,} tokens in {fit['documents']:,} documents" in index
+    assert f"described on {described['tokens']:,} kept tokens of {described['documents']:,} documents" in index
     assert sorted(p.name for p in (report / "concepts").iterdir()) == ["kmeans", "topk"]
     assert len(list((report / "concepts" / "topk").glob("*.html"))) == 32
     matches = (report / "matches.html").read_text()

@@ -34,6 +34,13 @@ import demo_defaults as dd  # noqa: E402
 SITE = "blocks.15.resid_out"
 
 
+def fit_texts(train: list[str], pooled: set[str], more: list[str], seed: int) -> list[str]:
+    """The train articles that are no pool text, then `more`, shuffled with `seed`."""
+    texts = [text for text in train if text not in pooled] + more
+    random.Random(seed).shuffle(texts)
+    return texts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0)
@@ -67,11 +74,8 @@ def main() -> None:
     t = time.perf_counter()
     tokens = dd.site_tokens(lens, tok, SITE, texts, labels, 64)
     print(f"{len(pool)} pool articles read in {time.perf_counter() - t:.0f} s", flush=True)
-    pooled = set(texts)
-    fit_texts = [x for x in full.texts if x not in pooled]
-    for name in args.fit_sets:
-        fit_texts += data.load(name, "train").texts
-    random.Random(args.seed).shuffle(fit_texts)
+    more = [text for name in args.fit_sets for text in data.load(name, "train").texts]
+    fitted = fit_texts(full.texts, set(texts), more, args.seed)
 
     cands = []
     for k, mult in zip(args.ks, args.lr_mults):
@@ -81,7 +85,7 @@ def main() -> None:
             options = {"width": 2048, "k": k, "spec": {"batch_size": args.batch_size, "lr": lr}}
         cands.append(dd.Candidate(f"topk_w2048_k{k}_lr{mult:g}x", SITE, "topk", options))
     t = time.perf_counter()
-    report = lens.fit(dd.fit_plan(cands, args.seed, args.max_tokens), fit_texts, max_tokens=args.max_tokens,
+    report = lens.fit(dd.fit_plan(cands, args.seed, args.max_tokens), fitted, max_tokens=args.max_tokens,
                       max_length=args.fit_length, batch_size=args.fit_batch, progress=False)
     print(f"fit: {report.tokens:,} tokens of {report.documents:,} documents in {time.perf_counter() - t:.0f} s",
           flush=True)

@@ -120,6 +120,43 @@ def test_a_static_cache_captures_the_rows_and_positions_of_a_dynamic_one(make):
     assert torch.equal(dynamic[-1][1].position, torch.tensor([9, 11]))  # the third generated token
 
 
+def _rows(seen):
+    """Every captured row of a generate as {(batch row, position): (token, activation)}."""
+    out = {}
+    for acts, meta in seen:
+        for i, (r, p, t) in enumerate(zip(meta.row.tolist(), meta.position.tolist(), meta.token.tolist())):
+            assert (r, p) not in out, f"row {r} position {p} captured twice"
+            out[r, p] = (t, acts["blocks.1.resid_out"][i])
+    return out
+
+
+@pytest.mark.parametrize("make", [lambda: _sliding_only(3), lambda: tiny_model("llama")], ids=["window-3", "llama"])
+@pytest.mark.parametrize("chunk", [None, 2, 4], ids=["whole-prompt", "chunks-of-2", "chunks-of-4"])
+def test_a_static_cache_counts_rows_that_are_all_padding_so_far(make, chunk):
+    """A row that is all padding in a forward (a prompt of only padding, or a first prefill chunk
+    of it) has no position to carry: the next token of that row is its position 0 (it was 1)."""
+    model = make()
+    lens = conceptlens.attach(model)
+    ids = torch.randint(3, 99, (3, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :] = 0  # a prompt of only padding
+    mask[2, :6] = 0  # six left pads: the first chunks of this row hold no token
+    captured = {}
+    for cache, extra in (("dynamic", {}), ("static", {} if chunk is None else {"prefill_chunk_size": chunk})):
+        seen = Batches()
+        with torch.no_grad(), lens.capture("blocks.1.resid_out", on_batch=seen):
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                           cache_implementation=cache, **extra)
+        captured[cache] = _rows(seen)
+    static, dynamic = captured["static"], captured["dynamic"]
+    assert sorted(static) == sorted(dynamic)
+    assert {p for r, p in dynamic if r == 0} == {0, 1}  # generated tokens only, from position 0
+    assert {p for r, p in dynamic if r == 2} == set(range(5))
+    for key, (token, x) in dynamic.items():
+        assert static[key][0] == token
+        torch.testing.assert_close(static[key][1], x, rtol=0, atol=1e-4)
+
+
 def test_keep_shape_meta_and_drop_special():
     class Tok:
         all_special_ids = [5, 6]

@@ -8,7 +8,7 @@ positions (through left padding and the KV cache) and token ids for a tensor of 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -45,16 +45,18 @@ class StackInputs:
     """(B,) position of each row's next token, carried from the stack's previous forward when this
     one continues its cache and has a 4-D mask (set by `TokenTracker`): a sliding-window layer's
     mask shows only the window, not the left padding before it."""
+    mask4: Tensor | None = field(init=False)
+    """transformers' 4-D mask as bool (True: attended), or None. Of its mapping per layer type,
+    which `generate` passes with a static cache, the full-attention one when there is one."""
 
-    def _mask4(self) -> Tensor | None:
-        """transformers' 4-D mask as bool (True: attended), or None. Of its mapping per layer type,
-        which `generate` passes with a static cache, the full-attention one when there is one."""
+    def __post_init__(self) -> None:
         mask = self.attention_mask
         if isinstance(mask, dict):
             mask = mask.get("full_attention", next(iter(mask.values()), None))
-        if not (isinstance(mask, Tensor) and mask.ndim == 4):
-            return None
-        return mask if mask.dtype == torch.bool else mask == 0  # additive masks: 0 where attended
+        if isinstance(mask, Tensor) and mask.ndim == 4:
+            self.mask4 = mask if mask.dtype == torch.bool else mask == 0  # additive masks: 0 where attended
+        else:
+            self.mask4 = None
 
     def _past_length(self, length: int) -> int:
         past = self.past
@@ -79,7 +81,7 @@ class StackInputs:
         query); with a cache, the keys the last query may attend among the first `past + T`
         (left padding is the only masked key there unless a window hides it: `carried`).
         """
-        mask = self._mask4()
+        mask = self.mask4
         if mask is None:
             mask = self.attention_mask
             return mask if isinstance(mask, Tensor) and mask.ndim == 2 else None
@@ -92,7 +94,7 @@ class StackInputs:
         position the row's next token takes, 0 for a row of padding so far (None where it cannot
         be told). A few small reductions (~10 us on a CPU): `TokenTracker` carries it into every
         forward with a 4-D mask, whether or not that forward's bookkeeping is read."""
-        mask4 = self._mask4()
+        mask4 = self.mask4
         if mask4 is not None and self.carried is not None:
             return self.carried + self._own_keys(mask4).sum(-1).to(self.carried.device)
         mask = self.key_mask()
@@ -102,7 +104,7 @@ class StackInputs:
         """Rows in this forward (its ids', else its mask's)."""
         if isinstance(self.input_ids, Tensor) and self.input_ids.ndim == 2:
             return self.input_ids.shape[0]
-        mask = self._mask4()
+        mask = self.mask4
         if mask is None:
             mask = self.attention_mask if isinstance(self.attention_mask, Tensor) else None
         return None if mask is None else mask.shape[0]
@@ -111,7 +113,7 @@ class StackInputs:
         """Tokens in this forward (its ids', else its 4-D mask's queries)."""
         if isinstance(self.input_ids, Tensor) and self.input_ids.ndim == 2:
             return self.input_ids.shape[1]
-        mask = self._mask4()
+        mask = self.mask4
         return None if mask is None else mask.shape[2]
 
     def meta(self, batch: int, length: int, device: torch.device, special_ids: Tensor | None = None) -> TokenMeta:
@@ -127,7 +129,7 @@ class StackInputs:
             return TokenMeta(torch.arange(batch, device=device)[:, None].expand(batch, length), position,
                              torch.cat([inner.token, inner.token.new_full((batch, extra), -1)], 1),
                              torch.cat([inner.keep, inner.keep.new_zeros((batch, extra))], 1))
-        mask4 = self._mask4()
+        mask4 = self.mask4
         carried = self.carried
         if mask4 is not None and carried is not None and carried.shape[0] == batch and mask4.shape[2] == length:
             keep = self._own_keys(mask4).to(device)
@@ -207,7 +209,7 @@ class TokenTracker:
     def _pre_hook(self, name: str, recorder: InputRecorder):
         def hook(module, args, kwargs):
             inputs, before = recorder(args, kwargs), self.inputs.get(name)
-            if before is not None and inputs._mask4() is not None:
+            if before is not None and inputs.mask4 is not None:
                 inputs.carried = _carried(before, inputs)
             self.inputs[name] = inputs
             self._cache = {}
@@ -230,10 +232,11 @@ class TokenTracker:
 def _carried(before: StackInputs, now: StackInputs) -> Tensor | None:
     """`now.carried`: the positions after `before`'s tokens, when `now` continues `before`'s cache
     (its past is `before`'s past plus its tokens) in as many rows; else None."""
-    mask, length = now._mask4(), now.length()
+    mask, length = now.mask4, now.length()
     before_length, before_batch = before.length(), before.batch()
     if mask is None or length is None or before_length is None or before_batch != mask.shape[0]:
         return None
-    if now._past_length(length) != before._past_length(before_length) + before_length or now._past_length(length) == 0:
+    past = now._past_length(length)
+    if past == 0 or past != before._past_length(before_length) + before_length:
         return None
     return before.real_tokens()

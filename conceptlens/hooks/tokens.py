@@ -58,7 +58,7 @@ class StackInputs:
         else:
             self.mask4 = None
 
-    def _past_length(self, length: int) -> int:
+    def past_length(self, length: int) -> int:
         past = self.past
         return int(past[-1]) + 1 - length if isinstance(past, Tensor) else past
 
@@ -69,7 +69,7 @@ class StackInputs:
         last T of the first `past + T` columns (a static cache has more), or its last T columns
         when it shows a sliding window shorter than that."""
         t = mask.shape[2]
-        end = min(mask.shape[-1], self._past_length(t) + t)
+        end = min(mask.shape[-1], self.past_length(t) + t)
         i = torch.arange(t, device=mask.device)
         return mask[:, 0, i, end - t + i]
 
@@ -86,7 +86,7 @@ class StackInputs:
             mask = self.attention_mask
             return mask if isinstance(mask, Tensor) and mask.ndim == 2 else None
         t = mask.shape[2]
-        past = self._past_length(t)
+        past = self.past_length(t)
         return self._own_keys(mask) if past == 0 else mask[:, 0, -1, :past + t]
 
     def real_tokens(self) -> Tensor | None:
@@ -236,7 +236,7 @@ def _carried(before: StackInputs, now: StackInputs) -> Tensor | None:
     before_length, before_batch = before.length(), before.batch()
     if mask is None or length is None or before_length is None or before_batch != mask.shape[0]:
         return None
-    past = now._past_length(length)
-    if past == 0 or past != before._past_length(before_length) + before_length:
+    past = now.past_length(length)
+    if past == 0 or past != before.past_length(before_length) + before_length:
         return None
     return before.real_tokens()

@@ -11,20 +11,24 @@ or across nested scopes whose positions are "all" or the same slice; two nested 
 "generated" scopes each take their own first forward as the prompt, so their Adds are applied
 one after the other). Positions are absolute — counted among a sequence's real tokens, through
 left padding and the KV cache — so an edit gives the same tokens with and without `use_cache`.
-`"prompt"` is the tokens of the first forward inside the scope; `"generated"` all later ones.
+`"prompt"` is the tokens of the first forward inside the scope; `"generated"` all later ones. A
+chunked prefill (`generate(prefill_chunk_size=...)`) runs the prompt in several forwards, which the
+forwards' arguments do not tell from decoding steps: the scope warns, and slices of absolute
+positions say which tokens are the prompt.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import warnings
 from numbers import Integral
 from typing import Literal, Sequence
 
 import torch
 from torch import Tensor
 
-from conceptlens.hooks.tokens import TokenMeta, TokenTracker
+from conceptlens.hooks.tokens import StackInputs, TokenMeta, TokenTracker
 from conceptlens.interface import AttachedModel
 from conceptlens.steering.edits import Add, Edit, add_vector
 from conceptlens.steering.noops import warn_if_no_effect
@@ -67,12 +71,14 @@ class Steer:
         self.edits = [copy.copy(edit) for edit in edits]
         self.positions = positions
         self.prompt_length: dict[str, Tensor] = {}  # stack -> (B,) real tokens in the first forward
+        self._decoding: set[str] = set()  # stacks that have run a one-token forward after their prompt
         self._active = False
 
     def __enter__(self) -> Steer:
         if self._active:
             raise RuntimeError("this steering scope is already active")
         self.prompt_length.clear()  # a scope entered again starts a new prompt
+        self._decoding.clear()
         self.lens.hooks.steering.enter(self, self.lens.stacks, list(zip(self.sites, self.edits)), _build)
         self._active = True
         return self
@@ -84,15 +90,35 @@ class Steer:
 
     def observe(self, stack: str, meta_source: TokenTracker) -> None:
         """Called when a stack's forward starts: the first one defines the prompt."""
-        if stack in self.prompt_length:
-            return
         inputs = meta_source.inputs[stack]
+        if stack in self.prompt_length:
+            self._check_prompt_chunks(stack, inputs)
+            return
         mask = inputs.key_mask()
         if mask is not None:
             self.prompt_length[stack] = mask.sum(-1)
         elif inputs.input_ids is not None:
             ids = inputs.input_ids
             self.prompt_length[stack] = torch.full((ids.shape[0],), ids.shape[-1], device=ids.device)
+
+    def _check_prompt_chunks(self, stack: str, inputs: StackInputs) -> None:
+        """Warn when a forward after the prompt continues its cache with several tokens before any
+        one-token step: `generate(prefill_chunk_size=...)` splits a prompt so, and this scope would
+        count the chunks after the first as generated (no argument of the forwards tells a chunk
+        from a decoding step: a last chunk of one token looks like one)."""
+        if self.positions not in ("prompt", "generated") or stack in self._decoding:
+            return
+        length = inputs.length()
+        if length == 1:
+            self._decoding.add(stack)
+        elif length is not None and inputs.past_length(length) > 0:
+            self._decoding.add(stack)  # once per prompt
+            warnings.warn(f"positions={self.positions!r} takes the first forward in the scope as the prompt, but a later "
+                          f"forward continued its cache with {length} tokens per row, as a chunked prefill "
+                          f"(generate(prefill_chunk_size=...)) does: the prompt's later chunks count as generated "
+                          f"here. Generate without prefill_chunk_size, or pass positions=slice(0, L) "
+                          f"(\"prompt\") or slice(L, None) (\"generated\") with the prompt's length L",
+                          stacklevel=2)
 
     def mask(self, stack: str, meta: TokenMeta) -> Tensor | None:
         """(B, T) bool mask of positions this scope edits, or None for all."""

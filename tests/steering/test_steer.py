@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -213,3 +215,22 @@ def test_code_ablate_removes_the_assigned_code_only(llama):
     delta = (post[0] - pre[0]).reshape(-1, 32)
     torch.testing.assert_close(delta[hit], -vq.quantize(x)[hit])
     assert torch.equal(delta[~hit], torch.zeros_like(delta[~hit]))
+
+
+@pytest.mark.parametrize("positions", ["prompt", "generated"])
+def test_a_chunked_prefill_warns_that_only_its_first_chunk_is_the_prompt(llama, positions):
+    """generate(prefill_chunk_size=4) runs a 9-token prompt as chunks of 4, 4 and 1: nothing in the
+    forwards tells its later chunks from decoding steps, so the scope says so instead of editing
+    them silently as generated. Unchunked, cached or not, it says nothing."""
+    model, lens = llama
+    inputs = tiny_inputs("llama", length=9)
+    gen = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
+    edit = Add(torch.randn(32), 9.0, site=SITE)
+    with pytest.warns(UserWarning, match="4 tokens per row.*prefill_chunk_size"), torch.no_grad(), \
+            lens.steer(edit, positions=positions):
+        model.generate(**inputs, prefill_chunk_size=4, **gen)
+    for use_cache in (True, False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with torch.no_grad(), lens.steer(edit, positions=positions):
+                model.generate(**inputs, use_cache=use_cache, **gen)

@@ -17,7 +17,9 @@
 
 An extractor of several sites names them in its `site`: "SOURCE->TARGET" for a transcoder,
 "A+B+C" for a crosscoder, "IN1+IN2->OUT1+OUT2" for a cross-layer transcoder (`sites` may then be
-left out). Flags override the file (`--site` / `--extractor` replace the file's lists). Everything is
+left out). Flags override the file (`--site` / `--extractor` replace the file's lists). A relative path
+in the file (data, a model folder, out) is taken from the current folder, as a flag's is, not from
+the file's folder; the run's own run.toml records data and model paths absolute. Everything is
 checked here, before any model is loaded: unknown keys, methods and hyper-parameters, bad
 numbers, a data source that does not exist, two extractors with one name. Site names are
 checked by the model's own name resolver (`lens.site`) as soon as the model is attached, before

@@ -137,7 +137,8 @@ def _paired_line(name: str, metric: str, base: str, diff: Estimate, prompts: int
 
 def _judge(task: str, encoder: Any, encoder_tok: Any, tok: Any, chosen_on: list[int],
            config: SteeringConfig) -> tuple[Any, list[Line]]:
-    """The task's judge, fitted on train-split documents the concepts are not chosen on (up to
+    """The task's judge, fitted on train-split documents the concepts are not chosen on, nor copies of
+    them (up to
     `judge_tokens` encoder tokens), and its accuracy on held-out test-split documents: whole, and
     those of at most `short_tokens` tokens of the steered model (the continuations' length; their
     openings where fewer than 50 are that short)."""
@@ -145,9 +146,9 @@ def _judge(task: str, encoder: Any, encoder_tok: Any, tok: Any, chosen_on: list[
     from conceptlens.steering.judge import TopicJudge
 
     train, test = data.load(task, "train"), data.load(task, "test")
-    skip, fit, used = set(chosen_on), [], 0
+    skip, fit, used = {train.texts[i] for i in chosen_on}, [], 0  # by text: a set may repeat a document
     for i in act.pick(len(train), len(train), config.seed + 1):
-        if i not in skip and used < config.judge_tokens:
+        if train.texts[i] not in skip and used < config.judge_tokens:
             fit.append(i)
             used += len(encoder_tok(train.texts[i], truncation=True, max_length=config.max_length)["input_ids"])
     name = lambda full, i: full.label_names[act.label_of(full, i, False)]  # noqa: E731

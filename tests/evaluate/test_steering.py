@@ -106,9 +106,10 @@ def test_steering_lines_judge_like_sklearn_and_select_on_train_only(tiny, monkey
     task, label, judge, rows = record[0]
     full = data.load(task, "train")
     chosen_on = set(act.pick(len(full), config.train_docs, config.seed))
+    chosen_texts = {full.texts[i] for i in chosen_on}
     order, used = [], 0
     for i in torch.randperm(len(full), generator=torch.Generator().manual_seed(config.seed + 1)).tolist():
-        if i not in chosen_on and used < config.judge_tokens:
+        if full.texts[i] not in chosen_texts and used < config.judge_tokens:
             order.append(i)
             used += len(tok(full.texts[i], truncation=True, max_length=24)["input_ids"])
     assert len(order) > 5 and not chosen_on & set(order)
@@ -164,3 +165,28 @@ def test_steering_lines_judge_like_sklearn_and_select_on_train_only(tiny, monkey
     summary = against_diff_of_means(lines)
     assert summary.startswith(f"dense: its chosen concept steers worse than diff-of-means on {worse} of {len(counted)} "
                               f"labels, like it on {like}, better on {better} ") if counted else summary == ""
+
+
+def test_the_judge_learns_on_no_copy_of_a_document_the_concepts_are_chosen_on(tiny, monkeypatch):
+    """A labelled set may hold one text twice (bbc-news does): the judge's train documents leave out
+    every copy of the concepts' documents, not only their indices."""
+    from conceptlens.evaluate import steering
+    from conceptlens.steering import judge as judge_module
+
+    folder, model, tok = tiny
+    texts = [f"w{i} w{i + 1} w{i + 2}" for i in range(12)]
+    texts[7] = texts[3]  # index 7 repeats the chosen document 3
+    labels = [i % 2 for i in range(12)]
+    fake = {split: data.TextSet("two", split, list(texts), list(labels), ["a", "b"]) for split in ("train", "test")}
+    monkeypatch.setattr(data, "load", lambda name, split="train", **kw: fake[split])
+    learnt: list[list[str]] = []
+    real = judge_module.TopicJudge
+
+    def spy(encoder, encoder_tok, fit_texts, *args, **kwargs):
+        learnt.append(list(fit_texts))
+        return real(encoder, encoder_tok, fit_texts, *args, **kwargs)
+
+    monkeypatch.setattr(judge_module, "TopicJudge", spy)
+    config = SteeringConfig(judge_tokens=10_000, judge_docs=12, max_length=24)
+    steering._judge("two", model, tok, tok, [3], config)
+    assert len(learnt[0]) == 10 and texts[3] not in learnt[0]

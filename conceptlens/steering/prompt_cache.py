@@ -67,9 +67,10 @@ class PromptCache:
         from conceptlens.steering.sweep import _generate
 
         batch = {k: v.repeat(copies, 1) for k, v in self.batch.items()}
-        cache = self.tiled(copies, drop=1)
-        return _generate(model, tokenizer, batch, self.prompts * copies,
-                         {"do_sample": False, **kwargs, "cache": cache}, logits=False)
+        # one-token prompts leave no position to reuse (a cache cropped to nothing keeps its batch size)
+        cache = {"cache": self.tiled(copies, drop=1)} if batch["input_ids"].shape[1] > 1 else {}
+        return _generate(model, tokenizer, batch, self.prompts * copies, {"do_sample": False, **kwargs, **cache},
+                         logits=False)
 
     def unsteered(self, model: Any, tokenizer: Any, **kwargs: Any) -> list[Generation]:
         """The unsteered continuations, generated once per `kwargs` and kept."""

@@ -36,6 +36,29 @@ def test_generations_equal_uncached_ones_unsteered_and_steered(setup):
     assert [g.text for g in fast[:3]] != [g.text for g in plain]  # alpha 8 does steer
 
 
+def test_prompts_of_one_token_generate_as_without_the_cache(setup):
+    """A batch of one-token prompts leaves no cached position before the one `generate` runs itself:
+    their tiles generate as the uncached reference does, steered or not (the cache cropped to nothing
+    kept the prompts' batch size and broke the tiled generation)."""
+    model, tok, lens = setup
+    prompts = ["w5", "w20"]
+    cached = PromptCache(model, tok, prompts)
+    kwargs = {"do_sample": False, "max_new_tokens": 4}
+    plain = _generate(model, tok, _left_padded(tok, prompts), prompts, kwargs, logits=False)
+    assert [g.tokens.tolist() for g in cached.unsteered(model, tok, max_new_tokens=4)] == \
+        [g.tokens.tolist() for g in plain]
+    directions = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    edit = RowsAdd(directions, len(prompts), 8.0, norm=1.0, site="blocks.1.resid_out")
+    with lens.steer(edit, positions="generated"):
+        fast = cached.generate(model, tok, 3, max_new_tokens=4)
+    for r in range(3):
+        alone = Add(directions[r], 8.0, scale="robust_norm", norm=1.0, site="blocks.1.resid_out")
+        for p, prompt in enumerate(prompts):
+            with lens.steer(alone, positions="generated"):
+                (ref,) = _generate(model, tok, _left_padded(tok, [prompt]), [prompt], kwargs, logits=False)
+            assert fast[r * len(prompts) + p].tokens.tolist() == ref.tokens.tolist()
+
+
 def test_the_prompts_forward_computes_the_last_positions_logits_only(setup):
     """The cache keeps the prompts' last next-token log-probabilities; the unembedding runs on the last
     position alone (`logits_to_keep=1`), and they equal a plain forward's."""

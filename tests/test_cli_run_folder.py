@@ -14,6 +14,7 @@ import conceptlens.fit
 from conceptlens import models
 from conceptlens.cli import main
 from conceptlens.commands.fit_summary import MIN_SAE_STEPS
+from conceptlens.runlock import LOCK_FILE
 from tests.test_cli_fit import base, files, interrupt_at_step  # noqa: F401 - the fixture: a tiny Llama folder and docs.txt
 
 
@@ -79,9 +80,38 @@ def test_overwrite_refuses_a_folder_whose_run_toml_is_not_a_runs_and_clears_noth
     err = capsys.readouterr().err.strip()
     assert str(out / "run.toml") in err and "not a conceptlens run" in err and "\n" not in err
     assert (out / "run.toml").read_text() == 'title = "my notes"\n' and (out / "eval.json").exists()
-    (out / "run.toml").unlink()  # no run.toml: no run to clear; the fit writes its own files beside the user's
+    (out / "run.toml").unlink()  # no run.toml: no run to clear, and a file of a run's name is the user's
+    for flag in ("--overwrite", "--no-resume"):
+        assert main(base(files, out, flag, "--no-describe")) == 2
+        err = capsys.readouterr().err.strip()
+        assert "holds eval.json but no run.toml" in err and "--out" in err and "\n" not in err
+        assert sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE) == ["eval.json"]
+        assert (out / "eval.json").read_text() == '{"mine": 1}'
+    (out / "notes.txt").write_text("mine")
+    (out / "eval.json").rename(out / "my-eval.json")  # files of other names: the fit writes its own beside them
     assert main(base(files, out, "--overwrite", "--no-describe")) == 0
-    assert (out / "eval.json").read_text() == '{"mine": 1}' and (out / "run.toml").is_file()
+    assert (out / "my-eval.json").read_text() == '{"mine": 1}' and (out / "run.toml").is_file()
+    assert main(base(files, out, "--overwrite", "--no-describe")) == 0  # and clears only its own
+    assert (out / "notes.txt").read_text() == "mine" and (out / "my-eval.json").is_file()
+
+
+def test_a_folder_without_run_toml_holding_a_runs_file_names_is_refused_and_loses_nothing(
+        files, tmp_path, capsys):  # noqa: F811
+    """A user's checkpoint.pt (or quality.json, or hierarchy/*.json) in a folder that holds no run is not
+    the run's: the fit neither writes over it (it did under --no-resume) nor lets a later --overwrite
+    delete it."""
+    for name in ("checkpoint.pt", "quality.json", "hierarchy/tree.json", "concepts/mine/config.json"):
+        out = tmp_path / name.replace("/", "_")
+        (out / name).parent.mkdir(parents=True)
+        (out / name).write_text("mine")
+        for extra in ((), ("--no-resume",), ("--overwrite",)):
+            capsys.readouterr()
+            assert main(base(files, out, *extra, "--no-describe")) == 2
+            err = capsys.readouterr().err.strip()
+            assert f"holds {name} but no run.toml" in err and "\n" not in err
+            left = [p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.name != LOCK_FILE]
+            assert left == [name]
+            assert (out / name).read_text() == "mine"
 
 
 def test_a_finished_describe_leaves_no_checkpoint_and_no_resume_restarts_an_interrupted_one(

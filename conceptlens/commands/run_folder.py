@@ -10,7 +10,8 @@ quality.json, eval.json, each concepts/<NAME>/ ConceptSet's two files, the descr
 source.json and describe/<NAME>/ files, hierarchy/<NAME>.json, and the files of its report at report/ that
 the report's manifest lists (a report of the old concepts would outlive them). Any other file stays, and so
 does everything behind a symbolic link (a linked file or folder is not the run's). A folder without
-a run.toml holds no run: nothing is cleared; one whose run.toml is not a run's is refused.
+a run.toml holds no run: nothing is cleared, and it is refused when it holds a file of one of those
+names (someone else's, which the run would write over); one whose run.toml is not a run's is refused.
 The clear moves those files into `.overwritten.tmp/` inside the folder (renames on one
 filesystem) with run.toml last, then deletes that folder: a process killed mid-way leaves
 run.toml naming the old run, so the folder is still refused until `--overwrite` runs again.
@@ -42,8 +43,10 @@ IDENTITY = ("model", "data", "sites", "shuffle", "extractor", "dtype")
 
 
 def check(out: Path, cfg: rc.RunConfig) -> None:
-    """Refuse, in one line naming what differs, a folder whose run.toml is another run's."""
+    """Refuse, in one line naming what differs, a folder whose run.toml is another run's (or, without
+    one, that holds files of a run's names: `refuse_foreign`)."""
     if not (out / "run.toml").is_file():
+        refuse_foreign(out)
         return
     # as TOML holds them: a tuple option (betas=0.9/0.99) reads back as a list
     old, new = (json.loads(json.dumps(rc.to_dict(c))) for c in (rc.from_dict(rc.read_toml(out / "run.toml")), cfg))
@@ -95,7 +98,10 @@ def owned(out: Path) -> list[Path]:
     """The files of the run `out` holds (see OWNED), relative to `out`, run.toml last: none when it has
     no run.toml; a one-line ValueError when its run.toml is not a run's."""
     recorded = out / "run.toml"
-    if not recorded.is_file() or recorded.is_symlink():
+    if not recorded.is_file():
+        refuse_foreign(out)
+        return []
+    if recorded.is_symlink():
         return []
     try:
         rc.from_dict(rc.read_toml(recorded))
@@ -113,6 +119,20 @@ def owned(out: Path) -> list[Path]:
             if path.is_file() and not any((out / part).is_symlink() for part in (*rel.parents[:-1], rel)):
                 found.append(rel)
     return found
+
+
+def refuse_foreign(out: Path) -> None:
+    """A folder without run.toml holds no run, so a file in it of a name a run writes (OWNED: a
+    checkpoint.pt, quality.json, concepts/*/config.json, ...) is someone else's, which a fit there would
+    write over, read as its own, or clear with a later --overwrite: a one-line ValueError naming it."""
+    if not out.is_dir():
+        return
+    for pattern in OWNED[:-1]:
+        for path in sorted(out.glob(pattern)):
+            if path.is_file() or path.is_symlink():
+                raise ValueError(f"{out} holds {path.relative_to(out)} but no run.toml: a file no run wrote there, "
+                                 "which a run would write over or later clear as its own; use another --out "
+                                 "(a new or empty folder)")
 
 
 def _report_files(out: Path) -> list[Path]:

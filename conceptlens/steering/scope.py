@@ -113,8 +113,8 @@ class Steer:
             self._decoding.add(stack)
         elif length is not None and inputs.past_length(length) > 0:
             self._decoding.add(stack)  # once per prompt
-            warnings.warn(f"positions={self.positions!r} takes the first forward in the scope as the prompt, but a later "
-                          f"forward continued its cache with {length} tokens per row, as a chunked prefill "
+            warnings.warn(f"positions={self.positions!r} takes the first forward in the scope as the prompt, but a "
+                          f"later forward continued its cache with {length} tokens per row, as a chunked prefill "
                           f"(generate(prefill_chunk_size=...)) does: the prompt's later chunks count as generated "
                           f"here. Generate without prefill_chunk_size, or pass positions=slice(0, L) "
                           f"(\"prompt\") or slice(L, None) (\"generated\") with the prompt's length L",

@@ -103,6 +103,13 @@ def test_word_and_missing_folder_errors(folders, capsys, tmp_path):
     assert code == 2 and "required" in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_direction_at_the_attention_pattern_is_refused_in_one_line(folders, capsys):
+    model_dir, _ = folders
+    code, _, err = _steer(capsys, "--model", model_dir, "--direction-word", "w50", "--site", "blocks.1.attn.pattern",
+                          "--prompt", PROMPT)
+    assert code == 2 and "blocks.1.attn.pattern is read only" in err and len(err.strip().splitlines()) == 1
+
+
 def test_continuations_equal_plain_generate():
     model, tok = tiny_model("llama"), word_tokenizer()
     lens = conceptlens.attach(model, tok)

@@ -197,7 +197,11 @@ def _at_one_site(lens: Any, concepts: ConceptSet, given: str | None, folder: str
 
 
 def _check_width(lens: Any, site: str, direction: Tensor) -> None:
-    width = math.prod(int(s) for s in lens.site(site).shape[2:])
+    at = lens.site(site)
+    if at.point == "pattern" or not all(isinstance(s, int) for s in at.shape[2:]):
+        raise ValueError(f"{at.name} is read only (attention probabilities, width growing with the sequence); "
+                         "steer attn.q or attn.k, or a residual site such as blocks.N.resid_out")
+    width = math.prod(int(s) for s in at.shape[2:])
     if direction.shape[-1] != width:
         raise ValueError(f"the direction has width {direction.shape[-1]} but {site} has width {width}")
 

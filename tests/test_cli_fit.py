@@ -166,6 +166,9 @@ def test_describe_command_redoes_the_pass_with_other_options(files, tmp_path, ca
     (["--extractor", "topk:widht=4"], "topk has no option 'widht'; valid: name, site, max_tokens, seed"),
     (["--extractor", "topk:width"], "bad extractor option 'width'"),
     (["--extractor", "topk:width=4,k=9"], "k must be at most width=4; got k=9"),
+    (["--extractor", "topk:width=16,k=2,betas=0.9"], "betas must be two numbers in [0, 1); got 0.9"),
+    (["--extractor", "matryoshka:width=16,k=2,prefixes=8"], "prefixes must be strictly increasing ints >= 1 ending "
+                                                            "at width=16; got 8"),
     (["--extractor", "kmeans:n_concepts=4", "--extractor", "kmeans:n_concepts=5"], "two extractors are named 'kmeans'"),
     (["--site", ""], "'' is not a site name"),
     (["--data", "nowhere.txt"], "'nowhere.txt' is neither a file nor a bundled set; sets: bbc-news"),

@@ -52,7 +52,7 @@ class SAEConfig:
         check_int("width", self.width, high=MAX_CONCEPTS)
         if self.lr is not None:
             check_float("lr", self.lr, strict=True)
-        betas = tuple(self.betas)
+        betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else ()
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
             raise ValueError(f"betas must be two numbers in [0, 1); got {self.betas!r}")
         self.betas = (float(betas[0]), float(betas[1]))

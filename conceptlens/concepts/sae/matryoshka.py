@@ -37,7 +37,7 @@ class MatryoshkaConfig(TopKConfig):
         super().__post_init__()
         if self.prefixes is None:
             self.prefixes = tuple(sorted({max(self.width // 2**i, 1) for i in range(4)}))
-        sizes = tuple(self.prefixes)
+        sizes = tuple(self.prefixes) if isinstance(self.prefixes, (list, tuple)) else ()
         if (not sizes or any(isinstance(m, bool) or not isinstance(m, int) for m in sizes)
                 or any(a >= b for a, b in zip(sizes, sizes[1:])) or sizes[0] < 1 or sizes[-1] != self.width):
             raise ValueError(f"prefixes must be strictly increasing ints >= 1 ending at width={self.width}; "

@@ -210,6 +210,9 @@ def test_overwrite_clears_the_run_the_folder_held_once_the_site_is_checked(tmp_p
     assert main(_demo_args(model, out, "--overwrite", "--site", "blocks.9.resid_out")) == 2
     assert "blocks.9" in capsys.readouterr().err
     assert _files(out) == before  # a bad site loses nothing
+    assert main(_demo_args(model, out, "--overwrite", "--site", "blocks.1.attn.pattern")) == 2
+    assert "width grows with the sequence" in capsys.readouterr().err
+    assert _files(out) == before  # nor does a site no extractor can fit (it wrote run.toml, then failed)
     assert main(_demo_args(model, out)) == 2  # without --overwrite: refused
     assert "holds a run with another shuffle (1, now 0)" in capsys.readouterr().err
     assert main(_demo_args(model, out, "--overwrite")) == 0

@@ -176,11 +176,12 @@ def _run(args: argparse.Namespace, cfg, out: Path, start: float) -> int:
     import conceptlens
     from conceptlens.commands import run_folder
     from conceptlens.commands._common import load_model
+    from conceptlens.fit_keys import canonical_key
     from conceptlens.report import write_report
 
     model, tok = load_model(args)
     lens = conceptlens.attach(model, tok)
-    site = lens.site(args.site)
+    site = lens.site(str(canonical_key(lens, args.site)))  # one no extractor can fit: refused before any write
     if args.overwrite and (cleared := run_folder.clear(out)):  # only now: a bad site loses nothing
         print(f"--overwrite: removed the {len(cleared)} files of the run {out} held (other files stay)")
     print(f"{lens}\n")

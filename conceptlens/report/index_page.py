@@ -104,12 +104,14 @@ def _extractors_block(atlas: Atlas) -> str:
     for ex in atlas.extractors:
         h = f'<a href="hierarchy/{esc(ex.name)}.html">hierarchy</a>' if ex.name in atlas.hierarchies else ""
         fed = "" if ex.fit_tokens is None else f"{ex.fit_tokens:,}"
-        rows.append((esc(ex.name), f"<code>{esc(ex.site)}</code>", esc(ex.method), str(ex.n), fed,
+        frequency = ex.stats.get("frequency")
+        silent = "" if frequency is None else f"{int((np.asarray(frequency) == 0).sum()):,}"
+        rows.append((esc(ex.name), f"<code>{esc(ex.site)}</code>", esc(ex.method), str(ex.n), silent, fed,
                      esc(ex.meta.get("activation", "")),
                      (f'<a class="first" href="concepts/{esc(ex.name)}/0.html">first concept</a> ' if ex.n else
                       "no concepts ") + h))  # a set of none has no page to link
-    html = table(["name", "site", "method", "concepts", "fit tokens", "activation", ""], rows,
-                 [False, False, False, True, True, False, False])
+    html = table(["name", "site", "method", "concepts", "never active", "fit tokens", "activation", ""], rows,
+                 [False, False, False, True, True, True, False, False])
     return "<h2>Extractors</h2>" + figure(html, LEGENDS["extractors"] + " " + LEGENDS["activation"])
 
 

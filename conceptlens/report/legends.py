@@ -76,8 +76,10 @@ LEGENDS = {
              "recommended hyper-parameters (benchmarks/peers.py): tokens seen, time in optimiser steps, held-out "
              "FVU and L0, and CE loss recovered with the reconstruction spliced in. Not the run above: its own "
              "rows and budget.",
-    "extractors": "One row per concept set; fit tokens are those its fit fed it (fewer than the run's when "
-                  "it had a budget of its own); the activation column says how its activations are measured.",
+    "extractors": "One row per concept set; never active: its concepts active on none of the described tokens "
+                  "(an SAE's latents that did not fire on this text: their pages show no contexts); fit tokens are "
+                  "those its fit fed it (fewer than the run's when it had a budget of its own); the activation "
+                  "column says how its activations are measured.",
     "norms": "Token norms of the described rows at each site: the row filter drops rows far above the running "
              "median norm (counted here, with the bar); the share of the variance (sum of |x - mean|^2) carried by the 1% "
              "largest-norm tokens would be 1% if every token carried the same; the largest-norm tokens are listed "

@@ -231,6 +231,12 @@ def test_the_extractors_table_shows_the_tokens_each_set_was_fed(tmp_path):
         cs = ConceptSet.load(run / "concepts" / name)
         cs.config["fit"] = {"tokens": tokens}
         cs.save(run / "concepts" / name)
+    from safetensors.numpy import load_file, save_file
+
+    stats_path = run / "describe" / "topk" / "stats.safetensors"
+    stats = load_file(stats_path)
+    stats["frequency"][[1, 4]] = 0.0  # two latents that never fired on the described text
+    save_file(stats, stats_path)
     write_report(run)
     atlas = Atlas.load(run)
     assert [atlas.extractor(n).fit_tokens for n in ("topk", "kmeans", "deleuzian")] == [40_960, 81_920, None]
@@ -238,6 +244,12 @@ def test_the_extractors_table_shows_the_tokens_each_set_was_fed(tmp_path):
     rows = re.findall(r"<tr>(.*?)</tr>", html[html.index("<h2>Extractors</h2>"):], re.S)
     cells = {re.sub("<[^>]+>", "", r.split("</td>")[0]).strip(): r for r in rows[1:4]}
     assert "40,960" in cells["topk"] and "81,920" in cells["kmeans"] and "fit tokens" in rows[0]
+    heads = re.findall(r"<th[^>]*>(.*?)</th>", rows[0])
+    for name, row in cells.items():  # the concepts active on no described token, counted from the stats
+        silent = int((atlas.extractor(name).stats["frequency"] == 0).sum())
+        cols = [re.sub("<[^>]+>", "", c).strip() for c in row.split("</td>")]
+        assert cols[heads.index("never active")] == f"{silent:,}"
+    assert int((atlas.extractor("topk").stats["frequency"] == 0).sum()) >= 2
 
 
 def test_co_activation_neighbours_with_a_zero_score_are_not_listed(tmp_path):

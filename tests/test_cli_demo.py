@@ -10,7 +10,8 @@ import pytest
 
 from conceptlens.cli import main
 from conceptlens.commands import run_config as rc
-from conceptlens.commands.demo import add_arguments, pools_documents, run_config, sae_batch_size
+from conceptlens.commands.demo import (DENSE_CONCEPTS, SHORT_FIT_K, SHORT_FIT_WIDTH, add_arguments, pools_documents,
+                                       run_config, sae_batch_size)
 from conceptlens.commands.demo_probe import PART
 from conceptlens.concepts.conceptset import ConceptSet
 from conceptlens.concepts.sae.config import short_budget_lr
@@ -226,3 +227,12 @@ def test_overwrite_clears_the_run_the_folder_held_once_the_site_is_checked(tmp_p
         ConceptSet.load(out / "concepts" / "topk").model == "tiny"  # a folder is named by its last part
     assert main(["describe", str(out), "--top-n", "3"]) == 0  # redescribed with other options, from the start
     assert json.loads((out / "describe" / "topk" / "description.json").read_text())["top_n"] == 3
+
+
+def test_help_shows_every_default(capsys):
+    assert main(["demo", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for flag, default in (("--max-tokens MAX_TOKENS", 80_000), ("--concepts CONCEPTS", DENSE_CONCEPTS),
+                          ("--width WIDTH", SHORT_FIT_WIDTH), ("--k K", SHORT_FIT_K), ("--seed SEED", 0)):
+        assert re.search(rf"{flag} (?:(?! --).)*\(default: {default}\)", text), flag
+    assert "(default: [240, 1000])" in text and "--overwrite clear" in text and "(default: False)" not in text

@@ -63,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(as `fit --overwrite`: other files stay)")
     parser.add_argument("--seed", type=count, default=0)
     parser.add_argument("--no-progress", action="store_true")
+    for action in parser._actions:  # every default in --help, where the help does not say it already
+        if action.default not in (None, argparse.SUPPRESS) and action.default is not False \
+                and "default" not in (action.help or ""):
+            action.help = (f"{action.help} " if action.help else "") + "(default: %(default)s)"
 
 
 SHORT_FIT_WIDTH = 2048

@@ -100,7 +100,7 @@ def test_a_folder_without_run_toml_holding_a_runs_file_names_is_refused_and_lose
     """A user's checkpoint.pt (or quality.json, or hierarchy/*.json) in a folder that holds no run is not
     the run's: the fit neither writes over it (it did under --no-resume) nor lets a later --overwrite
     delete it."""
-    for name in ("checkpoint.pt", "quality.json", "hierarchy/tree.json", "concepts/mine/config.json"):
+    for name in ("checkpoint.pt", "quality.json", "steering.json", "hierarchy/tree.json", "concepts/mine/config.json"):
         out = tmp_path / name.replace("/", "_")
         (out / name).parent.mkdir(parents=True)
         (out / name).write_text("mine")

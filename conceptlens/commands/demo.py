@@ -210,7 +210,8 @@ def _run(args: argparse.Namespace, cfg, out: Path, start: float) -> int:
     print(f"\nDone in {time.perf_counter() - start:.0f} s ("
           + ", ".join(f"{phase} {seconds:.0f} s" for phase, seconds in took.items()) + "). Open:\n"
           f"  {summary.path.resolve().as_uri()}\n"
-          f"  run folder {out}/ (run.toml, fit_report.json, concepts/, describe/, quality.json, report/)")
+          f"  run folder {out}/ (run.toml, checkpoint.pt for a rerun to resume, fit_report.json, concepts/ with "
+          f"the probes' random control, describe/, quality.json, eval.json, steering.json, report/)")
     return 0
 
 

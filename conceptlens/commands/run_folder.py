@@ -6,9 +6,10 @@
     clear(out)          # --overwrite, once the sites are checked: the files that run wrote, and nothing else
 
 What a run owns (OWNED, relative to the folder): run.toml, checkpoint.pt, fit_report.json,
-quality.json, eval.json, each concepts/<NAME>/ ConceptSet's two files, the description pass's checkpoint,
-source.json and describe/<NAME>/ files, hierarchy/<NAME>.json, and the files of its report at report/ that
-the report's manifest lists (a report of the old concepts would outlive them). Any other file stays, and so
+quality.json, eval.json, steering.json (the demo's), each concepts/<NAME>/ ConceptSet's two files,
+the description pass's checkpoint, source.json and describe/<NAME>/ files, hierarchy/<NAME>.json, and
+the files of its report at report/ that the report's manifest lists (a report of the old concepts
+would outlive them). Any other file stays, and so
 does everything behind a symbolic link (a linked file or folder is not the run's). A folder without
 a run.toml holds no run: nothing is cleared, and it is refused when it holds a file of one of those
 names (someone else's, which the run would write over); one whose run.toml is not a run's is refused.
@@ -30,8 +31,8 @@ from conceptlens.commands import run_config as rc
 if TYPE_CHECKING:
     from conceptlens.concepts.conceptset import ConceptSet
 
-OWNED = ("checkpoint.pt", "fit_report.json", "quality.json", "eval.json", "concepts/*/concepts.safetensors",
-         "concepts/*/config.json", "describe/checkpoint.pt", "describe/source.json",
+OWNED = ("checkpoint.pt", "fit_report.json", "quality.json", "eval.json", "steering.json",
+         "concepts/*/concepts.safetensors", "concepts/*/config.json", "describe/checkpoint.pt", "describe/source.json",
          "describe/*/description.json", "describe/*/stats.safetensors", "describe/*/contexts.jsonl",
          "describe/*/tokens.json", "hierarchy/*.json", "run.toml")
 """Files a run writes, as globs; run.toml last (see the module docstring)."""

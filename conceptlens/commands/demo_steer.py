@@ -41,6 +41,8 @@ def format_rows(rows: list[dict[str, Any]], topic: str) -> str:
     for r in rows:
         cells = {a: (p, q) for a, p, q in zip(r["alphas"], r["p"], r["perplexity"])}
         best = "over budget" if r["best"] is None else f"{r['best'][1]:.3f} at alpha {r['best'][0]:g}"
+        if r["best"] is not None and r["best"][0] == 0 and len(r["alphas"]) > 1:
+            best += " (unsteered)"  # a direction none of whose alphas within the budget scored higher
         lines.append(f"{r['row']:<{width}}  {'P(' + topic + ')':<10}"
                      + "".join(f"{cells[a][0]:>8.3f}" if a in cells else f"{'':>8}" for a in alphas) + f"   {best}")
         lines.append(f"{'':<{width}}  {'perplexity':<10}"
@@ -64,6 +66,13 @@ def verdict(rows: list[dict[str, Any]], topic: str) -> str:
         lines = [f"Winner: {winner['row']} (P({topic}) {best(winner):.3f} within the fluency budget, unsteered "
                  f"{unsteered:.3f})"]
     concept, means, control = rows[0], rows[1], rows[2]
+    for r in (concept, means, control):
+        over = [(p, a, q) for a, p, q, ok in zip(r["alphas"], r["p"], r["perplexity"], r.get("fluent", ()))
+                if not ok and r["best"] is not None and p > r["best"][1]]
+        if r["best"] is not None and r["best"][0] == 0 and over:
+            p, a, q = max(over)
+            lines.append(f"{r['row']}: no alpha within the fluency budget raises P({topic}); its {p:.3f} at alpha "
+                         f"{a:g} is over the budget (perplexity {q:.1f}), so its row is the unsteered continuations.")
     if best(concept) < best(means):
         lines.append(f"The fitted concept loses to the diff-of-means vector ({best(concept):.3f} vs "
                      f"{best(means):.3f}), as AxBench found for SAE latents.")

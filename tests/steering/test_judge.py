@@ -107,6 +107,26 @@ def test_demo_comparison_has_four_rows_and_names_the_loser(setup):
     assert "Winner: diff-of-means" in said and "loses to the diff-of-means vector (0.200 vs 0.700)" in said
 
 
+def test_a_direction_whose_best_within_budget_is_alpha_0_is_said_to_be_unsteered():
+    """The demo's diff-of-means row of 2026-12-05: P 0.063 unsteered, lower at 0.25, 0.508 at 0.5 but
+    over the budget; its best within the budget is the unsteered continuations, which the table and the
+    verdict say instead of showing 0.063 as the vector's score."""
+    def row(name, alphas, p, perplexity, fluent, best):
+        return {"row": name, "alphas": alphas, "p": p, "perplexity": perplexity, "fluent": fluent, "best": best}
+
+    rows = [row("kmeans:6", [0.0, 0.25, 0.5], [0.063, 0.011, 0.145], [3.0, 3.4, 5.2], [True] * 3, (0.5, 0.145)),
+            row("diff-of-means", [0.0, 0.25, 0.5], [0.063, 0.026, 0.508], [3.0, 3.4, 6.6], [True, True, False],
+                (0.0, 0.063)),
+            row("random", [0.0, 0.25], [0.063, 0.064], [3.0, 3.9], [True, True], (0.25, 0.064)),
+            row("prefix", [0.0], [0.395], [3.7], [True], (0.0, 0.395))]
+    table = demo_steer.format_rows(rows, "sports").splitlines()
+    assert table[3].endswith("0.063 at alpha 0 (unsteered)") and table[7].endswith("0.395 at alpha 0")
+    said = demo_steer.verdict(rows, "sports").splitlines()
+    assert "diff-of-means: no alpha within the fluency budget raises P(sports); its 0.508 at alpha 0.5 is over the " \
+           "budget (perplexity 6.6), so its row is the unsteered continuations." in said
+    assert sum("no alpha within" in line for line in said) == 1  # not the concept's, nor the control's
+
+
 def test_batched_comparison_rows_equal_each_direction_and_prompt_swept_alone(setup):
     """compare() steers every direction in one batched, left-padded generation per alpha
     (`RowsAdd`); each row must be what a sweep of that direction's own `Add(v, scale="robust_norm")`

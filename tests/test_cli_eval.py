@@ -260,6 +260,12 @@ def test_eval_command_on_smollm2_with_an_sae_set(tmp_path, capsys):
     assert whole == {metric: cells[0] for metric, cells in rows.items()}
     alone = [sl.line for sl in saved.lines if sl.line.concept is not None]
     assert len(alone) == 5 and f"{len(alone)} per-concept scores" in out
+    assert "the random control pools its 2 draws" in out
+    code = main(["eval", str(tmp_path / "run"), "--suite", "reconstruction", "--ce-docs", "2", "--no-progress",
+                 "--no-save"])
+    out = capsys.readouterr().out
+    assert code == 0 and "bootstrap over held-out documents" in out
+    assert "random control" not in out and "Probes" not in out  # no part of this suite has either
 
 
 def test_a_run_folder_evaluates_with_the_model_its_run_loaded(tmp_path):

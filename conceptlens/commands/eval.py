@@ -232,9 +232,11 @@ def _run_folder(args: argparse.Namespace, suites: tuple[str, ...]) -> None:
         if width != cs.d:
             raise ValueError(f"{name} has width {cs.d} but {site.name} has width {width}")
         by_site.setdefault(site.name, {})[name] = cs
-    print(f"95% intervals: bootstrap over held-out documents ({DRAWS} replicates); the random control pools its "
-          f"{args.random_draws} draws. Suites: {', '.join(config.suites)}.")
-    if config.fit_read is not None:
+    probes = any(part in config.suites for part in ("probing", "quality"))  # the parts with a random control
+    print(f"95% intervals: bootstrap over held-out documents ({DRAWS} replicates)"
+          + (f"; the random control pools its {args.random_draws} draws" if probes else "")
+          + f". Suites: {', '.join(config.suites)}.")
+    if config.fit_read is not None and probes:
         print(f"Probes neither learn nor are scored on any of the {config.fit_read[2]:,} {config.fit_read[0]} "
               "documents the fit read.")
     for site_name, group in by_site.items():

@@ -208,8 +208,9 @@ def _stat_lines(name: str, s: RowStats, seed: int) -> list[Line]:
         Line(name, "L0", bootstrap(scalars[:, [3, 2]], lambda t: t[..., 0] / t[..., 1], seed=seed), [],
              "active latents per token"),
         Line(name, "dead fraction", Estimate(float((fired.sum(0) == 0).double().mean()), math.nan, math.nan), [],
-             "latents that never fired on the held-out tokens; no interval: a resample holds fewer distinct "
-             "documents, so it counts more latents unseen", higher_is_better=False),
+             f"latents that never fired on the {int(rows.sum()):,} held-out tokens (a count that falls with more "
+             "tokens: each token fires only L0 of them); no interval: a resample holds fewer distinct documents, "
+             "so it counts more latents unseen", higher_is_better=False),
         Line(name, f"dense fraction (>{DENSE:.0%} of tokens)",
              bootstrap(per_latent, lambda t: (t[..., :-1] > DENSE * t[..., -1:]).double().mean(-1), seed=seed),
              [], "", higher_is_better=False)]

@@ -44,7 +44,7 @@ def concept_href(name: str, i: int, from_concept_page: bool = True) -> str:
 
 def concept_link(name: str, i: int, labels: dict[str, list[str]], extra: str = "") -> str:
     label = labels.get(name, [])
-    text = label[i] if i < len(label) else ""
+    text = (label[i] or "no contexts") if i < len(label) else ""  # a label is empty only without contexts
     return (f'<a href="{esc(concept_href(name, i))}">{esc(name)} #{i}</a> '
             f'<span class="muted">{esc(text)}{extra}</span>')
 
@@ -62,7 +62,7 @@ def _stats_block(ex: ExtractorView, i: int) -> str:
         head += (f'<p class="banner">Near-duplicate of <a href="{esc(concept_href(ex.name, dup[0]))}">{esc(ex.name)} '
                  f'#{dup[0]}</a> (cosine {dup[1]:.6f} &gt; 0.99).</p>')
     html = table(["statistic", "value"], [(k, v) for k, v in rows if v], [False, True])
-    return head + figure(html, LEGENDS["frequency"])
+    return head + figure(html, LEGENDS["frequency"] + (" " + LEGENDS["assigned"] if "assigned" in s else ""))
 
 
 def _probe_block(ex: ExtractorView, i: int) -> str:
@@ -155,7 +155,9 @@ def concept_page(ex: ExtractorView, i: int, contexts: Sequence[dict[str, Any]], 
     hist = ""
     if "hist_counts" in s and "hist_edges" in s:
         edges = s["hist_edges"][i] if s["hist_edges"].ndim == 2 else s["hist_edges"]
-        hist = "<h2>Activation histogram</h2>" + figure(histogram_svg(edges, s["hist_counts"][i]), LEGENDS["histogram"])
+        svg = histogram_svg(edges, s["hist_counts"][i])
+        legend = LEGENDS["histogram"] + (" " + LEGENDS["histogram zero"] if "stroke-dasharray" in svg else "")
+        hist = "<h2>Activation histogram</h2>" + figure(svg, legend)
     nav = [("index.html", "atlas index"), ("matches.html", "matches")]
     nav += [(f"concepts/{ex.name}/{j}.html", label) for j, label in ((i - 1, "previous"), (i + 1, "next")) if 0 <= j < ex.n]
     label = labels.get(ex.name, [""] * ex.n)[i]

@@ -133,7 +133,7 @@ def index_page(atlas: Atlas, shown: Sequence[str], suite: Suite | None = None) -
             f'<label>extractor <select id="extractor"><option value="">all</option>{options}</select></label>'
             f'<span id="count" class="muted"></span></div>'
             f'<noscript><p>The concept table needs JavaScript; every concept page is under concepts/.</p></noscript>'
-            + figure(concepts, LEGENDS["frequency"] + " " + LEGENDS["concepts"])
+            + figure(concepts, " ".join(LEGENDS[k] for k in ("frequency", "assigned", "concepts")))
             + f'<p class="pager"><button id="more">show more</button></p>'
             f'<script src="static/atlas-data.js"></script><script src="static/atlas.js"></script>')
     nav = [("index.html", "index"), ("matches.html", "matches")]

@@ -20,11 +20,13 @@ LEGENDS = {
                   "with a huge norm does not top every concept. A dense concept is active on a token when its cosine "
                   "is > 0.",
     "frequency": "Frequency: share of described tokens on which the concept is active (activation > 0), the mass "
-                 "right of 0 in its histogram. Assigned: share of tokens whose nearest centre (k-means, VQ) or "
-                 "largest cosine (other dense sets) is this concept.",
+                 "right of 0 in its histogram.",
+    "assigned": "Assigned: share of tokens whose nearest centre (k-means, VQ) or largest cosine (other dense sets) "
+                "is this concept.",
     "histogram": "Histogram of the concept's activation over every described token; bars drawn with their real bin "
                  "widths on a linear axis, height = tokens per unit of activation (a density; hover a bar for its "
-                 "range and count). The dashed line marks 0; exact zeros (inactive SAE latents) are not drawn.",
+                 "range and count). Exact zeros (inactive SAE latents) are not drawn.",
+    "histogram zero": "The dashed line marks 0.",
     "contexts": "Top contexts: the tokens with the largest activation and the text around them. The number is the "
                 "activation of the outlined token; each token is shaded by its own activation for this concept "
                 "(orange positive, blue negative, darker is larger, relative to the largest shown); hover for the value.",
@@ -42,7 +44,7 @@ LEGENDS = {
     "map": "Each point is a concept: PCA of its unit direction (centred as the activations are), so nearby points "
            "point alike; axes have no units. Size: frequency. Colour: the class its best probe predicts (grey: no "
            "labels, or no class whose probe beats its base rate). Click a point to open the concept.",
-    "concepts": "Frequency and assigned share: see above. Mean / max act.: mean and largest activation over the "
+    "concepts": "Mean / max act.: mean and largest activation over the "
                 "described tokens. Top tokens: the most frequent centre tokens of the top contexts. Promoted tokens: "
                 "see a concept page. Best class, probe loss, base rate, gain (nats): the class whose probe gains most "
                 "over its base-rate entropy. dup: a near-duplicate (cosine > 0.99) of the concept named.",

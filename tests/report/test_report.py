@@ -88,6 +88,9 @@ def test_concept_page_content(report, tmp_path):
     assert "Promoted tokens" not in (report / "concepts" / "kmeans" / "0.html").read_text()
     # hierarchy family: 1 is the child of 0 and parent of 3, 4
     assert 'href="../topk/0.html"' in html.split("parents:")[1].split("children:")[0]
+    # the captions explain what the page shows: no assigned share without one, no zero line not drawn
+    assert "Frequency: share" in html and "Assigned:" not in html and "assigned" not in ex.stats
+    assert ex.stats["hist_edges"][1][0] == 0 and "stroke-dasharray" not in html and "dashed line" not in html
 
 
 def test_top_tokens_counts_centres():
@@ -273,3 +276,11 @@ def test_co_activation_neighbours_with_a_zero_score_are_not_listed(tmp_path):
     assert listed(2) == ["none with a Jaccard score above 0"]
     assert len(listed(3)) == 1 and f'href="../topk/{stats["nearest_coact"][3, 0]}.html"' in listed(3)[0]
     assert len(listed(4)) == stats["nearest_coact"].shape[1]
+
+
+def test_a_link_to_a_concept_without_contexts_says_so():
+    from conceptlens.report.concept_page import concept_link
+
+    labels = {"topk": ["the, a", ""]}  # a label is empty only when the concept has no contexts
+    assert concept_link("topk", 0, labels).endswith('<span class="muted">the, a</span>')
+    assert concept_link("topk", 1, labels, " (0.162)").endswith('<span class="muted">no contexts (0.162)</span>')

@@ -42,7 +42,8 @@ from conceptlens.evaluate.activations import TokenColumns
 READINGS = ("activation", "code")
 
 READ_NOTE = {"activation": "concepts read by their activations (an SAE's code, a dense concept's cosine), "
-                           "random directions by projection or cosine",
+                           "random directions linearly (an SAE's control by projection, keeping what TopK drops; "
+                           "a dense set's by cosine)",
              "code": "concepts read by their codes (an SAE's TopK code, a dense set's assigned concept), random "
                      "directions through the same nonlinearity (a random TopK encoder, the largest cosine)"}
 

@@ -110,6 +110,16 @@ def test_a_direction_at_the_attention_pattern_is_refused_in_one_line(folders, ca
     assert code == 2 and "blocks.1.attn.pattern is read only" in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_set_at_no_model_site_is_refused_in_one_line(folders, capsys, tmp_path):
+    model_dir, _ = folders
+    site = "blocks.0.mlp.in->blocks.0.mlp_out:z_e"  # a CLVQ code space
+    ConceptSet(torch.randn(4, 32), site=site, method="clvq").save(tmp_path / "clvq")
+    code, _, err = _steer(capsys, "--model", model_dir, "--concepts", str(tmp_path / "clvq"), "--concept", "1",
+                          "--prompt", PROMPT)
+    assert code == 2 and f"lives at {site!r}, not at one site of the model: steer takes a set of one site" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_continuations_equal_plain_generate():
     model, tok = tiny_model("llama"), word_tokenizer()
     lens = conceptlens.attach(model, tok)

@@ -114,6 +114,25 @@ def test_ablate_names_a_width_that_is_not_the_sites_and_too_few_controls_before_
     assert "--n-controls must be at least 2 (their spread is part of the result); got 1" in capsys.readouterr().err
 
 
+def test_sets_of_several_sites_are_refused_in_one_line_by_ablate_and_eval(folders, tmp_path, capsys, monkeypatch):
+    """A crosscoder's set lives at "A+B", a CLVQ code space at "A->B:z_e": no model site. ablate and eval
+    take sets of one site and say so, before the model loads (they named the string as a bad site)."""
+    from conceptlens import models
+
+    model_dir, _, texts = folders
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    for method, site in (("crosscoder", "blocks.0.resid_out+blocks.1.resid_out"),
+                         ("clvq", "blocks.0.mlp.in->blocks.0.mlp_out:z_e")):
+        folder = tmp_path / method
+        ConceptSet(torch.randn(6, 32), site=site, method=method, model=model_dir).save(folder)
+        for argv in (["ablate", "--concepts", str(folder), "--concept", "1", "--data", texts],
+                     ["eval", str(folder), "--suite", "reconstruction"]):
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            assert f"the {method} set in {folder} lives at {site!r}, not at one site of the model: {argv[0]} takes " \
+                   "a set of one site" in err and err.count("\n") == 1, err
+
+
 def test_ablate_finds_the_model_the_sets_run_toml_names_and_refuses_what_does_not_apply(folders, tmp_path, capsys):
     model_dir, _, texts = folders
     run = tmp_path / "run"

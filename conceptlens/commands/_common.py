@@ -102,3 +102,11 @@ def check_predicts_tokens(model: Any, what: str, instead: str) -> None:
     if not (callable(can) and can()):
         raise ValueError(f"{what} needs a model that predicts tokens, and {type(model).__name__} has no language-model "
                          f"head (an encoder); {instead}")
+
+
+def check_one_site(site: str | None, folder: Any, method: str | None, command: str) -> None:
+    """A one-line error for a set whose directions span several sites or live at no model site (a
+    crosscoder's "A+B", a CLVQ code space's "A->B:z_e") given to a command that takes a set of one site."""
+    if site is not None and ("+" in site or "->" in site):
+        raise ValueError(f"the {method or 'concept'} set in {folder} lives at {site!r}, not at one site of the model: "
+                         f"{command} takes a set of one site (fit one with --site, e.g. topk or kmeans)")

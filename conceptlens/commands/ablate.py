@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     import conceptlens
     from conceptlens import ConceptSet, data
     from conceptlens.batching import check_max_length
-    from conceptlens.commands._common import check_predicts_tokens, load_model
+    from conceptlens.commands._common import check_one_site, check_predicts_tokens, load_model
     from conceptlens.commands.run_folder import model_of
     from conceptlens.metrics.faithfulness import ProbeTask, faithfulness
 
@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--concept {bad[0]} is out of range: {args.concepts} holds {n} concepts (0-{n - 1})")
     if full.site is None:
         raise ValueError(f"the concept set in {args.concepts} records no site")
+    check_one_site(full.site, args.concepts, full.method, "ablate")
     if args.probe_site is not None and args.task != "probe":
         raise ValueError(f"--probe-site {args.probe_site!r} is where --task probe's probe reads; --task {args.task} "
                          "reads no probe (add --task probe)")

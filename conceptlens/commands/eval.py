@@ -81,12 +81,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _sets(run_dir: str, names: str | None) -> tuple[dict, dict[str, Path]]:
     """name -> ConceptSet, and name -> its folder."""
+    from conceptlens.commands._common import check_one_site
     from conceptlens.evaluate.activations import concept_set_names, load_concepts
     from conceptlens.fit_keys import cross_layer
 
     found = concept_set_names(run_dir)
     if not found:
-        return {Path(run_dir).name: load_concepts(run_dir)}, {Path(run_dir).name: Path(run_dir)}
+        cs = load_concepts(run_dir)
+        if cross_layer(cs.config.get("fit")):
+            raise ValueError(f"the {cs.method} set in {run_dir} reads other sites than its directions' (a transcoder "
+                             "or crosscoder); the suites evaluate sets of one site")
+        check_one_site(cs.site, run_dir, cs.method, "eval")
+        return {Path(run_dir).name: cs}, {Path(run_dir).name: Path(run_dir)}
     wanted = found if names is None else [n.strip() for n in names.split(",") if n.strip()]
     sets = {name: load_concepts(run_dir, name) for name in wanted}
     for name in [n for n, cs in sets.items() if cross_layer(cs.config.get("fit"))]:  # the suites read one site

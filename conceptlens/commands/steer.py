@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from conceptlens.commands._args import concept_dir, finite_float, nonempty_text, positive_int
+from conceptlens.commands._common import check_one_site
 from conceptlens.devices import input_device
 
 if TYPE_CHECKING:
@@ -142,6 +143,7 @@ def steering_direction(lens: Any, args: argparse.Namespace,
         raise ValueError(f"{args.concepts} holds {n} concepts: choose with --concept I (0-{n - 1})")
     if concepts.config.get("widths"):  # a crosscoder's: a block of each direction at each of its sites
         concepts = _at_one_site(lens, concepts, args.site, args.concepts)
+    check_one_site(concepts.site, args.concepts, concepts.method, "steer")  # e.g. a CLVQ code space
     site = _concept_site(lens, concepts.site, args.site, args.concepts)
     centre = concepts.mean is not None and not getattr(args, "no_centre", False)
     direction = (concepts.centred() if centre else concepts).directions[indices].sum(0)

@@ -47,7 +47,8 @@ DEFAULT_CHECKPOINT_EVERY = 20_000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="?", help="a run.toml (flags override it; its relative paths are from the current folder)")
+    parser.add_argument("config", nargs="?",
+                        help="a run.toml (flags override it; its relative paths are from the current folder)")
     parser.add_argument("--model", help="registered name (smollm2-135m, minilm-l6), local folder or hub id")
     parser.add_argument("--data", help=f"bundled set, SET or SET:SPLIT (train, the default, test or all; sets: "
                         f"{', '.join(SET_NAMES)}), or a .txt (one document per line) or .jsonl ({{\"text\": ...}} "

@@ -9,8 +9,8 @@ What a run owns (OWNED, relative to the folder): run.toml, checkpoint.pt, fit_re
 quality.json, eval.json, steering.json (the demo's), each concepts/<NAME>/ ConceptSet's two files,
 the description pass's checkpoint, source.json and describe/<NAME>/ files, hierarchy/<NAME>.json, and
 the files of its report at report/ that the report's manifest lists (a report of the old concepts
-would outlive them). Any other file stays, and so
-does everything behind a symbolic link (a linked file or folder is not the run's). A folder without
+would outlive them). Any other file stays, and so does everything behind a symbolic link (a linked
+file or folder is not the run's). A folder without
 a run.toml holds no run: nothing is cleared, and it is refused when it holds a file of one of those
 names (someone else's, which the run would write over); one whose run.toml is not a run's is refused.
 The clear moves those files into `.overwritten.tmp/` inside the folder (renames on one

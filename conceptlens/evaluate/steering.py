@@ -138,8 +138,7 @@ def _paired_line(name: str, metric: str, base: str, diff: Estimate, prompts: int
 def _judge(task: str, encoder: Any, encoder_tok: Any, tok: Any, chosen_on: list[int],
            config: SteeringConfig) -> tuple[Any, list[Line]]:
     """The task's judge, fitted on train-split documents the concepts are not chosen on, nor copies of
-    them (up to
-    `judge_tokens` encoder tokens), and its accuracy on held-out test-split documents: whole, and
+    them (up to `judge_tokens` encoder tokens), and its accuracy on held-out test-split documents: whole, and
     those of at most `short_tokens` tokens of the steered model (the continuations' length; their
     openings where fewer than 50 are that short)."""
     from conceptlens import data

@@ -7,9 +7,9 @@
 Concept activations (`concept_encoder`): an SAE set's own encoder (rebuilt with
 `sae_from_concept_set`), a VQ codebook's one-hot nearest code, otherwise the atlas's reading:
 the cosine of x - mean to each centred direction (`describe.activations`). Documents of bbc-news,
-movie-polarity and conll2010-uncertainty are probed as wholes: their activations are averaged over their real tokens. wsj-pos is probed per token:
-each word's Penn tag labels its first sub-token (found through the tokenizer's character
-offsets); the other sub-tokens go unlabelled. Each sequence's first token, the attention sink,
+movie-polarity and conll2010-uncertainty are probed as wholes: their activations are averaged over
+their real tokens. wsj-pos is probed per token: each word's Penn tag labels its first sub-token
+(found through the tokenizer's character offsets); the other sub-tokens go unlabelled. Each sequence's first token, the attention sink,
 is always left out (as fits leave it out). Token rows keep only their site activations: their
 concept columns are read batch by batch when asked (`TokenColumns`), never held whole.
 """

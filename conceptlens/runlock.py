@@ -8,7 +8,10 @@
 
 `fit` (with a checkpoint_dir), the description pass and `write_report` hold it while they
 write. The lock is `fcntl.flock` on `FOLDER/.conceptlens.lock`, which records the holder's
-pid, command line and start time; a SIGKILLed holder leaves the file but not the lock. It is
+pid, command line and start time; a holder unlinks the file as it releases it (so a command that
+was refused, or finished, leaves no file behind), and a process that locked the file a holder
+unlinked meanwhile sees that the path no longer names it and locks the path's new file. A SIGKILLed
+holder leaves the file but not the lock. It is
 per process: a scope nested in one that already holds the folder (the CLI's `fit` holding
 the run while `lens.fit` writes it) goes through. A folder this process may not write
 (read-only, or a file) is not locked: the writer itself then fails and says why.
@@ -40,24 +43,32 @@ class RunFolderBusy(BlockingIOError):
 def lock(folder: str | os.PathLike, what: str, *, create: bool = True) -> Iterator[None]:
     """Hold `folder`'s lock for the scope. `what`: the writer's kind (fit, describe, report),
     recorded for the message another writer gets. A missing folder is created (and removed
-    again if it ends up holding only the lock file), or with `create=False` (a writer that
+    again if it ends up empty), or with `create=False` (a writer that
     needs the folder to exist) left missing and unlocked, for the writer to report."""
     folder = Path(folder)
     created = [p for p in (folder, *folder.parents) if not p.exists()]  # what the lock makes, deepest first
     path = folder / LOCK_FILE
-    fd = _open(path) if create or not created else None
-    if fd is None:  # a folder this process cannot write is one it does not write (its writer says why)
-        yield
-        return
+    while True:
+        fd = _open(path) if create or not created else None
+        if fd is None:  # a folder this process cannot write is one it does not write (its writer says why)
+            yield
+            return
+        try:
+            nested = _acquire(fd, folder)
+        except BaseException:
+            os.close(fd)
+            raise
+        if nested or _still_at(fd, path):
+            break
+        os.close(fd)  # a holder that released meanwhile unlinked the file this one locked: lock the path's file
     try:
-        nested = _acquire(fd, folder)
         if not nested:
             _record(fd, what)
         try:
             yield
         finally:
             if not nested:
-                _release(fd, path, folder, created)
+                _release(fd, path, created)
     finally:
         os.close(fd)
 
@@ -115,13 +126,23 @@ def _holder(fd: int) -> dict:
     return holder if isinstance(holder, dict) else {}
 
 
-def _release(fd: int, path: Path, folder: Path, created: list[Path]) -> None:
-    os.ftruncate(fd, 0)  # a free lock names no holder
-    if created and [p.name for p in folder.iterdir()] == [LOCK_FILE]:
-        path.unlink()  # while still locked: a process that opened the old file cannot take it
-        try:
-            for made in created:
-                made.rmdir()
-        except OSError:
-            pass  # another process created something there meanwhile
+def _still_at(fd: int, path: Path) -> bool:
+    """Whether the locked file is still the one at `path` (a releasing holder unlinks it)."""
+    try:
+        now = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _release(fd: int, path: Path, created: list[Path]) -> None:
+    os.ftruncate(fd, 0)
+    if _still_at(fd, path):  # while still locked: one who opened it meanwhile finds it unlinked and retries
+        path.unlink()
+    try:
+        for made in created:  # folders made for the lock and left empty
+            made.rmdir()
+    except OSError:
+        pass  # not empty: something was written there
     fcntl.flock(fd, fcntl.LOCK_UN)

@@ -65,7 +65,7 @@ def test_a_second_writer_fails_at_once_naming_the_first_and_a_kill_frees_the_fol
     assert proc.returncode == -signal.SIGKILL
     with lock(run, "test"):  # the OS released it
         assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
-    assert (run / LOCK_FILE).read_text() == ""  # a free lock names no holder
+    assert not (run / LOCK_FILE).exists()  # released: the holder unlinked it
     assert main(base(files, run, "--no-describe")) == 0
 
 
@@ -77,7 +77,46 @@ def test_nested_scopes_of_one_process_share_its_lock_and_a_created_folder_goes_a
     assert not (tmp_path / "new").exists()  # created for the lock and nothing else written: removed again
     with lock(folder, "fit"):
         (folder / "run.toml").write_text("")
-    assert (folder / "run.toml").is_file() and (folder / LOCK_FILE).read_text() == ""
+    assert (folder / "run.toml").is_file() and not (folder / LOCK_FILE).exists()
+
+
+def test_a_released_lock_leaves_no_file_and_a_stale_open_of_it_takes_the_new_one(tmp_path):
+    """A refused or finished command leaves no lock file in a folder it was pointed at. A process that
+    opened the lock file just before its holder released (and unlinked) it locks a file no other
+    process can see: it must notice and lock the path's current file, so two writers never both hold."""
+    import fcntl
+
+    from conceptlens import runlock
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    with lock(folder, "report"):
+        assert (folder / LOCK_FILE).is_file()
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+    opened = []
+    real_open = runlock._open
+
+    def late_open(path):  # the first open happens while another process holds the file, which it then releases
+        fd = real_open(path)
+        if not opened:
+            other = os.open(path, os.O_RDWR)
+            fcntl.flock(other, fcntl.LOCK_EX)
+            os.unlink(path)  # as `_release` does, still locked
+            fcntl.flock(other, fcntl.LOCK_UN)
+            os.close(other)
+        opened.append(os.fstat(fd).st_ino)
+        return fd
+
+    runlock._open = late_open
+    try:
+        with lock(folder, "fit"):
+            held = os.stat(folder / LOCK_FILE).st_ino
+            assert len(opened) == 2 and opened[-1] == held  # it retried on the path's new file
+            assert json.loads((folder / LOCK_FILE).read_text())["what"] == "fit"
+    finally:
+        runlock._open = real_open
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
 
 
 def _interrupt(proc: subprocess.Popen, go: Path, signum: int = signal.SIGINT) -> tuple[int, str]:

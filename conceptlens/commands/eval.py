@@ -86,24 +86,23 @@ def _sets(run_dir: str, names: str | None) -> tuple[dict, dict[str, Path]]:
     from conceptlens.fit_keys import cross_layer
 
     found = concept_set_names(run_dir)
-    if not found:
-        cs = load_concepts(run_dir)
-        if cross_layer(cs.config.get("fit")):
-            raise ValueError(f"the {cs.method} set in {run_dir} reads other sites than its directions' (a transcoder "
-                             "or crosscoder); the suites evaluate sets of one site")
-        check_one_site(cs.site, run_dir, cs.method, "eval")
-        return {Path(run_dir).name: cs}, {Path(run_dir).name: Path(run_dir)}
-    wanted = found if names is None else [n.strip() for n in names.split(",") if n.strip()]
-    sets = {name: load_concepts(run_dir, name) for name in wanted}
+    if found:
+        wanted = found if names is None else [n.strip() for n in names.split(",") if n.strip()]
+        folders = {name: Path(run_dir) / "concepts" / name for name in wanted}
+    else:  # a set's own folder
+        folders = {Path(run_dir).name: Path(run_dir)}
+    sets = {name: load_concepts(run_dir, name if found else None) for name in folders}
     for name in [n for n, cs in sets.items() if cross_layer(cs.config.get("fit"))]:  # the suites read one site
-        if names is not None:
+        if names is not None or not found:
             raise ValueError(f"{name} reads other sites than its directions' (a transcoder or crosscoder); the "
                              "suites evaluate sets of one site")
         print(f"not evaluating {name}: it reads other sites than its directions' (a transcoder or crosscoder)")
         del sets[name]
+    for name, cs in sets.items():
+        check_one_site(cs.site, folders[name], cs.method, "eval")
     if not sets:
         raise ValueError(f"{run_dir} holds no set of one site to evaluate (found {', '.join(found)})")
-    return sets, {name: Path(run_dir) / "concepts" / name for name in sets}
+    return sets, {name: folders[name] for name in sets}
 
 
 def run(args: argparse.Namespace) -> int:

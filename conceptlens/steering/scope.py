@@ -71,14 +71,14 @@ class Steer:
         self.edits = [copy.copy(edit) for edit in edits]
         self.positions = positions
         self.prompt_length: dict[str, Tensor] = {}  # stack -> (B,) real tokens in the first forward
-        self._decoding: set[str] = set()  # stacks that have run a one-token forward after their prompt
+        self._checked: set[str] = set()  # stacks whose forward after the prompt `_check_prompt_chunks` read
         self._active = False
 
     def __enter__(self) -> Steer:
         if self._active:
             raise RuntimeError("this steering scope is already active")
         self.prompt_length.clear()  # a scope entered again starts a new prompt
-        self._decoding.clear()
+        self._checked.clear()
         self.lens.hooks.steering.enter(self, self.lens.stacks, list(zip(self.sites, self.edits)), _build)
         self._active = True
         return self
@@ -102,17 +102,15 @@ class Steer:
             self.prompt_length[stack] = torch.full((ids.shape[0],), ids.shape[-1], device=ids.device)
 
     def _check_prompt_chunks(self, stack: str, inputs: StackInputs) -> None:
-        """Warn when a forward after the prompt continues its cache with several tokens before any
-        one-token step: `generate(prefill_chunk_size=...)` splits a prompt so, and this scope would
-        count the chunks after the first as generated (no argument of the forwards tells a chunk
-        from a decoding step: a last chunk of one token looks like one)."""
-        if self.positions not in ("prompt", "generated") or stack in self._decoding:
+        """Warn when the forward after the prompt continues its cache with several tokens:
+        `generate(prefill_chunk_size=...)` splits a prompt so, and this scope would count the chunks
+        after the first as generated (no argument of the forwards tells a chunk from a decoding step:
+        a last chunk of one token looks like one). Read once per prompt and stack."""
+        if self.positions not in ("prompt", "generated") or stack in self._checked:
             return
+        self._checked.add(stack)
         length = inputs.length()
-        if length == 1:
-            self._decoding.add(stack)
-        elif length is not None and inputs.past_length(length) > 0:
-            self._decoding.add(stack)  # once per prompt
+        if length is not None and length > 1 and inputs.past_length(length) > 0:
             warnings.warn(f"positions={self.positions!r} takes the first forward in the scope as the prompt, but a "
                           f"later forward continued its cache with {length} tokens per row, as a chunked prefill "
                           f"(generate(prefill_chunk_size=...)) does: the prompt's later chunks count as generated "

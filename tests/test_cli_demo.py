@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 
 import pytest
@@ -144,6 +145,8 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
         page = next(ln for ln in steered if ln.concept is not None)
         assert page._replace(concept=None) == steered[0]
         assert [name for name, _ in page.baselines] == ["random direction", "diff-of-means", "prompt prefix"]
+        for est in (page.value, *(e for _, e in page.baselines)):  # the printed best cells carry the saved intervals
+            assert math.isnan(est.low) or f"{est.value:.3f} [{est.low:.3f}, {est.high:.3f}] at alpha" in printed
         html = (out / "report" / "concepts" / page.extractor / f"{page.concept}.html").read_text()
         assert "<h2>Evaluation suite: this concept's scores</h2>" in html
         assert "steer bbc-news sports: P(sports)" in html

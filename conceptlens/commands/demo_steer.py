@@ -6,7 +6,10 @@ has a mean), the difference of mean activations of topic vs other-topic training
 the same site, a random direction (the control), and an unsteered prompt prefix
 ("Write about TOPIC. "). Each continuation is scored by `TopicJudge` (MiniLM embeddings +
 logistic regression on the BBC train split) and by its perplexity under the unsteered model;
-a row's result is its best mean P(topic) among the alphas within the fluency budget.
+a row's result is its best mean P(topic) among the alphas within the fluency budget, with a
+bootstrap interval over the prompts; the concept is set against diff-of-means and the random
+direction by paired differences over the same prompts (`evaluate.steering.label_lines`, the
+lines the atlas shows).
 """
 
 from __future__ import annotations
@@ -16,14 +19,14 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from conceptlens.steering.compare import ALPHAS, PROMPTS, compare, diff_of_means, mean_activation
 
-__all__ = ["ALPHAS", "PROMPTS", "compare", "diff_of_means", "format_rows", "mean_activation", "pick_concept",
-           "steer_example", "verdict", "write_rows"]
+__all__ = ["ALPHAS", "PROMPTS", "compare", "diff_of_means", "format_rows", "intervals", "mean_activation",
+           "pick_concept", "steer_example", "verdict", "write_rows"]
 
 
 JUDGE_TOKENS = 64
@@ -32,15 +35,20 @@ so 128-token openings gain it little there and cost twice the time (held-out acc
 tokens, 0.964 at 128; 16 s against 33 s on 2 cores)."""
 
 
-def format_rows(rows: list[dict[str, Any]], topic: str) -> str:
-    """The table: P(topic) and median perplexity per alpha, and the best P within the budget."""
+def format_rows(rows: list[dict[str, Any]], topic: str, intervals: Mapping[str, Any] | None = None) -> str:
+    """The table: P(topic) and median perplexity per alpha, and the best P within the budget (with its
+    95% interval over the prompts where `intervals`, row name -> `Estimate`, has the row)."""
     alphas = max((r["alphas"] for r in rows), key=len)
     width = max(14, *(len(r["row"]) for r in rows))
     head = f"{'':<{width}}  {'':<10}" + "".join(f"{'a=' + format(a, 'g'):>8}" for a in alphas)
     lines = [head + "   best within budget"]
     for r in rows:
         cells = {a: (p, q) for a, p, q in zip(r["alphas"], r["p"], r["perplexity"])}
-        best = "over budget" if r["best"] is None else f"{r['best'][1]:.3f} at alpha {r['best'][0]:g}"
+        best = "over budget"
+        if r["best"] is not None:
+            est = (intervals or {}).get(r["row"])
+            best = f"{r['best'][1]:.3f}" + ("" if est is None or math.isnan(est.low) else
+                                           f" [{est.low:.3f}, {est.high:.3f}]") + f" at alpha {r['best'][0]:g}"
         if r["best"] is not None and r["best"][0] == 0 and len(r["alphas"]) > 1:
             best += " (unsteered)"  # a direction none of whose alphas within the budget scored higher
         lines.append(f"{r['row']:<{width}}  {'P(' + topic + ')':<10}"
@@ -50,36 +58,55 @@ def format_rows(rows: list[dict[str, Any]], topic: str) -> str:
     return "\n".join(lines)
 
 
-def verdict(rows: list[dict[str, Any]], topic: str) -> str:
+def intervals(rows: list[dict[str, Any]], lines: list[Any]) -> dict[str, Any]:
+    """Row name -> the `Estimate` of its best score within the budget, from `label_lines`' first line
+    (the concept, rows[0], next to the random, diff-of-means and prompt-prefix rows)."""
+    first = lines[0]
+    bases = dict(first.baselines)
+    return {rows[0]["row"]: first.value, "random": bases["random direction"],
+            "diff-of-means": bases["diff-of-means"], rows[-1]["row"]: bases["prompt prefix"]}
+
+
+def verdict(rows: list[dict[str, Any]], topic: str, lines: Sequence[Any] = ()) -> str:
     """Which row wins (highest P(topic) within the budget, if above the unsteered continuations'),
-    and whether the concept loses to the difference of means or to the random control; rows[0] is
-    the concept, rows[1] diff-of-means, rows[2] the random control."""
+    and how the concept steers against the difference of means and the random control by
+    `label_lines`' paired differences over the prompts (`lines`); rows[0] is the concept, rows[1]
+    diff-of-means, rows[2] the random control."""
+    from conceptlens.evaluate.lines import verdict as line_verdict
+
     def best(r: dict[str, Any]) -> float:
         return -math.inf if r["best"] is None else r["best"][1]
 
     unsteered = rows[0]["p"][rows[0]["alphas"].index(0.0)] if 0.0 in rows[0]["alphas"] else -math.inf
     winner = max(rows, key=best)
     if not best(winner) > unsteered:
-        lines = [f"No row raises P({topic}) above the unsteered continuations' ({unsteered:.3f}) within the "
-                 "fluency budget"]
+        said = [f"No row raises P({topic}) above the unsteered continuations' ({unsteered:.3f}) within the "
+                "fluency budget"]
     else:
-        lines = [f"Winner: {winner['row']} (P({topic}) {best(winner):.3f} within the fluency budget, unsteered "
-                 f"{unsteered:.3f})"]
+        said = [f"Winner: {winner['row']} (P({topic}) {best(winner):.3f} within the fluency budget, unsteered "
+                f"{unsteered:.3f})"]
     concept, means, control = rows[0], rows[1], rows[2]
     for r in (concept, means, control):
-        over = [(p, a, q) for a, p, q, ok in zip(r["alphas"], r["p"], r["perplexity"], r.get("fluent", ()))
+        repeats = r.get("repetition") or [math.nan] * len(r["alphas"])
+        over = [(p, a, q, rep) for a, p, q, rep, ok in zip(r["alphas"], r["p"], r["perplexity"], repeats,
+                                                            r.get("fluent", ()))
                 if not ok and r["best"] is not None and p > r["best"][1]]
         if r["best"] is not None and r["best"][0] == 0 and over:
-            p, a, q = max(over)
-            lines.append(f"{r['row']}: no alpha within the fluency budget raises P({topic}); its {p:.3f} at alpha "
-                         f"{a:g} is over the budget (perplexity {q:.1f}), so its row is the unsteered continuations.")
-    if best(concept) < best(means):
-        lines.append(f"The fitted concept loses to the diff-of-means vector ({best(concept):.3f} vs "
-                     f"{best(means):.3f}), as AxBench found for SAE latents.")
-    if best(concept) <= best(control):
-        lines.append(f"The fitted concept does no better than a random direction ({best(concept):.3f} vs "
-                     f"{best(control):.3f}).")
-    return "\n".join(lines)
+            p, a, q, rep = max(over)
+            why = f"median perplexity {q:.1f}" + ("" if math.isnan(rep) else f", median 3-gram repetition {rep:.2f}")
+            said.append(f"{r['row']}: no alpha within the fluency budget raises P({topic}); its {p:.3f} at alpha "
+                        f"{a:g} is over the budget ({why}), so its row is the unsteered continuations.")
+    how = {"wins": "better than", "overlaps": "like", "loses": "worse than"}
+    for base, name in (("diff-of-means", "the diff-of-means vector"), ("random", "a random direction")):
+        paired = next((ln for ln in lines if ln.metric.endswith(f" minus {base}")), None)
+        if paired is None or not line_verdict(paired):
+            continue  # a row over the budget at every alpha: no paired difference
+        d = paired.value
+        tail = ", as AxBench found for SAE latents" if base == "diff-of-means" and line_verdict(paired) == "loses" \
+            else ""
+        said.append(f"The fitted concept steers {how[line_verdict(paired)]} {name}: paired difference {d.value:+.3f} "
+                    f"[{d.low:+.3f}, {d.high:+.3f}] over the {len(concept['scores'][0])} prompts{tail}.")
+    return "\n".join(said)
 
 
 def write_rows(rows: list[dict[str, Any]], topic: str, accuracy: float, path: Path) -> None:
@@ -139,15 +166,17 @@ def steer_example(lens: Any, tok: Any, descriptions: dict[str, Any], labels: lis
         tok.pad_token = tok.eos_token
     rows = compare(lens, tok, site, norm, directions, judge.topic(args.topic), args.topic, args.prompt)
     print(f"P({args.topic}) of the continuations by the judge, median perplexity under the unsteered model; alpha "
-          f"in robust norms ({norm:.3g}); best within budget: perplexity at most 2x the unsteered, "
-          "at most half the 3-grams repeated")
-    print(format_rows(rows, args.topic))
-    print(verdict(rows, args.topic))
+          f"in robust norms ({norm:.3g}); best within budget: the highest P among alphas where at least half "
+          "the continuations keep perplexity within 2x the unsteered median and at most half their 3-grams "
+          f"repeated, with a 95% bootstrap interval over the {len(args.prompt)} prompts (alpha chosen on the same "
+          "prompts)")
+    lines = label_lines("bbc-news", args.topic, {name: (concept, next(iter(directions)))}, rows, args.seed)
+    print(format_rows(rows, args.topic, intervals(rows, lines)))
+    print(verdict(rows, args.topic, lines))
     write_rows(rows, args.topic, accuracy, out / "steering.json")
     save_part(args, {name: cs}, site, f"demo: steering toward {args.topic}",
               {"topic": args.topic, "prompts": list(args.prompt), "judge_model": args.judge_model,
-               "judge_docs": args.judge_docs, "seed": args.seed}, time.perf_counter() - start,
-              label_lines("bbc-news", args.topic, {name: (concept, next(iter(directions)))}, rows, args.seed))
+               "judge_docs": args.judge_docs, "seed": args.seed}, time.perf_counter() - start, lines)
     samples = [{"alpha": a, "scale": "robust_norm", "text": texts[0]} for a, texts in zip(rows[0]["alphas"],
                                                                                         rows[0]["texts"])]
     path = out / "describe" / name / "description.json"

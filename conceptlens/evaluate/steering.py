@@ -43,18 +43,10 @@ from conceptlens.evaluate.bootstrap import Estimate, bootstrap, paired_differenc
 from conceptlens.evaluate.lines import Line, verdict
 from conceptlens.evaluate.results import JUDGE
 from conceptlens.interface import AttachedModel
+from conceptlens.steering.compare import PROMPTS, compare
 
 TASKS = {"bbc-news": "Write about {}. ", "movie-polarity": "Write something {}. "}
 """Labelled sets whose labels are steered toward, and the prompting baseline's prefix."""
-PROMPTS = ("My favourite recipe for a quick dinner is", "The weather this morning was",
-           "Yesterday I finally cleaned the garage and", "The best way to learn a new language is",
-           "My neighbour's cat keeps", "After lunch we walked along the river and",
-           "In the back of the kitchen drawer I found", "The instructions for the bookshelf said to",
-           "My grandmother always kept a jar of", "When the kettle boiled, she",
-           "The path through the forest led to", "Every Sunday morning my brother",
-           "I planted tomatoes in the garden and", "The old house at the end of the street",
-           "Before going to bed, I usually", "The bus stopped at the corner and")
-"""Unrelated, neutral openings: no news topic, no sentiment (the judge reads only the continuation)."""
 PAIRED = ("diff-of-means", "random")
 """Rows each set's row is compared with, paired over the prompts."""
 NAN = Estimate(math.nan, math.nan, math.nan)
@@ -63,7 +55,6 @@ NAN = Estimate(math.nan, math.nan, math.nan)
 @dataclass
 class SteeringConfig:
     prompts: tuple[str, ...] = PROMPTS
-    """all 16: with 4, the intervals over prompts were too wide to tell almost any two rows apart"""
     alphas: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0)
     """alpha 1 is word salad for most directions on SmolLM2 (perplexity in the thousands); 2 was never reached"""
     max_new_tokens: int = 12
@@ -181,7 +172,6 @@ def steering_lines(lens: AttachedModel, tok: Any, site: str, sets: Mapping[str, 
     budget next to random, diff-of-means and prompt-prefix rows; and each judge's own accuracy.
     `record`, when given, receives (task, label, judge, compare's rows) per label."""
     from conceptlens import data, models
-    from conceptlens.steering.compare import compare
     from conceptlens.steering.prompt_cache import PromptCache
     from conceptlens.steering.units import robust_norm
 

@@ -28,9 +28,21 @@ from conceptlens.steering.edits import Add, add_vector
 from conceptlens.steering.prompt_cache import PromptCache
 from conceptlens.steering.sweep import SweepResult
 
-ALPHAS = (0.0, 0.25, 0.5, 1.0, 2.0)
+ALPHAS = (0.0, 0.25, 0.375, 0.5, 0.75, 1.0)
+"""The demo's sweep, in robust norms: on SmolLM2 the diff-of-means vector leaves the fluency budget
+between 0.25 and 0.5 and a k-means concept between 1 and 2, where no direction stayed within it."""
 PROMPTS = ("My favourite recipe for a quick dinner is", "The weather this morning was",
-           "I opened the letter from my bank and")
+           "Yesterday I finally cleaned the garage and", "The best way to learn a new language is",
+           "My neighbour's cat keeps", "After lunch we walked along the river and",
+           "In the back of the kitchen drawer I found", "The instructions for the bookshelf said to",
+           "My grandmother always kept a jar of", "When the kettle boiled, she",
+           "The path through the forest led to", "Every Sunday morning my brother",
+           "I planted tomatoes in the garden and", "The old house at the end of the street",
+           "Before going to bed, I usually", "The bus stopped at the corner and")
+"""Unrelated, neutral openings: no news topic, no sentiment (a judge reads only the continuation).
+Sixteen: with 3 or 4 the intervals over prompts were too wide to tell almost any two rows apart, and
+a step of a small model costs little more for 16 rows than for 4."""
+
 
 @torch.no_grad()
 def mean_activation(lens: AttachedModel, tokenizer: Any, site: str, texts: Sequence[str], max_length: int = 128,

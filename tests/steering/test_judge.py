@@ -102,9 +102,40 @@ def test_demo_comparison_has_four_rows_and_names_the_loser(setup):
         assert r["best"] == (max(walk)[1], pytest.approx(max(walk)[0]))
     table = demo_steer.format_rows(rows, "high")
     assert all(r["row"] in table for r in rows) and len(table.splitlines()) == 1 + 2 * 4
-    rows[0]["best"], rows[1]["best"], rows[2]["best"] = (1.0, 0.2), (4.0, 0.7), (0.0, 0.1)
-    said = demo_steer.verdict(rows, "high")
-    assert "Winner: diff-of-means" in said and "loses to the diff-of-means vector (0.200 vs 0.700)" in said
+
+
+def test_demo_table_and_verdict_read_the_saved_lines_intervals_and_paired_differences():
+    """The printed best cells carry the bootstrap intervals over prompts that `label_lines` saves for
+    the atlas, and the verdict sets the concept against diff-of-means and the random direction by
+    the paired differences: worse than diff-of-means on every prompt, better than random on every one."""
+    from conceptlens.evaluate.lines import verdict
+    from conceptlens.evaluate.steering import label_lines
+
+    def row(name, scores, best):
+        alphas = [0.0, 0.5][:len(scores)]
+        return {"row": name, "alphas": alphas, "scores": scores, "p": [sum(s) / len(s) for s in scores],
+                "perplexity": [3.0] * len(scores), "fluent": [True] * len(scores), "best": best}
+
+    unsteered = [0.1] * 4
+    rows = [row("kmeans:6", [unsteered, [0.2, 0.25, 0.15, 0.2]], (0.5, 0.2)),
+            row("diff-of-means", [unsteered, [0.7, 0.8, 0.6, 0.7]], (0.5, 0.7)),
+            row("random", [unsteered, [0.1, 0.12, 0.08, 0.1]], (0.5, 0.1)),
+            row("prefix 'Write about sports.'", [[0.4, 0.5, 0.3, 0.4]], (0.0, 0.4))]
+    lines = label_lines("bbc-news", "sports", {"kmeans": (6, "kmeans:6")}, rows, seed=0)
+    table = demo_steer.format_rows(rows, "sports", demo_steer.intervals(rows, lines)).splitlines()
+    shown = dict(zip(("random direction", "diff-of-means", "prompt prefix"), (table[5], table[3], table[7])))
+    for (name, est), cell in [(("kmeans", lines[0].value), table[1]), *((b, shown[b[0]]) for b in lines[0].baselines)]:
+        assert 0 < est.low < est.high and cell.endswith(f"[{est.low:.3f}, {est.high:.3f}] at alpha "
+                                                        f"{0 if 'prefix' in cell else 0.5:g}"), (name, cell)
+    said = demo_steer.verdict(rows, "sports", lines).splitlines()
+    worse, better = (next(ln for ln in lines if ln.metric.endswith(f" minus {b}")) for b in ("diff-of-means", "random"))
+    assert (verdict(worse), verdict(better)) == ("loses", "wins")
+    assert said[0].startswith("Winner: diff-of-means")
+    assert said[1] == (f"The fitted concept steers worse than the diff-of-means vector: paired difference -0.500 "
+                       f"[{worse.value.low:+.3f}, {worse.value.high:+.3f}] over the 4 prompts, as AxBench found for "
+                       "SAE latents.")
+    assert said[2] == (f"The fitted concept steers better than a random direction: paired difference +0.100 "
+                       f"[{better.value.low:+.3f}, {better.value.high:+.3f}] over the 4 prompts.")
 
 
 def test_a_direction_whose_best_within_budget_is_alpha_0_is_said_to_be_unsteered():
@@ -123,7 +154,7 @@ def test_a_direction_whose_best_within_budget_is_alpha_0_is_said_to_be_unsteered
     assert table[3].endswith("0.063 at alpha 0 (unsteered)") and table[7].endswith("0.395 at alpha 0")
     said = demo_steer.verdict(rows, "sports").splitlines()
     assert "diff-of-means: no alpha within the fluency budget raises P(sports); its 0.508 at alpha 0.5 is over the " \
-           "budget (perplexity 6.6), so its row is the unsteered continuations." in said
+           "budget (median perplexity 6.6), so its row is the unsteered continuations." in said
     assert sum("no alpha within" in line for line in said) == 1  # not the concept's, nor the control's
 
 

@@ -3,9 +3,10 @@
 One streaming pass fits Deleuzian concepts, a TopK SAE and k-means at one middle block (no
 activation is saved); a description pass over held-out articles records each concept's top
 contexts, histogram and topic probes; a quality table puts every number next to its
-baseline; the static report is written; and the concept that best predicts one topic (picked
-by the run) steers unrelated prompts next to a diff-of-means vector, a random direction and a
-prompt prefix, all judged by a MiniLM topic classifier and by fluency (`demo_steer`).
+baseline; the static report is written; and of the concepts that best predict one topic, the
+one that steers other prompts furthest toward it steers unrelated prompts next to a
+diff-of-means vector, a random direction chosen alike and a prompt prefix, all judged by a
+MiniLM topic classifier and by fluency (`demo_steer`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the control through the same nonlinearity, or by their activations (default: code)")
     parser.add_argument("--ce-docs", type=positive_int, default=12,
                         help="held-out articles of CE-loss recovered (next to zero- and mean-ablation)")
-    parser.add_argument("--topic", default="sports", help="the topic whose best concept steers the prompt")
+    parser.add_argument("--topic", default="sports", help="the topic the steering example steers toward")
     parser.add_argument("--prompt", type=nonempty_text, nargs="+", default=list(PROMPTS),
                         help="unrelated prompts the steering comparison starts from")
     parser.add_argument("--judge-model", default="minilm-l6",

@@ -4,12 +4,15 @@ Four ways to push unrelated prompts toward a topic, each swept over the same alp
 same unit (`Add(..., scale="robust_norm")`): the run's chosen concept (centred where the set
 has a mean), the difference of mean activations of topic vs other-topic training articles at
 the same site, a random direction (the control), and an unsteered prompt prefix
-("Write about TOPIC. "). Each continuation is scored by `TopicJudge` (MiniLM embeddings +
-logistic regression on the BBC train split) and by its perplexity under the unsteered model;
-a row's result is its best mean P(topic) among the alphas within the fluency budget, with a
-bootstrap interval over the prompts; the concept is set against diff-of-means and the random
-direction by paired differences over the same prompts (`evaluate.steering.label_lines`, the
-lines the atlas shows).
+("Write about TOPIC. "). The concept is chosen by steering: each set's best probes for the
+topic steer `SCREEN_PROMPTS`, other prompts than the comparison's, and the one that steers them
+furthest within the fluency budget is compared; the random control is the best of as many
+random directions on the same screen, so that both rows were chosen alike. Each continuation
+is scored by `TopicJudge` (MiniLM embeddings + logistic regression on the BBC train split) and
+by its perplexity under the unsteered model; a row's result is its best mean P(topic) among
+the alphas within the fluency budget, with a bootstrap interval over the prompts; the concept is
+set against diff-of-means and the random direction by paired differences over the same prompts
+(`evaluate.steering.label_lines`, the lines the atlas shows).
 """
 
 from __future__ import annotations
@@ -25,10 +28,24 @@ import torch
 
 from conceptlens.steering.compare import ALPHAS, PROMPTS, compare, diff_of_means, mean_activation
 
-__all__ = ["ALPHAS", "PROMPTS", "compare", "diff_of_means", "format_rows", "intervals", "mean_activation",
-           "pick_concept", "steer_example", "verdict", "write_rows"]
+__all__ = ["ALPHAS", "PROMPTS", "SCREEN_PROMPTS", "compare", "diff_of_means", "format_rows", "intervals",
+           "mean_activation", "pick_concepts", "screen", "steer_example", "verdict", "write_rows"]
 
 
+CANDIDATES_PER_SET = 2
+"""Concepts of each set the screen steers: its best probes for the topic (SmolLM2, seed 0: the best
+of 6 on the screen steered the 16 comparison prompts to 0.41 at alpha 0.5, where the best probe
+alone, a k-means concept, reached 0.18 and steered like a random direction; EVALUATION.md)."""
+SCREEN_PROMPTS = ("The meeting on Tuesday was moved because", "She poured the tea and",
+                  "The train was late again, so", "On the table next to the window there was",
+                  "My first job after school was", "The parcel arrived this morning and",
+                  "We painted the kitchen yellow and", "At the top of the hill, the view")
+"""Neutral openings the steered concept (and the random control) is chosen on; none is one of
+`PROMPTS`, which the comparison is scored on."""
+SCREEN_ALPHAS = (0.0, 0.375, 0.5, 0.75)
+"""Where the demo's directions stay within the fluency budget on SmolLM2 and Gemma-3, or just leave it."""
+SCREEN_TOKENS = 12
+"""Tokens per screen continuation (the comparison's 20 cost twice the decoding steps)."""
 JUDGE_TOKENS = 64
 """Tokens of each article the judge learns from and is scored on: it judges 20-token continuations,
 so 128-token openings gain it little there and cost twice the time (held-out accuracy 0.941 at 64
@@ -118,15 +135,16 @@ def write_rows(rows: list[dict[str, Any]], topic: str, accuracy: float, path: Pa
 
 def steer_example(lens: Any, tok: Any, descriptions: dict[str, Any], labels: list[str], rows: Any,
                   args: argparse.Namespace, out: Path) -> None:
-    """The demo's steering example: the concept `pick_concept` finds for `args.topic` against the
-    diff-of-means vector of the probe's train `rows`, a random direction and the prompt prefix, judged
-    by a MiniLM topic classifier; printed, written to RUN/steering.json and to the concept's page."""
+    """The demo's steering example: the concept `screen` chooses for `args.topic` among each set's
+    best probes (`pick_concepts`) against the diff-of-means vector of the probe's train `rows`, the
+    random direction the same screen chooses among as many, and the prompt prefix, judged by a
+    MiniLM topic classifier on `args.prompt`; printed, written to RUN/steering.json and to the
+    concept's page."""
     from conceptlens import data
     from conceptlens._io import atomic_write
     from conceptlens.commands._common import load_model
     from conceptlens.commands.demo_probe import save_part
     from conceptlens.evaluate.activations import pick, pick_unread
-    from conceptlens.commands.demo_quality import best_per_class
     from conceptlens.concepts.conceptset import ConceptSet
     from conceptlens.evaluate.steering import diff_of_means as rows_diff_of_means  # of probed rows
     from conceptlens.evaluate.steering import label_lines
@@ -134,17 +152,12 @@ def steer_example(lens: Any, tok: Any, descriptions: dict[str, Any], labels: lis
     from conceptlens.steering.units import robust_norm
 
     start = time.perf_counter()
-    name, concept, loss = pick_concept(descriptions, labels, args.topic)
-    if name is None:
+    candidates = pick_concepts(descriptions, labels, args.topic, CANDIDATES_PER_SET)
+    if not candidates:
         print(f"\nNo concept's top contexts come mostly from {args.topic!r} articles: no steering example")
         return
-    d, site = descriptions[name], descriptions[name].info["site"]
-    base = d.info["base_rate_entropy"][args.topic]
+    site = descriptions[candidates[0][0]].info["site"]
     norm = robust_norm(lens, site)  # the unit of Add(..., scale="robust_norm")
-    print(f"\nSteering with {name} concept {concept}, the best {args.topic!r} probe among concepts whose top "
-          f"contexts are mostly {args.topic} articles (log-loss {loss:.3f} vs base rate {base:.3f}; best over "
-          f"{d.info['n_concepts']} random directions "
-          f"{best_per_class(descriptions['random'], d.info['n_concepts']).get(args.topic, (float('nan'),))[0]:.3f})")
     train, test = data.load("bbc-news", "train"), data.load("bbc-news", "test")
     encoder, encoder_tok = load_model(args, args.judge_model)
     learn = pick(len(train), args.judge_docs, args.seed)
@@ -153,53 +166,103 @@ def steer_example(lens: Any, tok: Any, descriptions: dict[str, Any], labels: lis
     learnt = {train.texts[i] for i in learn}  # the test split repeats some train articles: not held out
     held = pick_unread(test, len(test), args.seed, learnt)
     accuracy = judge.accuracy([test.texts[i] for i in held], [test.labels[i] for i in held])
-    print(f"Judge: logistic regression on mean-pooled {args.judge_model} embeddings of {len(learn)} train "
+    print(f"\nJudge: logistic regression on mean-pooled {args.judge_model} embeddings of {len(learn)} train "
           f"articles (first {JUDGE_TOKENS} tokens); held-out accuracy {accuracy:.3f} on {len(held)} test articles "
           "(none a copy of one it learned on)")
-    cs = ConceptSet.load(out / "concepts" / name)
-    directions = {f"{name}:{concept}" + (" centred" if cs.mean is not None else ""):
-                  (cs.centred() if cs.mean is not None else cs).directions[concept],
-                  "diff-of-means": rows_diff_of_means(rows, train.label_names.index(args.topic))}
+    sets = {name: ConceptSet.load(out / "concepts" / name) for name, _, _ in candidates}
+    concepts = {_row_name(name, j, sets[name]): _steer_direction(sets[name], j) for name, j, _ in candidates}
     g = torch.Generator().manual_seed(2_000_003 + args.seed)
-    directions["random"] = torch.randn(cs.d, generator=g)
+    d = next(iter(sets.values())).d
+    randoms = {f"random {i}": torch.randn(d, generator=g) for i in range(len(concepts))}
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    prompts = [p for p in SCREEN_PROMPTS if p not in args.prompt]
+    key, random_key, screened = screen(lens, tok, site, norm, concepts, randoms, judge.topic(args.topic), args.topic,
+                                       prompts)
+    name, concept, loss = next(c for c in candidates if _row_name(c[0], c[1], sets[c[0]]) == key)
+    print(screen_summary(screened, len(concepts), args.topic, prompts, key, random_key))
+    cs = sets[name]
+    directions = {key: concepts[key], "diff-of-means": rows_diff_of_means(rows, train.label_names.index(args.topic)),
+                  "random": randoms[random_key]}
     rows = compare(lens, tok, site, norm, directions, judge.topic(args.topic), args.topic, args.prompt)
-    print(f"P({args.topic}) of the continuations by the judge, median perplexity under the unsteered model; alpha "
-          f"in robust norms ({norm:.3g}); best within budget: the highest P among alphas where at least half "
-          "the continuations keep perplexity within 2x the unsteered median and at most half their 3-grams "
-          f"repeated, with a 95% bootstrap interval over the {len(args.prompt)} prompts (alpha chosen on the same "
-          "prompts)")
-    lines = label_lines("bbc-news", args.topic, {name: (concept, next(iter(directions)))}, rows, args.seed)
+    print(f"\nSteering {len(args.prompt)} other prompts with {name} concept {concept} (sports probe log-loss "
+          f"{loss:.3f}), the diff-of-means vector, {random_key} and the prompt prefix; P({args.topic}) of the "
+          f"continuations by the judge, median perplexity under the unsteered model; alpha in robust norms "
+          f"({norm:.3g}); best within budget: the highest P among alphas where at least half the continuations "
+          "keep perplexity within 2x the unsteered median and at most half their 3-grams repeated, with a 95% "
+          f"bootstrap interval over the {len(args.prompt)} prompts (alpha chosen on the same prompts)")
+    lines = label_lines("bbc-news", args.topic, {name: (concept, key)}, rows, args.seed)
     print(format_rows(rows, args.topic, intervals(rows, lines)))
     print(verdict(rows, args.topic, lines))
     write_rows(rows, args.topic, accuracy, out / "steering.json")
     save_part(args, {name: cs}, site, f"demo: steering toward {args.topic}",
-              {"topic": args.topic, "prompts": list(args.prompt), "judge_model": args.judge_model,
-               "judge_docs": args.judge_docs, "seed": args.seed}, time.perf_counter() - start, lines)
+              {"topic": args.topic, "prompts": list(args.prompt), "screen_prompts": prompts,
+               "candidates": list(concepts), "judge_model": args.judge_model, "judge_docs": args.judge_docs,
+               "seed": args.seed}, time.perf_counter() - start, lines)
     samples = [{"alpha": a, "scale": "robust_norm", "text": texts[0]} for a, texts in zip(rows[0]["alphas"],
                                                                                         rows[0]["texts"])]
     path = out / "describe" / name / "description.json"
     info = json.loads(path.read_text())
     info["steering"] = [*info.get("steering", []), {"concept": concept, "prompt": args.prompt[0],
-                                                    "norm": norm, "samples": samples}]
+                                                    "positions": "generated", "norm": norm, "samples": samples}]
     text = json.dumps(info, indent=1)
     atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
-def pick_concept(descriptions: dict[str, Any], labels: list[str], topic: str) -> tuple[Any, Any, float]:
-    """(set, concept, loss): the lowest `topic` probe loss among concepts of the fitted sets whose
-    top contexts come mostly from `topic` documents (so that adding the direction means more topic)."""
-    best: tuple[Any, Any, float] = (None, None, float("inf"))
+def _row_name(name: str, j: int, cs: Any) -> str:
+    return f"{name}:{j}" + (" centred" if cs.mean is not None else "")
+
+
+def _steer_direction(cs: Any, j: int) -> torch.Tensor:
+    return (cs.centred() if cs.mean is not None else cs).directions[j]
+
+
+def pick_concepts(descriptions: dict[str, Any], labels: list[str], topic: str,
+                  per_set: int) -> list[tuple[str, int, float]]:
+    """(set, concept, loss) of up to `per_set` concepts of each fitted set: the lowest `topic` probe
+    losses among its concepts whose top contexts come mostly from `topic` documents (so that adding
+    the direction means more topic), lowest loss first over all sets."""
+    found = []
     for name, d in descriptions.items():
         if name == "random" or "probe_loss" not in d.stats:
             continue
         c = d.info["labels"].index(topic)
+        kept = []
         for j in torch.argsort(d.stats["probe_loss"][:, c]).tolist()[:50]:
             docs = [ctx["doc"] for ctx in d.contexts[j]["contexts"]]
-            share = sum(labels[doc] == topic for doc in docs) / max(len(docs), 1)
-            loss = float(d.stats["probe_loss"][j, c])
-            if share > 0.5 and loss < best[2]:
-                best = (name, j, loss)
-                break
-    return best
+            if sum(labels[doc] == topic for doc in docs) / max(len(docs), 1) > 0.5:
+                kept.append((name, j, float(d.stats["probe_loss"][j, c])))
+                if len(kept) == per_set:
+                    break
+        found += kept
+    return sorted(found, key=lambda c: c[2])
+
+
+def screen(lens: Any, tok: Any, site: str, norm: float, concepts: dict[str, torch.Tensor],
+           randoms: dict[str, torch.Tensor], judge: Any, topic: str,
+           prompts: Sequence[str]) -> tuple[str, str, list[dict[str, Any]]]:
+    """(concept row, random row, the screen's rows): the concept of `concepts` and the direction of
+    `randoms` (as many, the control chosen the same way) whose best P(topic) within the fluency
+    budget is highest when steering `prompts` at `SCREEN_ALPHAS` for `SCREEN_TOKENS` tokens; the
+    first of each (the best probe) when none stays within the budget."""
+    rows = compare(lens, tok, site, norm, concepts | randoms, judge, topic, prompts, SCREEN_ALPHAS,
+                   max_new_tokens=SCREEN_TOKENS)
+
+    def best(r: dict[str, Any]) -> float:
+        return -math.inf if r["best"] is None else r["best"][1]
+
+    n = len(concepts)
+    return (max(rows[:n], key=best)["row"], max(rows[n:n + len(randoms)], key=best)["row"], rows)
+
+
+def screen_summary(rows: list[dict[str, Any]], n: int, topic: str, prompts: Sequence[str], key: str,
+                   random_key: str) -> str:
+    """The screen in two lines: each candidate's best P(topic) within the budget, then the chosen ones."""
+    def cell(r: dict[str, Any]) -> str:
+        return f"{r['row']} " + ("over budget" if r["best"] is None else f"{r['best'][1]:.2f}")
+
+    return (f"Choosing the steered concept on {len(prompts)} prompts of their own (not the comparison's), alphas "
+            f"{', '.join(format(a, 'g') for a in SCREEN_ALPHAS if a)}, {SCREEN_TOKENS} tokens: best P({topic}) within "
+            f"the fluency budget of each set's {CANDIDATES_PER_SET} best {topic} probes and of as many random "
+            f"directions (the control, chosen the same way)\n  " + "; ".join(cell(r) for r in rows[:-1])
+            + f"\n  chosen: {key} and {random_key}")

@@ -202,3 +202,54 @@ def _loud(model) -> torch.Tensor:
     """A direction that pushes one token's logit: at large alpha a loop of it, which the random
     model reads within 2x of its unsteered perplexity; the repetition budget breaks it."""
     return model.get_output_embeddings().weight[80].detach().clone()
+
+
+def test_demo_candidates_are_each_sets_best_topic_probes_with_topic_contexts():
+    """pick_concepts: per fitted set (never the random control), its `per_set` lowest topic probe
+    losses among concepts whose top contexts are mostly topic documents, lowest loss first overall."""
+    from types import SimpleNamespace
+
+    labels = ["sport", "art", "sport", "art"]  # document -> label
+    def described(losses, docs):  # concept j: probe loss for "sport" (column 1), top contexts in docs[j]
+        return SimpleNamespace(stats={"probe_loss": torch.tensor([[9.0, x] for x in losses])},
+                               info={"labels": ["art", "sport"]},
+                               contexts=[{"contexts": [{"doc": d} for d in ds]} for ds in docs])
+
+    descriptions = {"a": described([0.3, 0.1, 0.2, 0.5], [[0, 2], [1, 3], [0, 1, 2], [2]]),  # 1: art contexts
+                    "b": described([0.4, 0.25], [[2], [0, 0, 1]]),
+                    "random": described([0.0], [[0]])}
+    assert demo_steer.pick_concepts(descriptions, labels, "sport", 2) == [
+        ("a", 2, pytest.approx(0.2)), ("b", 1, pytest.approx(0.25)), ("a", 0, pytest.approx(0.3)),
+        ("b", 0, pytest.approx(0.4))]
+    assert demo_steer.pick_concepts(descriptions, labels, "sport", 1) == [("a", 2, pytest.approx(0.2)),
+                                                                        ("b", 1, pytest.approx(0.25))]
+
+
+def test_demo_screen_chooses_the_concept_and_the_random_control_alike_on_other_prompts(monkeypatch):
+    """screen: one batched comparison on the screen prompts (none of the comparison's) at the screen
+    alphas; the concept is the concept row steering furthest within the budget, the control the
+    random row doing so (a random row's higher score never picks a concept, the prefix row is never
+    the control); a row over the budget at every alpha loses to any within it."""
+    seen = {}
+
+    def fake_compare(lens, tok, site, norm, directions, judge, topic, prompts, alphas, max_new_tokens):
+        seen.update(directions=list(directions), prompts=list(prompts), alphas=alphas, tokens=max_new_tokens)
+        best = {"a:1": (0.5, 0.30), "b:2": None, "c:3": (0.75, 0.41), "random 0": (0.375, 0.90),
+                "random 1": None, "random 2": (0.5, 0.20)}
+        return [{"row": k, "best": best[k]} for k in directions] + [{"row": "prefix", "best": (0.0, 0.99)}]
+
+    monkeypatch.setattr(demo_steer, "compare", fake_compare)
+    v = torch.ones(4)
+    concepts, randoms = {"a:1": v, "b:2": v, "c:3": v}, {"random 0": v, "random 1": v, "random 2": v}
+    key, control, rows = demo_steer.screen(None, None, "s", 1.0, concepts, randoms, None, "sport",
+                                           demo_steer.SCREEN_PROMPTS)
+    assert (key, control) == ("c:3", "random 0") and len(rows) == 7
+    assert seen["directions"] == [*concepts, *randoms] and seen["alphas"] == demo_steer.SCREEN_ALPHAS
+    assert seen["tokens"] == demo_steer.SCREEN_TOKENS
+    assert not set(seen["prompts"]) & set(demo_steer.PROMPTS) and len(seen["prompts"]) == 8
+
+    def over_budget(*args, **kwargs):
+        return [{"row": k, "best": None} for k in args[4]] + [{"row": "prefix", "best": (0.0, 0.5)}]
+
+    monkeypatch.setattr(demo_steer, "compare", over_budget)  # none within the budget: the first (the best probe)
+    assert demo_steer.screen(None, None, "s", 1.0, concepts, randoms, None, "sport", ["p"])[:2] == ("a:1", "random 0")

@@ -124,6 +124,7 @@ def _record(result: SweepResult, label: str, index: int, prompts: list[str], nor
              "perplexity": _finite(ppl[a]), "fluent": fluent[a]}
             for a, (alpha, texts, mean) in enumerate(zip(result.alphas, result.texts, result.mean.tolist()))]
     return {"concept": index, "name": label, "prompt": prompts[0], "prompts": prompts, "scale": "robust_norm",
+            "positions": "all",
             "norm": norm, "score": result.label, "budget": result.budget,
             "reference_perplexity": _finite(reference.nanquantile(0.5)),
             "chosen_alpha": result.best_alpha, "samples": runs}

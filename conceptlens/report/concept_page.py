@@ -132,7 +132,12 @@ def _steering_block(sample: dict[str, Any] | None) -> str:
     elif "chosen_alpha" in sample:
         norm += "; no alpha stays within the fluency budget"
     return (f'<h2>Steering</h2><p>Prompt: <code>{esc(sample["prompt"])}</code>{esc(norm)}</p>'
-            + figure(table(["alpha", "continuation"], rows, attrs=' class="steer"'), LEGENDS["steering"]))
+            + figure(table(["alpha", "continuation"], rows, attrs=' class="steer"'),
+                     LEGENDS["steering"].format(where=STEERED_AT.get(str(sample.get("positions")), ""))))
+
+
+STEERED_AT = {"all": " at every position", "generated": " at the generated tokens only (the prompt read unsteered)"}
+"""The steering legend's positions, by a sample's "positions" (none said in samples written before it)."""
 
 
 def _hierarchy_block(name: str, i: int, hierarchy: dict[str, list[int]] | None, labels: dict[str, list[str]]) -> str:

@@ -40,7 +40,7 @@ LEGENDS = {
                   "Pearson correlation of activations (dense sets) on a strided sample of tokens; scores of 0 or below are "
                   "not listed.",
     "steering": "The prompt continued greedily with alpha times the site's typical token norm added along the unit "
-                "direction at every position; alpha 0 is the unsteered text.",
+                "direction{where}; alpha 0 is the unsteered text.",
     "map": "Each point is a concept: PCA of its unit direction (centred as the activations are), so nearby points "
            "point alike; axes have no units. Size: frequency. Colour: the class its best probe predicts (grey: no "
            "labels, or no class whose probe beats its base rate). Click a point to open the concept.",

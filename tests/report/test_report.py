@@ -93,6 +93,24 @@ def test_concept_page_content(report, tmp_path):
     assert ex.stats["hist_edges"][1][0] == 0 and "stroke-dasharray" not in html and "dashed line" not in html
 
 
+@pytest.mark.parametrize("positions, said", [("all", "at every position"),
+                                              ("generated", "at the generated tokens only"), (None, "")])
+def test_steering_caption_names_the_positions_the_samples_were_steered_at(tmp_path, positions, said):
+    """describe's samples steer every position, the demo's only the generated tokens: the caption
+    says which; samples written before they recorded it claim neither."""
+    run = write_fake_run(tmp_path / "run", [("topk", "topk-sae", 4)], labels=False)
+    path = run / "describe" / "topk" / "description.json"
+    info = json.loads(path.read_text())
+    if positions is not None:
+        info["steering"][0]["positions"] = positions
+    path.write_text(json.dumps(info))
+    write_report(run, progress=False)
+    html = (run / "report" / "concepts" / "topk" / "1.html").read_text()
+    caption = re.search(r"<h2>Steering</h2>.*?<figcaption[^>]*>(.*?)</figcaption>", html, re.S)[1]
+    assert caption.startswith("The prompt continued greedily") and "{where}" not in caption
+    assert (said in caption) if said else ("every position" not in caption and "generated" not in caption)
+
+
 def test_top_tokens_counts_centres():
     ctx = [{"tokens": ["a", " goal"], "center": 1}, {"tokens": [" cup", "x"], "center": 0},
            {"tokens": [" goal"], "center": 0}]

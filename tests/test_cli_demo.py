@@ -119,7 +119,11 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
         for row, name in zip(rows, ("deleuzian:", "diff-of-means", "random", "prefix 'Write about sports.'")):
             assert row.startswith(name) or (name == "deleuzian:" and row.split()[0].split(":")[0] in
                                             ("topk", "kmeans")), (row, name)
-        assert "Winner:" in table or "No row raises P(sports)" in table
+        assert "Highest within the fluency budget:" in table or "No row raises P(sports)" in table
+        screen = printed[printed.index("Choosing the steered concept on 8 prompts"):
+                         printed.index("best within budget\n")]
+        chosen = re.search(r"chosen: (\S+(?: centred)?) and (random \d+)", screen)
+        assert chosen and rows[0].startswith(chosen[1] + " ") and f"{chosen[2]} (row \"random\")" in screen
         assert json.loads((out / "steering.json").read_text())["judge_accuracy"] > 0
     # the printed figures are the atlas's too: RUN/eval.json holds them as parts of the suite's table
     saved = load_results(out)
@@ -145,8 +149,10 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
         page = next(ln for ln in steered if ln.concept is not None)
         assert page._replace(concept=None) == steered[0]
         assert [name for name, _ in page.baselines] == ["random direction", "diff-of-means", "prompt prefix"]
+        assert not math.isnan(page.value.low)  # alpha 0 is always within the budget: the concept has a best
         for est in (page.value, *(e for _, e in page.baselines)):  # the printed best cells carry the saved intervals
             assert math.isnan(est.low) or f"{est.value:.3f} [{est.low:.3f}, {est.high:.3f}] at alpha" in printed
+        assert "each the best of 6 on 8 screen prompts" in page.note
         html = (out / "report" / "concepts" / page.extractor / f"{page.concept}.html").read_text()
         assert "<h2>Evaluation suite: this concept's scores</h2>" in html
         assert "steer bbc-news sports: P(sports)" in html
@@ -155,11 +161,16 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
 
 def test_bad_topic_fails_before_the_model_loads(capsys, monkeypatch):
     from conceptlens import models
+    from conceptlens.commands.demo_steer import SCREEN_PROMPTS
 
     monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model was loaded"))
     assert main(["demo", "--topic", "cooking"]) == 2
     err = capsys.readouterr().err
     assert "cooking" in err and "sports" in err and "Traceback" not in err
+    # a prompt the steered concept is chosen on would score the choice on its own prompt
+    assert main(["demo", "--prompt", "Hello there", SCREEN_PROMPTS[3]]) == 2
+    err = capsys.readouterr().err
+    assert f"--prompt {SCREEN_PROMPTS[3]!r} is one of the prompts" in err and "Traceback" not in err
     assert main(["demo", "--max-tokens", "0"]) == 2
     assert "--max-tokens" in capsys.readouterr().err
 

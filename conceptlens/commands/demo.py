@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from conceptlens.commands._args import count, nonempty_text, out_dir, positive_int, token_length
-from conceptlens.commands.demo_steer import PROMPTS, steer_example
+from conceptlens.commands.demo_steer import PROMPTS, SCREEN_PROMPTS, steer_example
 from conceptlens.evaluate.probing import RANDOM_DRAWS
 from conceptlens.evaluate.readings import READINGS
 
@@ -151,6 +151,10 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer; got {getattr(args, name)}")
     if args.k > args.width:
         raise ValueError(f"--k {args.k} must not exceed --width {args.width}")
+    chosen_on = [p for p in args.prompt if p in SCREEN_PROMPTS]
+    if chosen_on:
+        raise ValueError(f"--prompt {chosen_on[0]!r} is one of the prompts the steered concept is chosen on "
+                         f"({'; '.join(SCREEN_PROMPTS)}): give prompts other than these")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -100,7 +100,7 @@ def verdict(rows: list[dict[str, Any]], topic: str, lines: Sequence[Any] = ()) -
         said = [f"No row raises P({topic}) above the unsteered continuations' ({unsteered:.3f}) within the "
                 "fluency budget"]
     else:
-        said = [f"Winner: {winner['row']} (P({topic}) {best(winner):.3f} within the fluency budget, unsteered "
+        said = [f"Highest within the fluency budget: {winner['row']} (P({topic}) {best(winner):.3f}, unsteered "
                 f"{unsteered:.3f})"]
     concept, means, control = rows[0], rows[1], rows[2]
     for r in (concept, means, control):
@@ -113,11 +113,15 @@ def verdict(rows: list[dict[str, Any]], topic: str, lines: Sequence[Any] = ()) -
             why = f"median perplexity {q:.1f}" + ("" if math.isnan(rep) else f", median 3-gram repetition {rep:.2f}")
             said.append(f"{r['row']}: no alpha within the fluency budget raises P({topic}); its {p:.3f} at alpha "
                         f"{a:g} is over the budget ({why}), so its row is the unsteered continuations.")
-    how = {"wins": "better than", "overlaps": "like", "loses": "worse than"}
+    how = {"wins": "better than", "overlaps": "no differently (by this interval) from", "loses": "worse than"}
     for base, name in (("diff-of-means", "the diff-of-means vector"), ("random", "a random direction")):
         paired = next((ln for ln in lines if ln.metric.endswith(f" minus {base}")), None)
-        if paired is None or not line_verdict(paired):
-            continue  # a row over the budget at every alpha: no paired difference
+        if paired is None:
+            continue
+        if not line_verdict(paired):
+            said.append(f"The fitted concept cannot be compared with {name}: a row is over the fluency budget at "
+                        "every alpha.")
+            continue
         d = paired.value
         tail = ", as AxBench found for SAE latents" if base == "diff-of-means" and line_verdict(paired) == "loses" \
             else ""
@@ -176,22 +180,25 @@ def steer_example(lens: Any, tok: Any, descriptions: dict[str, Any], labels: lis
     randoms = {f"random {i}": torch.randn(d, generator=g) for i in range(len(concepts))}
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    prompts = [p for p in SCREEN_PROMPTS if p not in args.prompt]
+    prompts = list(SCREEN_PROMPTS)  # none of args.prompt (demo refuses those at the start)
     key, random_key, screened = screen(lens, tok, site, norm, concepts, randoms, judge.topic(args.topic), args.topic,
                                        prompts)
     name, concept, loss = next(c for c in candidates if _row_name(c[0], c[1], sets[c[0]]) == key)
-    print(screen_summary(screened, len(concepts), args.topic, prompts, key, random_key))
+    print(screen_summary(screened, args.topic, prompts, key, random_key))
     cs = sets[name]
     directions = {key: concepts[key], "diff-of-means": rows_diff_of_means(rows, train.label_names.index(args.topic)),
                   "random": randoms[random_key]}
     rows = compare(lens, tok, site, norm, directions, judge.topic(args.topic), args.topic, args.prompt)
-    print(f"\nSteering {len(args.prompt)} other prompts with {name} concept {concept} (sports probe log-loss "
-          f"{loss:.3f}), the diff-of-means vector, {random_key} and the prompt prefix; P({args.topic}) of the "
-          f"continuations by the judge, median perplexity under the unsteered model; alpha in robust norms "
-          f"({norm:.3g}); best within budget: the highest P among alphas where at least half the continuations "
-          "keep perplexity within 2x the unsteered median and at most half their 3-grams repeated, with a 95% "
-          f"bootstrap interval over the {len(args.prompt)} prompts (alpha chosen on the same prompts)")
-    lines = label_lines("bbc-news", args.topic, {name: (concept, key)}, rows, args.seed)
+    print(f"\nSteering {len(args.prompt)} other prompts with {name} concept {concept} ({args.topic} probe "
+          f"log-loss {loss:.3f}), the diff-of-means vector, {random_key} (row \"random\") and the prompt prefix; "
+          f"P({args.topic}) of the continuations by the judge, median perplexity under the unsteered model; alpha "
+          f"in robust norms ({norm:.3g}), a row ending at its first alpha over the budget; best within budget: the "
+          "highest P among alphas where at least half the continuations keep perplexity within 2x the unsteered "
+          "median and at most half their 3-grams repeated, with a 95% bootstrap interval over the "
+          f"{len(args.prompt)} prompts (alpha chosen on the same prompts)")
+    how = (f"{name} concept {concept} and the random direction each the best of {len(concepts)} on "
+           f"{len(prompts)} screen prompts")
+    lines = label_lines("bbc-news", args.topic, {name: (concept, key)}, rows, args.seed, how)
     print(format_rows(rows, args.topic, intervals(rows, lines)))
     print(verdict(rows, args.topic, lines))
     write_rows(rows, args.topic, accuracy, out / "steering.json")
@@ -245,8 +252,11 @@ def screen(lens: Any, tok: Any, site: str, norm: float, concepts: dict[str, torc
     `randoms` (as many, the control chosen the same way) whose best P(topic) within the fluency
     budget is highest when steering `prompts` at `SCREEN_ALPHAS` for `SCREEN_TOKENS` tokens; the
     first of each (the best probe) when none stays within the budget."""
+    if set(concepts) & set(randoms):
+        raise ValueError(f"screen: concept and random rows share names {sorted(set(concepts) & set(randoms))}")
     rows = compare(lens, tok, site, norm, concepts | randoms, judge, topic, prompts, SCREEN_ALPHAS,
                    max_new_tokens=SCREEN_TOKENS)
+    assert len(rows) == len(concepts) + len(randoms) + 1  # then the prompt-prefix row
 
     def best(r: dict[str, Any]) -> float:
         return -math.inf if r["best"] is None else r["best"][1]
@@ -255,14 +265,18 @@ def screen(lens: Any, tok: Any, site: str, norm: float, concepts: dict[str, torc
     return (max(rows[:n], key=best)["row"], max(rows[n:n + len(randoms)], key=best)["row"], rows)
 
 
-def screen_summary(rows: list[dict[str, Any]], n: int, topic: str, prompts: Sequence[str], key: str,
+def screen_summary(rows: list[dict[str, Any]], topic: str, prompts: Sequence[str], key: str,
                    random_key: str) -> str:
     """The screen in two lines: each candidate's best P(topic) within the budget, then the chosen ones."""
     def cell(r: dict[str, Any]) -> str:
-        return f"{r['row']} " + ("over budget" if r["best"] is None else f"{r['best'][1]:.2f}")
+        if r["best"] is None:
+            return f"{r['row']} over budget"
+        return f"{r['row']} {r['best'][1]:.2f}" + (" (unsteered)" if r["best"][0] == 0 else "")
 
     return (f"Choosing the steered concept on {len(prompts)} prompts of their own (not the comparison's), alphas "
             f"{', '.join(format(a, 'g') for a in SCREEN_ALPHAS if a)}, {SCREEN_TOKENS} tokens: best P({topic}) within "
             f"the fluency budget of each set's {CANDIDATES_PER_SET} best {topic} probes and of as many random "
             f"directions (the control, chosen the same way)\n  " + "; ".join(cell(r) for r in rows[:-1])
-            + f"\n  chosen: {key} and {random_key}")
+            + f"\n  chosen: {key} and {random_key}"
+            + ("; (unsteered): no alpha within the budget did better than alpha 0"
+               if any(r["best"] is not None and r["best"][0] == 0 for r in rows[:-1]) else ""))

@@ -210,11 +210,12 @@ def steering_lines(lens: AttachedModel, tok: Any, site: str, sets: Mapping[str, 
 
 
 def label_lines(task: str, label: str, chosen: Mapping[str, tuple[int, str]], rows: list[dict[str, Any]],
-                seed: int) -> list[Line]:
+                seed: int, how: str = "") -> list[Line]:
     """The lines of one label from `compare`'s rows (the concepts' rows, "diff-of-means", "random",
     then the prompt-prefix row last): per set of `chosen` (set -> (concept, its row's name)), its
     concept's score next to the random, diff-of-means and prefix rows, its paired differences to the
-    `PAIRED` rows, and its first line again for that concept's page (`concept=`)."""
+    `PAIRED` rows, and its first line again for that concept's page (`concept=`). `how`: how the
+    concept and the random direction were chosen, said in the note."""
     found = {r["row"]: (r, _at_best(r, seed)) for r in rows}
     prompts = len(rows[0]["scores"][0])
     unsteered = rows[0]["p"][rows[0]["alphas"].index(0.0)] if 0.0 in rows[0]["alphas"] else float("nan")
@@ -228,7 +229,7 @@ def label_lines(task: str, label: str, chosen: Mapping[str, tuple[int, str]], ro
         metric = f"steer {task} {label}: P({label})"
         line = Line(name, metric, est, bases, f"concept {j} at {at}; diff-of-means at "
                     f"{'over budget' if dom is None else f'alpha {dom[0]:g}'}; unsteered {unsteered:.3f}; "
-                    f"intervals: bootstrap over the {prompts} prompts")
+                    f"intervals: bootstrap over the {prompts} prompts" + (f"; {how}" if how else ""))
         lines += [line, *(_paired_line(name, metric, base, _paired(row, found[base][0], seed), prompts)
                           for base in PAIRED), line._replace(concept=j)]
     return lines

@@ -29,8 +29,8 @@ from conceptlens.steering.prompt_cache import PromptCache
 from conceptlens.steering.sweep import SweepResult
 
 ALPHAS = (0.0, 0.25, 0.375, 0.5, 0.75, 1.0)
-"""The demo's sweep, in robust norms: on SmolLM2 the diff-of-means vector leaves the fluency budget
-between 0.25 and 0.5 and a k-means concept between 1 and 2, where no direction stayed within it."""
+"""The demo's sweep, in robust norms: on SmolLM2 (seed 0, 16 prompts) the diff-of-means vector and
+the steered SAE latent leave the fluency budget at 0.75; at 2 no direction stayed within it."""
 PROMPTS = ("My favourite recipe for a quick dinner is", "The weather this morning was",
            "Yesterday I finally cleaned the garage and", "The best way to learn a new language is",
            "My neighbour's cat keeps", "After lunch we walked along the river and",

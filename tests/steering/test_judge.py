@@ -130,7 +130,7 @@ def test_demo_table_and_verdict_read_the_saved_lines_intervals_and_paired_differ
     said = demo_steer.verdict(rows, "sports", lines).splitlines()
     worse, better = (next(ln for ln in lines if ln.metric.endswith(f" minus {b}")) for b in ("diff-of-means", "random"))
     assert (verdict(worse), verdict(better)) == ("loses", "wins")
-    assert said[0].startswith("Winner: diff-of-means")
+    assert said[0].startswith("Highest within the fluency budget: diff-of-means")
     assert said[1] == (f"The fitted concept steers worse than the diff-of-means vector: paired difference -0.500 "
                        f"[{worse.value.low:+.3f}, {worse.value.high:+.3f}] over the 4 prompts, as AxBench found for "
                        "SAE latents.")
@@ -246,7 +246,10 @@ def test_demo_screen_chooses_the_concept_and_the_random_control_alike_on_other_p
     assert (key, control) == ("c:3", "random 0") and len(rows) == 7
     assert seen["directions"] == [*concepts, *randoms] and seen["alphas"] == demo_steer.SCREEN_ALPHAS
     assert seen["tokens"] == demo_steer.SCREEN_TOKENS
-    assert not set(seen["prompts"]) & set(demo_steer.PROMPTS) and len(seen["prompts"]) == 8
+    assert seen["prompts"] == list(demo_steer.SCREEN_PROMPTS)
+    assert not set(demo_steer.SCREEN_PROMPTS) & set(demo_steer.PROMPTS)  # chosen on other prompts than scored on
+    with pytest.raises(ValueError, match="share names"):
+        demo_steer.screen(None, None, "s", 1.0, concepts, {"c:3": v}, None, "sport", ["p"])
 
     def over_budget(*args, **kwargs):
         return [{"row": k, "best": None} for k in args[4]] + [{"row": "prefix", "best": (0.0, 0.5)}]

@@ -151,7 +151,7 @@ def steer_example(lens: Any, tok: Any, descriptions: dict[str, Any], labels: lis
     from conceptlens.evaluate.activations import pick, pick_unread
     from conceptlens.concepts.conceptset import ConceptSet
     from conceptlens.evaluate.steering import diff_of_means as rows_diff_of_means  # of probed rows
-    from conceptlens.evaluate.steering import label_lines
+    from conceptlens.evaluate.steering import label_lines, steer_direction
     from conceptlens.steering.judge import TopicJudge
     from conceptlens.steering.units import robust_norm
 
@@ -174,7 +174,7 @@ def steer_example(lens: Any, tok: Any, descriptions: dict[str, Any], labels: lis
           f"articles (first {JUDGE_TOKENS} tokens); held-out accuracy {accuracy:.3f} on {len(held)} test articles "
           "(none a copy of one it learned on)")
     sets = {name: ConceptSet.load(out / "concepts" / name) for name, _, _ in candidates}
-    concepts = {_row_name(name, j, sets[name]): _steer_direction(sets[name], j) for name, j, _ in candidates}
+    concepts = {_row_name(name, j, sets[name]): steer_direction(sets[name], j) for name, j, _ in candidates}
     g = torch.Generator().manual_seed(2_000_003 + args.seed)
     d = next(iter(sets.values())).d
     randoms = {f"random {i}": torch.randn(d, generator=g) for i in range(len(concepts))}
@@ -218,10 +218,6 @@ def steer_example(lens: Any, tok: Any, descriptions: dict[str, Any], labels: lis
 
 def _row_name(name: str, j: int, cs: Any) -> str:
     return f"{name}:{j}" + (" centred" if cs.mean is not None else "")
-
-
-def _steer_direction(cs: Any, j: int) -> torch.Tensor:
-    return (cs.centred() if cs.mean is not None else cs).directions[j]
 
 
 def pick_concepts(descriptions: dict[str, Any], labels: list[str], topic: str,

@@ -89,7 +89,8 @@ def diff_of_means(train: act.Probed, label: int) -> torch.Tensor:
     return (train.x[pos].double().mean(0) - train.x[~pos].double().mean(0)).float()
 
 
-def _steer_direction(cs: Any, j: int) -> torch.Tensor:
+def steer_direction(cs: Any, j: int) -> torch.Tensor:
+    """Concept `j` of `cs` as it steers: centred where the set carries a mean."""
     return (cs.centred() if cs.mean is not None else cs).directions[j]
 
 
@@ -196,7 +197,7 @@ def steering_lines(lens: AttachedModel, tok: Any, site: str, sets: Mapping[str, 
             if not 0 < int((train.y == c).sum()) < len(train.y):
                 continue  # a label absent from (or alone in) the drawn documents has no difference to follow
             chosen = select_concepts(train, c)
-            directions = {f"{name}:{j}": _steer_direction(sets[name], j) for name, j in chosen.items()}
+            directions = {f"{name}:{j}": steer_direction(sets[name], j) for name, j in chosen.items()}
             directions["diff-of-means"] = diff_of_means(train, c)
             g = torch.Generator().manual_seed(3_000_017 + config.seed + c)
             directions["random"] = torch.randn(hidden, generator=g)

@@ -119,7 +119,7 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
         for row, name in zip(rows, ("deleuzian:", "diff-of-means", "random", "prefix 'Write about sports.'")):
             assert row.startswith(name) or (name == "deleuzian:" and row.split()[0].split(":")[0] in
                                             ("topk", "kmeans")), (row, name)
-        assert "Highest within the fluency budget:" in table or "No row raises P(sports)" in table
+        assert "Highest point value within the fluency budget:" in table or "No row raises P(sports)" in table
         screen = printed[printed.index("Choosing the steered concept on 8 prompts"):
                          printed.index("best within budget\n")]
         chosen = re.search(r"chosen: (\S+(?: centred)?) and (random \d+)", screen)
@@ -151,7 +151,7 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
         assert [name for name, _ in page.baselines] == ["random direction", "diff-of-means", "prompt prefix"]
         assert not math.isnan(page.value.low)  # alpha 0 is always within the budget: the concept has a best
         for est in (page.value, *(e for _, e in page.baselines)):  # the printed best cells carry the saved intervals
-            assert math.isnan(est.low) or f"{est.value:.3f} [{est.low:.3f}, {est.high:.3f}] at alpha" in printed
+            assert math.isnan(est.low) or f"{est.value:.3f} [{est.low:.3f}, {est.high:.3f}]" in printed
         assert "each the best of 6 on 8 screen prompts" in page.note
         html = (out / "report" / "concepts" / page.extractor / f"{page.concept}.html").read_text()
         assert "<h2>Evaluation suite: this concept's scores</h2>" in html

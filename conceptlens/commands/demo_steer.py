@@ -45,7 +45,9 @@ SCREEN_PROMPTS = ("The meeting on Tuesday was moved because", "She poured the te
 SCREEN_ALPHAS = (0.0, 0.375, 0.5, 0.75)
 """Where the demo's directions stay within the fluency budget on SmolLM2 and Gemma-3, or just leave it."""
 SCREEN_TOKENS = 12
-"""Tokens per screen continuation (the comparison's 20 cost twice the decoding steps)."""
+"""Tokens per screen continuation (the comparison's `TOKENS` cost twice the decoding steps)."""
+TOKENS = 20
+"""Tokens per continuation of the comparison."""
 JUDGE_TOKENS = 64
 """Tokens of each article the judge learns from and is scored on: it judges 20-token continuations,
 so 128-token openings gain it little there and cost twice the time (held-out accuracy 0.941 at 64
@@ -65,7 +67,9 @@ def format_rows(rows: list[dict[str, Any]], topic: str, intervals: Mapping[str, 
         if r["best"] is not None:
             est = (intervals or {}).get(r["row"])
             best = f"{r['best'][1]:.3f}" + ("" if est is None or math.isnan(est.low) else
-                                           f" [{est.low:.3f}, {est.high:.3f}]") + f" at alpha {r['best'][0]:g}"
+                                           f" [{est.low:.3f}, {est.high:.3f}]")
+            if len(r["alphas"]) > 1:  # a prefix row has no alpha to name
+                best += f" at alpha {r['best'][0]:g}"
         if r["best"] is not None and r["best"][0] == 0 and len(r["alphas"]) > 1:
             best += " (unsteered)"  # a direction none of whose alphas within the budget scored higher
         lines.append(f"{r['row']:<{width}}  {'P(' + topic + ')':<10}"
@@ -100,8 +104,8 @@ def verdict(rows: list[dict[str, Any]], topic: str, lines: Sequence[Any] = ()) -
         said = [f"No row raises P({topic}) above the unsteered continuations' ({unsteered:.3f}) within the "
                 "fluency budget"]
     else:
-        said = [f"Highest within the fluency budget: {winner['row']} (P({topic}) {best(winner):.3f}, unsteered "
-                f"{unsteered:.3f})"]
+        said = [f"Highest point value within the fluency budget: {winner['row']} (P({topic}) {best(winner):.3f}, "
+                f"unsteered {unsteered:.3f})"]
     concept, means, control = rows[0], rows[1], rows[2]
     for r in (concept, means, control):
         repeats = r.get("repetition") or [math.nan] * len(r["alphas"])
@@ -125,6 +129,9 @@ def verdict(rows: list[dict[str, Any]], topic: str, lines: Sequence[Any] = ()) -
         d = paired.value
         tail = ", as AxBench found for SAE latents" if base == "diff-of-means" and line_verdict(paired) == "loses" \
             else ""
+        if base == "random" and control["best"] is not None and control["best"][0] == 0:
+            tail = (" (the random direction's best within the budget is alpha 0, so this sets the concept against no "
+                    "steering)")
         said.append(f"The fitted concept steers {how[line_verdict(paired)]} {name}: paired difference {d.value:+.3f} "
                     f"[{d.low:+.3f}, {d.high:+.3f}] over the {len(concept['scores'][0])} prompts{tail}.")
     return "\n".join(said)
@@ -188,18 +195,22 @@ def steer_example(lens: Any, tok: Any, descriptions: dict[str, Any], labels: lis
     cs = sets[name]
     directions = {key: concepts[key], "diff-of-means": rows_diff_of_means(rows, train.label_names.index(args.topic)),
                   "random": randoms[random_key]}
-    rows = compare(lens, tok, site, norm, directions, judge.topic(args.topic), args.topic, args.prompt)
+    rows = compare(lens, tok, site, norm, directions, judge.topic(args.topic), args.topic, args.prompt,
+                   max_new_tokens=TOKENS)
     print(f"\nSteering {len(args.prompt)} other prompts with {name} concept {concept} ({args.topic} probe "
           f"log-loss {loss:.3f}), the diff-of-means vector, {random_key} (row \"random\") and the prompt prefix; "
-          f"P({args.topic}) of the continuations by the judge, median perplexity under the unsteered model; alpha "
-          f"in robust norms ({norm:.3g}), a row ending at its first alpha over the budget; best within budget: the "
-          "highest P among alphas where at least half the continuations keep perplexity within 2x the unsteered "
-          "median and at most half their 3-grams repeated, with a 95% bootstrap interval over the "
-          f"{len(args.prompt)} prompts (alpha chosen on the same prompts)")
+          f"P({args.topic}) of {TOKENS}-token continuations by the judge, median perplexity under the unsteered "
+          f"model; alpha in robust norms ({norm:.3g}: the site's median token norm without its massive "
+          "coordinates); each row walks out from alpha 0 and ends at its first alpha over the fluency budget (at "
+          "least half the continuations within 2x the unsteered median perplexity and with at most half their "
+          "3-grams repeated); best within budget: the highest P on that walk, with a 95% bootstrap interval over "
+          f"the {len(args.prompt)} prompts (alpha chosen on the same prompts)")
     how = (f"{name} concept {concept} and the random direction each the best of {len(concepts)} on "
            f"{len(prompts)} screen prompts")
     lines = label_lines("bbc-news", args.topic, {name: (concept, key)}, rows, args.seed, how)
     print(format_rows(rows, args.topic, intervals(rows, lines)))
+    reference = rows[0]["perplexity"][rows[0]["alphas"].index(0.0)]
+    print(f"(unsteered median perplexity {reference:.1f}: the budget's limit is {2 * reference:.1f} per continuation)")
     print(verdict(rows, args.topic, lines))
     write_rows(rows, args.topic, accuracy, out / "steering.json")
     save_part(args, {name: cs}, site, f"demo: steering toward {args.topic}",
@@ -270,9 +281,11 @@ def screen_summary(rows: list[dict[str, Any]], topic: str, prompts: Sequence[str
         return f"{r['row']} {r['best'][1]:.2f}" + (" (unsteered)" if r["best"][0] == 0 else "")
 
     return (f"Choosing the steered concept on {len(prompts)} prompts of their own (not the comparison's), alphas "
-            f"{', '.join(format(a, 'g') for a in SCREEN_ALPHAS if a)}, {SCREEN_TOKENS} tokens: best P({topic}) within "
-            f"the fluency budget of each set's {CANDIDATES_PER_SET} best {topic} probes and of as many random "
-            f"directions (the control, chosen the same way)\n  " + "; ".join(cell(r) for r in rows[:-1])
+            f"{', '.join(format(a, 'g') for a in SCREEN_ALPHAS)}, {SCREEN_TOKENS} tokens: best P({topic}) within the "
+            f"fluency budget of the candidates (each set's {CANDIDATES_PER_SET} best {topic} probes among its concepts "
+            f"whose top contexts are mostly {topic} articles; \"centred\": steered without the set's mean, as its "
+            f"activations are read) and of as many random directions, none preselected (the control, chosen by the "
+            "same screen)\n  " + "; ".join(cell(r) for r in rows[:-1])
             + f"\n  chosen: {key} and {random_key}"
             + ("; (unsteered): no alpha within the budget did better than alpha 0"
                if any(r["best"] is not None and r["best"][0] == 0 for r in rows[:-1]) else ""))

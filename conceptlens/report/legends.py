@@ -64,8 +64,9 @@ LEGENDS = {
              "difference, balanced one-vs-rest tasks (chance 0.5); diff-of-means: the one supervised direction; "
              "full probe: all raw activations (the ceiling). Lines ending ', codes' read each set by its code (an "
              "SAE's latents; a dense set's assigned concept, one-hot) against random directions read through the "
-             "same nonlinearity; the others by activation. Steering lines 'minus diff-of-means' / 'minus random' "
-             "are paired differences over the same prompts. FVU, CE loss recovered and KL with the reconstruction "
+             "same nonlinearity; the others by activation. Steering lines: intervals over the prompts, each "
+             "row's alpha chosen on them; 'minus diff-of-means' / 'minus random' are paired differences over the "
+             "same prompts (control: no difference). FVU, CE loss recovered and KL with the reconstruction "
              "spliced in. EVALUATION.md defines every figure and names its source.",
     "suite_concept": "This concept's own figures from `conceptlens eval` (or the demo), with 95% intervals: for each "
                      "probing task where it is among the latents with the largest class mean difference, the test "

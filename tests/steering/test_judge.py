@@ -125,17 +125,23 @@ def test_demo_table_and_verdict_read_the_saved_lines_intervals_and_paired_differ
     table = demo_steer.format_rows(rows, "sports", demo_steer.intervals(rows, lines)).splitlines()
     shown = dict(zip(("random direction", "diff-of-means", "prompt prefix"), (table[5], table[3], table[7])))
     for (name, est), cell in [(("kmeans", lines[0].value), table[1]), *((b, shown[b[0]]) for b in lines[0].baselines)]:
-        assert 0 < est.low < est.high and cell.endswith(f"[{est.low:.3f}, {est.high:.3f}] at alpha "
-                                                        f"{0 if 'prefix' in cell else 0.5:g}"), (name, cell)
+        assert 0 < est.low < est.high and cell.endswith(f"[{est.low:.3f}, {est.high:.3f}]"
+                                                        + ("" if "prefix" in cell else " at alpha 0.5")), (name, cell)
     said = demo_steer.verdict(rows, "sports", lines).splitlines()
     worse, better = (next(ln for ln in lines if ln.metric.endswith(f" minus {b}")) for b in ("diff-of-means", "random"))
     assert (verdict(worse), verdict(better)) == ("loses", "wins")
-    assert said[0].startswith("Highest within the fluency budget: diff-of-means")
+    assert said[0].startswith("Highest point value within the fluency budget: diff-of-means")
     assert said[1] == (f"The fitted concept steers worse than the diff-of-means vector: paired difference -0.500 "
                        f"[{worse.value.low:+.3f}, {worse.value.high:+.3f}] over the 4 prompts, as AxBench found for "
                        "SAE latents.")
     assert said[2] == (f"The fitted concept steers better than a random direction: paired difference +0.100 "
                        f"[{better.value.low:+.3f}, {better.value.high:+.3f}] over the 4 prompts.")
+    rows[2]["best"] = (0.0, 0.1)  # a random direction no alpha of which did better than its unsteered text
+    lines = label_lines("bbc-news", "sports", {"kmeans": (6, "kmeans:6")}, rows, seed=0)
+    said = demo_steer.verdict(rows, "sports", lines).splitlines()
+    assert said[-1].startswith("The fitted concept steers better than a random direction: paired difference +0.100")
+    assert said[-1].endswith("(the random direction's best within the budget is alpha 0, so this sets the concept "
+                             "against no steering).")
 
 
 def test_a_direction_whose_best_within_budget_is_alpha_0_is_said_to_be_unsteered():
@@ -151,7 +157,7 @@ def test_a_direction_whose_best_within_budget_is_alpha_0_is_said_to_be_unsteered
             row("random", [0.0, 0.25], [0.063, 0.064], [3.0, 3.9], [True, True], (0.25, 0.064)),
             row("prefix", [0.0], [0.395], [3.7], [True], (0.0, 0.395))]
     table = demo_steer.format_rows(rows, "sports").splitlines()
-    assert table[3].endswith("0.063 at alpha 0 (unsteered)") and table[7].endswith("0.395 at alpha 0")
+    assert table[3].endswith("0.063 at alpha 0 (unsteered)") and table[7].endswith("   0.395")  # a prefix: no alpha
     said = demo_steer.verdict(rows, "sports").splitlines()
     assert "diff-of-means: no alpha within the fluency budget raises P(sports); its 0.508 at alpha 0.5 is over the " \
            "budget (median perplexity 6.6), so its row is the unsteered continuations." in said

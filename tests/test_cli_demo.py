@@ -156,6 +156,7 @@ def test_demo_writes_every_part_of_the_run(tmp_path, capsys):
         html = (out / "report" / "concepts" / page.extractor / f"{page.concept}.html").read_text()
         assert "<h2>Evaluation suite: this concept's scores</h2>" in html
         assert "steer bbc-news sports: P(sports)" in html
+        assert "P(sports) minus diff-of-means" in html and "P(sports) minus random" in html  # the paired verdicts
     assert "Open:" in printed and (out / "report" / "index.html").resolve().as_uri() in printed
 
 

@@ -215,7 +215,7 @@ def label_lines(task: str, label: str, chosen: Mapping[str, tuple[int, str]], ro
     """The lines of one label from `compare`'s rows (the concepts' rows, "diff-of-means", "random",
     then the prompt-prefix row last): per set of `chosen` (set -> (concept, its row's name)), its
     concept's score next to the random, diff-of-means and prefix rows, its paired differences to the
-    `PAIRED` rows, and its first line again for that concept's page (`concept=`). `how`: how the
+    `PAIRED` rows, and these lines again for that concept's page (`concept=`). `how`: how the
     concept and the random direction were chosen, said in the note."""
     found = {r["row"]: (r, _at_best(r, seed)) for r in rows}
     prompts = len(rows[0]["scores"][0])
@@ -231,8 +231,8 @@ def label_lines(task: str, label: str, chosen: Mapping[str, tuple[int, str]], ro
         line = Line(name, metric, est, bases, f"concept {j} at {at}; diff-of-means at "
                     f"{'over budget' if dom is None else f'alpha {dom[0]:g}'}; unsteered {unsteered:.3f}; "
                     f"intervals: bootstrap over the {prompts} prompts" + (f"; {how}" if how else ""))
-        lines += [line, *(_paired_line(name, metric, base, _paired(row, found[base][0], seed), prompts)
-                          for base in PAIRED), line._replace(concept=j)]
+        paired = [_paired_line(name, metric, base, _paired(row, found[base][0], seed), prompts) for base in PAIRED]
+        lines += [line, *paired, *(ln._replace(concept=j) for ln in (line, *paired))]
     return lines
 
 
@@ -243,6 +243,8 @@ def against_diff_of_means(lines: list[Line]) -> str:
     budget at every alpha are left out. Empty without steering lines."""
     tally: dict[str, list[int]] = {}
     for ln in lines:
+        if ln.concept is not None:
+            continue  # a concept page's copy of its set's line
         if not (ln.metric.startswith("steer ") and ln.metric.endswith(" minus diff-of-means")):
             continue
         if verdict(ln):  # a set comparable on no label gets no sentence

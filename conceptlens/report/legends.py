@@ -74,7 +74,8 @@ LEGENDS = {
                      "best of as many random directions as the set has concepts (the matched control) and on the "
                      "diff-of-means direction; when it was the concept steered toward a label, the judge's mean "
                      "P(label) at its best alpha within the fluency budget, next to a random direction, the "
-                     "diff-of-means vector and a prompt prefix (interval over the prompts).",
+                     "diff-of-means vector and a prompt prefix (interval over the prompts), and its paired "
+                     "differences to the diff-of-means and random rows over the same prompts.",
     "peers": "Final figures of each trainer on the same cached activations, same width and k, each with its own "
              "recommended hyper-parameters (benchmarks/peers.py): tokens seen, time in optimiser steps, held-out "
              "FVU and L0, and CE loss recovered with the reconstruction spliced in. Not the run above: its own "

@@ -87,9 +87,13 @@ def test_steering_lines_judge_like_sklearn_and_select_on_train_only(tiny, monkey
     steer = [ln for ln in lines if ln.metric.startswith("steer") and " minus " not in ln.metric
              and ln.concept is None]
     assert [ln.metric.split(": ")[0].split(" ")[-1] for ln in steer] == labels
-    pages = [ln for ln in lines if ln.concept is not None]  # the same figure again, for the concept's page
-    assert [ln._replace(concept=None) for ln in pages] == steer
-    assert all(ln.note.startswith(f"concept {ln.concept} at ") for ln in pages)
+    pages = [ln for ln in lines if ln.concept is not None]  # the same figures again, for the concept's page
+    assert [ln._replace(concept=None) for ln in pages if " minus " not in ln.metric] == steer
+    assert all(ln.note.startswith(f"concept {ln.concept} at ") for ln in pages if " minus " not in ln.metric)
+    paired = [ln for ln in lines if " minus " in ln.metric]  # and the paired differences with them
+    assert [ln._replace(concept=None) for ln in paired if ln.concept is not None] == \
+        [ln for ln in paired if ln.concept is None] and len(paired) == 4 * len(steer)
+    assert against_diff_of_means(lines) == against_diff_of_means([ln for ln in lines if ln.concept is None])
     assert all([name for name, _ in ln.baselines] == ["random direction", "diff-of-means", "prompt prefix"]
                for ln in steer)
     assert sum(ln.extractor == JUDGE for ln in lines) == 4
@@ -159,7 +163,8 @@ def test_steering_lines_judge_like_sklearn_and_select_on_train_only(tiny, monkey
         assert paired.note.startswith(f"steers {said} {base} (paired bootstrap over the 2 prompts")
     table = format_lines(lines)
     assert f"| dense | {line.metric} minus diff-of-means | {lines[lines.index(line) + 1].value} |" in table
-    verdicts = [verdict(ln) for ln in lines if ln.extractor == "dense" and ln.metric.endswith(" minus diff-of-means")]
+    verdicts = [verdict(ln) for ln in lines if ln.extractor == "dense" and ln.metric.endswith(" minus diff-of-means")
+                and ln.concept is None]  # a concept page's copies are not counted again
     counted = [v for v in verdicts if v]
     worse, like, better = (counted.count(v) for v in ("loses", "overlaps", "wins"))
     summary = against_diff_of_means(lines)

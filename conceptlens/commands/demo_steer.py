@@ -95,16 +95,13 @@ def verdict(rows: list[dict[str, Any]], topic: str, lines: Sequence[Any] = ()) -
     diff-of-means, rows[2] the random control."""
     from conceptlens.evaluate.lines import verdict as line_verdict
 
-    def best(r: dict[str, Any]) -> float:
-        return -math.inf if r["best"] is None else r["best"][1]
-
     unsteered = rows[0]["p"][rows[0]["alphas"].index(0.0)] if 0.0 in rows[0]["alphas"] else -math.inf
-    winner = max(rows, key=best)
-    if not best(winner) > unsteered:
+    winner = max(rows, key=_best)
+    if not _best(winner) > unsteered:
         said = [f"No row raises P({topic}) above the unsteered continuations' ({unsteered:.3f}) within the "
                 "fluency budget"]
     else:
-        said = [f"Highest point value within the fluency budget: {winner['row']} (P({topic}) {best(winner):.3f}, "
+        said = [f"Highest point value within the fluency budget: {winner['row']} (P({topic}) {_best(winner):.3f}, "
                 f"unsteered {unsteered:.3f})"]
     concept, means, control = rows[0], rows[1], rows[2]
     for r in (concept, means, control):
@@ -135,6 +132,11 @@ def verdict(rows: list[dict[str, Any]], topic: str, lines: Sequence[Any] = ()) -
         said.append(f"The fitted concept steers {how[line_verdict(paired)]} {name}: paired difference {d.value:+.3f} "
                     f"[{d.low:+.3f}, {d.high:+.3f}] over the {len(concept['scores'][0])} prompts{tail}.")
     return "\n".join(said)
+
+
+def _best(row: dict[str, Any]) -> float:
+    """A row's best P within the budget; -inf for a row over the budget at every alpha."""
+    return -math.inf if row["best"] is None else row["best"][1]
 
 
 def write_rows(rows: list[dict[str, Any]], topic: str, accuracy: float, path: Path) -> None:
@@ -265,11 +267,8 @@ def screen(lens: Any, tok: Any, site: str, norm: float, concepts: dict[str, torc
                    max_new_tokens=SCREEN_TOKENS)
     assert len(rows) == len(concepts) + len(randoms) + 1  # then the prompt-prefix row
 
-    def best(r: dict[str, Any]) -> float:
-        return -math.inf if r["best"] is None else r["best"][1]
-
     n = len(concepts)
-    return (max(rows[:n], key=best)["row"], max(rows[n:n + len(randoms)], key=best)["row"], rows)
+    return (max(rows[:n], key=_best)["row"], max(rows[n:n + len(randoms)], key=_best)["row"], rows)
 
 
 def screen_summary(rows: list[dict[str, Any]], topic: str, prompts: Sequence[str], key: str,
